@@ -1,0 +1,10 @@
+"""sharedprefix: compute each prompt once in GRPO/PPO-style training, with the same
+log-probs and gradients as the plain per-row computation."""
+
+from sharedprefix.layout.groups import Group
+from sharedprefix.schedule.planner import Plan, plan
+from sharedprefix.schedule.runner import Batch, BackwardResult, LogProbs, backward, logprobs
+from sharedprefix.schedule.sharding import shard_groups
+
+__version__ = "0.1.0"
+__all__ = ["Batch", "BackwardResult", "Group", "LogProbs", "Plan", "backward", "logprobs", "plan", "shard_groups"]

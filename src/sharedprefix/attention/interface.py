@@ -1,0 +1,178 @@
+"""The shared-prefix attention function, hooked into transformers' attention interface.
+
+sharedprefix registers one attention function, ``"sharedprefix"``, with
+``transformers.AttentionInterface`` and switches a model to it only inside
+``activated(model)``; the model's own setting is restored on exit, also on error, and the
+model's code is never edited. The function reads the layout of the current pass from a
+process-global stack (not a thread-local: autograd may run the recomputation of a
+checkpointed layer on another thread).
+
+Shapes as transformers passes them: query (1, H, L, D), key/value (1, Hkv, L, D), where L is
+the packed row; the function returns (1, L, H, D).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, PreTrainedConfig
+
+from sharedprefix.attention.backends import get_backend
+from sharedprefix.layout.packing import RowLayout
+
+NAME = "sharedprefix"
+
+# Keyword arguments transformers attention modules pass that do not change the attention result.
+_NEUTRAL_KWARGS = {
+    "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "layer_idx", "is_causal", "sliding_window", "dropout", "scaling", "softcap",
+}
+
+
+@dataclass
+class PassState:
+    """What the attention function needs for one packed row.
+
+    Attributes:
+        layout: the row being computed.
+        backend: name of the kernel in ``attention.backends``.
+        read_kv: (module, segment id) -> (k, v), each (1, Hkv, len, D), for cached ancestors.
+        write_kv: (module, segment id, k, v) -> None, called once per layer for ``layout.record``.
+        seen: attention modules that ran in this pass (a layer recomputed by gradient
+            checkpointing runs again; it must not record twice).
+    """
+
+    layout: RowLayout
+    backend: str = "sdpa"
+    read_kv: Callable | None = None
+    write_kv: Callable | None = None
+    seen: dict = field(default_factory=dict)
+
+
+_STACK: list[PassState] = []
+
+
+@contextmanager
+def pass_state(state: PassState):
+    """Make ``state`` the layout the attention function uses (also during backward)."""
+    _STACK.append(state)
+    try:
+        yield state
+    finally:
+        _STACK.remove(state)
+
+
+def _refuse(msg: str):
+    raise ValueError(msg)
+
+
+def shared_prefix_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kwargs
+):
+    if not _STACK:
+        raise RuntimeError(
+            "the 'sharedprefix' attention ran outside a sharedprefix call; it needs a packed-row layout. "
+            "Call sharedprefix.logprobs / sharedprefix.backward instead of the model directly."
+        )
+    state = _STACK[-1]
+    layout = state.layout
+    name = type(module).__name__
+    if dropout and dropout > 0:
+        _refuse(
+            f"{name} runs attention dropout p={dropout} in training mode; sharedprefix refuses it because a "
+            "prompt shared by G completions would share one dropout draw, unlike the plain run. "
+            "Set the model's attention_dropout to 0.0 (RL fine-tuning normally does) or call model.eval()."
+        )
+    if softcap is not None:
+        _refuse(
+            f"{name} uses attention-score soft-capping (softcap={softcap}), which sharedprefix does not "
+            "implement. Set config.attn_logit_softcapping=None only if the model was trained without it."
+        )
+    odd = {k: v for k, v in kwargs.items() if k not in _NEUTRAL_KWARGS and v is not None}
+    if kwargs.get("is_causal") is False:
+        odd["is_causal"] = False
+    if odd:
+        _refuse(
+            f"{name} passed attention arguments {sorted(odd)} that sharedprefix cannot honour exactly "
+            "(e.g. attention sinks or position biases). This model is not supported."
+        )
+    if attention_mask is not None:
+        _refuse(
+            f"{name} received a ready-made attention mask of shape {tuple(attention_mask.shape)}; sharedprefix "
+            "builds the shared-prefix mask itself and cannot combine it with the model's own mask. "
+            "Do not pass attention_mask, and use a model whose masks go through transformers' masking utilities."
+        )
+    if query.shape[0] != 1 or query.shape[2] != layout.length:
+        raise RuntimeError(
+            f"{name} got queries of shape {tuple(query.shape)}, expected (1, H, {layout.length}, D) for the packed "
+            "row; the model reshaped the sequence, which sharedprefix does not support."
+        )
+    if query.shape[1] % key.shape[1]:
+        raise RuntimeError(f"{name}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+
+    first = module not in state.seen
+    state.seen[module] = state.seen.get(module, 0) + 1
+    if first and layout.record:
+        for s in layout.record:
+            r0, r1 = layout.row_start[s], layout.row_end[s]
+            state.write_kv(module, s, key[:, :, r0:r1], value[:, :, r0:r1])
+
+    kernel = get_backend(state.backend)
+    outs = []
+    for block in layout.blocks:
+        parts = []
+        for p in block.keys:
+            if p.cached:
+                parts.append(state.read_kv(module, p.seg))
+            else:
+                parts.append((key[:, :, p.start : p.end], value[:, :, p.start : p.end]))
+        if len(parts) == 1:
+            k, v = parts[0]
+        else:
+            k = torch.cat([x[0] for x in parts], dim=2)
+            v = torch.cat([x[1] for x in parts], dim=2)
+        mask = block.mask(sliding_window, query.device)
+        outs.append(kernel(query[:, :, block.q_start : block.q_end], k, v, mask, scale))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(NAME, shared_prefix_attention)
+
+
+def _configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
+    seen, out = set(), []
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if isinstance(cfg, PreTrainedConfig) and id(cfg) not in seen:
+            seen.add(id(cfg))
+            out.append(cfg)
+    # sub-configs (text/vision) reachable from the top config
+    stack = list(out)
+    while stack:
+        cfg = stack.pop()
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            sub = getattr(cfg, key, None)
+            if isinstance(sub, PreTrainedConfig) and id(sub) not in seen:
+                seen.add(id(sub))
+                out.append(sub)
+                stack.append(sub)
+    return out
+
+
+@contextmanager
+def activated(model: torch.nn.Module):
+    """Switch every config of ``model`` to the sharedprefix attention; restore them on exit."""
+    configs = _configs(model)
+    saved = [cfg._attn_implementation_internal for cfg in configs]
+    try:
+        for cfg in configs:
+            cfg._attn_implementation_internal = NAME
+        yield
+    finally:
+        for cfg, old in zip(configs, saved):
+            cfg._attn_implementation_internal = old

@@ -1,0 +1,126 @@
+"""Groups: one prompt with the G completions sampled from it, validated at the boundary.
+
+Notation: G = completions of one group, P = prompt length, T_i = length of completion i.
+Token ids are stored as 1-D int64 CPU tensors; nothing the user gave is reordered,
+truncated or dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _as_ids(value, what: str) -> torch.Tensor:
+    """Convert a list of ints or a 1-D integer tensor into a 1-D int64 CPU tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in _INT_DTYPES:
+            raise TypeError(
+                f"{what} is a tensor of dtype {value.dtype}; expected an integer tensor of token ids. "
+                "Convert it with .long() if it holds whole numbers."
+            )
+        if value.dim() != 1:
+            raise ValueError(
+                f"{what} has shape {tuple(value.shape)}; expected a 1-D tensor of token ids. "
+                "Pass one sequence per prompt or completion, without a batch dimension."
+            )
+        return value.detach().to(device="cpu", dtype=torch.int64).clone()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"{what} is a {type(value).__name__}; expected a list of int token ids or a 1-D integer tensor. "
+            "Tokenize text before building a Group."
+        )
+    for j, tok in enumerate(value):
+        if isinstance(tok, bool) or not isinstance(tok, int):
+            # numpy / torch integer scalars are accepted through __index__
+            if hasattr(tok, "__index__") and not isinstance(tok, (bool, float)):
+                continue
+            raise TypeError(
+                f"{what}[{j}] is {tok!r} ({type(tok).__name__}); expected an int token id. "
+                "Token ids must be whole numbers from the tokenizer."
+            )
+    return torch.tensor([int(t) for t in value], dtype=torch.int64)
+
+
+@dataclass(frozen=True, init=False)
+class Group:
+    """One prompt and the completions sampled from it.
+
+    Args:
+        prompt: token ids of the prompt, a list of ints or a 1-D integer tensor, length P >= 1.
+        completions: G >= 1 sequences of token ids, each of length T_i >= 1. Each completion
+            continues the prompt: its first token is predicted by the prompt's last token.
+    """
+
+    prompt: torch.Tensor
+    completions: tuple[torch.Tensor, ...]
+
+    def __init__(self, prompt, completions):
+        p = _as_ids(prompt, "prompt")
+        if p.numel() == 0:
+            raise ValueError(
+                "prompt is empty; expected at least one token, because the first completion token "
+                "is predicted by the last prompt token. Add a BOS token or the chat template's prefix."
+            )
+        if isinstance(completions, torch.Tensor) or isinstance(completions, (str, bytes)) or not isinstance(
+            completions, Sequence
+        ):
+            raise TypeError(
+                f"completions is a {type(completions).__name__}; expected a list of completions, "
+                "each a list of int token ids or a 1-D integer tensor."
+            )
+        if len(completions) == 0:
+            raise ValueError(
+                "completions is empty; expected at least one completion for the prompt. "
+                "Drop groups with no samples before calling sharedprefix."
+            )
+        cs = []
+        for i, c in enumerate(completions):
+            t = _as_ids(c, f"completions[{i}]")
+            if t.numel() == 0:
+                raise ValueError(
+                    f"completions[{i}] is empty; expected at least one token (an empty completion has no "
+                    "log-prob to compute). Append the EOS token the sampler stopped on, or drop it."
+                )
+            cs.append(t)
+        object.__setattr__(self, "prompt", p)
+        object.__setattr__(self, "completions", tuple(cs))
+
+    @property
+    def group_size(self) -> int:
+        return len(self.completions)
+
+    def __repr__(self) -> str:
+        lens = [int(c.numel()) for c in self.completions]
+        return f"Group(prompt_len={self.prompt.numel()}, completion_lens={lens})"
+
+
+def validate_groups(groups, vocab_size: int | None = None) -> list[Group]:
+    """Check a list of groups (and token ids against ``vocab_size``); return it as a list."""
+    if isinstance(groups, Group):
+        raise TypeError("groups is a single Group; expected a list of Group objects. Wrap it: [group].")
+    if not isinstance(groups, Sequence) or isinstance(groups, (str, bytes)):
+        raise TypeError(f"groups is a {type(groups).__name__}; expected a list of sharedprefix.Group.")
+    if len(groups) == 0:
+        raise ValueError("groups is empty; expected at least one sharedprefix.Group.")
+    out = []
+    for gi, g in enumerate(groups):
+        if not isinstance(g, Group):
+            raise TypeError(
+                f"groups[{gi}] is a {type(g).__name__}; expected sharedprefix.Group(prompt=..., completions=...)."
+            )
+        if vocab_size is not None:
+            for what, ids in [("prompt", g.prompt)] + [(f"completions[{i}]", c) for i, c in enumerate(g.completions)]:
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < 0 or hi >= vocab_size:
+                    bad = lo if lo < 0 else hi
+                    raise ValueError(
+                        f"groups[{gi}].{what} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}). "
+                        "The ids must come from the model's own tokenizer; check that tokenizer and model match."
+                    )
+        out.append(g)
+    return out

@@ -1,0 +1,116 @@
+"""The prefix cache: per-layer prompt K/V and last hidden state, shared across passes.
+
+A recording pass writes, for each cached segment and attention module, the K/V tensors the
+module produced (post-rotary, before GQA expansion: (1, Hkv, len, D)), plus the segment's
+last final hidden state (d,). ``seal`` then turns them into what later passes read:
+
+- ``leaves=True`` (``sp.backward``): detached leaf tensors that require grad, so the
+  completion passes accumulate dK, dV and dh into ``.grad``; ``backward(seg)`` later pushes
+  those gradients through the prompt's own graph (kept, offloaded, or recomputed);
+- ``leaves=False`` (``sp.logprobs``): the tensors themselves, so a grad-enabled forward
+  stays one connected graph and a no-grad forward keeps no graph at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PrefixCache:
+    def __init__(self, leaves: bool):
+        self.leaves = leaves
+        self.graph_kv: dict[int, dict] = {}  # seg -> module -> (k, v) as produced
+        self.graph_h: dict[int, torch.Tensor] = {}
+        self.read_kv_: dict[int, dict] = {}  # seg -> module -> (k, v) that later passes read
+        self.read_h: dict[int, torch.Tensor] = {}
+        self.states: dict[int, object] = {}  # seg -> PassState of the recording pass
+
+    def __contains__(self, seg: int) -> bool:
+        return seg in self.read_kv_
+
+    def segments(self) -> set[int]:
+        return set(self.read_kv_)
+
+    def write_kv(self, module, seg: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.graph_kv.setdefault(seg, {})[module] = (k, v)
+
+    def write_h(self, seg: int, h: torch.Tensor) -> None:
+        self.graph_h[seg] = h
+
+    def read_kv(self, module, seg: int):
+        try:
+            return self.read_kv_[seg][module]
+        except KeyError:
+            raise RuntimeError(
+                f"no cached K/V for segment {seg} in {type(module).__name__}; the model's attention layers differ "
+                "between passes, which sharedprefix does not support."
+            ) from None
+
+    def h(self, seg: int) -> torch.Tensor:
+        return self.read_h[seg]
+
+    def seal(self, seg: int, keep_graph: bool) -> None:
+        """Make segment ``seg``'s recorded tensors readable by later passes."""
+        if seg not in self.graph_kv:
+            raise RuntimeError(f"segment {seg} was to be cached but no attention layer recorded it.")
+        if not self.leaves:
+            self.read_kv_[seg] = self.graph_kv.pop(seg)
+            self.read_h[seg] = self.graph_h.pop(seg)
+            return
+        leaf = lambda t: t.detach().requires_grad_(True)  # noqa: E731
+        self.read_kv_[seg] = {m: (leaf(k), leaf(v)) for m, (k, v) in self.graph_kv[seg].items()}
+        self.read_h[seg] = leaf(self.graph_h[seg])
+        if not keep_graph:
+            del self.graph_kv[seg], self.graph_h[seg]
+
+    def backward(self, seg: int) -> None:
+        """Push the gradients accumulated on ``seg``'s leaves through its recorded graph."""
+        outs, grads = [], []
+        for m, (k, v) in self.graph_kv[seg].items():
+            lk, lv = self.read_kv_[seg][m]
+            for t, leaf in ((k, lk), (v, lv)):
+                if leaf.grad is not None and t.requires_grad:
+                    outs.append(t)
+                    grads.append(leaf.grad)
+        h, lh = self.graph_h[seg], self.read_h[seg]
+        if lh.grad is not None and h.requires_grad:
+            outs.append(h)
+            grads.append(lh.grad)
+        if outs:
+            torch.autograd.backward(outs, grads)
+
+    def release(self, seg: int) -> None:
+        for d in (self.graph_kv, self.graph_h, self.read_kv_, self.read_h, self.states):
+            d.pop(seg, None)
+
+
+class OffloadHooks:
+    """Saved-tensor hooks that move a pass's saved activations to ``device`` until backward.
+
+    Parameters (and tensors sharing their storage) are left in place. ``bytes_moved`` counts
+    what was offloaded, so that tests can check the hooks really ran.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.bytes_moved = 0
+
+    def pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() in self.param_storages or (t.is_leaf and t.requires_grad):
+            return t
+        self.bytes_moved += t.numel() * t.element_size()
+        pin = self.device.type == "cpu" and t.device.type == "cuda"
+        moved = torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=pin)
+        moved.copy_(t, non_blocking=pin)
+        return (t.device, moved)
+
+    @staticmethod
+    def unpack(x):
+        if isinstance(x, tuple):
+            device, t = x
+            return t.to(device, non_blocking=True)
+        return x
+
+    def __call__(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

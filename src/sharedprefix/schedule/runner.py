@@ -1,0 +1,307 @@
+"""Run a plan: ``sp.logprobs`` (forward) and ``sp.backward`` (forward, loss, backward per pass).
+
+Notation: N = completions in group order, T = longest completion, n = completions in one
+pass, M = predicted tokens in one pass, d = hidden size.
+
+``backward`` contract: ``loss_fn`` is called once per pass that holds completions, with a
+``Batch`` of those completions, and must be *additive over completions*: the loss of a set
+of completions is the sum of the losses of its parts. Every GRPO-family loss is, once its
+normalisers (total tokens, total completions) are computed globally and passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from sharedprefix.attention.interface import PassState, activated, pass_state
+from sharedprefix.layout.groups import validate_groups
+from sharedprefix.layout.packing import RowLayout, pack_row
+from sharedprefix.modeling import (
+    check_supported,
+    num_attention_layers,
+    token_logprobs,
+    unwrap,
+    verify_head,
+)
+from sharedprefix.schedule.cache import OffloadHooks, PrefixCache
+from sharedprefix.schedule.planner import Pass, Plan, PrefixBackward, plan
+
+PREFIX_MODES = ("keep", "offload", "recompute")
+
+
+@dataclass
+class LogProbs:
+    """Per-token results, completions in group order.
+
+    Attributes:
+        logprobs: (N, T) natural-log probability of each completion token; 0 on padding.
+        mask: (N, T) bool, True on real tokens.
+        entropy: (N, T) entropy in nats of each predicted distribution, or None.
+    """
+
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None
+
+
+@dataclass
+class Batch:
+    """What ``loss_fn`` receives: a subset of the completions.
+
+    Attributes:
+        logprobs / mask / entropy: (n, T) as in ``LogProbs`` (T is the global longest completion).
+        index: (n,) int64 positions of these completions in 0..N-1 (group order).
+    """
+
+    logprobs: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None
+    index: torch.Tensor
+
+
+@dataclass
+class BackwardResult:
+    """``loss``: total loss (float). Statistics: tokens computed (recomputation included),
+    tokens a plain run computes, passes run, calls of ``loss_fn``, peak accelerator memory in
+    bytes (None on CPU, where no allocator statistic exists), bytes offloaded."""
+
+    loss: float
+    tokens_computed: int
+    tokens_plain: int
+    passes: int
+    loss_calls: int
+    peak_memory_bytes: int | None
+    offloaded_bytes: int = 0
+
+
+class _Runner:
+    def __init__(self, model, groups, max_tokens, backend, temperature, entropy, leaves):
+        self.model = unwrap(model)
+        check_supported(self.model)
+        emb = self.model.get_input_embeddings()
+        vocab = min(emb.num_embeddings, self.model.get_output_embeddings().weight.shape[0])
+        self.groups = validate_groups(groups, vocab)
+        if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
+        self.plan: Plan = plan(self.groups, max_tokens)
+        self.backend = backend
+        self.temperature = float(temperature)
+        self.entropy = entropy
+        self.cache = PrefixCache(leaves=leaves)
+        self.device = emb.weight.device
+        self.T = max(self.plan.tree.completion_lengths())
+        self.tokens = 0
+        verify_head(self.model)
+
+    def run_pass(self, step: Pass) -> tuple[PassState, torch.Tensor | None, RowLayout]:
+        """Forward of one row; returns its state and the (M,) log-probs / entropies of its completions."""
+        layout = pack_row(self.plan.tree, list(step.segments), self.cache.segments(), step.record)
+        state = PassState(layout, self.backend, self.cache.read_kv, self.cache.write_kv)
+        with pass_state(state):
+            out = self.model.base_model(
+                input_ids=layout.input_ids.to(self.device),
+                position_ids=layout.position_ids.to(self.device),
+                use_cache=False,
+            )
+        self._check_calls(state)
+        self.tokens += layout.length
+        hidden = out.last_hidden_state[0]  # (L, d)
+        for s in layout.record:
+            self.cache.write_h(s, hidden[layout.row_end[s] - 1])
+            self.cache.states[s] = state
+        if not layout.completions:
+            return state, None, layout
+        sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
+        pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(0, layout.pred_index.to(self.device))
+        tok, ent = token_logprobs(
+            self.model, pred, layout.targets.to(self.device), self.temperature, self.entropy
+        )
+        return state, (tok, ent), layout
+
+    def _check_calls(self, state: PassState) -> None:
+        want = num_attention_layers(self.model)
+        got = len(state.seen)
+        if got != want:
+            raise ValueError(
+                f"{type(self.model).__name__}: the sharedprefix attention ran in {got} of {want} layers; the model's "
+                "attention bypasses transformers' attention interface, so prompt sharing cannot be applied exactly. "
+                "This model is not supported."
+            )
+
+    def to_rows(self, layout: RowLayout, values: torch.Tensor) -> torch.Tensor:
+        """(M,) per-token values -> (n, T), zero on padding."""
+        n = len(layout.completions)
+        out = values.new_zeros(n, self.T)
+        return out.index_put((layout.out_n.to(self.device), layout.out_t.to(self.device)), values)
+
+    def mask_rows(self, layout: RowLayout) -> torch.Tensor:
+        lens = torch.tensor([self.plan.tree.segments[self.plan.tree.completion_ids[c]].length for c in layout.completions])
+        return (torch.arange(self.T)[None] < lens[:, None]).to(self.device)
+
+
+def logprobs(
+    model,
+    groups,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    max_tokens: int | None = None,
+    backend: str = "sdpa",
+) -> LogProbs:
+    """Log-probs of every completion token, each prompt computed once.
+
+    Args:
+        model: a transformers causal LM (PEFT / DDP wrappers are unwrapped).
+        groups: list of ``sharedprefix.Group``.
+        temperature: logits are divided by it before the log-softmax, as in TRL.
+        entropy: also return the entropy of each predicted distribution.
+        max_tokens: tokens one pass may hold (None: all groups in one pass). Groups larger than
+            the budget run their prompt once and their completions in later passes.
+        backend: attention kernel, "sdpa" or "eager".
+
+    Returns:
+        ``LogProbs`` with (N, T) tensors, float32 (float64 for a float64 model), with grad when
+        grad is enabled.
+    """
+    run = _Runner(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
+    lps, ents, order = [], [], []
+    with activated(run.model):
+        for step in run.plan.steps:
+            if isinstance(step, PrefixBackward):
+                for s in step.segments:
+                    run.cache.release(s)
+                continue
+            _, res, layout = run.run_pass(step)
+            for s in step.record:
+                run.cache.seal(s, keep_graph=False)
+            if res is None:
+                continue
+            lps.append(run.to_rows(layout, res[0]))
+            if entropy:
+                ents.append(run.to_rows(layout, res[1]))
+            order += layout.completions
+    inv = torch.empty(len(order), dtype=torch.int64)
+    inv[torch.tensor(order)] = torch.arange(len(order))
+    inv = inv.to(run.device)
+    lens = torch.tensor(run.plan.tree.completion_lengths())
+    mask = (torch.arange(run.T)[None] < lens[:, None]).to(run.device)
+    lp = torch.cat(lps).index_select(0, inv)
+    ent = torch.cat(ents).index_select(0, inv) if entropy else None
+    return LogProbs(lp, mask, ent)
+
+
+def backward(
+    model,
+    groups,
+    loss_fn,
+    max_tokens: int | None = None,
+    prefix_activations: str = "keep",
+    temperature: float = 1.0,
+    entropy: bool = False,
+    backend: str = "sdpa",
+    offload_device: str | torch.device = "cpu",
+) -> BackwardResult:
+    """Accumulate into ``.grad`` the exact gradient of ``sum over passes of loss_fn(batch)``.
+
+    ``loss_fn(batch) -> scalar tensor`` must be additive over completions (see the module
+    docstring): the total is then the loss of all completions at once, whatever the budget.
+
+    Args:
+        max_tokens: tokens one pass may hold; a group larger than that computes its prompt once,
+            caches the prompt's per-layer K/V and last hidden state as leaves, runs its
+            completions in budget-sized passes that accumulate their gradients, and runs the
+            prompt's backward once at the end.
+        prefix_activations: what happens to a split prompt's activations while its completions
+            run: "keep" (held), "offload" (moved to ``offload_device`` by saved-tensor hooks and
+            brought back for its backward) or "recompute" (the prompt runs without a graph first
+            and again with grad at the end). All three give the same gradient.
+    """
+    if prefix_activations not in PREFIX_MODES:
+        raise ValueError(
+            f"prefix_activations={prefix_activations!r}; expected one of {PREFIX_MODES}: 'keep' holds the prompt's "
+            "activations, 'offload' moves them to host memory, 'recompute' recomputes them at the end."
+        )
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
+    if not torch.is_grad_enabled():
+        raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
+    run = _Runner(model, groups, max_tokens, backend, temperature, entropy, leaves=True)
+    cuda = run.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(run.device)
+    hooks = OffloadHooks(run.model, offload_device) if prefix_activations == "offload" else None
+    total, calls = 0.0, 0
+    with activated(run.model):
+        for step in run.plan.steps:
+            if isinstance(step, PrefixBackward):
+                for s in reversed(step.segments):
+                    if prefix_activations == "recompute":
+                        state, _, _ = run.run_pass(Pass((s,), record=(s,)))
+                    else:
+                        state = run.cache.states[s]
+                    with pass_state(state):
+                        run.cache.backward(s)
+                for s in step.segments:
+                    run.cache.release(s)
+                continue
+            if step.record:
+                recompute = prefix_activations == "recompute"
+                with torch.set_grad_enabled(not recompute):
+                    if hooks is not None:
+                        with hooks():
+                            state, res, layout = run.run_pass(step)
+                    else:
+                        state, res, layout = run.run_pass(step)
+                for s in step.record:
+                    run.cache.seal(s, keep_graph=not recompute)
+                if recompute:
+                    for s in step.record:
+                        run.cache.states.pop(s, None)
+            else:
+                state, res, layout = run.run_pass(step)
+            if res is None:
+                continue
+            batch = Batch(
+                logprobs=run.to_rows(layout, res[0]),
+                mask=run.mask_rows(layout),
+                entropy=run.to_rows(layout, res[1]) if entropy else None,
+                index=torch.tensor(layout.completions, dtype=torch.int64, device=run.device),
+            )
+            loss = _check_loss(loss_fn(batch), calls)
+            calls += 1
+            with pass_state(state):
+                loss.backward()
+            total += float(loss.detach())
+    peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
+    return BackwardResult(
+        loss=total,
+        tokens_computed=run.tokens,
+        tokens_plain=run.plan.plain_tokens,
+        passes=len(run.plan.passes),
+        loss_calls=calls,
+        peak_memory_bytes=peak,
+        offloaded_bytes=hooks.bytes_moved if hooks else 0,
+    )
+
+
+def _check_loss(loss, call: int) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn returned a {type(loss).__name__} on call {call}; expected a scalar torch.Tensor.")
+    if loss.numel() != 1:
+        raise ValueError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)} on call {call}; expected a scalar. Reduce it "
+            "with sums over completions (and global normalisers) so that it stays additive over completions."
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            f"loss_fn returned a tensor without grad on call {call}; it must be computed from batch.logprobs "
+            "(or batch.entropy). Did you detach it or compute it under torch.no_grad()?"
+        )
+    if not torch.isfinite(loss.detach()).all():
+        raise ValueError(
+            f"loss_fn returned {float(loss.detach())} on call {call}; expected a finite value. Check the advantages "
+            "and normalisers passed in (a zero normaliser gives NaN)."
+        )
+    return loss.reshape(())
