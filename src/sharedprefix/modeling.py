@@ -92,6 +92,18 @@ def check_supported(model: PreTrainedModel) -> None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
 
 
+def uses_reentrant_checkpointing(model: PreTrainedModel) -> bool:
+    """True when gradient checkpointing with ``use_reentrant=True`` is active in training mode."""
+    if not model.training:
+        return False
+    for mod in model.modules():
+        if getattr(mod, "gradient_checkpointing", False):
+            fn = getattr(mod, "_gradient_checkpointing_func", None)
+            if getattr(fn, "keywords", {}).get("use_reentrant", False):
+                return True
+    return False
+
+
 def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """(M, d) final hidden states -> (M, V) logits, with the model's own post-processing."""
     logits = model.get_output_embeddings()(hidden)
@@ -129,16 +141,44 @@ def verify_head(model: PreTrainedModel) -> None:
     _VERIFIED[model] = True
 
 
+class _TokenLogprob(torch.autograd.Function):
+    """(M, V) logits -> (M,) log p(target) and (M,) entropy, with a one-pass exact backward.
+
+    Saves the logits and the (M,) log-sum-exp only; the backward forms
+    d/dz [g_tok * log p_t + g_ent * H] = g_tok * (onehot_t - p) - g_ent * p * (log p + H)
+    directly instead of going through log_softmax and a scattered zero matrix.
+    """
+
+    @staticmethod
+    def forward(ctx, z, targets, want_entropy):
+        lse = torch.logsumexp(z, dim=-1)
+        tok = z.gather(-1, targets[:, None])[:, 0] - lse
+        if want_entropy:
+            p = torch.exp(z - lse[:, None])
+            ent = lse - (p * z).sum(-1)
+        else:
+            ent = z.new_zeros(0)
+        ctx.save_for_backward(z, targets, lse, ent)
+        ctx.want_entropy = want_entropy
+        return tok, ent
+
+    @staticmethod
+    def backward(ctx, g_tok, g_ent):
+        z, targets, lse, ent = ctx.saved_tensors
+        logp = z - lse[:, None]
+        p = torch.exp(logp)
+        grad = p * (-g_tok[:, None])
+        if ctx.want_entropy and g_ent is not None:
+            grad -= g_ent[:, None] * p * (logp + ent[:, None])
+        grad.scatter_add_(-1, targets[:, None], g_tok[:, None])
+        return grad, None, None
+
+
 def _logprob_chunk(model, hidden, targets, temperature: float, want_entropy: bool, out_dtype):
     logits = head_logits(model, hidden).to(out_dtype)
     if temperature != 1.0:
         logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    tok = logp.gather(-1, targets[:, None])[:, 0]
-    if not want_entropy:
-        return tok, tok.new_zeros(0)
-    ent = -(logp.exp() * logp).sum(-1)
-    return tok, ent
+    return _TokenLogprob.apply(logits, targets, want_entropy)
 
 
 def token_logprobs(

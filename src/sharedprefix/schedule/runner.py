@@ -24,6 +24,7 @@ from sharedprefix.modeling import (
     num_attention_layers,
     token_logprobs,
     unwrap,
+    uses_reentrant_checkpointing,
     verify_head,
 )
 from sharedprefix.schedule.cache import OffloadHooks, PrefixCache
@@ -87,6 +88,15 @@ class _Runner:
         if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
         self.plan: Plan = plan(self.groups, max_tokens)
+        split = any(isinstance(s, PrefixBackward) for s in self.plan.steps)
+        if split and torch.is_grad_enabled() and uses_reentrant_checkpointing(self.model):
+            raise ValueError(
+                "gradient checkpointing with use_reentrant=True is on, and this plan splits a group across passes: "
+                "reentrant checkpointing only returns gradients to a layer's explicit inputs, so the cached prompt "
+                "K/V read inside each layer would get none. Enable it with "
+                "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or raise "
+                "max_tokens so that every group fits one pass."
+            )
         self.backend = backend
         self.temperature = float(temperature)
         self.entropy = entropy

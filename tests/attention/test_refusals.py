@@ -1,0 +1,132 @@
+"""Every feature sharedprefix cannot compute exactly is refused with a clear error, never a fallback."""
+
+import types
+
+import pytest
+import torch
+import transformers as tf
+
+import sharedprefix as sp
+from helpers import random_groups, tiny_model
+
+GROUPS = random_groups(0, 1, [5], [[2, 3]])
+
+
+def _tiny(cfg_cls, model_cls, **kw):
+    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    base.update(kw)
+    cfg = cfg_cls(**base)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return model_cls(cfg).eval()
+
+
+def test_attention_dropout_in_training_refused():
+    model = tiny_model("llama", attention_dropout=0.1)
+    model.train()
+    with pytest.raises(ValueError, match="attention_dropout=0.1"):
+        sp.logprobs(model, GROUPS)
+    model.eval()  # eval mode: dropout is off, the call is exact and allowed
+    sp.logprobs(model, GROUPS)
+
+
+def test_hidden_dropout_in_training_refused():
+    model = tiny_model("gpt2", resid_pdrop=0.1)
+    model.train()
+    with pytest.raises(ValueError, match=r"dropout p=0.1 at .*Disable dropout"):
+        sp.logprobs(model, GROUPS)
+
+
+@pytest.mark.parametrize(
+    "cfg_cls, model_cls, kw, match",
+    [
+        (tf.FalconH1Config, tf.FalconH1ForCausalLM, {}, "mix tokens outside attention"),
+        (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, {}, r"\['linear_attention'\]"),
+        (tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(layer_types=["conv", "full_attention"]), r"\['conv'\]"),
+    ],
+    ids=["falcon_h1_mamba", "qwen3_next_linear_attention", "lfm2_conv"],
+)
+def test_token_mixing_layers_refused(cfg_cls, model_cls, kw, match):
+    with pytest.raises(ValueError, match=match):
+        sp.logprobs(_tiny(cfg_cls, model_cls, **kw), GROUPS)
+
+
+def test_convolution_module_refused_even_without_layer_types():
+    model = tiny_model("llama")
+    model.model.layers[0].add_module("shortconv", torch.nn.Conv1d(4, 4, 3))
+    with pytest.raises(ValueError, match=r"convolution over tokens \(model\.layers\.0\.shortconv: Conv1d\)"):
+        sp.logprobs(model, GROUPS)
+
+
+def test_attention_softcapping_refused():
+    model = _tiny(tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=8, attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
+        sp.logprobs(model, GROUPS)
+
+
+def test_moe_router_loss_refused():
+    model = _tiny(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16, output_router_logits=True)
+    with pytest.raises(ValueError, match="output_router_logits=True"):
+        sp.logprobs(model, GROUPS)
+
+
+def test_moe_without_router_loss_is_exact():
+    from helpers import float64_faithful, plain_logprobs
+
+    model = _tiny(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16).double()
+    model.config._attn_implementation_internal = "sdpa"
+    model.config._experts_implementation_internal = "eager"  # grouped_mm has no float64 kernel
+    float64_faithful(model)
+    groups = random_groups(1, 2, [6, 3], [[3, 4], [2]])
+    ref, _ = plain_logprobs(model, groups)
+    assert (sp.logprobs(model, groups).logprobs - ref).abs().max() <= 1e-9
+
+
+def test_attention_that_bypasses_the_interface_refused():
+    model = tiny_model("llama")
+
+    def own_attention(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        b, n, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), None
+
+    for layer in model.model.layers:
+        layer.self_attn.forward = types.MethodType(own_attention, layer.self_attn)
+    with pytest.raises(ValueError, match=r"ran in 0 of 2 layers; the model's attention bypasses"):
+        sp.logprobs(model, GROUPS)
+
+
+def test_head_that_cannot_be_reproduced_refused():
+    model = tiny_model("llama")
+    orig = model.forward
+
+    def forward(*a, **k):
+        out = orig(*a, **k)
+        out.logits = out.logits * 2 + 1
+        return out
+
+    model.forward = forward
+    with pytest.raises(ValueError, match="turns hidden states into logits in a way sharedprefix does not reproduce"):
+        sp.logprobs(model, GROUPS)
+
+
+def test_unknown_backend_and_planned_backends():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="'flex' is planned but not implemented"):
+        sp.logprobs(model, GROUPS, backend="flex")
+    with pytest.raises(ValueError, match="'magic' is unknown"):
+        sp.logprobs(model, GROUPS, backend="magic")
+
+
+def test_bad_temperature_and_model_type():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="temperature=0"):
+        sp.logprobs(model, GROUPS, temperature=0)
+    with pytest.raises(TypeError, match="expected a transformers causal LM"):
+        sp.logprobs(torch.nn.Linear(2, 2), GROUPS)

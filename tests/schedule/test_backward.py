@@ -1,0 +1,213 @@
+"""sp.backward: the accumulated gradient equals the gradient of the loss over all completions at once."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sharedprefix as sp
+from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
+
+MODES = ("keep", "offload", "recompute")
+# group 0: prompt 12, group 1: tiny, group 2: prompt 28 (longest completion 7)
+SPEC = ([12, 3, 28], [[3, 4, 1, 5], [2], [6, 6, 2, 1, 7]])
+
+
+def _weighted_loss(W):
+    return lambda b: (b.logprobs * W.to(b.logprobs.dtype)[b.index] * b.mask).sum()
+
+
+def _reference(model, groups, W):
+    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
+    with torch.no_grad():
+        loss = float((plain_logprobs(model, groups)[0] * W).sum())
+    return want, loss
+
+
+def _run(model, groups, loss_fn, **kw):
+    model.zero_grad(set_to_none=True)
+    res = sp.backward(model, groups, loss_fn, **kw)
+    got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return res, got
+
+
+# budgets: everything in one pass, groups split, one completion per pass, prompt in 4 chunks (28 -> 4 x 7)
+BUDGETS = [None, 80, 20, 7]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gpt2"])
+@pytest.mark.parametrize("mode", MODES)
+def test_budgets_and_modes_match_plain_float64(arch, mode):
+    model = tiny_model(arch)
+    groups = random_groups(1, 3, *SPEC) if arch != "gpt2" else random_groups(1, 2, [12, 20], [[3, 4, 1, 5], [6, 2, 7]])
+    n = sum(g.group_size for g in groups)
+    W = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want, want_loss = _reference(model, groups, W)
+    budgets = BUDGETS if arch == "qwen3" else [None, 20, 7]
+    for budget in budgets:
+        res, got = _run(model, groups, _weighted_loss(W), max_tokens=budget, prefix_activations=mode)
+        assert math.isclose(res.loss, want_loss, rel_tol=1e-9), (budget, res.loss, want_loss)
+        assert_grads_close(got, want, 1e-9)
+        assert res.tokens_plain == sum(g.prompt.numel() * g.group_size + sum(c.numel() for c in g.completions)
+                                       for g in groups)
+        if mode == "offload" and budget is not None and budget < 35:
+            assert res.offloaded_bytes > 0  # the saved-tensor hooks really moved the prompt's activations
+        if mode == "recompute" and budget is not None and budget < 35:
+            assert res.tokens_computed > sp.plan(groups, budget).tokens_computed  # prompts ran twice
+
+
+def test_prompt_split_into_four_chunks_runs_reverse_backward():
+    groups = random_groups(1, 3, *SPEC)
+    p = sp.plan(groups, 7)
+    chain = p.tree.prompt_chain[2]
+    assert len(chain) == 4  # prompt of 28 tokens under a 7-token budget
+    back = [s for s in p.steps if isinstance(s, sp.schedule.PrefixBackward) and s.segments == tuple(chain)]
+    assert len(back) == 1
+
+
+def test_one_completion_per_pass():
+    groups = random_groups(1, 1, [9], [[4, 4, 4]])
+    p = sp.plan(groups, 4)
+    comp_passes = [s for s in p.passes if not s.record]
+    assert [len(s.segments) for s in comp_passes] == [1, 1, 1]
+
+
+def test_invariance_to_group_order_and_budget():
+    model = tiny_model("qwen3")
+    groups = random_groups(7, 3, *SPEC)
+    n = sum(g.group_size for g in groups)
+    W = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    _, base = _run(model, groups, _weighted_loss(W), max_tokens=None)
+    perm = [2, 0, 1]
+    offsets = [0, 4, 5, 10]
+    Wp = torch.cat([W[offsets[i] : offsets[i + 1]] for i in perm])
+    for budget in (33, 8):
+        _, got = _run(model, [groups[i] for i in perm], _weighted_loss(Wp), max_tokens=budget, prefix_activations="recompute")
+        assert_grads_close(got, base, 1e-9)
+
+
+def test_float32_schedule_within_twice_plain_error():
+    m64 = tiny_model("qwen3", dtype=torch.float64)
+    m32 = tiny_model("qwen3", dtype=torch.float32)
+    m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
+    groups = random_groups(4, 2, [30, 18], [[12, 3, 9, 9], [5, 5, 5, 1, 16]])
+    W = torch.randn(9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    exact, _ = _reference(m64, groups, W)
+    plain32 = grads_of(m32, lambda: (plain_logprobs(m32, groups)[0] * W.float()).sum())
+    _, ours = _run(m32, groups, _weighted_loss(W), max_tokens=20, prefix_activations="offload")
+    for name in exact:
+        plain_err = (plain32[name].double() - exact[name]).abs().max()
+        our_err = (ours[name].double() - exact[name]).abs().max()
+        assert our_err <= 2 * plain_err + 1e-6 * exact[name].abs().max(), name
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    spec=st.lists(st.tuples(st.integers(1, 14), st.lists(st.integers(1, 6), min_size=1, max_size=5)), min_size=1,
+                  max_size=3),
+    budget=st.integers(6, 40),
+    mode=st.sampled_from(MODES),
+    seed=st.integers(0, 1000),
+)
+def test_random_layouts_and_budgets(spec, budget, mode, seed):
+    model = _MODEL
+    groups = random_groups(seed, len(spec), [s[0] for s in spec], [s[1] for s in spec])
+    n = sum(len(s[1]) for s in spec)
+    W = torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    W = W[:, : max(max(s[1]) for s in spec)]
+    want, want_loss = _reference(model, groups, W)
+    res, got = _run(model, groups, _weighted_loss(W), max_tokens=budget, prefix_activations=mode)
+    assert math.isclose(res.loss, want_loss, rel_tol=1e-9, abs_tol=1e-12)
+    assert_grads_close(got, want, 1e-9)
+
+
+_MODEL = tiny_model("qwen2", seed=3)
+
+
+@pytest.mark.parametrize("budget", [None, 20, 7])
+def test_forward_only_logprobs_with_budget(budget):
+    model = tiny_model("qwen3")
+    groups = random_groups(1, 3, *SPEC)
+    ref, _ = plain_logprobs(model, groups)
+    with torch.no_grad():
+        out = sp.logprobs(model, groups, max_tokens=budget)
+    assert not out.logprobs.requires_grad
+    assert (out.logprobs - ref).abs().max() <= 1e-9
+    # with grad enabled and a budget, the graph stays connected through the cached prompt K/V
+    W = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
+    got = grads_of(model, lambda: (sp.logprobs(model, groups, max_tokens=budget).logprobs * W).sum())
+    assert_grads_close(got, want, 1e-9)
+
+
+def test_logprobs_no_grad_keeps_no_graph_in_cache(monkeypatch):
+    from sharedprefix.schedule import cache as cache_mod
+
+    sealed = []
+    orig = cache_mod.PrefixCache.seal
+
+    def spy(self, seg, keep_graph):
+        orig(self, seg, keep_graph)
+        sealed.extend(t for kv in self.read_kv_[seg].values() for t in kv)
+
+    monkeypatch.setattr(cache_mod.PrefixCache, "seal", spy)
+    model = tiny_model("qwen3")
+    with torch.no_grad():
+        sp.logprobs(model, random_groups(1, 3, *SPEC), max_tokens=7)
+    assert sealed and all(t.grad_fn is None and not t.requires_grad for t in sealed)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_model_is_exact(reentrant):
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    assert model.model.gradient_checkpointing
+    groups = random_groups(1, 3, *SPEC)
+    W = torch.randn(10, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want, _ = _reference(model, groups, W)
+    _, got = _run(model, groups, _weighted_loss(W), max_tokens=None)  # whole groups: any checkpointing is exact
+    assert_grads_close(got, want, 1e-9)
+    if reentrant:
+        with pytest.raises(ValueError, match="use_reentrant=True is on, and this plan splits a group"):
+            _run(model, groups, _weighted_loss(W), max_tokens=7)
+        return
+    for mode in MODES:
+        _, got = _run(model, groups, _weighted_loss(W), max_tokens=7, prefix_activations=mode)
+        assert_grads_close(got, want, 1e-9)
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+
+def test_loss_fn_errors():
+    model = tiny_model("llama")
+    groups = random_groups(0, 1, [5], [[2, 3]])
+    with pytest.raises(ValueError, match=r"shape \(3,\) on call 0; expected a scalar"):
+        sp.backward(model, groups, lambda b: b.logprobs.sum(0))
+    with pytest.raises(ValueError, match="without grad on call 0"):
+        sp.backward(model, groups, lambda b: b.logprobs.detach().sum())
+    with pytest.raises(ValueError, match="returned nan on call 0; expected a finite value"):
+        sp.backward(model, groups, lambda b: b.logprobs.sum() * float("nan"))
+    with pytest.raises(TypeError, match="returned a float"):
+        sp.backward(model, groups, lambda b: 1.0)
+    with pytest.raises(TypeError, match="loss_fn is a int"):
+        sp.backward(model, groups, 3)
+
+
+def test_budget_and_mode_errors():
+    model = tiny_model("llama")
+    groups = random_groups(0, 1, [5], [[2, 3, 9]])
+    with pytest.raises(ValueError, match=r"completions\[2\] has 9 tokens but max_tokens=4.*Set max_tokens >= 9"):
+        sp.backward(model, groups, lambda b: b.logprobs.sum(), max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens=0; expected a positive"):
+        sp.backward(model, groups, lambda b: b.logprobs.sum(), max_tokens=0)
+    with pytest.raises(TypeError, match="max_tokens=2.5"):
+        sp.logprobs(model, groups, max_tokens=2.5)
+    with pytest.raises(ValueError, match=r"prefix_activations='swap'; expected one of \('keep', 'offload', 'recompute'\)"):
+        sp.backward(model, groups, lambda b: b.logprobs.sum(), prefix_activations="swap")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="under torch.no_grad"):
+        sp.backward(model, groups, lambda b: b.logprobs.sum())

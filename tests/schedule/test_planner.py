@@ -1,0 +1,40 @@
+import pytest
+
+import sharedprefix as sp
+from helpers import random_groups
+
+
+def test_whole_groups_pack_first_fit_and_split_groups_reuse_prompt():
+    groups = random_groups(0, 3, [10, 4, 30], [[5, 5], [3, 3], [8, 8, 8, 8]])
+    p = sp.plan(groups, 24)
+    whole = [s for s in p.passes if not s.record and any(p.tree.segments[x].completion is None for x in s.segments)]
+    assert len(whole) == 2  # groups 0 (20 tokens) and 1 (10 tokens) do not fit one pass together: 30 > 24
+    chunks = [s for s in p.passes if s.record]
+    assert [p.pass_tokens(s) for s in chunks] == [24, 6]  # group 2's prompt of 30 as a chain of 24 + 6
+    comp = [p.pass_tokens(s) for s in p.passes if not s.record and s not in whole]
+    assert comp == [24, 8]
+    assert p.tokens_computed == 20 + 10 + 30 + 32
+    assert p.plain_tokens == (15 * 2) + (7 * 2) + (38 * 4)
+    text = p.describe()
+    assert "prompt backward of group 2" in text and "tokens computed" in text
+
+
+def test_every_completion_computed_exactly_once():
+    groups = random_groups(0, 4, [3, 50, 7, 12], [[2] * 5, [9, 1, 4], [6], [3, 3, 3]])
+    for budget in (None, 100, 20, 9):
+        p = sp.plan(groups, budget)
+        seen = [p.tree.segments[s].completion for st in p.passes for s in st.segments
+                if p.tree.segments[s].completion is not None]
+        assert sorted(seen) == list(range(p.tree.num_completions))
+        assert all(budget is None or p.pass_tokens(st) <= budget for st in p.passes)
+
+
+def test_no_budget_is_one_pass():
+    groups = random_groups(0, 2, [3, 5], [[2], [1, 1]])
+    assert len(sp.plan(groups).passes) == 1
+
+
+def test_plan_errors():
+    groups = random_groups(0, 1, [3], [[9]])
+    with pytest.raises(ValueError, match="Set max_tokens >= 9"):
+        sp.plan(groups, 8)
