@@ -6,6 +6,8 @@ import torch
 import transformers as tf
 
 import sharedprefix as sp
+from sharedprefix.testing import dtype_faithful_norms as float64_faithful  # noqa: F401
+from sharedprefix.testing import plain_logprobs  # noqa: F401
 
 VOCAB = 97
 
@@ -54,24 +56,6 @@ def random_groups(seed, n_groups, prompt_lens, completion_lens, vocab=VOCAB):
     return out
 
 
-def plain_logprobs(model, groups, temperature=1.0, entropy=False):
-    """The plain computation: one transformers forward per [prompt + completion] row."""
-    rows, ents = [], []
-    T = max(c.numel() for g in groups for c in g.completions)
-    dev = next(model.parameters()).device
-    for g in groups:
-        for c in g.completions:
-            ids = torch.cat([g.prompt, c])[None].to(dev)
-            logits = model(input_ids=ids, use_cache=False).logits[0, g.prompt.numel() - 1 : -1]
-            dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            logp = torch.log_softmax(logits.to(dt) / temperature, -1)
-            lp = logp.gather(-1, c.to(dev)[:, None])[:, 0]
-            rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
-            if entropy:
-                ents.append(torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (0, T - c.numel())))
-    return torch.stack(rows), (torch.stack(ents) if entropy else None)
-
-
 def grads_of(model, fn):
     """Run fn() -> scalar, backward, and return {name: grad clone}; grads are zeroed first and after."""
     model.zero_grad(set_to_none=True)
@@ -94,40 +78,3 @@ def assert_grads_close(got, want, rtol):
         err = (got[n] - want[n]).abs().max() / scale
         assert err <= rtol, f"{n}: relative error {float(err):.3g} > {rtol}"
 
-
-def _rms_llama(self, x):
-    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rms_gemma(self, x):
-    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * (1.0 + self.weight)
-
-
-def _ln_nobias(self, x):
-    eps = getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6))
-    x = x - x.mean(-1, keepdim=True)
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def float64_faithful(model):
-    """Make every RMSNorm keep float64 (transformers' RMSNorm computes in float32 even for a float64
-    model, so float64 runs are only float32-accurate there and a 1e-9 comparison would measure that
-    rounding, not sharedprefix). Each replacement is checked against the original forward first.
-    The same patched model serves the plain reference and sharedprefix alike."""
-    import types
-
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.LayerNorm) or not type(mod).__name__.endswith("Norm") or not hasattr(mod, "weight"):
-            continue
-        with torch.no_grad():
-            x = torch.randn(3, mod.weight.shape[0], dtype=torch.float64)
-            ref = mod(x)
-            for fn in (_rms_llama, _rms_gemma, _ln_nobias):
-                if torch.allclose(fn(mod, x), ref, rtol=1e-5, atol=1e-6):
-                    mod.forward = types.MethodType(fn, mod)
-                    break
-            else:
-                raise AssertionError(f"no float64 RMSNorm matches {name} ({type(mod).__name__})")
-    return model

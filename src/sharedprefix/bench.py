@@ -47,8 +47,9 @@ def make_groups(n_groups, prompt_len, completion_len, group_size, vocab=32000, s
     ]
 
 
-def flops(cfg, groups, shared: bool) -> float:
-    """Forward FLOPs (x3 for forward+backward): linear layers per token, attention per needed pair, head per predicted token."""
+def flops(cfg, groups, shared: bool, head: bool = True) -> float:
+    """Forward+backward FLOPs (3x forward): linear layers per token, attention per needed (query, key)
+    pair, and (if ``head``) the LM head per predicted token, which both runs compute equally."""
     d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     hd, h, hkv, V = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
     per_tok = 2 * L * (d * hd * (2 * h + 2 * hkv) + 3 * d * f)
@@ -68,39 +69,83 @@ def flops(cfg, groups, shared: bool) -> float:
         if shared:
             tokens += p
             pairs += p * (p + 1) / 2
-    return 3.0 * (tokens * per_tok + pairs * per_pair + predicted * 2 * d * V)
+    return 3.0 * (tokens * per_tok + pairs * per_pair + (predicted * 2 * d * V if head else 0))
 
 
-def plain_step(model, groups, loss_scale=1.0):
-    """Forward+backward of the plain run: one padded batch of G rows per group, logits only where needed."""
+def _rows_batch(rows):
+    """Right-padded (B, L) ids and attention mask for rows that end with their completion."""
+    L = max(r.numel() for r in rows)
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    att = torch.zeros(len(rows), L, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : r.numel()] = r
+        att[i, : r.numel()] = 1
+    return ids, att
+
+
+def _plain_rows_step(model, items):
+    """items: list of (prompt, completion). Forward+backward of -sum log p, logits only where needed."""
+    rows = [torch.cat([p, c]) for p, c in items]
+    ids, att = _rows_batch(rows)
+    same = all(r.numel() == ids.shape[1] for r in rows)
+    T = max(c.numel() for _, c in items)
+    if same and all(c.numel() == T for _, c in items):
+        out = model(input_ids=ids, use_cache=False, logits_to_keep=T + 1)
+        logits, tgt = out.logits[:, :-1], torch.stack([c for _, c in items])
+        loss = -torch.log_softmax(logits.float(), -1).gather(-1, tgt[..., None]).sum()
+    else:
+        out = model(input_ids=ids, attention_mask=None if same else att, use_cache=False)
+        loss = 0.0
+        for i, (p, c) in enumerate(items):
+            lg = out.logits[i, p.numel() - 1 : p.numel() - 1 + c.numel()]
+            loss = loss - torch.log_softmax(lg.float(), -1).gather(-1, c[:, None]).sum()
+    loss.backward()
+    return float(loss.detach())
+
+
+def plain_step(model, groups, max_tokens=None):
+    """The plain run: rows [prompt + completion_i], as many whole rows per microbatch as ``max_tokens`` allows
+    (all rows of a group in one batch when ``max_tokens`` is None)."""
     total = 0.0
     for g in groups:
-        rows = [torch.cat([g.prompt, c]) for c in g.completions]
-        T = max(c.numel() for c in g.completions)
-        L = max(r.numel() for r in rows)
-        ids = torch.zeros(len(rows), L, dtype=torch.long)
-        att = torch.zeros(len(rows), L, dtype=torch.long)
-        for i, r in enumerate(rows):  # right padding; completions at the end of each row
-            ids[i, : r.numel()] = r
-            att[i, : r.numel()] = 1
-        same = all(r.numel() == L for r in rows)
-        out = model(input_ids=ids, attention_mask=None if same else att, use_cache=False,
-                    logits_to_keep=T + 1 if same else 0)
-        logits = out.logits[:, -(T + 1) : -1] if same else out.logits
-        logp = torch.log_softmax(logits.float(), -1)
-        tgt = torch.stack([c for c in g.completions]) if same else None
-        loss = -logp.gather(-1, tgt[..., None]).sum() * loss_scale
-        loss.backward()
-        total += float(loss)
+        items = [(g.prompt, c) for c in g.completions]
+        per = len(items) if max_tokens is None else max(1, max_tokens // (g.prompt.numel() + max(
+            c.numel() for c in g.completions)))
+        for s in range(0, len(items), per):
+            total += _plain_rows_step(model, items[s : s + per])
     return total
 
 
+def _loss(b):
+    return -(b.logprobs * b.mask).sum()
+
+
+def in_pass_step(model, groups, max_tokens):
+    """Shared-prefix attention inside one pass only (Prefix Grouper / verl style): a group larger than the
+    budget is cut into sub-groups that each fit one pass, and each recomputes the prompt."""
+    tokens = 0
+    for g in groups:
+        P, cs = g.prompt.numel(), list(g.completions)
+        chunk, used = [], P
+        subs = []
+        for c in cs:
+            if chunk and used + c.numel() > max_tokens:
+                subs.append(chunk)
+                chunk, used = [], P
+            chunk.append(c)
+            used += c.numel()
+        subs.append(chunk)
+        for sub in subs:
+            res = sp.backward(model, [sp.Group(g.prompt, sub)], _loss)
+            tokens += res.tokens_computed
+    return tokens
+
+
 def shared_step(model, groups, max_tokens=None, mode="keep"):
-    return sp.backward(model, groups, lambda b: -(b.logprobs * b.mask).sum(), max_tokens=max_tokens,
-                       prefix_activations=mode)
+    return sp.backward(model, groups, _loss, max_tokens=max_tokens, prefix_activations=mode)
 
 
-def _time(fn, repeats):
+def best_time(fn, repeats):
     fn()  # warm-up
     ts = []
     for _ in range(repeats):
@@ -115,27 +160,47 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_peak(kind: str, spec: dict) -> int:
-    """Peak memory growth (bytes) of one step of ``kind`` in a fresh subprocess."""
+def measure_in_subprocess(kind: str, spec: dict) -> dict:
+    """Run one step of ``kind`` in a fresh Python process; returns time, peak memory growth and tokens."""
     code = (
-        "import json,sys; from sharedprefix.bench import _peak_child; "
-        f"print(json.dumps(_peak_child({kind!r}, json.loads(sys.argv[1]))))"
+        "import json,sys; from sharedprefix.bench import _child; "
+        "print(json.dumps(_child(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))"
     )
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True, check=True)
-    return int(json.loads(out.stdout.strip().splitlines()[-1]))
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(kind), json.dumps(spec)], capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"benchmark child for {kind!r} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _peak_child(kind: str, spec: dict) -> int:
-    torch.set_num_threads(int(spec.get("threads", torch.get_num_threads())))
-    model = bench_model(**spec.get("model", {}))
+def _child(kind: str, spec: dict) -> dict:
+    """One measured step. Peak memory is the growth of the peak RSS over the RSS after set-up (model,
+    gradient buffers, inputs); on CUDA the allocator's peak over its set-up level."""
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    device = torch.device(spec.get("device", "cpu"))
+    model = bench_model(**spec.get("model", {})).to(device)
     groups = make_groups(spec["n_groups"], spec["prompt"], spec["completion"], spec["G"])
-    model.zero_grad()
     for p in model.parameters():  # allocate .grad first so it is not counted as activation memory
         p.grad = torch.zeros_like(p)
-    base = max(_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    if kind == "plain":
-        plain_step(model, groups)
+    budget = spec.get("max_tokens")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     else:
-        shared_step(model, groups, spec.get("max_tokens"), kind)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return peak - base
+        base = max(_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    t0 = time.perf_counter()
+    if kind == "plain":
+        plain_step(model, groups, budget)
+        tokens = sum((g.prompt.numel() + c.numel()) for g in groups for c in g.completions)
+    elif kind == "in_pass":
+        tokens = in_pass_step(model, groups, budget)
+    else:
+        tokens = shared_step(model, groups, budget, kind).tokens_computed
+    if cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"time_s": dt, "peak_bytes": peak - base, "tokens": tokens}

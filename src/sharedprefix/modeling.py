@@ -165,11 +165,12 @@ class _TokenLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_tok, g_ent):
         z, targets, lse, ent = ctx.saved_tensors
-        logp = z - lse[:, None]
-        p = torch.exp(logp)
-        grad = p * (-g_tok[:, None])
+        p = (z - lse[:, None]).exp_()  # softmax; at most two (M, V) temporaries live below
         if ctx.want_entropy and g_ent is not None:
-            grad -= g_ent[:, None] * p * (logp + ent[:, None])
+            e = (z - lse[:, None]).add_(ent[:, None]).mul_(p).mul_(g_ent[:, None])  # g_ent * p * (log p + H)
+            grad = p.mul_(-g_tok[:, None]).sub_(e)
+        else:
+            grad = p.mul_(-g_tok[:, None])
         grad.scatter_add_(-1, targets[:, None], g_tok[:, None])
         return grad, None, None
 
@@ -187,7 +188,7 @@ def token_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     entropy: bool = False,
-    chunk_tokens: int = 1024,
+    chunk_tokens: int | None = None,
 ):
     """Log-probs (and entropy) of ``targets`` under the head applied to ``hidden``.
 
@@ -195,16 +196,21 @@ def token_logprobs(
         hidden: (M, d) final hidden states of the predicting positions.
         targets: (M,) int64 token ids.
         temperature: logits are divided by it before the softmax (as TRL does).
-        chunk_tokens: rows of the head computed at once; under grad each chunk is recomputed in
-            backward, so only (chunk_tokens, V) logits are ever held.
+        chunk_tokens: rows of the head computed at once (default: about 4M logits per chunk); under
+            grad each chunk is recomputed in backward, so only a few (chunk_tokens, V) matrices are
+            ever held.
 
     Returns:
         (M,) natural-log probabilities and (M,) entropies in nats (or None), float32, or
         float64 for a float64 model.
     """
     out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    if chunk_tokens is None:
+        vocab = model.get_output_embeddings().weight.shape[0]
+        chunk_tokens = max(16, 2**22 // vocab)
     toks, ents = [], []
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in model.get_output_embeddings().parameters()))
+    head_params = model.get_output_embeddings().parameters()
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head_params))
     for s in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens]
         args = (model, h, t, temperature, entropy, out_dtype)

@@ -12,7 +12,7 @@ def test_whole_groups_pack_first_fit_and_split_groups_reuse_prompt():
     chunks = [s for s in p.passes if s.record]
     assert [p.pass_tokens(s) for s in chunks] == [24, 6]  # group 2's prompt of 30 as a chain of 24 + 6
     comp = [p.pass_tokens(s) for s in p.passes if not s.record and s not in whole]
-    assert comp == [24, 8]
+    assert comp == [16, 16]  # 4 x 8 tokens need 2 passes under 24; balanced, not 24 + 8
     assert p.tokens_computed == 20 + 10 + 30 + 32
     assert p.plain_tokens == (15 * 2) + (7 * 2) + (38 * 4)
     text = p.describe()
@@ -38,3 +38,17 @@ def test_plan_errors():
     groups = random_groups(0, 1, [3], [[9]])
     with pytest.raises(ValueError, match="Set max_tokens >= 9"):
         sp.plan(groups, 8)
+
+
+def test_completion_passes_are_balanced_and_minimal():
+    from sharedprefix.schedule.planner import _balanced_rows
+
+    lens = [256] * 32
+    rows = _balanced_rows(list(range(32)), lens, 6144)
+    assert [len(r) for r in rows] == [16, 16]
+    lens = [5, 1, 7, 3, 3, 9, 2]
+    rows = _balanced_rows(list(range(7)), lens, 12)
+    sizes = [sum(lens[i] for i in r) for r in rows]
+    # in order, greedy under 12 gives rows of 6, 10, 12, 2; balanced keeps 4 rows but caps them at 11
+    assert len(rows) == 4 and [i for r in rows for i in r] == list(range(7))
+    assert sizes == [6, 10, 3, 11]

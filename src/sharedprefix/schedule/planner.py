@@ -120,16 +120,8 @@ def plan(groups: list[Group], max_tokens: int | None = None) -> Plan:
                 )
         chain = tree.prompt_chain[gi]
         split_steps += [Pass((s,), record=(s,)) for s in chain]
-        row, used = [], 0
-        for n in tree.group_completions[gi]:
-            sid = tree.completion_ids[n]
-            t = tree.segments[sid].length
-            if used + t > max_tokens:
-                split_steps.append(Pass(tuple(row)))
-                row, used = [], 0
-            row.append(sid)
-            used += t
-        split_steps.append(Pass(tuple(row)))
+        sids = [tree.completion_ids[n] for n in tree.group_completions[gi]]
+        split_steps += [Pass(tuple(r)) for r in _balanced_rows(sids, lens, max_tokens)]
         split_steps.append(PrefixBackward(tuple(chain)))
     steps = [Pass(tuple(b)) for b in whole_bins] + split_steps
     return Plan(tree, steps, max_tokens)
@@ -137,3 +129,33 @@ def plan(groups: list[Group], max_tokens: int | None = None) -> Plan:
 
 def _group_segments(tree: SegmentTree, gi: int) -> list[int]:
     return tree.prompt_chain[gi] + [tree.completion_ids[n] for n in tree.group_completions[gi]]
+
+
+def _fill(lens: list[int], cap: int) -> list[int]:
+    """Sizes of consecutive rows when filling completions in order up to ``cap`` tokens each."""
+    rows, used = [0], 0
+    for t in lens:
+        if used + t > cap and rows[-1]:
+            rows.append(0)
+            used = 0
+        rows[-1] += 1
+        used += t
+    return rows
+
+
+def _balanced_rows(sids: list[int], lens: list[int], max_tokens: int) -> list[list[int]]:
+    """Completions in order, in the fewest rows the budget allows, with the largest row as small as possible
+    (so that peak memory follows the work, not the budget: 8192 tokens under 6144 run as 2 x 4096)."""
+    k = len(_fill(lens, max_tokens))
+    lo, hi = max(max(lens), -(-sum(lens) // k)), max_tokens
+    while lo < hi:  # smallest cap that still needs only k rows
+        mid = (lo + hi) // 2
+        if len(_fill(lens, mid)) <= k:
+            hi = mid
+        else:
+            lo = mid + 1
+    out, i = [], 0
+    for n in _fill(lens, lo):
+        out.append(sids[i : i + n])
+        i += n
+    return out

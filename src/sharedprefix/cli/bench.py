@@ -1,0 +1,76 @@
+"""Benchmarks of sharedprefix against the plain run, measured in one process (timings) and in a
+fresh subprocess per configuration (peak memory). Reported as ratios, never as timed tests.
+
+Default (speed): forward+backward of one group, plain SDPA rows with logits only at completion
+positions vs sharedprefix; Qwen3 architecture, hidden 512, 4 layers, 8 heads / 4 KV heads,
+head_dim 64, intermediate 1536, vocab 32000, float32; prompt 2048, completions 128, G = 8.
+
+--memory: prompt 4096, completions 256, G in 4 8 16 32, budget 6144 tokens: the plain run
+microbatched by whole rows under the budget; shared attention inside a pass only (a group
+split across passes recomputes its prompt, as Prefix Grouper and verl do); and the
+cross-microbatch schedule in each prefix_activations mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sharedprefix import bench
+
+HELP = "speed and memory of sharedprefix against the plain run"
+MB = 2**20
+
+
+def add_arguments(p):
+    p.add_argument("--memory", action="store_true", help="run the memory benchmark of the cross-microbatch schedule")
+    p.add_argument("--prompt", type=int, default=None, help="prompt length (default 2048, or 4096 with --memory)")
+    p.add_argument("--completion", type=int, default=None, help="completion length (default 128, or 256)")
+    p.add_argument("--G", type=int, nargs="+", default=None, help="group size(s) (default 8, or 4 8 16 32)")
+    p.add_argument("--max-tokens", type=int, default=6144, help="token budget for --memory")
+    p.add_argument("--repeats", type=int, default=2, help="timed repeats after a warm-up (speed benchmark)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers of the benchmark model")
+    p.add_argument("--modes", nargs="+", default=["plain", "in_pass", "keep", "offload", "recompute"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run(args):
+    if args.memory:
+        return _memory(args)
+    return _speed(args)
+
+
+def _speed(args):
+    P, T, G = args.prompt or 2048, args.completion or 128, (args.G or [8])[0]
+    model = bench.bench_model(num_hidden_layers=args.layers).to(args.device)
+    groups = bench.make_groups(1, P, T, G)
+    t_plain = bench.best_time(lambda: (model.zero_grad(), bench.plain_step(model, groups)), args.repeats)
+    t_shared = bench.best_time(lambda: (model.zero_grad(), bench.shared_step(model, groups)), args.repeats)
+    fr = bench.flops(model.config, groups, False) / bench.flops(model.config, groups, True)
+    fr_layers = bench.flops(model.config, groups, False, head=False) / bench.flops(model.config, groups, True, head=False)
+    spec = dict(n_groups=1, prompt=P, completion=T, G=G, model=dict(num_hidden_layers=args.layers), device=args.device)
+    m_plain = bench.measure_in_subprocess("plain", spec)["peak_bytes"]
+    m_shared = bench.measure_in_subprocess("keep", spec)["peak_bytes"]
+    print(f"model: Qwen3 hidden 512, {args.layers} layers, 8/4 heads, head_dim 64, vocab 32000, float32, {args.device}")
+    print(f"group: prompt {P}, G={G} completions of {T} tokens; forward+backward, best of {args.repeats}")
+    print(f"plain run (SDPA rows, logits_to_keep): {t_plain:8.3f} s   peak memory +{m_plain / MB:8.1f} MiB")
+    print(f"sharedprefix                          : {t_shared:8.3f} s   peak memory +{m_shared / MB:8.1f} MiB")
+    print(f"speed-up {t_plain / t_shared:.2f}x | FLOP ratio {fr:.2f}x (with LM head), {fr_layers:.2f}x (layers only)"
+          f" | peak memory ratio {m_shared / max(1, m_plain):.3f}")
+    return 0
+
+
+def _memory(args):
+    P, T = args.prompt or 4096, args.completion or 256
+    Gs = args.G or [4, 8, 16, 32]
+    print(f"prompt {P}, completions {T}, budget {args.max_tokens} tokens, {args.layers} layers, {args.device}; one "
+          "step (forward+backward) per configuration, each in a fresh process")
+    print(f"{'G':>3} {'config':<10} {'tokens':>8} {'time s':>8} {'ms/compl.tok':>12} {'peak MiB':>9}")
+    for G in Gs:
+        spec = dict(n_groups=1, prompt=P, completion=T, G=G, max_tokens=args.max_tokens,
+                    model=dict(num_hidden_layers=args.layers), device=args.device)
+        for kind in args.modes:
+            r = bench.measure_in_subprocess(kind, spec)
+            per_tok = 1000 * r["time_s"] / (G * T)
+            print(f"{G:>3} {kind:<10} {r['tokens']:>8} {r['time_s']:>8.2f} {per_tok:>12.3f} "
+                  f"{r['peak_bytes'] / MB:>9.1f}", flush=True)
+    return 0

@@ -1,0 +1,74 @@
+"""Reference computations for tests and demos: the plain per-row forward sharedprefix must match.
+
+``plain_logprobs`` runs one transformers forward per ``[prompt + completion]`` row, exactly
+what a trainer without sharedprefix does, and reads the completion log-probs from the
+model's own logits. ``dtype_faithful_norms`` makes a float64 model really float64 (see its
+docstring); both the plain run and sharedprefix then use the same patched model.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from sharedprefix.layout.groups import Group
+
+
+def plain_logprobs(model, groups: list[Group], temperature: float = 1.0, entropy: bool = False):
+    """(N, T) log-probs (and entropies) from one plain forward per row; zero on padding."""
+    rows, ents = [], []
+    T = max(c.numel() for g in groups for c in g.completions)
+    dev = next(model.parameters()).device
+    for g in groups:
+        for c in g.completions:
+            ids = torch.cat([g.prompt, c])[None].to(dev)
+            logits = model(input_ids=ids, use_cache=False).logits[0, g.prompt.numel() - 1 : -1]
+            dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+            logp = torch.log_softmax(logits.to(dt) / temperature, -1)
+            rows.append(F.pad(logp.gather(-1, c.to(dev)[:, None])[:, 0], (0, T - c.numel())))
+            if entropy:
+                ents.append(F.pad(-(logp.exp() * logp).sum(-1), (0, T - c.numel())))
+    return torch.stack(rows), (torch.stack(ents) if entropy else None)
+
+
+def _eps(mod):
+    return getattr(mod, "variance_epsilon", getattr(mod, "eps", 1e-6))
+
+
+def _rms(mod, x):
+    return mod.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _eps(mod)))
+
+
+def _rms_one_plus(mod, x):  # Gemma: scale by (1 + weight)
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _eps(mod))) * (1.0 + mod.weight)
+
+
+def _layernorm_no_bias(mod, x):  # Cohere
+    x = x - x.mean(-1, keepdim=True)
+    return mod.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _eps(mod)))
+
+
+def dtype_faithful_norms(model):
+    """Make every custom norm of ``model`` compute in its input dtype.
+
+    transformers' RMSNorm (and Cohere's LayerNorm) cast to float32 even in a float64 model, so
+    a "float64" run is only float32-accurate there and a 1e-9 comparison would measure that
+    rounding (gradients of G completions summed before vs after a float32 op), not
+    sharedprefix. Each replacement is checked against the original forward before it is
+    installed; nothing else of the model changes.
+    """
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.LayerNorm) or not type(mod).__name__.endswith("Norm") or not hasattr(mod, "weight"):
+            continue
+        with torch.no_grad():
+            x = torch.randn(3, mod.weight.shape[0], dtype=mod.weight.dtype, device=mod.weight.device)
+            ref = mod(x)
+            for fn in (_rms, _rms_one_plus, _layernorm_no_bias):
+                if torch.allclose(fn(mod, x), ref, rtol=1e-5, atol=1e-6):
+                    mod.forward = types.MethodType(fn, mod)
+                    break
+            else:
+                raise ValueError(f"no dtype-faithful norm matches {name} ({type(mod).__name__})")
+    return model
