@@ -3,7 +3,7 @@ log-probs and gradients as the plain per-row computation."""
 
 from sharedprefix.layout.groups import Group
 from sharedprefix.schedule.planner import Plan, plan
-from sharedprefix.schedule.runner import Batch, BackwardResult, LogProbs, backward, logprobs
+from sharedprefix.schedule.runner import BackwardResult, Batch, LogProbs, backward, logprobs
 from sharedprefix.schedule.sharding import shard_groups
 
 __version__ = "0.1.0"

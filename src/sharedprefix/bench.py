@@ -6,15 +6,15 @@ FLOPs are counted for both layouts with the same formula (matmuls of the layers 
 head, attention pairs actually needed), so "speed-up / FLOP ratio" says how close the
 implementation comes to the limit set by equal kernel efficiency.
 
-Peak memory on CPU is read as the growth of the process's peak resident set while one
-configuration runs in a fresh subprocess; on CUDA from the caching allocator.
+Peak memory on CPU is the growth of the process's peak resident set (VmHWM, reset just before
+the step, after the heap is trimmed) while one configuration runs in a fresh subprocess; on
+CUDA it is the caching allocator's peak over its level before the step.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -160,6 +160,26 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> None:
+    """Return freed heap to the OS and reset the kernel's peak-RSS mark (VmHWM) of this process."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def measure_in_subprocess(kind: str, spec: dict) -> dict:
     """Run one step of ``kind`` in a fresh Python process; returns time, peak memory growth and tokens."""
     code = (
@@ -190,7 +210,8 @@ def _child(kind: str, spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
-        base = max(_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        _reset_peak_rss()
+        base = _rss_bytes()
     t0 = time.perf_counter()
     if kind == "plain":
         plain_step(model, groups, budget)
@@ -202,5 +223,5 @@ def _child(kind: str, spec: dict) -> dict:
     if cuda:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated() if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes()
     return {"time_s": dt, "peak_bytes": peak - base, "tokens": tokens}

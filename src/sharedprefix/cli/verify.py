@@ -7,8 +7,6 @@ Speed: forward+backward of the plain run against sharedprefix on a small float32
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 import sharedprefix as sp

@@ -102,9 +102,9 @@ def plan(groups: list[Group], max_tokens: int | None = None) -> Plan:
         lens = [int(c.numel()) for c in g.completions]
         cost = int(g.prompt.numel()) + sum(lens)
         if cost <= max_tokens:
-            for b, used in enumerate(bin_tokens):
-                if used + cost <= max_tokens:
-                    break
+            fits = [b for b, used in enumerate(bin_tokens) if used + cost <= max_tokens]
+            if fits:
+                b = fits[0]  # first fit
             else:
                 whole_bins.append([])
                 bin_tokens.append(0)

@@ -1,0 +1,236 @@
+"""``SharedPrefixGRPOTrainer``: TRL's ``GRPOTrainer`` with every log-prob computed by sharedprefix.
+
+Only two hooks of ``GRPOTrainer`` are overridden, so TRL's own loss code (every ``loss_type``,
+clipping, KL, entropy bonus, masks, metrics) runs unchanged:
+
+- ``_get_per_token_logps_and_entropies`` regroups the rows ``[left-padded prompt | completion]``
+  by prompt and computes old-policy, reference and policy log-probs with each prompt once.
+  With ``sharedprefix_max_tokens`` set, the policy pass uses the cross-microbatch schedule:
+  the forward runs without a graph, and when TRL backpropagates its loss, the incoming
+  per-token gradients dL/dlogp (and dL/dentropy) drive ``sp.backward`` with the linear loss
+  ``sum(dL/dlogp * logp)``, whose parameter gradient is exactly dL/dtheta (chain rule).
+- ``_prepare_inputs`` keeps whole groups inside one microbatch (TRL shuffles rows across the
+  generation batch): it draws the same random permutation as TRL, then orders groups by it.
+
+Notation: B = rows of a microbatch, C = completion columns (``logits_to_keep``), N = completions
+after regrouping (equal to the non-empty rows), T = longest completion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import split_tensor_dict
+
+import sharedprefix as sp
+from sharedprefix.schedule.runner import PREFIX_MODES
+
+_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+@dataclass
+class SharedPrefixGRPOConfig(GRPOConfig):
+    """``GRPOConfig`` plus the token budget of sharedprefix.
+
+    Args:
+        sharedprefix_max_tokens: tokens one pass may hold. None: every microbatch runs as one packed
+            pass. Set it to bound memory: groups larger than the budget compute their prompt once and
+            their completions in several passes (exact; the policy pass then costs one extra
+            no-grad forward of the packed layout).
+        sharedprefix_prefix_activations: "keep" | "offload" | "recompute", see ``sp.backward``.
+    """
+
+    sharedprefix_max_tokens: int | None = field(default=None, metadata={"help": "tokens one sharedprefix pass may hold"})
+    sharedprefix_prefix_activations: str = field(default="keep", metadata={"help": "keep | offload | recompute"})
+
+
+@dataclass
+class RowGroups:
+    """How the rows of a microbatch map onto sharedprefix groups."""
+
+    groups: list
+    row_of: list[int]  # completion n -> row index in the microbatch
+    lengths: list[int]  # completion n -> its number of tokens
+
+
+def regroup_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> RowGroups:
+    """(B, L) rows ``[left-padded prompt | right-padded completion]`` -> groups of identical prompts.
+
+    Rows whose completion holds no token have no log-prob to compute and get zeros (TRL masks them).
+    """
+    B, L = input_ids.shape
+    P = L - logits_to_keep
+    ids, att = input_ids.cpu(), attention_mask.cpu().bool()
+    by_prompt: dict[tuple, int] = {}
+    prompts, comps, rows = [], [], []
+    for b in range(B):
+        prompt = ids[b, :P][att[b, :P]]
+        cmask = att[b, P:]
+        t = int(cmask.sum())
+        if t == 0:
+            continue
+        if not bool(cmask[:t].all()):
+            raise ValueError(
+                f"row {b} has a completion mask with holes ({cmask.int().tolist()}); sharedprefix expects each "
+                "completion to be a run of tokens followed by padding."
+            )
+        key = tuple(prompt.tolist())
+        if key not in by_prompt:
+            by_prompt[key] = len(prompts)
+            prompts.append(prompt)
+            comps.append([])
+            rows.append([])
+        gi = by_prompt[key]
+        comps[gi].append(ids[b, P : P + t])
+        rows[gi].append(b)
+    if not prompts:
+        return RowGroups([], [], [])
+    groups = [sp.Group(p, c) for p, c in zip(prompts, comps)]
+    row_of = [b for r in rows for b in r]
+    lengths = [int(c.numel()) for g in groups for c in g.completions]
+    return RowGroups(groups, row_of, lengths)
+
+
+def _to_rows(values: torch.Tensor, rg: RowGroups, B: int, C: int) -> torch.Tensor:
+    """(N, T) in group order -> (B, C) in row order, zero elsewhere."""
+    out = values.new_zeros(B, C)
+    T = min(values.shape[1], C)
+    out[torch.tensor(rg.row_of, device=values.device)] = torch.nn.functional.pad(values[:, :T], (0, C - T))
+    return out
+
+
+def _from_rows(values: torch.Tensor, rg: RowGroups, T: int) -> torch.Tensor:
+    """(B, C) in row order -> (N, T) in group order."""
+    picked = values[torch.tensor(rg.row_of, device=values.device)]
+    return picked[:, :T] if picked.shape[1] >= T else torch.nn.functional.pad(picked, (0, T - picked.shape[1]))
+
+
+class _Scheduled(torch.autograd.Function):
+    """Log-probs computed without a graph; their backward runs ``sp.backward`` with the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, anchor, lp_rows, ent_rows, run):
+        ctx.run = run
+        return lp_rows.clone(), ent_rows.clone()
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        run = ctx.run
+        rg, T = run["rg"], max(run["rg"].lengths)
+        w_lp = _from_rows(g_lp, rg, T) if g_lp is not None else None
+        w_ent = _from_rows(g_ent, rg, T) if (g_ent is not None and run["entropy"]) else None
+
+        def loss_fn(batch):
+            loss = (batch.logprobs * w_lp[batch.index].to(batch.logprobs.dtype)).sum() if w_lp is not None else 0.0
+            if w_ent is not None:
+                loss = loss + (batch.entropy * w_ent[batch.index].to(batch.entropy.dtype)).sum()
+            return loss
+
+        with torch.enable_grad(), torch.autocast(**run["autocast"]):
+            sp.backward(run["model"], rg.groups, loss_fn, max_tokens=run["max_tokens"],
+                        prefix_activations=run["mode"], temperature=run["temperature"], entropy=w_ent is not None)
+        return None, None, None, None
+
+
+class SharedPrefixGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose log-probs compute each prompt once; same constructor, same results."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        a = self.args
+        budget = getattr(a, "sharedprefix_max_tokens", None)
+        mode = getattr(a, "sharedprefix_prefix_activations", "keep")
+        if mode not in PREFIX_MODES:
+            raise ValueError(f"sharedprefix_prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"sharedprefix_max_tokens={budget!r}; expected a positive int or None.")
+        self._sp_budget, self._sp_mode = budget, mode
+        if getattr(a, "cast_lm_head_to_fp32", False):
+            raise ValueError(
+                "cast_lm_head_to_fp32=True is not supported by SharedPrefixGRPOTrainer: sharedprefix runs the LM head "
+                "in the model's dtype and would give different log-probs. Set cast_lm_head_to_fp32=False."
+            )
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                "the model's MoE load-balancing loss is enabled (output_router_logits=True); it counts every token of "
+                "every row, which a shared prompt cannot reproduce. Set model.config.output_router_logits=False."
+            )
+        if getattr(a, "fp16", False):
+            raise ValueError("fp16 mixed precision (loss scaling) is not supported; use bf16=True or float32.")
+
+    # -- log-probs ---------------------------------------------------------------------------------------------
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **extra):
+        used = sorted(k for k in _MULTIMODAL if extra.get(k) is not None)
+        if used:
+            raise ValueError(f"multimodal inputs {used} are not supported by SharedPrefixGRPOTrainer (text only).")
+        if compute_aux_loss:
+            raise ValueError("MoE auxiliary losses are not supported by SharedPrefixGRPOTrainer.")
+        B, C = input_ids.shape[0], logits_to_keep
+        rg = regroup_rows(input_ids, attention_mask, logits_to_keep)
+        dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+        zeros = torch.zeros(B, C, dtype=dtype, device=input_ids.device)
+        if not rg.groups:
+            return zeros, (zeros.clone() if compute_entropy else None), None
+        scheduled = torch.is_grad_enabled() and self._sp_budget is not None
+        if not scheduled:
+            out = sp.logprobs(model, rg.groups, temperature=self.temperature, entropy=compute_entropy,
+                              max_tokens=self._sp_budget)
+            lp = _to_rows(out.logprobs, rg, B, C)
+            ent = _to_rows(out.entropy, rg, B, C) if compute_entropy else None
+            return lp, ent, None
+        with torch.no_grad():
+            out = sp.logprobs(model, rg.groups, temperature=self.temperature, entropy=compute_entropy,
+                              max_tokens=self._sp_budget)
+        lp = _to_rows(out.logprobs, rg, B, C)
+        ent = _to_rows(out.entropy, rg, B, C) if compute_entropy else torch.zeros_like(lp)
+        dev = input_ids.device.type
+        run = dict(model=model, rg=rg, max_tokens=self._sp_budget, mode=self._sp_mode, temperature=self.temperature,
+                   entropy=compute_entropy,
+                   autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev),
+                                 dtype=torch.get_autocast_dtype(dev)))
+        anchor = torch.zeros((), requires_grad=True)
+        lp, ent = _Scheduled.apply(anchor, lp, ent, run)
+        return lp, (ent if compute_entropy else None), None
+
+    # -- whole groups per microbatch ----------------------------------------------------------------------------
+
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return self._generate_and_score_completions(generation_batch)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            batch = _group_preserving_shuffle(batch)
+            self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+
+def _group_preserving_shuffle(batch: dict) -> dict:
+    """Shuffle the order of groups (not of rows) with the permutation TRL would draw for rows."""
+    n = len(next(v for v in batch.values() if v is not None))
+    perm = torch.randperm(n)  # the same draw as trl's shuffle_sequence_dict, so RNG streams stay aligned
+    prompt_ids, prompt_mask = batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu().bool()
+    keys = [tuple(prompt_ids[i][prompt_mask[i]].tolist()) for i in range(n)]
+    members: dict[tuple, list[int]] = {}
+    for i in range(n):
+        members.setdefault(keys[i], []).append(i)
+    order, seen = [], set()
+    for i in perm.tolist():
+        if keys[i] not in seen:
+            seen.add(keys[i])
+            order.extend(members[keys[i]])
+    idx = torch.tensor(order)
+
+    def permute(v):
+        if v is None or (isinstance(v, torch.Tensor) and v.ndim == 0):
+            return v
+        if isinstance(v, torch.Tensor):
+            return v[idx.to(v.device)]
+        return [v[i] for i in order]
+
+    return {k: permute(v) for k, v in batch.items()}
