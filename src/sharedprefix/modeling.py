@@ -92,6 +92,11 @@ def check_supported(model: PreTrainedModel) -> None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
 
 
+def uses_checkpointing(model: PreTrainedModel) -> bool:
+    """True when gradient checkpointing is active (training mode), reentrant or not."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
 def uses_reentrant_checkpointing(model: PreTrainedModel) -> bool:
     """True when gradient checkpointing with ``use_reentrant=True`` is active in training mode."""
     if not model.training:

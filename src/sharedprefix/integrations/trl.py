@@ -5,10 +5,11 @@ clipping, KL, entropy bonus, masks, metrics) runs unchanged:
 
 - ``_get_per_token_logps_and_entropies`` regroups the rows ``[left-padded prompt | completion]``
   by prompt and computes old-policy, reference and policy log-probs with each prompt once.
-  With ``sharedprefix_max_tokens`` set, the policy pass uses the cross-microbatch schedule:
-  the forward runs without a graph, and when TRL backpropagates its loss, the incoming
-  per-token gradients dL/dlogp (and dL/dentropy) drive ``sp.backward`` with the linear loss
-  ``sum(dL/dlogp * logp)``, whose parameter gradient is exactly dL/dtheta (chain rule).
+  With ``sharedprefix_max_tokens`` set (or gradient checkpointing on), the policy pass is
+  deferred (``sp.logprobs(defer=True)``): the forward runs without a graph, and when TRL
+  backpropagates its loss, the incoming per-token gradients dL/dlogp (and dL/dentropy) drive
+  ``sp.backward`` under the budget with the linear loss ``sum(dL/dlogp * logp)``, whose
+  parameter gradient is exactly dL/dtheta (chain rule).
 - ``_prepare_inputs`` keeps whole groups inside one microbatch (TRL shuffles rows across the
   generation batch): it draws the same random permutation as TRL, then orders groups by it.
 
@@ -102,39 +103,6 @@ def _to_rows(values: torch.Tensor, rg: RowGroups, B: int, C: int) -> torch.Tenso
     return out
 
 
-def _from_rows(values: torch.Tensor, rg: RowGroups, T: int) -> torch.Tensor:
-    """(B, C) in row order -> (N, T) in group order."""
-    picked = values[torch.tensor(rg.row_of, device=values.device)]
-    return picked[:, :T] if picked.shape[1] >= T else torch.nn.functional.pad(picked, (0, T - picked.shape[1]))
-
-
-class _Scheduled(torch.autograd.Function):
-    """Log-probs computed without a graph; their backward runs ``sp.backward`` with the incoming gradients."""
-
-    @staticmethod
-    def forward(ctx, anchor, lp_rows, ent_rows, run):
-        ctx.run = run
-        return lp_rows.clone(), ent_rows.clone()
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent):
-        run = ctx.run
-        rg, T = run["rg"], max(run["rg"].lengths)
-        w_lp = _from_rows(g_lp, rg, T) if g_lp is not None else None
-        w_ent = _from_rows(g_ent, rg, T) if (g_ent is not None and run["entropy"]) else None
-
-        def loss_fn(batch):
-            loss = (batch.logprobs * w_lp[batch.index].to(batch.logprobs.dtype)).sum() if w_lp is not None else 0.0
-            if w_ent is not None:
-                loss = loss + (batch.entropy * w_ent[batch.index].to(batch.entropy.dtype)).sum()
-            return loss
-
-        with torch.enable_grad(), torch.autocast(**run["autocast"]):
-            sp.backward(run["model"], rg.groups, loss_fn, max_tokens=run["max_tokens"],
-                        prefix_activations=run["mode"], temperature=run["temperature"], entropy=w_ent is not None)
-        return None, None, None, None
-
-
 class SharedPrefixGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose log-probs compute each prompt once; same constructor, same results."""
 
@@ -176,26 +144,15 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         zeros = torch.zeros(B, C, dtype=dtype, device=input_ids.device)
         if not rg.groups:
             return zeros, (zeros.clone() if compute_entropy else None), None
-        scheduled = torch.is_grad_enabled() and self._sp_budget is not None
-        if not scheduled:
+        # With a budget, the policy pass is deferred: values without a graph now, sp.backward under the
+        # budget when TRL backpropagates its loss (exact by the chain rule). Gradient checkpointing defers too.
+        defer = True if (torch.is_grad_enabled() and self._sp_budget is not None) else None
+        with self.accelerator.autocast():  # as TRL's own forward
             out = sp.logprobs(model, rg.groups, temperature=self.temperature, entropy=compute_entropy,
-                              max_tokens=self._sp_budget)
-            lp = _to_rows(out.logprobs, rg, B, C)
-            ent = _to_rows(out.entropy, rg, B, C) if compute_entropy else None
-            return lp, ent, None
-        with torch.no_grad():
-            out = sp.logprobs(model, rg.groups, temperature=self.temperature, entropy=compute_entropy,
-                              max_tokens=self._sp_budget)
+                              max_tokens=self._sp_budget, defer=defer, prefix_activations=self._sp_mode)
         lp = _to_rows(out.logprobs, rg, B, C)
-        ent = _to_rows(out.entropy, rg, B, C) if compute_entropy else torch.zeros_like(lp)
-        dev = input_ids.device.type
-        run = dict(model=model, rg=rg, max_tokens=self._sp_budget, mode=self._sp_mode, temperature=self.temperature,
-                   entropy=compute_entropy,
-                   autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev),
-                                 dtype=torch.get_autocast_dtype(dev)))
-        anchor = torch.zeros((), requires_grad=True)
-        lp, ent = _Scheduled.apply(anchor, lp, ent, run)
-        return lp, (ent if compute_entropy else None), None
+        ent = _to_rows(out.entropy, rg, B, C) if compute_entropy else None
+        return lp, ent, None
 
     # -- whole groups per microbatch ----------------------------------------------------------------------------
 

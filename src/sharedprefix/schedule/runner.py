@@ -24,6 +24,7 @@ from sharedprefix.modeling import (
     num_attention_layers,
     token_logprobs,
     unwrap,
+    uses_checkpointing,
     uses_reentrant_checkpointing,
     verify_head,
 )
@@ -159,6 +160,8 @@ def logprobs(
     entropy: bool = False,
     max_tokens: int | None = None,
     backend: str = "sdpa",
+    defer: bool | None = None,
+    prefix_activations: str = "recompute",
 ) -> LogProbs:
     """Log-probs of every completion token, each prompt computed once.
 
@@ -170,11 +173,23 @@ def logprobs(
         max_tokens: tokens one pass may hold (None: all groups in one pass). Groups larger than
             the budget run their prompt once and their completions in later passes.
         backend: attention kernel, "sdpa" or "eager".
+        defer: with grad enabled, compute the values without a graph and run ``sp.backward`` (with
+            the incoming per-token gradients as a linear loss) when autograd reaches them. Exact by
+            the chain rule; costs one more forward, but keeps the memory of the schedule under
+            ``max_tokens`` and lets the backward run inside sharedprefix's attention context, which
+            gradient checkpointing needs (its recomputation happens during backward). None: defer
+            exactly when gradient checkpointing is active. Deferred outputs give gradients to the
+            model's parameters only.
+        prefix_activations: the ``sp.backward`` mode a deferred backward uses.
 
     Returns:
         ``LogProbs`` with (N, T) tensors, float32 (float64 for a float64 model), with grad when
         grad is enabled.
     """
+    if torch.is_grad_enabled() and (defer or (defer is None and uses_checkpointing(unwrap(model)))):
+        with torch.no_grad():
+            out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
+        return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations)
     run = _Runner(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
     lps, ents, order = [], [], []
     with activated(run.model):
@@ -294,6 +309,43 @@ def backward(
         peak_memory_bytes=peak,
         offloaded_bytes=hooks.bytes_moved if hooks else 0,
     )
+
+
+class _Deferred(torch.autograd.Function):
+    """Values computed without a graph; their backward runs ``backward`` with the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, anchor, lp, ent, spec):
+        ctx.spec = spec
+        return lp.clone(), ent.clone()
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        spec = ctx.spec
+        w_ent = g_ent if spec["entropy"] else None
+
+        def loss_fn(b):
+            loss = (b.logprobs * g_lp[b.index].to(b.logprobs.dtype)).sum()
+            if w_ent is not None:
+                loss = loss + (b.entropy * w_ent[b.index].to(b.entropy.dtype)).sum()
+            return loss
+
+        with torch.enable_grad(), torch.autocast(**spec["autocast"]):
+            backward(spec["model"], spec["groups"], loss_fn, max_tokens=spec["max_tokens"], temperature=spec["temperature"],
+                     entropy=w_ent is not None, backend=spec["backend"], prefix_activations=spec["mode"])
+        return None, None, None, None
+
+
+def _defer(model, groups, out: LogProbs, temperature, max_tokens, backend, mode) -> LogProbs:
+    if mode not in PREFIX_MODES:
+        raise ValueError(f"prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
+    dev = out.logprobs.device.type
+    spec = dict(model=model, groups=groups, temperature=temperature, max_tokens=max_tokens, backend=backend, mode=mode,
+                entropy=out.entropy is not None,
+                autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)))
+    ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
+    lp, ent = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, spec)
+    return LogProbs(lp, out.mask, ent if out.entropy is not None else None)
 
 
 def _check_loss(loss, call: int) -> torch.Tensor:
