@@ -31,18 +31,30 @@ def load_model(cfg: TrainConfig, tokenizer):
         config._attn_implementation = "sdpa"
         torch.manual_seed(cfg.seed)
         return tf.Qwen3ForCausalLM(config)
-    if not os.path.isdir(cfg.model):
-        raise ValueError(f"--model {cfg.model!r} is not a folder; expected a local transformers checkpoint folder "
-                         "(with config.json and weights). Models are not downloaded.")
-    try:
-        config = tf.AutoConfig.from_pretrained(cfg.model, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--model {cfg.model!r} holds no readable transformers config ({e}).") from None
-    if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"--model {cfg.model!r} is a {config.model_type!r} model, which is not a causal LM; "
-                         "sharedprefix trains causal language models.")
+    load_config(cfg.model)
     return tf.AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, attn_implementation="sdpa",
                                                    dtype=torch.float32)
+
+
+def load_config(path: str):
+    """The checkpoint's config; refuses folders without one and models that are not causal LMs."""
+    import transformers as tf
+
+    check_model_folder(path)
+    try:
+        config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {path!r} holds no readable transformers config ({str(e)[:200]}).") from None
+    if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"--model {path!r} is a {config.model_type!r} model, which is not a causal LM; "
+                         "sharedprefix trains causal language models.")
+    return config
+
+
+def check_model_folder(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ValueError(f"--model {path!r} is not a folder; expected a local transformers checkpoint folder "
+                         "(with config.json and weights). Models are not downloaded.")
 
 
 def load_tokenizer(cfg: TrainConfig):
@@ -50,7 +62,11 @@ def load_tokenizer(cfg: TrainConfig):
 
     if cfg.model is None:
         return build_tokenizer()
-    tok = tf.AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)
+    check_model_folder(cfg.model)
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(cfg.model, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {cfg.model!r} holds no usable tokenizer ({str(e)[:200]}).") from None
     if tok.eos_token_id is None:
         raise ValueError(f"the tokenizer in {cfg.model!r} has no EOS token; completions need one to stop.")
     if tok.pad_token_id is None:
@@ -79,6 +95,9 @@ def train(cfg: TrainConfig) -> int:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     task = make_task(cfg.task, records=cfg.records)
+    if cfg.model is not None:
+        check_model_folder(cfg.model)
+        load_config(cfg.model)
     tokenizer = load_tokenizer(cfg)
     model = load_model(cfg, tokenizer)
     ctx = dist.setup(model)
