@@ -149,7 +149,8 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         defer = True if (torch.is_grad_enabled() and self._sp_budget is not None) else None
         with self.accelerator.autocast():  # as TRL's own forward
             out = sp.logprobs(model, rg.groups, temperature=self.temperature, entropy=compute_entropy,
-                              max_tokens=self._sp_budget, defer=defer, prefix_activations=self._sp_mode)
+                              max_tokens=self._sp_budget, defer=defer, prefix_activations=self._sp_mode,
+                              grad_reduction="mean")  # TRL's losses are per-rank means, averaged as DDP does
         lp = _to_rows(out.logprobs, rg, B, C)
         ent = _to_rows(out.entropy, rg, B, C) if compute_entropy else None
         return lp, ent, None

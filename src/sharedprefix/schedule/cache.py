@@ -63,21 +63,25 @@ class PrefixCache:
         if not keep_graph:
             del self.graph_kv[seg], self.graph_h[seg]
 
-    def backward(self, seg: int) -> None:
-        """Push the gradients accumulated on ``seg``'s leaves through its recorded graph."""
-        outs, grads = [], []
-        for m, (k, v) in self.graph_kv[seg].items():
-            lk, lv = self.read_kv_[seg][m]
-            for t, leaf in ((k, lk), (v, lv)):
-                if leaf.grad is not None and t.requires_grad:
-                    outs.append(t)
-                    grads.append(leaf.grad)
+    def surrogate(self, seg: int, through_outputs: bool = False) -> torch.Tensor | None:
+        """``sum(dK * K) + sum(dV * V) + sum(dh * h)`` over ``seg``'s recorded graph tensors, with the gradients
+        accumulated on its leaves: its backward pushes exactly those gradients through the prompt's graph.
+
+        ``through_outputs``: include ``0 * sum(h)`` when h got no gradient, so that the backward passes
+        through every layer's output (FSDP2 unshards a layer's parameters when the gradient of its
+        output arrives); it adds exactly zero.
+        """
+        total = None
         h, lh = self.graph_h[seg], self.read_h[seg]
-        if lh.grad is not None and h.requires_grad:
-            outs.append(h)
-            grads.append(lh.grad)
-        if outs:
-            torch.autograd.backward(outs, grads)
+        if through_outputs and lh.grad is None and h.requires_grad:
+            total = (h * 0.0).sum()
+        pairs = [(t, leaf) for m, kv in self.graph_kv[seg].items() for t, leaf in zip(kv, self.read_kv_[seg][m])]
+        pairs.append((h, lh))
+        for t, leaf in pairs:
+            if leaf.grad is not None and t.requires_grad:
+                term = (t * leaf.grad).sum()
+                total = term if total is None else total + term
+        return total
 
     def release(self, seg: int) -> None:
         for d in (self.graph_kv, self.graph_h, self.read_kv_, self.read_h, self.states):

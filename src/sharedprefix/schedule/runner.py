@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from sharedprefix.attention.interface import PassState, activated, pass_state
-from sharedprefix.layout.groups import validate_groups
+from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
+from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.modeling import (
     check_supported,
     num_attention_layers,
@@ -29,9 +30,11 @@ from sharedprefix.modeling import (
     verify_head,
 )
 from sharedprefix.schedule.cache import OffloadHooks, PrefixCache
+from sharedprefix.schedule.parallel import detect
 from sharedprefix.schedule.planner import Pass, Plan, PrefixBackward, plan
 
 PREFIX_MODES = ("keep", "offload", "recompute")
+REDUCTIONS = ("sum", "mean")
 
 
 @dataclass
@@ -66,9 +69,10 @@ class Batch:
 
 @dataclass
 class BackwardResult:
-    """``loss``: total loss (float). Statistics: tokens computed (recomputation included),
-    tokens a plain run computes, passes run, calls of ``loss_fn``, peak accelerator memory in
-    bytes (None on CPU, where no allocator statistic exists), bytes offloaded."""
+    """``loss``: total loss of this rank (float). Statistics: tokens computed (recomputation
+    included), tokens a plain run computes, passes run, calls of ``loss_fn``, peak accelerator
+    memory in bytes (None on CPU, where no allocator statistic exists), bytes offloaded, and
+    zero-gradient rounds run only to match other FSDP2 ranks' collectives."""
 
     loss: float
     tokens_computed: int
@@ -77,11 +81,13 @@ class BackwardResult:
     loss_calls: int
     peak_memory_bytes: int | None
     offloaded_bytes: int = 0
+    dummy_rounds: int = 0
 
 
 class _Runner:
     def __init__(self, model, groups, max_tokens, backend, temperature, entropy, leaves):
         self.model = unwrap(model)
+        self.par = detect(model, self.model)
         check_supported(self.model)
         emb = self.model.get_input_embeddings()
         vocab = min(emb.num_embeddings, self.model.get_output_embeddings().weight.shape[0])
@@ -105,32 +111,52 @@ class _Runner:
         self.device = emb.weight.device
         self.T = max(self.plan.tree.completion_lengths())
         self.tokens = 0
-        verify_head(self.model)
+        self.par.call(lambda: verify_head(self.model))
 
-    def run_pass(self, step: Pass) -> tuple[PassState, torch.Tensor | None, RowLayout]:
-        """Forward of one row; returns its state and the (M,) log-probs / entropies of its completions."""
-        layout = pack_row(self.plan.tree, list(step.segments), self.cache.segments(), step.record)
+    def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | None = None):
+        """Forward of one row (inside the root module's call under FSDP2).
+
+        Returns (state, result, layout): result is the (M,) log-probs and entropies of the row's
+        completions, or None; with ``surrogate=seg`` it is instead that prompt segment's surrogate
+        loss (see ``PrefixCache.surrogate``), computed inside the same call.
+        """
+        tree = tree or self.plan.tree
+        layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record)
         state = PassState(layout, self.backend, self.cache.read_kv, self.cache.write_kv)
-        with pass_state(state):
-            out = self.model.base_model(
-                input_ids=layout.input_ids.to(self.device),
-                position_ids=layout.position_ids.to(self.device),
-                use_cache=False,
-            )
+
+        def fn():
+            with pass_state(state):
+                out = self.model.base_model(
+                    input_ids=layout.input_ids.to(self.device),
+                    position_ids=layout.position_ids.to(self.device),
+                    use_cache=False,
+                )
+            hidden = out.last_hidden_state[0]  # (L, d)
+            for s in layout.record:
+                self.cache.write_h(s, hidden[layout.row_end[s] - 1])
+            if surrogate is not None:
+                return self.cache.surrogate(surrogate, through_outputs=self.par.fsdp)
+            if not layout.completions:
+                return None
+            sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
+            pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(0, layout.pred_index.to(self.device))
+            return token_logprobs(self.model, pred, layout.targets.to(self.device), self.temperature, self.entropy)
+
+        result = self.par.call(fn)
         self._check_calls(state)
-        self.tokens += layout.length
-        hidden = out.last_hidden_state[0]  # (L, d)
+        self.tokens += layout.length if tree is self.plan.tree else 0
         for s in layout.record:
-            self.cache.write_h(s, hidden[layout.row_end[s] - 1])
             self.cache.states[s] = state
-        if not layout.completions:
-            return state, None, layout
-        sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
-        pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(0, layout.pred_index.to(self.device))
-        tok, ent = token_logprobs(
-            self.model, pred, layout.targets.to(self.device), self.temperature, self.entropy
-        )
-        return state, (tok, ent), layout
+        return state, result, layout
+
+    def dummy_round(self, grad: bool) -> None:
+        """A 2-token pass that takes part in FSDP2's collectives and adds exactly zero to every gradient."""
+        tree = SegmentTree([Group([0], [[0]])])
+        with torch.set_grad_enabled(grad):
+            state, res, _ = self.run_pass(Pass((0, 1)), tree=tree)
+            if grad:
+                with pass_state(state):
+                    (res[0].sum() * 0.0).backward()
 
     def _check_calls(self, state: PassState) -> None:
         want = num_attention_layers(self.model)
@@ -162,11 +188,12 @@ def logprobs(
     backend: str = "sdpa",
     defer: bool | None = None,
     prefix_activations: str = "recompute",
+    grad_reduction: str = "sum",
 ) -> LogProbs:
     """Log-probs of every completion token, each prompt computed once.
 
     Args:
-        model: a transformers causal LM (PEFT / DDP wrappers are unwrapped).
+        model: a transformers causal LM (PEFT / DDP / FSDP2 wrappers are handled).
         groups: list of ``sharedprefix.Group``.
         temperature: logits are divided by it before the log-softmax, as in TRL.
         entropy: also return the entropy of each predicted distribution.
@@ -177,21 +204,34 @@ def logprobs(
             the incoming per-token gradients as a linear loss) when autograd reaches them. Exact by
             the chain rule; costs one more forward, but keeps the memory of the schedule under
             ``max_tokens`` and lets the backward run inside sharedprefix's attention context, which
-            gradient checkpointing needs (its recomputation happens during backward). None: defer
-            exactly when gradient checkpointing is active. Deferred outputs give gradients to the
-            model's parameters only.
-        prefix_activations: the ``sp.backward`` mode a deferred backward uses.
+            gradient checkpointing needs (its recomputation happens during backward), and under
+            DDP, whose gradient sync it then performs. None: defer exactly when gradient
+            checkpointing is active or the model is wrapped in DDP. Deferred outputs give gradients
+            to the model's parameters only. (Under FSDP2, grad-enabled logprobs are refused; use
+            ``sp.backward``.)
+        prefix_activations / grad_reduction: the ``sp.backward`` settings a deferred backward uses.
 
     Returns:
         ``LogProbs`` with (N, T) tensors, float32 (float64 for a float64 model), with grad when
         grad is enabled.
     """
-    if torch.is_grad_enabled() and (defer or (defer is None and uses_checkpointing(unwrap(model)))):
-        with torch.no_grad():
-            out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
-        return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations)
+    if torch.is_grad_enabled() and defer is not False:
+        inner = unwrap(model)
+        kind = detect(model, inner).kind
+        if kind == "fsdp":
+            raise ValueError(
+                "sharedprefix.logprobs with grad enabled is not supported on an FSDP2 model: its backward would run "
+                "outside FSDP2's hooks. Use sharedprefix.backward for the policy step (and logprobs under "
+                "torch.no_grad() for old-policy and reference log-probs)."
+            )
+        if defer or uses_checkpointing(inner) or kind != "none":
+            with torch.no_grad():
+                out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
+            return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
     run = _Runner(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
     lps, ents, order = [], [], []
+    # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agree before any of them
+    pad = run.par.agree_max([len(run.plan.passes)])[0] - len(run.plan.passes) if run.par.fsdp else 0
     with activated(run.model):
         for step in run.plan.steps:
             if isinstance(step, PrefixBackward):
@@ -207,6 +247,8 @@ def logprobs(
             if entropy:
                 ents.append(run.to_rows(layout, res[1]))
             order += layout.completions
+        for _ in range(pad):
+            run.dummy_round(grad=False)
     inv = torch.empty(len(order), dtype=torch.int64)
     inv[torch.tensor(order)] = torch.arange(len(order))
     inv = inv.to(run.device)
@@ -215,6 +257,20 @@ def logprobs(
     lp = torch.cat(lps).index_select(0, inv)
     ent = torch.cat(ents).index_select(0, inv) if entropy else None
     return LogProbs(lp, mask, ent)
+
+
+def _rounds(p: Plan, fsdp: bool) -> list[tuple[str, object]]:
+    """The plan as rounds: F (record a prompt segment), FB (completions, loss, backward), PB (a prompt segment's
+    deferred backward), REL (release a chain). Under FSDP2 all F rounds come first (see ``parallel``)."""
+    out = []
+    for step in p.steps:
+        if isinstance(step, PrefixBackward):
+            out += [("PB", s) for s in reversed(step.segments)] + [("REL", step.segments)]
+        else:
+            out.append(("F" if step.record else "FB", step))
+    if fsdp:
+        out = [r for r in out if r[0] == "F"] + [r for r in out if r[0] != "F"]
+    return out
 
 
 def backward(
@@ -227,6 +283,8 @@ def backward(
     entropy: bool = False,
     backend: str = "sdpa",
     offload_device: str | torch.device = "cpu",
+    sync: bool = True,
+    grad_reduction: str = "sum",
 ) -> BackwardResult:
     """Accumulate into ``.grad`` the exact gradient of ``sum over passes of loss_fn(batch)``.
 
@@ -241,64 +299,101 @@ def backward(
         prefix_activations: what happens to a split prompt's activations while its completions
             run: "keep" (held), "offload" (moved to ``offload_device`` by saved-tensor hooks and
             brought back for its backward) or "recompute" (the prompt runs without a graph first
-            and again with grad at the end). All three give the same gradient.
+            and again with grad at the end). All three give the same gradient. FSDP2 needs
+            "recompute" (its deferred backward must run inside the root module's call).
+        sync: under DDP / FSDP2, synchronise the gradients of this call over the ranks (once, at
+            its end). Pass False for all but the last call of an optimizer step to accumulate.
+        grad_reduction: "sum" (default: each rank's loss uses global normalisers, so the global
+            loss is the sum over ranks) or "mean" (the average over ranks, DDP's convention).
     """
     if prefix_activations not in PREFIX_MODES:
         raise ValueError(
             f"prefix_activations={prefix_activations!r}; expected one of {PREFIX_MODES}: 'keep' holds the prompt's "
             "activations, 'offload' moves them to host memory, 'recompute' recomputes them at the end."
         )
+    if grad_reduction not in REDUCTIONS:
+        raise ValueError(f"grad_reduction={grad_reduction!r}; expected one of {REDUCTIONS}.")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     run = _Runner(model, groups, max_tokens, backend, temperature, entropy, leaves=True)
+    par = run.par
+    split = any(isinstance(s, PrefixBackward) for s in run.plan.steps)
+    if par.fsdp and split and prefix_activations != "recompute":
+        raise ValueError(
+            f"prefix_activations={prefix_activations!r} with an FSDP2 model and a budget that splits a group: a "
+            "prompt's deferred backward must run inside the root module's call under FSDP2, which only "
+            "'recompute' does. Use prefix_activations='recompute'."
+        )
+    recompute = prefix_activations == "recompute" or par.fsdp
     cuda = run.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(run.device)
-    hooks = OffloadHooks(run.model, offload_device) if prefix_activations == "offload" else None
+    hooks = OffloadHooks(run.model, offload_device) if prefix_activations == "offload" and not par.fsdp else None
+    rounds = _rounds(run.plan, par.fsdp)
+    n_f = sum(k == "F" for k, _ in rounds)
+    n_fb = sum(k in ("FB", "PB") for k, _ in rounds)
+    pad_f = pad_fb = 0
+    if par.fsdp:
+        most_f, most_fb = par.agree_max([n_f, n_fb])
+        pad_f, pad_fb = most_f - n_f, most_fb - n_fb
+        rounds = [r for r in rounds if r[0] == "F"] + [("DF", None)] * pad_f + \
+            [r for r in rounds if r[0] != "F"] + [("DFB", None)] * pad_fb
+    last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
+    # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
+    scale = par.loss_scale() if grad_reduction == "sum" else 1.0
+    stash = _stash_grads(run.model) if par.kind == "ddp" and sync else None
     total, calls = 0.0, 0
     with activated(run.model):
-        for step in run.plan.steps:
-            if isinstance(step, PrefixBackward):
-                for s in reversed(step.segments):
-                    if prefix_activations == "recompute":
-                        state, _, _ = run.run_pass(Pass((s,), record=(s,)))
-                    else:
-                        state = run.cache.states[s]
-                    with pass_state(state):
-                        run.cache.backward(s)
-                for s in step.segments:
+        for i, (kind, x) in enumerate(rounds):
+            if kind in ("FB", "PB", "DFB"):
+                par.set_sync(sync and i == last_fb)
+            if kind == "DF":
+                run.dummy_round(grad=False)
+            elif kind == "DFB":
+                run.dummy_round(grad=True)
+            elif kind == "REL":
+                for s in x:
                     run.cache.release(s)
-                continue
-            if step.record:
-                recompute = prefix_activations == "recompute"
+            elif kind == "PB":
+                if recompute:
+                    state, sur, _ = run.run_pass(Pass((x,), record=(x,)), surrogate=x)
+                else:
+                    state = run.cache.states[x]
+                    sur = run.cache.surrogate(x)
+                if sur is not None:
+                    with pass_state(state):
+                        sur.backward()
+            elif kind == "F":
                 with torch.set_grad_enabled(not recompute):
                     if hooks is not None:
                         with hooks():
-                            state, res, layout = run.run_pass(step)
+                            run.run_pass(x)
                     else:
-                        state, res, layout = run.run_pass(step)
-                for s in step.record:
+                        run.run_pass(x)
+                for s in x.record:
                     run.cache.seal(s, keep_graph=not recompute)
-                if recompute:
-                    for s in step.record:
-                        run.cache.states.pop(s, None)
-            else:
-                state, res, layout = run.run_pass(step)
-            if res is None:
-                continue
-            batch = Batch(
-                logprobs=run.to_rows(layout, res[0]),
-                mask=run.mask_rows(layout),
-                entropy=run.to_rows(layout, res[1]) if entropy else None,
-                index=torch.tensor(layout.completions, dtype=torch.int64, device=run.device),
-            )
-            loss = _check_loss(loss_fn(batch), calls)
-            calls += 1
-            with pass_state(state):
-                loss.backward()
-            total += float(loss.detach())
+            else:  # FB
+                state, res, layout = run.run_pass(x)
+                batch = Batch(
+                    logprobs=run.to_rows(layout, res[0]),
+                    mask=run.mask_rows(layout),
+                    entropy=run.to_rows(layout, res[1]) if entropy else None,
+                    index=torch.tensor(layout.completions, dtype=torch.int64, device=run.device),
+                )
+                loss = _check_loss(loss_fn(batch), calls)
+                calls += 1
+                with pass_state(state):
+                    (loss * scale if scale != 1.0 else loss).backward()
+                total += float(loss.detach())
+    if par.kind == "ddp" and sync:
+        par.all_reduce_grads(run.model)
+        if grad_reduction == "mean":
+            for p in run.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(par.world_size)
+        _unstash_grads(run.model, stash)
     peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
     return BackwardResult(
         loss=total,
@@ -308,7 +403,26 @@ def backward(
         loss_calls=calls,
         peak_memory_bytes=peak,
         offloaded_bytes=hooks.bytes_moved if hooks else 0,
+        dummy_rounds=pad_f + pad_fb,
     )
+
+
+def _stash_grads(model) -> dict:
+    """Move existing gradients aside so that the DDP all-reduce sums only this call's contribution."""
+    stash = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            stash[p] = p.grad
+            p.grad = None
+    return stash
+
+
+def _unstash_grads(model, stash: dict) -> None:
+    for p, g in stash.items():
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
 
 
 class _Deferred(torch.autograd.Function):
@@ -332,15 +446,17 @@ class _Deferred(torch.autograd.Function):
 
         with torch.enable_grad(), torch.autocast(**spec["autocast"]):
             backward(spec["model"], spec["groups"], loss_fn, max_tokens=spec["max_tokens"], temperature=spec["temperature"],
-                     entropy=w_ent is not None, backend=spec["backend"], prefix_activations=spec["mode"])
+                     entropy=w_ent is not None, backend=spec["backend"], prefix_activations=spec["mode"],
+                     grad_reduction=spec["reduction"])
         return None, None, None, None
 
 
-def _defer(model, groups, out: LogProbs, temperature, max_tokens, backend, mode) -> LogProbs:
+def _defer(model, groups, out: LogProbs, temperature, max_tokens, backend, mode, reduction) -> LogProbs:
     if mode not in PREFIX_MODES:
         raise ValueError(f"prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
     dev = out.logprobs.device.type
     spec = dict(model=model, groups=groups, temperature=temperature, max_tokens=max_tokens, backend=backend, mode=mode,
+                reduction=reduction,
                 entropy=out.entropy is not None,
                 autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)))
     ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)

@@ -1,0 +1,133 @@
+"""Data parallelism inside ``sp.backward`` / ``sp.logprobs``: DDP and FSDP2 (``fully_shard``).
+
+Gradient semantics: the loss of the whole global batch is the sum of every rank's
+``loss_fn`` values (with normalisers computed for the global batch), so the gradients of
+the ranks are *summed*, once per call (``sync=True``) or not at all (``sync=False``, for
+accumulation; the last call of the optimizer step syncs what was accumulated).
+
+- DDP: passes run on the wrapped module directly (DDP's reducer stays idle), then one
+  all-reduce (sum) of all gradients, flattened per dtype.
+- FSDP2: every forward all-gathers parameters and every backward may reduce-scatter, so
+  (1) each pass runs through the root module's ``__call__`` (its hooks unshard the root's
+  parameters and track the outputs), including a prompt's deferred backward, which is run
+  as a recomputation whose surrogate loss ``sum(dK * K) + ...`` is a root output;
+  (2) every rank runs the same sequence of collectives: forward-only rounds first (the
+  prompts of split groups), then forward+backward rounds, both counts agreed across ranks
+  with one all-reduce(max), and a rank with fewer rounds runs dummy rounds on a 2-token row
+  whose loss is multiplied by zero; (3) gradient sync is disabled except in the last
+  forward+backward round; (4) FSDP2 averages over ranks when it reduce-scatters, so the
+  losses are scaled by the world size to keep the sum semantics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def _fsdp_module_cls():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return None
+    return FSDPModule
+
+
+@dataclass
+class Parallel:
+    kind: str = "none"  # "none" | "ddp" | "fsdp"
+    root: torch.nn.Module | None = None
+    world_size: int = 1
+
+    @property
+    def fsdp(self) -> bool:
+        return self.kind == "fsdp"
+
+    def call(self, fn):
+        """Run ``fn()`` inside the root module's ``__call__`` under FSDP2, directly otherwise."""
+        if not self.fsdp:
+            return fn()
+        root = self.root
+        had = "forward" in root.__dict__
+        saved = root.__dict__.get("forward")
+        # code inside fn that needs the model's own forward (the head check) finds it here
+        root._sharedprefix_own_forward = saved if had else type(root).forward.__get__(root)
+        root.forward = lambda *a, **k: fn()
+        try:
+            return root()
+        finally:
+            del root._sharedprefix_own_forward
+            if had:
+                root.forward = saved
+            else:
+                del root.forward
+
+    def agree_max(self, values: list[int]) -> list[int]:
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=_comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [int(x) for x in t.tolist()]
+
+    def set_sync(self, enabled: bool) -> None:
+        if self.fsdp:
+            self.root.set_requires_gradient_sync(enabled)
+
+    def loss_scale(self) -> float:
+        return float(self.world_size) if self.fsdp else 1.0
+
+    def all_reduce_grads(self, model: torch.nn.Module) -> None:
+        """DDP: sum every gradient over ranks, one all-reduce per dtype."""
+        if self.kind != "ddp" or self.world_size == 1:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        by_dtype: dict = {}
+        for p in params:
+            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            off = 0
+            for g in grads:
+                g.copy_(flat[off : off + g.numel()].view_as(g))
+                off += g.numel()
+
+
+def _comm_device():
+    backend = dist.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
+    """How ``model`` (as the user passed it) and its transformers ``root`` are parallelised."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    except ImportError:
+        FSDP1 = ()
+    m = model
+    while m is not None:
+        if FSDP1 and isinstance(m, FSDP1):
+            raise ValueError(
+                "the model is wrapped in FullyShardedDataParallel (FSDP1), whose flat sharded parameters sharedprefix "
+                "cannot run; shard it with torch.distributed.fsdp.fully_shard (FSDP2) instead."
+            )
+        m = getattr(m, "module", None)
+    fsdp_cls = _fsdp_module_cls()
+    if fsdp_cls is not None and isinstance(root, fsdp_cls):
+        return Parallel("fsdp", root, world)
+    if fsdp_cls is not None and any(isinstance(m, fsdp_cls) for m in root.modules()):
+        raise ValueError(
+            "the model has fully_shard (FSDP2) submodules but its root is not sharded; apply fully_shard to the "
+            "causal LM itself too (after its layers), so that its embedding and LM head are managed by FSDP2."
+        )
+    if isinstance(model, DistributedDataParallel):
+        return Parallel("ddp", root, world)
+    return Parallel("none", root, world)

@@ -1,0 +1,97 @@
+"""One rank of the distributed tests (run under torchrun): sp.backward on a DDP or FSDP2 model.
+
+Usage: torchrun --nproc_per_node=2 worker.py KIND OUT   (KIND: ddp | fsdp | ddp_mean | fsdp_logprobs)
+Rank 0 writes the full gradients (and statistics) to OUT.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import sharedprefix as sp  # noqa: E402
+from helpers import random_groups, tiny_model  # noqa: E402
+
+# one group larger than the budget (prompt 30 -> chunks of 16 + 14, completions in 2 passes) and two small ones
+SPEC = ([30, 4, 5], [[6, 6, 6, 6], [2, 2], [3, 3]])
+BUDGET = 16
+
+
+def groups_and_weights():
+    groups = random_groups(11, 3, *SPEC)
+    n = sum(g.group_size for g in groups)
+    W = torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    return groups, W
+
+
+def main(kind, out):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    groups, W = groups_and_weights()
+    mine = sp.shard_groups(groups, rank, world)
+    # global completion index of each of my completions
+    starts, n = {}, 0
+    for g in groups:
+        starts[id(g)] = n
+        n += g.group_size
+    gidx = torch.tensor([starts[id(g)] + i for g in mine for i in range(g.group_size)])
+    model = tiny_model("qwen3")
+    calls = {"all_reduce": 0}
+    if kind.startswith("ddp"):
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        orig = dist.all_reduce
+
+        def counting(*a, **k):
+            calls["all_reduce"] += 1
+            return orig(*a, **k)
+
+        dist.all_reduce = counting
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    loss_fn = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()  # noqa: E731
+    if kind == "fsdp_logprobs":
+        from helpers import plain_logprobs
+
+        with torch.no_grad():  # forward-only under FSDP2, unequal shards: the short rank runs dummy forwards
+            lp = sp.logprobs(model, mine, max_tokens=BUDGET).logprobs
+            ref = plain_logprobs(tiny_model("qwen3"), mine)[0]
+        refused = 0
+        try:
+            sp.logprobs(model, mine, max_tokens=BUDGET)
+        except ValueError as e:
+            refused = int("not supported on an FSDP2 model" in str(e))
+        stats = torch.tensor([float((lp - ref).abs().max()), refused])
+        gathered = [torch.zeros_like(stats) for _ in range(world)]
+        dist.all_gather(gathered, stats)
+        if rank == 0:
+            torch.save({"stats": [t.tolist() for t in gathered]}, out)
+        dist.destroy_process_group()
+        return
+    else:
+        res = sp.backward(model, mine, loss_fn, max_tokens=BUDGET, prefix_activations="recompute",
+                          grad_reduction="mean" if kind.endswith("mean") else "sum")
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        grads[name.replace("module.", "")] = None if g is None else g.detach().clone()
+    stats = torch.tensor([res.passes if res else 0, res.dummy_rounds if res else 0, calls["all_reduce"]])
+    gathered = [torch.zeros_like(stats) for _ in range(world)]
+    dist.all_gather(gathered, stats)
+    if rank == 0:
+        torch.save({"grads": grads, "stats": [t.tolist() for t in gathered],
+                    "shards": [len(sp.shard_groups(groups, r, world)) for r in range(world)]}, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
