@@ -28,6 +28,9 @@ def groups_and_weights():
 
 
 def main(kind, out):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang prints where it is and fails instead of blocking CI
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
