@@ -114,8 +114,11 @@ class Trainer:
             for s in [self.task.sample(rng) for _ in range(cfg.prompts_per_step)]:
                 target = self.tok(self.task.warmup_target(rng), add_special_tokens=False)["input_ids"]
                 groups.append(sp.Group(encode_prompt(self.tok, s.prompt), [target]))
-            n = sum(g.group_size for g in groups)
-            sp.backward(self.model, groups, lambda b, n=n: -(b.logprobs * b.mask).sum() / n, max_tokens=cfg.max_tokens)
+            n = len(groups)  # global: one target per prompt
+            mine = [groups[i] for i in self.ctx.shard(groups)]
+            if mine:
+                sp.backward(self.model, mine, lambda b, n=n: -(b.logprobs * b.mask).sum() / n, max_tokens=cfg.max_tokens)
+            self.ctx.sync(self.model)
             opt.step()
             opt.zero_grad(set_to_none=True)
         self.warm_done = True
@@ -163,10 +166,11 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         self.step += 1
-        correct = self.ctx.all_sum([float((rewards >= 1.0).sum())])[0]
-        return {"step": step, "reward": reward_sum / n_all, "accuracy": correct / n_all,
-                "loss": res.loss, "step_time_s": dt, "tokens_computed": res.tokens_computed,
-                "tokens_plain": res.tokens_plain, "passes": res.passes, "tokens_per_s": res.tokens_plain / dt}
+        correct, loss, computed, plain = self.ctx.all_sum(
+            [float((rewards >= 1.0).sum()), res.loss, float(res.tokens_computed), float(res.tokens_plain)])
+        return {"step": step, "reward": reward_sum / n_all, "accuracy": correct / n_all, "loss": loss,
+                "step_time_s": dt, "tokens_computed": int(computed), "tokens_plain": int(plain), "passes": res.passes,
+                "tokens_per_s": plain / dt}
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     def save(self, folder: str):

@@ -101,6 +101,10 @@ def train(cfg: TrainConfig) -> int:
     tokenizer = load_tokenizer(cfg)
     model = load_model(cfg, tokenizer)
     ctx = dist.setup(model)
+    if cfg.prompts_per_step < ctx.world_size:
+        ctx.close()
+        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} is smaller than the {ctx.world_size} ranks; every "
+                         "rank needs at least one prompt (whole groups per rank). Raise prompts_per_step.")
     trainer = Trainer(cfg, ctx.model, tokenizer, task, ctx=ctx)
     ckpt = os.path.join(cfg.output, "checkpoint")
     metrics_path = os.path.join(cfg.output, "metrics.jsonl")
