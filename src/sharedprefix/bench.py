@@ -7,8 +7,9 @@ head, attention pairs actually needed), so "speed-up / FLOP ratio" says how clos
 implementation comes to the limit set by equal kernel efficiency.
 
 Peak memory on CPU is the growth of the process's peak resident set (VmHWM, reset just before
-the step, after the heap is trimmed) while one configuration runs in a fresh subprocess; on
-CUDA it is the caching allocator's peak over its level before the step.
+the step, after the heap is trimmed) while one configuration runs in a fresh subprocess, with
+glibc's mmap threshold fixed so that freed tensors leave the resident set; on CUDA it is the
+caching allocator's peak over its level before the step.
 """
 
 from __future__ import annotations
@@ -186,8 +187,11 @@ def measure_in_subprocess(kind: str, spec: dict) -> dict:
         "import json,sys; from sharedprefix.bench import _child; "
         "print(json.dumps(_child(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))"
     )
+    # A fixed mmap threshold makes glibc return every large freed block to the OS at once; with its default
+    # dynamic threshold, freed tensors stay in the heap and the peak RSS measures fragmentation, not tensors.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     out = subprocess.run([sys.executable, "-c", code, json.dumps(kind), json.dumps(spec)], capture_output=True,
-                         text=True)
+                         text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"benchmark child for {kind!r} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

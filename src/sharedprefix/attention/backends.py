@@ -3,8 +3,8 @@
 Notation: H = query heads, Hkv = key/value heads (H % Hkv == 0, GQA/MQA), Lq = queries,
 Lk = keys, D = head dim. Every function takes
     q: (1, H, Lq, D), k: (1, Hkv, Lk, D), v: (1, Hkv, Lk, Dv)
-    mask: (Lq, Lk) bool, True where attention is allowed, or None for plain causal
-          attention (then Lq == Lk)
+    mask: (Lq, Lk) additive float mask in q's dtype, 0 where attention is allowed and -inf
+          elsewhere, or None for plain causal attention (then Lq == Lk)
     scale: the softmax scale the attention module itself uses (``module.scaling``)
 and returns (1, H, Lq, Dv) in the dtype of q. Keys are shared by all queries of the block:
 a prompt's K/V is never copied per completion.
@@ -42,8 +42,10 @@ def eager_block(q, k, v, mask, scale):
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if mask is None:
         lq, lk = q.shape[2], k.shape[2]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~mask, float("-inf"))
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    else:
+        scores = scores + mask
     acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     probs = torch.softmax(scores, dim=-1, dtype=acc).to(q.dtype)
     return torch.matmul(probs, v)

@@ -135,7 +135,7 @@ def shared_prefix_attention(
         else:
             k = torch.cat([x[0] for x in parts], dim=2)
             v = torch.cat([x[1] for x in parts], dim=2)
-        mask = block.mask(sliding_window, query.device)
+        mask = block.additive_mask(sliding_window, query.device, query.dtype)
         outs.append(kernel(query[:, :, block.q_start : block.q_end], k, v, mask, scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None

@@ -70,6 +70,20 @@ class Block:
             self._masks[key] = allowed.to(device)
         return self._masks[key]
 
+    def additive_mask(self, window: int | None, device, dtype) -> torch.Tensor | None:
+        """The same mask as (Lq, Lk) floats, 0 where allowed and -inf elsewhere, built once per pass and dtype.
+
+        Attention kernels convert a bool mask to this form on every call (and keep the copy for
+        backward); handing them one shared tensor saves that copy in every layer.
+        """
+        allowed = self.mask(window, device)
+        if allowed is None:
+            return None
+        key = (window, str(device), dtype)
+        if key not in self._masks:
+            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        return self._masks[key]
+
 
 @dataclass
 class RowLayout:
