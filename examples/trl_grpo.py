@@ -1,8 +1,9 @@
 """SharedPrefixGRPOTrainer on the built-in kv task with a tiny model, runnable on CPU.
 
 Single process:      python examples/trl_grpo.py
-Two CPU processes:   torchrun --standalone --nproc_per_node 2 examples/trl_grpo.py
-                     (accelerate reads the torchrun environment and runs DDP over gloo)
+Two CPU processes:   accelerate launch --multi_gpu --num_processes 2 examples/trl_grpo.py
+                     or torchrun --standalone --nproc_per_node 2 examples/trl_grpo.py
+                     (without GPUs, accelerate runs DDP over gloo on the CPU)
 """
 
 import random
