@@ -37,14 +37,14 @@ def _check(model, groups, temperature=1.0, entropy=False, rtol=1e-9, atol=1e-9, 
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_float64_logprobs_and_grads_match_plain(arch):
+def test_float64_logprobs_and_grads_match_plain(arch, kernel_path):
     model = tiny_model(arch)
     out = _check(model, random_groups(0, 3, *LAYOUTS["mixed"]))
     assert out.logprobs.dtype == torch.float64 and out.logprobs.requires_grad
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layouts(layout):
+def test_layouts(layout, kernel_path):
     p, c = LAYOUTS[layout]
     _check(tiny_model("qwen3"), random_groups(2, len(p), p, c))
 
@@ -96,8 +96,9 @@ def test_several_groups_one_row_single_attention_call_per_layer(monkeypatch):
 
 def test_prompt_kv_is_never_copied_per_completion(monkeypatch):
     """The completions' keys are one shared run of the prompt's K/V: the kernel sees P + sum(T) keys."""
-    from sharedprefix.attention import backends
+    from sharedprefix.attention import backends, interface
 
+    monkeypatch.setattr(interface, "MERGE_ON_CPU", False)
     seen = []
     orig = backends.BACKENDS["sdpa"]
     monkeypatch.setitem(backends.BACKENDS, "sdpa", lambda q, k, v, m, s: (seen.append((q.shape[2], k.shape[2])), orig(q, k, v, m, s))[1])
@@ -107,6 +108,24 @@ def test_prompt_kv_is_never_copied_per_completion(monkeypatch):
         sp.logprobs(model, groups)
     per_layer = seen[: len(seen) // model.config.num_hidden_layers]
     assert per_layer == [(50, 50), (64, 50 + 64)]  # prompt block; all 16 completions against one prompt copy
+
+
+def test_merged_kernel_reads_the_prompt_once_without_a_mask(monkeypatch):
+    """The merged CPU path: all completions against one (uncopied) prompt run, then each completion causally."""
+    from sharedprefix.attention import backends, interface
+
+    seen = []
+    orig = backends.merged_cpu_block
+
+    def spy(q, k_anc, v_anc, k_own, v_own, siblings, scale):
+        seen.append((q.shape[2], k_anc.shape[2], len(siblings)))
+        return orig(q, k_anc, v_anc, k_own, v_own, siblings, scale)
+
+    monkeypatch.setattr(interface, "merged_cpu_block", spy)
+    model = tiny_model("llama")
+    with torch.no_grad():
+        sp.logprobs(model, random_groups(0, 1, [50], [[4] * 16]))
+    assert seen == [(64, 50, 16)] * model.config.num_hidden_layers
 
 
 def test_float32_within_twice_plain_error():

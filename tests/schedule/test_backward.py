@@ -40,7 +40,7 @@ BUDGETS = [None, 80, 20, 7]
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "gpt2"])
 @pytest.mark.parametrize("mode", MODES)
-def test_budgets_and_modes_match_plain_float64(arch, mode):
+def test_budgets_and_modes_match_plain_float64(arch, mode, kernel_path):
     model = tiny_model(arch)
     groups = random_groups(1, 3, *SPEC) if arch != "gpt2" else random_groups(1, 2, [12, 20], [[3, 4, 1, 5], [6, 2, 7]])
     n = sum(g.group_size for g in groups)

@@ -64,3 +64,56 @@ def get_backend(name: str):
             f"use one of {sorted(BACKENDS)} (sdpa runs on CPU and GPU)."
         )
     raise ValueError(f"attention backend {name!r} is unknown; expected one of {sorted(BACKENDS)}.")
+
+
+class _MergedCPUAttention(torch.autograd.Function):
+    """Attention over several key runs, each by the CPU flash kernel, merged by log-sum-exp.
+
+    Part 0: all queries against the shared ancestor keys (dense, no mask). Parts 1..: each sibling's
+    queries against its own keys (causal). Forward: out = sum_i exp(lse_i - lse) * out_i with
+    lse = logsumexp_i lse_i. Backward: the flash backward of each part, given the *merged* output and
+    log-sum-exp, yields that part's exact share of dQ, dK, dV (the identity ring attention uses).
+    No mask is built, no key is copied, and no (query, key) pair outside the layout is computed.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_anc, v_anc, k_own, v_own, siblings, scale):
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        out_a, lse_a = op(q, k_anc, v_anc, 0.0, False, scale=scale)
+        out_b, lse_b = torch.empty_like(out_a), torch.empty_like(lse_a)
+        for s0, s1 in siblings:
+            o, lse = op(q[:, :, s0:s1], k_own[:, :, s0:s1], v_own[:, :, s0:s1], 0.0, True, scale=scale)
+            out_b[:, :, s0:s1], lse_b[:, :, s0:s1] = o, lse
+        lse = torch.logaddexp(lse_a, lse_b)
+        out = torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k_anc, v_anc, k_own, v_own, out, lse)
+        ctx.siblings, ctx.scale = siblings, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k_anc, v_anc, k_own, v_own, out, lse = ctx.saved_tensors
+        bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        g = g.contiguous()
+        dq, dk_anc, dv_anc = bop(g, q, k_anc, v_anc, out, lse, 0.0, False, scale=ctx.scale)
+        dk_own, dv_own = torch.zeros_like(k_own), torch.zeros_like(v_own)
+        for s0, s1 in ctx.siblings:
+            dq_j, dk_j, dv_j = bop(g[:, :, s0:s1], q[:, :, s0:s1], k_own[:, :, s0:s1], v_own[:, :, s0:s1],
+                                   out[:, :, s0:s1], lse[:, :, s0:s1], 0.0, True, scale=ctx.scale)
+            dq[:, :, s0:s1] += dq_j
+            dk_own[:, :, s0:s1], dv_own[:, :, s0:s1] = dk_j, dv_j
+        return dq, dk_anc, dv_anc, dk_own, dv_own, None, None
+
+
+def merged_cpu_block(q, k_anc, v_anc, k_own, v_own, siblings, scale):
+    """Siblings attending to shared ancestors and causally to themselves, without a mask.
+
+    q, k_own, v_own: (1, H|Hkv, Lq, D) for the block's own tokens; k_anc, v_anc: (1, Hkv, La, D);
+    siblings: (start, end) of each sibling within the block. CPU only (uses the CPU flash kernel).
+    """
+    n_rep = q.shape[1] // k_anc.shape[1]
+    k_anc, v_anc = _repeat_kv(k_anc, n_rep), _repeat_kv(v_anc, n_rep)
+    k_own, v_own = _repeat_kv(k_own, n_rep), _repeat_kv(v_own, n_rep)
+    return _MergedCPUAttention.apply(q.contiguous(), k_anc.contiguous(), v_anc.contiguous(), k_own.contiguous(),
+                                     v_own.contiguous(), siblings, scale)

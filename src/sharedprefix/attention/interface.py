@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
 
-from sharedprefix.attention.backends import get_backend
+from sharedprefix.attention.backends import get_backend, merged_cpu_block
 from sharedprefix.layout.packing import RowLayout
 
 NAME = "sharedprefix"
@@ -43,6 +43,7 @@ class PassState:
         write_kv: (module, segment id, k, v) -> None, called once per layer for ``layout.record``.
         seen: attention modules that ran in this pass (a layer recomputed by gradient
             checkpointing runs again; it must not record twice).
+
     """
 
     layout: RowLayout
@@ -53,6 +54,11 @@ class PassState:
 
 
 _STACK: list[PassState] = []
+
+# On CPU, blocks with ancestors run through the CPU flash kernel with log-sum-exp merging (no mask, no
+# wasted (query, key) pairs, no copy of cached K/V) instead of one masked SDPA call. Both are exact;
+# tests run both.
+MERGE_ON_CPU = True
 
 
 @contextmanager
@@ -124,6 +130,9 @@ def shared_prefix_attention(
     kernel = get_backend(state.backend)
     outs = []
     for block in layout.blocks:
+        if _use_merged(state, block, query, sliding_window):
+            outs.append(_merged(state, module, block, query, key, value, scale))
+            continue
         parts = []
         for p in block.keys:
             if p.cached:
@@ -139,6 +148,22 @@ def shared_prefix_attention(
         outs.append(kernel(query[:, :, block.q_start : block.q_end], k, v, mask, scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _use_merged(state: PassState, block, query, window) -> bool:
+    """The CPU flash kernel with log-sum-exp merging: SDPA backend, CPU, a block with ancestors, no window."""
+    return (MERGE_ON_CPU and state.backend == "sdpa" and query.device.type == "cpu" and bool(block.ancestor_keys)
+            and not block.window_bites(window) and query.dtype in (torch.float32, torch.float64, torch.bfloat16))
+
+
+def _merged(state: PassState, module, block, query, key, value, scale):
+    parts = [state.read_kv(module, p.seg) if p.cached else (key[:, :, p.start : p.end], value[:, :, p.start : p.end])
+             for p in block.ancestor_keys]
+    k_anc = parts[0][0] if len(parts) == 1 else torch.cat([x[0] for x in parts], dim=2)
+    v_anc = parts[0][1] if len(parts) == 1 else torch.cat([x[1] for x in parts], dim=2)
+    q0, q1 = block.q_start, block.q_end
+    sibs = [(a - q0, b - q0) for a, b in block.siblings]
+    return merged_cpu_block(query[:, :, q0:q1], k_anc, v_anc, key[:, :, q0:q1], value[:, :, q0:q1], sibs, scale)
 
 
 AttentionInterface.register(NAME, shared_prefix_attention)

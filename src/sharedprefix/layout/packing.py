@@ -46,7 +46,12 @@ class Block:
     k_pos: torch.Tensor  # (Lk,) int64 position id of each key
     ancestors: set[int]  # segments every query of the block may fully attend to
     plain_causal: bool  # one root segment: plain causal attention, no mask needed
+    ancestor_keys: list[KeyPart] = field(default_factory=list)  # the ancestors' key runs alone
+    siblings: list[tuple[int, int]] = field(default_factory=list)  # row range of each sibling segment
     _masks: dict = field(default_factory=dict)
+
+    def window_bites(self, window: int | None) -> bool:
+        return window is not None and window < int(self.q_pos.max() - self.k_pos.min()) + 1
 
     def mask(self, window: int | None, device) -> torch.Tensor | None:
         """(Lq, Lk) bool mask, True where attention is allowed; None for plain causal attention.
@@ -54,8 +59,7 @@ class Block:
         ``window`` is a sliding window in the transformers convention: a query at position p
         sees keys at positions > p - window.
         """
-        span = int(self.q_pos.max() - self.k_pos.min()) + 1
-        if window is not None and window >= span:
+        if not self.window_bites(window):
             window = None  # the window never bites inside this block: identical to full attention
         if self.plain_causal and window is None:
             return None
@@ -164,6 +168,7 @@ def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: l
                 parts.append(KeyPart(seg=a))
                 if a not in reads:
                     reads.append(a)
+        anc_parts = list(parts)  # the ancestors alone, for kernels that attend to them separately
         if parts and not parts[-1].cached and parts[-1].end == q0:
             parts[-1] = KeyPart(start=parts[-1].start, end=q1)
         else:
@@ -181,6 +186,8 @@ def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: l
             Block(
                 q0, q1, parts, seg_of[q0:q1], position[q0:q1], k_seg, k_pos, set(anc),
                 plain_causal=(i == j and not anc),
+                ancestor_keys=anc_parts,
+                siblings=[(row_start[x], row_start[x] + segs[x].length) for x in segments[i : j + 1]],
             )
         )
         i = j + 1
