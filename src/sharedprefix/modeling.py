@@ -39,6 +39,19 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
     )
 
 
+def decoder(model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder stack (embeddings, layers, final norm) whose output feeds the LM head."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if dec is None or dec is model:
+        dec = model.base_model
+    if dec is model:
+        raise ValueError(
+            f"{type(model).__name__}: cannot find its decoder stack (get_decoder() and base_model return the model "
+            "itself), so sharedprefix cannot run the layers without the LM head. This model is not supported."
+        )
+    return dec
+
+
 def text_config(model: PreTrainedModel):
     return model.config.get_text_config()
 
@@ -82,6 +95,12 @@ def check_supported(model: PreTrainedModel) -> None:
             f"{name} uses attention-score soft-capping (attn_logit_softcapping={cfg.attn_logit_softcapping}), which "
             "sharedprefix does not implement exactly, so it refuses the model."
         )
+    if getattr(cfg, "attn_temperature_tuning", False):
+        raise ValueError(
+            f"{name} scales attention queries by the token's index in the row (attn_temperature_tuning), not by its "
+            "position id, so a packed row would change the result. Set config.attn_temperature_tuning=False only if "
+            "the model was trained without it; otherwise this model is not supported."
+        )
     if getattr(cfg, "output_router_logits", False):
         raise ValueError(
             f"{name} has output_router_logits=True: its MoE load-balancing loss counts every token of every row, so "
@@ -104,7 +123,8 @@ def uses_reentrant_checkpointing(model: PreTrainedModel) -> bool:
     for mod in model.modules():
         if getattr(mod, "gradient_checkpointing", False):
             fn = getattr(mod, "_gradient_checkpointing_func", None)
-            if getattr(fn, "keywords", {}).get("use_reentrant", False):
+            # torch.utils.checkpoint defaults to use_reentrant=True when it is not given
+            if getattr(fn, "keywords", {}).get("use_reentrant", True):
                 return True
     return False
 
@@ -136,7 +156,7 @@ def verify_head(model: PreTrainedModel) -> None:
     forward = getattr(model, "_sharedprefix_own_forward", model)
     with torch.no_grad():
         ref = forward(input_ids=ids, use_cache=False).logits[0].float()
-        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0]
+        hidden = decoder(model)(input_ids=ids, use_cache=False).last_hidden_state[0]
         ours = head_logits(model, hidden).float()
     tol = 1e-4 * max(1.0, float(ref.abs().max()))
     if not torch.allclose(ours, ref, rtol=1e-3, atol=tol):

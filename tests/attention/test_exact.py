@@ -205,3 +205,22 @@ def test_attention_setting_restored_also_on_error():
         sp.logprobs(model, random_groups(0, 1, [5], [[2, 3]]))
     assert model.config._attn_implementation == "sdpa"
     assert all(m.config._attn_implementation == "sdpa" for m in model.modules() if hasattr(m, "config"))
+
+
+def test_window_kept_on_the_module_is_applied(kernel_path):
+    """Qwen2-MoE keeps its sliding window on the attention module and applies it through the mask only."""
+    model = _head_model(tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, use_sliding_window=True, sliding_window=4,
+                        max_window_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16)
+    model.config._experts_implementation_internal = "eager"
+    assert any(getattr(m, "sliding_window", None) == 4 for m in model.modules())
+    groups = random_groups(0, 2, [9, 3], [[6, 4], [5]])
+    ref, _ = plain_logprobs(model, groups)
+    with torch.no_grad():
+        assert (sp.logprobs(model, groups).logprobs - ref).abs().max() <= 1e-9
+    # the MoE router's softmax runs in float32 even in a float64 model, so gradients summed over completions
+    # round at float32 there: 1e-6 relative, still far below what a missing window changes
+    w = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * w).sum())
+    got = grads_of(model, lambda: (sp.logprobs(model, groups).logprobs * w).sum())
+    assert_grads_close(got, want, 1e-6)

@@ -130,3 +130,10 @@ def test_bad_temperature_and_model_type():
         sp.logprobs(model, GROUPS, temperature=0)
     with pytest.raises(TypeError, match="expected a transformers causal LM"):
         sp.logprobs(torch.nn.Linear(2, 2), GROUPS)
+
+
+def test_attention_temperature_tuning_refused():
+    model = tiny_model("llama")
+    model.config.attn_temperature_tuning = True
+    with pytest.raises(ValueError, match="attn_temperature_tuning"):
+        sp.logprobs(model, GROUPS)

@@ -62,6 +62,11 @@ def test_ddp_mean_reduction(tmp_path, reference):
     assert_grads_close({k: v * 2 for k, v in got["grads"].items() if v is not None}, reference, 1e-9)
 
 
+def test_ddp_accumulation_then_one_sync(tmp_path, reference):
+    got = _launch("ddp_accum", tmp_path)
+    assert_grads_close({k: v for k, v in got["grads"].items() if v is not None}, reference, 1e-9)
+
+
 def test_fsdp_forward_only_logprobs_and_grad_refusal(tmp_path):
     got = _launch("fsdp_logprobs", tmp_path)
     for max_err, refused in got["stats"]:

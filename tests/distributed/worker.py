@@ -27,6 +27,11 @@ def groups_and_weights():
     return groups, W
 
 
+def loss_fn_for(groups, gidx):
+    _, W = groups_and_weights()
+    return lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()
+
+
 def main(kind, out):
     import faulthandler
 
@@ -78,6 +83,12 @@ def main(kind, out):
             torch.save({"stats": [t.tolist() for t in gathered]}, out)
         dist.destroy_process_group()
         return
+    elif kind == "ddp_accum":  # accumulate without sync, then sync once: same as one call
+        sp.backward(model, mine[:1], loss_fn_for(mine[:1], gidx), max_tokens=BUDGET, sync=False)
+        res = sp.backward(model, mine[1:], loss_fn_for(mine[1:], gidx[sum(g.group_size for g in mine[:1]):]),
+                          max_tokens=BUDGET) if len(mine) > 1 else None
+        if res is None:  # this rank had one group: its sync call has no groups, so sync an empty contribution
+            res = sp.backward(model, mine[:1], lambda b: (b.logprobs * 0.0).sum(), max_tokens=BUDGET)
     else:
         res = sp.backward(model, mine, loss_fn, max_tokens=BUDGET, prefix_activations="recompute",
                           grad_reduction="mean" if kind.endswith("mean") else "sum")

@@ -211,3 +211,23 @@ def test_budget_and_mode_errors():
         sp.backward(model, groups, lambda b: b.logprobs.sum(), prefix_activations="swap")
     with torch.no_grad(), pytest.raises(RuntimeError, match="under torch.no_grad"):
         sp.backward(model, groups, lambda b: b.logprobs.sum())
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_checkpointing_without_use_reentrant_counts_as_reentrant():
+    """torch's checkpoint defaults to use_reentrant=True when the keyword is absent; that must be refused too."""
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"preserve_rng_state": True})
+    model.train()
+    groups = random_groups(1, 3, *SPEC)
+    with pytest.raises(ValueError, match="use_reentrant=True is on"):
+        sp.backward(model, groups, lambda b: b.logprobs.sum(), max_tokens=7)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_logprobs_defer_false_refused_under_checkpointing():
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    with pytest.raises(ValueError, match="defer=False with grad enabled is not possible with gradient checkpointing"):
+        sp.logprobs(model, random_groups(1, 1, [5], [[2, 3]]), defer=False)

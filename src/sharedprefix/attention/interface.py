@@ -68,7 +68,10 @@ def pass_state(state: PassState):
     try:
         yield state
     finally:
-        _STACK.remove(state)
+        for i in range(len(_STACK) - 1, -1, -1):  # by identity: states compare tensors otherwise
+            if _STACK[i] is state:
+                del _STACK[i]
+                break
 
 
 def _refuse(msg: str):
@@ -81,11 +84,14 @@ def shared_prefix_attention(
     if not _STACK:
         raise RuntimeError(
             "the 'sharedprefix' attention ran outside a sharedprefix call; it needs a packed-row layout. "
-            "Call sharedprefix.logprobs / sharedprefix.backward instead of the model directly."
+            "Call sharedprefix.logprobs / sharedprefix.backward instead of the model directly; with gradient "
+            "checkpointing, leave sharedprefix.logprobs(defer=None) so that the recomputation runs inside it."
         )
     state = _STACK[-1]
     layout = state.layout
     name = type(module).__name__
+    if sliding_window is None:  # some models (Qwen2-MoE) keep the window on the module and apply it in the mask only
+        sliding_window = getattr(module, "sliding_window", None)
     if dropout and dropout > 0:
         _refuse(
             f"{name} runs attention dropout p={dropout} in training mode; sharedprefix refuses it because a "

@@ -113,7 +113,7 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         mode = getattr(a, "sharedprefix_prefix_activations", "keep")
         if mode not in PREFIX_MODES:
             raise ValueError(f"sharedprefix_prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
-        if budget is not None and (not isinstance(budget, int) or budget < 1):
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"sharedprefix_max_tokens={budget!r}; expected a positive int or None.")
         self._sp_budget, self._sp_mode = budget, mode
         if getattr(a, "cast_lm_head_to_fp32", False):

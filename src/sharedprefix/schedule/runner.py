@@ -22,6 +22,7 @@ from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.modeling import (
     check_supported,
+    decoder,
     num_attention_layers,
     token_logprobs,
     unwrap,
@@ -126,7 +127,7 @@ class _Runner:
 
         def fn():
             with pass_state(state):
-                out = self.model.base_model(
+                out = decoder(self.model)(
                     input_ids=layout.input_ids.to(self.device),
                     position_ids=layout.position_ids.to(self.device),
                     use_cache=False,
@@ -139,8 +140,8 @@ class _Runner:
             if not layout.completions:
                 return None
             sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
-            pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(0, layout.pred_index.to(self.device))
-            return token_logprobs(self.model, pred, layout.targets.to(self.device), self.temperature, self.entropy)
+            pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(0, layout.pred_index.to(hidden.device))
+            return token_logprobs(self.model, pred, layout.targets.to(hidden.device), self.temperature, self.entropy)
 
         result = self.par.call(fn)
         self._check_calls(state)
@@ -172,7 +173,7 @@ class _Runner:
         """(M,) per-token values -> (n, T), zero on padding."""
         n = len(layout.completions)
         out = values.new_zeros(n, self.T)
-        return out.index_put((layout.out_n.to(self.device), layout.out_t.to(self.device)), values)
+        return out.index_put((layout.out_n.to(values.device), layout.out_t.to(values.device)), values)
 
     def mask_rows(self, layout: RowLayout) -> torch.Tensor:
         lens = torch.tensor([self.plan.tree.segments[self.plan.tree.completion_ids[c]].length for c in layout.completions])
@@ -215,7 +216,11 @@ def logprobs(
         ``LogProbs`` with (N, T) tensors, float32 (float64 for a float64 model), with grad when
         grad is enabled.
     """
-    if torch.is_grad_enabled() and defer is not False:
+    if prefix_activations not in PREFIX_MODES:
+        raise ValueError(f"prefix_activations={prefix_activations!r}; expected one of {PREFIX_MODES}.")
+    if grad_reduction not in REDUCTIONS:
+        raise ValueError(f"grad_reduction={grad_reduction!r}; expected one of {REDUCTIONS}.")
+    if torch.is_grad_enabled():
         inner = unwrap(model)
         kind = detect(model, inner).kind
         if kind == "fsdp":
@@ -224,7 +229,15 @@ def logprobs(
                 "outside FSDP2's hooks. Use sharedprefix.backward for the policy step (and logprobs under "
                 "torch.no_grad() for old-policy and reference log-probs)."
             )
-        if defer or uses_checkpointing(inner) or kind != "none":
+        needs = "a DDP model" if kind == "ddp" else "gradient checkpointing" if uses_checkpointing(inner) else None
+        if defer is False and needs:
+            raise ValueError(
+                f"defer=False with grad enabled is not possible with {needs}: the backward must run inside "
+                "sharedprefix (to recompute checkpointed layers with its attention, or to synchronise DDP "
+                "gradients). Leave defer=None."
+            )
+    if torch.is_grad_enabled() and defer is not False:
+        if defer or needs:
             with torch.no_grad():
                 out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
             return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
@@ -343,7 +356,38 @@ def backward(
     last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
     scale = par.loss_scale() if grad_reduction == "sum" else 1.0
-    stash = _stash_grads(run.model) if par.kind == "ddp" and sync else None
+    if par.kind == "ddp" and not hasattr(run.model, "_sharedprefix_synced"):
+        # gradients already synchronised are set aside; only what this call (and earlier sync=False calls)
+        # adds is all-reduced when a call syncs
+        run.model._sharedprefix_synced = _stash_grads(run.model)
+    total, calls = 0.0, 0
+    try:
+        total, calls = _run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
+        if par.kind == "ddp" and sync:
+            par.all_reduce_grads(run.model)
+            if grad_reduction == "mean":
+                for p in run.model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(par.world_size)
+    finally:
+        par.set_sync(True)  # FSDP2's default, whatever happened
+        if par.kind == "ddp" and (sync or not calls):
+            _unstash_grads(run.model, run.model.__dict__.pop("_sharedprefix_synced", {}))
+    peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
+    return BackwardResult(
+        loss=total,
+        tokens_computed=run.tokens,
+        tokens_plain=run.plan.plain_tokens,
+        passes=len(run.plan.passes),
+        loss_calls=calls,
+        peak_memory_bytes=peak,
+        offloaded_bytes=hooks.bytes_moved if hooks else 0,
+        dummy_rounds=pad_f + pad_fb,
+    )
+
+
+def _run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb):
+    par = run.par
     total, calls = 0.0, 0
     with activated(run.model):
         for i, (kind, x) in enumerate(rounds):
@@ -387,24 +431,7 @@ def backward(
                 with pass_state(state):
                     (loss * scale if scale != 1.0 else loss).backward()
                 total += float(loss.detach())
-    if par.kind == "ddp" and sync:
-        par.all_reduce_grads(run.model)
-        if grad_reduction == "mean":
-            for p in run.model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(par.world_size)
-        _unstash_grads(run.model, stash)
-    peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
-    return BackwardResult(
-        loss=total,
-        tokens_computed=run.tokens,
-        tokens_plain=run.plan.plain_tokens,
-        passes=len(run.plan.passes),
-        loss_calls=calls,
-        peak_memory_bytes=peak,
-        offloaded_bytes=hooks.bytes_moved if hooks else 0,
-        dummy_rounds=pad_f + pad_fb,
-    )
+    return total, calls
 
 
 def _stash_grads(model) -> dict:
