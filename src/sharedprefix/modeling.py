@@ -95,6 +95,14 @@ def check_supported(model: PreTrainedModel) -> None:
             f"{name} uses attention-score soft-capping (attn_logit_softcapping={cfg.attn_logit_softcapping}), which "
             "sharedprefix does not implement exactly, so it refuses the model."
         )
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(
+            f"{name} uses {rope_type!r} RoPE scaling, whose frequencies depend on the longest position in the batch; "
+            "a packed row's longest position differs from each plain row's, so the result could change. This "
+            "rope_type is not supported (plain, linear, yarn and llama3 scaling depend on positions only)."
+        )
     if getattr(cfg, "attn_temperature_tuning", False):
         raise ValueError(
             f"{name} scales attention queries by the token's index in the row (attn_temperature_tuning), not by its "

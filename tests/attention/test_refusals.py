@@ -137,3 +137,11 @@ def test_attention_temperature_tuning_refused():
     model.config.attn_temperature_tuning = True
     with pytest.raises(ValueError, match="attn_temperature_tuning"):
         sp.logprobs(model, GROUPS)
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_length_dependent_rope_scaling_refused(rope_type):
+    model = tiny_model("llama")
+    model.config.rope_parameters = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match=f"'{rope_type}' RoPE scaling"):
+        sp.logprobs(model, GROUPS)
