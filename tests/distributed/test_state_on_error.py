@@ -1,6 +1,5 @@
 """Gradients set aside for DDP synchronisation come back when sp.backward fails half-way."""
 
-import os
 import socket
 
 import pytest
