@@ -41,6 +41,11 @@ class Plan:
     max_tokens: int | None
 
     @property
+    def splits(self) -> bool:
+        """True when some group is split across passes (its prompt is cached and backpropagated later)."""
+        return any(isinstance(s, PrefixBackward) for s in self.steps)
+
+    @property
     def passes(self) -> list[Pass]:
         return [s for s in self.steps if isinstance(s, Pass)]
 

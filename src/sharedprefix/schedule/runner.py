@@ -96,8 +96,7 @@ class _Runner:
         if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
         self.plan: Plan = plan(self.groups, max_tokens)
-        split = any(isinstance(s, PrefixBackward) for s in self.plan.steps)
-        if split and torch.is_grad_enabled() and uses_reentrant_checkpointing(self.model):
+        if self.plan.splits and torch.is_grad_enabled() and uses_reentrant_checkpointing(self.model):
             raise ValueError(
                 "gradient checkpointing with use_reentrant=True is on, and this plan splits a group across passes: "
                 "reentrant checkpointing only returns gradients to a layer's explicit inputs, so the cached prompt "
@@ -236,8 +235,7 @@ def logprobs(
                 "sharedprefix (to recompute checkpointed layers with its attention, or to synchronise DDP "
                 "gradients). Leave defer=None."
             )
-    if torch.is_grad_enabled() and defer is not False:
-        if defer or needs:
+        if defer or (defer is None and needs):
             with torch.no_grad():
                 out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
             return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
@@ -332,8 +330,7 @@ def backward(
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     run = _Runner(model, groups, max_tokens, backend, temperature, entropy, leaves=True)
     par = run.par
-    split = any(isinstance(s, PrefixBackward) for s in run.plan.steps)
-    if par.fsdp and split and prefix_activations != "recompute":
+    if par.fsdp and run.plan.splits and prefix_activations != "recompute":
         raise ValueError(
             f"prefix_activations={prefix_activations!r} with an FSDP2 model and a budget that splits a group: a "
             "prompt's deferred backward must run inside the root module's call under FSDP2, which only "

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 
@@ -63,18 +61,9 @@ def speed_comparison(trainer) -> str:
         comp = [torch.tensor([trainer.tok.eos_token_id] * cfg.max_new_tokens) for _ in range(cfg.group_size)]
         groups.append(sp.Group(ids, comp))
 
-    def timed(fn, repeats=3):
-        fn()
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
-        return best
-
-    t_plain = timed(lambda: bench.plain_step(model, groups))
-    t_shared = timed(lambda: bench.shared_step(model, groups, cfg.max_tokens, cfg.prefix_activations))
+    t_plain = bench.best_time(lambda: bench.plain_step(model, groups), 3)
+    t_shared = bench.best_time(lambda: bench.shared_step(model, groups, cfg.max_tokens, cfg.prefix_activations), 3)
+    model.zero_grad(set_to_none=True)
     p = len(groups[0].prompt)
     return (f"speed on this step's shape ({cfg.prompts_per_step} prompts of {p} tokens, G={cfg.group_size}, "
             f"{cfg.max_new_tokens} new tokens; forward+backward): plain {t_plain * 1e3:.1f} ms, sharedprefix "
