@@ -14,10 +14,10 @@ logging.set_verbosity_error()
 import pytest  # noqa: E402
 
 
-@pytest.fixture(params=[True, False], ids=["merged", "masked"])
+@pytest.fixture(params=["cpu", "reference"])
 def kernel_path(request, monkeypatch):
-    """Both CPU kernels for blocks with ancestors: log-sum-exp merged flash calls, and one masked SDPA call."""
+    """Both CPU implementations of the attention primitive: torch's CPU flash kernel and the float64 reference."""
     from sharedprefix.attention import interface
 
-    monkeypatch.setattr(interface, "MERGE_ON_CPU", request.param)
+    monkeypatch.setattr(interface.PassState, "backend", request.param)
     return request.param

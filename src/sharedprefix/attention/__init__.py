@@ -1,6 +1,8 @@
-"""Exact shared-prefix attention, registered with transformers' attention interface."""
+"""Exact shared-prefix attention: one varlen primitive, a cascade over the tree, hooked into transformers."""
 
-from sharedprefix.attention.backends import BACKENDS, eager_block, sdpa_block
+from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.attention.interface import NAME, PassState, activated, pass_state, shared_prefix_attention
+from sharedprefix.attention.kernels import IMPLEMENTATIONS, select
 
-__all__ = ["BACKENDS", "NAME", "PassState", "activated", "eager_block", "pass_state", "sdpa_block", "shared_prefix_attention"]
+__all__ = ["IMPLEMENTATIONS", "NAME", "PassState", "activated", "cascade_attention", "pass_state", "select",
+           "shared_prefix_attention"]

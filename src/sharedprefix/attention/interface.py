@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
 
-from sharedprefix.attention.backends import get_backend, merged_cpu_block
+from sharedprefix.attention import kernels
+from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout.packing import RowLayout
 
 NAME = "sharedprefix"
@@ -38,7 +39,7 @@ class PassState:
 
     Attributes:
         layout: the row being computed.
-        backend: name of the kernel in ``attention.backends``.
+        backend: implementation of the attention primitive (``attention.kernels.select``).
         read_kv: (module, segment id) -> (k, v), each (1, Hkv, len, D), for cached ancestors.
         write_kv: (module, segment id, k, v) -> None, called once per layer for ``layout.record``.
         seen: attention modules that ran in this pass (a layer recomputed by gradient
@@ -47,18 +48,13 @@ class PassState:
     """
 
     layout: RowLayout
-    backend: str = "sdpa"
+    backend: str = "auto"
     read_kv: Callable | None = None
     write_kv: Callable | None = None
     seen: dict = field(default_factory=dict)
 
 
 _STACK: list[PassState] = []
-
-# On CPU, blocks with ancestors run through the CPU flash kernel with log-sum-exp merging (no mask, no
-# wasted (query, key) pairs, no copy of cached K/V) instead of one masked SDPA call. Both are exact;
-# tests run both.
-MERGE_ON_CPU = True
 
 
 @contextmanager
@@ -90,8 +86,7 @@ def shared_prefix_attention(
     state = _STACK[-1]
     layout = state.layout
     name = type(module).__name__
-    if sliding_window is None:  # some models (Qwen2-MoE) keep the window on the module and apply it in the mask only
-        sliding_window = getattr(module, "sliding_window", None)
+    sliding_window = layer_window(module, sliding_window)
     if dropout and dropout > 0:
         _refuse(
             f"{name} runs attention dropout p={dropout} in training mode; sharedprefix refuses it because a "
@@ -133,43 +128,47 @@ def shared_prefix_attention(
             r0, r1 = layout.row_start[s], layout.row_end[s]
             state.write_kv(module, s, key[:, :, r0:r1], value[:, :, r0:r1])
 
-    kernel = get_backend(state.backend)
-    outs = []
-    for block in layout.blocks:
-        if _use_merged(state, block, query, sliding_window):
-            outs.append(_merged(state, module, block, query, key, value, scale))
-            continue
-        parts = []
-        for p in block.keys:
-            if p.cached:
-                parts.append(state.read_kv(module, p.seg))
-            else:
-                parts.append((key[:, :, p.start : p.end], value[:, :, p.start : p.end]))
-        if len(parts) == 1:
-            k, v = parts[0]
+    impl = kernels.select(state.backend, query.device)
+    read = (lambda seg: state.read_kv(module, seg)) if state.read_kv else None
+    return cascade_attention(impl, layout.cascade(sliding_window), query, key, value, read, scale), None
+
+
+def layer_window(module, passed: int | None) -> int | None:
+    """The sliding window (tokens) of this layer, from the model's own per-layer information.
+
+    ``config.layer_types[layer_idx]`` is what the masks of the plain forward follow, so it decides when the
+    model has it; a window the layer passes must agree with it. A window attribute left on the module is
+    only used by models without per-layer types, whose masks apply ``config.sliding_window`` everywhere.
+    """
+    cfg = getattr(module, "config", None)
+    types = getattr(cfg, "layer_types", None)
+    idx = getattr(module, "layer_idx", None)
+    name = type(module).__name__
+    if types is not None and idx is not None and idx < len(types):
+        kind = str(types[idx])
+        size = getattr(cfg, "sliding_window", None) or None
+        if kind == "full_attention":
+            window = None
+        elif kind == "sliding_attention":
+            if not size:
+                raise ValueError(
+                    f"{name} (layer {idx}) is a 'sliding_attention' layer but config.sliding_window={size!r}; "
+                    "sharedprefix cannot tell which window the plain forward applies. Set config.sliding_window."
+                )
+            window = int(size)
         else:
-            k = torch.cat([x[0] for x in parts], dim=2)
-            v = torch.cat([x[1] for x in parts], dim=2)
-        mask = block.additive_mask(sliding_window, query.device, query.dtype)
-        outs.append(kernel(query[:, :, block.q_start : block.q_end], k, v, mask, scale))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _use_merged(state: PassState, block, query, window) -> bool:
-    """The CPU flash kernel with log-sum-exp merging: SDPA backend, CPU, a block with ancestors, no window."""
-    return (MERGE_ON_CPU and state.backend == "sdpa" and query.device.type == "cpu" and bool(block.ancestor_keys)
-            and not block.window_bites(window) and query.dtype in (torch.float32, torch.float64, torch.bfloat16))
-
-
-def _merged(state: PassState, module, block, query, key, value, scale):
-    parts = [state.read_kv(module, p.seg) if p.cached else (key[:, :, p.start : p.end], value[:, :, p.start : p.end])
-             for p in block.ancestor_keys]
-    k_anc = parts[0][0] if len(parts) == 1 else torch.cat([x[0] for x in parts], dim=2)
-    v_anc = parts[0][1] if len(parts) == 1 else torch.cat([x[1] for x in parts], dim=2)
-    q0, q1 = block.q_start, block.q_end
-    sibs = [(a - q0, b - q0) for a, b in block.siblings]
-    return merged_cpu_block(query[:, :, q0:q1], k_anc, v_anc, key[:, :, q0:q1], value[:, :, q0:q1], sibs, scale)
+            window = passed
+        if passed is not None and (window is None or int(passed) != window):
+            raise ValueError(
+                f"{name} (layer {idx}) passes sliding_window={passed} to attention, but config.layer_types says "
+                f"{kind!r} with config.sliding_window={size!r}; the plain forward's masks follow layer_types, so the "
+                "two disagree and sharedprefix refuses rather than pick one. Fix the model's configuration."
+            )
+        return window
+    if passed is not None:
+        return int(passed)
+    own = getattr(module, "sliding_window", None)
+    return int(own) if own else None
 
 
 AttentionInterface.register(NAME, shared_prefix_attention)

@@ -1,7 +1,7 @@
 """Groups, the segment tree, and packing segments into rows (no model code here)."""
 
 from sharedprefix.layout.groups import Group, validate_groups
-from sharedprefix.layout.packing import Block, KeyPart, RowLayout, pack_row
+from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.tree import Segment, SegmentTree
 
-__all__ = ["Block", "Group", "KeyPart", "RowLayout", "Segment", "SegmentTree", "pack_row", "validate_groups"]
+__all__ = ["Group", "RowLayout", "Segment", "SegmentTree", "pack_row", "validate_groups"]

@@ -1,14 +1,15 @@
-"""Pack segments into one row and describe the attention each token is allowed.
+"""Pack segments into one row: token ids, position ids and where each completion is predicted.
 
 A pass computes one packed row (batch size 1, no padding) holding some segments of a
-``SegmentTree``. Ancestors of a row segment are either earlier in the same row or were
-computed by an earlier pass and come from the prefix cache. The row is cut into attention
-*blocks*: a run of consecutive sibling segments (same parent). A block's queries are its
-own tokens; its keys are its ancestors' tokens (shared, never copied per sibling) followed
-by its own tokens, with a block-diagonal causal mask among the siblings.
+``SegmentTree``. Ancestors of a row segment are either in the same row or were computed by an
+earlier pass and come from the prefix cache. The row is laid out level by level (all depth-0
+segments, then depth 1, ...), each level in tree order, so that the segments of one depth are
+one contiguous run of queries and their ancestors at any level are one run of keys: the
+attention cascade (``layout.cascade``) then describes every kernel call with ``cu_seqlens``
+offsets alone, without masks and without copying keys.
 
-Notation: L = row length, Lq = block queries, Lk = block keys, M = predicted completion
-tokens in the row, C = cached hidden states the row reads.
+Notation: L = row length, M = predicted completion tokens in the row, C = cached hidden states
+the row reads.
 """
 
 from __future__ import annotations
@@ -20,75 +21,6 @@ import torch
 from sharedprefix.layout.tree import SegmentTree
 
 
-@dataclass(frozen=True)
-class KeyPart:
-    """A contiguous run of keys: ``row[start:end]`` of this pass, or the cached segment ``seg``."""
-
-    seg: int | None = None
-    start: int = 0
-    end: int = 0
-
-    @property
-    def cached(self) -> bool:
-        return self.seg is not None
-
-
-@dataclass
-class Block:
-    """Queries ``row[q_start:q_end]`` attending to the concatenation of ``keys``."""
-
-    q_start: int
-    q_end: int
-    keys: list[KeyPart]
-    q_seg: torch.Tensor  # (Lq,) int64 segment id of each query
-    q_pos: torch.Tensor  # (Lq,) int64 position id of each query
-    k_seg: torch.Tensor  # (Lk,) int64 segment id of each key
-    k_pos: torch.Tensor  # (Lk,) int64 position id of each key
-    ancestors: set[int]  # segments every query of the block may fully attend to
-    plain_causal: bool  # one root segment: plain causal attention, no mask needed
-    ancestor_keys: list[KeyPart] = field(default_factory=list)  # the ancestors' key runs alone
-    siblings: list[tuple[int, int]] = field(default_factory=list)  # row range of each sibling segment
-    _masks: dict = field(default_factory=dict)
-
-    def window_bites(self, window: int | None) -> bool:
-        return window is not None and window < int(self.q_pos.max() - self.k_pos.min()) + 1
-
-    def mask(self, window: int | None, device) -> torch.Tensor | None:
-        """(Lq, Lk) bool mask, True where attention is allowed; None for plain causal attention.
-
-        ``window`` is a sliding window in the transformers convention: a query at position p
-        sees keys at positions > p - window.
-        """
-        if not self.window_bites(window):
-            window = None  # the window never bites inside this block: identical to full attention
-        if self.plain_causal and window is None:
-            return None
-        key = (window, str(device))
-        if key not in self._masks:
-            same = self.q_seg[:, None] == self.k_seg[None, :]
-            allowed = same & (self.k_pos[None, :] <= self.q_pos[:, None])
-            anc = torch.tensor([int(s) in self.ancestors for s in self.k_seg.tolist()], dtype=torch.bool)
-            allowed |= anc[None, :]
-            if window is not None:
-                allowed &= (self.q_pos[:, None] - self.k_pos[None, :]) < window
-            self._masks[key] = allowed.to(device)
-        return self._masks[key]
-
-    def additive_mask(self, window: int | None, device, dtype) -> torch.Tensor | None:
-        """The same mask as (Lq, Lk) floats, 0 where allowed and -inf elsewhere, built once per pass and dtype.
-
-        Attention kernels convert a bool mask to this form on every call (and keep the copy for
-        backward); handing them one shared tensor saves that copy in every layer.
-        """
-        allowed = self.mask(window, device)
-        if allowed is None:
-            return None
-        key = (window, str(device), dtype)
-        if key not in self._masks:
-            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-        return self._masks[key]
-
-
 @dataclass
 class RowLayout:
     """Everything one pass needs to run a packed row and read its completions' log-probs.
@@ -97,7 +29,7 @@ class RowLayout:
         segments: segment ids in row order.
         input_ids / position_ids: (1, L) int64.
         row_start / row_end: segment id -> offset of its first token / one past its last token.
-        blocks: attention blocks covering the row in order.
+        tree: the segment tree the row belongs to; depth: segment id -> number of ancestors.
         cached_reads: ancestor segment ids read from the prefix cache.
         record: segment ids whose per-layer K/V and last hidden state this pass must cache.
         completions: global completion indices n computed in this row, in row order.
@@ -111,7 +43,8 @@ class RowLayout:
     position_ids: torch.Tensor
     row_start: dict[int, int]
     row_end: dict[int, int]
-    blocks: list[Block]
+    tree: SegmentTree
+    depth: dict[int, int]
     cached_reads: list[int]
     record: list[int]
     completions: list[int]
@@ -121,76 +54,53 @@ class RowLayout:
     out_n: torch.Tensor
     out_t: torch.Tensor
 
+    _cascades: dict = field(default_factory=dict, repr=False)
+
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def cascade(self, window: int | None):
+        """The attention calls of this row for a sliding window of ``window`` tokens (None: full), built once."""
+        from sharedprefix.layout.cascade import build_cascade
+
+        if window not in self._cascades:
+            self._cascades[window] = build_cascade(self, window)
+        return self._cascades[window]
+
 
 def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: list[int] = ()) -> RowLayout:
-    """Lay out ``segments`` (in that order) as one row; ancestors outside it must be in ``cached``."""
+    """Lay out ``segments`` as one row, level by level; ancestors outside it must be in ``cached``."""
     segs = tree.segments
-    row_start, pos, ids, off = {}, [], [], 0
+    if len(set(segments)) != len(segments):
+        raise ValueError(f"a segment appears twice in one row {list(segments)}; each segment is computed once.")
+    inrow = set(segments)
+    depth = {}
     for s in segments:
-        seg = segs[s]
-        if s in row_start:
-            raise ValueError(f"segment {s} appears twice in one row; each segment is computed once.")
-        for a in tree.ancestors(s):
-            if a not in row_start and a not in cached:
+        anc = tree.ancestors(s)
+        for a in anc:
+            if a not in inrow and a not in cached:
                 raise ValueError(
-                    f"segment {s} needs its ancestor {a}, which is neither earlier in the row nor cached; "
+                    f"segment {s} needs its ancestor {a}, which is neither in the row nor cached; "
                     "the plan must compute ancestors first."
                 )
+        depth[s] = len(anc)
+    # segment ids number the tree in preorder, so (depth, id) keeps every level in tree order
+    order = sorted(segments, key=lambda s: (depth[s], s))
+    row_start, pos, ids, off = {}, [], [], 0
+    for s in order:
+        seg = segs[s]
         row_start[s] = off
         ids.append(seg.tokens)
         pos.append(torch.arange(seg.start, seg.end))
         off += seg.length
     position = torch.cat(pos)
-    seg_of = torch.cat([torch.full((segs[s].length,), s, dtype=torch.int64) for s in segments])
-
-    blocks, reads = [], []
-    i = 0
-    while i < len(segments):
-        j = i
-        parent = segs[segments[i]].parent
-        while j + 1 < len(segments) and segs[segments[j + 1]].parent == parent:
-            j += 1
-        q0, q1 = row_start[segments[i]], row_start[segments[j]] + segs[segments[j]].length
-        anc = tree.ancestors(segments[i])
-        parts: list[KeyPart] = []
-        for a in anc:
-            if a in row_start:
-                a0 = row_start[a]
-                if parts and not parts[-1].cached and parts[-1].end == a0:
-                    parts[-1] = KeyPart(start=parts[-1].start, end=a0 + segs[a].length)
-                else:
-                    parts.append(KeyPart(start=a0, end=a0 + segs[a].length))
-            else:
-                parts.append(KeyPart(seg=a))
-                if a not in reads:
-                    reads.append(a)
-        anc_parts = list(parts)  # the ancestors alone, for kernels that attend to them separately
-        if parts and not parts[-1].cached and parts[-1].end == q0:
-            parts[-1] = KeyPart(start=parts[-1].start, end=q1)
-        else:
-            parts.append(KeyPart(start=q0, end=q1))
-        k_seg = torch.cat(
-            [
-                torch.full((segs[p.seg].length,), p.seg, dtype=torch.int64) if p.cached else seg_of[p.start : p.end]
-                for p in parts
-            ]
-        )
-        k_pos = torch.cat(
-            [torch.arange(segs[p.seg].start, segs[p.seg].end) if p.cached else position[p.start : p.end] for p in parts]
-        )
-        blocks.append(
-            Block(
-                q0, q1, parts, seg_of[q0:q1], position[q0:q1], k_seg, k_pos, set(anc),
-                plain_causal=(i == j and not anc),
-                ancestor_keys=anc_parts,
-                siblings=[(row_start[x], row_start[x] + segs[x].length) for x in segments[i : j + 1]],
-            )
-        )
-        i = j + 1
+    reads = []
+    for s in order:
+        for a in tree.ancestors(s):
+            if a not in row_start and a not in reads:
+                reads.append(a)
+    segments = order
 
     # Completion log-probs: token 0 is predicted by the parent's last token, token t by token t-1.
     L = off
@@ -220,7 +130,8 @@ def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: l
         position_ids=position[None],
         row_start=row_start,
         row_end={s: row_start[s] + segs[s].length for s in segments},
-        blocks=blocks,
+        tree=tree,
+        depth=depth,
         cached_reads=reads,
         record=list(record),
         completions=comps,

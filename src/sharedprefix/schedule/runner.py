@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from sharedprefix.attention.interface import PassState, activated, pass_state
+from sharedprefix.attention.kernels import select
 from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.tree import SegmentTree
@@ -104,6 +105,8 @@ class _Runner:
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or raise "
                 "max_tokens so that every group fits one pass."
             )
+        self.device = emb.weight.device
+        select(backend, self.device)  # an unknown or unavailable backend fails before any computation
         self.backend = backend
         self.temperature = float(temperature)
         self.entropy = entropy
@@ -185,7 +188,7 @@ def logprobs(
     temperature: float = 1.0,
     entropy: bool = False,
     max_tokens: int | None = None,
-    backend: str = "sdpa",
+    backend: str = "auto",
     defer: bool | None = None,
     prefix_activations: str = "recompute",
     grad_reduction: str = "sum",
@@ -199,7 +202,8 @@ def logprobs(
         entropy: also return the entropy of each predicted distribution.
         max_tokens: tokens one pass may hold (None: all groups in one pass). Groups larger than
             the budget run their prompt once and their completions in later passes.
-        backend: attention kernel, "sdpa" or "eager".
+        backend: implementation of the attention primitive: "auto" (the device's own: "cuda" on CUDA,
+            "cpu" otherwise), "cpu", "cuda", "flash_attn", or "reference" (float64 math, for tests).
         defer: with grad enabled, compute the values without a graph and run ``sp.backward`` (with
             the incoming per-token gradients as a linear loss) when autograd reaches them. Exact by
             the chain rule; costs one more forward, but keeps the memory of the schedule under
@@ -292,7 +296,7 @@ def backward(
     prefix_activations: str = "keep",
     temperature: float = 1.0,
     entropy: bool = False,
-    backend: str = "sdpa",
+    backend: str = "auto",
     offload_device: str | torch.device = "cpu",
     sync: bool = True,
     grad_reduction: str = "sum",

@@ -1,0 +1,98 @@
+"""Run a row's attention cascade (``layout.cascade``) on the primitive and merge it by log-sum-exp.
+
+Forward: each call gives (out_i, lse_i) for its rows; lse = logsumexp_i lse_i and
+out = sum_i exp(lse_i - lse) * out_i. Backward: each call's kernel backward, given the *merged*
+out and lse, is exactly that call's share of dQ, dK, dV (see ``attention.kernels``). Keys enter
+as views of the row's K/V, as the cached tensors of earlier passes (leaves that accumulate dK,
+dV), or, under a window, gathered by one index; autograd routes their gradients.
+
+Notation: L = row length, H = query heads, Hkv = key/value heads, D / Dv = head dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sharedprefix.layout.cascade import Cascade
+
+
+class _Merged(torch.autograd.Function):
+    """q (L, H, D) and per call (k_i, v_i) -> merged out (L, H, Dv) in q's dtype."""
+
+    @staticmethod
+    def forward(ctx, impl, calls, device, scale, q, *kv):
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        outs, lses = [], []
+        for i, c in enumerate(calls):
+            cu_q, cu_k, _ = c.on(device)
+            o, m = impl.forward(q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], cu_q, cu_k, c.max_seqlen_q,
+                                c.max_seqlen_k, c.causal, c.window, scale)
+            outs.append(o)
+            lses.append(m.to(acc))
+        if len(calls) == 1:
+            out, lse = outs[0], lses[0]
+        else:
+            lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
+            for c, m in zip(calls, lses):
+                lse[c.q_start : c.q_end] = torch.logaddexp(lse[c.q_start : c.q_end], m)
+            merged = torch.zeros(q.shape[0], q.shape[1], outs[0].shape[-1], dtype=acc, device=q.device)
+            for c, o, m in zip(calls, outs, lses):
+                w = torch.exp(m - lse[c.q_start : c.q_end]).nan_to_num_(0.0)  # -inf - -inf: rows with no key
+                merged[c.q_start : c.q_end] += w[..., None] * o.to(acc)
+            out = merged.to(q.dtype)
+        ctx.save_for_backward(q, out, lse, *kv)
+        ctx.impl, ctx.calls, ctx.device, ctx.scale = impl, calls, device, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse, *kv = ctx.saved_tensors
+        dq = torch.zeros_like(q)
+        grads = []
+        for i, c in enumerate(ctx.calls):
+            cu_q, cu_k, _ = c.on(ctx.device)
+            s = slice(c.q_start, c.q_end)
+            gq, gk, gv = ctx.impl.backward(dout[s], q[s], kv[2 * i], kv[2 * i + 1], out[s], lse[s], cu_q, cu_k,
+                                           c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ctx.scale)
+            dq[s] += gq
+            grads += [gk, gv]
+        return (None, None, None, None, dq, *grads)
+
+
+def _keys(call, k: torch.Tensor, v: torch.Tensor, read_kv):
+    """The call's (K, Hkv, D) keys and values: a view of the row's, the cached ones, or their concatenation."""
+    ks, vs = [], []
+    for src in call.keys:
+        if src.cached:
+            ck, cv = read_kv(src.seg)  # (1, Hkv, len, D) as cached
+            ks.append(ck[0].transpose(0, 1))
+            vs.append(cv[0].transpose(0, 1))
+        else:
+            ks.append(k[src.start : src.end])
+            vs.append(v[src.start : src.end])
+    kk = ks[0] if len(ks) == 1 else torch.cat(ks)
+    vv = vs[0] if len(vs) == 1 else torch.cat(vs)
+    _, _, index = call.on(k.device)
+    if index is not None:
+        kk, vv = kk.index_select(0, index), vv.index_select(0, index)
+    return kk, vv
+
+
+def cascade_attention(impl, cascade: Cascade, query, key, value, read_kv, scale: float) -> torch.Tensor:
+    """Shared-prefix attention of a packed row.
+
+    Args:
+        impl: an implementation of the primitive (``attention.kernels``).
+        query: (1, H, L, D); key, value: (1, Hkv, L, D | Dv) as transformers passes them.
+        read_kv: segment id -> its cached (k, v), each (1, Hkv, len, D | Dv).
+
+    Returns:
+        (1, L, H, Dv) in query's dtype, as transformers' attention functions return it.
+    """
+    q = query[0].transpose(0, 1)  # (L, H, D), a view
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    kv = []
+    for c in cascade.calls:
+        kv += _keys(c, k, v, read_kv)
+    out = _Merged.apply(impl, cascade.calls, q.device, scale, q, *kv)
+    return out[None]

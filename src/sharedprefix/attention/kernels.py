@@ -1,0 +1,311 @@
+"""The attention primitive: variable-length segments of queries against keys, with log-sum-exp.
+
+Every device runs the same cascade (``attention.cascade``) over this one primitive; only the
+implementation under it differs. The contract, in flash-attention's varlen convention:
+
+    forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale)
+        -> (out, lse)
+    backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             causal, window, scale) -> (dq, dk, dv)
+
+Notation: B = entries, Tq / Tk = packed queries / keys, H = query heads, Hkv = key/value heads
+(H % Hkv == 0: GQA/MQA, never repeated where the kernel takes it natively), D = q/k head dim,
+Dv = value head dim.
+
+    q: (Tq, H, D), k: (Tk, Hkv, D), v: (Tk, Hkv, Dv), one dtype.
+    cu_seqlens_q / cu_seqlens_k: (B + 1,) int32, offsets of each entry's queries / keys
+        (entry b: q[cu_q[b]:cu_q[b+1]] against k[cu_k[b]:cu_k[b+1]]); an entry may have zero queries.
+    causal / window: bottom-right aligned, as flash-attention: query i of an entry with Lq queries
+        and Lk keys sits on key i + Lk - Lq; ``causal`` hides keys after it; ``window`` (None or an
+        int >= 0) hides keys more than ``window`` before it. (A transformers sliding window of w
+        tokens is ``window = w - 1``.)
+    scale: the softmax scale (``module.scaling``).
+    out: (Tq, H, Dv) in q's dtype.
+    lse: (Tq, H) natural-log log-sum-exp of the scaled scores, float32 (float64 for float64
+        inputs); -inf where a query sees no key (its out is 0).
+
+``backward`` takes the output and LSE of the *merged* attention the entry is one part of (the
+identity ring attention uses): with P = exp(S - lse_merged), dV = P^T dO, dS = P * (dO V^T -
+rowsum(dO * out_merged)), it returns exactly this part's share of dQ, dK, dV. A query row with
+lse = +inf contributes nothing (used for padding rows).
+
+Implementations: ``reference`` (explicit float64 math, the tests' yardstick), ``cpu`` (torch's CPU
+flash kernel, one call per entry, query tiles with a small local mask where a window or a
+non-square causal entry needs one), ``cuda`` (torch's own varlen flash ops, no extra dependency),
+``flash_attn`` (the flash-attn package, when installed). The two GPU wrappers are kept thin: the
+CPU tests cover all the logic around them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TILE = 256  # query rows per CPU kernel call when a local mask is needed
+
+
+def _entries(cu_q: torch.Tensor, cu_k: torch.Tensor):
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for b in range(len(cq) - 1):
+        yield cq[b], cq[b + 1], ck[b], ck[b + 1]
+
+
+def _key_range(i0: int, i1: int, lq: int, lk: int, causal: bool, window: int | None) -> tuple[int, int]:
+    """Keys any of the queries i0..i1-1 of an entry may see (bottom-right alignment)."""
+    off = lk - lq
+    lo = 0 if window is None else max(0, i0 + off - window)
+    hi = min(lk, i1 - 1 + off + 1) if causal else lk
+    return lo, max(lo, hi)
+
+
+def _allowed(i0: int, i1: int, k0: int, k1: int, lq: int, lk: int, causal: bool, window: int | None, device):
+    """(i1 - i0, k1 - k0) bool: which keys each query of the tile may see."""
+    qi = torch.arange(i0, i1, device=device)[:, None] + (lk - lq)
+    kj = torch.arange(k0, k1, device=device)[None, :]
+    ok = torch.ones(i1 - i0, k1 - k0, dtype=torch.bool, device=device)
+    if causal:
+        ok &= kj <= qi
+    if window is not None:
+        ok &= kj >= qi - window
+    return ok
+
+
+def _lse_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _repeat_heads(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
+
+
+def _fold_heads(dx: torch.Tensor, n: int) -> torch.Tensor:
+    """Gradient w.r.t. repeated heads -> gradient w.r.t. the Hkv original heads."""
+    if n == 1:
+        return dx
+    t, h, d = dx.shape
+    return dx.view(t, h // n, n, d).sum(2)
+
+
+class Reference:
+    """Explicit math in float64: the yardstick every other implementation is tested against."""
+
+    name = "reference"
+
+    @staticmethod
+    def _scores(q, k, scale, i0, i1, k0, k1, lq, lk, causal, window):
+        n = q.shape[1] // k.shape[1]
+        kk = _repeat_heads(k.double(), n)
+        s = torch.einsum("ihd,jhd->hij", q.double(), kk) * scale
+        ok = _allowed(i0, i1, k0, k1, lq, lk, causal, window, q.device)
+        return s.masked_fill(~ok, float("-inf"))
+
+    @staticmethod
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
+        h, n = q.shape[1], q.shape[1] // k.shape[1]
+        out = q.new_zeros(q.shape[0], h, v.shape[-1], dtype=torch.float64)
+        lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float64, device=q.device)
+        for q0, q1, k0, k1 in _entries(cu_q, cu_k):
+            if q1 == q0 or k1 == k0:
+                continue
+            s = Reference._scores(q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal, window)
+            m = torch.logsumexp(s, dim=-1)  # (H, Lq)
+            p = torch.exp(s - m[..., None]).nan_to_num(0.0)
+            out[q0:q1] = torch.einsum("hij,jhd->ihd", p, _repeat_heads(v[k0:k1].double(), n))
+            lse[q0:q1] = m.t()
+        return out.to(q.dtype), lse.to(_lse_dtype(q))
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale):
+        n = q.shape[1] // k.shape[1]
+        dq = torch.zeros_like(q, dtype=torch.float64)
+        dk = torch.zeros(k.shape[0], q.shape[1], k.shape[2], dtype=torch.float64, device=q.device)
+        dv = torch.zeros(v.shape[0], q.shape[1], v.shape[2], dtype=torch.float64, device=q.device)
+        for q0, q1, k0, k1 in _entries(cu_q, cu_k):
+            if q1 == q0 or k1 == k0:
+                continue
+            s = Reference._scores(q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal, window)
+            p = torch.exp(s - lse[q0:q1].double().t()[..., None])  # (H, Lq, Lk) under the merged lse
+            do, o = dout[q0:q1].double(), out[q0:q1].double()
+            vv = _repeat_heads(v[k0:k1].double(), n)
+            dv[k0:k1] += torch.einsum("hij,ihd->jhd", p, do)
+            dp = torch.einsum("ihd,jhd->hij", do, vv)
+            delta = (do * o).sum(-1).t()[..., None]  # (H, Lq, 1)
+            ds = p * (dp - delta) * scale
+            dq[q0:q1] += torch.einsum("hij,jhd->ihd", ds, _repeat_heads(k[k0:k1].double(), n))
+            dk[k0:k1] += torch.einsum("hij,ihd->jhd", ds, q[q0:q1].double())
+        return dq.to(q.dtype), _fold_heads(dk, n).to(k.dtype), _fold_heads(dv, n).to(v.dtype)
+
+
+def _cpu_tiles(lq, lk, causal, window):
+    """(i0, i1, k0, k1, needs_mask, square_causal) calls covering one entry on the CPU kernel."""
+    if not causal and window is None:
+        yield 0, lq, 0, lk, False, False
+        return
+    if causal and window is None and lq == lk:
+        yield 0, lq, 0, lk, False, True
+        return
+    for i0 in range(0, lq, TILE):
+        i1 = min(lq, i0 + TILE)
+        k0, k1 = _key_range(i0, i1, lq, lk, causal, window)
+        yield i0, i1, k0, k1, True, False
+
+
+class CPU:
+    """torch's CPU flash kernel, one call per entry (query tiles with a local mask for windows)."""
+
+    name = "cpu"
+
+    @staticmethod
+    def _mask(i0, i1, k0, k1, lq, lk, causal, window, dtype, device):
+        ok = _allowed(i0, i1, k0, k1, lq, lk, causal, window, device)
+        return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
+
+    @staticmethod
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        n = q.shape[1] // k.shape[1]
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=_lse_dtype(q), device=q.device)
+        for q0, q1, e0, e1 in _entries(cu_q, cu_k):
+            lq, lk = q1 - q0, e1 - e0
+            for i0, i1, k0, k1, masked, sq in _cpu_tiles(lq, lk, causal, window):
+                if i1 == i0 or k1 == k0:
+                    continue
+                qq = q[q0 + i0 : q0 + i1].transpose(0, 1)[None]
+                kk = _repeat_heads(k[e0 + k0 : e0 + k1], n).transpose(0, 1)[None]
+                vv = _repeat_heads(v[e0 + k0 : e0 + k1], n).transpose(0, 1)[None]
+                mask = CPU._mask(i0, i1, k0, k1, lq, lk, causal, window, q.dtype, q.device) if masked else None
+                o, m = op(qq, kk, vv, 0.0, sq, attn_mask=mask, scale=scale)
+                out[q0 + i0 : q0 + i1] = o[0].transpose(0, 1)
+                lse[q0 + i0 : q0 + i1] = m[0].transpose(0, 1).to(lse.dtype)
+        dead = ~torch.isfinite(lse)  # rows that see no key inside a tile
+        if dead.any():
+            out = out.masked_fill(dead[..., None], 0.0)
+            lse = lse.masked_fill(dead, float("-inf"))
+        return out, lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale):
+        bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        n = q.shape[1] // k.shape[1]
+        dq = torch.zeros_like(q)
+        dk = q.new_zeros(k.shape[0], q.shape[1], k.shape[2])
+        dv = q.new_zeros(v.shape[0], q.shape[1], v.shape[2])
+        live = torch.isfinite(lse)  # +inf: padding rows; they take no part
+        for q0, q1, e0, e1 in _entries(cu_q, cu_k):
+            lq, lk = q1 - q0, e1 - e0
+            for i0, i1, k0, k1, masked, sq in _cpu_tiles(lq, lk, causal, window):
+                a, b = q0 + i0, q0 + i1
+                if b == a or k1 == k0 or not bool(live[a:b].any()):
+                    continue
+                t = lambda x: x.transpose(0, 1)[None].contiguous()  # noqa: E731  (rows, H, d) -> (1, H, rows, d)
+                kk, vv = _repeat_heads(k[e0 + k0 : e0 + k1], n), _repeat_heads(v[e0 + k0 : e0 + k1], n)
+                row_live = live[a:b]
+                g = dout[a:b] * row_live[..., None]
+                m = torch.where(row_live, lse[a:b].to(q.dtype), torch.zeros((), dtype=q.dtype))
+                mask = CPU._mask(i0, i1, k0, k1, lq, lk, causal, window, q.dtype, q.device) if masked else None
+                gq, gk, gv = bop(t(g), t(q[a:b]), t(kk), t(vv), t(out[a:b] * row_live[..., None]),
+                                 m.t()[None].contiguous(), 0.0, sq, attn_mask=mask, scale=scale)
+                dq[a:b] += gq[0].transpose(0, 1)
+                dk[e0 + k0 : e0 + k1] += gk[0].transpose(0, 1)
+                dv[e0 + k0 : e0 + k1] += gv[0].transpose(0, 1)
+        return dq, _fold_heads(dk, n), _fold_heads(dv, n)
+
+
+def _flash_window(causal: bool, window: int | None) -> tuple[int, int]:
+    return (-1 if window is None else window, 0 if causal else -1)
+
+
+class CUDA:
+    """torch's own varlen flash ops (``aten._flash_attention_forward/backward``); GQA native.
+
+    NOT YET RUN ON A GPU: kept to the contract in a few lines so the CPU tests cover the rest.
+    """
+
+    name = "cuda"
+
+    @staticmethod
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
+        wl, wr = _flash_window(causal, window)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                      scale=scale, window_size_left=wl, window_size_right=wr)
+        return out[0], out[1].t().float()  # flash returns the LSE as (H, Tq)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale):
+        wl, wr = _flash_window(causal, window)
+        empty = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout: RNG state unused
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out.contiguous(), lse.float().t().contiguous(), cu_q, cu_k, max_q, max_k, 0.0,
+            causal, empty, empty, scale=scale, window_size_left=wl, window_size_right=wr)
+
+
+class FlashAttn:
+    """The flash-attn package's varlen kernels (also take soft-capping). NOT YET RUN ON A GPU."""
+
+    name = "flash_attn"
+
+    @staticmethod
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
+
+        wl, wr = _flash_window(causal, window)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        res = _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal=causal,
+                                         window_size_left=wl, window_size_right=wr)
+        return res[0], res[1].t().float()
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale):
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+        wl, wr = _flash_window(causal, window)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _flash_attn_varlen_backward(dout.contiguous(), q, k, v, out.contiguous(), lse.float().t().contiguous(), dq, dk,
+                                    dv, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, wl, wr, 0.0, None, False)
+        return dq, dk, dv
+
+
+IMPLEMENTATIONS = {c.name: c for c in (Reference, CPU, CUDA, FlashAttn)}
+ALIASES = {"sdpa": "auto", "eager": "reference"}  # names of earlier versions
+
+
+def missing_cuda_ops() -> list[str]:
+    """The aten varlen flash ops (or the keyword arguments) this torch lacks, for a clear error at selection."""
+    out = []
+    for op, kw in (("_flash_attention_forward", "window_size_left"), ("_flash_attention_backward", "window_size_left")):
+        packet = getattr(torch.ops.aten, op, None)
+        if packet is None:
+            out.append(f"torch.ops.aten.{op}")
+        elif kw not in {a.name for a in packet.default._schema.arguments}:
+            out.append(f"torch.ops.aten.{op}(..., {kw}=)")
+    return out
+
+
+def select(name: str, device: torch.device):
+    """The implementation for ``name`` ("auto", "cpu", "cuda", "flash_attn", "reference") on ``device``."""
+    name = ALIASES.get(name, name)
+    if name == "auto":
+        name = "cuda" if device.type == "cuda" else "cpu"
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention backend {name!r} is unknown; expected one of {['auto', *sorted(IMPLEMENTATIONS)]} "
+            "('auto' picks 'cuda' on CUDA tensors and 'cpu' otherwise)."
+        )
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"attention backend 'cpu' got tensors on {device}; use backend='auto'.")
+    if name in ("cuda", "flash_attn") and device.type != "cuda":
+        raise ValueError(f"attention backend {name!r} needs CUDA tensors, got {device}; use backend='auto' on CPU.")
+    if name == "cuda" and (missing := missing_cuda_ops()):
+        raise ValueError(
+            f"attention backend 'cuda' needs {', '.join(missing)}, which torch {torch.__version__} lacks; install "
+            "torch>=2.5 built with flash attention, or the flash-attn package and pass backend='flash_attn'."
+        )
+    if name == "flash_attn":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise ValueError("attention backend 'flash_attn' needs the flash-attn package: pip install flash-attn") from None
+    return IMPLEMENTATIONS[name]

@@ -1,0 +1,179 @@
+"""The attention of a packed row as a few variable-length kernel calls: index tensors, no masks.
+
+A token attends to every token of its ancestor segments and causally to its own segment. For a
+row laid out level by level (``layout.packing``) that is, per layer:
+
+- one causal call over every segment of the row against its own keys (entries = segments);
+- for each depth d >= 1 present and each ancestor level a < d, one dense call of the depth-d
+  queries (one contiguous run) against the level-a keys (one contiguous run, or the cached
+  segments'), one entry per level-a segment holding the queries of all its depth-d descendants:
+  a prompt's keys are read once by all of its completions, of every group of the row;
+
+merged by log-sum-exp. The number of calls is 1 + D(D+1)/2 for a tree of depth D, independent of
+the number of groups and completions.
+
+A sliding window of w tokens (a query at position p sees keys at positions > p - w) that bites
+somewhere in the row turns this into one causal call with ``window = w - 1`` in which each
+segment's keys are the at most w - 1 ancestor keys its window can reach followed by its own:
+gathered with one index (``k_index``), so the copy is bounded by the window per segment, never by
+the prompt, and no query-key pair outside the window is computed. Positions along the ancestor
+chain are contiguous, which is what makes the bottom-right alignment of the kernels exact.
+
+Notation: L = row length, B = entries of a call, K = keys of a call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class KeySource:
+    """A run of keys: ``row[start:end]`` of this pass, or the cached segment ``seg`` (all of it)."""
+
+    seg: int | None = None
+    start: int = 0
+    end: int = 0
+
+    @property
+    def cached(self) -> bool:
+        return self.seg is not None
+
+
+@dataclass
+class Call:
+    """One call of the attention primitive for queries ``row[q_start:q_end]``.
+
+    Attributes:
+        keys: the key runs, concatenated in order (one run: a view, no copy).
+        k_index: (K,) int64 rows of that concatenation to gather, or None to take it whole.
+        cu_seqlens_q / cu_seqlens_k: (B + 1,) int32 entry offsets into the queries / keys.
+        causal, window: as in ``attention.kernels`` (window in the kernels' convention, w - 1).
+    """
+
+    q_start: int
+    q_end: int
+    keys: list[KeySource]
+    k_index: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+    window: int | None = None
+    _on: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device) -> tuple:
+        """(cu_seqlens_q, cu_seqlens_k, k_index) on ``device``, moved once per pass."""
+        key = str(device)
+        if key not in self._on:
+            ki = None if self.k_index is None else self.k_index.to(device)
+            self._on[key] = (self.cu_seqlens_q.to(device), self.cu_seqlens_k.to(device), ki)
+        return self._on[key]
+
+
+@dataclass
+class Cascade:
+    """The calls of one row for one window; ``copied_keys`` is how many key rows are gathered (0 without a window)."""
+
+    calls: list[Call]
+    copied_keys: int = 0
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    return out
+
+
+def build_cascade(layout, window: int | None) -> Cascade:
+    """The kernel calls of ``layout`` (a ``RowLayout``) for a sliding window of ``window`` tokens or None."""
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window {window}: expected a positive number of tokens or None.")
+    segs = layout.tree.segments
+    order = layout.segments
+    if window is not None and max(segs[s].end for s in order) <= window:
+        window = None  # every key of every query lies inside the window: identical to full attention
+    if window is not None:
+        return _windowed(layout, window)
+    lens = [segs[s].length for s in order]
+    own = Call(0, layout.length, [KeySource(start=0, end=layout.length)], None, _cu(lens), _cu(lens), max(lens),
+               max(lens), causal=True)
+    calls = [own]
+    depths = sorted({layout.depth[s] for s in order})
+    for d in depths:
+        if d == 0:
+            continue
+        xs = [s for s in order if layout.depth[s] == d]
+        q0, q1 = layout.row_start[xs[0]], layout.row_end[xs[-1]]
+        for a in range(d):
+            calls.append(_dense(layout, xs, a, q0, q1))
+    return Cascade(calls)
+
+
+def _dense(layout, xs: list[int], a: int, q0: int, q1: int) -> Call:
+    """Depth-d queries ``xs`` (row order) against their level-a ancestors' keys, one entry per ancestor."""
+    segs, tree = layout.tree.segments, layout.tree
+    ys, nq = [], []  # entries: level-a segment, number of queries
+    for x in xs:
+        y = tree.ancestors(x)[a]
+        if ys and ys[-1] == y:
+            nq[-1] += segs[x].length
+            continue
+        if ys and ys[-1] in layout.row_start and y in layout.row_start:
+            # in-row level-a segments are one contiguous run: fill the gap with entries that have no queries
+            r = layout.row_end[ys[-1]]
+            while r < layout.row_start[y]:
+                filler = next(s for s in layout.segments if layout.row_start[s] == r)
+                ys.append(filler)
+                nq.append(0)
+                r = layout.row_end[filler]
+        ys.append(y)
+        nq.append(segs[x].length)
+    keys: list[KeySource] = []
+    for y in ys:
+        if y in layout.row_start:
+            r0, r1 = layout.row_start[y], layout.row_end[y]
+            if keys and not keys[-1].cached and keys[-1].end == r0:
+                keys[-1] = KeySource(start=keys[-1].start, end=r1)
+            else:
+                keys.append(KeySource(start=r0, end=r1))
+        else:
+            keys.append(KeySource(seg=y))
+    nk = [segs[y].length for y in ys]
+    return Call(q0, q1, keys, None, _cu(nq), _cu(nk), max(nq), max(nk), causal=False)
+
+
+def _windowed(layout, window: int) -> Cascade:
+    """One causal windowed call; each segment's keys: its ancestors' last ``window - 1`` positions, then its own."""
+    segs, tree = layout.tree.segments, layout.tree
+    base = {}  # where each key source starts in the concatenation [row, cached reads...]
+    off = layout.length
+    for c in layout.cached_reads:
+        base[c] = off
+        off += segs[c].length
+    keys = [KeySource(start=0, end=layout.length)] + [KeySource(seg=c) for c in layout.cached_reads]
+    index, nk, nq = [], [], []
+    for x in layout.segments:
+        seg = segs[x]
+        lo = max(0, seg.start - (window - 1))
+        parts = []
+        for y in tree.ancestors(x):
+            ys = segs[y]
+            p0, p1 = max(lo, ys.start), ys.end
+            if p0 >= p1:
+                continue
+            at = layout.row_start[y] if y in layout.row_start else base[y]
+            parts.append(torch.arange(at + p0 - ys.start, at + p1 - ys.start))
+        r = layout.row_start[x]
+        parts.append(torch.arange(r, r + seg.length))
+        idx = torch.cat(parts)
+        index.append(idx)
+        nk.append(idx.numel())
+        nq.append(seg.length)
+    k_index = torch.cat(index)
+    call = Call(0, layout.length, keys, k_index, _cu(nq), _cu(nk), max(nq), max(nk), causal=True, window=window - 1)
+    return Cascade([call], copied_keys=int(k_index.numel()))
