@@ -94,38 +94,38 @@ def test_several_groups_one_row_single_attention_call_per_layer(monkeypatch):
     assert calls == [5 + 8 + 1 + 2 + 9 + 15] * model.config.num_hidden_layers
 
 
-def test_prompt_kv_is_never_copied_per_completion(monkeypatch):
-    """The completions' keys are one shared run of the prompt's K/V: the kernel sees P + sum(T) keys."""
-    from sharedprefix.attention import backends, interface
-
-    monkeypatch.setattr(interface, "MERGE_ON_CPU", False)
-    seen = []
-    orig = backends.BACKENDS["sdpa"]
-    monkeypatch.setitem(backends.BACKENDS, "sdpa", lambda q, k, v, m, s: (seen.append((q.shape[2], k.shape[2])), orig(q, k, v, m, s))[1])
-    model = tiny_model("llama")
-    groups = random_groups(0, 1, [50], [[4] * 16])
-    with torch.no_grad():
-        sp.logprobs(model, groups)
-    per_layer = seen[: len(seen) // model.config.num_hidden_layers]
-    assert per_layer == [(50, 50), (64, 50 + 64)]  # prompt block; all 16 completions against one prompt copy
-
-
-def test_merged_kernel_reads_the_prompt_once_without_a_mask(monkeypatch):
-    """The merged CPU path: all completions against one (uncopied) prompt run, then each completion causally."""
-    from sharedprefix.attention import backends, interface
+def _spy_calls(monkeypatch):
+    """Record (queries, keys, entries, causal, window, keys are a view of the row's) of every primitive call."""
+    from sharedprefix.attention import kernels
 
     seen = []
-    orig = backends.merged_cpu_block
+    orig = kernels.CPU.forward
 
-    def spy(q, k_anc, v_anc, k_own, v_own, siblings, scale):
-        seen.append((q.shape[2], k_anc.shape[2], len(siblings)))
-        return orig(q, k_anc, v_anc, k_own, v_own, siblings, scale)
+    def spy(q, k, v, cu_q, cu_k, *rest):
+        seen.append((q.shape[0], k.shape[0], cu_q.numel() - 1, rest[2], rest[3], k._base is not None))
+        return orig(q, k, v, cu_q, cu_k, *rest)
 
-    monkeypatch.setattr(interface, "merged_cpu_block", spy)
+    monkeypatch.setattr(kernels.CPU, "forward", staticmethod(spy))
+    return seen
+
+
+def test_prompt_kv_read_once_by_all_completions(monkeypatch):
+    """Two calls per layer: every segment causally on itself, then all 16 completions against one uncopied prompt."""
+    seen = _spy_calls(monkeypatch)
     model = tiny_model("llama")
     with torch.no_grad():
         sp.logprobs(model, random_groups(0, 1, [50], [[4] * 16]))
-    assert seen == [(64, 50, 16)] * model.config.num_hidden_layers
+    assert seen == [(114, 114, 17, True, None, True), (64, 50, 1, False, None, True)] * model.config.num_hidden_layers
+
+
+def test_calls_per_layer_do_not_grow_with_groups(monkeypatch):
+    """Several groups in one row: still one causal call and one dense call (one entry per prompt) per layer."""
+    seen = _spy_calls(monkeypatch)
+    model = tiny_model("llama")
+    with torch.no_grad():
+        sp.logprobs(model, random_groups(0, 3, [5, 1, 9], [[3, 4, 1], [2], [6, 6, 2, 1]]))
+    per_layer = [(40, 40, 11, True, None, True), (25, 15, 3, False, None, True)]
+    assert seen == per_layer * model.config.num_hidden_layers
 
 
 def test_float32_within_twice_plain_error():

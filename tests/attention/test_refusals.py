@@ -116,12 +116,14 @@ def test_head_that_cannot_be_reproduced_refused():
         sp.logprobs(model, GROUPS)
 
 
-def test_unknown_backend_and_planned_backends():
+def test_unknown_and_unavailable_backends():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="'flex' is planned but not implemented"):
-        sp.logprobs(model, GROUPS, backend="flex")
     with pytest.raises(ValueError, match="'magic' is unknown"):
         sp.logprobs(model, GROUPS, backend="magic")
+    with pytest.raises(ValueError, match="'cuda' needs CUDA tensors, got cpu"):
+        sp.logprobs(model, GROUPS, backend="cuda")
+    with pytest.raises(ValueError, match="'flash_attn' needs CUDA tensors"):
+        sp.logprobs(model, GROUPS, backend="flash_attn")
 
 
 def test_bad_temperature_and_model_type():

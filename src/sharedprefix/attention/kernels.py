@@ -26,8 +26,7 @@ Dv = value head dim.
 
 ``backward`` takes the output and LSE of the *merged* attention the entry is one part of (the
 identity ring attention uses): with P = exp(S - lse_merged), dV = P^T dO, dS = P * (dO V^T -
-rowsum(dO * out_merged)), it returns exactly this part's share of dQ, dK, dV. A query row with
-lse = +inf contributes nothing (used for padding rows).
+rowsum(dO * out_merged)), it returns exactly this part's share of dQ, dK, dV.
 
 Implementations: ``reference`` (explicit float64 math, the tests' yardstick), ``cpu`` (torch's CPU
 flash kernel, one call per entry, query tiles with a small local mask where a window or a
@@ -149,8 +148,16 @@ def _cpu_tiles(lq, lk, causal, window):
         yield i0, i1, k0, k1, True, False
 
 
+def _pad_last(x: torch.Tensor, d: int) -> torch.Tensor:
+    return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
+
+
 class CPU:
-    """torch's CPU flash kernel, one call per entry (query tiles with a local mask for windows)."""
+    """torch's CPU flash kernel, one call per entry (query tiles with a local mask for windows).
+
+    The kernel needs one head size for q, k and v: where they differ (latent attention, Dv != D) the
+    smaller is zero-padded, which changes neither the scores nor the output's first Dv columns.
+    """
 
     name = "cpu"
 
@@ -163,7 +170,9 @@ class CPU:
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         n = q.shape[1] // k.shape[1]
-        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        dv_, d = v.shape[-1], max(q.shape[-1], v.shape[-1])
+        q, k, v = _pad_last(q, d), _pad_last(k, d), _pad_last(v, d)
+        out = q.new_zeros(q.shape[0], q.shape[1], d)
         lse = torch.full(q.shape[:2], float("-inf"), dtype=_lse_dtype(q), device=q.device)
         for q0, q1, e0, e1 in _entries(cu_q, cu_k):
             lq, lk = q1 - q0, e1 - e0
@@ -175,40 +184,38 @@ class CPU:
                 vv = _repeat_heads(v[e0 + k0 : e0 + k1], n).transpose(0, 1)[None]
                 mask = CPU._mask(i0, i1, k0, k1, lq, lk, causal, window, q.dtype, q.device) if masked else None
                 o, m = op(qq, kk, vv, 0.0, sq, attn_mask=mask, scale=scale)
+                m = m[0].transpose(0, 1).to(lse.dtype)
+                if mask is not None:  # the kernel reports lse = 0 for a row that sees no key
+                    m = m.masked_fill(torch.isinf(mask).all(1)[:, None], float("-inf"))
                 out[q0 + i0 : q0 + i1] = o[0].transpose(0, 1)
-                lse[q0 + i0 : q0 + i1] = m[0].transpose(0, 1).to(lse.dtype)
-        dead = ~torch.isfinite(lse)  # rows that see no key inside a tile
-        if dead.any():
-            out = out.masked_fill(dead[..., None], 0.0)
-            lse = lse.masked_fill(dead, float("-inf"))
-        return out, lse
+                lse[q0 + i0 : q0 + i1] = m
+        return out[..., :dv_], lse
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale):
         bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         n = q.shape[1] // k.shape[1]
+        dh, dvh, d = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
+        q, k, v, dout, out = (_pad_last(x, d) for x in (q, k, v, dout, out))
         dq = torch.zeros_like(q)
         dk = q.new_zeros(k.shape[0], q.shape[1], k.shape[2])
         dv = q.new_zeros(v.shape[0], q.shape[1], v.shape[2])
-        live = torch.isfinite(lse)  # +inf: padding rows; they take no part
         for q0, q1, e0, e1 in _entries(cu_q, cu_k):
             lq, lk = q1 - q0, e1 - e0
             for i0, i1, k0, k1, masked, sq in _cpu_tiles(lq, lk, causal, window):
                 a, b = q0 + i0, q0 + i1
-                if b == a or k1 == k0 or not bool(live[a:b].any()):
+                if b == a or k1 == k0:
                     continue
                 t = lambda x: x.transpose(0, 1)[None].contiguous()  # noqa: E731  (rows, H, d) -> (1, H, rows, d)
                 kk, vv = _repeat_heads(k[e0 + k0 : e0 + k1], n), _repeat_heads(v[e0 + k0 : e0 + k1], n)
-                row_live = live[a:b]
-                g = dout[a:b] * row_live[..., None]
-                m = torch.where(row_live, lse[a:b].to(q.dtype), torch.zeros((), dtype=q.dtype))
+                m = lse[a:b].to(_lse_dtype(q)).t()[None].contiguous()
                 mask = CPU._mask(i0, i1, k0, k1, lq, lk, causal, window, q.dtype, q.device) if masked else None
-                gq, gk, gv = bop(t(g), t(q[a:b]), t(kk), t(vv), t(out[a:b] * row_live[..., None]),
-                                 m.t()[None].contiguous(), 0.0, sq, attn_mask=mask, scale=scale)
+                gq, gk, gv = bop(t(dout[a:b]), t(q[a:b]), t(kk), t(vv), t(out[a:b]), m, 0.0, sq, attn_mask=mask,
+                                 scale=scale)
                 dq[a:b] += gq[0].transpose(0, 1)
                 dk[e0 + k0 : e0 + k1] += gk[0].transpose(0, 1)
                 dv[e0 + k0 : e0 + k1] += gv[0].transpose(0, 1)
-        return dq, _fold_heads(dk, n), _fold_heads(dv, n)
+        return dq[..., :dh], _fold_heads(dk, n)[..., :dh], _fold_heads(dv, n)[..., :dvh]
 
 
 def _flash_window(causal: bool, window: int | None) -> tuple[int, int]:

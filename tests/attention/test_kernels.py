@@ -1,0 +1,172 @@
+"""The attention primitive and the cascade over the tree, against explicit float64 attention."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sharedprefix as sp
+from sharedprefix.attention import kernels
+from sharedprefix.attention.cascade import cascade_attention
+from sharedprefix.layout import SegmentTree, pack_row
+
+IMPLS = [kernels.CPU, kernels.Reference]
+
+
+def _qkv(seed, tq, tk, h, hkv, d, dv, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tq, h, d, generator=g, dtype=dtype)
+    k = torch.randn(tk, hkv, d, generator=g, dtype=dtype)
+    v = torch.randn(tk, hkv, dv, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _dense(q, k, v, allowed, scale):
+    """Explicit attention with an (Tq, Tk) bool mask; float64; (out, lse) as (Tq, H, Dv), (Tq, H)."""
+    n = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
+    s = torch.einsum("ihd,jhd->hij", q, kk) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("hij,jhd->ihd", p, vv), lse.t()
+
+
+def _entry_mask(lq_list, lk_list, causal, window):
+    """The contract's mask for a whole varlen call (test only): block diagonal, bottom-right aligned."""
+    tq, tk = sum(lq_list), sum(lk_list)
+    m = torch.zeros(tq, tk, dtype=torch.bool)
+    a = b = 0
+    for lq, lk in zip(lq_list, lk_list):
+        i = torch.arange(lq)[:, None] + lk - lq
+        j = torch.arange(lk)[None]
+        ok = torch.ones(lq, lk, dtype=torch.bool)
+        if causal:
+            ok &= j <= i
+        if window is not None:
+            ok &= j >= i - window
+        m[a : a + lq, b : b + lk] = ok
+        a, b = a + lq, b + lk
+    return m
+
+
+def _cu(xs):
+    return torch.tensor([0] + list(torch.tensor(xs).cumsum(0).tolist()), dtype=torch.int32)
+
+
+CASES = {
+    # name: (query lengths, key lengths, causal, window)
+    "causal_square": ([5, 1, 300, 7], [5, 1, 300, 7], True, None),
+    "dense": ([4, 0, 9], [6, 3, 2], False, None),
+    "causal_window": ([300, 1, 12], [300, 1, 12], True, 3),
+    "window_zero": ([1, 4], [2, 4], True, 0),
+    "causal_rect": ([3, 2], [8, 2], True, None),
+    "dense_window": ([6, 5], [10, 3], False, 4),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda c: c.name)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dims", [(8, 8), (8, 12), (12, 6)], ids=["d", "dv_larger", "dv_smaller"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_primitive_forward_and_backward_match_explicit_attention(impl, heads, dims, case):
+    lq, lk, causal, window = CASES[case]
+    h, hkv = heads
+    d, dv = dims
+    q, k, v = _qkv(0, sum(lq), sum(lk), h, hkv, d, dv)
+    allowed = _entry_mask(lq, lk, causal, window)
+    scale = 0.37
+    q_, k_, v_ = (x.clone().requires_grad_(True) for x in (q, k, v))
+    want, want_lse = _dense(q_, k_, v_, allowed, scale)
+    out, lse = impl.forward(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
+    assert out.shape == want.shape and lse.shape == want_lse.shape and lse.dtype == torch.float64
+    torch.testing.assert_close(out, want.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse.detach(), rtol=0, atol=1e-12)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    want.backward(g)
+    dq, dk, dvv = impl.backward(g, q, k, v, out, lse, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
+    for got, ref in ((dq, q_.grad), (dk, k_.grad), (dvv, v_.grad)):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+
+
+def test_cpu_primitive_in_float32_and_bfloat16_stays_near_float64():
+    lq = lk = [40, 3, 17]
+    q, k, v = _qkv(3, 60, 60, 4, 2, 16, 16)
+    want, want_lse = kernels.Reference.forward(q, k, v, _cu(lq), _cu(lk), 40, 40, True, None, 0.25)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        out, lse = kernels.CPU.forward(q.to(dtype), k.to(dtype), v.to(dtype), _cu(lq), _cu(lk), 40, 40, True, None, 0.25)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert (out.double() - want).abs().max() < tol and (lse.double() - want_lse).abs().max() < tol
+
+
+def _tree_reference(tree, qf, kf, vf, window, scale):
+    """Explicit attention over every token of the tree (test only: a full mask from the tree)."""
+    seg_of = torch.cat([torch.full((s.length,), s.id) for s in tree.segments])
+    pos = torch.cat([torch.arange(s.start, s.end) for s in tree.segments])
+    anc = [set(tree.ancestors(s.id)) for s in tree.segments]
+    is_anc = torch.tensor([[b in anc[a] for b in range(len(anc))] for a in range(len(anc))])
+    allowed = is_anc[seg_of[:, None], seg_of[None, :]] | ((seg_of[:, None] == seg_of[None, :]) & (pos[None] <= pos[:, None]))
+    if window is not None:
+        allowed &= (pos[:, None] - pos[None]) < window
+    return _dense(qf, kf, vf, allowed, scale)[0]
+
+
+def _check_cascade(impl, groups, prompt_chunk, row_of, window, seed=0, h=4, hkv=2, d=6, dv=6):
+    tree = SegmentTree(groups, prompt_chunk=prompt_chunk)
+    start, off = {}, 0
+    for s in tree.segments:
+        start[s.id] = off
+        off += s.length
+    qf, kf, vf = (x.requires_grad_(True) for x in _qkv(seed, off, off, h, hkv, d, dv))
+    want = _tree_reference(tree, qf, kf, vf, window, 0.5)
+    row_segs = [s.id for s in tree.segments if row_of(s)]
+    cached = {a for s in row_segs for a in tree.ancestors(s)} - set(row_segs)
+    row = pack_row(tree, row_segs, cached)
+    idx = torch.cat([torch.arange(start[s], start[s] + tree.segments[s].length) for s in row.segments])
+    as_module = lambda x: x[idx].transpose(0, 1)[None]  # noqa: E731  (L, H, D) -> (1, H, L, D)
+
+    def read_kv(seg):
+        r = slice(start[seg], start[seg] + tree.segments[seg].length)
+        return kf[r].transpose(0, 1)[None], vf[r].transpose(0, 1)[None]
+
+    out = cascade_attention(impl, row.cascade(window), as_module(qf), as_module(kf), as_module(vf), read_kv, 0.5)[0]
+    torch.testing.assert_close(out, want[idx], rtol=0, atol=1e-12)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed + 1))
+    got = torch.autograd.grad((out * g).sum(), (qf, kf, vf))
+    ref = torch.autograd.grad((want[idx] * g).sum(), (qf, kf, vf))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    return row
+
+
+GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group([3], [[7, 7, 7, 7]]),
+          sp.Group([9, 8, 7, 6], [[1], [2]])]
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda c: c.name)
+@pytest.mark.parametrize("window", [None, 1, 2, 5, 12, 100])
+@pytest.mark.parametrize("prompt_chunk", [None, 4])
+@pytest.mark.parametrize("cached", [False, True], ids=["in_row", "cached_prompts"])
+def test_cascade_equals_explicit_tree_attention(impl, window, prompt_chunk, cached):
+    row_of = (lambda s: s.completion is not None or s.group == 1) if cached else (lambda s: True)
+    _check_cascade(impl, GROUPS, prompt_chunk, row_of, window)
+
+
+def test_cascade_with_latent_attention_head_sizes():
+    _check_cascade(kernels.CPU, GROUPS, 4, lambda s: True, None, d=12, dv=8)
+    _check_cascade(kernels.CPU, GROUPS, 4, lambda s: True, 3, d=8, dv=12)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    spec=st.lists(st.tuples(st.integers(1, 9), st.lists(st.integers(1, 6), min_size=1, max_size=5)), min_size=1,
+                  max_size=3),
+    chunk=st.sampled_from([None, 1, 2, 3]),
+    window=st.sampled_from([None, 1, 2, 3, 7]),
+    cache_prompts=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_cascade_random_trees(spec, chunk, window, cache_prompts, seed):
+    groups = [sp.Group(list(range(1, p + 1)), [[1] * t for t in ts]) for p, ts in spec]
+    row_of = (lambda s: s.completion is not None) if cache_prompts else (lambda s: True)
+    _check_cascade(kernels.CPU, groups, chunk, row_of, window, seed=seed)
