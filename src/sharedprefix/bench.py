@@ -14,6 +14,7 @@ caching allocator's peak over its level before the step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -146,14 +147,52 @@ def shared_step(model, groups, max_tokens=None, mode="keep"):
     return sp.backward(model, groups, _loss, max_tokens=max_tokens, prefix_activations=mode)
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def best_time(fn, repeats):
     fn()  # warm-up
     ts = []
     for _ in range(repeats):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         ts.append(time.perf_counter() - t0)
     return min(ts)
+
+
+@contextlib.contextmanager
+def repeated_prefix():
+    """Inside: sharedprefix gathers every completion's prompt K/V into its own keys (Prefix Grouper's layout:
+    one call, the prompt's K/V repeated per completion). Exact, and only a point of comparison."""
+    from sharedprefix.layout.cascade import build_cascade
+    from sharedprefix.layout.packing import RowLayout
+
+    own = RowLayout.cascade
+    RowLayout.cascade = lambda self, window: build_cascade(self, window, repeat_prefix=True)
+    try:
+        yield
+    finally:
+        RowLayout.cascade = own
+
+
+# Qwen3-4B's layer shapes (the anchors' model), 4 layers, bf16: the GPU benchmark's model.
+GPU_MODEL = dict(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9728,
+                 num_hidden_layers=4, vocab_size=151936, max_position_embeddings=40960)
+
+
+def cuda_peak(fn) -> tuple[float, int]:
+    """(seconds, peak bytes over the level before) of one call of ``fn`` on the current CUDA device."""
+    _sync()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
 
 
 def _rss_bytes() -> int:

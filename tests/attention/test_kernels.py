@@ -9,6 +9,7 @@ import sharedprefix as sp
 from sharedprefix.attention import kernels
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout import SegmentTree, pack_row
+from sharedprefix.layout.cascade import build_cascade
 
 IMPLS = [kernels.CPU, kernels.Reference]
 
@@ -111,7 +112,7 @@ def _tree_reference(tree, qf, kf, vf, window, scale):
     return _dense(qf, kf, vf, allowed, scale)[0]
 
 
-def _check_cascade(impl, groups, prompt_chunk, row_of, window, seed=0, h=4, hkv=2, d=6, dv=6):
+def _check_cascade(impl, groups, prompt_chunk, row_of, window, seed=0, h=4, hkv=2, d=6, dv=6, repeat_prefix=False):
     tree = SegmentTree(groups, prompt_chunk=prompt_chunk)
     start, off = {}, 0
     for s in tree.segments:
@@ -129,7 +130,8 @@ def _check_cascade(impl, groups, prompt_chunk, row_of, window, seed=0, h=4, hkv=
         r = slice(start[seg], start[seg] + tree.segments[seg].length)
         return kf[r].transpose(0, 1)[None], vf[r].transpose(0, 1)[None]
 
-    out = cascade_attention(impl, row.cascade(window), as_module(qf), as_module(kf), as_module(vf), read_kv, 0.5)[0]
+    casc = build_cascade(row, window, repeat_prefix=True) if repeat_prefix else row.cascade(window)
+    out = cascade_attention(impl, casc, as_module(qf), as_module(kf), as_module(vf), read_kv, 0.5)[0]
     torch.testing.assert_close(out, want[idx], rtol=0, atol=1e-12)
     g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(seed + 1))
     got = torch.autograd.grad((out * g).sum(), (qf, kf, vf))
@@ -150,6 +152,13 @@ GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group([3], 
 def test_cascade_equals_explicit_tree_attention(impl, window, prompt_chunk, cached):
     row_of = (lambda s: s.completion is not None or s.group == 1) if cached else (lambda s: True)
     _check_cascade(impl, GROUPS, prompt_chunk, row_of, window)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_repeated_prefix_comparison_layout_is_exact_too(window):
+    """The benchmark's Prefix-Grouper-style layout (prefix K/V gathered per completion) computes the same."""
+    _check_cascade(kernels.CPU, GROUPS, 4, lambda s: s.completion is not None or s.group == 1, window,
+                   repeat_prefix=True)
 
 
 def test_cascade_with_latent_attention_head_sizes():

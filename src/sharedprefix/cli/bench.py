@@ -36,7 +36,48 @@ def add_arguments(p):
 def run(args):
     if args.memory:
         return _memory(args)
+    if str(args.device).startswith("cuda") and args.prompt is None:
+        return _gpu(args)
     return _speed(args)
+
+
+def _gpu(args):
+    """The GPU grid: Qwen3-4B layer shapes, bf16, forward+backward; plain, Prefix-Grouper-style, sharedprefix."""
+    model = bench.bench_model(dtype=torch.bfloat16, **{**bench.GPU_MODEL, "num_hidden_layers": args.layers})
+    model = model.to(args.device)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    name = torch.cuda.get_device_name()
+    print(f"model: Qwen3-4B layer shapes (hidden 2560, 32/8 heads, head_dim 128, intermediate 9728), {args.layers} "
+          f"layers, vocab 151936, bf16, {name}; forward+backward, best of {args.repeats}; peak = allocator peak over "
+          "the level before the step")
+    print(f"{'P':>5} {'T':>5} {'G':>3} | {'plain s':>8} {'PG s':>8} {'ours s':>8} | {'x plain':>7} {'x PG':>6} "
+          f"{'FLOP x':>6} {'0.8 FLOP':>8} | {'mem plain':>9} {'mem PG':>7} {'mem ours':>8} {'ours/plain':>10}",
+          flush=True)
+    grid = [(P, T, G) for P in (4096, 8192) for T in (512, 1024) for G in (8, 16)]
+    for P, T, G in grid:
+        groups = [bench.make_groups(1, P, T, G, vocab=151936)[0]]
+        runs = {"plain": lambda: bench.plain_step(model, groups), "ours": lambda: bench.shared_step(model, groups)}
+
+        def pg():
+            with bench.repeated_prefix():
+                bench.shared_step(model, groups)
+
+        runs["pg"] = pg
+        t, m = {}, {}
+        for key, fn in runs.items():
+            try:
+                t[key] = bench.best_time(fn, args.repeats)
+                m[key] = bench.cuda_peak(fn)[1]
+            except torch.OutOfMemoryError:
+                t[key] = m[key] = float("nan")
+            torch.cuda.empty_cache()
+        fr = bench.flops(model.config, groups, False) / bench.flops(model.config, groups, True)
+        print(f"{P:>5} {T:>5} {G:>3} | {t['plain']:>8.3f} {t['pg']:>8.3f} {t['ours']:>8.3f} | "
+              f"{t['plain'] / t['ours']:>6.2f}x {t['pg'] / t['ours']:>5.2f}x {fr:>5.2f}x "
+              f"{'yes' if t['plain'] / t['ours'] >= 0.8 * fr else 'NO':>8} | {m['plain'] / MB:>9.0f} {m['pg'] / MB:>7.0f} "
+              f"{m['ours'] / MB:>8.0f} {m['ours'] / m['plain']:>10.3f}", flush=True)
+    return 0
 
 
 def _speed(args):
@@ -45,6 +86,13 @@ def _speed(args):
     groups = bench.make_groups(1, P, T, G)
     t_plain = bench.best_time(lambda: (model.zero_grad(), bench.plain_step(model, groups)), args.repeats)
     t_shared = bench.best_time(lambda: (model.zero_grad(), bench.shared_step(model, groups)), args.repeats)
+
+    def pg():
+        with bench.repeated_prefix():
+            model.zero_grad()
+            bench.shared_step(model, groups)
+
+    t_pg = bench.best_time(pg, args.repeats)
     fr = bench.flops(model.config, groups, False) / bench.flops(model.config, groups, True)
     fr_layers = bench.flops(model.config, groups, False, head=False) / bench.flops(model.config, groups, True, head=False)
     spec = dict(n_groups=1, prompt=P, completion=T, G=G, model=dict(num_hidden_layers=args.layers), device=args.device)
@@ -53,6 +101,7 @@ def _speed(args):
     print(f"model: Qwen3 hidden 512, {args.layers} layers, 8/4 heads, head_dim 64, vocab 32000, float32, {args.device}")
     print(f"group: prompt {P}, G={G} completions of {T} tokens; forward+backward, best of {args.repeats}")
     print(f"plain run (SDPA rows, logits_to_keep): {t_plain:8.3f} s   peak memory +{m_plain / MB:8.1f} MiB")
+    print(f"prompt K/V repeated per completion (PG): {t_pg:8.3f} s")
     print(f"sharedprefix                          : {t_shared:8.3f} s   peak memory +{m_shared / MB:8.1f} MiB")
     print(f"speed-up {t_plain / t_shared:.2f}x | FLOP ratio {fr:.2f}x (with LM head), {fr_layers:.2f}x (layers only)"
           f" | peak memory ratio {m_shared / max(1, m_plain):.3f}")

@@ -89,12 +89,18 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return out
 
 
-def build_cascade(layout, window: int | None) -> Cascade:
-    """The kernel calls of ``layout`` (a ``RowLayout``) for a sliding window of ``window`` tokens or None."""
+def build_cascade(layout, window: int | None, repeat_prefix: bool = False) -> Cascade:
+    """The kernel calls of ``layout`` (a ``RowLayout``) for a sliding window of ``window`` tokens or None.
+
+    ``repeat_prefix=True`` gives every segment its ancestors' keys by gathering them (the whole prefix, copied
+    per segment, as Prefix Grouper does): exact too, and only used as the benchmark's point of comparison.
+    """
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window}: expected a positive number of tokens or None.")
     segs = layout.tree.segments
     order = layout.segments
+    if repeat_prefix:
+        return _windowed(layout, window or max(segs[s].end for s in order) + 1)
     if window is not None and max(segs[s].end for s in order) <= window:
         window = None  # every key of every query lies inside the window: identical to full attention
     if window is not None:
@@ -175,5 +181,7 @@ def _windowed(layout, window: int) -> Cascade:
         nk.append(idx.numel())
         nq.append(seg.length)
     k_index = torch.cat(index)
-    call = Call(0, layout.length, keys, k_index, _cu(nq), _cu(nk), max(nq), max(nk), causal=True, window=window - 1)
+    full = window > max(segs[s].end for s in layout.segments)
+    call = Call(0, layout.length, keys, k_index, _cu(nq), _cu(nk), max(nq), max(nk), causal=True,
+                window=None if full else window - 1)
     return Cascade([call], copied_keys=int(k_index.numel()))

@@ -1,0 +1,53 @@
+"""scripts/dev gpu-check: everything that needs a CUDA GPU, in one command, with no set-up step.
+
+Runs from the source tree (PYTHONPATH=src) with the machine's own python3 and packages (torch, transformers,
+pytest): the `gpu` tests (the varlen flash primitive and the cascade in bf16, sp.logprobs / sp.backward by the
+2x rule), then the GPU benchmark (`sharedprefix bench --device cuda`). Writes benchmarks/gpu_<device>.txt.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+import transformers
+
+from sharedprefix.attention.kernels import missing_cuda_ops
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device visible to torch; nothing to check.", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name()
+    lines = [f"gpu-check {time.strftime('%Y-%m-%d %H:%M')} on {name}; torch {torch.__version__} (CUDA "
+             f"{torch.version.cuda}), transformers {transformers.__version__}"]
+    missing = missing_cuda_ops()
+    lines.append("aten varlen flash ops: " + ("present" if not missing else "MISSING " + ", ".join(missing)))
+    print("\n".join(lines), flush=True)
+    env = {**os.environ, "PYTHONPATH": "src" + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    t0 = time.time()
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider"],
+                           env=env, capture_output=True, text=True, timeout=240)
+    tail = tests.stdout.strip().splitlines()[-25:]
+    lines += ["", f"gpu tests (exit {tests.returncode}, {time.time() - t0:.0f} s):", *tail]
+    print("\n".join(lines[-len(tail) - 2 :]), flush=True)
+    t0 = time.time()
+    bench = subprocess.run([sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda", "--repeats", "2"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    out = bench.stdout.strip().splitlines() + (bench.stderr.strip().splitlines()[-20:] if bench.returncode else [])
+    lines += ["", f"benchmark: sharedprefix bench --device cuda (exit {bench.returncode}, {time.time() - t0:.0f} s)", *out]
+    print("\n".join(lines[-len(out) - 2 :]), flush=True)
+    path = f"benchmarks/gpu_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.txt"
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+    return tests.returncode or bench.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

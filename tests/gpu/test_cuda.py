@@ -1,0 +1,124 @@
+"""CUDA: the varlen flash primitive, the cascade and sp.logprobs / sp.backward in bf16 (skipped without a GPU).
+
+bf16 rule (flash-attention's): the error of the fast path against float64 is at most twice the error of the
+plain same-dtype computation against float64.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sharedprefix as sp
+from helpers import plain_logprobs, random_groups, tiny_model
+from sharedprefix.attention import kernels
+from sharedprefix.attention.cascade import cascade_attention
+from sharedprefix.layout import SegmentTree, pack_row
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+CASES = {
+    "causal": ([5, 1, 300, 7], [5, 1, 300, 7], True, None),
+    "dense": ([4, 9, 130], [6, 2, 700], False, None),
+    "causal_window": ([300, 1, 12], [300, 1, 12], True, 63),
+}
+
+
+def _cu(xs):
+    return torch.tensor([0] + list(torch.tensor(xs).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+
+
+def _sdpa_entries(q, k, v, lq, lk, causal, window, scale):
+    """The plain same-dtype computation: SDPA per entry with the contract's mask."""
+    outs, a, b = [], 0, 0
+    n = q.shape[1] // k.shape[1]
+    for nq, nk in zip(lq, lk):
+        i = torch.arange(nq, device=q.device)[:, None] + nk - nq
+        j = torch.arange(nk, device=q.device)[None]
+        ok = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+        if causal:
+            ok &= j <= i
+        if window is not None:
+            ok &= j >= i - window
+        t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+        o = F.scaled_dot_product_attention(t(q[a : a + nq]), t(k[b : b + nk].repeat_interleave(n, 1)),
+                                           t(v[b : b + nk].repeat_interleave(n, 1)), attn_mask=ok, scale=scale)
+        outs.append(o[0].transpose(0, 1))
+        a, b = a + nq, b + nk
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("name", ["cuda", "flash_attn"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
+    if name == "flash_attn":
+        pytest.importorskip("flash_attn")
+    impl = kernels.select(name, torch.device("cuda"))
+    lq, lk, causal, window = CASES[case]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(sum(lq), 8, 128, device="cuda", generator=g, dtype=torch.float64)
+    k = torch.randn(sum(lk), 2, 128, device="cuda", generator=g, dtype=torch.float64)
+    v = torch.randn(sum(lk), 2, 128, device="cuda", generator=g, dtype=torch.float64)
+    q16, k16, v16 = (x.bfloat16().requires_grad_(True) for x in (q, k, v))
+    scale = 128 ** -0.5
+    ref, ref_lse = kernels.Reference.forward(q16.double(), k16.double(), v16.double(), _cu(lq), _cu(lk), max(lq),
+                                             max(lk), causal, window, scale)
+    out, lse = impl.forward(q16.detach(), k16.detach(), v16.detach(), _cu(lq), _cu(lk), max(lq), max(lk), causal,
+                            window, scale)
+    plain = _sdpa_entries(q16, k16, v16, lq, lk, causal, window, scale)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (sum(lq), 8)
+    assert (lse.double() - ref_lse).abs().max() < 1e-3
+    assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
+    dout = torch.randn_like(out)
+    plain.backward(dout)
+    rq, rk, rv = kernels.Reference.backward(dout.double(), q16.double(), k16.double(), v16.double(), ref, ref_lse,
+                                            _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
+    got = impl.backward(dout, q16.detach(), k16.detach(), v16.detach(), out, lse, _cu(lq), _cu(lk), max(lq), max(lk),
+                        causal, window, scale)
+    for mine, pl, r in zip(got, (q16.grad, k16.grad, v16.grad), (rq, rk, rv)):
+        assert (mine.double() - r).abs().max() <= 2 * (pl.double() - r).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cuda_cascade_matches_cpu_cascade(window):
+    """The same cascade (chains, several groups, cached prompts) on CUDA bf16 vs the CPU float64 run."""
+    tree = SegmentTree([sp.Group(list(range(1, 40)), [[1] * 9, [2] * 3]), sp.Group([3, 4], [[5] * 17])], prompt_chunk=16)
+    row = pack_row(tree, [s.id for s in tree.segments], set())
+    L = row.length
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, L, 64, generator=g, dtype=torch.float64) for h in (8, 2, 2))
+    want = cascade_attention(kernels.CPU, row.cascade(window), q, k, v, None, 0.125)
+    got = cascade_attention(kernels.CUDA, row.cascade(window), *(x.cuda().bfloat16() for x in (q, k, v)), None, 0.125)
+    assert (got.double().cpu() - want).abs().max() < 3e-2
+
+
+def _bf16_rule(model64, groups, fn):
+    model16 = tiny_model("qwen3", dtype=torch.bfloat16).cuda()
+    model16.load_state_dict({k: v.bfloat16() for k, v in model64.state_dict().items()})
+    exact, _ = plain_logprobs(model64, groups)
+    with torch.no_grad():
+        plain16, _ = plain_logprobs(model16, groups)
+    ours = fn(model16)
+    plain_err = (plain16.double().cpu() - exact).abs().max()
+    ours_err = (ours.double().cpu() - exact).abs().max()
+    assert ours_err <= 2 * plain_err + 1e-6, (float(ours_err), float(plain_err))
+
+
+def _backward_logprobs(model, groups, mode):
+    """The log-probs sp.backward hands to the loss, batch by batch, put back in completion order."""
+    got = {}
+
+    def loss(b):
+        got.update({int(i): lp for i, lp in zip(b.index, b.logprobs.detach())})
+        return (b.logprobs * b.mask).sum()
+
+    res = sp.backward(model, groups, loss, max_tokens=256, prefix_activations=mode)
+    assert res.peak_memory_bytes is not None and res.peak_memory_bytes > 0
+    return torch.stack([got[i] for i in range(len(got))])
+
+
+def test_logprobs_and_backward_bf16_within_twice_plain_error():
+    model64 = tiny_model("qwen3", dtype=torch.float64)
+    groups = random_groups(4, 3, [300, 7, 180], [[120, 3, 90, 9], [20], [5, 50, 5, 1, 160]])
+    with torch.no_grad():
+        _bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups).logprobs)
+    for mode in ("keep", "offload", "recompute"):
+        _bf16_rule(model64, groups, lambda m: _backward_logprobs(m, groups, mode))
