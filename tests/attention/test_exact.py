@@ -144,8 +144,9 @@ def test_float32_within_twice_plain_error():
 
 
 def _head_model(cfg_cls, model_cls, **kw):
-    cfg = cfg_cls(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, **kw)
+    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    cfg = cfg_cls(**{**base, **kw})
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     model = model_cls(cfg).double().eval()
@@ -224,3 +225,20 @@ def test_window_kept_on_the_module_is_applied(kernel_path):
     want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * w).sum())
     got = grads_of(model, lambda: (sp.logprobs(model, groups).logprobs * w).sum())
     assert_grads_close(got, want, 1e-6)
+
+
+def test_full_layers_ignore_a_window_left_on_the_module(kernel_path):
+    """Exaone4 keeps config.sliding_window on every attention module but passes sliding_window=None on its
+    full-attention layers: which layers slide comes from config.layer_types, never from the module attribute."""
+    model = _head_model(tf.Exaone4Config, tf.Exaone4ForCausalLM, sliding_window=3, num_hidden_layers=4,
+                        layer_types=["sliding_attention", "full_attention"] * 2)
+    assert all(getattr(m, "sliding_window", None) == 3 for m in model.modules() if type(m).__name__.endswith("Attention"))
+    _check(model, random_groups(0, 2, [9, 3], [[6, 4], [5]]))
+
+
+def test_a_window_the_layer_passes_must_agree_with_layer_types():
+    model = _head_model(tf.Exaone4Config, tf.Exaone4ForCausalLM, sliding_window=3, num_hidden_layers=2,
+                        layer_types=["sliding_attention", "full_attention"])
+    model.config.layer_types = ["full_attention", "full_attention"]  # now layer 0 passes a window its type denies
+    with pytest.raises(ValueError, match=r"passes sliding_window=3 to attention, but config.layer_types says 'full"):
+        sp.logprobs(model, random_groups(0, 1, [9], [[6, 4]]))
