@@ -32,14 +32,16 @@ def _calls(row, window=None):
 
 def test_row_is_laid_out_level_by_level_without_padding():
     tree = _tree()
-    row = pack_row(tree, [0, 1, 2, 3, 4], cached=set())
+    row = pack_row(tree, [0, 1, 2, 3, 4], cached=set(), rows=[0, 1, 2])
     assert row.segments == [0, 3, 1, 2, 4]  # prompts first, then completions, each level in tree order
     assert row.input_ids.tolist() == [[1, 2, 3, 7, 4, 5, 6, 8, 9, 10]]
     assert row.position_ids.tolist() == [[0, 1, 2, 0, 3, 4, 3, 1, 2, 3]]
     # token 0 of each completion is predicted by its prompt's last token (rows 2 and 3)
     assert row.pred_index.tolist() == [2, 4, 2, 3, 7, 8]
     assert row.targets.tolist() == [4, 5, 6, 8, 9, 10]
-    assert row.completions == [0, 1, 2]
+    # each completion's values, read out as (rows, longest completion)
+    assert row.out_index.tolist() == [[0, 1, 0], [2, 0, 0], [3, 4, 5]]
+    assert row.out_mask.tolist() == [[True, True, False], [True, False, False], [True, True, True]]
 
 
 def test_cascade_is_index_tensors_over_uncopied_key_runs():

@@ -64,8 +64,13 @@ def test_prompt_split_into_four_chunks_runs_reverse_backward():
     p = sp.plan(groups, 7)
     chain = p.tree.prompt_chain[2]
     assert len(chain) == 4  # prompt of 28 tokens under a 7-token budget
-    back = [s for s in p.steps if isinstance(s, sp.schedule.PrefixBackward) and s.segments == tuple(chain)]
-    assert len(back) == 1
+    back = [i for i, s in enumerate(p.steps) if isinstance(s, sp.schedule.PrefixBackward)
+            and set(s.segments) <= set(chain)]
+    # one backward per chunk, innermost first, each after every pass of its subtree
+    assert [p.steps[i].segments[0] for i in back] == chain[::-1]
+    last = max(i for i, s in enumerate(p.steps) if isinstance(s, sp.schedule.Pass)
+               and any(p.tree.segments[x].group == 2 for x in s.segments))
+    assert back[0] > last and back == list(range(back[0], back[0] + 4))
 
 
 def test_one_completion_per_pass():

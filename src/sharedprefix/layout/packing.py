@@ -31,11 +31,16 @@ class RowLayout:
         row_start / row_end: segment id -> offset of its first token / one past its last token.
         tree: the segment tree the row belongs to; depth: segment id -> number of ancestors.
         cached_reads: ancestor segment ids read from the prefix cache.
-        record: segment ids whose per-layer K/V and last hidden state this pass must cache.
-        completions: global completion indices n computed in this row, in row order.
+        record: segment ids whose per-layer K/V, last hidden state and token values this pass must cache.
         h_sources: segment ids whose cached last hidden state is appended after the row.
-        pred_index: (M,) index into ``cat([hidden_row (L, d), cached h (C, d)])``.
-        targets: (M,) token ids predicted; out_n / out_t: (M,) local completion and token index.
+        pred_index: (M,) index into ``cat([hidden_row (L, d), cached h (C, d)])``: the predicting position
+            of each computed token of the row's segments, in row order.
+        targets: (M,) token ids predicted.
+        value_slot: segment id -> (a, b), its computed tokens' range in the M values.
+        rows: the output rows this pass reports (``SegmentTree.rows`` indices).
+        v_sources: segment ids whose cached token values are appended after the row's M values.
+        out_index / out_mask: (n, W) int64 index into ``cat([values (M,), cached values...])`` and bool,
+            True where row ``rows[i]`` reports column c.
     """
 
     segments: list[int]
@@ -47,12 +52,14 @@ class RowLayout:
     depth: dict[int, int]
     cached_reads: list[int]
     record: list[int]
-    completions: list[int]
     h_sources: list[int]
     pred_index: torch.Tensor
     targets: torch.Tensor
-    out_n: torch.Tensor
-    out_t: torch.Tensor
+    value_slot: dict[int, tuple[int, int]]
+    rows: list[int]
+    v_sources: list[int]
+    out_index: torch.Tensor
+    out_mask: torch.Tensor
 
     _cascades: dict = field(default_factory=dict, repr=False)
 
@@ -69,8 +76,12 @@ class RowLayout:
         return self._cascades[window]
 
 
-def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: list[int] = ()) -> RowLayout:
-    """Lay out ``segments`` as one row, level by level; ancestors outside it must be in ``cached``."""
+def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: list[int] = (),
+             rows: list[int] = ()) -> RowLayout:
+    """Lay out ``segments`` as one row, level by level; ancestors outside it must be in ``cached``.
+
+    ``rows``: the output rows this pass reports; their segments must be in the row or cached.
+    """
     segs = tree.segments
     if len(set(segments)) != len(segments):
         raise ValueError(f"a segment appears twice in one row {list(segments)}; each segment is computed once.")
@@ -102,26 +113,29 @@ def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: l
                 reads.append(a)
     segments = order
 
-    # Completion log-probs: token 0 is predicted by the parent's last token, token t by token t-1.
+    # Token values: token j of a segment is predicted by token j - 1, token 0 by the parent's last token.
     L = off
-    h_sources, pred, tgt, out_n, out_t, comps = [], [], [], [], [], []
+    h_sources, pred, tgt, slot, m = [], [], [], {}, 0
     for s in segments:
         seg = segs[s]
-        if seg.completion is None:
+        if seg.computed is None:
             continue
-        local = len(comps)
-        comps.append(seg.completion)
-        if seg.parent in row_start:
-            first = row_start[seg.parent] + segs[seg.parent].length - 1
-        else:
-            if seg.parent not in h_sources:
-                h_sources.append(seg.parent)
-            first = L + h_sources.index(seg.parent)
+        j = torch.nonzero(seg.computed)[:, 0]
         r = row_start[s]
-        pred.append(torch.cat([torch.tensor([first]), torch.arange(r, r + seg.length - 1)]))
-        tgt.append(seg.tokens)
-        out_n.append(torch.full((seg.length,), local, dtype=torch.int64))
-        out_t.append(torch.arange(seg.length))
+        at = r + j - 1
+        if bool((j == 0).any()):
+            if seg.parent in row_start:
+                first = row_end_of(row_start, segs, seg.parent) - 1
+            else:
+                if seg.parent not in h_sources:
+                    h_sources.append(seg.parent)
+                first = L + h_sources.index(seg.parent)
+            at = torch.where(j == 0, first, at)
+        pred.append(at)
+        tgt.append(seg.tokens[j])
+        slot[s] = (m, m + j.numel())
+        m += j.numel()
+    out_index, out_mask, v_sources = _row_index(tree, list(rows), slot, m, cached)
     empty = torch.zeros(0, dtype=torch.int64)
     cat = lambda xs: torch.cat(xs) if xs else empty  # noqa: E731
     return RowLayout(
@@ -129,15 +143,55 @@ def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: l
         input_ids=torch.cat(ids)[None],
         position_ids=position[None],
         row_start=row_start,
-        row_end={s: row_start[s] + segs[s].length for s in segments},
+        row_end={s: row_end_of(row_start, segs, s) for s in segments},
         tree=tree,
         depth=depth,
         cached_reads=reads,
         record=list(record),
-        completions=comps,
         h_sources=h_sources,
         pred_index=cat(pred),
         targets=cat(tgt),
-        out_n=cat(out_n),
-        out_t=cat(out_t),
+        value_slot=slot,
+        rows=list(rows),
+        v_sources=v_sources,
+        out_index=out_index,
+        out_mask=out_mask,
     )
+
+
+def row_end_of(row_start, segs, s) -> int:
+    return row_start[s] + segs[s].length
+
+
+def _row_index(tree: SegmentTree, rows: list[int], slot: dict, m: int, cached: set[int]):
+    """(n, W) index into ``cat([values (m,), cached values of v_sources...])``, (n, W) mask, and v_sources."""
+    segs, W = tree.segments, tree.width
+    index = torch.zeros(len(rows), W, dtype=torch.int64)
+    mask = torch.zeros(len(rows), W, dtype=torch.bool)
+    v_sources, v_at, off = [], {}, m
+    for i, r in enumerate(rows):
+        out = tree.rows[r]
+        for s in tree.path(out.end):
+            seg = segs[s]
+            if seg.computed is None or seg.end <= out.col0:
+                continue
+            if s in slot:
+                base = slot[s][0]
+            elif s in cached:
+                if s not in v_at:
+                    v_sources.append(s)
+                    v_at[s] = off
+                    off += seg.n_computed
+                base = v_at[s]
+            else:
+                raise ValueError(f"output row {r} needs segment {s}, which is neither in the pass nor cached; "
+                                 "the plan must report a row only once all of its segments ran.")
+            keep = seg.computed.clone()
+            if out.trained is not None:
+                keep &= out.trained[seg.start : seg.end]
+            rank = seg.computed.cumsum(0) - 1
+            cols = torch.arange(seg.start, seg.end) - out.col0
+            keep &= cols >= 0
+            index[i, cols[keep]] = base + rank[keep]
+            mask[i, cols[keep]] = True
+    return index, mask, v_sources

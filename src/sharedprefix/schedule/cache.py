@@ -1,11 +1,13 @@
-"""The prefix cache: per-layer prompt K/V and last hidden state, shared across passes.
+"""The prefix cache: per-layer prompt K/V, last hidden state and token values, shared across passes.
 
 A recording pass writes, for each cached segment and attention module, the K/V tensors the
-module produced (post-rotary, before GQA expansion: (1, Hkv, len, D)), plus the segment's
-last final hidden state (d,). ``seal`` then turns them into what later passes read:
+module produced (post-rotary, before GQA expansion: (1, Hkv, len, D)), the segment's last
+final hidden state (d,), and the log-probs (and entropies) of its computed tokens (k,), which
+the output rows through it read in later passes. ``seal`` then turns them into what later
+passes read:
 
 - ``leaves=True`` (``sp.backward``): detached leaf tensors that require grad, so the
-  completion passes accumulate dK, dV and dh into ``.grad``; ``backward(seg)`` later pushes
+  later passes accumulate dK, dV, dh and the values' gradients into ``.grad``; ``backward(seg)`` later pushes
   those gradients through the prompt's own graph (kept, offloaded, or recomputed);
 - ``leaves=False`` (``sp.logprobs``): the tensors themselves, so a grad-enabled forward
   stays one connected graph and a no-grad forward keeps no graph at all.
@@ -23,6 +25,8 @@ class PrefixCache:
         self.graph_h: dict[int, torch.Tensor] = {}
         self.read_kv_: dict[int, dict] = {}  # seg -> module -> (k, v) that later passes read
         self.read_h: dict[int, torch.Tensor] = {}
+        self.graph_vals: dict[int, tuple] = {}  # seg -> (log-probs (k,), entropies (k,) | None)
+        self.read_vals: dict[int, tuple] = {}
         self.states: dict[int, object] = {}  # seg -> PassState of the recording pass
 
     def __contains__(self, seg: int) -> bool:
@@ -36,6 +40,12 @@ class PrefixCache:
 
     def write_h(self, seg: int, h: torch.Tensor) -> None:
         self.graph_h[seg] = h
+
+    def write_values(self, seg: int, lp: torch.Tensor, ent: torch.Tensor | None) -> None:
+        self.graph_vals[seg] = (lp, ent)
+
+    def values(self, seg: int) -> tuple:
+        return self.read_vals[seg]
 
     def read_kv(self, module, seg: int):
         try:
@@ -56,16 +66,22 @@ class PrefixCache:
         if not self.leaves:
             self.read_kv_[seg] = self.graph_kv.pop(seg)
             self.read_h[seg] = self.graph_h.pop(seg)
+            if seg in self.graph_vals:
+                self.read_vals[seg] = self.graph_vals.pop(seg)
             return
-        leaf = lambda t: t.detach().requires_grad_(True)  # noqa: E731
+        leaf = lambda t: None if t is None else t.detach().requires_grad_(True)  # noqa: E731
         self.read_kv_[seg] = {m: (leaf(k), leaf(v)) for m, (k, v) in self.graph_kv[seg].items()}
         self.read_h[seg] = leaf(self.graph_h[seg])
+        if seg in self.graph_vals:
+            self.read_vals[seg] = tuple(leaf(t) for t in self.graph_vals[seg])
         if not keep_graph:
             del self.graph_kv[seg], self.graph_h[seg]
+            self.graph_vals.pop(seg, None)
 
     def surrogate(self, seg: int, through_outputs: bool = False) -> torch.Tensor | None:
-        """``sum(dK * K) + sum(dV * V) + sum(dh * h)`` over ``seg``'s recorded graph tensors, with the gradients
-        accumulated on its leaves: its backward pushes exactly those gradients through the prompt's graph.
+        """``sum(dK * K) + sum(dV * V) + sum(dh * h) + sum(dvalues * values)`` over ``seg``'s recorded graph
+        tensors, with the gradients accumulated on its leaves: its backward pushes exactly those gradients
+        through the prompt's graph.
 
         ``through_outputs``: include ``0 * sum(h)`` when h got no gradient, so that the backward passes
         through every layer's output (FSDP2 unshards a layer's parameters when the gradient of its
@@ -77,6 +93,8 @@ class PrefixCache:
             total = (h * 0.0).sum()
         pairs = [(t, leaf) for m, kv in self.graph_kv[seg].items() for t, leaf in zip(kv, self.read_kv_[seg][m])]
         pairs.append((h, lh))
+        if seg in self.graph_vals:
+            pairs += [(t, leaf) for t, leaf in zip(self.graph_vals[seg], self.read_vals[seg]) if t is not None]
         for t, leaf in pairs:
             if leaf.grad is not None and t.requires_grad:
                 term = (t * leaf.grad).sum()
@@ -84,7 +102,7 @@ class PrefixCache:
         return total
 
     def release(self, seg: int) -> None:
-        for d in (self.graph_kv, self.graph_h, self.read_kv_, self.read_h, self.states):
+        for d in (self.graph_kv, self.graph_h, self.read_kv_, self.read_h, self.graph_vals, self.read_vals, self.states):
             d.pop(seg, None)
 
 

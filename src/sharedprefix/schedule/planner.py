@@ -1,35 +1,40 @@
-"""Plan the passes of a call under a token budget.
+"""Plan the passes of a call under a token budget, at every depth of the tree.
 
-A group that fits ``max_tokens`` (prompt plus all its completions) is computed whole in one
-pass, packed first-fit with other whole groups. A group that does not fit is split: its
-prompt is computed once (as a chain of chunks of at most ``max_tokens`` tokens, each
-reading the earlier chunks' cached K/V), its completions then run in as few passes as the
-budget allows reading the cached prompt K/V and last hidden state, and finally the prompt's
-backward runs once with the accumulated gradients (chunks in reverse order).
+Segments longer than ``max_tokens`` are first cut into chains. A top-level subtree (a group,
+or the rows below one root) that fits the budget is computed whole in one pass, packed
+first-fit with other whole subtrees. A subtree that does not fit is expanded: its root
+segment runs alone in a pass that caches its per-layer K/V, last hidden state and token
+values; its children's subtrees that fit then run in as few balanced passes as the budget
+allows, reading the cache; children that do not fit are expanded the same way; finally the
+root segment's backward runs once with the gradients its subtree accumulated. Every output
+row is reported in exactly one pass, once all of its segments have run.
 
-Token counts: a plain run computes ``sum_i (P_g(i) + T_i)`` tokens; a plan computes each
-prompt token once.
+Token counts: a plain run computes ``sum_i len(row_i)`` tokens; a plan computes each
+segment once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sharedprefix.layout.groups import Group
+from sharedprefix.layout.groups import validate_groups
+from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
 
 
 @dataclass(frozen=True)
 class Pass:
-    """One packed row: ``segments`` in row order; ``record`` are cached for later passes."""
+    """One packed row of ``segments``; ``record`` are cached for later passes; ``rows`` are the output rows
+    reported by this pass (their loss is computed here)."""
 
     segments: tuple[int, ...]
     record: tuple[int, ...] = ()
+    rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class PrefixBackward:
-    """Backward of a cached prompt chain (ids root first; runs in reverse order), then release it."""
+    """Backward of cached segments (runs in reverse order), then release them."""
 
     segments: tuple[int, ...]
 
@@ -61,7 +66,7 @@ class Plan:
         return self.tree.plain_tokens()
 
     def describe(self) -> str:
-        """A human-readable table of the passes."""
+        """A human-readable table of the steps, in the order they run."""
         segs = self.tree.segments
         lines = [f"plan: {len(self.passes)} passes under max_tokens={self.max_tokens}"]
         for i, step in enumerate(self.steps):
@@ -69,13 +74,16 @@ class Plan:
                 kinds = []
                 for s in step.segments:
                     seg = segs[s]
-                    kind = "prompt" if seg.completion is None else f"c{seg.completion}"
+                    kind = (f"c{seg.completion}" if seg.completion is not None
+                            else "prompt" if self.tree.groups else f"s{s}")
                     kinds.append(f"g{seg.group}:{kind}[{seg.length}]")
-                rec = f" (cache {len(step.record)} prompt segment(s))" if step.record else ""
-                lines.append(f"  step {i}: pass {self.pass_tokens(step):>7} tokens  {' '.join(kinds)}{rec}")
+                rec = f" (cache {len(step.record)} segment(s))" if step.record else ""
+                rows = f", {len(step.rows)} row(s) reported" if step.rows else ""
+                lines.append(f"  step {i}: pass {self.pass_tokens(step):>7} tokens  {' '.join(kinds)}{rec}{rows}")
             else:
                 g = segs[step.segments[0]].group
-                lines.append(f"  step {i}: prompt backward of group {g} ({len(step.segments)} chunk(s), reverse order)")
+                what = "prompt" if self.tree.groups else "prefix"
+                lines.append(f"  step {i}: {what} backward of group {g} (segment(s) {list(step.segments)})")
         ratio = self.plain_tokens / max(1, self.tokens_computed)
         lines.append(
             f"tokens computed {self.tokens_computed}, plain run {self.plain_tokens} ({ratio:.2f}x fewer)"
@@ -93,47 +101,77 @@ def _check_budget(max_tokens) -> int | None:
     return max_tokens
 
 
-def plan(groups: list[Group], max_tokens: int | None = None) -> Plan:
-    """Plan passes for ``groups`` so that no pass holds more than ``max_tokens`` tokens."""
+def segment_tree(source, chunk: int | None) -> SegmentTree:
+    """The segment tree of a list of groups or of a ``Tree``, with segments of at most ``chunk`` tokens."""
+    if isinstance(source, Tree):
+        return SegmentTree.from_trie(list(source.rows), list(source.trained), chunk)
+    return SegmentTree(source, prompt_chunk=chunk)
+
+
+def plan(source, max_tokens: int | None = None) -> Plan:
+    """Plan passes for ``source`` (a list of groups or a ``Tree``) so that no pass holds more than ``max_tokens``."""
     max_tokens = _check_budget(max_tokens)
-    tree = SegmentTree(groups, prompt_chunk=max_tokens)
+    if not isinstance(source, Tree):
+        source = validate_groups(source)
+        for gi, g in enumerate(source):
+            lens = [int(c.numel()) for c in g.completions]
+            for i, t in enumerate(lens):
+                if max_tokens is not None and t > max_tokens:
+                    raise ValueError(
+                        f"groups[{gi}].completions[{i}] has {t} tokens but max_tokens={max_tokens}; a completion is "
+                        f"never split across passes, so no plan can make progress. Set max_tokens >= {max(lens)}."
+                    )
+    tree = segment_tree(source, max_tokens)
+    ends: dict[int, list[int]] = {}
+    for i, r in enumerate(tree.rows):
+        ends.setdefault(r.end, []).append(i)
+    nseg = len(tree.segments)
     if max_tokens is None:
-        segs = [s for gi in range(len(groups)) for s in _group_segments(tree, gi)]
-        return Plan(tree, [Pass(tuple(segs))], None)
-    whole_bins: list[list[int]] = []  # per bin: segment ids
-    bin_tokens: list[int] = []
-    split_steps: list = []
-    for gi, g in enumerate(groups):
-        lens = [int(c.numel()) for c in g.completions]
-        cost = int(g.prompt.numel()) + sum(lens)
-        if cost <= max_tokens:
-            fits = [b for b, used in enumerate(bin_tokens) if used + cost <= max_tokens]
-            if fits:
-                b = fits[0]  # first fit
-            else:
-                whole_bins.append([])
-                bin_tokens.append(0)
-                b = len(bin_tokens) - 1
-            whole_bins[b].extend(_group_segments(tree, gi))
-            bin_tokens[b] += cost
+        return Plan(tree, [Pass(tuple(range(nseg)), rows=tuple(range(tree.num_rows)))], None)
+    size = tree.subtree_tokens()
+    count = [1] * nseg  # segments in each subtree (a contiguous id range: preorder)
+    for seg in reversed(tree.segments):
+        if seg.parent is not None:
+            count[seg.parent] += count[seg.id]
+
+    def unit(ids: list[int]) -> Pass:
+        segs = tuple(x for v in ids for x in range(v, v + count[v]))
+        return Pass(segs, rows=tuple(r for x in segs for r in ends.get(x, ())))
+
+    roots = [seg.id for seg in tree.segments if seg.parent is None]
+    bins: list[list[int]] = []
+    used: list[int] = []
+    split: list = []
+    for r in roots:
+        if size[r] > max_tokens:
+            _expand(tree, r, size, max_tokens, unit, ends, split)
             continue
-        for i, t in enumerate(lens):
-            if t > max_tokens:
-                raise ValueError(
-                    f"groups[{gi}].completions[{i}] has {t} tokens but max_tokens={max_tokens}; a completion is never "
-                    f"split across passes, so no plan can make progress. Set max_tokens >= {max(lens)}."
-                )
-        chain = tree.prompt_chain[gi]
-        split_steps += [Pass((s,), record=(s,)) for s in chain]
-        sids = [tree.completion_ids[n] for n in tree.group_completions[gi]]
-        split_steps += [Pass(tuple(r)) for r in _balanced_rows(sids, lens, max_tokens)]
-        split_steps.append(PrefixBackward(tuple(chain)))
-    steps = [Pass(tuple(b)) for b in whole_bins] + split_steps
-    return Plan(tree, steps, max_tokens)
+        b = next((b for b, u in enumerate(used) if u + size[r] <= max_tokens), None)  # first fit
+        if b is None:
+            bins.append([])
+            used.append(0)
+            b = len(bins) - 1
+        bins[b].append(r)
+        used[b] += size[r]
+    return Plan(tree, [unit(b) for b in bins] + split, max_tokens)
 
 
-def _group_segments(tree: SegmentTree, gi: int) -> list[int]:
-    return tree.prompt_chain[gi] + [tree.completion_ids[n] for n in tree.group_completions[gi]]
+def _expand(tree: SegmentTree, v: int, size: list[int], budget: int, unit, ends: dict, steps: list) -> None:
+    """Steps for the subtree of ``v``, which does not fit one pass: record v, run its children, v's backward."""
+    steps.append(Pass((v,), record=(v,)))
+    first = len(steps)
+    kids = tree.children[v]
+    small = [c for c in kids if size[c] <= budget]
+    if small:
+        steps += [unit(r) for r in _balanced_rows(small, [size[c] for c in small], budget)]
+    for c in kids:
+        if size[c] > budget:
+            _expand(tree, c, size, budget, unit, ends, steps)
+    if ends.get(v):  # rows ending at v itself: reported by the last pass of its subtree that computes a loss
+        k = max(i for i in range(first, len(steps)) if isinstance(steps[i], Pass) and not steps[i].record)
+        st = steps[k]
+        steps[k] = Pass(st.segments, st.record, st.rows + tuple(ends[v]))
+    steps.append(PrefixBackward((v,)))
 
 
 def _fill(lens: list[int], cap: int) -> list[int]:

@@ -20,6 +20,7 @@ from sharedprefix.attention.interface import PassState, activated, pass_state
 from sharedprefix.attention.kernels import select
 from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
+from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.modeling import (
     check_supported,
@@ -87,16 +88,16 @@ class BackwardResult:
 
 
 class _Runner:
-    def __init__(self, model, groups, max_tokens, backend, temperature, entropy, leaves):
+    def __init__(self, model, source, max_tokens, backend, temperature, entropy, leaves):
         self.model = unwrap(model)
         self.par = detect(model, self.model)
         check_supported(self.model)
         emb = self.model.get_input_embeddings()
         vocab = min(emb.num_embeddings, self.model.get_output_embeddings().weight.shape[0])
-        self.groups = validate_groups(groups, vocab)
+        self.source = validate_source(source, vocab)
         if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
-        self.plan: Plan = plan(self.groups, max_tokens)
+        self.plan: Plan = plan(self.source, max_tokens)
         if self.plan.splits and torch.is_grad_enabled() and uses_reentrant_checkpointing(self.model):
             raise ValueError(
                 "gradient checkpointing with use_reentrant=True is on, and this plan splits a group across passes: "
@@ -111,20 +112,19 @@ class _Runner:
         self.temperature = float(temperature)
         self.entropy = entropy
         self.cache = PrefixCache(leaves=leaves)
-        self.device = emb.weight.device
-        self.T = max(self.plan.tree.completion_lengths())
+        self.T = self.plan.tree.width
         self.tokens = 0
         self.par.call(lambda: verify_head(self.model))
 
     def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | None = None):
         """Forward of one row (inside the root module's call under FSDP2).
 
-        Returns (state, result, layout): result is the (M,) log-probs and entropies of the row's
-        completions, or None; with ``surrogate=seg`` it is instead that prompt segment's surrogate
-        loss (see ``PrefixCache.surrogate``), computed inside the same call.
+        Returns (state, result, layout): result is ((n, W) log-probs, (n, W) entropies or None) of the
+        output rows the pass reports, or None; with ``surrogate=seg`` it is instead that segment's
+        surrogate loss (see ``PrefixCache.surrogate``), computed inside the same call.
         """
         tree = tree or self.plan.tree
-        layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record)
+        layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record, step.rows)
         state = PassState(layout, self.backend, self.cache.read_kv, self.cache.write_kv)
 
         def fn():
@@ -137,13 +137,23 @@ class _Runner:
             hidden = out.last_hidden_state[0]  # (L, d)
             for s in layout.record:
                 self.cache.write_h(s, hidden[layout.row_end[s] - 1])
+            lp = ent = None
+            if layout.targets.numel():
+                sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
+                pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(
+                    0, layout.pred_index.to(hidden.device))
+                lp, ent = token_logprobs(self.model, pred, layout.targets.to(hidden.device), self.temperature,
+                                         self.entropy)
+                for s in layout.record:
+                    if s in layout.value_slot:
+                        a, b = layout.value_slot[s]
+                        self.cache.write_values(s, lp[a:b], ent[a:b] if ent is not None else None)
             if surrogate is not None:
                 return self.cache.surrogate(surrogate, through_outputs=self.par.fsdp)
-            if not layout.completions:
+            if not layout.rows:
                 return None
-            sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
-            pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(0, layout.pred_index.to(hidden.device))
-            return token_logprobs(self.model, pred, layout.targets.to(hidden.device), self.temperature, self.entropy)
+            dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+            return self._gather(layout, lp, 0, dtype), self._gather(layout, ent, 1, dtype) if self.entropy else None
 
         result = self.par.call(fn)
         self._check_calls(state)
@@ -152,11 +162,25 @@ class _Runner:
             self.cache.states[s] = state
         return state, result, layout
 
+    def _gather(self, layout: RowLayout, values, which: int, dtype) -> torch.Tensor:
+        """(M,) values of this pass and the cached values of earlier ones -> (n, W) rows, zero where not reported."""
+        parts = ([values] if values is not None else []) + [self.cache.values(s)[which] for s in layout.v_sources]
+        n, w = layout.out_mask.shape
+        if not parts:
+            return torch.zeros(n, w, dtype=dtype, device=self.device)
+        src = torch.cat(parts) if len(parts) > 1 else parts[0]
+        idx, mask = layout.out_index.to(src.device), layout.out_mask.to(src.device)
+        rows = src.index_select(0, idx.reshape(-1)).view(n, w)
+        return torch.where(mask, rows, torch.zeros((), dtype=src.dtype, device=src.device))
+
+    def mask(self, layout: RowLayout) -> torch.Tensor:
+        return layout.out_mask.to(self.device)
+
     def dummy_round(self, grad: bool) -> None:
         """A 2-token pass that takes part in FSDP2's collectives and adds exactly zero to every gradient."""
         tree = SegmentTree([Group([0], [[0]])])
         with torch.set_grad_enabled(grad):
-            state, res, _ = self.run_pass(Pass((0, 1)), tree=tree)
+            state, res, _ = self.run_pass(Pass((0, 1), rows=(0,)), tree=tree)
             if grad:
                 with pass_state(state):
                     (res[0].sum() * 0.0).backward()
@@ -171,15 +195,14 @@ class _Runner:
                 "This model is not supported."
             )
 
-    def to_rows(self, layout: RowLayout, values: torch.Tensor) -> torch.Tensor:
-        """(M,) per-token values -> (n, T), zero on padding."""
-        n = len(layout.completions)
-        out = values.new_zeros(n, self.T)
-        return out.index_put((layout.out_n.to(values.device), layout.out_t.to(values.device)), values)
 
-    def mask_rows(self, layout: RowLayout) -> torch.Tensor:
-        lens = torch.tensor([self.plan.tree.segments[self.plan.tree.completion_ids[c]].length for c in layout.completions])
-        return (torch.arange(self.T)[None] < lens[:, None]).to(self.device)
+def validate_source(source, vocab_size: int | None = None):
+    """A ``Tree`` (token ids checked) or a validated list of groups."""
+    if isinstance(source, Tree):
+        if vocab_size is not None:
+            source.check_vocab(vocab_size)
+        return source
+    return validate_groups(source, vocab_size)
 
 
 def logprobs(
@@ -244,7 +267,7 @@ def logprobs(
                 out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
             return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
     run = _Runner(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
-    lps, ents, order = [], [], []
+    lps, ents, masks, order = [], [], [], []
     # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agree before any of them
     pad = run.par.agree_max([len(run.plan.passes)])[0] - len(run.plan.passes) if run.par.fsdp else 0
     with activated(run.model):
@@ -258,18 +281,18 @@ def logprobs(
                 run.cache.seal(s, keep_graph=False)
             if res is None:
                 continue
-            lps.append(run.to_rows(layout, res[0]))
+            lps.append(res[0])
+            masks.append(run.mask(layout))
             if entropy:
-                ents.append(run.to_rows(layout, res[1]))
-            order += layout.completions
+                ents.append(res[1])
+            order += layout.rows
         for _ in range(pad):
             run.dummy_round(grad=False)
     inv = torch.empty(len(order), dtype=torch.int64)
     inv[torch.tensor(order)] = torch.arange(len(order))
     inv = inv.to(run.device)
-    lens = torch.tensor(run.plan.tree.completion_lengths())
-    mask = (torch.arange(run.T)[None] < lens[:, None]).to(run.device)
     lp = torch.cat(lps).index_select(0, inv)
+    mask = torch.cat(masks).index_select(0, inv)
     ent = torch.cat(ents).index_select(0, inv) if entropy else None
     return LogProbs(lp, mask, ent)
 
@@ -421,11 +444,13 @@ def _run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, la
                     run.cache.seal(s, keep_graph=not recompute)
             else:  # FB
                 state, res, layout = run.run_pass(x)
+                if res is None:  # a pass with no rows to report (its values are cached for later rows)
+                    continue
                 batch = Batch(
-                    logprobs=run.to_rows(layout, res[0]),
-                    mask=run.mask_rows(layout),
-                    entropy=run.to_rows(layout, res[1]) if entropy else None,
-                    index=torch.tensor(layout.completions, dtype=torch.int64, device=run.device),
+                    logprobs=res[0],
+                    mask=run.mask(layout),
+                    entropy=res[1] if entropy else None,
+                    index=torch.tensor(layout.rows, dtype=torch.int64, device=run.device),
                 )
                 loss = _check_loss(loss_fn(batch), calls)
                 calls += 1
