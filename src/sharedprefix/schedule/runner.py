@@ -153,7 +153,8 @@ class _Runner:
             if not layout.rows:
                 return None
             dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-            return self._gather(layout, lp, 0, dtype), self._gather(layout, ent, 1, dtype) if self.entropy else None
+            return (self._gather(layout, lp, 0, dtype, hidden),
+                    self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None)
 
         result = self.par.call(fn)
         self._check_calls(state)
@@ -162,12 +163,12 @@ class _Runner:
             self.cache.states[s] = state
         return state, result, layout
 
-    def _gather(self, layout: RowLayout, values, which: int, dtype) -> torch.Tensor:
+    def _gather(self, layout: RowLayout, values, which: int, dtype, anchor) -> torch.Tensor:
         """(M,) values of this pass and the cached values of earlier ones -> (n, W) rows, zero where not reported."""
         parts = ([values] if values is not None else []) + [self.cache.values(s)[which] for s in layout.v_sources]
         n, w = layout.out_mask.shape
-        if not parts:
-            return torch.zeros(n, w, dtype=dtype, device=self.device)
+        if not parts:  # nothing trained in these rows: zeros, still part of the graph (exactly zero gradients)
+            return torch.zeros(n, w, dtype=dtype, device=self.device) + 0.0 * anchor[:1].sum().to(dtype)
         src = torch.cat(parts) if len(parts) > 1 else parts[0]
         idx, mask = layout.out_index.to(src.device), layout.out_mask.to(src.device)
         rows = src.index_select(0, idx.reshape(-1)).view(n, w)

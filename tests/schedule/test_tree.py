@@ -1,0 +1,138 @@
+"""Prefix trees: sp.logprobs / sp.backward on any rows against one plain forward per row, in float64."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sharedprefix as sp
+from helpers import assert_grads_close, grads_of, tiny_model
+
+_MODEL = tiny_model("qwen2", seed=3)
+
+
+def plain_rows(model, rows, trained):
+    """(N, L) log p(row[t] | row[:t]) where trained and t >= 1 (zero elsewhere), one plain forward per row."""
+    L = max(len(r) for r in rows)
+    out = []
+    for r, m in zip(rows, trained):
+        ids = torch.tensor(r)[None]
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, :-1].double(), -1)
+        lp = logp.gather(-1, ids[0, 1:, None])[:, 0]
+        keep = torch.tensor(m[1:], dtype=torch.bool)
+        out.append(torch.nn.functional.pad(torch.where(keep, lp, torch.zeros_like(lp)), (1, L - len(r))))
+    return torch.stack(out)
+
+
+def _tree_rows(spec):
+    """Rows that share prefixes: each continues a random cut of an earlier row (a prefix, a branch, a copy)."""
+    rows = []
+    for parent, cut, suffix, _ in spec:
+        base = rows[parent % len(rows)][:cut] if rows else []
+        row = base + suffix
+        rows.append(row or [1])
+    return rows
+
+
+def _masks(rows, spec):
+    return [[bool((j * 7 + k + seed) % 3) for j in range(len(r))] for k, (r, (_, _, _, seed)) in enumerate(zip(rows, spec))]
+
+
+ROW_SPEC = st.lists(
+    st.tuples(st.integers(0, 8), st.integers(0, 14), st.lists(st.integers(0, 5), max_size=6), st.integers(0, 5)),
+    min_size=1, max_size=7,
+)
+
+
+def _assert_grads(got, want):
+    if all(float(g.abs().max()) == 0 for g in want.values()):  # nothing trained: no gradient anywhere
+        assert all(float(g.abs().max()) == 0 for g in got.values())
+        return
+    assert_grads_close(got, want, 1e-9)
+
+
+def _check(rows, trained, budgets=(None,), modes=("keep",)):
+    model = _MODEL
+    tree = sp.Tree.from_rows(rows, trained)
+    ref = plain_rows(model, rows, trained).detach()
+    want_mask = torch.zeros(ref.shape, dtype=torch.bool)
+    for i, (r, m) in enumerate(zip(rows, trained)):
+        want_mask[i, 1 : len(r)] = torch.tensor(m[1:], dtype=torch.bool)
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(len(rows)))
+    want = grads_of(model, lambda: (plain_rows(model, rows, trained) * w).sum())
+    for budget in budgets:
+        with torch.no_grad():
+            out = sp.logprobs(model, tree, max_tokens=budget)
+        assert out.logprobs.shape == ref.shape and torch.equal(out.mask, want_mask)
+        assert (out.logprobs - ref).abs().max() <= 1e-9
+        got = grads_of(model, lambda: (sp.logprobs(model, tree, max_tokens=budget).logprobs * w).sum())
+        _assert_grads(got, want)
+        for mode in modes:
+            def loss(b):
+                assert b.logprobs.shape[1] == ref.shape[1] and torch.equal(b.mask, want_mask[b.index.cpu()])
+                return (b.logprobs * w[b.index]).sum()
+
+            got = grads_of(model, lambda: (sp.backward(model, tree, loss, max_tokens=budget, prefix_activations=mode),
+                                           None)[1])
+            _assert_grads(got, want)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=ROW_SPEC, budget=st.sampled_from([None, 2, 3, 5, 8]), mode=st.sampled_from(["keep", "offload", "recompute"]))
+def test_random_tries_match_plain_rows(spec, budget, mode):
+    rows = _tree_rows(spec)
+    _check(rows, _masks(rows, spec), budgets=(budget,), modes=(mode,))
+
+
+def test_agentic_shape_and_budgets_that_split_every_depth():
+    system = list(range(1, 13))
+    rows = []
+    for p in range(3):
+        prompt = system + [20 + p] * (3 + p)
+        for c in range(3):
+            rows.append(prompt + [40 + c, 41 + p, 42])  # turn 1
+        rows.append(prompt + [40, 41 + p, 42, 60, 61] + [70 + p])  # a second turn on top of a first
+    rows.append(system[:5])  # a row that is a prefix of every other row
+    rows.append(list(rows[0]))  # a duplicate row
+    trained = [[t >= 12 for t in range(len(r))] for r in rows]
+    trained[-2] = [True] * 5  # trained tokens inside the shared system prompt
+    _check(rows, trained, budgets=(None, 30, 11, 4), modes=("keep", "recompute"))
+
+
+def test_tokens_computed_is_the_number_of_distinct_prefixes():
+    spec_rows = [[1, 2, 3, 4], [1, 2, 3, 9, 9], [1, 2, 5], [7, 8], [1, 2, 3], [1, 2, 3, 4], [7]]
+    tree = sp.Tree.from_rows(spec_rows)
+    distinct = len({tuple(r[: k + 1]) for r in spec_rows for k in range(len(r))})
+    for budget in (None, 6, 2, 1):
+        p = sp.plan(tree, budget)
+        assert p.tokens_computed == distinct
+        assert p.plain_tokens == sum(len(r) for r in spec_rows)
+        assert all(budget is None or p.pass_tokens(s) <= budget for s in p.passes)
+        reported = sorted(r for s in p.passes for r in s.rows)
+        assert reported == list(range(len(spec_rows)))  # every row reported exactly once
+    res = sp.backward(_MODEL, tree, lambda b: b.logprobs.sum(), max_tokens=3)
+    assert res.tokens_computed == distinct and res.tokens_plain == sum(len(r) for r in spec_rows)
+
+
+def test_groups_and_their_rows_give_the_same_numbers():
+    g = sp.Group([5, 6, 7], [[1, 2], [3], [1, 4, 4]])
+    rows = [[5, 6, 7] + list(c.tolist()) for c in g.completions]
+    trained = [[t >= 3 for t in range(len(r))] for r in rows]
+    with torch.no_grad():
+        by_group = sp.logprobs(_MODEL, [g])
+        by_rows = sp.logprobs(_MODEL, sp.Tree.from_rows(rows, trained))
+    assert (by_rows.logprobs[:, 3:] - by_group.logprobs).abs().max() <= 1e-12  # the trie also shares "1"
+    assert torch.equal(by_rows.mask[:, 3:], by_group.mask) and not by_rows.mask[:, :3].any()
+
+
+def test_tree_input_errors():
+    with pytest.raises(ValueError, match=r"rows\[1\] is empty"):
+        sp.Tree.from_rows([[1, 2], []])
+    with pytest.raises(ValueError, match=r"trained\[0\] has 3 entries but its row has 2 tokens"):
+        sp.Tree.from_rows([[1, 2]], [[True, True, False]])
+    with pytest.raises(ValueError, match="trained has 1 masks for 2 rows"):
+        sp.Tree.from_rows([[1, 2], [3]], [[True, True]])
+    with pytest.raises(TypeError, match="expected a bool tensor"):
+        sp.Tree.from_rows([torch.tensor([1, 2])], [torch.tensor([1, 1])])
+    with pytest.raises(ValueError, match=r"rows\[0\] holds token id 500, outside the model's vocabulary"):
+        sp.logprobs(_MODEL, sp.Tree.from_rows([[1, 500]]))
