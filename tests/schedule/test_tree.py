@@ -136,3 +136,17 @@ def test_tree_input_errors():
         sp.Tree.from_rows([torch.tensor([1, 2])], [torch.tensor([1, 1])])
     with pytest.raises(ValueError, match=r"rows\[0\] holds token id 500, outside the model's vocabulary"):
         sp.logprobs(_MODEL, sp.Tree.from_rows([[1, 500]]))
+
+
+def test_shard_a_tree_keeps_shared_rows_together():
+    rows = [[1, 2, 3, 4, 5, 6, 7, 8, 9, p, c] for p in (10, 11) for c in range(4)] + [[50, 51, 52, c] for c in range(4)]
+    tree = sp.Tree.from_rows(rows)
+    shards = [sp.shard_groups(tree, r, 2) for r in range(2)]
+    assert sorted(i for s in shards for i in s.index) == list(range(len(rows)))  # every row exactly once
+    assert all(len(s) > 0 for s in shards)
+    for s in shards:
+        assert all(torch.equal(s.rows[k], torch.tensor(rows[i])) for k, i in enumerate(s.index))
+    # each rank holds one contiguous run of the rows in trie order, so shared prefixes stay together
+    owners = {i: r for r, s in enumerate(shards) for i in s.index}
+    in_trie_order = [owners[i] for i in sorted(range(len(rows)), key=lambda i: rows[i])]
+    assert in_trie_order == sorted(in_trie_order)

@@ -37,9 +37,15 @@ class Tree:
     the rows: ``[i, t] = log p(row_i[t] | row_i[:t])`` where row i trains token t and t >= 1, else 0.
     """
 
-    def __init__(self, rows: tuple[torch.Tensor, ...], trained: tuple[torch.Tensor, ...]):
+    def __init__(self, rows: tuple[torch.Tensor, ...], trained: tuple[torch.Tensor, ...], index: tuple[int, ...] = None):
         self.rows = rows
         self.trained = trained
+        self.index = tuple(range(len(rows))) if index is None else index  # rows' positions in the tree sharded from
+
+    def subset(self, rows: list[int]) -> Tree:
+        """The tree of the rows at positions ``rows`` (in that order); ``.index`` maps back to the original rows."""
+        return Tree(tuple(self.rows[i] for i in rows), tuple(self.trained[i] for i in rows),
+                    tuple(self.index[i] for i in rows))
 
     @classmethod
     def from_rows(cls, rows, trained=None) -> Tree:
@@ -78,6 +84,8 @@ class Tree:
         return f"Tree(rows={len(self.rows)}, tokens={sum(r.numel() for r in self.rows)})"
 
     def check_vocab(self, vocab_size: int) -> None:
+        if not self.rows:
+            raise ValueError("the tree has no rows (a shard with nothing on this rank?); expected at least one row.")
         for i, r in enumerate(self.rows):
             lo, hi = int(r.min()), int(r.max())
             if lo < 0 or hi >= vocab_size:

@@ -9,6 +9,7 @@ then lowest group index), so every rank computes the same answer without communi
 from __future__ import annotations
 
 from sharedprefix.layout.groups import Group, validate_groups
+from sharedprefix.layout.rows import Tree
 
 
 def group_cost(g: Group, hidden_equiv: int = 4096) -> float:
@@ -20,14 +21,21 @@ def group_cost(g: Group, hidden_equiv: int = 4096) -> float:
     return tokens + pairs / hidden_equiv
 
 
-def shard_groups(groups, rank: int, world_size: int) -> list[Group]:
-    """The groups rank ``rank`` of ``world_size`` computes; each group lands whole on one rank."""
-    groups = validate_groups(groups)
+def shard_groups(groups, rank: int, world_size: int) -> list[Group] | Tree:
+    """The groups rank ``rank`` of ``world_size`` computes; each group lands whole on one rank.
+
+    For a ``Tree``: the rows are taken in trie order (so rows sharing prefixes stay together) and cut into
+    ``world_size`` contiguous runs of about equal new tokens (a row's tokens beyond its common prefix with the
+    row before); returns the rank's rows as a ``Tree`` whose ``.index`` gives their positions in ``groups``.
+    """
     for name, v in (("rank", rank), ("world_size", world_size)):
         if isinstance(v, bool) or not isinstance(v, int):
             raise TypeError(f"{name}={v!r}; expected an int.")
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank}, world_size={world_size}; expected world_size >= 1 and 0 <= rank < world_size.")
+    if isinstance(groups, Tree):
+        return _shard_tree(groups, rank, world_size)
+    groups = validate_groups(groups)
     costs = [group_cost(g) for g in groups]
     order = sorted(range(len(groups)), key=lambda i: (-costs[i], i))
     load = [0.0] * world_size
@@ -37,3 +45,21 @@ def shard_groups(groups, rank: int, world_size: int) -> list[Group]:
         owner[i] = r
         load[r] += costs[i]
     return [g for i, g in enumerate(groups) if owner[i] == rank]
+
+
+def _shard_tree(tree: Tree, rank: int, world_size: int) -> Tree:
+    keys = [tuple(r.tolist()) for r in tree.rows]
+    order = sorted(range(len(keys)), key=lambda i: keys[i])
+    new, prev = [], ()
+    for i in order:
+        k, n = keys[i], 0
+        while n < min(len(k), len(prev)) and k[n] == prev[n]:
+            n += 1
+        new.append(len(k) - n)
+        prev = k
+    total, acc, mine = sum(new), 0, []
+    for i, cost in zip(order, new):
+        if min(world_size - 1, acc * world_size // max(1, total)) == rank:
+            mine.append(i)
+        acc += cost
+    return tree.subset(sorted(mine))
