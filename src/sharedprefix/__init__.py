@@ -1,12 +1,54 @@
 """sharedprefix: compute each prompt once in GRPO/PPO-style training, with the same
-log-probs and gradients as the plain per-row computation."""
+log-probs and gradients as the plain per-row computation.
 
-from sharedprefix.layout.groups import Group
-from sharedprefix.layout.rows import Tree
-from sharedprefix.schedule.planner import Plan, plan
-from sharedprefix.schedule.runner import BackwardResult, Batch, LogProbs, backward, logprobs
-from sharedprefix.schedule.sharding import shard_groups
+The public names are imported on first use (PEP 562 module ``__getattr__``), so that a
+submodule that needs no torch, the command line's argument parsing, loads without it:
+``sharedprefix --help`` answers at once. ``import sharedprefix as sp; sp.backward`` works as
+before, and so does ``sp.schedule`` (a subpackage is imported on first access too).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["Batch", "BackwardResult", "Group", "LogProbs", "Plan", "Tree", "backward", "logprobs", "plan",
-           "shard_groups"]
+
+_PUBLIC = {
+    "Batch": "sharedprefix.schedule.runner",
+    "BackwardResult": "sharedprefix.schedule.runner",
+    "Group": "sharedprefix.layout.groups",
+    "Tree": "sharedprefix.layout.rows",
+    "LogProbs": "sharedprefix.schedule.runner",
+    "Plan": "sharedprefix.schedule.planner",
+    "backward": "sharedprefix.schedule.runner",
+    "logprobs": "sharedprefix.schedule.runner",
+    "plan": "sharedprefix.schedule.planner",
+    "shard_groups": "sharedprefix.schedule.sharding",
+}
+__all__ = ["Batch", "BackwardResult", "Group", "LogProbs", "Plan", "Tree", "backward", "logprobs", "plan", "shard_groups"]
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_PUBLIC})
+
+
+if TYPE_CHECKING:
+    from sharedprefix.layout.groups import Group
+    from sharedprefix.layout.rows import Tree
+    from sharedprefix.schedule.planner import Plan, plan
+    from sharedprefix.schedule.runner import BackwardResult, Batch, LogProbs, backward, logprobs
+    from sharedprefix.schedule.sharding import shard_groups

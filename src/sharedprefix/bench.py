@@ -152,8 +152,12 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def best_time(fn, repeats):
+def best_time(fn, repeats, bar=None):
+    """Best of ``repeats`` timed calls of ``fn`` after one warm-up call; ``bar`` (a tqdm progress bar, or
+    None) advances by one after each call, outside the timed span."""
     fn()  # warm-up
+    if bar is not None:
+        bar.update()
     ts = []
     for _ in range(repeats):
         _sync()
@@ -161,6 +165,8 @@ def best_time(fn, repeats):
         fn()
         _sync()
         ts.append(time.perf_counter() - t0)
+        if bar is not None:
+            bar.update()
     return min(ts)
 
 

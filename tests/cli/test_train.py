@@ -11,6 +11,7 @@ from sharedprefix.cli.main import main
 from sharedprefix.training.loop import TrainConfig, Trainer, check_rewards, encode_prompt, read_metrics
 from sharedprefix.training.run import load_model
 from sharedprefix.training.tasks import KeyValueTask, build_tokenizer
+from tests.cli.weights import assert_same_weights
 
 SMALL = ["--records", "8", "--prompts-per-step", "2", "--group-size", "4", "--warmup-steps", "2", "--no-bench",
          "--checkpoint-every", "2", "--threads", "1"]
@@ -26,8 +27,14 @@ def test_short_run_writes_metrics_plot_and_checkpoint(tmp_path, capsys):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(0 <= r["reward"] <= 1.2 and r["tokens_computed"] < r["tokens_plain"] for r in rows)
     assert (tmp_path / "r" / "reward.png").stat().st_size > 1000
-    assert (tmp_path / "r" / "checkpoint" / "state.pt").exists()
-    assert "GRPO steps" in capsys.readouterr().out
+    assert (tmp_path / "r" / "checkpoint" / ".complete").exists()
+    assert not (tmp_path / "r" / "checkpoint.tmp").exists() and not (tmp_path / "r" / "checkpoint.old").exists()
+    state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 4 and state["warm_done"] and state["optimizer"]["state"]
+    # the final model and the last checkpoint's model are the same weights
+    assert_same_weights(tmp_path / "r" / "model", tmp_path / "r" / "checkpoint" / "model")
+    out = capsys.readouterr().out
+    assert "GRPO steps" in out and f"trained model and tokenizer (save_pretrained): {tmp_path / 'r' / 'model'}" in out
 
 
 def test_resume_neither_loses_nor_repeats_a_step(tmp_path):
@@ -41,9 +48,7 @@ def test_resume_neither_loses_nor_repeats_a_step(tmp_path):
     cut = read_metrics(tmp_path / "cut" / "metrics.jsonl")
     assert [r["step"] for r in cut] == list(range(6))
     assert [r["reward"] for r in cut] == [r["reward"] for r in full]
-    a = torch.load(tmp_path / "full" / "checkpoint" / "state.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "cut" / "checkpoint" / "state.pt", weights_only=False)["model"]
-    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    assert_same_weights(tmp_path / "full" / "model", tmp_path / "cut" / "model")
 
 
 def test_missing_model_folder_is_refused_before_writing(tmp_path, capsys):

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import torch
+from safetensors.torch import load_file
 
 from sharedprefix.cli.main import main
 from sharedprefix.training.loop import read_metrics
@@ -26,8 +27,9 @@ def test_two_processes_match_one(tmp_path):
     # each rank samples its own prompts with the same per-prompt seeds, so the data and rewards are the same
     assert [r["reward"] for r in two] == [r["reward"] for r in one]
     assert [r["tokens_plain"] for r in two] == [r["tokens_plain"] for r in one]
-    a = torch.load(tmp_path / "one" / "checkpoint" / "state.pt", weights_only=False)["model"]
-    b = torch.load(tmp_path / "two" / "checkpoint" / "state.pt", weights_only=False)["model"]
+    a = load_file(tmp_path / "one" / "model" / "model.safetensors")  # the trained model (save_pretrained)
+    b = load_file(tmp_path / "two" / "model" / "model.safetensors")
+    assert sorted(a) == sorted(b)
     # The gradients agree to float32 rounding, but AdamW divides each entry by its running RMS, so an entry whose
     # exact gradient is ~0 is steered by rounding and may move by up to lr (1e-3) per step either way. Hence: almost
     # every entry identical to 1e-6, and none further apart than a tenth of one step's largest move.

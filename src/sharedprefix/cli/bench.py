@@ -13,12 +13,33 @@ cross-microbatch schedule in each prefix_activations mode.
 
 from __future__ import annotations
 
-import torch
-
-from sharedprefix import bench
+import sys
 
 HELP = "speed and memory of sharedprefix against the plain run"
 MB = 2**20
+torch = bench = None  # imported by `run` (not for --help); `_gpu`, `_speed` and `_memory` use these names
+
+
+def _import_heavy():
+    global torch, bench
+    import torch
+
+    from sharedprefix import bench
+
+
+def _progress(total, desc):
+    """A progress bar on stderr, shown only when stderr is a terminal (tqdm's disable=None)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, disable=None, dynamic_ncols=True, file=sys.stderr)
+
+
+def _out(line):
+    """A result line on stdout that does not garble a progress bar on the same terminal."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
 
 
 def add_arguments(p):
@@ -30,10 +51,13 @@ def add_arguments(p):
     p.add_argument("--repeats", type=int, default=2, help="timed repeats after a warm-up (speed benchmark)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the benchmark model")
     p.add_argument("--modes", nargs="+", default=["plain", "in_pass", "keep", "offload", "recompute"])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
 
 
 def run(args):
+    _import_heavy()
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.memory:
         return _memory(args)
     if str(args.device).startswith("cuda") and args.prompt is None:
@@ -84,20 +108,29 @@ def _speed(args):
     P, T, G = args.prompt or 2048, args.completion or 128, (args.G or [8])[0]
     model = bench.bench_model(num_hidden_layers=args.layers).to(args.device)
     groups = bench.make_groups(1, P, T, G)
-    t_plain = bench.best_time(lambda: (model.zero_grad(), bench.plain_step(model, groups)), args.repeats)
-    t_shared = bench.best_time(lambda: (model.zero_grad(), bench.shared_step(model, groups)), args.repeats)
+    bar = _progress(3 * (args.repeats + 1) + 2, "bench")
+    bar.set_description("bench: plain run")
+    t_plain = bench.best_time(lambda: (model.zero_grad(), bench.plain_step(model, groups)), args.repeats, bar)
+    bar.set_description("bench: sharedprefix")
+    t_shared = bench.best_time(lambda: (model.zero_grad(), bench.shared_step(model, groups)), args.repeats, bar)
 
     def pg():
         with bench.repeated_prefix():
             model.zero_grad()
             bench.shared_step(model, groups)
 
-    t_pg = bench.best_time(pg, args.repeats)
+    bar.set_description("bench: prompt K/V repeated per completion")
+    t_pg = bench.best_time(pg, args.repeats, bar)
     fr = bench.flops(model.config, groups, False) / bench.flops(model.config, groups, True)
     fr_layers = bench.flops(model.config, groups, False, head=False) / bench.flops(model.config, groups, True, head=False)
     spec = dict(n_groups=1, prompt=P, completion=T, G=G, model=dict(num_hidden_layers=args.layers), device=args.device)
+    bar.set_description("bench: peak memory of the plain run (subprocess)")
     m_plain = bench.measure_in_subprocess("plain", spec)["peak_bytes"]
+    bar.update()
+    bar.set_description("bench: peak memory of sharedprefix (subprocess)")
     m_shared = bench.measure_in_subprocess("keep", spec)["peak_bytes"]
+    bar.update()
+    bar.close()
     print(f"model: Qwen3 hidden 512, {args.layers} layers, 8/4 heads, head_dim 64, vocab 32000, float32, {args.device}")
     print(f"group: prompt {P}, G={G} completions of {T} tokens; forward+backward, best of {args.repeats}")
     print(f"plain run (SDPA rows, logits_to_keep): {t_plain:8.3f} s   peak memory +{m_plain / MB:8.1f} MiB")
@@ -113,13 +146,17 @@ def _memory(args):
     Gs = args.G or [4, 8, 16, 32]
     print(f"prompt {P}, completions {T}, budget {args.max_tokens} tokens, {args.layers} layers, {args.device}; one "
           "step (forward+backward) per configuration, each in a fresh process")
-    print(f"{'G':>3} {'config':<10} {'tokens':>8} {'time s':>8} {'ms/compl.tok':>12} {'peak MiB':>9}")
+    print(f"{'G':>3} {'config':<10} {'tokens':>8} {'time s':>8} {'ms/compl.tok':>12} {'peak MiB':>9}", flush=True)
+    bar = _progress(len(Gs) * len(args.modes), "bench --memory")
     for G in Gs:
         spec = dict(n_groups=1, prompt=P, completion=T, G=G, max_tokens=args.max_tokens,
                     model=dict(num_hidden_layers=args.layers), device=args.device)
         for kind in args.modes:
+            bar.set_description(f"bench --memory: G={G} {kind} (subprocess)")
             r = bench.measure_in_subprocess(kind, spec)
             per_tok = 1000 * r["time_s"] / (G * T)
-            print(f"{G:>3} {kind:<10} {r['tokens']:>8} {r['time_s']:>8.2f} {per_tok:>12.3f} "
-                  f"{r['peak_bytes'] / MB:>9.1f}", flush=True)
+            _out(f"{G:>3} {kind:<10} {r['tokens']:>8} {r['time_s']:>8.2f} {per_tok:>12.3f} "
+                 f"{r['peak_bytes'] / MB:>9.1f}")
+            bar.update()
+    bar.close()
     return 0

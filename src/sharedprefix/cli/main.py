@@ -1,4 +1,8 @@
-"""``sharedprefix`` command line: train (the main job), verify, bench, plan."""
+"""``sharedprefix`` command line: train (the main job), verify, bench, plan.
+
+The command modules import torch and transformers inside their ``run``, never at import time,
+so that ``sharedprefix --help`` and ``sharedprefix <command> --help`` answer at once.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +11,11 @@ import sys
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="sharedprefix", description=__doc__)
+    from sharedprefix.cli import bench, plan, train, verify
+
+    parser = argparse.ArgumentParser(prog="sharedprefix", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
-    from sharedprefix.cli import bench, plan, verify
-
-    commands = {"verify": verify, "bench": bench, "plan": plan}
-    try:
-        from sharedprefix.cli import train
-
-        commands = {"train": train, **commands}
-    except ImportError as e:  # the trainer needs optional extras; say so instead of hiding the command
-        _missing = str(e)
-
-        def _train_missing(_args):
-            print(f"sharedprefix train needs the 'trl' extra: pip install 'sharedprefix[trl]' ({_missing})",
-                  file=sys.stderr)
-            return 2
-
-        p = sub.add_parser("train", help="GRPO on an embedded default (needs the trl extra)")
-        p.set_defaults(func=_train_missing)
-    for name, mod in commands.items():
+    for name, mod in {"train": train, "verify": verify, "bench": bench, "plan": plan}.items():
         p = sub.add_parser(name, help=mod.HELP, description=mod.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(p)

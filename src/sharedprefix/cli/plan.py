@@ -5,10 +5,6 @@ Example: sharedprefix plan --prompt 4096 --completion 256 --group-size 16 --grou
 
 from __future__ import annotations
 
-import torch
-
-import sharedprefix as sp
-
 HELP = "show the passes of a plan and the plain run's token count"
 
 
@@ -21,6 +17,10 @@ def add_arguments(p):
 
 
 def run(args):
+    import torch
+
+    import sharedprefix as sp
+
     prompts = args.prompt * args.groups if len(args.prompt) == 1 else args.prompt
     groups = [sp.Group(torch.zeros(p, dtype=torch.long), [torch.zeros(args.completion, dtype=torch.long)] * args.group_size)
               for p in prompts]

@@ -4,8 +4,10 @@ With no arguments: a small Qwen3-architecture model built from the config shippe
 package (random weights), a locally built tokenizer, and the ``kv`` task (a document of
 key-value records and a question about one key; reward 1 for the right value). A short
 supervised warm-up teaches the answer format with random values; GRPO then has to find the
-values. Writes ``metrics.jsonl``, ``reward.png`` and checkpoints to ``--output``, and prints
-the speed-up of sharedprefix over the plain run measured on the same step shape.
+values. Writes ``metrics.jsonl``, ``reward.png``, a checkpoint and the trained model to ``--output``
+(``model/``: ``save_pretrained`` of the model and tokenizer, loadable by
+``AutoModelForCausalLM.from_pretrained``; with ``--lora-r`` the LoRA adapter in PEFT's format),
+and prints the speed-up of sharedprefix over the plain run measured on the same step shape.
 
 Options come from flags or a JSON config file (``--config``; flags win). A run resumes from
 its last checkpoint in ``--output`` unless ``--no-resume`` is given. Under ``torchrun`` each
@@ -23,7 +25,7 @@ HELP = "GRPO on an embedded default task and model (the main job)"
 
 
 def add_arguments(p):
-    from sharedprefix.training.loop import TrainConfig
+    from sharedprefix.training.config import TrainConfig
 
     p.add_argument("--config", help="JSON file with any of the options below")
     for f in dataclasses.fields(TrainConfig):
@@ -52,7 +54,7 @@ def _parser(f):
 
 
 def resolve_config(args):
-    from sharedprefix.training.loop import TrainConfig
+    from sharedprefix.training.config import TrainConfig
 
     values = {}
     if args.config:

@@ -7,11 +7,7 @@ Speed: forward+backward of the plain run against sharedprefix on a small float32
 
 from __future__ import annotations
 
-import torch
-
-import sharedprefix as sp
-from sharedprefix import bench
-from sharedprefix.testing import dtype_faithful_norms, plain_logprobs
+import sys
 
 HELP = "verify exactness on a tiny model and print a one-line speed comparison"
 
@@ -28,6 +24,17 @@ def _grads(model):
 
 
 def run(args):
+    import torch
+    from tqdm import tqdm
+
+    import sharedprefix as sp
+    from sharedprefix import bench
+    from sharedprefix.testing import dtype_faithful_norms, plain_logprobs
+
+    checks = [(None, "keep"), (60, "offload"), (20, "recompute")]
+    # progress on stderr, only when stderr is a terminal (tqdm's disable=None); results on stdout via tqdm.write
+    bar = tqdm(total=1 + len(checks) + (4 if args.speed else 0), desc="verify: plain reference", leave=False,
+               disable=None, dynamic_ncols=True, file=sys.stderr)
     torch.manual_seed(args.seed)
     model = bench.bench_model(dtype=torch.float64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500)
@@ -37,8 +44,10 @@ def run(args):
     ref, _ = plain_logprobs(model, groups)
     (ref * ref.ne(0)).sum().backward()
     want = _grads(model)
+    bar.update()
     worst_lp = worst_grad = 0.0
-    for budget, mode in [(None, "keep"), (60, "offload"), (20, "recompute")]:
+    for budget, mode in checks:
+        bar.set_description(f"verify: budget={budget} prefix={mode}")
         res = sp.backward(model, groups, lambda b: (b.logprobs * b.mask).sum(), max_tokens=budget,
                           prefix_activations=mode)
         got = _grads(model)
@@ -47,18 +56,23 @@ def run(args):
         worst_lp = max(worst_lp, float((lp - ref.detach()).abs().max()))
         worst_grad = max(worst_grad, max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-300))
                                          for n in want))
-        print(f"budget={budget!s:>4} prefix={mode:<9} passes={res.passes} tokens {res.tokens_computed} vs plain "
-              f"{res.tokens_plain}")
+        tqdm.write(f"budget={budget!s:>4} prefix={mode:<9} passes={res.passes} tokens {res.tokens_computed} vs plain "
+                   f"{res.tokens_plain}", file=sys.stdout)
+        bar.update()
     ok = worst_lp <= 1e-9 and worst_grad <= 1e-9
-    print(f"exactness (float64): max |delta logprob| = {worst_lp:.2e}, max relative grad error = {worst_grad:.2e} "
-          f"-> {'OK' if ok else 'FAILED'}")
+    tqdm.write(f"exactness (float64): max |delta logprob| = {worst_lp:.2e}, max relative grad error = {worst_grad:.2e} "
+               f"-> {'OK' if ok else 'FAILED'}", file=sys.stdout)
     if not args.speed:
+        bar.close()
         return 0 if ok else 1
     m32 = bench.bench_model(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=64, vocab_size=8000)
     g32 = bench.make_groups(1, 1024, 64, 8, vocab=8000)
-    t_plain = bench.best_time(lambda: (m32.zero_grad(), bench.plain_step(m32, g32)), 1)
-    t_shared = bench.best_time(lambda: (m32.zero_grad(), bench.shared_step(m32, g32)), 1)
+    bar.set_description("verify: speed, plain run")
+    t_plain = bench.best_time(lambda: (m32.zero_grad(), bench.plain_step(m32, g32)), 1, bar)
+    bar.set_description("verify: speed, sharedprefix")
+    t_shared = bench.best_time(lambda: (m32.zero_grad(), bench.shared_step(m32, g32)), 1, bar)
+    bar.close()
     fr = bench.flops(m32.config, g32, shared=False) / bench.flops(m32.config, g32, shared=True)
     print(f"speed (prompt 1024, G=8 x 64, fwd+bwd, float32, CPU): plain {t_plain:.2f}s, sharedprefix "
           f"{t_shared:.2f}s -> {t_plain / t_shared:.2f}x faster (FLOP ratio {fr:.2f}x)")

@@ -16,7 +16,6 @@ import torch.distributed as tdist
 
 @dataclass
 class Context:
-    model: torch.nn.Module
     rank: int = 0
     world_size: int = 1
 
@@ -34,6 +33,17 @@ class Context:
         t = torch.tensor(values, dtype=torch.float64)
         tdist.all_reduce(t)
         return t.tolist()
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model on this rank's device, with rank 0's weights (LoRA adapters included)."""
+        if self.world_size == 1:
+            return model
+        if tdist.get_backend() == "nccl":
+            model = model.cuda()
+        with torch.no_grad():
+            for p in model.parameters():
+                tdist.broadcast(p.data, 0)
+        return model
 
     def sync(self, model: torch.nn.Module) -> None:
         """Sum gradients over ranks (one all-reduce per parameter, once per optimizer step)."""
@@ -54,18 +64,14 @@ class Context:
             tdist.destroy_process_group()
 
 
-def setup(model: torch.nn.Module) -> Context:
+def setup() -> Context:
+    """Join the process group when launched by torchrun (nccl with CUDA, else gloo); else a one-process context."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
-        return Context(model)
+        return Context()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not tdist.is_initialized():
         tdist.init_process_group(backend)
-    rank = tdist.get_rank()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        model = model.cuda()
-    with torch.no_grad():  # every rank starts from rank 0's weights
-        for p in model.parameters():
-            tdist.broadcast(p.data, 0)
-    return Context(model, rank, tdist.get_world_size())
+    return Context(tdist.get_rank(), tdist.get_world_size())

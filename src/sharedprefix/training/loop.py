@@ -6,9 +6,10 @@ by the step too), compute group-relative advantages, and run ``sp.backward`` wit
 loss under the token budget; then one optimizer step. One iteration per batch, so the
 old policy is the current one (ratio 1, the clipped objective's gradient is -A grad log p).
 
-Checkpoints hold model, optimizer, step and RNG state and are written atomically (to a
-temporary folder, then renamed); metrics are JSONL, one line per step, and a resumed run
-drops lines of steps it will redo, so no step is lost or repeated.
+Checkpoints hold the model (``save_pretrained``), the optimizer state, the step and the warm-up
+flag, and replace the previous one atomically (``checkpoint``); no RNG state is needed, since
+every step seeds its own data and sampling. Metrics are JSONL, one line per step, and a resumed
+run drops lines of steps it will redo, so no step is lost or repeated.
 """
 
 from __future__ import annotations
@@ -17,39 +18,19 @@ import json
 import math
 import os
 import random
-import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
+from tqdm import tqdm
 
 import sharedprefix as sp
 from sharedprefix import losses
+from sharedprefix.training import checkpoint
+from sharedprefix.training.config import TrainConfig
 
-
-@dataclass
-class TrainConfig:
-    task: str = "kv"
-    records: int = 48
-    model: str | None = None  # a local transformers checkpoint folder; None: the embedded default
-    group_size: int = 8
-    prompts_per_step: int = 8
-    steps: int = 300
-    warmup_steps: int = 30
-    lr: float = 1e-3
-    warmup_lr: float = 3e-3
-    max_new_tokens: int = 3
-    temperature: float = 1.0
-    max_tokens: int | None = 1024
-    prefix_activations: str = "keep"
-    loss_type: str = "grpo"
-    epsilon: float = 0.2
-    seed: int = 0
-    output: str = "runs/default"
-    checkpoint_every: int = 20
-    resume: bool = True
-    bench: bool = True
-    threads: int | None = None
+__all__ = ["TrainConfig", "Trainer", "check_rewards", "encode_prompt", "read_metrics", "sample_completions",
+           "write_metrics"]
 
 
 def check_rewards(values, n: int) -> list[float]:
@@ -93,9 +74,10 @@ class Trainer:
         from sharedprefix.training.distributed import Context
 
         self.cfg, self.model, self.tok, self.task = cfg, model, tokenizer, task
-        self.ctx = ctx or Context(model)
+        self.ctx = ctx or Context()
         self.reward_fn = reward_fn or (lambda comps, answers: [task.reward(c, a) for c, a in zip(comps, answers)])
-        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.params = [p for p in model.parameters() if p.requires_grad]  # all weights, or a LoRA adapter's
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=0.0)
         self.step = 0
         self.warm_done = False
 
@@ -107,9 +89,11 @@ class Trainer:
     # -- warm-up: teach the answer format (random values) with a few supervised steps ------------------------------
     def warmup(self):
         cfg = self.cfg
-        opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(self.params, lr=cfg.warmup_lr, weight_decay=0.0)
         rng = random.Random(cfg.seed + 17)
-        for _ in range(cfg.warmup_steps):
+        # progress on stderr, only on a terminal (tqdm's disable=None) and only on rank 0
+        for _ in tqdm(range(cfg.warmup_steps), desc="warm-up", disable=None if self.ctx.is_main else True,
+                      leave=False, dynamic_ncols=True):
             groups = []
             for s in [self.task.sample(rng) for _ in range(cfg.prompts_per_step)]:
                 target = self.tok(self.task.warmup_target(rng), add_special_tokens=False)["input_ids"]
@@ -173,18 +157,15 @@ class Trainer:
                 "tokens_per_s": plain / dt}
 
     # -- checkpoints --------------------------------------------------------------------------------------------
-    def save(self, folder: str):
-        tmp = folder + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.step,
-                    "warm_done": self.warm_done, "config": asdict(self.cfg)}, os.path.join(tmp, "state.pt"))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+    def save(self, folder: str, base_model: str | None = None):
+        """Replace the checkpoint ``folder`` atomically (``checkpoint.save_checkpoint``)."""
+        state = {"optimizer": self.opt.state_dict(), "step": self.step, "warm_done": self.warm_done,
+                 "config": asdict(self.cfg)}
+        checkpoint.save_checkpoint(folder, self.model, self.tok, state, base_model)
 
-    def load(self, folder: str):
-        state = torch.load(os.path.join(folder, "state.pt"), weights_only=False)
-        self.model.load_state_dict(state["model"])
+    def load_state(self, state: dict):
+        """Optimizer, step and warm-up flag from ``checkpoint.load_trainer_state`` (the weights are loaded
+        with the model)."""
         self.opt.load_state_dict(state["optimizer"])
         self.step, self.warm_done = state["step"], state["warm_done"]
 

@@ -61,8 +61,15 @@ def speed_comparison(trainer) -> str:
         comp = [torch.tensor([trainer.tok.eos_token_id] * cfg.max_new_tokens) for _ in range(cfg.group_size)]
         groups.append(sp.Group(ids, comp))
 
-    t_plain = bench.best_time(lambda: bench.plain_step(model, groups), 3)
-    t_shared = bench.best_time(lambda: bench.shared_step(model, groups, cfg.max_tokens, cfg.prefix_activations), 3)
+    from tqdm import tqdm
+
+    # progress on stderr, only when stderr is a terminal (tqdm's disable=None)
+    bar = tqdm(total=8, desc="speed comparison: plain run", leave=False, disable=None, dynamic_ncols=True)
+    t_plain = bench.best_time(lambda: bench.plain_step(model, groups), 3, bar)
+    bar.set_description("speed comparison: sharedprefix")
+    t_shared = bench.best_time(lambda: bench.shared_step(model, groups, cfg.max_tokens, cfg.prefix_activations), 3,
+                               bar)
+    bar.close()
     model.zero_grad(set_to_none=True)
     p = len(groups[0].prompt)
     return (f"speed on this step's shape ({cfg.prompts_per_step} prompts of {p} tokens, G={cfg.group_size}, "
