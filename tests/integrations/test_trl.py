@@ -5,13 +5,15 @@ import warnings
 import pytest
 import torch
 
+import sharedprefix as sp
+
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import transformers as tf  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer, regroup_rows  # noqa: E402
+from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer, tree_rows  # noqa: E402
 from sharedprefix.training.tasks import KeyValueTask, build_tokenizer  # noqa: E402
 
 TASK = KeyValueTask(records=6)
@@ -88,14 +90,16 @@ def test_budget_schedule_matches_unscheduled(tmp_path):
     assert float((da - db).abs().max()) <= 1e-4 * float(da.abs().max())
 
 
-def test_regroup_rows_keeps_every_completion():
-    ids = torch.tensor([[0, 5, 6, 9, 2], [0, 5, 6, 8, 0], [7, 7, 7, 9, 9], [0, 5, 6, 1, 2]])
-    att = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]])
-    rg = regroup_rows(ids, att, 2)
-    assert len(rg.groups) == 2 and rg.row_of == [0, 1, 3, 2]
-    assert [c.tolist() for c in rg.groups[0].completions] == [[9, 2], [8], [1, 2]]
+def test_tree_rows_keep_every_completion_and_share_every_prefix():
+    ids = torch.tensor([[0, 5, 6, 9, 2], [0, 5, 6, 8, 0], [7, 7, 7, 9, 9], [0, 5, 7, 1, 2], [0, 5, 6, 0, 0]])
+    att = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 1, 1, 0, 0]])
+    tr = tree_rows(ids, att, 2)
+    assert tr.row_of == [0, 1, 2, 3] and tr.prompt_len == [2, 2, 3, 2] and tr.lengths == [2, 1, 2, 2]
+    assert [r.tolist() for r in tr.tree.rows] == [[5, 6, 9, 2], [5, 6, 8], [7, 7, 7, 9, 9], [5, 7, 1, 2]]
+    # prompts [5, 6] and [5, 7] share the token 5: the trie computes it once
+    assert sp.plan(tr.tree).tokens_computed == 1 + 1 + 2 + 1 + 5 + 3
     with pytest.raises(ValueError, match="mask with holes"):
-        regroup_rows(ids, torch.tensor([[1, 1, 1, 0, 1]] * 4), 2)
+        tree_rows(ids, torch.tensor([[1, 1, 1, 0, 1]] * 5), 2)
 
 
 def test_unsupported_options_raise(tmp_path):

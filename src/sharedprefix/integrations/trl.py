@@ -3,8 +3,10 @@
 Only two hooks of ``GRPOTrainer`` are overridden, so TRL's own loss code (every ``loss_type``,
 clipping, KL, entropy bonus, masks, metrics) runs unchanged:
 
-- ``_get_per_token_logps_and_entropies`` regroups the rows ``[left-padded prompt | completion]``
-  by prompt and computes old-policy, reference and policy log-probs with each prompt once.
+- ``_get_per_token_logps_and_entropies`` turns the rows ``[left-padded prompt | completion]`` into a
+  ``sharedprefix.Tree`` (a token trie: a system prompt common to every prompt of the microbatch is
+  one segment, each prompt another, each completion a leaf; completion tokens trained) and
+  computes old-policy, reference and policy log-probs with every shared prefix once.
   With ``sharedprefix_max_tokens`` set (or gradient checkpointing on), the policy pass is
   deferred (``sp.logprobs(defer=True)``): the forward runs without a graph, and when TRL
   backpropagates its loss, the incoming per-token gradients dL/dlogp (and dL/dentropy) drive
@@ -13,8 +15,8 @@ clipping, KL, entropy bonus, masks, metrics) runs unchanged:
 - ``_prepare_inputs`` keeps whole groups inside one microbatch (TRL shuffles rows across the
   generation batch): it draws the same random permutation as TRL, then orders groups by it.
 
-Notation: B = rows of a microbatch, C = completion columns (``logits_to_keep``), N = completions
-after regrouping (equal to the non-empty rows), T = longest completion.
+Notation: B = rows of a microbatch, C = completion columns (``logits_to_keep``), N = non-empty rows,
+L = longest [prompt + completion] row.
 """
 
 from __future__ import annotations
@@ -49,24 +51,25 @@ class SharedPrefixGRPOConfig(GRPOConfig):
 
 
 @dataclass
-class RowGroups:
-    """How the rows of a microbatch map onto sharedprefix groups."""
+class TreeRows:
+    """How the rows of a microbatch map onto the rows of a ``sharedprefix.Tree``."""
 
-    groups: list
-    row_of: list[int]  # completion n -> row index in the microbatch
-    lengths: list[int]  # completion n -> its number of tokens
+    tree: sp.Tree | None
+    row_of: list[int]  # tree row i -> microbatch row b
+    prompt_len: list[int]  # tree row i -> its prompt's length without padding (its first completion column)
+    lengths: list[int]  # tree row i -> its completion's number of tokens
 
 
-def regroup_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> RowGroups:
-    """(B, L) rows ``[left-padded prompt | right-padded completion]`` -> groups of identical prompts.
+def tree_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> TreeRows:
+    """(B, L) rows ``[left-padded prompt | right-padded completion]`` -> a Tree of [prompt + completion] rows.
 
-    Rows whose completion holds no token have no log-prob to compute and get zeros (TRL masks them).
+    Completion tokens are trained. Rows whose completion holds no token have no log-prob to compute and
+    get zeros (TRL masks them).
     """
     B, L = input_ids.shape
     P = L - logits_to_keep
     ids, att = input_ids.cpu(), attention_mask.cpu().bool()
-    by_prompt: dict[tuple, int] = {}
-    prompts, comps, rows = [], [], []
+    rows, trained, row_of, plen, lens = [], [], [], [], []
     for b in range(B):
         prompt = ids[b, :P][att[b, :P]]
         cmask = att[b, P:]
@@ -78,29 +81,25 @@ def regroup_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
                 f"row {b} has a completion mask with holes ({cmask.int().tolist()}); sharedprefix expects each "
                 "completion to be a run of tokens followed by padding."
             )
-        key = tuple(prompt.tolist())
-        if key not in by_prompt:
-            by_prompt[key] = len(prompts)
-            prompts.append(prompt)
-            comps.append([])
-            rows.append([])
-        gi = by_prompt[key]
-        comps[gi].append(ids[b, P : P + t])
-        rows[gi].append(b)
-    if not prompts:
-        return RowGroups([], [], [])
-    groups = [sp.Group(p, c) for p, c in zip(prompts, comps)]
-    row_of = [b for r in rows for b in r]
-    lengths = [int(c.numel()) for g in groups for c in g.completions]
-    return RowGroups(groups, row_of, lengths)
+        if prompt.numel() == 0:
+            raise ValueError(f"row {b} has an empty prompt; expected at least one prompt token (e.g. BOS).")
+        rows.append(torch.cat([prompt, ids[b, P : P + t]]))
+        trained.append(torch.arange(prompt.numel() + t) >= prompt.numel())
+        row_of.append(b)
+        plen.append(int(prompt.numel()))
+        lens.append(t)
+    return TreeRows(sp.Tree.from_rows(rows, trained) if rows else None, row_of, plen, lens)
 
 
-def _to_rows(values: torch.Tensor, rg: RowGroups, B: int, C: int) -> torch.Tensor:
-    """(N, T) in group order -> (B, C) in row order, zero elsewhere."""
+def _to_rows(values: torch.Tensor, tr: TreeRows, B: int, C: int) -> torch.Tensor:
+    """(N, L) aligned with the tree's rows -> (B, C) completion columns in microbatch order, zero elsewhere."""
+    dev = values.device
+    cols = torch.tensor(tr.prompt_len, device=dev)[:, None] + torch.arange(C, device=dev)[None]
+    keep = torch.arange(C, device=dev)[None] < torch.tensor(tr.lengths, device=dev)[:, None]
+    picked = values.gather(1, cols.clamp(max=values.shape[1] - 1))
+    picked = torch.where(keep, picked, torch.zeros((), dtype=values.dtype, device=dev))
     out = values.new_zeros(B, C)
-    T = min(values.shape[1], C)
-    out[torch.tensor(rg.row_of, device=values.device)] = torch.nn.functional.pad(values[:, :T], (0, C - T))
-    return out
+    return out.index_copy(0, torch.tensor(tr.row_of, device=dev), picked)
 
 
 class SharedPrefixGRPOTrainer(GRPOTrainer):
@@ -139,20 +138,20 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         if compute_aux_loss:
             raise ValueError("MoE auxiliary losses are not supported by SharedPrefixGRPOTrainer.")
         B, C = input_ids.shape[0], logits_to_keep
-        rg = regroup_rows(input_ids, attention_mask, logits_to_keep)
+        tr = tree_rows(input_ids, attention_mask, logits_to_keep)
         dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
         zeros = torch.zeros(B, C, dtype=dtype, device=input_ids.device)
-        if not rg.groups:
+        if tr.tree is None:
             return zeros, (zeros.clone() if compute_entropy else None), None
         # With a budget, the policy pass is deferred: values without a graph now, sp.backward under the
         # budget when TRL backpropagates its loss (exact by the chain rule). Gradient checkpointing defers too.
         defer = True if (torch.is_grad_enabled() and self._sp_budget is not None) else None
         with self.accelerator.autocast():  # as TRL's own forward
-            out = sp.logprobs(model, rg.groups, temperature=self.temperature, entropy=compute_entropy,
+            out = sp.logprobs(model, tr.tree, temperature=self.temperature, entropy=compute_entropy,
                               max_tokens=self._sp_budget, defer=defer, prefix_activations=self._sp_mode,
                               grad_reduction="mean")  # TRL's losses are per-rank means, averaged as DDP does
-        lp = _to_rows(out.logprobs, rg, B, C)
-        ent = _to_rows(out.entropy, rg, B, C) if compute_entropy else None
+        lp = _to_rows(out.logprobs, tr, B, C)
+        ent = _to_rows(out.entropy, tr, B, C) if compute_entropy else None
         return lp, ent, None
 
     # -- whole groups per microbatch ----------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""The agentic benchmark (``sharedprefix bench --tree``): a system prompt shared by many prompts.
+
+Shape: a 4096-token system prompt (tool schemas) shared by 8 prompts of 512 tokens each, G = 8
+completions of 256 per prompt, forward+backward under one token budget. Three runs, measured in
+one process: per-group sharing (each group's prompt, system prompt included, once per group:
+today's ``list[Group]`` behaviour and what Prefix Grouper / verl share), the tree (``Tree.from_rows``:
+the system prompt once for all), and, with ``--plain``, the plain run (one row per completion;
+slow on CPU, so off by default: its token count is reported either way).
+
+FLOPs are counted per segment tree with one formula: linear layers per computed token, attention
+per (query, key) pair actually needed, the LM head per predicted token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import sharedprefix as sp
+from sharedprefix import bench
+from sharedprefix.layout.tree import SegmentTree
+
+
+def agentic(system=4096, prompts=8, prompt_len=512, G=8, completion=256, vocab=32000, seed=0):
+    """(groups, rows, trained): the same data as groups and as rows (completion tokens trained)."""
+    g = torch.Generator().manual_seed(seed)
+    sys_ids = torch.randint(0, vocab, (system,), generator=g)
+    groups, rows, trained = [], [], []
+    for _ in range(prompts):
+        p = torch.cat([sys_ids, torch.randint(0, vocab, (prompt_len,), generator=g)])
+        cs = [torch.randint(0, vocab, (completion,), generator=g) for _ in range(G)]
+        groups.append(sp.Group(p, cs))
+        for c in cs:
+            rows.append(torch.cat([p, c]))
+            trained.append(torch.arange(p.numel() + c.numel()) >= p.numel())
+    return groups, rows, trained
+
+
+def tree_flops(cfg, tree: SegmentTree) -> float:
+    """Forward+backward FLOPs (3x forward) of computing ``tree``: every segment once."""
+    d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    hd, h, hkv, V = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
+    per_tok = 2 * L * (d * hd * (2 * h + 2 * hkv) + 3 * d * f)
+    per_pair = 4 * L * h * hd
+    tokens = sum(s.length for s in tree.segments)
+    pairs = sum((s.end * (s.end + 1) - s.start * (s.start + 1)) // 2 for s in tree.segments)  # position p sees p + 1
+    predicted = sum(s.n_computed for s in tree.segments)
+    return 3.0 * (tokens * per_tok + pairs * per_pair + predicted * 2 * d * V)
+
+
+def _loss(b):
+    return -(b.logprobs * b.mask).sum()
+
+
+def run(max_tokens=8192, layers=4, plain=False, device="cpu", **shape) -> list[str]:
+    model = bench.bench_model(num_hidden_layers=layers).to(device)
+    groups, rows, trained = agentic(**shape)
+    tree = sp.Tree.from_rows(rows, trained)
+    p_groups, p_tree = sp.plan(groups, max_tokens), sp.plan(tree, max_tokens)
+    plain_tokens = sum(r.numel() for r in rows)
+    out = [f"agentic shape {shape or 'default'}: system 4096 shared by 8 prompts of 512, G=8 x 256; budget "
+           f"{max_tokens}; Qwen3 hidden 512, {layers} layers, vocab 32000, float32, {device}; one step each"]
+    res = {}
+    for name, src in (("per-group", groups), ("tree", tree)):
+        for prm in model.parameters():
+            prm.grad = None
+        t0 = time.perf_counter()
+        r = sp.backward(model, src, _loss, max_tokens=max_tokens)
+        res[name] = (time.perf_counter() - t0, r.tokens_computed, r.passes)
+    if plain:
+        t0 = time.perf_counter()
+        bench.plain_step(model, groups, max_tokens)
+        res["plain"] = (time.perf_counter() - t0, plain_tokens, None)
+    fl = {"per-group": tree_flops(model.config, p_groups.tree), "tree": tree_flops(model.config, p_tree.tree)}
+    for name, (t, tok, passes) in res.items():
+        out.append(f"{name:<10} {t:8.2f} s  tokens computed {tok:>7}  passes {passes}")
+    out.append(f"plain run would compute {plain_tokens} tokens")
+    sp_ratio = res["per-group"][0] / res["tree"][0]
+    fr = fl["per-group"] / fl["tree"]
+    out.append(f"tree vs per-group: speed-up {sp_ratio:.2f}x, FLOP ratio {fr:.2f}x ({sp_ratio / fr:.2f} of it); "
+               f"tokens {res['per-group'][1] / res['tree'][1]:.2f}x fewer")
+    return out
