@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from distributed.worker import BUDGET, groups_and_weights
+from distributed.worker import BUDGET, groups_and_weights, tree_and_weights
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
@@ -81,3 +81,17 @@ def test_shard_groups_is_deterministic_and_validates():
         sp.shard_groups(groups, 2, 2)
     with pytest.raises(TypeError, match="rank='0'"):
         sp.shard_groups(groups, "0", 2)
+
+
+@pytest.mark.parametrize("kind", ["ddp_tree", "fsdp_tree"])
+def test_two_process_tree_gradients_match_plain_rows(kind, tmp_path):
+    """A tree sharded by rows (system prompt shared across prompts, second turns), budget splitting it: the
+    summed gradients of the 2 ranks equal one plain forward per row, weighted per row and token."""
+    from schedule.test_tree import plain_rows
+
+    tree, rows, trained, W = tree_and_weights()
+    assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(sp.shard_groups(tree, 0, 2), BUDGET).steps)
+    model = tiny_model("qwen3")
+    want = grads_of(model, lambda: (plain_rows(model, rows, trained) * W).sum())
+    got = _launch(kind, tmp_path)
+    assert_grads_close({k: v for k, v in got["grads"].items() if v is not None}, want, 1e-9)

@@ -1,6 +1,7 @@
 """One rank of the distributed tests (run under torchrun): sp.backward on a DDP or FSDP2 model.
 
-Usage: torchrun --nproc_per_node=2 worker.py KIND OUT   (KIND: ddp | fsdp | ddp_mean | fsdp_logprobs)
+Usage: torchrun --nproc_per_node=2 worker.py KIND OUT
+(KIND: ddp | fsdp | ddp_mean | ddp_accum | fsdp_logprobs | ddp_tree | fsdp_tree)
 Rank 0 writes the full gradients (and statistics) to OUT.
 """
 
@@ -25,6 +26,32 @@ def groups_and_weights():
     n = sum(g.group_size for g in groups)
     W = torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     return groups, W
+
+
+def tree_and_weights():
+    """Rows sharing a system prompt, with second turns on top of first ones, and per-row per-token weights."""
+    g = torch.Generator().manual_seed(3)
+    rand = lambda n: torch.randint(0, 97, (n,), generator=g).tolist()  # noqa: E731
+    system = rand(20)
+    rows = []
+    for p in range(3):
+        prompt = system + rand(4 + p)
+        for c in range(2 + p % 2):
+            first = prompt + rand(3 + c)
+            rows.append(first)
+            if c == 0:
+                rows.append(first + rand(2) + rand(3))  # a second turn on top of the first
+    trained = [[t >= 20 for t in range(len(r))] for r in rows]
+    W = torch.randn(len(rows), max(map(len, rows)), dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    return sp.Tree.from_rows(rows, trained), rows, trained, W
+
+
+def run_tree(kind, model, rank, world):
+    tree, _, _, W = tree_and_weights()
+    mine = sp.shard_groups(tree, rank, world)
+    glob = torch.tensor(mine.index)
+    loss_fn = lambda b: (b.logprobs * W[glob[b.index], : b.logprobs.shape[1]]).sum()  # noqa: E731
+    return sp.backward(model, mine, loss_fn, max_tokens=BUDGET, prefix_activations="recompute")
 
 
 def loss_fn_for(groups, gidx):
@@ -65,7 +92,9 @@ def main(kind, out):
             fully_shard(layer)
         fully_shard(model)
     loss_fn = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()  # noqa: E731
-    if kind == "fsdp_logprobs":
+    if kind.endswith("_tree"):
+        res = run_tree(kind, model, rank, world)
+    elif kind == "fsdp_logprobs":
         from helpers import plain_logprobs
 
         with torch.no_grad():  # forward-only under FSDP2, unequal shards: the short rank runs dummy forwards
