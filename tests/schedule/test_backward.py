@@ -236,3 +236,46 @@ def test_logprobs_defer_false_refused_under_checkpointing():
     model.train()
     with pytest.raises(ValueError, match="defer=False with grad enabled is not possible with gradient checkpointing"):
         sp.logprobs(model, random_groups(1, 1, [5], [[2, 3]]), defer=False)
+
+
+def _nan_on(call_to_fail):
+    calls = []
+
+    def loss(b):
+        calls.append(1)
+        value = (b.logprobs * b.mask).sum()
+        return value * float("nan") if len(calls) == call_to_fail else value
+
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["keep", "offload", "recompute"])
+def test_failed_call_leaves_grad_as_it_found_it(mode):
+    model = tiny_model("qwen3")
+    groups = random_groups(1, 3, *SPEC)
+    assert len(sp.plan(groups, 8).passes) > 3
+    # no gradient before: none after a NaN on the third pass
+    with pytest.raises(ValueError, match="expected a finite value"):
+        sp.backward(model, groups, _nan_on(3), max_tokens=8, prefix_activations=mode)
+    assert all(p.grad is None for p in model.parameters())
+    # gradients from an earlier call: exactly those after the failed call
+    sp.backward(model, groups[:1], lambda b: b.logprobs.sum())
+    before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with pytest.raises(ValueError, match="expected a finite value"):
+        sp.backward(model, groups, _nan_on(2), max_tokens=8, prefix_activations=mode)
+    after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(after) == set(before) and all(torch.equal(after[n], before[n]) for n in before)
+    # and a successful call still accumulates onto them
+    sp.backward(model, groups, lambda b: b.logprobs.sum(), max_tokens=8, prefix_activations=mode)
+    assert any(not torch.equal(p.grad, before[n]) for n, p in model.named_parameters() if n in before)
+
+
+def test_failed_deferred_logprobs_backward_leaves_no_partial_gradient():
+    model = tiny_model("qwen3")
+    groups = random_groups(1, 3, *SPEC)
+    out = sp.logprobs(model, groups, max_tokens=8, defer=True)
+    w = torch.ones_like(out.logprobs)
+    w[-1, 0] = float("nan")  # the last group's completions run in the last passes: earlier passes already ran
+    with pytest.raises(ValueError, match="expected a finite value"):
+        (out.logprobs * w).sum().backward()
+    assert all(p.grad is None for p in model.parameters())

@@ -33,6 +33,7 @@ from sharedprefix.modeling import (
     verify_head,
 )
 from sharedprefix.schedule.cache import OffloadHooks, PrefixCache
+from sharedprefix.schedule.grads import GradTransaction
 from sharedprefix.schedule.parallel import detect
 from sharedprefix.schedule.planner import Pass, Plan, PrefixBackward, plan
 
@@ -381,10 +382,7 @@ def backward(
     last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
     scale = par.loss_scale() if grad_reduction == "sum" else 1.0
-    if par.kind == "ddp" and not hasattr(run.model, "_sharedprefix_synced"):
-        # gradients already synchronised are set aside; only what this call (and earlier sync=False calls)
-        # adds is all-reduced when a call syncs
-        run.model._sharedprefix_synced = _stash_grads(run.model)
+    tx = GradTransaction(run.model, ddp=par.kind == "ddp")
     total, calls = 0.0, 0
     try:
         total, calls = _run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
@@ -394,10 +392,12 @@ def backward(
                 for p in run.model.parameters():
                     if p.grad is not None:
                         p.grad.div_(par.world_size)
+    except BaseException:
+        tx.rollback()  # no partial gradient is left behind
+        raise
     finally:
         par.set_sync(True)  # FSDP2's default, whatever happened
-        if par.kind == "ddp" and (sync or not calls):
-            _unstash_grads(run.model, run.model.__dict__.pop("_sharedprefix_synced", {}))
+    tx.commit(synced=sync)
     peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
     return BackwardResult(
         loss=total,
@@ -459,24 +459,6 @@ def _run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, la
                     (loss * scale if scale != 1.0 else loss).backward()
                 total += float(loss.detach())
     return total, calls
-
-
-def _stash_grads(model) -> dict:
-    """Move existing gradients aside so that the DDP all-reduce sums only this call's contribution."""
-    stash = {}
-    for p in model.parameters():
-        if p.grad is not None:
-            stash[p] = p.grad
-            p.grad = None
-    return stash
-
-
-def _unstash_grads(model, stash: dict) -> None:
-    for p, g in stash.items():
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad.add_(g)
 
 
 class _Deferred(torch.autograd.Function):

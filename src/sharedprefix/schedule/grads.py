@@ -1,0 +1,67 @@
+"""A call's gradient contribution as a transaction: committed when the call succeeds, removed when it fails.
+
+``sp.backward`` accumulates into ``.grad`` over several passes. If it raises part-way (a NaN loss on
+the third pass, a refusal, an out-of-memory error), the passes that already ran must not leave their
+share behind, or a trainer that catches the error and skips the batch would step on a partial
+gradient. Gradients present at the start are moved aside (no copy), the call accumulates from
+zero, and at the end they are added back (success) or put back as they were (failure).
+
+DDP: gradients already synchronised are kept aside across ``sync=False`` calls (only what those
+calls add is all-reduced by the syncing call); contributions of earlier ``sync=False`` calls stay in
+``.grad`` so that the all-reduce sums them, and a failing call restores them from a copy. The state
+kept between calls lives here, keyed weakly by the model, never on the user's model.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_SYNCED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP: model -> {param: grad set aside}
+
+
+def _take(model: torch.nn.Module) -> dict:
+    out = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            out[p] = p.grad
+            p.grad = None
+    return out
+
+
+def _give_back(stash: dict) -> None:
+    for p, g in stash.items():
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
+
+
+class GradTransaction:
+    def __init__(self, model: torch.nn.Module, ddp: bool):
+        self.model, self.ddp = model, ddp
+        self.stash, self.backup, self.created = {}, {}, False
+        if not ddp:
+            self.stash = _take(model)
+        elif model not in _SYNCED:
+            _SYNCED[model] = _take(model)
+            self.created = True
+        else:  # contributions of earlier sync=False calls: kept in .grad for the all-reduce, copied for a rollback
+            self.backup = {p: p.grad.detach().clone() for p in model.parameters() if p.grad is not None}
+
+    def commit(self, synced: bool) -> None:
+        """After success: add back what was set aside (DDP: once this call synchronised)."""
+        if not self.ddp:
+            _give_back(self.stash)
+        elif synced:
+            _give_back(_SYNCED.pop(self.model, {}))
+
+    def rollback(self) -> None:
+        """After failure: every ``.grad`` exactly as the call found it."""
+        for p in self.model.parameters():
+            p.grad = self.backup.get(p)
+        if not self.ddp:
+            _give_back(self.stash)
+        elif self.created:
+            _give_back(_SYNCED.pop(self.model, {}))
