@@ -15,8 +15,8 @@ point leaves:
 A rename within one directory is atomic (POSIX ``rename``). A whole FOLDER.tmp is newer than
 FOLDER, and FOLDER newer than FOLDER.old, so ``latest(FOLDER)`` returns the first whole one of
 FOLDER.tmp, FOLDER, FOLDER.old; it changes nothing on disk, so every rank of a distributed run
-may call it. ``replace`` first finishes a replacement a kill interrupted (or discards a FOLDER.tmp
-that is not whole), then runs the four steps.
+may call it. ``replace`` first finishes a replacement a kill interrupted (``finish``; it discards a
+FOLDER.tmp that is not whole), then runs the four steps.
 
 A checkpoint folder holds:
   model/             ``save_pretrained`` of the model (of its LoRA adapter, in PEFT's format, for a
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import sys
 from collections.abc import Callable
@@ -56,13 +57,13 @@ def latest(folder: str) -> str | None:
 def replace(folder: str, write: Callable[[str], None]) -> None:
     """Replace ``folder`` by what ``write(path)`` writes into the empty folder ``path``, atomically."""
     tmp = folder + ".tmp"
-    _finish(folder)
+    finish(folder)
     _write(tmp, write)
     _mark_whole(tmp)
     _swap_in(folder)
 
 
-def _finish(folder: str) -> None:
+def finish(folder: str) -> None:
     """Complete a replacement a kill interrupted: afterwards only FOLDER exists (if any copy does)."""
     tmp, old = folder + ".tmp", folder + ".old"
     if whole(tmp):
@@ -140,14 +141,15 @@ def save_model(model, tokenizer, path: str, base_model: str | None = None) -> No
             raise ValueError("a LoRA adapter is saved with the folder of its base model; got base_model=None.")
         for adapter in model.peft_config.values():
             adapter.base_model_name_or_path = os.path.abspath(base_model)
-    with _progress_on_terminal_only():
+    with transformers_progress_on_terminal_only():
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
 
 
 @contextlib.contextmanager
-def _progress_on_terminal_only():
-    """Inside: transformers' own progress bars ("Writing model shards") are off unless stderr is a terminal."""
+def transformers_progress_on_terminal_only():
+    """Inside: transformers' own progress bars ("Writing model shards", "Loading weights") are off unless stderr
+    is a terminal."""
     from transformers.utils import logging
 
     off = logging.is_progress_bar_enabled() and not sys.stderr.isatty()
@@ -172,4 +174,10 @@ def save_checkpoint(folder: str, model, tokenizer, state: dict, base_model: str 
 
 def load_trainer_state(path: str) -> dict:
     """``trainer_state.pt`` of the whole checkpoint at ``path`` (from ``latest``)."""
-    return torch.load(os.path.join(path, STATE_FILE), weights_only=True, map_location="cpu")
+    file = os.path.join(path, STATE_FILE)
+    try:
+        return torch.load(file, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{file!r} cannot be read with torch.load(weights_only=True): it holds more than tensors and "
+                         f"plain values ({str(e).splitlines()[0][:200]}), so sharedprefix train did not write it as "
+                         "it is. It is not loaded; remove the checkpoint, or pass --no-resume to start over.") from None

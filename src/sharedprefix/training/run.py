@@ -43,8 +43,9 @@ def load_model(cfg: TrainConfig, tokenizer):
         torch.manual_seed(cfg.seed)
         return tf.Qwen3ForCausalLM(config)
     load_config(cfg.model)
-    return tf.AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, attn_implementation="sdpa",
-                                                   dtype=torch.float32)
+    with checkpoint.transformers_progress_on_terminal_only():
+        return tf.AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, attn_implementation="sdpa",
+                                                       dtype=torch.float32)
 
 
 def build_model(cfg: TrainConfig, base, resume_from: str | None):
@@ -56,12 +57,14 @@ def build_model(cfg: TrainConfig, base, resume_from: str | None):
     if cfg.lora_r is None:
         if folder is None:
             return base
-        return tf.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa",
-                                                       dtype=torch.float32)
+        with checkpoint.transformers_progress_on_terminal_only():
+            return tf.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa",
+                                                           dtype=torch.float32)
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if folder is not None:
-        return PeftModel.from_pretrained(base, folder, is_trainable=True)
+        with checkpoint.transformers_progress_on_terminal_only():
+            return PeftModel.from_pretrained(base, folder, is_trainable=True)
     torch.manual_seed(cfg.seed)
     return get_peft_model(base, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                                            target_modules="all-linear", task_type="CAUSAL_LM"))
@@ -209,6 +212,7 @@ def train(cfg: TrainConfig) -> int:
             ctx.barrier()
     bar.close()
     if ctx.is_main:
+        checkpoint.finish(ckpt)  # a resume from checkpoint.tmp at the last step leaves it to be renamed in
         out = os.path.join(cfg.output, "model")
         checkpoint.replace(out, lambda path: checkpoint.save_model(trainer.model, tokenizer, path, base_dir))
         plot_metrics(rows, os.path.join(cfg.output, "reward.png"))
