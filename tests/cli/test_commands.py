@@ -5,8 +5,9 @@ from sharedprefix.cli.main import main
 
 def test_verify_reports_exactness(capsys):
     assert main(["verify", "--no-speed"]) == 0
-    out = capsys.readouterr().out
-    assert "-> OK" in out and "budget=  20 prefix=recompute" in out
+    captured = capsys.readouterr()
+    assert "-> OK" in captured.out and "budget=  20 prefix=recompute" in captured.out
+    assert captured.err == ""  # stderr is not a terminal here: no progress bar
 
 
 def test_plan_shows_passes_and_plain_tokens(capsys):
