@@ -84,7 +84,9 @@ def find_checkpoint(cfg: TrainConfig, folder: str) -> tuple[str | None, dict | N
         return None, None
     state = checkpoint.load_trainer_state(path)
     saved = state["config"]
-    keys = ["model", "lora_r", "lora_alpha"] + (["seed"] if cfg.lora_r is not None and cfg.model is None else [])
+    keys = ["model", "lora_r"]  # what the weights are: which base, which adapter, and (embedded default) which seed
+    if cfg.lora_r is not None:
+        keys += ["lora_alpha"] + (["seed"] if cfg.model is None else [])
     diff = [k for k in keys if saved.get(k) != getattr(cfg, k)]
     if diff:
         got = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in diff)
