@@ -121,4 +121,4 @@ def test_logprobs_and_backward_bf16_within_twice_plain_error():
     with torch.no_grad():
         _bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups).logprobs)
     for mode in ("keep", "offload", "recompute"):
-        _bf16_rule(model64, groups, lambda m: _backward_logprobs(m, groups, mode))
+        _bf16_rule(model64, groups, lambda m, mode=mode: _backward_logprobs(m, groups, mode))

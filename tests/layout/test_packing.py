@@ -1,4 +1,3 @@
-import torch
 
 import sharedprefix as sp
 from sharedprefix.layout import SegmentTree, pack_row

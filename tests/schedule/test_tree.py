@@ -65,15 +65,17 @@ def _check(rows, trained, budgets=(None,), modes=("keep",)):
             out = sp.logprobs(model, tree, max_tokens=budget)
         assert out.logprobs.shape == ref.shape and torch.equal(out.mask, want_mask)
         assert (out.logprobs - ref).abs().max() <= 1e-9
-        got = grads_of(model, lambda: (sp.logprobs(model, tree, max_tokens=budget).logprobs * w).sum())
+        got = grads_of(model, lambda budget=budget: (sp.logprobs(model, tree, max_tokens=budget).logprobs * w).sum())
         _assert_grads(got, want)
         for mode in modes:
             def loss(b):
                 assert b.logprobs.shape[1] == ref.shape[1] and torch.equal(b.mask, want_mask[b.index.cpu()])
                 return (b.logprobs * w[b.index]).sum()
 
-            got = grads_of(model, lambda: (sp.backward(model, tree, loss, max_tokens=budget, prefix_activations=mode),
-                                           None)[1])
+            def run(loss=loss, budget=budget, mode=mode):
+                sp.backward(model, tree, loss, max_tokens=budget, prefix_activations=mode)
+
+            got = grads_of(model, run)
             _assert_grads(got, want)
 
 

@@ -44,10 +44,13 @@ def _out(line):
 
 def add_arguments(p):
     p.add_argument("--memory", action="store_true", help="run the memory benchmark of the cross-microbatch schedule")
+    p.add_argument("--tree", action="store_true", help="agentic shape: a system prompt shared by 8 prompts (trees vs "
+                   "per-group sharing; --max-tokens is the budget, default 8192 here; --plain adds the plain run)")
+    p.add_argument("--plain", action="store_true", help="with --tree: also time the plain run (slow on CPU)")
     p.add_argument("--prompt", type=int, default=None, help="prompt length (default 2048, or 4096 with --memory)")
     p.add_argument("--completion", type=int, default=None, help="completion length (default 128, or 256)")
     p.add_argument("--G", type=int, nargs="+", default=None, help="group size(s) (default 8, or 4 8 16 32)")
-    p.add_argument("--max-tokens", type=int, default=6144, help="token budget for --memory")
+    p.add_argument("--max-tokens", type=int, default=None, help="token budget (default 6144 with --memory, 8192 with --tree)")
     p.add_argument("--repeats", type=int, default=2, help="timed repeats after a warm-up (speed benchmark)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the benchmark model")
     p.add_argument("--modes", nargs="+", default=["plain", "in_pass", "keep", "offload", "recompute"])
@@ -59,7 +62,14 @@ def run(args):
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.memory:
+        args.max_tokens = args.max_tokens or 6144
         return _memory(args)
+    if args.tree:
+        from sharedprefix import bench_tree
+
+        budget = args.max_tokens or 8192
+        print("\n".join(bench_tree.run(budget, args.layers, args.plain, args.device)), flush=True)
+        return 0
     if str(args.device).startswith("cuda") and args.prompt is None:
         return _gpu(args)
     return _speed(args)
@@ -81,9 +91,10 @@ def _gpu(args):
     grid = [(P, T, G) for P in (4096, 8192) for T in (512, 1024) for G in (8, 16)]
     for P, T, G in grid:
         groups = [bench.make_groups(1, P, T, G, vocab=151936)[0]]
-        runs = {"plain": lambda: bench.plain_step(model, groups), "ours": lambda: bench.shared_step(model, groups)}
+        runs = {"plain": lambda groups=groups: bench.plain_step(model, groups),
+                "ours": lambda groups=groups: bench.shared_step(model, groups)}
 
-        def pg():
+        def pg(groups=groups):
             with bench.repeated_prefix():
                 bench.shared_step(model, groups)
 

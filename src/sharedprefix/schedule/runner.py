@@ -1,210 +1,28 @@
-"""Run a plan: ``sp.logprobs`` (forward) and ``sp.backward`` (forward, loss, backward per pass).
+"""The public calls: ``sp.logprobs`` (forward) and ``sp.backward`` (forward, loss, backward per pass).
 
-Notation: N = completions in group order, T = longest completion, n = completions in one
-pass, M = predicted tokens in one pass, d = hidden size.
+They validate, plan and hand the plan to ``schedule.executor``. Notation: N = output rows
+(completions in group order, or a tree's rows), W = columns, n = rows in one pass.
 
-``backward`` contract: ``loss_fn`` is called once per pass that holds completions, with a
-``Batch`` of those completions, and must be *additive over completions*: the loss of a set
-of completions is the sum of the losses of its parts. Every GRPO-family loss is, once its
-normalisers (total tokens, total completions) are computed globally and passed in.
+``backward`` contract: ``loss_fn`` is called once per pass that reports rows, with a ``Batch``
+of those rows (each whole), and must be *additive over rows*: the loss of a set of rows is the
+sum of the losses of its parts. Every GRPO-family loss is, once its normalisers (total tokens,
+total completions) are computed globally and passed in.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from sharedprefix.attention.interface import PassState, activated, pass_state
-from sharedprefix.attention.kernels import select
-from sharedprefix.layout.groups import Group, validate_groups
-from sharedprefix.layout.packing import RowLayout, pack_row
-from sharedprefix.layout.rows import Tree
-from sharedprefix.layout.tree import SegmentTree
-from sharedprefix.modeling import (
-    check_supported,
-    decoder,
-    num_attention_layers,
-    token_logprobs,
-    unwrap,
-    uses_checkpointing,
-    uses_reentrant_checkpointing,
-    verify_head,
-)
-from sharedprefix.schedule.cache import OffloadHooks, PrefixCache
+from sharedprefix.attention.interface import activated
+from sharedprefix.modeling import unwrap, uses_checkpointing
+from sharedprefix.schedule.cache import OffloadHooks
+from sharedprefix.schedule.executor import Executor, rounds_of, run_rounds
 from sharedprefix.schedule.grads import GradTransaction
 from sharedprefix.schedule.parallel import detect
-from sharedprefix.schedule.planner import Pass, Plan, PrefixBackward, plan
+from sharedprefix.schedule.planner import PrefixBackward
+from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
 
-PREFIX_MODES = ("keep", "offload", "recompute")
-REDUCTIONS = ("sum", "mean")
-
-
-@dataclass
-class LogProbs:
-    """Per-token results, completions in group order.
-
-    Attributes:
-        logprobs: (N, T) natural-log probability of each completion token; 0 on padding.
-        mask: (N, T) bool, True on real tokens.
-        entropy: (N, T) entropy in nats of each predicted distribution, or None.
-    """
-
-    logprobs: torch.Tensor
-    mask: torch.Tensor
-    entropy: torch.Tensor | None
-
-
-@dataclass
-class Batch:
-    """What ``loss_fn`` receives: a subset of the completions.
-
-    Attributes:
-        logprobs / mask / entropy: (n, T) as in ``LogProbs`` (T is the global longest completion).
-        index: (n,) int64 positions of these completions in 0..N-1 (group order).
-    """
-
-    logprobs: torch.Tensor
-    mask: torch.Tensor
-    entropy: torch.Tensor | None
-    index: torch.Tensor
-
-
-@dataclass
-class BackwardResult:
-    """``loss``: total loss of this rank (float). Statistics: tokens computed (recomputation
-    included), tokens a plain run computes, passes run, calls of ``loss_fn``, peak accelerator
-    memory in bytes (None on CPU, where no allocator statistic exists), bytes offloaded, and
-    zero-gradient rounds run only to match other FSDP2 ranks' collectives."""
-
-    loss: float
-    tokens_computed: int
-    tokens_plain: int
-    passes: int
-    loss_calls: int
-    peak_memory_bytes: int | None
-    offloaded_bytes: int = 0
-    dummy_rounds: int = 0
-
-
-class _Runner:
-    def __init__(self, model, source, max_tokens, backend, temperature, entropy, leaves):
-        self.model = unwrap(model)
-        self.par = detect(model, self.model)
-        check_supported(self.model)
-        emb = self.model.get_input_embeddings()
-        vocab = min(emb.num_embeddings, self.model.get_output_embeddings().weight.shape[0])
-        self.source = validate_source(source, vocab)
-        if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
-            raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
-        self.plan: Plan = plan(self.source, max_tokens)
-        if self.plan.splits and torch.is_grad_enabled() and uses_reentrant_checkpointing(self.model):
-            raise ValueError(
-                "gradient checkpointing with use_reentrant=True is on, and this plan splits a group across passes: "
-                "reentrant checkpointing only returns gradients to a layer's explicit inputs, so the cached prompt "
-                "K/V read inside each layer would get none. Enable it with "
-                "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or raise "
-                "max_tokens so that every group fits one pass."
-            )
-        self.device = emb.weight.device
-        select(backend, self.device)  # an unknown or unavailable backend fails before any computation
-        self.backend = backend
-        self.temperature = float(temperature)
-        self.entropy = entropy
-        self.cache = PrefixCache(leaves=leaves)
-        self.T = self.plan.tree.width
-        self.tokens = 0
-        self.par.call(lambda: verify_head(self.model))
-
-    def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | None = None):
-        """Forward of one row (inside the root module's call under FSDP2).
-
-        Returns (state, result, layout): result is ((n, W) log-probs, (n, W) entropies or None) of the
-        output rows the pass reports, or None; with ``surrogate=seg`` it is instead that segment's
-        surrogate loss (see ``PrefixCache.surrogate``), computed inside the same call.
-        """
-        tree = tree or self.plan.tree
-        layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record, step.rows)
-        state = PassState(layout, self.backend, self.cache.read_kv, self.cache.write_kv)
-
-        def fn():
-            with pass_state(state):
-                out = decoder(self.model)(
-                    input_ids=layout.input_ids.to(self.device),
-                    position_ids=layout.position_ids.to(self.device),
-                    use_cache=False,
-                )
-            hidden = out.last_hidden_state[0]  # (L, d)
-            for s in layout.record:
-                self.cache.write_h(s, hidden[layout.row_end[s] - 1])
-            lp = ent = None
-            if layout.targets.numel():
-                sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
-                pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(
-                    0, layout.pred_index.to(hidden.device))
-                lp, ent = token_logprobs(self.model, pred, layout.targets.to(hidden.device), self.temperature,
-                                         self.entropy)
-                for s in layout.record:
-                    if s in layout.value_slot:
-                        a, b = layout.value_slot[s]
-                        self.cache.write_values(s, lp[a:b], ent[a:b] if ent is not None else None)
-            if surrogate is not None:
-                return self.cache.surrogate(surrogate, through_outputs=self.par.fsdp)
-            if not layout.rows:
-                return None
-            dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-            return (self._gather(layout, lp, 0, dtype, hidden),
-                    self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None)
-
-        result = self.par.call(fn)
-        self._check_calls(state)
-        self.tokens += layout.length if tree is self.plan.tree else 0
-        for s in layout.record:
-            self.cache.states[s] = state
-        return state, result, layout
-
-    def _gather(self, layout: RowLayout, values, which: int, dtype, anchor) -> torch.Tensor:
-        """(M,) values of this pass and the cached values of earlier ones -> (n, W) rows, zero where not reported."""
-        parts = ([values] if values is not None else []) + [self.cache.values(s)[which] for s in layout.v_sources]
-        n, w = layout.out_mask.shape
-        if not parts:  # nothing trained in these rows: zeros, still part of the graph (exactly zero gradients)
-            return torch.zeros(n, w, dtype=dtype, device=self.device) + 0.0 * anchor[:1].sum().to(dtype)
-        src = torch.cat(parts) if len(parts) > 1 else parts[0]
-        idx, mask = layout.out_index.to(src.device), layout.out_mask.to(src.device)
-        rows = src.index_select(0, idx.reshape(-1)).view(n, w)
-        return torch.where(mask, rows, torch.zeros((), dtype=src.dtype, device=src.device))
-
-    def mask(self, layout: RowLayout) -> torch.Tensor:
-        return layout.out_mask.to(self.device)
-
-    def dummy_round(self, grad: bool) -> None:
-        """A 2-token pass that takes part in FSDP2's collectives and adds exactly zero to every gradient."""
-        tree = SegmentTree([Group([0], [[0]])])
-        with torch.set_grad_enabled(grad):
-            state, res, _ = self.run_pass(Pass((0, 1), rows=(0,)), tree=tree)
-            if grad:
-                with pass_state(state):
-                    (res[0].sum() * 0.0).backward()
-
-    def _check_calls(self, state: PassState) -> None:
-        want = num_attention_layers(self.model)
-        got = len(state.seen)
-        if got != want:
-            raise ValueError(
-                f"{type(self.model).__name__}: the sharedprefix attention ran in {got} of {want} layers; the model's "
-                "attention bypasses transformers' attention interface, so prompt sharing cannot be applied exactly. "
-                "This model is not supported."
-            )
-
-
-def validate_source(source, vocab_size: int | None = None):
-    """A ``Tree`` (token ids checked) or a validated list of groups."""
-    if isinstance(source, Tree):
-        if vocab_size is not None:
-            source.check_vocab(vocab_size)
-        return source
-    return validate_groups(source, vocab_size)
+__all__ = ["PREFIX_MODES", "REDUCTIONS", "BackwardResult", "Batch", "LogProbs", "backward", "logprobs"]
 
 
 def logprobs(
@@ -268,7 +86,7 @@ def logprobs(
             with torch.no_grad():
                 out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
             return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
-    run = _Runner(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
     lps, ents, masks, order = [], [], [], []
     # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agree before any of them
     pad = run.par.agree_max([len(run.plan.passes)])[0] - len(run.plan.passes) if run.par.fsdp else 0
@@ -297,20 +115,6 @@ def logprobs(
     mask = torch.cat(masks).index_select(0, inv)
     ent = torch.cat(ents).index_select(0, inv) if entropy else None
     return LogProbs(lp, mask, ent)
-
-
-def _rounds(p: Plan, fsdp: bool) -> list[tuple[str, object]]:
-    """The plan as rounds: F (record a prompt segment), FB (completions, loss, backward), PB (a prompt segment's
-    deferred backward), REL (release a chain). Under FSDP2 all F rounds come first (see ``parallel``)."""
-    out = []
-    for step in p.steps:
-        if isinstance(step, PrefixBackward):
-            out += [("PB", s) for s in reversed(step.segments)] + [("REL", step.segments)]
-        else:
-            out.append(("F" if step.record else "FB", step))
-    if fsdp:
-        out = [r for r in out if r[0] == "F"] + [r for r in out if r[0] != "F"]
-    return out
 
 
 def backward(
@@ -357,7 +161,7 @@ def backward(
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
-    run = _Runner(model, groups, max_tokens, backend, temperature, entropy, leaves=True)
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True)
     par = run.par
     if par.fsdp and run.plan.splits and prefix_activations != "recompute":
         raise ValueError(
@@ -370,7 +174,7 @@ def backward(
     if cuda:
         torch.cuda.reset_peak_memory_stats(run.device)
     hooks = OffloadHooks(run.model, offload_device) if prefix_activations == "offload" and not par.fsdp else None
-    rounds = _rounds(run.plan, par.fsdp)
+    rounds = rounds_of(run.plan, par.fsdp)
     n_f = sum(k == "F" for k, _ in rounds)
     n_fb = sum(k in ("FB", "PB") for k, _ in rounds)
     pad_f = pad_fb = 0
@@ -385,7 +189,7 @@ def backward(
     tx = GradTransaction(run.model, ddp=par.kind == "ddp")
     total, calls = 0.0, 0
     try:
-        total, calls = _run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
+        total, calls = run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
         if par.kind == "ddp" and sync:
             par.all_reduce_grads(run.model)
             if grad_reduction == "mean":
@@ -409,56 +213,6 @@ def backward(
         offloaded_bytes=hooks.bytes_moved if hooks else 0,
         dummy_rounds=pad_f + pad_fb,
     )
-
-
-def _run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb):
-    par = run.par
-    total, calls = 0.0, 0
-    with activated(run.model):
-        for i, (kind, x) in enumerate(rounds):
-            if kind in ("FB", "PB", "DFB"):
-                par.set_sync(sync and i == last_fb)
-            if kind == "DF":
-                run.dummy_round(grad=False)
-            elif kind == "DFB":
-                run.dummy_round(grad=True)
-            elif kind == "REL":
-                for s in x:
-                    run.cache.release(s)
-            elif kind == "PB":
-                if recompute:
-                    state, sur, _ = run.run_pass(Pass((x,), record=(x,)), surrogate=x)
-                else:
-                    state = run.cache.states[x]
-                    sur = run.cache.surrogate(x)
-                if sur is not None:
-                    with pass_state(state):
-                        sur.backward()
-            elif kind == "F":
-                with torch.set_grad_enabled(not recompute):
-                    if hooks is not None:
-                        with hooks():
-                            run.run_pass(x)
-                    else:
-                        run.run_pass(x)
-                for s in x.record:
-                    run.cache.seal(s, keep_graph=not recompute)
-            else:  # FB
-                state, res, layout = run.run_pass(x)
-                if res is None:  # a pass with no rows to report (its values are cached for later rows)
-                    continue
-                batch = Batch(
-                    logprobs=res[0],
-                    mask=run.mask(layout),
-                    entropy=res[1] if entropy else None,
-                    index=torch.tensor(layout.rows, dtype=torch.int64, device=run.device),
-                )
-                loss = _check_loss(loss_fn(batch), calls)
-                calls += 1
-                with pass_state(state):
-                    (loss * scale if scale != 1.0 else loss).backward()
-                total += float(loss.detach())
-    return total, calls
 
 
 class _Deferred(torch.autograd.Function):
@@ -498,24 +252,3 @@ def _defer(model, groups, out: LogProbs, temperature, max_tokens, backend, mode,
     ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
     lp, ent = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, spec)
     return LogProbs(lp, out.mask, ent if out.entropy is not None else None)
-
-
-def _check_loss(loss, call: int) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"loss_fn returned a {type(loss).__name__} on call {call}; expected a scalar torch.Tensor.")
-    if loss.numel() != 1:
-        raise ValueError(
-            f"loss_fn returned a tensor of shape {tuple(loss.shape)} on call {call}; expected a scalar. Reduce it "
-            "with sums over completions (and global normalisers) so that it stays additive over completions."
-        )
-    if not loss.requires_grad:
-        raise ValueError(
-            f"loss_fn returned a tensor without grad on call {call}; it must be computed from batch.logprobs "
-            "(or batch.entropy). Did you detach it or compute it under torch.no_grad()?"
-        )
-    if not torch.isfinite(loss.detach()).all():
-        raise ValueError(
-            f"loss_fn returned {float(loss.detach())} on call {call}; expected a finite value. Check the advantages "
-            "and normalisers passed in (a zero normaliser gives NaN)."
-        )
-    return loss.reshape(())
