@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import time
+import warnings
 from importlib import resources
 
 import torch
@@ -62,12 +63,14 @@ def build_model(cfg: TrainConfig, base, resume_from: str | None):
                                                            dtype=torch.float32)
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    if folder is not None:
-        with checkpoint.transformers_progress_on_terminal_only():
+    with warnings.catch_warnings(), checkpoint.transformers_progress_on_terminal_only():
+        # PEFT's constructor reads an attribute transformers 5 deprecated; the warning is not about this run
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        if folder is not None:
             return PeftModel.from_pretrained(base, folder, is_trainable=True)
-    torch.manual_seed(cfg.seed)
-    return get_peft_model(base, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                                           target_modules="all-linear", task_type="CAUSAL_LM"))
+        torch.manual_seed(cfg.seed)
+        return get_peft_model(base, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                                               target_modules="all-linear", task_type="CAUSAL_LM"))
 
 
 def find_checkpoint(cfg: TrainConfig, folder: str) -> tuple[str | None, dict | None]:
