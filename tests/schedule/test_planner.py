@@ -52,3 +52,21 @@ def test_completion_passes_are_balanced_and_minimal():
     # in order, greedy under 12 gives rows of 6, 10, 12, 2; balanced keeps 4 rows but caps them at 11
     assert len(rows) == 4 and [i for r in rows for i in r] == list(range(7))
     assert sizes == [6, 10, 3, 11]
+
+
+def test_fsdp_order_is_a_transformation_of_the_plan():
+    from sharedprefix.schedule.planner import Dummy, Pass, PrefixBackward
+
+    groups = random_groups(0, 3, [10, 4, 30], [[5, 5], [3, 3], [8, 8, 8, 8]])
+    p = sp.plan(groups, 24)
+    n_f, n_fb = p.fsdp_rounds
+    assert (n_f, n_fb) == (2, 2 + 2 + 2)  # 2 prompt chunks recorded; 2 whole + 2 completion passes + 2 backwards
+    f = p.for_fsdp(n_f + 1, n_fb + 2)
+    kinds = ["R" if isinstance(s, Pass) and s.record else "D" if isinstance(s, Dummy) else "B" if
+             isinstance(s, PrefixBackward) else "P" for s in f.steps]
+    assert kinds == ["R", "R", "D", "P", "P", "P", "P", "B", "B", "D", "D"]
+    assert [s.backward for s in f.steps if isinstance(s, Dummy)] == [False, True, True]
+    text = f.describe()
+    assert text.count("dummy 2-token") == 3 and "prompt backward of group 2" in text
+    with pytest.raises(ValueError, match="below this plan's"):
+        p.for_fsdp(n_f - 1, n_fb)

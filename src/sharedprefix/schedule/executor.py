@@ -30,7 +30,7 @@ from sharedprefix.modeling import (
 )
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.parallel import detect
-from sharedprefix.schedule.planner import Pass, Plan, PrefixBackward, plan
+from sharedprefix.schedule.planner import Dummy, Pass, Plan, PrefixBackward, plan
 from sharedprefix.schedule.results import Batch
 
 
@@ -153,17 +153,17 @@ def validate_source(source, vocab_size: int | None = None):
     return validate_groups(source, vocab_size)
 
 
-def rounds_of(p: Plan, fsdp: bool) -> list[tuple[str, object]]:
-    """The plan as rounds: F (record a prompt segment), FB (completions, loss, backward), PB (a prompt segment's
-    deferred backward), REL (release a chain). Under FSDP2 all F rounds come first (see ``parallel``)."""
+def rounds_of(p: Plan) -> list[tuple[str, object]]:
+    """The plan's steps as rounds, in order: F (record a segment), FB (rows, loss, backward), PB (a cached segment's
+    deferred backward), REL (release it), DF / DFB (dummy rounds of an FSDP2 plan, see ``Plan.for_fsdp``)."""
     out = []
     for step in p.steps:
         if isinstance(step, PrefixBackward):
             out += [("PB", s) for s in reversed(step.segments)] + [("REL", step.segments)]
+        elif isinstance(step, Dummy):
+            out.append(("DFB" if step.backward else "DF", None))
         else:
             out.append(("F" if step.record else "FB", step))
-    if fsdp:
-        out = [r for r in out if r[0] == "F"] + [r for r in out if r[0] != "F"]
     return out
 
 

@@ -39,6 +39,13 @@ class PrefixBackward:
     segments: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class Dummy:
+    """A 2-token pass run only to take part in another FSDP2 rank's collectives; adds exactly zero."""
+
+    backward: bool
+
+
 @dataclass
 class Plan:
     tree: SegmentTree
@@ -49,6 +56,25 @@ class Plan:
     def splits(self) -> bool:
         """True when some group is split across passes (its prompt is cached and backpropagated later)."""
         return any(isinstance(s, PrefixBackward) for s in self.steps)
+
+    @property
+    def fsdp_rounds(self) -> tuple[int, int]:
+        """(forward-only rounds, forward+backward rounds) this plan runs under FSDP2."""
+        n_f = sum(isinstance(s, Pass) and bool(s.record) for s in self.steps)
+        n_fb = sum(1 if isinstance(s, Pass) and not s.record else len(s.segments) if isinstance(s, PrefixBackward)
+                   else 0 for s in self.steps)
+        return n_f, n_fb
+
+    def for_fsdp(self, forward_rounds: int, backward_rounds: int) -> Plan:
+        """The order FSDP2 runs: every recording pass first (their collectives carry no backward), then the rest,
+        each part padded with ``Dummy`` steps to the counts all ranks agreed on."""
+        n_f, n_fb = self.fsdp_rounds
+        if forward_rounds < n_f or backward_rounds < n_fb:
+            raise ValueError(f"agreed rounds ({forward_rounds}, {backward_rounds}) below this plan's ({n_f}, {n_fb}).")
+        rec = [s for s in self.steps if isinstance(s, Pass) and s.record]
+        rest = [s for s in self.steps if not (isinstance(s, Pass) and s.record)]
+        steps = rec + [Dummy(False)] * (forward_rounds - n_f) + rest + [Dummy(True)] * (backward_rounds - n_fb)
+        return Plan(self.tree, steps, self.max_tokens)
 
     @property
     def passes(self) -> list[Pass]:
@@ -80,6 +106,9 @@ class Plan:
                 rec = f" (cache {len(step.record)} segment(s))" if step.record else ""
                 rows = f", {len(step.rows)} row(s) reported" if step.rows else ""
                 lines.append(f"  step {i}: pass {self.pass_tokens(step):>7} tokens  {' '.join(kinds)}{rec}{rows}")
+            elif isinstance(step, Dummy):
+                what = "forward and zero backward" if step.backward else "forward"
+                lines.append(f"  step {i}: dummy 2-token {what} (FSDP2: matches another rank's collectives)")
             else:
                 g = segs[step.segments[0]].group
                 what = "prompt" if self.tree.groups else "prefix"

@@ -174,15 +174,11 @@ def backward(
     if cuda:
         torch.cuda.reset_peak_memory_stats(run.device)
     hooks = OffloadHooks(run.model, offload_device) if prefix_activations == "offload" and not par.fsdp else None
-    rounds = rounds_of(run.plan, par.fsdp)
-    n_f = sum(k == "F" for k, _ in rounds)
-    n_fb = sum(k in ("FB", "PB") for k, _ in rounds)
-    pad_f = pad_fb = 0
-    if par.fsdp:
-        most_f, most_fb = par.agree_max([n_f, n_fb])
-        pad_f, pad_fb = most_f - n_f, most_fb - n_fb
-        rounds = [r for r in rounds if r[0] == "F"] + [("DF", None)] * pad_f + \
-            [r for r in rounds if r[0] != "F"] + [("DFB", None)] * pad_fb
+    steps = run.plan
+    if par.fsdp:  # every rank runs the same collectives: the plan reordered and padded to the agreed counts
+        steps = steps.for_fsdp(*par.agree_max(list(steps.fsdp_rounds)))
+    rounds = rounds_of(steps)
+    dummies = sum(k in ("DF", "DFB") for k, _ in rounds)
     last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
     scale = par.loss_scale() if grad_reduction == "sum" else 1.0
@@ -211,7 +207,7 @@ def backward(
         loss_calls=calls,
         peak_memory_bytes=peak,
         offloaded_bytes=hooks.bytes_moved if hooks else 0,
-        dummy_rounds=pad_f + pad_fb,
+        dummy_rounds=dummies,
     )
 
 
