@@ -61,8 +61,8 @@ def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
     scale = 128 ** -0.5
     ref, ref_lse = kernels.Reference.forward(q16.double(), k16.double(), v16.double(), _cu(lq), _cu(lk), max(lq),
                                              max(lk), causal, window, scale)
-    out, lse = impl.forward(q16.detach(), k16.detach(), v16.detach(), _cu(lq), _cu(lk), max(lq), max(lk), causal,
-                            window, scale)
+    out, lse, *aux = impl.forward(q16.detach(), k16.detach(), v16.detach(), _cu(lq), _cu(lk), max(lq), max(lk),
+                                  causal, window, scale)
     plain = _sdpa_entries(q16, k16, v16, lq, lk, causal, window, scale)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (sum(lq), 8)
     assert (lse.double() - ref_lse).abs().max() < 1e-3
@@ -72,7 +72,7 @@ def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
     rq, rk, rv = kernels.Reference.backward(dout.double(), q16.double(), k16.double(), v16.double(), ref, ref_lse,
                                             _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
     got = impl.backward(dout, q16.detach(), k16.detach(), v16.detach(), out, lse, _cu(lq), _cu(lk), max(lq), max(lk),
-                        causal, window, scale)
+                        causal, window, scale, aux=aux[0] if aux else None)
     for mine, pl, r in zip(got, (q16.grad, k16.grad, v16.grad), (rq, rk, rv)):
         assert (mine.double() - r).abs().max() <= 2 * (pl.double() - r).abs().max() + 1e-6
 

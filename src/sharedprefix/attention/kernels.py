@@ -23,6 +23,8 @@ Dv = value head dim.
     out: (Tq, H, Dv) in q's dtype.
     lse: (Tq, H) natural-log log-sum-exp of the scaled scores, float32 (float64 for float64
         inputs); -inf where a query sees no key (its out is 0).
+    An implementation may return a third, opaque value (the CUDA op's RNG state), which the
+    caller hands back to its ``backward`` as ``aux``.
 
 ``backward`` takes the output and LSE of the *merged* attention the entry is one part of (the
 identity ring attention uses): with P = exp(S - lse_merged), dV = P^T dO, dS = P * (dO V^T -
@@ -113,7 +115,7 @@ class Reference:
         return out.to(q.dtype), lse.to(_lse_dtype(q))
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None):
         n = q.shape[1] // k.shape[1]
         dq = torch.zeros_like(q, dtype=torch.float64)
         dk = torch.zeros(k.shape[0], q.shape[1], k.shape[2], dtype=torch.float64, device=q.device)
@@ -192,7 +194,7 @@ class CPU:
         return out[..., :dv_], lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None):
         bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         n = q.shape[1] // k.shape[1]
         dh, dvh, d = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
@@ -234,18 +236,18 @@ class CUDA:
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
         wl, wr = _flash_window(causal, window)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+        res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                                       scale=scale, window_size_left=wl, window_size_right=wr)
-        return out[0], out[1].t().float()  # flash returns the LSE as (H, Tq)
+        return res[0], res[1].t().float(), (res[2], res[3])  # flash returns the LSE as (H, Tq); RNG state for bwd
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None):
         wl, wr = _flash_window(causal, window)
-        empty = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout: RNG state unused
+        rng, unused = aux  # from this call's forward (no dropout, but the op takes them)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return torch.ops.aten._flash_attention_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.float().t().contiguous(), cu_q, cu_k, max_q, max_k, 0.0,
-            causal, empty, empty, scale=scale, window_size_left=wl, window_size_right=wr)
+            causal, rng, unused, scale=scale, window_size_left=wl, window_size_right=wr)
 
 
 class FlashAttn:
@@ -264,7 +266,7 @@ class FlashAttn:
         return res[0], res[1].t().float()
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None):
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
         wl, wr = _flash_window(causal, window)
