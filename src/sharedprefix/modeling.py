@@ -11,14 +11,25 @@ Notation: M = predicted tokens, d = hidden size, V = vocabulary.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-_ALLOWED_LAYER_TYPES = {"full_attention", "sliding_attention", "attention"}
+from sharedprefix.attention import probe
+
+# Layer types (config.layer_types / layers_block_type) by what sharedprefix does with them.
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+NON_MIXING_LAYER_TYPES = {"mlp", "moe", "dense", "sparse"}  # per-token layers without any token mixing
+SPARSE_ATTENTION_LAYER_TYPES = {  # attention over keys chosen per query, or over compressed keys
+    "indexed_attention": "sparse attention over the keys an indexer selects per query (DeepSeek sparse attention)",
+    "compressed_sparse_attention": "attention over compressed and indexer-selected keys",
+    "heavily_compressed_attention": "attention over compressed keys",
+}
 _VERIFIED = weakref.WeakKeyDictionary()
+_HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head
 
 
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
@@ -40,45 +51,47 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
 
 
 def decoder(model: PreTrainedModel) -> torch.nn.Module:
-    """The decoder stack (embeddings, layers, final norm) whose output feeds the LM head."""
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if dec is None or dec is model:
-        dec = model.base_model
-    if dec is model:
-        raise ValueError(
-            f"{type(model).__name__}: cannot find its decoder stack (get_decoder() and base_model return the model "
-            "itself), so sharedprefix cannot run the layers without the LM head. This model is not supported."
-        )
-    return dec
+    """The decoder stack (embeddings, layers, final norm) whose output feeds the LM head.
+
+    The first of ``get_decoder()``, ``base_model`` and ``model.model`` that is not the causal LM itself and
+    takes ``input_ids`` (``get_decoder()`` guesses by attribute name, and some heads are called ``decoder``).
+    """
+    cands = [model.get_decoder() if hasattr(model, "get_decoder") else None, model.base_model,
+             getattr(model, "model", None)]
+    for dec in cands:
+        if isinstance(dec, torch.nn.Module) and dec is not model and "input_ids" in _params(dec.forward):
+            return dec
+    raise ValueError(
+        f"{type(model).__name__}: cannot find its decoder stack (get_decoder(), base_model and .model are the model "
+        "itself or do not take input_ids), so sharedprefix cannot run the layers without the LM head. This model "
+        "is not supported."
+    )
+
+
+def _params(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def text_config(model: PreTrainedModel):
     return model.config.get_text_config()
 
 
-def num_attention_layers(model: PreTrainedModel) -> int:
-    return int(text_config(model).num_hidden_layers)
-
-
 def check_supported(model: PreTrainedModel) -> None:
     """Raise ValueError for every model feature sharedprefix cannot compute exactly."""
     cfg = text_config(model)
     name = type(model).__name__
-    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
-    if types:
-        odd = sorted({str(t) for t in types} - _ALLOWED_LAYER_TYPES)
-        if odd:
-            raise ValueError(
-                f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear "
-                "attention or convolution). sharedprefix only shares prompts through attention and refuses these "
-                "models rather than give inexact results."
-            )
+    _check_layer_types(name, cfg)
+    dec = decoder(model)
+    if "position_ids" not in _params(dec.forward):
+        raise ValueError(
+            f"{name}'s decoder ({type(dec).__name__}.forward) takes no position_ids: it numbers the tokens of its "
+            "input 0..L-1 itself (or has no position input). sharedprefix packs a prompt and its completions in one "
+            "row, where each completion's positions must continue its prompt's, so this model is not supported."
+        )
     for mod_name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.modules.conv._ConvNd):
-            raise ValueError(
-                f"{name} contains a convolution over tokens ({mod_name}: {type(mod).__name__}); layers that mix tokens "
-                "outside attention cannot share a prompt exactly, so sharedprefix refuses this model."
-            )
         if model.training and isinstance(mod, torch.nn.Dropout) and mod.p > 0:
             raise ValueError(
                 f"{name} is in training mode with dropout p={mod.p} at {mod_name}; a prompt shared by G completions "
@@ -119,6 +132,40 @@ def check_supported(model: PreTrainedModel) -> None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
 
 
+def _check_layer_types(name: str, cfg) -> None:
+    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
+    kinds = {str(t) for t in types or ()}
+    sparse = sorted(kinds & set(SPARSE_ATTENTION_LAYER_TYPES))
+    if sparse:
+        raise ValueError(
+            f"{name} has layers of type {sparse}: {SPARSE_ATTENTION_LAYER_TYPES[sparse[0]]}. sharedprefix computes "
+            "dense attention over every key a token may see and does not implement that selection, so it refuses "
+            "the model rather than give different log-probs."
+        )
+    odd = sorted(kinds - ATTENTION_LAYER_TYPES - NON_MIXING_LAYER_TYPES)
+    if odd:
+        raise ValueError(
+            f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear attention, "
+            "recurrence or convolution). sharedprefix only shares prompts through attention and refuses these "
+            "models rather than give inexact results."
+        )
+
+
+def num_attention_layers(model: PreTrainedModel) -> int:
+    """Attention modules that must run through the sharedprefix attention function in every pass: as probed
+    (``attention.probe``; a looped model runs fewer modules than it has layers), else from the config."""
+    probed = probe.attention_modules(model)
+    return probed if probed is not None else _config_attention_layers(model)
+
+
+def _config_attention_layers(model: PreTrainedModel) -> int:
+    cfg = text_config(model)
+    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
+    if types:
+        return sum(str(t) in ATTENTION_LAYER_TYPES for t in types)
+    return int(cfg.num_hidden_layers)
+
+
 def uses_checkpointing(model: PreTrainedModel) -> bool:
     """True when gradient checkpointing is active (training mode), reentrant or not."""
     return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
@@ -138,7 +185,18 @@ def uses_reentrant_checkpointing(model: PreTrainedModel) -> bool:
 
 
 def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """(M, d) final hidden states -> (M, V) logits, with the model's own post-processing."""
+    """(M, d) final hidden states -> (M, V) logits, with the model's own post-processing.
+
+    By default the output embedding followed by the post-processing transformers models apply (final-logit
+    soft-capping, Granite's ``logits_scaling``, Cohere's ``logit_scale``). A model whose head is more than that
+    (BERT-style transform + norm + decoder) uses the chain of modules after its decoder that ``verify_head``
+    found to reproduce the model's own logits.
+    """
+    chain = _HEADS.get(model)
+    if chain is not None:
+        for mod in chain:
+            hidden = mod(hidden)
+        return hidden
     logits = model.get_output_embeddings()(hidden)
     cfg = text_config(model)
     cap = getattr(cfg, "final_logit_softcapping", None)
@@ -153,8 +211,17 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def _modules_after_decoder(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The causal LM's own children with parameters, other than (a parent of) the decoder, in order."""
+    dec = decoder(model)
+    return [
+        child for _, child in model.named_children()
+        if not any(m is dec for m in child.modules()) and next(child.parameters(), None) is not None
+    ]
+
+
 def verify_head(model: PreTrainedModel) -> None:
-    """Check once per model that base + ``head_logits`` equals the model's own logits."""
+    """Check once per model that base + ``head_logits`` equals the model's own logits (see ``head_logits``)."""
     if _VERIFIED.get(model):
         return
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -162,18 +229,61 @@ def verify_head(model: PreTrainedModel) -> None:
     ids = (torch.arange(3, device=device) * 7 + 1).remainder(vocab)[None]
     # inside an FSDP2 root call the model's forward is replaced; its own forward is kept aside
     forward = getattr(model, "_sharedprefix_own_forward", model)
+    dec = decoder(model)
     with torch.no_grad():
         ref = forward(input_ids=ids, use_cache=False).logits[0].float()
-        hidden = decoder(model)(input_ids=ids, use_cache=False).last_hidden_state[0]
-        ours = head_logits(model, hidden).float()
-    tol = 1e-4 * max(1.0, float(ref.abs().max()))
-    if not torch.allclose(ours, ref, rtol=1e-3, atol=tol):
+        hidden = dec(input_ids=ids, use_cache=False).last_hidden_state[0]
+        _check_positions_and_convolutions(model, dec, ids, hidden)
+        tol = 1e-4 * max(1.0, float(ref.abs().max()))
+        errs = []
+        for chain in (None, _modules_after_decoder(model)):
+            if chain is not None:
+                _HEADS[model] = chain
+            try:
+                ours = head_logits(model, hidden).float()
+            except (RuntimeError, TypeError) as e:  # a candidate head that does not even apply: not this one
+                errs.append(f"{type(e).__name__}")
+                _HEADS.pop(model, None)
+                continue
+            if ours.shape == ref.shape and torch.allclose(ours, ref, rtol=1e-3, atol=tol):
+                probe.probe(model, dec, _config_attention_layers(model))
+                _VERIFIED[model] = True
+                return
+            errs.append(f"{float((ours - ref).abs().max()):.3g}" if ours.shape == ref.shape else f"shape {tuple(ours.shape)}")
+            _HEADS.pop(model, None)
+    raise ValueError(
+        f"{type(model).__name__}'s forward turns hidden states into logits in a way sharedprefix does not reproduce "
+        f"(max |delta logit| {errs[0]} with its output embedding and known post-processing, {errs[1]} with the "
+        "modules after its decoder); sharedprefix refuses it rather than return different log-probs."
+    )
+
+
+def _check_positions_and_convolutions(model, dec, ids, hidden) -> None:
+    """Refuse a decoder whose own position numbering is not 0..L-1, or that runs a convolution along the tokens."""
+    name = type(model).__name__
+    ran = []
+    hooks = [
+        mod.register_forward_hook(lambda m, *_, n=mod_name: ran.append((n, type(m).__name__)))
+        for mod_name, mod in model.named_modules()
+        if isinstance(mod, torch.nn.Conv1d) and any(mod is m for m in dec.modules())
+    ]
+    try:
+        numbered = dec(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device)[None],
+                       use_cache=False).last_hidden_state[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    if ran:  # 1-d convolutions that run on a text-only row mix tokens; patch/audio encoders do not run here
         raise ValueError(
-            f"{type(model).__name__}'s forward turns hidden states into logits in a way sharedprefix does not "
-            f"reproduce (max |delta logit| = {float((ours - ref).abs().max()):.3g}); sharedprefix refuses it rather "
-            "than return different log-probs."
+            f"{name} contains a convolution over tokens ({ran[0][0]}: {ran[0][1]}); layers that mix tokens outside "
+            "attention cannot share a prompt exactly, so sharedprefix refuses this model."
         )
-    _VERIFIED[model] = True
+    if not torch.allclose(numbered, hidden, rtol=1e-5, atol=1e-6 * max(1.0, float(hidden.abs().max()))):
+        raise ValueError(
+            f"{name}'s decoder numbers the positions of a row differently from 0..L-1 when given no position_ids "
+            "(RoBERTa-style models start after the padding index), so the position ids sharedprefix gives each "
+            "prompt and completion would not be the ones the plain forward uses. This model is not supported."
+        )
 
 
 class _TokenLogprob(torch.autograd.Function):

@@ -53,10 +53,21 @@ def test_token_mixing_layers_refused(cfg_cls, model_cls, kw, match):
 
 
 def test_convolution_module_refused_even_without_layer_types():
+    """A 1-d convolution that runs along the tokens of a text row is refused, whatever the layer types say."""
     model = tiny_model("llama")
-    model.model.layers[0].add_module("shortconv", torch.nn.Conv1d(4, 4, 3))
+    layer = model.model.layers[0]
+    layer.add_module("shortconv", torch.nn.Conv1d(32, 32, 3, padding=2, groups=32).double())
+    mlp = layer.mlp.forward
+    layer.mlp.forward = lambda x: mlp(x) + layer.shortconv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)
     with pytest.raises(ValueError, match=r"convolution over tokens \(model\.layers\.0\.shortconv: Conv1d\)"):
         sp.logprobs(model, GROUPS)
+
+
+def test_convolution_that_does_not_run_on_text_is_not_refused():
+    """An encoder's convolution (audio frames, image patches) that a text row never reaches mixes no tokens."""
+    model = tiny_model("llama")
+    model.model.add_module("audio_tower", torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3)).double())
+    sp.logprobs(model, GROUPS)
 
 
 def test_attention_softcapping_refused():

@@ -17,18 +17,26 @@ from sharedprefix.layout.cascade import Cascade
 
 
 class _Merged(torch.autograd.Function):
-    """q (L, H, D) and per call (k_i, v_i) -> merged out (L, H, Dv) in q's dtype."""
+    """q (L, H, D), optional sinks (H,) and per call (k_i, v_i) -> merged out (L, H, Dv) in q's dtype.
+
+    An attention sink (GPT-OSS ``s_aux``) is one more logit per head in every query's softmax denominator,
+    with no value: lse_s = logaddexp(lse, sink) and out_s = exp(lse - lse_s) * out. The kernels' backward,
+    given out_s and lse_s, is then exact for q, k and v (P = exp(S - lse_s) are the probabilities with the
+    sink, and rowsum(dO * out_s) is the sum over the keys, the sink having no value); the sink's own
+    gradient is -sum over queries of exp(sink - lse_s) * rowsum(dO * out_s).
+    """
 
     @staticmethod
-    def forward(ctx, impl, calls, device, scale, q, *kv):
+    def forward(ctx, impl, calls, device, scale, sinks, q, *kv):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        outs, lses = [], []
+        outs, lses, auxes = [], [], []
         for i, c in enumerate(calls):
             cu_q, cu_k, _ = c.on(device)
-            o, m = impl.forward(q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], cu_q, cu_k, c.max_seqlen_q,
-                                c.max_seqlen_k, c.causal, c.window, scale)
+            o, m, *aux = impl.forward(q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], cu_q, cu_k, c.max_seqlen_q,
+                                      c.max_seqlen_k, c.causal, c.window, scale)
             outs.append(o)
             lses.append(m.to(acc))
+            auxes.append(aux[0] if aux else None)
         if len(calls) == 1:
             out, lse = outs[0], lses[0]
         else:
@@ -40,23 +48,33 @@ class _Merged(torch.autograd.Function):
                 w = torch.exp(m - lse[c.q_start : c.q_end]).nan_to_num_(0.0)  # -inf - -inf: rows with no key
                 merged[c.q_start : c.q_end] += w[..., None] * o.to(acc)
             out = merged.to(q.dtype)
-        ctx.save_for_backward(q, out, lse, *kv)
-        ctx.impl, ctx.calls, ctx.device, ctx.scale = impl, calls, device, scale
+        if sinks is not None:
+            lse_s = torch.logaddexp(lse, sinks.to(acc)[None, :])
+            out = (torch.exp(lse - lse_s).nan_to_num_(0.0)[..., None] * out.to(acc)).to(q.dtype)
+            lse = lse_s
+        ctx.save_for_backward(q, out, lse, sinks, *kv)
+        ctx.impl, ctx.calls, ctx.device, ctx.scale, ctx.auxes = impl, calls, device, scale, auxes
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, out, lse, *kv = ctx.saved_tensors
+        q, out, lse, sinks, *kv = ctx.saved_tensors
         dq = torch.zeros_like(q)
         grads = []
         for i, c in enumerate(ctx.calls):
             cu_q, cu_k, _ = c.on(ctx.device)
             s = slice(c.q_start, c.q_end)
             gq, gk, gv = ctx.impl.backward(dout[s], q[s], kv[2 * i], kv[2 * i + 1], out[s], lse[s], cu_q, cu_k,
-                                           c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ctx.scale)
+                                           c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ctx.scale,
+                                           aux=ctx.auxes[i])
             dq[s] += gq
             grads += [gk, gv]
-        return (None, None, None, None, dq, *grads)
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            acc = lse.dtype
+            delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (L, H)
+            dsinks = -(torch.exp(sinks.to(acc)[None, :] - lse) * delta).sum(0).to(sinks.dtype)
+        return (None, None, None, None, dsinks, dq, *grads)
 
 
 def _keys(call, k: torch.Tensor, v: torch.Tensor, read_kv):
@@ -78,13 +96,14 @@ def _keys(call, k: torch.Tensor, v: torch.Tensor, read_kv):
     return kk, vv
 
 
-def cascade_attention(impl, cascade: Cascade, query, key, value, read_kv, scale: float) -> torch.Tensor:
+def cascade_attention(impl, cascade: Cascade, query, key, value, read_kv, scale: float, sinks=None) -> torch.Tensor:
     """Shared-prefix attention of a packed row.
 
     Args:
         impl: an implementation of the primitive (``attention.kernels``).
         query: (1, H, L, D); key, value: (1, Hkv, L, D | Dv) as transformers passes them.
         read_kv: segment id -> its cached (k, v), each (1, Hkv, len, D | Dv).
+        sinks: None, or (H,) attention-sink logits (natural-log units, unscaled), one per query head.
 
     Returns:
         (1, L, H, Dv) in query's dtype, as transformers' attention functions return it.
@@ -94,5 +113,5 @@ def cascade_attention(impl, cascade: Cascade, query, key, value, read_kv, scale:
     kv = []
     for c in cascade.calls:
         kv += _keys(c, k, v, read_kv)
-    out = _Merged.apply(impl, cascade.calls, q.device, scale, q, *kv)
+    out = _Merged.apply(impl, cascade.calls, q.device, scale, sinks, q, *kv)
     return out[None]

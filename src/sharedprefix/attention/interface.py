@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
 
-from sharedprefix.attention import kernels
+from sharedprefix.attention import kernels, probe
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout.packing import RowLayout
 
@@ -44,6 +44,7 @@ class PassState:
         write_kv: (module, segment id, k, v) -> None, called once per layer for ``layout.record``.
         seen: attention modules that ran in this pass (a layer recomputed by gradient
             checkpointing runs again; it must not record twice).
+        max_position: the row's largest position id, set on first use (chunked attention checks it).
 
     """
 
@@ -52,6 +53,7 @@ class PassState:
     read_kv: Callable | None = None
     write_kv: Callable | None = None
     seen: dict = field(default_factory=dict)
+    max_position: int | None = None
 
 
 _STACK: list[PassState] = []
@@ -86,7 +88,9 @@ def shared_prefix_attention(
     state = _STACK[-1]
     layout = state.layout
     name = type(module).__name__
-    sliding_window = layer_window(module, sliding_window)
+    if state.max_position is None:
+        state.max_position = int(layout.position_ids.max()) if layout.position_ids.numel() else 0
+    sliding_window = layer_window(module, sliding_window, state.max_position)
     if dropout and dropout > 0:
         _refuse(
             f"{name} runs attention dropout p={dropout} in training mode; sharedprefix refuses it because a "
@@ -98,13 +102,19 @@ def shared_prefix_attention(
             f"{name} uses attention-score soft-capping (softcap={softcap}), which sharedprefix does not "
             "implement. Set config.attn_logit_softcapping=None only if the model was trained without it."
         )
+    sinks = kwargs.pop("s_aux", None)
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        _refuse(
+            f"{name} passed attention sinks (s_aux) of shape {tuple(sinks.shape)}; sharedprefix merges one sink "
+            f"logit per query head, shape ({query.shape[1]},), and refuses other shapes."
+        )
     odd = {k: v for k, v in kwargs.items() if k not in _NEUTRAL_KWARGS and v is not None}
     if kwargs.get("is_causal") is False:
         odd["is_causal"] = False
     if odd:
         _refuse(
             f"{name} passed attention arguments {sorted(odd)} that sharedprefix cannot honour exactly "
-            "(e.g. attention sinks or position biases). This model is not supported."
+            "(e.g. position biases or a non-causal flag). This model is not supported."
         )
     if attention_mask is not None:
         _refuse(
@@ -121,6 +131,15 @@ def shared_prefix_attention(
         raise RuntimeError(f"{name}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
 
+    casc = layout.cascade(sliding_window)
+    calls = probe.pattern(module).calls
+    if calls > 1 and (layout.record or any(src.cached for c in casc.calls for src in c.keys)):
+        _refuse(
+            f"{name} runs {calls} times in one forward (a looped, recurrent-depth model), each time on different "
+            "hidden states; sharedprefix keeps one cached prompt K/V per layer across passes, so it cannot split "
+            "this model's groups across passes. Use max_tokens=None (or a budget that fits every group in one "
+            "pass), where its attention is exact."
+        )
     first = module not in state.seen
     state.seen[module] = state.seen.get(module, 0) + 1
     if first and layout.record:
@@ -130,45 +149,53 @@ def shared_prefix_attention(
 
     impl = kernels.select(state.backend, query.device)
     read = (lambda seg: state.read_kv(module, seg)) if state.read_kv else None
-    return cascade_attention(impl, layout.cascade(sliding_window), query, key, value, read, scale), None
+    return cascade_attention(impl, casc, query, key, value, read, scale, sinks), None
 
 
-def layer_window(module, passed: int | None) -> int | None:
-    """The sliding window (tokens) of this layer, from the model's own per-layer information.
+def layer_window(module, passed: int | None, max_position: int) -> int | None:
+    """The sliding window (tokens) of this layer in a row whose largest position id is ``max_position``.
 
-    ``config.layer_types[layer_idx]`` is what the masks of the plain forward follow, so it decides when the
-    model has it; a window the layer passes must agree with it. A window attribute left on the module is
-    only used by models without per-layer types, whose masks apply ``config.sliding_window`` everywhere.
+    What the plain forward does comes from the masks transformers builds for the layer (``attention.probe``,
+    run once per model before any pass); ``config.layer_types`` and a window the layer passes must agree with
+    it. Chunked attention is exact while every position of the row lies in the first chunk (the chunk
+    boundaries are positions, so a completion continues its prompt's chunk); beyond it, it is refused.
     """
+    name = type(module).__name__
+    pat = probe.pattern(module)
+    if pat is None:
+        raise RuntimeError(
+            f"{name}: its model was not probed (modeling.verify_head) before a sharedprefix pass, so the layer's "
+            "window is unknown. This is a bug in the caller: every pass must follow verify_head."
+        )
     cfg = getattr(module, "config", None)
     types = getattr(cfg, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
-    name = type(module).__name__
-    if types is not None and idx is not None and idx < len(types):
-        kind = str(types[idx])
-        size = getattr(cfg, "sliding_window", None) or None
-        if kind == "full_attention":
-            window = None
-        elif kind == "sliding_attention":
-            if not size:
-                raise ValueError(
-                    f"{name} (layer {idx}) is a 'sliding_attention' layer but config.sliding_window={size!r}; "
-                    "sharedprefix cannot tell which window the plain forward applies. Set config.sliding_window."
-                )
-            window = int(size)
-        else:
-            window = passed
-        if passed is not None and (window is None or int(passed) != window):
-            raise ValueError(
-                f"{name} (layer {idx}) passes sliding_window={passed} to attention, but config.layer_types says "
-                f"{kind!r} with config.sliding_window={size!r}; the plain forward's masks follow layer_types, so the "
-                "two disagree and sharedprefix refuses rather than pick one. Fix the model's configuration."
-            )
-        return window
-    if passed is not None:
-        return int(passed)
-    own = getattr(module, "sliding_window", None)
-    return int(own) if own else None
+    kind = str(types[idx]) if types is not None and isinstance(idx, int) and idx < len(types) else None
+    desc = {"full": "causal without a window", "sliding": f"a sliding window of {pat.size} tokens",
+            "chunked": f"chunks of {pat.size} positions"}[pat.kind]
+    said = f"config.layer_types says {kind!r} and " if kind is not None else ""
+    expected = {"sliding_attention": "sliding", "chunked_attention": "chunked"}.get(kind)
+    if expected is not None and pat.kind != expected:
+        raise ValueError(
+            f"{name} (layer {idx}): config.layer_types says {kind!r}, but the plain forward's mask for this layer is "
+            f"{desc} on a short row, so sharedprefix cannot see the layer's window or chunk and refuses the model."
+        )
+    window = pat.size if pat.kind == "sliding" else None
+    if passed is not None and (window is None or int(passed) != window):
+        raise ValueError(
+            f"{name} (layer {idx}) passes sliding_window={passed} to attention, but {said}the plain forward's mask "
+            f"for this layer is {desc}; the two disagree and sharedprefix refuses rather than pick one. Fix the "
+            "model's configuration."
+        )
+    if pat.kind == "chunked" and max_position >= pat.size:
+        raise ValueError(
+            f"{name} (layer {idx}) uses chunked attention ({pat.setting}={pat.size}): a token sees only the keys of "
+            f"its own block of {pat.size} positions. This row reaches position {max_position}, beyond the first "
+            "block, and sharedprefix does not implement attention split at chunk boundaries; it is exact only "
+            f"while every prompt + completion is shorter than {pat.size} tokens. Shorten the rows or use a model "
+            "without chunked attention."
+        )
+    return window
 
 
 AttentionInterface.register(NAME, shared_prefix_attention)

@@ -1,0 +1,199 @@
+"""Which attention each layer of the plain forward computes, read from the masks transformers builds for it.
+
+A layer's sliding window or attention chunk is decided by the model's own code: per-layer ``layer_types``,
+a window the layer passes, a window kept on the module, or a model-level mask built from
+``config.sliding_window`` (Phi-MoE). Rather than guess from these, ``probe`` runs the decoder once per model
+on a short row with a recording attention function whose masks are built by transformers' own SDPA mask
+builder, and reads each layer's mask: causal, causal with a band (sliding window), causal within blocks
+(chunked attention), or anything else (refused). So that the window is visible on a short row, every
+window/chunk setting of the model's configs is set to a small distinct value during the probe (and restored);
+the width of the band identifies the setting, and the layer's size at run time is that setting's real value
+plus the probe's offset (a band one wider than the setting, say).
+
+The probe also records which modules called the attention interface (a layer that bypasses it is refused
+before any sharedprefix computation) and, as the attention output, returns zeros: only masks are read.
+
+Notation: n = probe row length, S = a probed setting's small value.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, PreTrainedConfig
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NAME = "sharedprefix_probe"
+_SETTING = re.compile(r"(window|window_size|window_len|window_length)$|^attention_chunk_size$")  # not max_window_layers
+
+
+@dataclass(frozen=True)
+class LayerPattern:
+    """The attention of one layer in the plain forward.
+
+    Attributes:
+        kind: "full" (causal), "sliding" (a query sees itself and the ``size - 1`` keys before it) or
+            "chunked" (a query sees the keys of its own block of ``size`` positions, causally).
+        size: tokens of the window or chunk, None for "full".
+        setting: the config attribute that sets ``size`` ("" for "full").
+        calls: how many times one forward runs this module (more than 1 in looped, recurrent-depth models).
+    """
+
+    kind: str
+    size: int | None = None
+    setting: str = ""
+    calls: int = 1
+
+
+_PATTERNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> LayerPattern
+_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> attention modules probed
+_LOG: list[dict] = []
+
+
+def pattern(module) -> LayerPattern | None:
+    """The probed pattern of an attention module, or None when its model was not probed."""
+    return _PATTERNS.get(module)
+
+
+def _record(module, query, key, value, attention_mask, **kwargs):
+    if _LOG:
+        if module in _LOG[-1]:
+            _LOG[-1][module][2] += 1
+        else:
+            _LOG[-1][module] = [attention_mask, key.shape[-2], 1]
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
+    return out, None
+
+
+def _mask(*args, **kwargs):
+    kwargs["allow_is_causal_skip"] = False  # always a tensor, also where the mask is plainly causal
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(NAME, _record)
+AttentionMaskInterface.register(NAME, _mask)
+
+
+def _configs(model) -> list[PreTrainedConfig]:
+    seen, out, stack = set(), [], [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PreTrainedConfig)]
+    while stack:
+        cfg = stack.pop()
+        if id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        out.append(cfg)
+        stack += [v for v in vars(cfg).values() if isinstance(v, PreTrainedConfig)]
+    return out
+
+
+@contextmanager
+def _probing(configs, settings):
+    saved_attn = [cfg._attn_implementation_internal for cfg in configs]
+    saved = [(cfg, k, getattr(cfg, k)) for cfg, k, _ in settings]
+    try:
+        for cfg in configs:
+            cfg._attn_implementation_internal = NAME
+        for cfg, k, small in settings:
+            setattr(cfg, k, small)
+        yield
+    finally:
+        for cfg, old in zip(configs, saved_attn):
+            cfg._attn_implementation_internal = old
+        for cfg, k, old in saved:
+            setattr(cfg, k, old)
+
+
+def _classify(mask: torch.Tensor | None, n: int) -> tuple[str, int | None]:
+    """("full" | "sliding" | "chunked" | "other", visible keys or chunk size) of an (.., n, n) boolean mask."""
+    if mask is None:
+        return "full", None  # no mask: the plain SDPA forward runs is_causal
+    if mask.dtype != torch.bool:
+        mask = mask == 0  # an additive float mask (0 where allowed)
+    if mask.dim() != 4 or mask.shape[-2:] != (n, n) or not (mask == mask[:1, :1]).all():
+        return "other", None
+    m = mask[0, 0].cpu()
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    causal = j <= i
+    if torch.equal(m, causal):
+        return "full", None
+    for w in range(1, n):
+        if torch.equal(m, causal & (i - j < w)):
+            return "sliding", w
+    for c in range(1, n):
+        if torch.equal(m, causal & (i // c == j // c)):
+            return "chunked", c
+    return "other", None
+
+
+def probe(model, decoder, expected_layers: int) -> dict:
+    """Probe ``model`` (its ``decoder`` module) once; raise ValueError for a layer sharedprefix cannot reproduce.
+
+    Returns {attention module: LayerPattern}, also kept for ``pattern``.
+    """
+    name = type(model).__name__
+    configs = _configs(model)
+    settings = []
+    for cfg in configs:
+        for k in sorted(vars(cfg)):
+            v = getattr(cfg, k)
+            if _SETTING.search(k) and isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                settings.append((cfg, k, 3 + len(settings)))
+    smalls = {small: (cfg, k) for cfg, k, small in settings}
+    n = 3 * (3 + len(settings)) + 1
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = (torch.arange(n, device=device) * 7 + 3).remainder(vocab)[None]
+    _LOG.append({})
+    try:
+        with _probing(configs, settings), torch.no_grad():
+            decoder(input_ids=ids, position_ids=torch.arange(n, device=device)[None], use_cache=False)
+        log = _LOG[-1]
+    finally:
+        _LOG.pop()
+    if sum(c for _, _, c in log.values()) < expected_layers:
+        raise ValueError(
+            f"{name}: on a probe row the attention interface ran in {len(log)} of {expected_layers} layers; the model's "
+            "attention bypasses transformers' attention interface, so prompt sharing cannot be applied exactly. "
+            "This model is not supported."
+        )
+    out = {}
+    for module, (mask, kv_len, calls) in log.items():
+        mod = type(module).__name__
+        if kv_len != n:
+            raise ValueError(
+                f"{mod} attends over {kv_len} keys for a row of {n} tokens (e.g. memory or compressed keys); "
+                "sharedprefix attends over the row's own keys only and refuses this model."
+            )
+        kind, seen = _classify(mask, n)
+        if kind == "other":
+            raise ValueError(
+                f"{mod} (in {name}) gets a mask from the plain forward that is neither causal nor a causal sliding "
+                "window nor causal chunks (for example bidirectional, prefix-LM or token-dependent masks); "
+                "sharedprefix only implements those three patterns and refuses the model."
+            )
+        size, setting = None, ""
+        if kind != "full":
+            # the setting whose small value explains the band/chunk (a band may be one wider or narrower)
+            hit = next(((d, smalls[seen - d]) for d in (0, 1, -1) if seen - d in smalls), None)
+            if hit is None:
+                raise ValueError(
+                    f"{mod} (in {name}) applies a {kind} attention of {seen} tokens in the plain forward that no window "
+                    "or chunk setting of its config explains, so sharedprefix cannot tell its size on longer rows "
+                    "and refuses the model."
+                )
+            d, (cfg, setting) = hit
+            size = int(getattr(cfg, setting)) + d
+        out[module] = LayerPattern(kind, size, setting, calls)
+    _PATTERNS.update(out)
+    _BY_MODEL[model] = len(out)
+    return out
+
+
+def attention_modules(model) -> int | None:
+    """How many distinct modules of ``model`` ran the attention interface in its probe (None: not probed)."""
+    return _BY_MODEL.get(model)
