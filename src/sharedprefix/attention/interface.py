@@ -201,8 +201,23 @@ def layer_window(module, passed: int | None, max_position: int) -> int | None:
 AttentionInterface.register(NAME, shared_prefix_attention)
 
 
+def _encoder_configs(model: torch.nn.Module) -> set[int]:
+    """ids of the sub-configs of encoders (vision towers, audio encoders) next to the text model: their attention
+    runs once per prompt inside a pass, with the model's own implementation, never the shared-prefix one."""
+    top = getattr(model, "config", None)
+    if not isinstance(top, PreTrainedConfig):
+        return set()
+    text = top.get_text_config()
+    out = set()
+    for key in getattr(top, "sub_configs", {}) or {}:
+        sub = getattr(top, key, None)
+        if isinstance(sub, PreTrainedConfig) and sub is not text and sub is not top:
+            out.add(id(sub))
+    return out
+
+
 def _configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
-    seen, out = set(), []
+    seen, out = _encoder_configs(model), []
     for m in model.modules():
         cfg = getattr(m, "config", None)
         if isinstance(cfg, PreTrainedConfig) and id(cfg) not in seen:

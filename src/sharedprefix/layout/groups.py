@@ -54,12 +54,16 @@ class Group:
         prompt: token ids of the prompt, a list of ints or a 1-D integer tensor, length P >= 1.
         completions: G >= 1 sequences of token ids, each of length T_i >= 1. Each completion
             continues the prompt: its first token is predicted by the prompt's last token.
+        prompt_inputs: for a vision-language model, the processor's other outputs for the prompt
+            alone (e.g. ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``), tensors as the
+            processor returns them for one sample. The vision tower runs once per group.
     """
 
     prompt: torch.Tensor
     completions: tuple[torch.Tensor, ...]
+    prompt_inputs: dict | None
 
-    def __init__(self, prompt, completions):
+    def __init__(self, prompt, completions, prompt_inputs=None):
         p = _as_ids(prompt, "prompt")
         if p.numel() == 0:
             raise ValueError(
@@ -87,8 +91,23 @@ class Group:
                     "log-prob to compute). Append the EOS token the sampler stopped on, or drop it."
                 )
             cs.append(t)
+        if prompt_inputs is not None:
+            if not isinstance(prompt_inputs, dict) or not all(isinstance(k, str) for k in prompt_inputs):
+                raise TypeError(
+                    f"prompt_inputs is a {type(prompt_inputs).__name__}; expected a dict of the processor's outputs "
+                    "for the prompt alone, e.g. {'pixel_values': ..., 'image_grid_thw': ...}."
+                )
+            bad = sorted(k for k, v in prompt_inputs.items() if v is not None and not isinstance(v, torch.Tensor))
+            if bad:
+                raise TypeError(f"prompt_inputs {bad} are not tensors; pass the processor's outputs with "
+                                "return_tensors='pt'.")
+            if "input_ids" in prompt_inputs or "attention_mask" in prompt_inputs:
+                raise ValueError("prompt_inputs holds input_ids / attention_mask; pass the token ids as `prompt` and "
+                                 "leave the attention mask out (a group's prompt has no padding).")
+            prompt_inputs = {k: v for k, v in prompt_inputs.items() if v is not None} or None
         object.__setattr__(self, "prompt", p)
         object.__setattr__(self, "completions", tuple(cs))
+        object.__setattr__(self, "prompt_inputs", prompt_inputs)
 
     @property
     def group_size(self) -> int:
@@ -96,7 +115,8 @@ class Group:
 
     def __repr__(self) -> str:
         lens = [int(c.numel()) for c in self.completions]
-        return f"Group(prompt_len={self.prompt.numel()}, completion_lens={lens})"
+        extra = f", prompt_inputs={sorted(self.prompt_inputs)}" if self.prompt_inputs else ""
+        return f"Group(prompt_len={self.prompt.numel()}, completion_lens={lens}{extra})"
 
 
 def validate_groups(groups, vocab_size: int | None = None) -> list[Group]:

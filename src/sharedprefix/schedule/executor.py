@@ -28,6 +28,7 @@ from sharedprefix.modeling import (
     uses_reentrant_checkpointing,
     verify_head,
 )
+from sharedprefix.multimodal import Multimodal, check_prompt_fits
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.parallel import detect
 from sharedprefix.schedule.planner import Dummy, Pass, Plan, PrefixBackward, plan
@@ -44,6 +45,10 @@ class Executor:
         self.source = validate_source(source, vocab)
         if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
+        self.mm = None
+        if not isinstance(self.source, Tree) and any(g.prompt_inputs for g in self.source):
+            check_prompt_fits(self.source, max_tokens)
+            self.mm = Multimodal(self.model, self.source)
         self.plan: Plan = plan(self.source, max_tokens)
         if self.plan.splits and torch.is_grad_enabled() and uses_reentrant_checkpointing(self.model):
             raise ValueError(
@@ -76,11 +81,17 @@ class Executor:
 
         def fn():
             with pass_state(state):
-                out = decoder(self.model)(
-                    input_ids=layout.input_ids.to(self.device),
-                    position_ids=layout.position_ids.to(self.device),
-                    use_cache=False,
-                )
+                if self.mm is not None and tree is self.plan.tree:  # the vision tower runs for this row's prompts
+                    extra = {k: v.to(self.device) for k, v in self.mm.inputs(layout, self.source).items()}
+                    out = self.mm.module(input_ids=layout.input_ids.to(self.device),
+                                         position_ids=self.mm.positions(layout).to(self.device), use_cache=False,
+                                         **extra)
+                else:
+                    out = decoder(self.model)(
+                        input_ids=layout.input_ids.to(self.device),
+                        position_ids=layout.position_ids.to(self.device),
+                        use_cache=False,
+                    )
             hidden = out.last_hidden_state[0]  # (L, d)
             for s in layout.record:
                 self.cache.write_h(s, hidden[layout.row_end[s] - 1])

@@ -1,0 +1,128 @@
+"""Vision-language prompts: the vision tower runs once per group, completions continue its positions.
+
+A group's ``prompt_inputs`` are the processor's outputs for the prompt alone. The pass that
+computes a prompt hands them to the model's own multimodal module (``model.model``: the vision
+tower, the placeholder scatter, the language model), concatenated over the prompts of the row in
+row order; passes without a prompt (completions reading cached K/V) run the same module without
+them. Positions are the model's own: for M-RoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) the
+prompt's 3-D positions come from the model's ``get_rope_index`` on the prompt alone, and every
+later token of the group (completions, deeper segments) continues at ``1-D position + delta``
+on all three axes, delta = (largest prompt position + 1) - P, exactly what the model computes for
+the full row. Models without M-RoPE (Llava-style) keep 1-D positions.
+
+Refused: prompts that would be cut into a chain (raise ``max_tokens`` to hold the prompt), models
+whose image tokens attend to each other bidirectionally (Gemma3: its prompt attention is not
+causal), models whose multimodal module takes none of the given inputs.
+
+Notation: L = row length, P = prompt length.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+# inputs concatenated over the prompts of a row (first dimension), as the processor batches them
+_CAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
+             "image_sizes", "pixel_attention_mask", "image_grid_hws")
+# used for positions only (the pass hands the positions themselves)
+_POSITION_ONLY = ("mm_token_type_ids",)
+
+
+def _params(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+class Multimodal:
+    """The multimodal module of ``model`` and the positions of the groups with ``prompt_inputs``."""
+
+    def __init__(self, model, groups):
+        name = type(model).__name__
+        self.module = getattr(model, "model", None)
+        cfg = model.config
+        if self.module is None or not hasattr(self.module, "get_input_embeddings"):
+            raise ValueError(f"{name} has no multimodal base module (model.model); prompt_inputs are not supported.")
+        if getattr(cfg, "model_type", "").startswith("gemma3") or "token_type_ids" in _params(self.module.forward):
+            raise ValueError(
+                f"{name}: its image tokens attend to each other bidirectionally (token_type_ids), so its prompt "
+                "attention is not causal, which sharedprefix's prompt segments assume. Not supported yet."
+            )
+        accepted = _params(self.module.forward)
+        for gi, g in enumerate(groups):
+            extra = sorted(set(g.prompt_inputs or {}) - accepted - set(_POSITION_ONLY))
+            if extra:
+                raise ValueError(
+                    f"groups[{gi}].prompt_inputs has {extra}, which {type(self.module).__name__}.forward does not take; "
+                    f"expected some of {sorted(accepted & set(_CAT_KEYS))} (the processor's outputs for the prompt)."
+                )
+        self.mrope = hasattr(self.module, "get_rope_index")
+        self.delta: dict[int, int] = {}
+        self.prompt_pos: dict[int, torch.Tensor] = {}
+        if self.mrope:
+            rope_args = _params(self.module.get_rope_index)
+            for gi, g in enumerate(groups):
+                if not g.prompt_inputs:
+                    continue
+                kw = {k: _batched(k, v) for k, v in g.prompt_inputs.items() if k in rope_args}
+                if "mm_token_type_ids" in rope_args and "mm_token_type_ids" not in kw:
+                    raise ValueError(
+                        f"groups[{gi}].prompt_inputs has no mm_token_type_ids, which {name} needs for its 3-D "
+                        "positions; pass the processor's mm_token_type_ids for the prompt."
+                    )
+                dev = next(model.parameters()).device
+                with torch.no_grad():
+                    pos, delta = self.module.get_rope_index(input_ids=g.prompt[None].to(dev),
+                                                            **{k: v.to(dev) for k, v in kw.items()})
+                self.prompt_pos[gi] = pos[:, 0].cpu()  # (3, P)
+                self.delta[gi] = int(delta.reshape(-1)[0])
+
+    def positions(self, layout) -> torch.Tensor:
+        """(1, L) 1-D positions, or (3, 1, L) M-RoPE positions of the row."""
+        pos = layout.position_ids
+        if not self.mrope:
+            return pos
+        segs = layout.tree.segments
+        shift = torch.cat([torch.full((segs[s].length,), self.delta.get(segs[s].group, 0)) for s in layout.segments])
+        out = (pos[0] + shift)[None, None].expand(3, 1, -1).clone()
+        for s in layout.segments:
+            seg = segs[s]
+            if seg.parent is None and seg.group in self.prompt_pos:
+                r = layout.row_start[s]
+                out[:, 0, r : r + seg.length] = self.prompt_pos[seg.group]
+        return out
+
+    def inputs(self, layout, groups) -> dict:
+        """The prompt inputs of the prompts this row computes, concatenated in row order."""
+        segs = layout.tree.segments
+        parts: dict[str, list] = {}
+        for s in layout.segments:
+            seg = segs[s]
+            if seg.parent is None and seg.group < len(groups) and groups[seg.group].prompt_inputs:
+                for k, v in groups[seg.group].prompt_inputs.items():
+                    if k not in _POSITION_ONLY:
+                        parts.setdefault(k, []).append(_batched(k, v) if k in _CAT_KEYS else v)
+        return {k: torch.cat(v) if k in _CAT_KEYS else v[0] for k, v in parts.items()}
+
+
+def _batched(key: str, v: torch.Tensor) -> torch.Tensor:
+    """Token-aligned inputs get a batch dimension of 1; per-image inputs stay as the processor gives them."""
+    if key in ("mm_token_type_ids",) and v.dim() == 1:
+        return v[None]
+    return v
+
+
+def check_prompt_fits(groups, max_tokens) -> None:
+    """A multimodal prompt is never cut into a chain: the vision tower's output must land in one pass."""
+    if max_tokens is None:
+        return
+    for gi, g in enumerate(groups):
+        if g.prompt_inputs and g.prompt.numel() > max_tokens:
+            raise ValueError(
+                f"groups[{gi}] has a multimodal prompt of {g.prompt.numel()} tokens but max_tokens={max_tokens}; a "
+                "prompt with images is computed in one pass (its vision tower's output cannot be split). Set "
+                f"max_tokens >= {g.prompt.numel()}."
+            )

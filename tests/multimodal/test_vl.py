@@ -1,0 +1,115 @@
+"""Vision-language prompts: float64 log-probs and gradients against one plain forward per [prompt + completion]."""
+
+import pytest
+import torch
+import transformers as tf
+
+import sharedprefix as sp
+from helpers import assert_grads_close, grads_of
+from sharedprefix.testing import dtype_faithful_norms
+
+IMAGE, VIDEO, V_START, V_END = 100, 101, 102, 103
+TEXT = dict(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+VISION = dict(depth=1, hidden_size=32, num_heads=2, in_channels=3, patch_size=2, spatial_merge_size=2,
+              temporal_patch_size=2)
+
+
+def _model(kind):
+    if kind == "qwen2_vl":
+        cfg = tf.Qwen2VLConfig(text_config=TEXT, vision_config=dict(VISION, embed_dim=16, mlp_ratio=2),
+                               image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START,
+                               vision_end_token_id=V_END)
+        cls = tf.Qwen2VLForConditionalGeneration
+    else:
+        cfg = tf.Qwen2_5_VLConfig(text_config=TEXT, vision_config=dict(VISION, intermediate_size=24, out_hidden_size=32,
+                                                                        fullatt_block_indexes=[0], window_size=8),
+                                  image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START,
+                                  vision_end_token_id=V_END)
+        cls = tf.Qwen2_5_VLForConditionalGeneration
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return dtype_faithful_norms(cls(cfg).double().eval())
+
+
+def _group(seed, grid, text_before, text_after, completions):
+    """A prompt with one image of grid (t, h, w) patches, and its processor-like inputs."""
+    g = torch.Generator().manual_seed(seed)
+    t, h, w = grid
+    n_tokens = t * h * w // 4  # 2x2 spatial merge
+    prompt = torch.cat([torch.randint(0, 90, (text_before,), generator=g), torch.tensor([V_START]),
+                        torch.full((n_tokens,), IMAGE), torch.tensor([V_END]),
+                        torch.randint(0, 90, (text_after,), generator=g)])
+    inputs = {"pixel_values": torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=g, dtype=torch.float64),
+              "image_grid_thw": torch.tensor([grid]), "mm_token_type_ids": (prompt == IMAGE).int()}
+    comps = [torch.randint(0, 90, (n,), generator=g) for n in completions]
+    return sp.Group(prompt, comps, prompt_inputs=inputs)
+
+
+def plain(model, groups):
+    rows = []
+    T = max(c.numel() for g in groups for c in g.completions)
+    for g in groups:
+        for c in g.completions:
+            ids = torch.cat([g.prompt, c])[None]
+            kw = {}
+            if g.prompt_inputs:
+                kw = dict(pixel_values=g.prompt_inputs["pixel_values"], image_grid_thw=g.prompt_inputs["image_grid_thw"],
+                          mm_token_type_ids=torch.cat([g.prompt_inputs["mm_token_type_ids"],
+                                                       torch.zeros(c.numel(), dtype=torch.int32)])[None])
+            logits = model(input_ids=ids, use_cache=False, **kw).logits[0, g.prompt.numel() - 1 : -1]
+            lp = torch.log_softmax(logits, -1).gather(-1, c[:, None])[:, 0]
+            rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
+    return torch.stack(rows)
+
+
+GROUPS = lambda: [_group(0, (1, 4, 4), 2, 3, [3, 1, 4]), _group(1, (1, 2, 4), 1, 0, [2, 5]),  # noqa: E731
+                  sp.Group(torch.tensor([5, 6, 7]), [torch.tensor([8, 9])]),  # text only, in the same model
+                  _group(2, (1, 4, 2), 0, 2, [1])]
+
+
+@pytest.mark.parametrize("kind, budget, mode", [
+    ("qwen2_vl", None, "keep"), ("qwen2_vl", 16, "offload"), ("qwen2_vl", 16, "recompute"),
+    ("qwen2_5_vl", None, "keep"), ("qwen2_5_vl", 16, "keep"),
+])
+def test_vision_language_groups_match_plain_rows(kind, budget, mode):
+    model = _model(kind)
+    groups = GROUPS()
+    if budget is not None:  # the budget splits the first group: its prompt (11 tokens) is cached, completions later
+        assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(groups, budget).steps)
+    ref = plain(model, groups).detach()
+    with torch.no_grad():
+        out = sp.logprobs(model, groups, max_tokens=budget)
+    assert (out.logprobs - ref).abs().max() <= 1e-9
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (plain(model, groups) * w).sum())
+    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(),
+                                             max_tokens=budget, prefix_activations=mode) and None)
+    assert any("visual" in n for n in got)  # the vision tower is trained through the shared prompt
+    assert_grads_close(got, want, 1e-9)
+
+
+def test_vision_tower_runs_once_per_group():
+    model = _model("qwen2_vl")
+    calls = []
+    model.model.visual.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    groups = GROUPS()
+    with torch.no_grad():
+        sp.logprobs(model, groups)
+    assert calls == [16 + 8 + 8]  # one call, the three images' patches, not once per completion
+
+
+def test_multimodal_refusals():
+    model = _model("qwen2_vl")
+    g = _group(0, (1, 4, 4), 2, 3, [3])
+    with pytest.raises(ValueError, match="multimodal prompt of 11 tokens but max_tokens=8"):
+        sp.logprobs(model, [g], max_tokens=8)
+    bad = sp.Group(g.prompt, g.completions, prompt_inputs={"pixel_values": g.prompt_inputs["pixel_values"],
+                                                           "image_grid_thw": g.prompt_inputs["image_grid_thw"]})
+    with pytest.raises(ValueError, match="has no mm_token_type_ids"):
+        sp.logprobs(model, [bad])
+    with pytest.raises(ValueError, match=r"prompt_inputs has \['audio_values'\]"):
+        sp.logprobs(model, [sp.Group(g.prompt, g.completions, prompt_inputs={**g.prompt_inputs,
+                                                                              "audio_values": torch.zeros(1)})])
+    with pytest.raises(TypeError, match="are not tensors"):
+        sp.Group([1], [[2]], prompt_inputs={"pixel_values": [1, 2]})
