@@ -16,7 +16,17 @@ VISION = dict(depth=1, hidden_size=32, num_heads=2, in_channels=3, patch_size=2,
 
 
 def _model(kind):
-    if kind == "qwen2_vl":
+    if kind == "qwen3_vl":
+        text = {k: v for k, v in TEXT.items() if k != "rope_scaling"}
+        text.update(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        cfg = tf.Qwen3VLConfig(text_config=text,
+                               vision_config=dict(VISION, intermediate_size=24, out_hidden_size=32,
+                                                  num_position_embeddings=16, deepstack_visual_indexes=[0]),
+                               image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START,
+                               vision_end_token_id=V_END)
+        cls = tf.Qwen3VLForConditionalGeneration
+    elif kind == "qwen2_vl":
         cfg = tf.Qwen2VLConfig(text_config=TEXT, vision_config=dict(VISION, embed_dim=16, mlp_ratio=2),
                                image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START,
                                vision_end_token_id=V_END)
@@ -70,7 +80,7 @@ GROUPS = lambda: [_group(0, (1, 4, 4), 2, 3, [3, 1, 4]), _group(1, (1, 2, 4), 1,
 
 @pytest.mark.parametrize("kind, budget, mode", [
     ("qwen2_vl", None, "keep"), ("qwen2_vl", 16, "offload"), ("qwen2_vl", 16, "recompute"),
-    ("qwen2_5_vl", None, "keep"), ("qwen2_5_vl", 16, "keep"),
+    ("qwen2_5_vl", None, "keep"), ("qwen2_5_vl", 16, "keep"), ("qwen3_vl", None, "keep"), ("qwen3_vl", 16, "recompute"),
 ])
 def test_vision_language_groups_match_plain_rows(kind, budget, mode):
     model = _model(kind)
@@ -113,3 +123,63 @@ def test_multimodal_refusals():
                                                                               "audio_values": torch.zeros(1)})])
     with pytest.raises(TypeError, match="are not tensors"):
         sp.Group([1], [[2]], prompt_inputs={"pixel_values": [1, 2]})
+
+
+def _llava():
+    cfg = tf.LlavaConfig(
+        vision_config=tf.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                          image_size=8, patch_size=4),
+        text_config=tf.LlamaConfig(**{k: v for k, v in TEXT.items() if k != "rope_scaling"}),
+        image_token_index=IMAGE, vision_feature_layer=-1, projector_hidden_act="gelu")
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return dtype_faithful_norms(tf.LlavaForConditionalGeneration(cfg).double().eval())
+
+
+def _llava_group(seed, completions):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.cat([torch.randint(0, 90, (2,), generator=g), torch.full((4,), IMAGE),  # 2x2 patches, CLS dropped
+                        torch.randint(0, 90, (3,), generator=g)])
+    comps = [torch.randint(0, 90, (n,), generator=g) for n in completions]
+    return sp.Group(prompt, comps, prompt_inputs={"pixel_values": torch.randn(1, 3, 8, 8, generator=g,
+                                                                             dtype=torch.float64)})
+
+
+def _plain_llava(model, groups):
+    rows, T = [], max(c.numel() for g in groups for c in g.completions)
+    for g in groups:
+        for c in g.completions:
+            out = model(input_ids=torch.cat([g.prompt, c])[None], pixel_values=g.prompt_inputs["pixel_values"],
+                        use_cache=False)
+            lp = torch.log_softmax(out.logits[0, g.prompt.numel() - 1 : -1], -1).gather(-1, c[:, None])[:, 0]
+            rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("budget", [None, 12])
+def test_llava_style_groups_match_plain_rows(budget):
+    model = _llava()
+    groups = [_llava_group(0, [3, 1, 4]), _llava_group(1, [2, 5])]
+    ref = _plain_llava(model, groups).detach()
+    with torch.no_grad():
+        assert (sp.logprobs(model, groups, max_tokens=budget).logprobs - ref).abs().max() <= 1e-9
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (_plain_llava(model, groups) * w).sum())
+    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(),
+                                             max_tokens=budget, prefix_activations="recompute") and None)
+    assert_grads_close(got, want, 1e-9)
+
+
+def test_gemma3_images_refused_with_the_reason():
+    cfg = tf.Gemma3Config(
+        text_config=dict(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, sliding_window=4),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=4),
+        mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=V_START, eoi_token_index=V_END)
+    cfg._attn_implementation = "sdpa"
+    model = tf.Gemma3ForConditionalGeneration(cfg).double().eval()
+    g = sp.Group(torch.tensor([1, 2] + [IMAGE] * 4 + [3]), [torch.tensor([4, 5])],
+                 prompt_inputs={"pixel_values": torch.randn(1, 3, 8, 8, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="attend to each other bidirectionally"):
+        sp.logprobs(model, [g])
