@@ -22,6 +22,7 @@ from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.modeling import (
     check_supported,
     decoder,
+    head_logits,
     num_attention_layers,
     token_logprobs,
     unwrap,
@@ -106,8 +107,16 @@ class Executor:
                     if s in layout.value_slot:
                         a, b = layout.value_slot[s]
                         self.cache.write_values(s, lp[a:b], ent[a:b] if ent is not None else None)
+            elif self.par.fsdp:
+                # FSDP2 may shard the output head as a unit of its own (verl does): every rank's pass must run it,
+                # forward and backward, whatever this rank's pass predicts, or the ranks' collectives differ.
+                # One row of logits, times zero: adds exactly nothing.
+                hidden = hidden + (head_logits(self.model, hidden[-1:]).sum() * 0.0).to(hidden.dtype)
             if surrogate is not None:
-                return self.cache.surrogate(surrogate, through_outputs=self.par.fsdp)
+                sur = self.cache.surrogate(surrogate, through_outputs=self.par.fsdp)
+                if self.par.fsdp and not layout.targets.numel() and torch.is_grad_enabled():
+                    sur = (hidden[-1].sum() * 0.0) + (sur if sur is not None else 0.0)
+                return sur
             if not layout.rows:
                 return None
             dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
