@@ -1,0 +1,399 @@
+"""sharedprefix inside verl (0.9.1): an FSDP2 engine whose micro-batches compute each prompt once.
+
+Importing this module (``VERL_USE_EXTERNAL_MODULES=sharedprefix.integrations.verl``, read by every
+verl process when it imports ``verl``, or ``actor_rollout_ref.model.external_lib``) replaces the
+engine verl builds for every language-model backend (the policy and the reference model) with
+``SharedPrefixFSDPEngine``, a subclass of verl's ``FSDPEngineWithLMHead`` that overrides only
+``forward_backward_batch``. Model building, FSDP2 sharding, optimizer, checkpoints, weight sync
+and the losses stay verl's own. Anything that is not FSDP2 is refused when the engine is built.
+
+Per call (one mini-batch of one data-parallel rank):
+
+1. verl's global normalisers, as verl computes them: ``batch_num_tokens`` (all-reduced) and
+   ``dp_size``; ``loss_function`` (e.g. ``ppo_loss``) is verl's, unchanged.
+2. Rows are regrouped by prompt (rows with the same prompt made contiguous, stable; the identity
+   when verl's uid-level balancing already delivers whole groups), and with dynamic batch sizes
+   verl's ``force_group_size`` is set to the group size, so that verl's own micro-batching
+   (``prepare_micro_batches``) keeps each group inside one micro-batch. A group that still ends up
+   in two micro-batches raises (naming the setting to change): it would be exact but compute its
+   prompt twice.
+3. Each micro-batch becomes a ``sharedprefix.Tree`` of its rows (a token trie: every shared
+   prefix once, across groups too), response tokens trained. Forward-only calls (old-policy and
+   reference log-probs, entropy) run ``sp.logprobs``. Training runs ``sp.backward`` with verl's
+   loss: if the micro-batch is one pass (no ``SHAREDPREFIX_MAX_TOKENS``, or it fits), verl's
+   ``loss_function`` is called once on the micro-batch's log-probs inside that pass; if the budget
+   needs several passes, the values are computed first without a graph, verl's loss is evaluated
+   and differentiated with respect to them, and ``sp.backward`` runs the linear loss
+   ``sum(dL/dlogp * logp + dL/dH * H)`` under the budget (exact by the chain rule, for every
+   ``loss_agg_mode`` and policy loss; one extra forward). Gradients are averaged over ranks as
+   FSDP2 does (``grad_reduction="mean"``), and synchronised in the same micro-batches as verl.
+4. Outputs are verl's: ``log_probs`` / ``entropy`` as jagged tensors shifted by one (see
+   ``verl_layout``), zero at the prompt positions (verl computes those too, but no loss reads
+   them); the metrics gain ``sharedprefix/tokens_computed`` and ``sharedprefix/tokens_plain``.
+
+Setting: ``SHAREDPREFIX_MAX_TOKENS`` (environment, read when the engine is built): tokens one
+sharedprefix pass may hold; unset = one pass per micro-batch (whose computed tokens are at most
+the plain count verl bounds).
+
+Notation: B = rows of a micro-batch, L = longest row, total = its tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from verl.utils import tensordict_utils as tu
+from verl.utils.dataset.dataset_utils import DatasetPadMode
+from verl.utils.device import get_device_id, get_device_name
+from verl.utils.seqlen_balancing import restore_dynamic_batch
+from verl.workers.engine.base import EngineRegistry
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
+
+import sharedprefix as sp
+from sharedprefix.integrations.verl_layout import (
+    check_positions,
+    group_keys,
+    grouping_order,
+    response_lengths,
+    rows_of,
+    split_groups,
+    to_verl,
+)
+
+ENV_MAX_TOKENS = "SHAREDPREFIX_MAX_TOKENS"
+__all__ = ["ENV_MAX_TOKENS", "SharedPrefixFSDPEngine", "check_config", "register"]
+
+
+# -- refusals at engine build ---------------------------------------------------------------------------------------
+
+
+def check_config(model_config, engine_config) -> None:
+    """Raise ``ValueError`` for a verl setting this engine does not compute exactly (or would silently ignore)."""
+    strategy = getattr(engine_config, "strategy", None)
+    if strategy != "fsdp2":
+        what = "FSDP1 (FullyShardedDataParallel)" if strategy == "fsdp" else f"the {strategy!r} backend"
+        raise ValueError(
+            f"strategy={strategy!r}: sharedprefix's verl engine runs on FSDP2 only, not {what}. Set "
+            "actor_rollout_ref.actor.strategy=fsdp2 and actor_rollout_ref.ref.strategy=fsdp2 (or do not import "
+            "sharedprefix.integrations.verl)."
+        )
+    sp_size = getattr(engine_config, "ulysses_sequence_parallel_size", 1)
+    if sp_size != 1:
+        raise ValueError(
+            f"ulysses_sequence_parallel_size={sp_size}: Ulysses sequence parallelism splits a packed row over ranks, "
+            "and sharedprefix needs each row (a prompt and its completions) on one rank. Set "
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (and ref.ulysses_sequence_parallel_size=1)."
+        )
+    for owner, name in ((model_config, "use_fused_kernels"), (engine_config, "use_fused_kernels")):
+        if getattr(owner, name, False):
+            raise ValueError(
+                f"{name}=True: verl's fused kernels replace the model's forward and LM head, which sharedprefix "
+                "computes itself. Set actor_rollout_ref.model.use_fused_kernels=False."
+            )
+    if getattr(model_config, "use_liger", False):
+        raise ValueError(
+            "use_liger=True: Liger kernels patch the model's modules and are not tested with sharedprefix. Set "
+            "actor_rollout_ref.model.use_liger=False."
+        )
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is not None and getattr(hf_config, "vision_config", None) is not None:
+        raise ValueError(
+            f"model_type={getattr(hf_config, 'model_type', None)!r} is a vision-language model: multimodal inputs "
+            "are not supported by sharedprefix's verl engine yet. Train a text-only model, or do not import "
+            "sharedprefix.integrations.verl."
+        )
+    if getattr(model_config, "model_type", "language_model") != "language_model":
+        raise ValueError(
+            f"model_type={model_config.model_type!r}: sharedprefix's verl engine computes log-probs of a language "
+            "model; it does not implement value or reward heads."
+        )
+    mp = getattr(engine_config, "mixed_precision", None) or {}
+    if str(mp.get("param_dtype", "bf16")) in ("fp16", "float16"):
+        raise ValueError(
+            "mixed_precision.param_dtype=fp16: fp16 loss scaling is not supported by sharedprefix's verl engine. Use "
+            "bf16 or fp32."
+        )
+    if getattr(engine_config, "pad_to_length", False):
+        raise ValueError(
+            "pad_to_length=True pads verl's packed micro-batch to static shapes; sharedprefix builds its own rows "
+            "and would silently ignore it. Set actor_rollout_ref.actor.pad_to_length=False."
+        )
+    qat = getattr(engine_config, "qat", None)
+    if qat is not None and getattr(qat, "enable", False):
+        raise ValueError("qat.enable=True: quantisation-aware training is not supported by sharedprefix's verl engine.")
+    if getattr(model_config, "enable_activation_offload", False):
+        raise ValueError(
+            "enable_activation_offload=True: verl's activation offloading hooks are not tested with sharedprefix. "
+            "Set actor_rollout_ref.model.enable_activation_offload=False."
+        )
+    device = get_device_name()
+    if device != "cpu" and (getattr(engine_config, "forward_only", False) or getattr(engine_config, "offload_policy", False)):
+        raise ValueError(
+            f"FSDP2 CPU offloading on {device} (offload_policy=True, or a forward-only engine such as the reference "
+            "model, which verl always offloads): sharedprefix places its inputs on the device of the model's "
+            "sharded embedding, which is host memory under CPUOffloadPolicy. Not supported yet; set offload_policy="
+            "False, and use no separate reference model (use_kl_loss=False, or LoRA, whose reference is the actor)."
+        )
+
+
+def max_tokens_from_env() -> int | None:
+    raw = os.environ.get(ENV_MAX_TOKENS, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(
+            f"{ENV_MAX_TOKENS}={raw!r}; expected a positive integer (tokens one sharedprefix pass may hold), or unset "
+            "for one pass per micro-batch."
+        )
+    return value
+
+
+# -- per-batch refusals -----------------------------------------------------------------------------------------------
+
+_REFUSED_FLAGS = {
+    "calculate_sum_pi_squared": "actor_rollout_ref.actor.calculate_sum_pi_squared=False",
+    "distillation_use_topk": "distillation off (top-k distillation needs the full logits)",
+    "distillation_only": "distillation off",
+}
+
+
+def _check_batch(data) -> None:
+    pad_mode = tu.get_non_tensor_data(data=data, key="pad_mode", default=DatasetPadMode.NO_PADDING)
+    if pad_mode != DatasetPadMode.NO_PADDING:
+        raise ValueError(f"pad_mode={pad_mode!r}; sharedprefix's verl engine reads verl's no-padding layout only.")
+    for key, fix in _REFUSED_FLAGS.items():
+        if tu.get_non_tensor_data(data=data, key=key, default=False):
+            raise ValueError(f"{key}=True is not supported by sharedprefix's verl engine; set {fix}.")
+    mm = tu.get(data, "multi_modal_inputs", None) if "multi_modal_inputs" in data.keys() else None
+    if mm is not None and any(bool(x) for x in mm):
+        raise ValueError("the batch has multi_modal_inputs; multimodal inputs are not supported by sharedprefix yet.")
+    for key in ("routed_experts", "teacher_logprobs"):
+        if key in data.keys():
+            raise ValueError(f"the batch has {key!r}; it is not supported by sharedprefix's verl engine.")
+    for key in ("prompts", "responses", "input_ids", "position_ids"):
+        if key not in data.keys():
+            raise ValueError(
+                f"the batch has no {key!r}; sharedprefix's verl engine handles RL batches (prompts and responses in "
+                "verl's no-padding layout), not SFT batches."
+            )
+
+
+def _temperature(micro_batch) -> float:
+    t = micro_batch.get("temperature", None) if "temperature" in micro_batch.keys() else None
+    t = tu.unwrap_non_tensor_data(t)
+    if t is None:
+        raise ValueError("the micro-batch has no 'temperature'; verl's engine expects one (the rollout temperature).")
+    if isinstance(t, torch.Tensor):
+        distinct = torch.unique(t.detach().float().cpu())
+        if distinct.numel() != 1:
+            raise ValueError(
+                f"per-sample temperatures ({distinct.tolist()[:4]}...) are not supported by sharedprefix's verl engine: "
+                "rows sharing a prompt are computed together at one temperature. Use one rollout temperature."
+            )
+        t = float(distinct[0])
+    return float(t)
+
+
+# -- the engine -------------------------------------------------------------------------------------------------------
+
+
+class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
+    """verl's FSDP2 language-model engine with each micro-batch's shared prefixes computed once."""
+
+    def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
+        check_config(model_config, engine_config)
+        self.sp_max_tokens = max_tokens_from_env()
+        super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        _check_batch(data)
+        tu.assign_non_tensor(data, sp_size=1)
+        group = self.get_data_parallel_group()
+        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+        dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=group)
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
+
+        prompt_lengths = rows_of_lengths(data)
+        keys = group_keys(data["input_ids"], prompt_lengths)
+        order = grouping_order(keys)
+        regrouped = order != list(range(len(order)))
+        if regrouped:
+            data = tu.index_select_tensor_dict(data, order)
+            keys = [keys[i] for i in order]
+        dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+        sizes = set(Counter(keys).values())
+        if dynamic and tu.get_non_tensor_data(data=data, key="force_group_size", default=1) == 1 and len(sizes) == 1:
+            tu.assign_non_tensor(data, force_group_size=sizes.pop())
+
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+        members = indices if indices is not None else _chunks(len(keys), [len(mb) for mb in micro_batches])
+        split = split_groups(keys, members)
+        if split:
+            raise ValueError(_split_message(len(split), dynamic, data))
+
+        outputs = []
+        defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
+        for i, mb in enumerate(micro_batches):
+            sync = (i == len(micro_batches) - 1) or not defer_sync
+            with torch.profiler.record_function(f"micro_batch{i}"):
+                outputs.append(self._micro_batch(mb, loss_function, forward_only, sync))
+        out = postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+        if regrouped:
+            out["model_output"] = {k: restore_dynamic_batch(v, [order]) for k, v in out["model_output"].items()}
+        return out
+
+    # one micro-batch ---------------------------------------------------------------------------------------------
+
+    def _micro_batch(self, mb, loss_function, forward_only, sync):
+        mb = mb.to(get_device_id())
+        temperature = _temperature(mb)
+        entropy = bool(tu.get_non_tensor_data(data=mb, key="calculate_entropy", default=False))
+        rows = rows_of(mb["input_ids"], response_lengths(mb["responses"], mb.get("attention_mask", None)))
+        check_positions(mb["position_ids"], rows.lengths)
+        offsets = mb["input_ids"].offsets()
+        plan = sp.plan(rows.tree, self.sp_max_tokens)
+        dp_group = self.get_data_parallel_group()
+
+        def model_output(lp, ent):
+            out = {"log_probs": torch.nested.nested_tensor_from_jagged(to_verl(lp, rows.lengths), offsets)}
+            if ent is not None:
+                out["entropy"] = torch.nested.nested_tensor_from_jagged(to_verl(ent, rows.lengths), offsets)
+            return out
+
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
+        kw = dict(temperature=temperature, max_tokens=self.sp_max_tokens)
+        with autocast:
+            if forward_only:
+                with torch.no_grad():
+                    res = sp.logprobs(self.module, rows.tree, entropy=entropy, **kw)
+                    outs = model_output(res.logprobs, res.entropy)
+                    loss, metrics = (loss_function(model_output=outs, data=mb, dp_group=dp_group)
+                                     if loss_function is not None else (torch.tensor(1.0), {}))
+                computed = plan.tokens_computed
+            elif self._passes_agreed(len(plan.passes)) == 1:
+                loss, metrics, outs, computed = self._one_pass(rows, mb, loss_function, model_output, entropy, sync, kw)
+            else:
+                loss, metrics, outs, computed = self._chain_rule(rows, mb, loss_function, model_output, entropy, sync,
+                                                                 kw)
+        metrics = dict(metrics)
+        metrics["sharedprefix/tokens_computed"] = float(computed)
+        metrics["sharedprefix/tokens_plain"] = float(plan.plain_tokens)
+        out = {"loss": float(loss.detach().item()), "metrics": metrics}
+        if forward_only or tu.get_non_tensor_data(data=mb, key="return_model_output", default=False):
+            out["model_output"] = detach_tree(outs)  # training drops it, as verl does (train_batch discards it)
+        return out
+
+    def _passes_agreed(self, passes: int) -> int:
+        """Every rank takes the same path (the chain-rule path runs one more set of FSDP2 collectives)."""
+        t = torch.tensor([passes], dtype=torch.int64, device=get_device_id())
+        if dist.is_initialized() and dist.get_world_size(self.get_data_parallel_group()) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.get_data_parallel_group())
+        return int(t.item())
+
+    def _one_pass(self, rows, mb, loss_function, model_output, entropy, sync, kw):
+        """The micro-batch in one pass: verl's loss on its log-probs, inside ``sp.backward``."""
+        B = len(rows.lengths)
+        seen = {}
+
+        def loss_fn(batch):
+            if batch.index.numel() != B:
+                raise RuntimeError(f"expected one pass with all {B} rows, got {batch.index.numel()} (internal error).")
+            lp = batch.logprobs.new_zeros(B, batch.logprobs.shape[1]).index_copy(0, batch.index, batch.logprobs)
+            ent = (batch.entropy.new_zeros(B, batch.entropy.shape[1]).index_copy(0, batch.index, batch.entropy)
+                   if entropy else None)
+            outs = model_output(lp, ent)
+            loss, metrics = loss_function(model_output=outs, data=mb, dp_group=self.get_data_parallel_group())
+            seen.update(loss=loss.detach(), metrics=metrics, outs=detach_tree(outs))
+            return loss
+
+        res = sp.backward(self.module, rows.tree, loss_fn, entropy=entropy, prefix_activations="recompute", sync=sync,
+                          grad_reduction="mean", **kw)
+        return seen["loss"], seen["metrics"], seen["outs"], res.tokens_computed
+
+    def _chain_rule(self, rows, mb, loss_function, model_output, entropy, sync, kw):
+        """Several passes: verl's loss on values computed without a graph, then its gradient through ``sp.backward``."""
+        with torch.no_grad():
+            res = sp.logprobs(self.module, rows.tree, entropy=entropy, **kw)
+        lp = res.logprobs.detach().requires_grad_(True)
+        ent = res.entropy.detach().requires_grad_(True) if entropy else None
+        outs = model_output(lp, ent)
+        loss, metrics = loss_function(model_output=outs, data=mb, dp_group=self.get_data_parallel_group())
+        leaves = [lp] + ([ent] if ent is not None else [])
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        g_lp = grads[0] if grads[0] is not None else torch.zeros_like(lp)
+        g_ent = grads[1] if ent is not None and grads[1] is not None else None
+
+        def linear(batch):
+            total = (batch.logprobs * g_lp[batch.index].to(batch.logprobs.dtype)).sum()
+            if g_ent is not None:
+                total = total + (batch.entropy * g_ent[batch.index].to(batch.entropy.dtype)).sum()
+            return total
+
+        back = sp.backward(self.module, rows.tree, linear, entropy=g_ent is not None, prefix_activations="recompute",
+                           sync=sync, grad_reduction="mean", **kw)
+        computed = sp.plan(rows.tree, kw["max_tokens"]).tokens_computed + back.tokens_computed
+        return loss.detach(), metrics, outs, computed
+
+
+def rows_of_lengths(data) -> torch.Tensor:
+    """(B,) prompt lengths P_i of the whole (mini-)batch."""
+    lengths = data["input_ids"].offsets().diff().cpu()
+    return lengths - response_lengths(data["responses"], data.get("attention_mask", None))
+
+
+def _chunks(n: int, sizes: list[int]) -> list[list[int]]:
+    out, a = [], 0
+    for s in sizes:
+        out.append(list(range(a, a + s)))
+        a += s
+    if a != n:
+        raise RuntimeError(f"micro-batches hold {a} rows of {n} (internal error).")
+    return out
+
+
+def _split_message(n: int, dynamic: bool, data) -> str:
+    if dynamic:
+        fix = ("with dynamic batch sizes the engine sets force_group_size to the group size, which needs every group "
+               "of this rank to have the same number of rows: keep groups whole on one rank (set "
+               "actor_rollout_ref.actor.use_prefix_grouper=True for uid-level balancing, or trainer.balance_batch="
+               "False) and do not filter rows out of groups")
+    else:
+        mbs = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
+        fix = (f"static micro-batches of {mbs} rows split the groups: set ppo_micro_batch_size_per_gpu and the "
+               "log_prob_micro_batch_size_per_gpu settings to multiples of rollout.n, and keep groups whole on one rank "
+               "(actor_rollout_ref.actor.use_prefix_grouper=True)")
+    return (f"{n} prompt group(s) of this rank are split across micro-batches, so sharedprefix would compute their "
+            f"prompts more than once; {fix}.")
+
+
+# -- registration -----------------------------------------------------------------------------------------------------
+
+
+def register() -> None:
+    """Make ``SharedPrefixFSDPEngine`` the engine of every language-model backend verl has registered.
+
+    verl's ``EngineRegistry.register`` refuses a second class for a (backend, device) key, so the
+    existing entries are replaced in its table. Backends other than FSDP2 are taken too, so that a run
+    that imported sharedprefix but picked another strategy is refused at engine build (see
+    ``check_config``) instead of silently running without it.
+    """
+    table = EngineRegistry._engines.setdefault("language_model", {})
+    for slots in table.values():
+        for key in slots:
+            slots[key] = SharedPrefixFSDPEngine
+    for backend in ("fsdp", "fsdp2"):  # verl registers its FSDP engines for these devices
+        for key in ("cuda", "npu"):
+            table.setdefault(backend, {})[key] = SharedPrefixFSDPEngine
+
+
+register()

@@ -1,0 +1,108 @@
+"""A CPU device platform for verl 0.9.1, so that its FSDP2 engine runs in CPU-only tests.
+
+verl resolves its platform once (``verl.plugin.platform.get_platform``) and ships CUDA, NPU and
+ROCm platforms only; on a machine without an accelerator it falls back to CUDA and fails. Importing
+this module registers a ``cpu`` platform and makes it the current one. It must be imported before
+``verl.workers.engine`` (whose modules read the device name at import time): tests import it first,
+and worker processes list it first in ``VERL_USE_EXTERNAL_MODULES``.
+
+Test support only: nothing here is part of sharedprefix.
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+
+import torch
+from verl.plugin.platform import PlatformBase, PlatformRegistry, get_platform, set_platform
+from verl.plugin.platform import platform_manager as _manager
+
+
+def _device_module():
+    """``torch.cpu`` plus the memory statistics verl reads from a device module (0 on CPU)."""
+    mod = types.SimpleNamespace()
+    for name in ("synchronize", "current_device", "device_count", "is_available", "Stream", "stream"):
+        if hasattr(torch.cpu, name):
+            setattr(mod, name, getattr(torch.cpu, name))
+    for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved"):
+        setattr(mod, name, lambda *a, **k: 0)
+    mod.empty_cache = lambda: None
+    mod.reset_peak_memory_stats = lambda *a, **k: None
+    mod.manual_seed = torch.manual_seed
+    mod.manual_seed_all = torch.manual_seed
+    mod.mem_get_info = lambda *a, **k: (0, 0)
+    return mod
+
+
+@PlatformRegistry.register(platform="cpu")
+class PlatformCPU(PlatformBase):
+    device_name = "cpu"
+    vendor_name = "cpu"
+    device_module = _device_module()
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check=False) -> bool:
+        return False  # never auto-detected; set explicitly below
+
+    def current_device(self):
+        return "cpu"  # verl moves micro-batches with .to(get_device_id())
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index) -> None:
+        pass
+
+    def synchronize(self, device_index=None) -> None:
+        pass
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def get_device_capability(self, device_index=0):
+        return None, None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
+
+    @contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        pass
+
+    def profiler_stop(self) -> None:
+        pass
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def cudart(self):
+        return None
+
+
+if _manager._current_platform is None or _manager._current_platform.device_name != "cpu":
+    set_platform(PlatformCPU())
+assert get_platform().device_name == "cpu"

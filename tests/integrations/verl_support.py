@@ -1,0 +1,201 @@
+"""Shared pieces of the verl tests (one process and torchrun workers): model, engines, batches, references.
+
+Import ``verl_cpu`` before this module (it sets verl's CPU platform before verl's engine modules load).
+Notation: B = rows of a batch, P = prompt columns (left-padded), R = response columns (right-padded), G = group size.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import transformers as tf
+from tensordict import TensorDict
+from verl.trainer.config import CheckpointConfig
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+from sharedprefix.testing import dtype_faithful_norms
+
+VOCAB = 96
+
+
+def save_model(path: str) -> str:
+    """A tiny random Qwen3 (2 layers, GQA) saved with save_pretrained; verl builds its engines from the folder."""
+    cfg = tf.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = tf.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # a less uniform distribution than the tiny init gives, so that clipping and KL bite
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(path)
+    return path
+
+
+def configs(path: str, **engine):
+    model = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
+                          use_remove_padding=True, enable_gradient_checkpointing=True)
+    fields = dict(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, forward_only=False,
+                  mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
+    fields.update(engine)
+    return model, FSDPEngineConfig(**fields), FSDPOptimizerConfig(lr=1e-3, total_training_steps=10), CheckpointConfig()
+
+
+def build(cls, path: str, **engine):
+    model, eng, optim, ckpt = configs(path, **engine)
+    e = cls(model_config=model, engine_config=eng, optimizer_config=optim, checkpoint_config=ckpt)
+    e.initialize()
+    return e
+
+
+@dataclass
+class Spec:
+    """Groups of a batch: prompt lengths, and per group the response lengths of its G rows."""
+
+    prompts: list[int]
+    responses: list[list[int]]
+    seed: int = 0
+    shared_system: int = 4  # every prompt starts with the same tokens (a system prompt shared across groups)
+    tool_span: tuple[int, int] | None = (1, 3)  # response columns masked out (tool output) in rows longer than 3
+    order: list[int] | None = None  # a row permutation (None: group after group)
+    extra: dict = field(default_factory=dict)
+
+
+def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=None, max_tokens=None):
+    """A verl RL mini-batch in no-padding form, as the trainer hands it to ``update_actor`` / ``compute_log_prob``."""
+    g = torch.Generator().manual_seed(spec.seed)
+    system = torch.randint(1, VOCAB, (spec.shared_system,), generator=g)
+    rows = []
+    for p, lens in zip(spec.prompts, spec.responses):
+        prompt = torch.cat([system, torch.randint(1, VOCAB, (p - spec.shared_system,), generator=g)])
+        for r in lens:
+            rows.append((prompt, torch.randint(1, VOCAB, (r,), generator=g)))
+    if spec.order is not None:
+        rows = [rows[i] for i in spec.order]
+    B, P, R = len(rows), max(len(p) for p, _ in rows), max(len(r) for _, r in rows)
+    prompts = torch.zeros(B, P, dtype=torch.long)
+    responses = torch.zeros(B, R, dtype=torch.long)
+    attn = torch.zeros(B, P + R, dtype=torch.long)
+    for i, (p, r) in enumerate(rows):
+        prompts[i, P - len(p):] = p
+        attn[i, P - len(p):P] = 1
+        responses[i, : len(r)] = r
+        attn[i, P : P + len(r)] = 1
+    mask = attn[:, P:].clone()
+    if spec.tool_span is not None:
+        a, b = spec.tool_span
+        long = mask.sum(1) > b
+        mask[long, a:b] = 0
+    td = TensorDict({
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": attn, "position_ids": (attn.cumsum(1) - 1).clamp(min=0), "response_mask": mask,
+        # old / reference log-probs near the model's (about -4.5 nats per token here), spread so that ratios clip
+        "old_log_probs": -4.5 + 0.6 * torch.randn(B, R, generator=g),
+        "ref_log_prob": -4.5 + 0.6 * torch.randn(B, R, generator=g),
+        "advantages": torch.randn(B, 1, generator=g).expand(B, R).contiguous(),
+    }, batch_size=[B])
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=dynamic, temperature=temperature,
+                         calculate_entropy=entropy, use_fused_kernels=False, global_batch_size=B,
+                         micro_batch_size_per_gpu=micro or B, max_token_len_per_gpu=max_tokens or 4096, **spec.extra)
+    return td
+
+
+LOSSES = {
+    # clipping + KL (k3 "low_var_kl") + entropy bonus, token-mean over the global batch
+    "clip_kl_entropy": dict(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01,
+                            clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28),
+    "seq_mean_token_mean": dict(loss_agg_mode="seq-mean-token-mean", clip_ratio=0.2),
+    "gspo_seq_sum_norm": dict(loss_agg_mode="seq-mean-token-sum-norm", policy_loss={"loss_mode": "gspo"},
+                              clip_ratio_low=3e-4, clip_ratio_high=4e-4),
+}
+
+
+def loss_fn(name: str, rows: int):
+    kw = dict(LOSSES[name])
+    if "policy_loss" in kw:
+        from verl.workers.config import PolicyLossConfig
+
+        kw["policy_loss"] = PolicyLossConfig(**kw["policy_loss"])
+    cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=rows, ppo_micro_batch_size_per_gpu=rows,
+                          **kw)
+    return partial(ppo_loss, config=cfg)
+
+
+def infer(engine, td):
+    with engine.eval_mode():
+        out = engine.infer_batch(td)
+    return out
+
+
+def train(engine, td, loss):
+    """forward_backward_batch as BaseEngine.train_batch runs it (without the optimizer step); returns (output, grads)."""
+    with engine.train_mode(zero_grad_on_exit=False):
+        engine.optimizer_zero_grad()
+        out = engine.forward_backward_batch(td, loss, forward_only=False)
+        grads = {n: _full(p.grad) for n, p in engine.module.named_parameters()}
+        engine.optimizer_zero_grad()
+    return out, grads
+
+
+def _full(t):
+    return t.full_tensor().detach().clone() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def responses_of(nested, td):
+    """(B, R) response positions of a model output (verl's own slicing)."""
+    return no_padding_2_padding(nested, td)
+
+
+def reference(path: str, td, loss=None, temperature=1.0):
+    """Float64 yardstick: a plain transformers forward of each row (norms computed in float64), verl's loss on it.
+
+    Returns ((B, R) log-probs, (B, R) entropies, {name: grad} or None).
+    """
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+    dtype_faithful_norms(model)
+    model.train(loss is not None)
+    ids = td["input_ids"]
+    lps, ents = [], []
+    for row in ids.unbind():
+        logits = model(input_ids=row[None]).logits[0] / temperature  # (len, V)
+        logp = torch.log_softmax(logits, -1)
+        nxt = torch.roll(row, -1)
+        lps.append(logp.gather(1, nxt[:, None])[:, 0])
+        ents.append(-(logp.exp() * logp).sum(-1))
+    offsets = ids.offsets()
+    out = {"log_probs": torch.nested.nested_tensor_from_jagged(torch.cat(lps), offsets),
+           "entropy": torch.nested.nested_tensor_from_jagged(torch.cat(ents), offsets)}
+    grads = None
+    if loss is not None:
+        tu.assign_non_tensor(td, batch_num_tokens=int(td["loss_mask"].sum()), dp_size=1)
+        value, _ = loss(model_output=out, data=td, dp_group=None)
+        value.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        return responses_of(out["log_probs"], td), responses_of(out["entropy"], td), grads
+
+
+def rel(a: dict, b: dict) -> float:
+    """Largest per-parameter max |a - b| / max |b| over the parameters."""
+    return max(float((a[n].double() - b[n].double()).abs().max() / b[n].double().abs().max().clamp(min=1e-30))
+               for n in b)
+
+
+def masked_rel(a, b, mask) -> float:
+    d = (a.double() - b.double()).abs()[mask]
+    return float(d.max() / b.double().abs()[mask].max())
+
+
+def world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+__all__ = ["FSDPEngineWithLMHead", "LOSSES", "Spec", "build", "configs", "infer", "loss_fn", "masked_rel", "reference",
+           "rel", "responses_of", "rl_batch", "save_model", "train", "world"]
