@@ -222,8 +222,8 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
         dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=group)
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
 
-        prompt_lengths = rows_of_lengths(data)
-        keys = group_keys(data["input_ids"], prompt_lengths)
+        resp = response_lengths(data["responses"], data.get("attention_mask", None))
+        keys = group_keys(data["input_ids"], data["input_ids"].offsets().diff().cpu() - resp)
         order = grouping_order(keys)
         regrouped = order != list(range(len(order)))
         if regrouped:
@@ -343,12 +343,6 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
                            sync=sync, grad_reduction="mean", **kw)
         computed = sp.plan(rows.tree, kw["max_tokens"]).tokens_computed + back.tokens_computed
         return loss.detach(), metrics, outs, computed
-
-
-def rows_of_lengths(data) -> torch.Tensor:
-    """(B,) prompt lengths P_i of the whole (mini-)batch."""
-    lengths = data["input_ids"].offsets().diff().cpu()
-    return lengths - response_lengths(data["responses"], data.get("attention_mask", None))
 
 
 def _chunks(n: int, sizes: list[int]) -> list[list[int]]:
