@@ -179,6 +179,8 @@ def test_groups_split_across_micro_batches_are_refused(engines):
     _, es = engines
     with pytest.raises(ValueError, match="split across micro-batches.*multiples of rollout.n"):
         infer(es, rl_batch(SPEC, micro=2))
+    with pytest.raises(ValueError, match="holds 101 tokens as plain rows.*ppo_max_token_len_per_gpu"):
+        infer(es, rl_batch(SPEC, dynamic=True, max_tokens=100))
     uneven = Spec(prompts=[14, 20], responses=[[5, 8, 3], [7, 2, 8, 4]])
     with pytest.raises(ValueError, match="split across micro-batches.*same number of rows"):
         infer(es, rl_batch(uneven, dynamic=True, max_tokens=40))

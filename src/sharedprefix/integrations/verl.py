@@ -232,13 +232,14 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
         dynamic = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
         sizes = set(Counter(keys).values())
         if dynamic and tu.get_non_tensor_data(data=data, key="force_group_size", default=1) == 1 and len(sizes) == 1:
+            self._check_group_budget(data, keys)
             tu.assign_non_tensor(data, force_group_size=sizes.pop())
 
         micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
         members = indices if indices is not None else _chunks(len(keys), [len(mb) for mb in micro_batches])
-        split = split_groups(keys, members)
+        split = self._agree_max(len(split_groups(keys, members)))  # every rank raises, none waits for the others
         if split:
-            raise ValueError(_split_message(len(split), dynamic, data))
+            raise ValueError(_split_message(split, dynamic, data))
 
         outputs = []
         defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
@@ -293,12 +294,33 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             out["model_output"] = detach_tree(outs)  # training drops it, as verl does (train_batch discards it)
         return out
 
-    def _passes_agreed(self, passes: int) -> int:
-        """Every rank takes the same path (the chain-rule path runs one more set of FSDP2 collectives)."""
-        t = torch.tensor([passes], dtype=torch.int64, device=get_device_id())
+    def _agree_max(self, value: int) -> int:
+        """The largest ``value`` over the data-parallel ranks (so that every rank takes the same branch)."""
+        t = torch.tensor([value], dtype=torch.int64, device=get_device_id())
         if dist.is_initialized() and dist.get_world_size(self.get_data_parallel_group()) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.get_data_parallel_group())
         return int(t.item())
+
+    def _passes_agreed(self, passes: int) -> int:
+        """Every rank takes the same path (the chain-rule path runs one more set of FSDP2 collectives)."""
+        return self._agree_max(passes)
+
+    def _check_group_budget(self, data, keys) -> None:
+        """verl's dynamic micro-batching counts plain tokens, and whole groups must fit its budget."""
+        lengths = data["input_ids"].offsets().diff().tolist()
+        plain: Counter = Counter()
+        for k, n in zip(keys, lengths):
+            plain[k] += n
+        largest = self._agree_max(max(plain.values()))
+        limit = int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=largest))
+        if largest > limit:
+            raise ValueError(
+                f"a prompt group holds {largest} tokens as plain rows, above the dynamic micro-batch budget "
+                f"max_token_len_per_gpu={limit}: verl's dynamic batching counts plain tokens, and sharedprefix keeps "
+                f"each group in one micro-batch (it then computes the prompt once). Raise "
+                f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu (and the log_prob_max_token_len_per_gpu settings) "
+                f"to at least {largest}; set {ENV_MAX_TOKENS} to bound the tokens of one sharedprefix pass."
+            )
 
     def _one_pass(self, rows, mb, loss_function, model_output, entropy, sync, kw):
         """The micro-batch in one pass: verl's loss on its log-probs, inside ``sp.backward``."""
