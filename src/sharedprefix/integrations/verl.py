@@ -1,7 +1,9 @@
 """sharedprefix inside verl (0.9.1): an FSDP2 engine whose micro-batches compute each prompt once.
 
 Importing this module (``VERL_USE_EXTERNAL_MODULES=sharedprefix.integrations.verl``, read by every
-verl process when it imports ``verl``, or ``actor_rollout_ref.model.external_lib``) replaces the
+verl process when it imports ``verl``; verl's ``actor_rollout_ref.model.external_lib`` imports it
+too, when a worker builds its model config, before the engine, though that path was not run in
+the tests) replaces the
 engine verl builds for every language-model backend (the policy and the reference model) with
 ``SharedPrefixFSDPEngine``, a subclass of verl's ``FSDPEngineWithLMHead`` that overrides only
 ``forward_backward_batch``. Model building, FSDP2 sharding, optimizer, checkpoints, weight sync
