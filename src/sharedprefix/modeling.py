@@ -163,7 +163,7 @@ def _config_attention_layers(model: PreTrainedModel) -> int:
     types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
     if types:
         return sum(str(t) in ATTENTION_LAYER_TYPES for t in types)
-    return int(cfg.num_hidden_layers)
+    return int(getattr(cfg, "num_hidden_layers", None) or 1)  # a config without a layer count: at least one
 
 
 def uses_checkpointing(model: PreTrainedModel) -> bool:

@@ -135,10 +135,10 @@ def shared_prefix_attention(
     calls = probe.pattern(module).calls
     if calls > 1 and (layout.record or any(src.cached for c in casc.calls for src in c.keys)):
         _refuse(
-            f"{name} runs {calls} times in one forward (a looped, recurrent-depth model), each time on different "
-            "hidden states; sharedprefix keeps one cached prompt K/V per layer across passes, so it cannot split "
-            "this model's groups across passes. Use max_tokens=None (or a budget that fits every group in one "
-            "pass), where its attention is exact."
+            f"{name} runs its attention {calls} times in one forward (looped layers, or differential attention), "
+            "each time on different keys; sharedprefix keeps one cached prompt K/V per layer across passes, so it "
+            "cannot split this model's groups across passes. Use max_tokens=None (or a budget that fits every "
+            "group in one pass), where its attention is exact."
         )
     first = module not in state.seen
     state.seen[module] = state.seen.get(module, 0) + 1

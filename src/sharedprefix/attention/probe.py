@@ -86,7 +86,8 @@ def _configs(model) -> list[PreTrainedConfig]:
             continue
         seen.add(id(cfg))
         out.append(cfg)
-        stack += [v for v in vars(cfg).values() if isinstance(v, PreTrainedConfig)]
+        for v in vars(cfg).values():  # sub-configs, and per-layer configs (Gemma 4)
+            stack += [x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, PreTrainedConfig)]
     return out
 
 
@@ -139,8 +140,7 @@ def probe(model, decoder, expected_layers: int) -> dict:
     configs = _configs(model)
     settings = []
     for cfg in configs:
-        for k in sorted(vars(cfg)):
-            v = getattr(cfg, k)
+        for k, v in sorted(vars(cfg).items()):  # the instance's own values (per-layer configs refuse getattr)
             if _SETTING.search(k) and isinstance(v, int) and not isinstance(v, bool) and v > 0:
                 settings.append((cfg, k, 3 + len(settings)))
     smalls = {small: (cfg, k) for cfg, k, small in settings}
@@ -153,6 +153,11 @@ def probe(model, decoder, expected_layers: int) -> dict:
         with _probing(configs, settings), torch.no_grad():
             decoder(input_ids=ids, position_ids=torch.arange(n, device=device)[None], use_cache=False)
         log = _LOG[-1]
+    except Exception as e:  # noqa: BLE001  (the model's own code: refused, with its error, never passed over)
+        raise ValueError(
+            f"{name}'s decoder fails on a probe row of {n} tokens with position_ids 0..{n - 1}, run the way "
+            f"sharedprefix runs it ({type(e).__name__}: {e}); sharedprefix refuses the model."
+        ) from e
     finally:
         _LOG.pop()
     if sum(c for _, _, c in log.values()) < expected_layers:

@@ -1,0 +1,278 @@
+"""Hold sharedprefix to the plain forward on every zoo entry: exact, refused with its reason, or not buildable.
+
+``check(entry)`` builds the entry tiny (``zoo.configs``), in float64, and requires one of:
+
+- ``exact``: ``sp.logprobs`` equals the plain transformers forward of every ``[prompt + completion]`` row
+  to 1e-9 (float64 log-probs, nats), in one pass and under a budget that splits a group across passes
+  (cached prompt K/V), and the gradient of a random linear function of the log-probs equals the plain one
+  to a relative 1e-9. Where the plain forward of the float64 model itself computes in float32 (eager
+  attention's softmax, routers, float32 logits: ``Result.float32_inside`` names the ops), it is only
+  float32-accurate, and the zoo holds sharedprefix to 1e-6 / 1e-5 instead and says so;
+- ``refused``: ``sp.logprobs`` raised ``ValueError`` before returning anything or touching a gradient,
+  with a message in one of the ``REFUSALS`` categories (each names the feature and why);
+- ``not buildable``: the tiny config, the model or its own plain forward fails (``EXPECTED_NOT_BUILDABLE``
+  says why for each).
+
+Anything else (a mismatch, another exception, a refusal in no category) is ``failed``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sharedprefix.zoo.configs import NotBuildable, _first_line, _float64_norms, build, entries, groups
+
+LOGPROB_TOL = 1e-9
+GRAD_TOL = 1e-9
+LOGPROB_TOL_FLOAT32_INSIDE = 1e-6
+GRAD_TOL_FLOAT32_INSIDE = 1e-5
+BUDGET = 12  # max_tokens of the schedule check: splits the first group (9 + 5 + 3 + 6 tokens) across passes
+
+# Entries that cannot be built tiny here, and why (a new one fails the zoo test until it is explained).
+EXPECTED_NOT_BUILDABLE = {
+    "gemma3n": "its vision tower is a timm model and timm is not installed",
+    "gemma4_assistant": "a draft model: its forward needs the target model's shared K/V states",
+    "gemma4_unified_assistant": "a draft model: its forward needs the target model's shared K/V states",
+    "xglm": "its own forward fails in float64 (it fills a float32 tensor with float64's minimum)",
+}
+
+# Refusal categories: (README label, pattern its message must match). A refusal that fits none fails the
+# zoo, so every refusal names its feature and why.
+REFUSALS: list[tuple[str, str]] = [
+    ("token mixing outside attention (state-space, linear attention, recurrence, convolution)",
+     r"mix tokens outside attention|convolution over tokens"),
+    ("sparse attention over indexer-selected or compressed keys", r"sparse attention over the keys|attention over compressed"),
+    ("attention outside transformers' attention interface", r"bypasses transformers' attention interface"),
+    ("positions numbered by the model itself (no position_ids input, RoBERTa offsets)",
+     r"takes no position_ids|numbers the positions of a row differently"),
+    ("attention masks other than causal, sliding-window or chunked", r"neither causal nor a causal sliding window"),
+    ("attention-score soft-capping", r"attention-score soft-capping"),
+    ("query scaling by the token's index in the row (Llama 4 attn_temperature_tuning)", r"attn_temperature_tuning"),
+    ("chunked attention on rows longer than one chunk", r"uses chunked attention"),
+    ("several attention calls per layer, split across passes", r"runs its attention \d+ times in one forward"),
+    ("keys beyond the row (memory, compressed keys)", r"attends over \d+ keys for a row"),
+    ("an LM head sharedprefix cannot reproduce", r"turns hidden states into logits"),
+    ("RoPE scaling that depends on the longest position", r"RoPE scaling, whose frequencies"),
+    ("other attention arguments (position biases, non-causal flags)", r"attention arguments .* cannot honour"),
+    ("a decoder that fails when run on a packed row", r"fails on a probe row"),
+]
+
+
+@dataclass
+class Result:
+    """One architecture's outcome.
+
+    Attributes:
+        status: "exact", "refused", "not buildable" or "failed".
+        detail: the refusal message, the reason it is not buildable, or what failed.
+        category: the README label of a refusal.
+        logprob_err: max |sp - plain| log-prob (nats), None when not compared.
+        grad_err: max relative gradient error, None when not compared.
+        float32_inside: the ops the plain float64 forward runs in float32 (outside rotary embeddings), which
+            hold the comparison to the float32 tolerances, or "".
+        split_refusal: the refusal under a budget that splits a group (exact in one pass), or "".
+        features: attention features the entry exercised (sliding window, chunked, sinks, latent, MoE, looped).
+    """
+
+    arch: str
+    model_class: str
+    status: str
+    detail: str = ""
+    category: str = ""
+    logprob_err: float | None = None
+    grad_err: float | None = None
+    float32_inside: str = ""
+    split_refusal: str = ""
+    features: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _LowPrecisionOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops of a float64 model that produce float32 (or lower) tensors, outside its rotary embeddings
+    (whose float32 cos/sin are the same per position in both runs and so cancel in the comparison)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.ops: set[str] = set()
+        self.depth = 0
+        self.hooks = []
+        for mod in model.modules():
+            if "Rotary" in type(mod).__name__:
+                self.hooks.append(mod.register_forward_pre_hook(lambda *_: setattr(self, "depth", self.depth + 1)))
+                self.hooks.append(mod.register_forward_hook(lambda *_: setattr(self, "depth", self.depth - 1)))
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.depth == 0:
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+                    self.ops.add(func.__name__.split(".")[0])
+        return out
+
+
+def _grads(model, fn) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    fn().backward()
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _grad_error(got: dict, want: dict) -> float:
+    """Max over tensors of |got - want| / max|want|; a tensor whose exact gradient is zero is held to 1e-6
+    of the model's largest gradient instead of its own rounding noise."""
+    if set(got) != set(want):
+        return float("inf")
+    floor = 1e-6 * max(float(w.abs().max()) for w in want.values())
+    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(floor)) for n in want)
+
+
+def _category(msg: str) -> str:
+    return next((label for label, pat in REFUSALS if re.search(pat, msg, re.S)), "")
+
+
+def check(entry: str, grads: bool = True) -> Result:
+    """Build a zoo entry tiny and hold sharedprefix to the plain forward (see the module docstring)."""
+    start = time.perf_counter()
+    res = Result(entry, entries()[entry], "failed")
+    try:
+        model, _ = build(entry)
+    except NotBuildable as e:
+        res.status, res.detail = "not buildable", str(e)
+    else:
+        _check_model(model, grads, res)
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+def _plain(model, gs):
+    """(N, T) plain log-probs and the ops the model ran in float32 (None, error when the forward fails)."""
+    from sharedprefix.testing import plain_logprobs
+
+    low = _LowPrecisionOps(model)
+    try:
+        with torch.no_grad(), low:
+            return plain_logprobs(model, gs)[0], low.ops, None
+    except Exception as e:  # noqa: BLE001  (transformers' own forward fails at this size or in float64)
+        return None, None, e
+
+
+def _check_model(model, grads: bool, res: Result) -> None:
+    import sharedprefix as sp
+
+    gs = groups(model)
+    patched = _float64_norms(model)
+    ref, low_ops, plain_error = _plain(model, gs)
+    if plain_error is not None and patched:  # a norm replacement that does not fit this model's use of it
+        for mod in patched:
+            del mod.forward
+        ref, low_ops, plain_error = _plain(model, gs)
+    model.zero_grad(set_to_none=True)
+    try:
+        out = sp.logprobs(model, gs)  # grad enabled: a refusal must come before any gradient exists
+    except ValueError as e:
+        touched = [n for n, p in model.named_parameters() if p.grad is not None]
+        res.detail = str(e)
+        res.category = _category(res.detail)
+        if plain_error is not None and not res.category:  # the model's own error, as in its plain forward
+            res.status = "not buildable"
+            res.detail = f"plain forward fails: {type(plain_error).__name__}: {_first_line(plain_error)}"
+        elif touched:
+            res.detail = f"refused after gradients reached {touched[:3]}: {e}"
+        elif not res.category:
+            res.detail = f"refusal in no category of zoo.REFUSALS: {e}"
+        else:
+            res.status = "refused"
+        return
+    except Exception as e:  # noqa: BLE001  (a crash is a failure: it must become exact or a clear refusal)
+        if plain_error is None:
+            res.detail = f"{type(e).__name__}: {_first_line(e)}"
+            return
+    if plain_error is not None:
+        res.status = "not buildable"
+        res.detail = f"plain forward fails: {type(plain_error).__name__}: {_first_line(plain_error)}"
+        return
+    _compare(model, gs, ref, out, low_ops, grads, res)
+
+
+def _compare(model, gs, ref, out, low_ops, grads, res):
+    import sharedprefix as sp
+    from sharedprefix.testing import plain_logprobs
+
+    tol, gtol = LOGPROB_TOL, GRAD_TOL
+    if low_ops:  # the plain forward itself is only float32-accurate there
+        res.float32_inside = ", ".join(sorted(low_ops))
+        tol, gtol = LOGPROB_TOL_FLOAT32_INSIDE, GRAD_TOL_FLOAT32_INSIDE
+    res.logprob_err = float((out.logprobs.detach() - ref).abs().max())
+    if not res.logprob_err <= tol:
+        res.detail = f"silent mismatch: max |d logprob| = {res.logprob_err:.3g} > {tol}"
+        return
+    try:
+        with torch.no_grad():  # the schedule: a group split across passes, with cached prompt K/V
+            split = sp.logprobs(model, gs, max_tokens=BUDGET).logprobs
+    except ValueError as e:  # exact in one pass, refused when split: fine if the refusal says why
+        res.split_refusal = str(e)
+        if not _category(str(e)):
+            res.detail = f"refusal under max_tokens={BUDGET} in no category of zoo.REFUSALS: {e}"
+            return
+    else:
+        err = float((split - ref).abs().max())
+        if not err <= tol:
+            res.detail = f"silent mismatch under max_tokens={BUDGET}: max |d logprob| = {err:.3g} > {tol}"
+            return
+        res.logprob_err = max(res.logprob_err, err)
+    if grads:
+        w = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(1))
+        want = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+        got = _grads(model, lambda: (sp.logprobs(model, gs).logprobs * w).sum())
+        res.grad_err = _grad_error(got, want)
+        if not res.grad_err <= gtol:
+            res.detail = f"gradient mismatch: relative error {res.grad_err:.3g} > {gtol}"
+            return
+    res.features = features(model)
+    res.status = "exact"
+
+
+def features(model) -> list[str]:
+    """The attention features a probed model exercises, as the README names them."""
+    from sharedprefix.attention import probe
+
+    pats = [p for p in map(probe.pattern, model.modules()) if p is not None]
+    cfg = model.config.get_text_config()
+    v, qk = getattr(cfg, "v_head_dim", None), getattr(cfg, "qk_head_dim", None)
+    if qk is None and getattr(cfg, "qk_nope_head_dim", None) is not None:
+        qk = cfg.qk_nope_head_dim + getattr(cfg, "qk_rope_head_dim", 0)
+    out = []
+    if any(p.kind == "sliding" for p in pats):
+        out.append("sliding window")
+    if any(p.kind == "chunked" for p in pats):
+        out.append("chunked attention")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        out.append("attention sinks")
+    if v is not None and qk is not None and v != qk:
+        out.append("latent attention (value head dim != query head dim)")
+    if any("expert" in type(m).__name__.lower() for m in model.modules()):
+        out.append("MoE")
+    if any(p.calls > 1 for p in pats):
+        out.append("several attention calls per layer (looped layers, differential attention)")
+    return out
+
+
+def run(names=None, grads: bool = True, log=None) -> list[Result]:
+    """``check`` every entry in ``names`` (default: all), in order; ``log`` gets one line per entry."""
+    out = []
+    for name in names or entries():
+        r = check(name, grads)
+        out.append(r)
+        if log:
+            log(f"{name:28s} {r.status:14s} {r.seconds:5.1f}s  {r.category or r.detail[:160]}")
+    return out

@@ -1,0 +1,88 @@
+"""The model zoo: every causal LM transformers registers is exact against its own plain forward, or refused with
+its reason before any computation, or not buildable for a reason written down here; never silently wrong.
+
+Each entry is built and checked once per session (``_result``); the README's table must be what these results
+render to. The coverage tests break sharedprefix on purpose (a window dropped, a window applied to every layer,
+sinks ignored) and require the zoo to report it, so that a silent mismatch of these kinds cannot pass.
+"""
+
+import os
+
+import pytest
+import transformers
+
+from sharedprefix import zoo
+from sharedprefix.attention import interface
+from sharedprefix.zoo import readme
+
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+_RESULTS: dict = {}
+
+
+def _result(entry):
+    if entry not in _RESULTS:
+        _RESULTS[entry] = zoo.check(entry)
+    return _RESULTS[entry]
+
+
+@pytest.mark.parametrize("entry", list(zoo.entries()))
+def test_entry_is_exact_or_refused_or_explained(entry):
+    r = _result(entry)
+    assert r.status != "failed", f"{entry} ({r.model_class}): {r.detail}"
+    if r.status == "not buildable":
+        assert entry in zoo.EXPECTED_NOT_BUILDABLE, (
+            f"{entry} is newly not buildable ({r.detail}); make its tiny config build (zoo.configs.ARCH) or say why "
+            "in zoo.EXPECTED_NOT_BUILDABLE"
+        )
+    elif r.status == "exact":
+        assert r.logprob_err is not None and r.grad_err is not None
+    else:
+        assert r.category and r.detail
+
+
+def test_the_features_this_zoo_exists_for_are_exercised():
+    """Windows, sinks, latent attention, chunks and MoE really occur among the exact entries (a config change that
+    quietly turned them off would leave their tests vacuous)."""
+    feats = {f for e in zoo.entries() for f in _result(e).features}
+    assert {"sliding window", "attention sinks", "chunked attention", "MoE",
+            "latent attention (value head dim != query head dim)"} <= feats
+    assert {"gpt_oss", "deepseek_v3", "phimoe", "exaone4", "gemma3_text"} <= {
+        e for e in zoo.entries() if _result(e).status == "exact"}
+
+
+def test_readme_table_is_the_zoo_results():
+    with open(README, encoding="utf-8") as f:
+        current = readme.current_block(f.read())
+    assert current is not None, "README.md lost its zoo block markers"
+    if f"transformers {transformers.__version__} registers" not in current:
+        pytest.skip(f"README's zoo table was generated with another transformers than {transformers.__version__}")
+    block = readme.render([_result(e) for e in zoo.entries()], transformers.__version__)
+    assert current == block, "README's zoo table is stale: run python -m sharedprefix.zoo --write-readme"
+
+
+@pytest.mark.parametrize("entry", ["phimoe", "mistral", "exaone4", "gemma3_text", "gpt_oss"])
+def test_zoo_catches_a_window_that_is_not_applied(entry, monkeypatch):
+    monkeypatch.setattr(interface, "layer_window", lambda module, passed, max_position: None)
+    r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+@pytest.mark.parametrize("entry", ["exaone4", "gemma3_text", "gpt_oss"])
+def test_zoo_catches_a_window_applied_to_full_attention_layers(entry, monkeypatch):
+    """The bug class of issue 10: a module's window attribute applied on layers whose masks are full."""
+    monkeypatch.setattr(interface, "layer_window", lambda module, passed, max_position: zoo.configs.WINDOW)
+    r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+def test_zoo_catches_ignored_attention_sinks(monkeypatch):
+    orig = interface.cascade_attention
+    monkeypatch.setattr(interface, "cascade_attention", lambda *a: orig(*a[:7], None))
+    r = zoo.check("gpt_oss", grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+def test_zoo_fails_a_refusal_that_names_no_known_feature(monkeypatch):
+    monkeypatch.setattr("sharedprefix.zoo.checks.REFUSALS", [])
+    r = zoo.check("mamba")
+    assert r.status == "failed" and "in no category" in r.detail
