@@ -221,41 +221,66 @@ def _modules_after_decoder(model: PreTrainedModel) -> list[torch.nn.Module]:
 
 
 def verify_head(model: PreTrainedModel) -> None:
-    """Check once per model that base + ``head_logits`` equals the model's own logits (see ``head_logits``)."""
+    """Check once per model, before any pass, what sharedprefix relies on: base + ``head_logits`` equals the
+    model's own logits, the forward is not random, positions and token convolutions (see the helpers), and
+    which attention each layer computes (``attention.probe``). Raises ValueError for what cannot be exact.
+    The caller's random stream is left as it was."""
     if _VERIFIED.get(model):
         return
-    vocab = model.get_output_embeddings().weight.shape[0]
     device = model.get_output_embeddings().weight.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        _verify(model, device)
+    _VERIFIED[model] = True
+
+
+def _verify(model: PreTrainedModel, device) -> None:
+    vocab = model.get_output_embeddings().weight.shape[0]
     ids = (torch.arange(3, device=device) * 7 + 1).remainder(vocab)[None]
     # inside an FSDP2 root call the model's forward is replaced; its own forward is kept aside
     forward = getattr(model, "_sharedprefix_own_forward", model)
     dec = decoder(model)
-    with torch.no_grad():
-        ref = forward(input_ids=ids, use_cache=False).logits[0].float()
-        hidden = dec(input_ids=ids, use_cache=False).last_hidden_state[0]
-        _check_positions_and_convolutions(model, dec, ids, hidden)
-        tol = 1e-4 * max(1.0, float(ref.abs().max()))
-        errs = []
-        for chain in (None, _modules_after_decoder(model)):
-            if chain is not None:
-                _HEADS[model] = chain
-            try:
-                ours = head_logits(model, hidden).float()
-            except (RuntimeError, TypeError) as e:  # a candidate head that does not even apply: not this one
-                errs.append(f"{type(e).__name__}")
-                _HEADS.pop(model, None)
-                continue
-            if ours.shape == ref.shape and torch.allclose(ours, ref, rtol=1e-3, atol=tol):
-                probe.probe(model, dec, _config_attention_layers(model))
-                _VERIFIED[model] = True
-                return
-            errs.append(f"{float((ours - ref).abs().max()):.3g}" if ours.shape == ref.shape else f"shape {tuple(ours.shape)}")
+    if model.training:
+        _check_deterministic(model, dec, ids)
+    ref = forward(input_ids=ids, use_cache=False).logits[0].float()
+    hidden = dec(input_ids=ids, use_cache=False).last_hidden_state[0]
+    _check_positions_and_convolutions(model, dec, ids, hidden)
+    tol = 1e-4 * max(1.0, float(ref.abs().max()))
+    errs = []
+    for chain in (None, _modules_after_decoder(model)):
+        if chain is not None:
+            _HEADS[model] = chain
+        try:
+            ours = head_logits(model, hidden).float()
+        except (RuntimeError, TypeError) as e:  # a candidate head that does not even apply: not this one
+            errs.append(f"{type(e).__name__}")
             _HEADS.pop(model, None)
+            continue
+        if ours.shape == ref.shape and torch.allclose(ours, ref, rtol=1e-3, atol=tol):
+            probe.probe(model, dec, _config_attention_layers(model))
+            return
+        errs.append(f"{float((ours - ref).abs().max()):.3g}" if ours.shape == ref.shape else f"shape {tuple(ours.shape)}")
+        _HEADS.pop(model, None)
     raise ValueError(
         f"{type(model).__name__}'s forward turns hidden states into logits in a way sharedprefix does not reproduce "
         f"(max |delta logit| {errs[0]} with its output embedding and known post-processing, {errs[1]} with the "
         "modules after its decoder); sharedprefix refuses it rather than return different log-probs."
     )
+
+
+def _check_deterministic(model, dec, ids) -> None:
+    """Refuse a model whose training-mode forward draws random numbers (router jitter, sampled expert routing,
+    dropout in the model's own code): the plain run draws per row, a shared prompt would share one draw."""
+    cuda = ids.device.type == "cuda"
+    before = torch.random.get_rng_state(), torch.cuda.get_rng_state(ids.device) if cuda else None
+    dec(input_ids=ids, use_cache=False)
+    after = torch.random.get_rng_state(), torch.cuda.get_rng_state(ids.device) if cuda else None
+    if not all(a is None or torch.equal(a, b) for a, b in zip(before, after)):
+        raise ValueError(
+            f"{type(model).__name__}'s forward in training mode draws random numbers (dropout, router jitter or "
+            "sampled expert routing, such as Phi-MoE's): a prompt shared by G completions would share one random "
+            "draw where the plain run draws one per row. Call model.eval() or turn the noise off (dropout 0.0, "
+            "router_jitter_noise 0.0)."
+        )
 
 
 def _check_positions_and_convolutions(model, dec, ids, hidden) -> None:

@@ -158,3 +158,18 @@ def test_length_dependent_rope_scaling_refused(rope_type):
     model.config.rope_parameters = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
     with pytest.raises(ValueError, match=f"'{rope_type}' RoPE scaling"):
         sp.logprobs(model, GROUPS)
+
+
+def test_random_forward_in_training_mode_refused():
+    """Phi-MoE samples its expert routing in training mode: one draw for a shared prompt is not the plain run's."""
+    from sharedprefix import zoo
+
+    model, _ = zoo.build("phimoe")
+    groups = zoo.groups(model)
+    model.train()
+    state = torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=r"forward in training mode draws random numbers"):
+        sp.logprobs(model, groups)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the check leaves the caller's random stream alone
+    model.eval()
+    sp.logprobs(model, groups)
