@@ -47,6 +47,8 @@ def add_arguments(p):
     p.add_argument("--tree", action="store_true", help="agentic shape: a system prompt shared by 8 prompts (trees vs "
                    "per-group sharing; --max-tokens is the budget, default 8192 here; --plain adds the plain run)")
     p.add_argument("--plain", action="store_true", help="with --tree: also time the plain run (slow on CPU)")
+    p.add_argument("--vision", action="store_true", help="vision-language shape: 1024 visual + 256 text prompt tokens, "
+                   "G=8 x 256, Qwen2-VL architecture (plain rows with their images vs sharedprefix)")
     p.add_argument("--prompt", type=int, default=None, help="prompt length (default 2048, or 4096 with --memory)")
     p.add_argument("--completion", type=int, default=None, help="completion length (default 128, or 256)")
     p.add_argument("--G", type=int, nargs="+", default=None, help="group size(s) (default 8, or 4 8 16 32)")
@@ -64,6 +66,11 @@ def run(args):
     if args.memory:
         args.max_tokens = args.max_tokens or 6144
         return _memory(args)
+    if args.vision:
+        from sharedprefix import bench_vl
+
+        print("\n".join(bench_vl.run(args.layers)), flush=True)
+        return 0
     if args.tree:
         from sharedprefix import bench_tree
 
