@@ -173,3 +173,22 @@ def test_random_forward_in_training_mode_refused():
     assert torch.equal(torch.random.get_rng_state(), state)  # the check leaves the caller's random stream alone
     model.eval()
     sp.logprobs(model, groups)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_a_layer_without_a_mask_is_causal_unless_it_says_otherwise(is_causal, monkeypatch):
+    """A model that builds no mask runs its layers causally in plain SDPA, unless a layer's is_causal is False
+    (bidirectional): the probe tells the two apart."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from sharedprefix.attention import probe
+
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, probe.NAME, lambda *a, **k: None)
+    model = tiny_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.is_causal = is_causal
+    if is_causal:
+        sp.logprobs(model, GROUPS)
+    else:
+        with pytest.raises(ValueError, match="neither causal nor a causal sliding window"):
+            sp.logprobs(model, GROUPS)

@@ -13,7 +13,8 @@ plus the probe's offset (a band one wider than the setting, say).
 The probe also records which modules called the attention interface (a layer that bypasses it is refused
 before any sharedprefix computation) and, as the attention output, returns zeros: only masks are read.
 
-Notation: n = probe row length, S = a probed setting's small value.
+Notation: n = probe row length (3 times the largest small value, plus one), S = a probed setting's small
+value (3, 6, 9, ...).
 """
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ def _record(module, query, key, value, attention_mask, **kwargs):
         if module in _LOG[-1]:
             _LOG[-1][module][2] += 1
         else:
-            _LOG[-1][module] = [attention_mask, key.shape[-2], 1]
+            # transformers' SDPA runs a layer without a mask causally unless is_causal (argument, else the
+            # module's attribute) is False
+            causal = kwargs.get("is_causal")
+            causal = getattr(module, "is_causal", True) if causal is None else causal
+            _LOG[-1][module] = [attention_mask if causal or attention_mask is not None else "bidirectional",
+                                key.shape[-2], 1]
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
     return out, None
 
@@ -112,6 +118,8 @@ def _classify(mask: torch.Tensor | None, n: int) -> tuple[str, int | None]:
     """("full" | "sliding" | "chunked" | "other", visible keys or chunk size) of an (.., n, n) boolean mask."""
     if mask is None:
         return "full", None  # no mask: the plain SDPA forward runs is_causal
+    if isinstance(mask, str):
+        return "other", None
     if mask.dtype != torch.bool:
         mask = mask == 0  # an additive float mask (0 where allowed)
     if mask.dim() != 4 or mask.shape[-2:] != (n, n) or not (mask == mask[:1, :1]).all():
@@ -142,9 +150,9 @@ def probe(model, decoder, expected_layers: int) -> dict:
     for cfg in configs:
         for k, v in sorted(vars(cfg).items()):  # the instance's own values (per-layer configs refuse getattr)
             if _SETTING.search(k) and isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                settings.append((cfg, k, 3 + len(settings)))
+                settings.append((cfg, k, 3 + 3 * len(settings)))  # 3 apart: a band one off names one setting
     smalls = {small: (cfg, k) for cfg, k, small in settings}
-    n = 3 * (3 + len(settings)) + 1
+    n = 3 * (3 * len(settings) + 3) + 1
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = (torch.arange(n, device=device) * 7 + 3).remainder(vocab)[None]
