@@ -28,7 +28,7 @@ SPARSE_ATTENTION_LAYER_TYPES = {  # attention over keys chosen per query, or ove
     "compressed_sparse_attention": "attention over compressed and indexer-selected keys",
     "heavily_compressed_attention": "attention over compressed keys",
 }
-_VERIFIED = weakref.WeakKeyDictionary()
+_VERIFIED = weakref.WeakKeyDictionary()  # model -> the modes (model.training) it was verified in
 _HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head
 
 
@@ -224,13 +224,15 @@ def verify_head(model: PreTrainedModel) -> None:
     """Check once per model, before any pass, what sharedprefix relies on: base + ``head_logits`` equals the
     model's own logits, the forward is not random, positions and token convolutions (see the helpers), and
     which attention each layer computes (``attention.probe``). Raises ValueError for what cannot be exact.
-    The caller's random stream is left as it was."""
-    if _VERIFIED.get(model):
+    The caller's random stream is left as it was. Once per model and mode (training mode adds a check).
+    """
+    modes = _VERIFIED.setdefault(model, set())
+    if model.training in modes:
         return
     device = model.get_output_embeddings().weight.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         _verify(model, device)
-    _VERIFIED[model] = True
+    modes.add(model.training)
 
 
 def _verify(model: PreTrainedModel, device) -> None:

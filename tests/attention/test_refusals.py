@@ -166,6 +166,7 @@ def test_random_forward_in_training_mode_refused():
 
     model, _ = zoo.build("phimoe")
     groups = zoo.groups(model)
+    sp.logprobs(model, groups)  # verified in eval mode first: training mode is checked again
     model.train()
     state = torch.random.get_rng_state()
     with pytest.raises(ValueError, match=r"forward in training mode draws random numbers"):
