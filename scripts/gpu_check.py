@@ -19,6 +19,23 @@ import transformers
 from sharedprefix.attention.kernels import missing_cuda_ops
 
 
+def _run(cmd, env, timeout, keep=None):
+    """(exit code; stdout lines, the last ``keep`` of them, then stderr's last 20 on a failure).
+
+    A timeout (exit 124, as timeout(1)) is reported with what the command printed so far, instead of ending
+    gpu-check without its report.
+    """
+    try:
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, stdout, stderr = res.returncode, res.stdout, res.stderr
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: (b.decode(errors="replace") if isinstance(b, bytes) else b) or ""  # noqa: E731
+        rc, stdout, stderr = 124, text(e.stdout), text(e.stderr) + f"\ntimed out after {timeout} s"
+    out = stdout.strip().splitlines()
+    out = out[-keep:] if keep else out
+    return rc, out + (stderr.strip().splitlines()[-20:] if rc != 0 else [])
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device visible to torch; nothing to check.", file=sys.stderr)
@@ -31,22 +48,20 @@ def main() -> int:
     print("\n".join(lines), flush=True)
     env = {**os.environ, "PYTHONPATH": "src" + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.time()
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider"],
-                           env=env, capture_output=True, text=True, timeout=240)
-    tail = tests.stdout.strip().splitlines()[-25:]
-    lines += ["", f"gpu tests (exit {tests.returncode}, {time.time() - t0:.0f} s):", *tail]
-    print("\n".join(lines[-len(tail) - 2 :]), flush=True)
+    rc_tests, out = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider"],
+                         env, 240, keep=25)
+    lines += ["", f"gpu tests (exit {rc_tests}, {time.time() - t0:.0f} s):", *out]
+    print("\n".join(lines[-len(out) - 2 :]), flush=True)
     t0 = time.time()
-    bench = subprocess.run([sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda", "--repeats", "2"],
-                           env=env, capture_output=True, text=True, timeout=300)
-    out = bench.stdout.strip().splitlines() + (bench.stderr.strip().splitlines()[-20:] if bench.returncode else [])
-    lines += ["", f"benchmark: sharedprefix bench --device cuda (exit {bench.returncode}, {time.time() - t0:.0f} s)", *out]
+    rc_bench, out = _run([sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda", "--repeats", "2"],
+                         env, 300)
+    lines += ["", f"benchmark: sharedprefix bench --device cuda (exit {rc_bench}, {time.time() - t0:.0f} s)", *out]
     print("\n".join(lines[-len(out) - 2 :]), flush=True)
     path = f"benchmarks/gpu_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.txt"
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
-    return tests.returncode or bench.returncode
+    return rc_tests or rc_bench
 
 
 if __name__ == "__main__":

@@ -15,10 +15,14 @@ from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout import SegmentTree, pack_row
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-CASES = {
-    "causal": ([5, 1, 300, 7], [5, 1, 300, 7], True, None),
-    "dense": ([4, 9, 130], [6, 2, 700], False, None),
-    "causal_window": ([300, 1, 12], [300, 1, 12], True, 63),
+CASES = {  # name -> (queries per entry, keys per entry, causal, window, D, Dv); 8 query heads, 2 KV heads
+    "causal": ([5, 1, 300, 7], [5, 1, 300, 7], True, None, 128, 128),
+    "dense": ([4, 9, 130], [6, 2, 700], False, None, 128, 128),
+    "causal_window": ([300, 1, 12], [300, 1, 12], True, 63, 128, 128),
+    # max_seqlen_q == 1 with GQA and an entry without queries: flash's single-query path must not be taken
+    "single_query_gqa": ([1, 0, 1], [5, 3, 7], False, None, 128, 128),
+    "latent_dims": ([7, 33], [7, 90], True, None, 192, 128),  # Dv != D: padded to one head size
+    "head_dim_12": ([5, 60], [5, 60], True, 7, 12, 12),  # not a multiple of 8: padded (tiny qwen3's head_dim)
 }
 
 
@@ -31,6 +35,9 @@ def _sdpa_entries(q, k, v, lq, lk, causal, window, scale):
     outs, a, b = [], 0, 0
     n = q.shape[1] // k.shape[1]
     for nq, nk in zip(lq, lk):
+        if nq == 0:  # an entry without queries adds no rows
+            b += nk
+            continue
         i = torch.arange(nq, device=q.device)[:, None] + nk - nq
         j = torch.arange(nk, device=q.device)[None]
         ok = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
@@ -52,19 +59,20 @@ def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
     if name == "flash_attn":
         pytest.importorskip("flash_attn")
     impl = kernels.select(name, torch.device("cuda"))
-    lq, lk, causal, window = CASES[case]
+    lq, lk, causal, window, d, dv = CASES[case]
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(sum(lq), 8, 128, device="cuda", generator=g, dtype=torch.float64)
-    k = torch.randn(sum(lk), 2, 128, device="cuda", generator=g, dtype=torch.float64)
-    v = torch.randn(sum(lk), 2, 128, device="cuda", generator=g, dtype=torch.float64)
+    q = torch.randn(sum(lq), 8, d, device="cuda", generator=g, dtype=torch.float64)
+    k = torch.randn(sum(lk), 2, d, device="cuda", generator=g, dtype=torch.float64)
+    v = torch.randn(sum(lk), 2, dv, device="cuda", generator=g, dtype=torch.float64)
     q16, k16, v16 = (x.bfloat16().requires_grad_(True) for x in (q, k, v))
-    scale = 128 ** -0.5
+    scale = d ** -0.5
     ref, ref_lse = kernels.Reference.forward(q16.double(), k16.double(), v16.double(), _cu(lq), _cu(lk), max(lq),
                                              max(lk), causal, window, scale)
     out, lse, *aux = impl.forward(q16.detach(), k16.detach(), v16.detach(), _cu(lq), _cu(lk), max(lq), max(lk),
                                   causal, window, scale)
     plain = _sdpa_entries(q16, k16, v16, lq, lk, causal, window, scale)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (sum(lq), 8)
+    assert out.shape == (sum(lq), 8, dv)
     assert (lse.double() - ref_lse).abs().max() < 1e-3
     assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
     dout = torch.randn_like(out)
@@ -75,6 +83,35 @@ def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
                         causal, window, scale, aux=aux[0] if aux else None)
     for mine, pl, r in zip(got, (q16.grad, k16.grad, v16.grad), (rq, rk, rv)):
         assert (mine.double() - r).abs().max() <= 2 * (pl.double() - r).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("name", ["cuda", "flash_attn"])
+def test_cuda_primitive_rows_without_keys(name):
+    """Queries that see no key (causal with more queries than keys; an entry with no keys): out 0 and LSE -inf
+    (flash itself writes +inf), and a backward given that LSE gives them zero gradient, not NaN."""
+    if name == "flash_attn":
+        pytest.importorskip("flash_attn")
+    impl = kernels.select(name, torch.device("cuda"))
+    lq, lk, scale = [6, 3, 5], [3, 0, 9], 64 ** -0.5
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(n, h, 64, device="cuda", generator=g).bfloat16() for n, h in ((14, 8), (12, 2), (12, 2)))
+    args = (_cu(lq), _cu(lk), max(lq), max(lk), True, None, scale)
+    ref, ref_lse = kernels.Reference.forward(q.double(), k.double(), v.double(), *args)
+    out, lse, *aux = impl.forward(q, k, v, *args)
+    none = torch.isinf(ref_lse)  # rows 0-2 and 6-8
+    assert int(none.all(1).sum()) == 6
+    assert torch.equal(torch.isinf(lse), none) and bool((lse[none] < 0).all())
+    assert bool((out[none.all(1)] == 0).all())
+    assert (out.double() - ref).abs().max() < 3e-2 and (lse.double() - ref_lse)[~none].abs().max() < 1e-3
+    dout = torch.randn(out.shape, device="cuda", generator=g).bfloat16()
+    got = impl.backward(dout, q, k, v, out, lse, *args, aux=aux[0] if aux else None)
+    # the float64 reference with +inf where no key (exp(S - lse) = 0 there; -inf would give NaN in its formula)
+    want = kernels.Reference.backward(dout.double(), q.double(), k.double(), v.double(), ref,
+                                      ref_lse.masked_fill(none, float("inf")), *args)
+    for mine, r in zip(got, want):
+        assert mine.shape == r.shape and bool(torch.isfinite(mine).all())
+        assert (mine.double() - r).abs().max() <= 0.05 * r.abs().max() + 1e-3
+    assert bool((got[0][none.all(1)] == 0).all())
 
 
 @pytest.mark.parametrize("window", [None, 3])

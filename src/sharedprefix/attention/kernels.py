@@ -220,61 +220,112 @@ class CPU:
         return dq[..., :dh], _fold_heads(dk, n)[..., :dh], _fold_heads(dv, n)[..., :dvh]
 
 
-def _flash_window(causal: bool, window: int | None) -> tuple[int, int]:
-    return (-1 if window is None else window, 0 if causal else -1)
+def _flash_window(causal: bool, window: int | None, max_k: int) -> tuple[int, int]:
+    """flash's (window_size_left, window_size_right), bottom-right aligned like the contract.
+
+    No window is passed as ``max_k`` rather than -1: same attention (the kernels reset any left window >=
+    max_seqlen_k to -1), but only after they choose their single-query GQA path (max_seqlen_q == 1, both
+    windows < 0), which reshapes q as if every entry had exactly one query and fails on an entry with none.
+    """
+    return (max_k if window is None else window, 0 if causal else -1)
+
+
+def _flash_dim(q: torch.Tensor, v: torch.Tensor) -> int:
+    """The head size the flash kernels get: one for q, k and v (they require it), a multiple of 8 (likewise).
+
+    Zero columns change neither the scores (the scale is passed explicitly) nor the first Dv output columns;
+    the wrappers pad up to it and slice the results back, as ``CPU`` does for Dv != D.
+    """
+    return -(-max(q.shape[-1], v.shape[-1]) // 8) * 8
+
+
+def _cut_last(x: torch.Tensor, d: int) -> torch.Tensor:
+    return x if x.shape[-1] == d else x[..., :d]
+
+
+def _lse_from_flash(lse: torch.Tensor) -> torch.Tensor:
+    """flash's varlen LSE (H, Tq) -> (Tq, H); flash writes +inf where a query sees no key, the contract -inf."""
+    lse = lse.t().float()
+    return lse.masked_fill(lse == float("inf"), float("-inf"))
+
+
+def _lse_to_flash(lse: torch.Tensor) -> torch.Tensor:
+    """(Tq, H) -> flash's contiguous (H, Tq) float32; -inf (no key) back to flash's +inf, so that P = 0 there."""
+    lse = lse.float()
+    return lse.masked_fill(lse == float("-inf"), float("inf")).t().contiguous()
 
 
 class CUDA:
     """torch's own varlen flash ops (``aten._flash_attention_forward/backward``); GQA native.
 
-    NOT YET RUN ON A GPU: kept to the contract in a few lines so the CPU tests cover the rest.
+    The ops take float16 / bfloat16, head sizes up to 256 and sm80 or newer. NOT YET RUN ON A GPU: kept to
+    the contract in a few lines so the CPU tests cover the rest.
     """
 
     name = "cuda"
 
     @staticmethod
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
-        wl, wr = _flash_window(causal, window)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        wl, wr = _flash_window(causal, window, max_k)
+        dv_, d = v.shape[-1], _flash_dim(q, v)
+        q, k, v = (_pad_last(x, d).contiguous() for x in (q, k, v))
         res = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                                       scale=scale, window_size_left=wl, window_size_right=wr)
-        return res[0], res[1].t().float(), (res[2], res[3])  # flash returns the LSE as (H, Tq); RNG state for bwd
+        # (output, softmax_logsumexp (H, Tq), rng_state, unused, debug_attn_mask); the RNG state for the backward
+        return _cut_last(res[0], dv_), _lse_from_flash(res[1]), (res[2], res[3])
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None):
-        wl, wr = _flash_window(causal, window)
-        rng, unused = aux  # from this call's forward (no dropout, but the op takes them)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        return torch.ops.aten._flash_attention_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse.float().t().contiguous(), cu_q, cu_k, max_q, max_k, 0.0,
-            causal, rng, unused, scale=scale, window_size_left=wl, window_size_right=wr)
+        wl, wr = _flash_window(causal, window, max_k)
+        if aux is None:  # the kernel reads the RNG state only under dropout, which is 0 here
+            aux = (torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device))
+        rng, unused = aux
+        dh, dvh, d = q.shape[-1], v.shape[-1], _flash_dim(q, v)
+        q, k, v, dout, out = (_pad_last(x, d).contiguous() for x in (q, k, v, dout, out))
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, _lse_to_flash(lse), cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused,
+            scale=scale, window_size_left=wl, window_size_right=wr)
+        return _cut_last(dq, dh), _cut_last(dk, dh), _cut_last(dv, dvh)
+
+
+def _flash_attn_interface():
+    """flash-attn's interface module; 2.7 or newer (2.6 and older take ``window_size=(l, r)`` and return 8 values)."""
+    import flash_attn
+    from flash_attn import flash_attn_interface
+
+    version = tuple(int(x) for x in flash_attn.__version__.split(".")[:2] if x.isdigit())
+    if version < (2, 7):
+        raise ValueError(f"attention backend 'flash_attn' needs flash-attn>=2.7, found {flash_attn.__version__}; "
+                         "upgrade it, or use backend='cuda' (torch's own flash kernels).")
+    return flash_attn_interface
 
 
 class FlashAttn:
-    """The flash-attn package's varlen kernels (also take soft-capping). NOT YET RUN ON A GPU."""
+    """The flash-attn package's varlen kernels (2.7 or newer). NOT YET RUN ON A GPU."""
 
     name = "flash_attn"
 
     @staticmethod
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
-        from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
-
-        wl, wr = _flash_window(causal, window)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        res = _flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal=causal,
-                                         window_size_left=wl, window_size_right=wr)
-        return res[0], res[1].t().float()
+        fa = _flash_attn_interface()
+        wl, wr = _flash_window(causal, window, max_k)
+        dv_, d = v.shape[-1], _flash_dim(q, v)
+        q, k, v = (_pad_last(x, d).contiguous() for x in (q, k, v))
+        out, lse, _, _ = fa._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal=causal,
+                                                       window_size_left=wl, window_size_right=wr)
+        return _cut_last(out, dv_), _lse_from_flash(lse)  # (out, softmax_lse (H, Tq), S_dmask, rng_state)
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None):
-        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
-
-        wl, wr = _flash_window(causal, window)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        fa = _flash_attn_interface()
+        wl, wr = _flash_window(causal, window, max_k)
+        dh, dvh, d = q.shape[-1], v.shape[-1], _flash_dim(q, v)
+        q, k, v, dout, out = (_pad_last(x, d).contiguous() for x in (q, k, v, dout, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        _flash_attn_varlen_backward(dout.contiguous(), q, k, v, out.contiguous(), lse.float().t().contiguous(), dq, dk,
-                                    dv, cu_q, cu_k, max_q, max_k, 0.0, scale, causal, wl, wr, 0.0, None, False)
-        return dq, dk, dv
+        # positional after the scale: causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic
+        fa._flash_attn_varlen_backward(dout, q, k, v, out, _lse_to_flash(lse), dq, dk, dv, cu_q, cu_k, max_q, max_k,
+                                       0.0, scale, causal, wl, wr, 0.0, None, False)
+        return _cut_last(dq, dh), _cut_last(dk, dh), _cut_last(dv, dvh)
 
 
 IMPLEMENTATIONS = {c.name: c for c in (Reference, CPU, CUDA, FlashAttn)}
