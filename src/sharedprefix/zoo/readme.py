@@ -34,18 +34,22 @@ def render(results: list[Result], transformers_version: str) -> str:
     by = defaultdict(list)
     for r in results:
         by[r.status].append(r)
-    n_arch = sum(r.arch not in VARIANTS for r in results)
+    archs = [r for r in results if r.arch not in VARIANTS]
+    variants = [r for r in results if r.arch in VARIANTS]
+
+    def count(rs):
+        return ", ".join(f"{sum(r.status == s for r in rs)} {s}" for s in ("exact", "refused", "not buildable", "failed"))
+
     exact = [r for r in by["exact"] if not r.float32_inside and not r.split_refusal]
     exact32 = [r for r in by["exact"] if r.float32_inside and not r.split_refusal]
     one_pass = [r for r in by["exact"] if r.split_refusal]
     lines = [
         BEGIN,
-        f"Every causal-LM architecture transformers {transformers_version} registers ({n_arch}), and "
-        f"{len(results) - n_arch} variants, built tiny in float64 (2+ layers of width 32; sliding windows, chunks, "
-        "MoE routing, sinks and latent attention small enough to bite on rows of 15 tokens) and compared with the "
-        f"plain forward of every row (`tests/models/test_zoo.py`): **{len(by['exact'])} exact, {len(by['refused'])} "
-        f"refused with their reason, {len(by['not buildable'])} not buildable, {len(by['failed'])} silently wrong or "
-        "crashing.**",
+        f"Every causal-LM architecture transformers {transformers_version} registers, and {len(variants)} variants "
+        "that exercise what a default config hides, built tiny in float64 (2+ layers of width 32; sliding windows, "
+        "chunks, MoE routing, sinks and latent attention small enough to bite on rows of 15 tokens) and compared "
+        f"with the plain forward of every row (`tests/models/test_zoo.py`). **The {len(archs)} architectures: "
+        f"{count(archs)}** (failed: silently wrong or crashing); the variants: {count(variants)}.",
         "",
         "| outcome | entries |",
         "|---|---|",
