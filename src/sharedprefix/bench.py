@@ -87,8 +87,10 @@ def _rows_batch(rows):
 
 def _plain_rows_step(model, items):
     """items: list of (prompt, completion). Forward+backward of -sum log p, logits only where needed."""
+    dev = next(model.parameters()).device
+    items = [(p.to(dev), c.to(dev)) for p, c in items]
     rows = [torch.cat([p, c]) for p, c in items]
-    ids, att = _rows_batch(rows)
+    ids, att = (x.to(dev) for x in _rows_batch(rows))
     same = all(r.numel() == ids.shape[1] for r in rows)
     T = max(c.numel() for _, c in items)
     if same and all(c.numel() == T for _, c in items):

@@ -179,3 +179,19 @@ def test_cascade_random_trees(spec, chunk, window, cache_prompts, seed):
     groups = [sp.Group(list(range(1, p + 1)), [[1] * t for t in ts]) for p, ts in spec]
     row_of = (lambda s: s.completion is not None) if cache_prompts else (lambda s: True)
     _check_cascade(kernels.CPU, groups, chunk, row_of, window, seed=seed)
+
+
+def test_cuda_backends_refuse_float32_with_the_fix():
+    for name in ("auto", "cuda"):
+        with pytest.raises(ValueError, match="takes bfloat16 or float16 tensors, got torch.float32"):
+            kernels.select(name, torch.device("cuda"), torch.float32)
+
+
+def test_a_row_without_any_key_gets_no_nan_in_backward():
+    q, k, v = _qkv(0, 3, 2, 2, 2, 4, 4)
+    cu_q, cu_k = _cu([2, 1]), _cu([2, 0])  # the second entry's query sees no key
+    for impl in IMPLS:
+        out, lse = impl.forward(q, k, v, cu_q, cu_k, 2, 2, False, None, 0.5)
+        assert torch.isneginf(lse[2]).all() and (out[2] == 0).all()
+        grads = impl.backward(torch.ones_like(out), q, k, v, out, lse, cu_q, cu_k, 2, 2, False, None, 0.5)
+        assert all(torch.isfinite(g).all() for g in grads) and (grads[0][2] == 0).all()

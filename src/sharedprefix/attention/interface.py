@@ -147,7 +147,7 @@ def shared_prefix_attention(
             r0, r1 = layout.row_start[s], layout.row_end[s]
             state.write_kv(module, s, key[:, :, r0:r1], value[:, :, r0:r1])
 
-    impl = kernels.select(state.backend, query.device)
+    impl = kernels.select(state.backend, query.device, query.dtype)
     read = (lambda seg: state.read_kv(module, seg)) if state.read_kv else None
     return cascade_attention(impl, casc, query, key, value, read, scale, sinks), None
 

@@ -124,7 +124,9 @@ class Reference:
             if q1 == q0 or k1 == k0:
                 continue
             s = Reference._scores(q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal, window)
-            p = torch.exp(s - lse[q0:q1].double().t()[..., None])  # (H, Lq, Lk) under the merged lse
+            m = lse[q0:q1].double().t()
+            m = m.masked_fill(torch.isneginf(m), float("inf"))  # a row with no key at all: P = 0, not NaN
+            p = torch.exp(s - m[..., None])  # (H, Lq, Lk) under the merged lse
             do, o = dout[q0:q1].double(), out[q0:q1].double()
             vv = _repeat_heads(v[k0:k1].double(), n)
             dv[k0:k1] += torch.einsum("hij,ihd->jhd", p, do)
@@ -210,7 +212,8 @@ class CPU:
                     continue
                 t = lambda x: x.transpose(0, 1)[None].contiguous()  # noqa: E731  (rows, H, d) -> (1, H, rows, d)
                 kk, vv = _repeat_heads(k[e0 + k0 : e0 + k1], n), _repeat_heads(v[e0 + k0 : e0 + k1], n)
-                m = lse[a:b].to(_lse_dtype(q)).t()[None].contiguous()
+                m = lse[a:b].to(_lse_dtype(q))
+                m = m.masked_fill(torch.isneginf(m), float("inf")).t()[None].contiguous()  # no key at all: P = 0
                 mask = CPU._mask(i0, i1, k0, k1, lq, lk, causal, window, q.dtype, q.device) if masked else None
                 gq, gk, gv = bop(t(dout[a:b]), t(q[a:b]), t(kk), t(vv), t(out[a:b]), m, 0.0, sq, attn_mask=mask,
                                  scale=scale)
@@ -344,8 +347,9 @@ def missing_cuda_ops() -> list[str]:
     return out
 
 
-def select(name: str, device: torch.device):
-    """The implementation for ``name`` ("auto", "cpu", "cuda", "flash_attn", "reference") on ``device``."""
+def select(name: str, device: torch.device, dtype: torch.dtype | None = None):
+    """The implementation for ``name`` ("auto", "cpu", "cuda", "flash_attn", "reference") on ``device``
+    (and for tensors of ``dtype``, when known)."""
     name = ALIASES.get(name, name)
     if name == "auto":
         name = "cuda" if device.type == "cuda" else "cpu"
@@ -358,6 +362,13 @@ def select(name: str, device: torch.device):
         raise ValueError(f"attention backend 'cpu' got tensors on {device}; use backend='auto'.")
     if name in ("cuda", "flash_attn") and device.type != "cuda":
         raise ValueError(f"attention backend {name!r} needs CUDA tensors, got {device}; use backend='auto' on CPU.")
+    if name in ("cuda", "flash_attn") and dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"attention backend {name!r} (the CUDA flash kernels) takes bfloat16 or float16 tensors, got {dtype}. Run "
+            "the model in bf16 (model.to(torch.bfloat16), or torch.autocast('cuda', dtype=torch.bfloat16)), or pass "
+            "backend='reference' (explicit float64 math per entry: for checks, its memory grows with entry length "
+            "squared)."
+        )
     if name == "cuda" and (missing := missing_cuda_ops()):
         raise ValueError(
             f"attention backend 'cuda' needs {', '.join(missing)}, which torch {torch.__version__} lacks; install "
