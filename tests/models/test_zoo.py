@@ -50,6 +50,28 @@ def test_the_features_this_zoo_exists_for_are_exercised():
         e for e in zoo.entries() if _result(e).status == "exact"}
 
 
+@pytest.mark.parametrize("entry, category", [
+    ("bart", "positions numbered by the model itself"),  # was silently wrong: positions 0..L-1 along the row
+    ("roberta", "positions numbered by the model itself"),  # was silently wrong: positions start after padding
+    ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
+    ("deepseek_v32", "sparse attention over indexer-selected"),
+    ("llama4_text", "query scaling by the token's index"),
+    ("llama4_text+chunk_4", "chunked attention on rows longer than one chunk"),  # was refused as a state-space layer
+    ("mamba", "token mixing outside attention"),
+    ("doge", "attention masks other than causal"),
+    ("gemma2", "attention-score soft-capping"),
+])
+def test_refusals_name_the_feature(entry, category):
+    r = _result(entry)
+    assert r.status == "refused" and r.category.startswith(category), (r.status, r.category, r.detail)
+
+
+def test_several_attention_calls_per_layer_are_exact_in_one_pass_and_refused_when_split():
+    for entry in ("hrm_text", "diffllama"):
+        r = _result(entry)
+        assert r.status == "exact" and "runs its attention" in r.split_refusal, (entry, r.status, r.split_refusal)
+
+
 def test_readme_table_is_the_zoo_results():
     with open(README, encoding="utf-8") as f:
         current = readme.current_block(f.read())
