@@ -25,8 +25,11 @@ _PUBLIC = {
     "logprobs": "sharedprefix.schedule.runner",
     "plan": "sharedprefix.schedule.planner",
     "shard_groups": "sharedprefix.schedule.sharding",
+    "verify": "sharedprefix.checks",
+    "VerifyReport": "sharedprefix.checks",
 }
-__all__ = ["Batch", "BackwardResult", "Group", "LogProbs", "Plan", "Tree", "backward", "logprobs", "plan", "shard_groups"]
+__all__ = ["Batch", "BackwardResult", "Group", "LogProbs", "Plan", "Tree", "VerifyReport", "backward", "logprobs", "plan",
+           "shard_groups", "verify"]
 
 
 def __getattr__(name: str):
@@ -47,6 +50,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:
+    from sharedprefix.checks import VerifyReport, verify
     from sharedprefix.layout.groups import Group
     from sharedprefix.layout.rows import Tree
     from sharedprefix.schedule.planner import Plan, plan

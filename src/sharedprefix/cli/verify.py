@@ -1,5 +1,10 @@
 """Check exactness on a tiny built-in model, then print a one-line speed comparison.
 
+With ``--model PATH``: check your own local checkpoint instead, in its own dtype and on ``--device``
+(``sp.verify``: random groups, one pass and a budget that splits a group, judged by the 2x rule
+against a float64 copy), report any refusal with its reason and the speed ratio of the check's
+forward; the exit code is non-zero when it is not exact.
+
 Exactness: float64 log-probs and gradients of sharedprefix against a plain transformers
 forward of each [prompt + completion] row (SDPA), with and without a token budget.
 Speed: forward+backward of the plain run against sharedprefix on a small float32 model.
@@ -14,6 +19,8 @@ HELP = "verify exactness on a tiny model and print a one-line speed comparison"
 
 def add_arguments(p):
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="a local transformers causal-LM checkpoint folder to check")
+    p.add_argument("--device", default="cpu", help="device for --model (default cpu)")
     p.add_argument("--no-speed", dest="speed", action="store_false", help="skip the speed comparison")
 
 
@@ -23,7 +30,37 @@ def _grads(model):
     return out
 
 
+def _own_model(args) -> int:
+    import time
+
+    import torch
+    import transformers as tf
+
+    import sharedprefix as sp
+    from sharedprefix.testing import plain_logprobs
+
+    model = tf.AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype="auto")
+    model = model.to(args.device).eval()
+    report = sp.verify(model, seed=args.seed)
+    print(f"{type(model).__name__} ({model.dtype}, {args.device}):")
+    print(report)
+    if report.ok:
+        groups = sp.checks._random_groups(model.get_output_embeddings().weight.shape[0], args.seed)
+        with torch.no_grad():
+            times = []
+            for fn in (lambda: plain_logprobs(model, groups), lambda: sp.logprobs(model, groups)):
+                fn()
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        print(f"speed of the check's forward: plain {times[0] * 1e3:.1f} ms, sharedprefix {times[1] * 1e3:.1f} ms "
+              f"({times[0] / times[1]:.2f}x; tiny groups, not a benchmark)")
+    return 0 if report.ok else 1
+
+
 def run(args):
+    if args.model:
+        return _own_model(args)
     import torch
     from tqdm import tqdm
 

@@ -11,6 +11,8 @@ total completions) are computed globally and passed in.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from sharedprefix.attention.interface import activated
@@ -86,6 +88,10 @@ def logprobs(
             with torch.no_grad():
                 out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
             return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
+    if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
+        from sharedprefix.checks import self_check
+
+        self_check(model, groups)
     run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
     lps, ents, masks, order = [], [], [], []
     # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agree before any of them
@@ -161,6 +167,10 @@ def backward(
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
+    if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
+        from sharedprefix.checks import self_check
+
+        self_check(model, groups)
     run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True)
     par = run.par
     if par.fsdp and run.plan.splits and prefix_activations != "recompute":

@@ -1,0 +1,114 @@
+"""``sp.verify(model)``: check a user's own model before training on it.
+
+Runs a few groups (random ones sized to the model, or the caller's batch) through sharedprefix
+and through the plain forward of each ``[prompt + completion]`` row, in the model's own dtype
+and on its own device, with one pass and with a budget that splits a group, and judges the error
+by the flash-attention rule: sharedprefix's error against a float64 copy of the model is at most
+twice the plain same-dtype run's own error (plus 1e-12, which only matters in float64). A
+refusal is reported with its reason. The float64 copy costs the model's size twice over, on the
+model's device; pass ``reference_device="cpu"`` to keep it in host memory.
+
+``SHAREDPREFIX_SELF_CHECK=1`` makes the first ``sp.logprobs`` / ``sp.backward`` call on each model
+verify on that call's own groups first and refuse to continue on a mismatch.
+
+Notation: N = completions, T = longest completion.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class VerifyReport:
+    """``ok``: exact by the 2x rule in every configuration (False on a refusal). ``refusal``: its message, or None.
+    ``checks``: per configuration (budget, our error, the plain run's error), errors as max |delta log-prob|
+    against the float64 reference."""
+
+    ok: bool
+    refusal: str | None = None
+    checks: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if self.refusal:
+            return f"refused: {self.refusal}"
+        lines = [f"max_tokens={b!s:>5}: sharedprefix error {ours:.2e}, plain error {plain:.2e} "
+                 f"({'OK' if ours <= 2 * plain + 1e-12 else 'MISMATCH'})" for b, ours, plain in self.checks]
+        return "\n".join(lines + [f"-> {'exact by the 2x rule' if self.ok else 'NOT EXACT'}"])
+
+
+def _random_groups(vocab: int, seed: int):
+    from sharedprefix.layout.groups import Group
+
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(0, vocab, (n,), generator=g)  # noqa: E731
+    return [Group(ids(24), [ids(5), ids(9), ids(1)]), Group(ids(7), [ids(6), ids(6)])]
+
+
+def _plain(model, groups) -> torch.Tensor:
+    from sharedprefix.modeling import unwrap
+    from sharedprefix.testing import plain_logprobs
+
+    with torch.no_grad():
+        return plain_logprobs(unwrap(model), groups)[0].double().cpu()
+
+
+def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
+           reference_device: str | torch.device | None = None) -> VerifyReport:
+    """Check sharedprefix against the plain forward on ``model`` (see the module docstring).
+
+    Args:
+        groups: the groups to check on (default: two random groups sized to the model's vocabulary).
+        max_tokens: the budget of the split check (default: half the longest group, so a group splits).
+    """
+    import sharedprefix as sp
+    from sharedprefix.modeling import unwrap
+
+    base = unwrap(model)
+    vocab = base.get_output_embeddings().weight.shape[0]
+    groups = groups if groups is not None else _random_groups(vocab, seed)
+    sizes = [int(g.prompt.numel()) + sum(int(c.numel()) for c in g.completions) for g in groups]
+    split = max_tokens or max(max(int(c.numel()) for g in groups for c in g.completions), max(sizes) // 2)
+    try:
+        with torch.no_grad():
+            outs = [(b, sp.logprobs(model, groups, max_tokens=b).logprobs.double().cpu()) for b in (None, split)]
+    except ValueError as e:
+        return VerifyReport(False, refusal=str(e))
+    plain = _plain(model, groups)
+    dev = reference_device or next(base.parameters()).device
+    ref_model = copy.deepcopy(base).to(device=dev, dtype=torch.float64)
+    from sharedprefix.testing import dtype_faithful_norms
+
+    dtype_faithful_norms(ref_model)
+    exact = _plain(ref_model, groups)
+    del ref_model
+    checks = [(b, float((o - exact).abs().max()), float((plain - exact).abs().max())) for b, o in outs]
+    return VerifyReport(all(ours <= 2 * pl + 1e-12 for _, ours, pl in checks), checks=checks)
+
+
+def self_check(model, groups) -> None:
+    """With ``SHAREDPREFIX_SELF_CHECK=1``: verify once per model on its first real groups; raise on a mismatch."""
+    if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") in ("", "0") or not isinstance(groups, list):
+        return
+    from sharedprefix.modeling import unwrap
+
+    base = unwrap(model)
+    if _CHECKED.get(base):
+        return
+    _CHECKED[base] = True  # before the check: its own sharedprefix calls must not check again
+    with torch.random.fork_rng(devices=[]):
+        report = verify(model, groups)
+    if not report.ok:
+        _CHECKED.pop(base, None)
+        raise ValueError(
+            f"SHAREDPREFIX_SELF_CHECK: sharedprefix does not reproduce the plain forward of "
+            f"{type(base).__name__} on this batch:\n{report}\nDo not train with sharedprefix on this model; please "
+            "report it with the model's config."
+        )

@@ -1,0 +1,53 @@
+"""sp.verify / SHAREDPREFIX_SELF_CHECK: a user's own model checked against its plain forward before training."""
+
+import pytest
+import torch
+
+import sharedprefix as sp
+from helpers import tiny_model
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_verify_passes_on_an_exact_model(dtype):
+    report = sp.verify(tiny_model("qwen3", dtype=dtype))
+    assert report.ok and report.refusal is None and len(report.checks) == 2
+    assert "exact by the 2x rule" in str(report)
+
+
+def test_verify_reports_a_refusal_with_its_reason():
+    model = tiny_model("llama")
+    model.config.output_router_logits = True
+    report = sp.verify(model)
+    assert not report.ok and "output_router_logits" in report.refusal and str(report).startswith("refused:")
+
+
+def test_verify_and_the_self_check_catch_a_silent_mismatch(monkeypatch):
+    from sharedprefix.attention import cascade
+
+    orig = cascade.cascade_attention
+
+    def off_by_a_bit(impl, casc, query, *a, **k):  # a wrong attention: what verify exists to catch
+        return orig(impl, casc, query, *a, **k) * 1.01
+
+    monkeypatch.setattr("sharedprefix.attention.interface.cascade_attention", off_by_a_bit)
+    model = tiny_model("qwen3")
+    report = sp.verify(model)
+    assert not report.ok and "MISMATCH" in str(report)
+    groups = [sp.Group([1, 2, 3], [[4, 5], [6]])]
+    monkeypatch.setenv("SHAREDPREFIX_SELF_CHECK", "1")
+    with pytest.raises(ValueError, match="SHAREDPREFIX_SELF_CHECK: sharedprefix does not reproduce"):
+        sp.logprobs(model, groups)
+    monkeypatch.setattr("sharedprefix.attention.interface.cascade_attention", orig)
+    out = sp.logprobs(model, groups)  # exact again: the check runs, passes, and the call proceeds
+    assert out.logprobs.shape == (2, 2)
+
+
+def test_cli_verify_own_model(tmp_path):
+    import subprocess
+    import sys
+
+    tiny_model("qwen3", dtype=torch.float32).save_pretrained(tmp_path / "m")
+    proc = subprocess.run([sys.executable, "-m", "sharedprefix.cli.main", "verify", "--model", str(tmp_path / "m")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "exact by the 2x rule" in proc.stdout and "speed of the check's forward" in proc.stdout
