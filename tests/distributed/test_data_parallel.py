@@ -45,7 +45,7 @@ def test_shards_are_unequal_and_one_group_exceeds_the_budget():
     assert any(isinstance(st, sp.schedule.PrefixBackward) for st in sp.plan(big, BUDGET).steps)
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp_units", "fsdp_units_noreshard"])
 def test_two_process_gradients_match_plain_float64(kind, tmp_path, reference):
     got = _launch(kind, tmp_path)
     assert_grads_close({k: v for k, v in got["grads"].items() if v is not None}, reference, 1e-9)

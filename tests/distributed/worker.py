@@ -88,9 +88,13 @@ def main(kind, out):
     else:
         from torch.distributed.fsdp import fully_shard
 
+        reshard = not kind.endswith("_noreshard")
+        if "_units" in kind:  # embedding and LM head as FSDP2 units of their own, as verl and auto-wrap do
+            fully_shard(model.model.embed_tokens, reshard_after_forward=reshard)
+            fully_shard(model.lm_head, reshard_after_forward=reshard)
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
     loss_fn = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()  # noqa: E731
     if kind.endswith("_tree"):
         res = run_tree(kind, model, rank, world)
