@@ -95,3 +95,12 @@ def test_two_process_tree_gradients_match_plain_rows(kind, tmp_path):
     want = grads_of(model, lambda: (plain_rows(model, rows, trained) * W).sum())
     got = _launch(kind, tmp_path)
     assert_grads_close({k: v for k, v in got["grads"].items() if v is not None}, want, 1e-9)
+
+
+@pytest.mark.parametrize("kind", ["ddp_refuse", "fsdp_refuse"])
+def test_a_refusal_on_one_rank_stops_every_rank(kind, tmp_path):
+    """Rank 1's batch holds a token id outside the vocabulary: it raises that error, rank 0 raises one naming rank 1
+    and the reason, before any collective of the call (no hang: the launch would time out)."""
+    msgs = _launch(kind, tmp_path)["messages"]
+    assert msgs[1].startswith("ValueError") and "outside the model's vocabulary" in msgs[1]
+    assert msgs[0].startswith("RuntimeError: rank 1 stopped this sharedprefix call") and "vocabulary" in msgs[0]

@@ -96,6 +96,20 @@ def main(kind, out):
             fully_shard(layer, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
     loss_fn = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()  # noqa: E731
+    if kind.endswith("_refuse"):  # rank 1 gives a token id outside the vocabulary: every rank must stop, none hang
+        bad = [sp.Group([1, 2, 500], [[3]])] if rank == 1 else mine
+        try:
+            sp.backward(model, bad, loss_fn, max_tokens=BUDGET, prefix_activations="recompute")
+            msg = "no error"
+        except (ValueError, RuntimeError) as e:
+            msg = f"{type(e).__name__}: {e}"
+        msgs = [None] * world
+        dist.all_gather_object(msgs, msg)
+        if rank == 0:
+            torch.save({"messages": msgs}, out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if kind.endswith("_tree"):
         res = run_tree(kind, model, rank, world)
     elif kind == "fsdp_logprobs":

@@ -40,6 +40,15 @@ class Executor:
     def __init__(self, model, source, max_tokens, backend, temperature, entropy, leaves):
         self.model = unwrap(model)
         self.par = detect(model, self.model)
+        error = None
+        try:
+            self._setup(source, max_tokens, backend, temperature, entropy, leaves)
+        except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank, before collectives
+            error = e
+        self.par.agree_on_error(error)
+        self.par.call(lambda: verify_head(self.model))
+
+    def _setup(self, source, max_tokens, backend, temperature, entropy, leaves):
         check_supported(self.model)
         emb = self.model.get_input_embeddings()
         vocab = min(emb.num_embeddings, self.model.get_output_embeddings().weight.shape[0])
@@ -67,7 +76,6 @@ class Executor:
         self.cache = PrefixCache(leaves=leaves)
         self.T = self.plan.tree.width
         self.tokens = 0
-        self.par.call(lambda: verify_head(self.model))
 
     def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | None = None):
         """Forward of one row (inside the root module's call under FSDP2).

@@ -71,6 +71,26 @@ class Parallel:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [int(x) for x in t.tolist()]
 
+    def agree_on_error(self, error: BaseException | None) -> None:
+        """Under DDP / FSDP2, every rank learns whether any rank failed before the call's first collective, and all
+        raise together (the failing rank its own error, the others one naming it) instead of waiting in a collective
+        the failed rank never joins."""
+        if self.kind == "none" or self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        msgs = [None] * self.world_size
+        dist.all_gather_object(msgs, None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+        if failed:
+            r, m = failed[0]
+            raise RuntimeError(
+                f"rank {r} stopped this sharedprefix call before any computation ({m}); every rank stops with it "
+                "instead of waiting in a collective that rank would never join."
+            )
+
     def set_sync(self, enabled: bool) -> None:
         if self.fsdp:
             self.root.set_requires_gradient_sync(enabled)
