@@ -137,8 +137,9 @@ def main(kind, out):
         if res is None:  # this rank had one group: its sync call has no groups, so sync an empty contribution
             res = sp.backward(model, mine[:1], lambda b: (b.logprobs * 0.0).sum(), max_tokens=BUDGET)
     else:
-        res = sp.backward(model, mine, loss_fn, max_tokens=BUDGET, prefix_activations="recompute",
-                          grad_reduction="mean" if kind.endswith("mean") else "sum")
+        mode = {} if kind == "fsdp_units" else {"prefix_activations": "recompute"}  # FSDP2's default: its mode
+        res = sp.backward(model, mine, loss_fn, max_tokens=BUDGET, grad_reduction="mean" if kind.endswith("mean") else
+                          "sum", **mode)
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad

@@ -128,7 +128,7 @@ def backward(
     groups,
     loss_fn,
     max_tokens: int | None = None,
-    prefix_activations: str = "keep",
+    prefix_activations: str | None = None,
     temperature: float = 1.0,
     entropy: bool = False,
     backend: str = "auto",
@@ -149,16 +149,19 @@ def backward(
         prefix_activations: what happens to a split prompt's activations while its completions
             run: "keep" (held), "offload" (moved to ``offload_device`` by saved-tensor hooks and
             brought back for its backward) or "recompute" (the prompt runs without a graph first
-            and again with grad at the end). All three give the same gradient. FSDP2 needs
-            "recompute" (its deferred backward must run inside the root module's call).
+            and again with grad at the end). All three give the same gradient. None (default):
+            "keep", or "recompute" on an FSDP2 model, the only mode FSDP2 can run (a prompt's
+            deferred backward must run inside the root module's call).
         sync: under DDP / FSDP2, synchronise the gradients of this call over the ranks (once, at
             its end). Pass False for all but the last call of an optimizer step to accumulate.
         grad_reduction: "sum" (default: each rank's loss uses global normalisers, so the global
             loss is the sum over ranks) or "mean" (the average over ranks, DDP's convention).
     """
+    if prefix_activations is None:  # the default: "keep", or the mode FSDP2 needs
+        prefix_activations = "recompute" if detect(model, unwrap(model)).fsdp else "keep"
     if prefix_activations not in PREFIX_MODES:
         raise ValueError(
-            f"prefix_activations={prefix_activations!r}; expected one of {PREFIX_MODES}: 'keep' holds the prompt's "
+            f"prefix_activations={prefix_activations!r}; expected one of {PREFIX_MODES} or None: 'keep' holds the prompt's "
             "activations, 'offload' moves them to host memory, 'recompute' recomputes them at the end."
         )
     if grad_reduction not in REDUCTIONS:
