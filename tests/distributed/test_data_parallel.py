@@ -103,4 +103,14 @@ def test_a_refusal_on_one_rank_stops_every_rank(kind, tmp_path):
     and the reason, before any collective of the call (no hang: the launch would time out)."""
     msgs = _launch(kind, tmp_path)["messages"]
     assert msgs[1].startswith("ValueError") and "outside the model's vocabulary" in msgs[1]
-    assert msgs[0].startswith("RuntimeError: rank 1 stopped this sharedprefix call") and "vocabulary" in msgs[0]
+    assert msgs[0].startswith("RuntimeError: rank 1 stopped before any computation of this sharedprefix call")
+    assert "vocabulary" in msgs[0] and all(m.endswith("grads left: 0") for m in msgs)
+
+
+def test_ddp_an_error_mid_call_on_one_rank_stops_every_rank(tmp_path):
+    """Rank 1's loss is NaN on its second pass: under DDP (no collective during the passes) the ranks agree before
+    the gradient all-reduce; both raise, and neither keeps a partial gradient."""
+    msgs = _launch("ddp_midfail", tmp_path)["messages"]
+    assert msgs[1].startswith("ValueError") and "expected a finite value" in msgs[1]
+    assert msgs[0].startswith("RuntimeError: rank 1 stopped during this sharedprefix call") and "finite" in msgs[0]
+    assert all(m.endswith("grads left: 0") for m in msgs)

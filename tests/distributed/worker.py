@@ -96,13 +96,20 @@ def main(kind, out):
             fully_shard(layer, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
     loss_fn = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()  # noqa: E731
-    if kind.endswith("_refuse"):  # rank 1 gives a token id outside the vocabulary: every rank must stop, none hang
-        bad = [sp.Group([1, 2, 500], [[3]])] if rank == 1 else mine
+    if kind.endswith("_refuse") or kind == "ddp_midfail":  # rank 1 fails: every rank must stop, none hang
+        calls = []
+
+        def failing(b):  # rank 1: a NaN loss on its second pass, after a first pass accumulated gradients
+            calls.append(1)
+            return loss_fn(b) * (float("nan") if rank == 1 and len(calls) == 2 else 1.0)
+
+        bad = [sp.Group([1, 2, 500], [[3]])] if rank == 1 and kind.endswith("_refuse") else mine
         try:
-            sp.backward(model, bad, loss_fn, max_tokens=BUDGET, prefix_activations="recompute")
+            sp.backward(model, bad, failing, max_tokens=BUDGET, prefix_activations="recompute")
             msg = "no error"
         except (ValueError, RuntimeError) as e:
             msg = f"{type(e).__name__}: {e}"
+        msg += f" | grads left: {sum(p.grad is not None for p in model.parameters())}"
         msgs = [None] * world
         dist.all_gather_object(msgs, msg)
         if rank == 0:

@@ -71,10 +71,10 @@ class Parallel:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return [int(x) for x in t.tolist()]
 
-    def agree_on_error(self, error: BaseException | None) -> None:
-        """Under DDP / FSDP2, every rank learns whether any rank failed before the call's first collective, and all
-        raise together (the failing rank its own error, the others one naming it) instead of waiting in a collective
-        the failed rank never joins."""
+    def agree_on_error(self, error: BaseException | None, where: str = "before any computation of") -> None:
+        """Under DDP / FSDP2, every rank learns whether any rank failed before the next collective (the call's first,
+        or DDP's gradient all-reduce at its end), and all raise together (the failing rank its own error, the others
+        one naming it) instead of waiting in a collective the failed rank never joins."""
         if self.kind == "none" or self.world_size == 1:
             if error is not None:
                 raise error
@@ -87,8 +87,8 @@ class Parallel:
         if failed:
             r, m = failed[0]
             raise RuntimeError(
-                f"rank {r} stopped this sharedprefix call before any computation ({m}); every rank stops with it "
-                "instead of waiting in a collective that rank would never join."
+                f"rank {r} stopped {where} this sharedprefix call ({m}); every rank stops with it instead of waiting "
+                "in a collective that rank would never join."
             )
 
     def set_sync(self, enabled: bool) -> None:

@@ -198,8 +198,15 @@ def backward(
     tx = GradTransaction(run.model, ddp=par.kind == "ddp")
     total, calls = 0.0, 0
     try:
-        total, calls = run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
+        error = None
+        try:
+            total, calls = run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
+        except Exception as e:  # under DDP the passes run no collective: agree before the all-reduce below
+            if par.kind != "ddp" or not sync:
+                raise
+            error = e
         if par.kind == "ddp" and sync:
+            par.agree_on_error(error, where="during")
             par.all_reduce_grads(run.model)
             if grad_reduction == "mean":
                 for p in run.model.parameters():
