@@ -45,3 +45,7 @@ trainer = SharedPrefixGRPOTrainer(model=model, reward_funcs=reward, args=args, t
 trainer.train()
 if trainer.accelerator.is_main_process:
     print(f"done: {trainer.state.global_step} steps on {trainer.accelerator.num_processes} process(es)")
+if torch.distributed.is_available() and torch.distributed.is_initialized():
+    # leave the process group before the interpreter exits: gloo's threads torn down at exit can abort the process
+    trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()

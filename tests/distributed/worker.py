@@ -80,8 +80,8 @@ def main(kind, out):
         model = torch.nn.parallel.DistributedDataParallel(model)
         orig = dist.all_reduce
 
-        def counting(*a, **k):
-            calls["all_reduce"] += 1
+        def counting(*a, **k):  # gradient all-reduces (the one-element error flags agreed on per call aside)
+            calls["all_reduce"] += int(a[0].numel() > 1)
             return orig(*a, **k)
 
         dist.all_reduce = counting
@@ -97,11 +97,11 @@ def main(kind, out):
         fully_shard(model, reshard_after_forward=reshard)
     loss_fn = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()  # noqa: E731
     if kind.endswith("_refuse") or kind == "ddp_midfail":  # rank 1 fails: every rank must stop, none hang
-        calls = []
+        seen = []
 
         def failing(b):  # rank 1: a NaN loss on its second pass, after a first pass accumulated gradients
-            calls.append(1)
-            return loss_fn(b) * (float("nan") if rank == 1 and len(calls) == 2 else 1.0)
+            seen.append(1)
+            return loss_fn(b) * (float("nan") if rank == 1 and len(seen) == 2 else 1.0)
 
         bad = [sp.Group([1, 2, 500], [[3]])] if rank == 1 and kind.endswith("_refuse") else mine
         try:

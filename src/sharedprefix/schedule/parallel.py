@@ -79,6 +79,10 @@ class Parallel:
             if error is not None:
                 raise error
             return
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=_comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one tiny collective when nothing failed (the common case)
+        if not int(flag.item()):
+            return
         msgs = [None] * self.world_size
         dist.all_gather_object(msgs, None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
