@@ -49,13 +49,20 @@ def make_groups(n_groups, prompt_len, completion_len, group_size, vocab=32000, s
     ]
 
 
+def text_flops(cfg, tokens: float, pairs: float, predicted: float, head_dim: int | None = None) -> float:
+    """Forward+backward FLOPs (3x forward) of a decoder: its linear layers per computed token, attention per
+    (query, key) pair, the LM head per predicted token. ``head_dim`` for configs that do not state it."""
+    d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    h, hkv, V = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
+    hd = head_dim or cfg.head_dim
+    per_tok = 2 * L * (d * hd * (2 * h + 2 * hkv) + 3 * d * f)
+    per_pair = 4 * L * h * hd
+    return 3.0 * (tokens * per_tok + pairs * per_pair + predicted * 2 * d * V)
+
+
 def flops(cfg, groups, shared: bool, head: bool = True) -> float:
     """Forward+backward FLOPs (3x forward): linear layers per token, attention per needed (query, key)
     pair, and (if ``head``) the LM head per predicted token, which both runs compute equally."""
-    d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    hd, h, hkv, V = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
-    per_tok = 2 * L * (d * hd * (2 * h + 2 * hkv) + 3 * d * f)
-    per_pair = 4 * L * h * hd
     tokens = pairs = predicted = 0
     for g in groups:
         p = g.prompt.numel()
@@ -71,7 +78,7 @@ def flops(cfg, groups, shared: bool, head: bool = True) -> float:
         if shared:
             tokens += p
             pairs += p * (p + 1) / 2
-    return 3.0 * (tokens * per_tok + pairs * per_pair + (predicted * 2 * d * V if head else 0))
+    return text_flops(cfg, tokens, pairs, predicted if head else 0)
 
 
 def _rows_batch(rows):

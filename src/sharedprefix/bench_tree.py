@@ -39,14 +39,10 @@ def agentic(system=4096, prompts=8, prompt_len=512, G=8, completion=256, vocab=3
 
 def tree_flops(cfg, tree: SegmentTree) -> float:
     """Forward+backward FLOPs (3x forward) of computing ``tree``: every segment once."""
-    d, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    hd, h, hkv, V = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size
-    per_tok = 2 * L * (d * hd * (2 * h + 2 * hkv) + 3 * d * f)
-    per_pair = 4 * L * h * hd
     tokens = sum(s.length for s in tree.segments)
     pairs = sum((s.end * (s.end + 1) - s.start * (s.start + 1)) // 2 for s in tree.segments)  # position p sees p + 1
     predicted = sum(s.n_computed for s in tree.segments)
-    return 3.0 * (tokens * per_tok + pairs * per_pair + predicted * 2 * d * V)
+    return bench.text_flops(cfg, tokens, pairs, predicted)
 
 
 def _loss(b):

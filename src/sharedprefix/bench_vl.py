@@ -16,6 +16,7 @@ import time
 import torch
 
 import sharedprefix as sp
+from sharedprefix import bench
 
 IMAGE, V_START, V_END = 31990, 31991, 31992
 
@@ -71,10 +72,6 @@ def flops(model, group, shared: bool) -> float:
     tower (patch embedding, blocks with their attention over the image's patches, merger), run once (shared) or
     once per completion (plain). An estimate from the shapes, the same formula for both runs."""
     t, v = model.config.text_config, model.config.vision_config
-    d, f, L, V = t.hidden_size, t.intermediate_size, t.num_hidden_layers, t.vocab_size
-    hd = d // t.num_attention_heads
-    per_tok = 2 * L * (d * hd * (2 * t.num_attention_heads + 2 * t.num_key_value_heads) + 3 * d * f)
-    per_pair = 4 * L * t.num_attention_heads * hd
     P, G = group.prompt.numel(), group.group_size
     Ts = [c.numel() for c in group.completions]
     if shared:
@@ -85,8 +82,8 @@ def flops(model, group, shared: bool) -> float:
     vd, mlp = v.embed_dim, int(v.embed_dim * v.mlp_ratio)
     vision = n * 2 * 3 * 2 * 14 * 14 * vd + v.depth * (n * 2 * (4 * vd * vd + 2 * vd * mlp) + n * n * 4 * vd)
     vision += (n // 4) * 2 * (4 * vd * 4 * vd + 4 * vd * v.hidden_size)
-    head = sum(Ts) * 2 * d * V
-    return 3.0 * (tokens * per_tok + pairs * per_pair + head + vision * (1 if shared else G))
+    text = bench.text_flops(t, tokens, pairs, sum(Ts), head_dim=t.hidden_size // t.num_attention_heads)
+    return text + 3.0 * vision * (1 if shared else G)
 
 
 def _timed(fn):
