@@ -119,6 +119,17 @@ class Group:
         return f"Group(prompt_len={self.prompt.numel()}, completion_lens={lens}{extra})"
 
 
+def check_in_vocab(ids: torch.Tensor, vocab_size: int, what: str) -> None:
+    """Raise ValueError when a token id of ``ids`` lies outside ``[0, vocab_size)``; ``what`` names the sequence."""
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"{what} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}). The ids must come from "
+            "the model's own tokenizer; check that tokenizer and model match."
+        )
+
+
 def validate_groups(groups, vocab_size: int | None = None) -> list[Group]:
     """Check a list of groups (and token ids against ``vocab_size``); return it as a list."""
     if isinstance(groups, Group):
@@ -135,12 +146,6 @@ def validate_groups(groups, vocab_size: int | None = None) -> list[Group]:
             )
         if vocab_size is not None:
             for what, ids in [("prompt", g.prompt)] + [(f"completions[{i}]", c) for i, c in enumerate(g.completions)]:
-                lo, hi = int(ids.min()), int(ids.max())
-                if lo < 0 or hi >= vocab_size:
-                    bad = lo if lo < 0 else hi
-                    raise ValueError(
-                        f"groups[{gi}].{what} holds token id {bad}, outside the model's vocabulary [0, {vocab_size}). "
-                        "The ids must come from the model's own tokenizer; check that tokenizer and model match."
-                    )
+                check_in_vocab(ids, vocab_size, f"groups[{gi}].{what}")
         out.append(g)
     return out

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sharedprefix.layout.groups import _as_ids
+from sharedprefix.layout.groups import _as_ids, check_in_vocab
 
 
 def _as_mask(value, n: int, what: str) -> torch.Tensor:
@@ -87,10 +87,4 @@ class Tree:
         if not self.rows:
             raise ValueError("the tree has no rows (a shard with nothing on this rank?); expected at least one row.")
         for i, r in enumerate(self.rows):
-            lo, hi = int(r.min()), int(r.max())
-            if lo < 0 or hi >= vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(
-                    f"rows[{i}] holds token id {bad}, outside the model's vocabulary [0, {vocab_size}). The ids must "
-                    "come from the model's own tokenizer; check that tokenizer and model match."
-                )
+            check_in_vocab(r, vocab_size, f"rows[{i}]")
