@@ -78,3 +78,21 @@ def assert_grads_close(got, want, rtol):
         err = (got[n] - want[n]).abs().max() / scale
         assert err <= rtol, f"{n}: relative error {float(err):.3g} > {rtol}"
 
+
+
+# groups whose tree has a long prompt (cut into chains by a budget), a one-token prompt and several completions
+TREE_GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group([3], [[7, 7, 7, 7]]),
+               sp.Group([9, 8, 7, 6], [[1], [2]])]
+
+
+def tree_mask(tree, window=None) -> torch.Tensor:
+    """(T, T) bool over every token of ``tree`` (segments in id order): which keys each query may attend to, built
+    from the definition (ancestors whole, own segment causally, positions within the window). Tests only."""
+    seg = torch.cat([torch.full((s.length,), s.id) for s in tree.segments])
+    pos = torch.cat([torch.arange(s.start, s.end) for s in tree.segments])
+    anc = [set(tree.ancestors(s.id)) for s in tree.segments]
+    is_anc = torch.tensor([[b in anc[a] for b in range(len(anc))] for a in range(len(anc))])
+    ok = is_anc[seg[:, None], seg[None, :]] | ((seg[:, None] == seg[None, :]) & (pos[None] <= pos[:, None]))
+    if window is not None:
+        ok &= (pos[:, None] - pos[None]) < window
+    return ok

@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sharedprefix as sp
+from helpers import TREE_GROUPS, tree_mask
 from sharedprefix.attention import kernels
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout import SegmentTree, pack_row
@@ -102,13 +103,7 @@ def test_cpu_primitive_in_float32_and_bfloat16_stays_near_float64():
 
 def _tree_reference(tree, qf, kf, vf, window, scale):
     """Explicit attention over every token of the tree (test only: a full mask from the tree)."""
-    seg_of = torch.cat([torch.full((s.length,), s.id) for s in tree.segments])
-    pos = torch.cat([torch.arange(s.start, s.end) for s in tree.segments])
-    anc = [set(tree.ancestors(s.id)) for s in tree.segments]
-    is_anc = torch.tensor([[b in anc[a] for b in range(len(anc))] for a in range(len(anc))])
-    allowed = is_anc[seg_of[:, None], seg_of[None, :]] | ((seg_of[:, None] == seg_of[None, :]) & (pos[None] <= pos[:, None]))
-    if window is not None:
-        allowed &= (pos[:, None] - pos[None]) < window
+    allowed = tree_mask(tree, window)
     return _dense(qf, kf, vf, allowed, scale)[0]
 
 
@@ -141,8 +136,6 @@ def _check_cascade(impl, groups, prompt_chunk, row_of, window, seed=0, h=4, hkv=
     return row
 
 
-GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group([3], [[7, 7, 7, 7]]),
-          sp.Group([9, 8, 7, 6], [[1], [2]])]
 
 
 @pytest.mark.parametrize("impl", IMPLS, ids=lambda c: c.name)
@@ -151,19 +144,19 @@ GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group([3], 
 @pytest.mark.parametrize("cached", [False, True], ids=["in_row", "cached_prompts"])
 def test_cascade_equals_explicit_tree_attention(impl, window, prompt_chunk, cached):
     row_of = (lambda s: s.completion is not None or s.group == 1) if cached else (lambda s: True)
-    _check_cascade(impl, GROUPS, prompt_chunk, row_of, window)
+    _check_cascade(impl, TREE_GROUPS, prompt_chunk, row_of, window)
 
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_repeated_prefix_comparison_layout_is_exact_too(window):
     """The benchmark's Prefix-Grouper-style layout (prefix K/V gathered per completion) computes the same."""
-    _check_cascade(kernels.CPU, GROUPS, 4, lambda s: s.completion is not None or s.group == 1, window,
+    _check_cascade(kernels.CPU, TREE_GROUPS, 4, lambda s: s.completion is not None or s.group == 1, window,
                    repeat_prefix=True)
 
 
 def test_cascade_with_latent_attention_head_sizes():
-    _check_cascade(kernels.CPU, GROUPS, 4, lambda s: True, None, d=12, dv=8)
-    _check_cascade(kernels.CPU, GROUPS, 4, lambda s: True, 3, d=8, dv=12)
+    _check_cascade(kernels.CPU, TREE_GROUPS, 4, lambda s: True, None, d=12, dv=8)
+    _check_cascade(kernels.CPU, TREE_GROUPS, 4, lambda s: True, 3, d=8, dv=12)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

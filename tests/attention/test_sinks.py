@@ -4,24 +4,15 @@ the cascade's log-sum-exp, against explicit float64 attention with the sink as o
 import pytest
 import torch
 
-import sharedprefix as sp
+from helpers import TREE_GROUPS, tree_mask
 from sharedprefix.attention import kernels
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout import SegmentTree, pack_row
 
-GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group([3], [[7, 7, 7, 7]]),
-          sp.Group([9, 8, 7, 6], [[1], [2]])]
-
 
 def _explicit(tree, q, k, v, sinks, window, scale):
     """(T, H, Dv) attention over the whole tree with a full mask and the sink as an extra, value-less logit."""
-    seg = torch.cat([torch.full((s.length,), s.id) for s in tree.segments])
-    pos = torch.cat([torch.arange(s.start, s.end) for s in tree.segments])
-    anc = [set(tree.ancestors(s.id)) for s in tree.segments]
-    is_anc = torch.tensor([[b in anc[a] for b in range(len(anc))] for a in range(len(anc))])
-    ok = is_anc[seg[:, None], seg[None, :]] | ((seg[:, None] == seg[None, :]) & (pos[None] <= pos[:, None]))
-    if window is not None:
-        ok &= (pos[:, None] - pos[None]) < window
+    ok = tree_mask(tree, window)
     n = q.shape[1] // k.shape[1]
     s = torch.einsum("ihd,jhd->hij", q, k.repeat_interleave(n, 1)) * scale
     s = s.masked_fill(~ok, float("-inf"))
@@ -36,7 +27,7 @@ def _explicit(tree, q, k, v, sinks, window, scale):
 @pytest.mark.parametrize("dims", [(6, 6), (12, 8)], ids=["d6", "latent_d12_dv8"])
 def test_sinks_merge_exactly_into_the_cascade(impl, window, cached, dims):
     d, dv = dims
-    tree = SegmentTree(GROUPS, prompt_chunk=4)
+    tree = SegmentTree(TREE_GROUPS, prompt_chunk=4)
     start, off = {}, 0
     for s in tree.segments:
         start[s.id] = off
@@ -68,7 +59,7 @@ def test_sinks_merge_exactly_into_the_cascade(impl, window, cached, dims):
 
 def test_sinks_change_the_result():
     """The check above is not vacuous: without the sinks the attention differs by far more than its tolerance."""
-    tree = SegmentTree(GROUPS)
+    tree = SegmentTree(TREE_GROUPS)
     t = sum(s.length for s in tree.segments)
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(t, 2, 4, generator=g, dtype=torch.float64) for _ in range(3))
