@@ -127,8 +127,8 @@ def test_cuda_cascade_matches_cpu_cascade(window):
     assert (got.double().cpu() - want).abs().max() < 3e-2
 
 
-def _bf16_rule(model64, groups, fn):
-    model16 = tiny_model("qwen3", dtype=torch.bfloat16).cuda()
+def _bf16_rule(model64, groups, fn, arch="qwen3", **kw):
+    model16 = tiny_model(arch, dtype=torch.bfloat16, **kw).cuda()
     model16.load_state_dict({k: v.bfloat16() for k, v in model64.state_dict().items()})
     exact, _ = plain_logprobs(model64, groups)
     with torch.no_grad():
@@ -152,10 +152,49 @@ def _backward_logprobs(model, groups, mode):
     return torch.stack([got[i] for i in range(len(got))])
 
 
-def test_logprobs_and_backward_bf16_within_twice_plain_error():
+def _grad_vector(model, names):
+    return torch.cat([model.get_parameter(n).grad.double().cpu().flatten() for n in names])
+
+
+@pytest.mark.parametrize("mode", ["keep", "offload", "recompute"])
+def test_backward_gradients_bf16_within_twice_plain_error(mode):
+    """Parameter gradients of sum(log-probs) by the 2x rule: |ours - float64| <= 2 |plain bf16 - float64|, over
+    all parameters together (L2), and each parameter tensor within 4x of the plain bf16 error (plus a quarter
+    of one bf16 rounding of its largest entry, for tensors whose plain error is near zero)."""
     model64 = tiny_model("qwen3", dtype=torch.float64)
+    groups = random_groups(5, 3, [300, 7, 180], [[120, 3, 90, 9], [20], [5, 50, 5, 1, 160]])
+    names = [n for n, _ in model64.named_parameters()]
+    plain_logprobs(model64, groups)[0].sum().backward()
+    exact = torch.cat([p.grad.flatten() for _, p in model64.named_parameters()])
+    model16 = tiny_model("qwen3", dtype=torch.bfloat16).cuda()
+    model16.load_state_dict({k: v.bfloat16() for k, v in model64.state_dict().items()})
+    plain_logprobs(model16, groups)[0].sum().backward()
+    plain16 = _grad_vector(model16, names)
+    model16.zero_grad(set_to_none=True)
+    sp.backward(model16, groups, lambda b: (b.logprobs * b.mask).sum(), max_tokens=256, prefix_activations=mode)
+    ours = _grad_vector(model16, names)
+    plain_err, ours_err = (plain16 - exact).norm(), (ours - exact).norm()
+    assert ours_err <= 2 * plain_err, (float(ours_err), float(plain_err))
+    worst, a = [], 0
+    for n, p in model64.named_parameters():
+        sl = slice(a, a + p.numel())
+        a += p.numel()
+        floor = 1e-3 * exact[sl].abs().max()  # a quarter of one bf16 rounding of the tensor's largest entry
+        worst.append((float((ours[sl] - exact[sl]).abs().max() / ((plain16[sl] - exact[sl]).abs().max() + floor)), n))
+    assert max(worst)[0] <= 4, sorted(worst)[-3:]
+
+
+# qwen3 with head_dim 12 (padded to 16 for flash) and with head_dim 128 (real models'); mistral with a window
+MODELS = {"qwen3": ("qwen3", {}), "qwen3_d128": ("qwen3", {"head_dim": 128}),
+          "mistral_window": ("mistral", {"sliding_window": 64})}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_logprobs_and_backward_bf16_within_twice_plain_error(model):
+    arch, kw = MODELS[model]
+    model64 = tiny_model(arch, dtype=torch.float64, **kw)
     groups = random_groups(4, 3, [300, 7, 180], [[120, 3, 90, 9], [20], [5, 50, 5, 1, 160]])
     with torch.no_grad():
-        _bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups).logprobs)
+        _bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups).logprobs, arch, **kw)
     for mode in ("keep", "offload", "recompute"):
-        _bf16_rule(model64, groups, lambda m, mode=mode: _backward_logprobs(m, groups, mode))
+        _bf16_rule(model64, groups, lambda m, mode=mode: _backward_logprobs(m, groups, mode), arch, **kw)

@@ -119,7 +119,25 @@ def _gpu(args):
               f"{t['plain'] / t['ours']:>6.2f}x {t['pg'] / t['ours']:>5.2f}x {fr:>5.2f}x "
               f"{'yes' if t['plain'] / t['ours'] >= 0.8 * fr else 'NO':>8} | {m['plain'] / MB:>9.0f} {m['pg'] / MB:>7.0f} "
               f"{m['ours'] / MB:>8.0f} {m['ours'] / m['plain']:>10.3f}", flush=True)
+    _gpu_modes(model, args.repeats)
     return 0
+
+
+def _gpu_modes(model, repeats, P=8192, T=1024, G=16):
+    """The cross-microbatch schedule on the GPU: one group in passes of 4 completions (budget P + 4T), each
+    prefix_activations mode against one pass, time and peak memory."""
+    groups = [bench.make_groups(1, P, T, G, vocab=151936)[0]]
+    budget = P + 4 * T
+    print(f"\nschedule: P={P}, T={T}, G={G}, budget {budget} tokens ({G // 4} passes); one pass = no budget")
+    print(f"{'mode':>10} | {'s':>7} {'x one pass':>10} | {'peak MiB':>8} {'x one pass':>10}", flush=True)
+    base = None
+    for mode, mt in (("one pass", None), ("keep", budget), ("offload", budget), ("recompute", budget)):
+        fn = lambda mode=mode, mt=mt: bench.shared_step(model, groups, max_tokens=mt,  # noqa: E731
+                                                        mode="keep" if mt is None else mode)
+        t, m = bench.best_time(fn, repeats), bench.cuda_peak(fn)[1]
+        torch.cuda.empty_cache()
+        base = base or (t, m)
+        print(f"{mode:>10} | {t:>7.3f} {t / base[0]:>10.2f} | {m / MB:>8.0f} {m / base[1]:>10.3f}", flush=True)
 
 
 def _speed(args):
