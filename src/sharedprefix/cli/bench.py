@@ -82,7 +82,7 @@ def run(args):
     return _speed(args)
 
 
-def _gpu(args):
+def _gpu(args, grid=None):
     """The GPU grid: Qwen3-4B layer shapes, bf16, forward+backward; plain, Prefix-Grouper-style, sharedprefix."""
     model = bench.bench_model(dtype=torch.bfloat16, **{**bench.GPU_MODEL, "num_hidden_layers": args.layers})
     model = model.to(args.device)
@@ -95,10 +95,11 @@ def _gpu(args):
     print(f"{'P':>5} {'T':>5} {'G':>3} | {'plain s':>8} {'PG s':>8} {'ours s':>8} | {'x plain':>7} {'x PG':>6} "
           f"{'FLOP x':>6} {'0.8 FLOP':>8} | {'mem plain':>9} {'mem PG':>7} {'mem ours':>8} {'ours/plain':>10}",
           flush=True)
-    grid = [(P, T, G) for P in (4096, 8192) for T in (512, 1024) for G in (8, 16)]
+    grid = grid or [(P, T, G) for P in (4096, 8192) for T in (512, 1024) for G in (8, 16)]
     for P, T, G in grid:
         groups = [bench.make_groups(1, P, T, G, vocab=151936)[0]]
-        runs = {"plain": lambda groups=groups: bench.plain_step(model, groups),
+        plain_rows = {"n": G}  # rows per plain microbatch: the whole group, halved while it does not fit the GPU
+        runs = {"plain": lambda groups=groups, n=plain_rows, row=P + T: bench.plain_step(model, groups, n["n"] * row),
                 "ours": lambda groups=groups: bench.shared_step(model, groups)}
 
         def pg(groups=groups):
@@ -108,17 +109,23 @@ def _gpu(args):
         runs["pg"] = pg
         t, m = {}, {}
         for key, fn in runs.items():
-            try:
-                t[key] = bench.best_time(fn, args.repeats)
-                m[key] = bench.cuda_peak(fn)[1]
-            except torch.OutOfMemoryError:
-                t[key] = m[key] = float("nan")
-            torch.cuda.empty_cache()
+            while key not in t:
+                try:
+                    t[key] = bench.best_time(fn, args.repeats)
+                    m[key] = bench.cuda_peak(fn)[1]
+                except torch.OutOfMemoryError:
+                    if key != "plain" or plain_rows["n"] == 1:
+                        t[key] = m[key] = float("nan")
+                    else:
+                        plain_rows["n"] //= 2
+                torch.cuda.empty_cache()
         fr = bench.flops(model.config, groups, False) / bench.flops(model.config, groups, True)
         print(f"{P:>5} {T:>5} {G:>3} | {t['plain']:>8.3f} {t['pg']:>8.3f} {t['ours']:>8.3f} | "
               f"{t['plain'] / t['ours']:>6.2f}x {t['pg'] / t['ours']:>5.2f}x {fr:>5.2f}x "
               f"{'yes' if t['plain'] / t['ours'] >= 0.8 * fr else 'NO':>8} | {m['plain'] / MB:>9.0f} {m['pg'] / MB:>7.0f} "
-              f"{m['ours'] / MB:>8.0f} {m['ours'] / m['plain']:>10.3f}", flush=True)
+              f"{m['ours'] / MB:>8.0f} {m['ours'] / m['plain']:>10.3f}"
+              + (f"  (plain in microbatches of {plain_rows['n']} rows: {G} did not fit)" if plain_rows["n"] < G else ""),
+              flush=True)
     _gpu_modes(model, args.repeats)
     return 0
 
