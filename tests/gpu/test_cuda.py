@@ -17,8 +17,11 @@ from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout import SegmentTree, pack_row
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-CASES = {  # name -> (queries per entry, keys per entry, causal, window, D, Dv); 8 query heads, 2 KV heads
+CASES = {  # name -> (queries per entry, keys per entry, causal, window, D, Dv[, KV heads]); 8 query heads, 2 KV heads
     "causal": ([5, 1, 300, 7], [5, 1, 300, 7], True, None, 128, 128),
+    "causal_mha": ([5, 1, 300, 7], [5, 1, 300, 7], True, None, 128, 128, 8),
+    "dense_d64": ([9, 130], [40, 700], False, None, 64, 64),
+    "causal_d12": ([5, 60], [5, 60], True, None, 12, 12),
     "dense": ([4, 9, 130], [6, 2, 700], False, None, 128, 128),
     "causal_window": ([300, 1, 12], [300, 1, 12], True, 63, 128, 128),
     # max_seqlen_q == 1 with GQA and an entry without queries: flash's single-query path must not be taken
@@ -59,29 +62,35 @@ def _math_entries(q, k, v, lq, lk, causal, window, scale):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("name", ["cuda", "flash_attn"])
+CUDNN_CASES = {"causal", "causal_mha", "dense", "dense_d64", "causal_d12"}  # the others go to flash under "cudnn"
+
+
+@pytest.mark.parametrize("name", ["cuda", "cudnn", "flash_attn"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
     if name == "flash_attn":
         pytest.importorskip("flash_attn")
     impl = kernels.select(name, torch.device("cuda"))
-    lq, lk, causal, window, d, dv = CASES[case]
+    lq, lk, causal, window, d, dv, *hkv = CASES[case]
+    hkv = hkv[0] if hkv else 2
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(sum(lq), 8, d, device="cuda", generator=g, dtype=torch.float64)
-    k = torch.randn(sum(lk), 2, d, device="cuda", generator=g, dtype=torch.float64)
-    v = torch.randn(sum(lk), 2, dv, device="cuda", generator=g, dtype=torch.float64)
+    k = torch.randn(sum(lk), hkv, d, device="cuda", generator=g, dtype=torch.float64)
+    v = torch.randn(sum(lk), hkv, dv, device="cuda", generator=g, dtype=torch.float64)
     q16, k16, v16 = (x.bfloat16().requires_grad_(True) for x in (q, k, v))
     scale = d ** -0.5
     ref, ref_lse = kernels.Reference.forward(q16.double(), k16.double(), v16.double(), _cu(lq), _cu(lk), max(lq),
                                              max(lk), causal, window, scale)
     out, lse, *aux = impl.forward(q16.detach(), k16.detach(), v16.detach(), _cu(lq), _cu(lk), max(lq), max(lk),
                                   causal, window, scale)
+    if name == "cudnn":
+        assert aux[0][0] == ("cudnn" if case in CUDNN_CASES else "flash")
     plain = _math_entries(q16, k16, v16, lq, lk, causal, window, scale)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (sum(lq), 8)
     assert out.shape == (sum(lq), 8, dv)
     assert (lse.double() - ref_lse).abs().max() < 1e-3
     assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
-    dout = torch.randn_like(out)
+    dout = torch.randn(out.shape, device="cuda", generator=g, dtype=torch.float64).bfloat16()
     plain.backward(dout)
     rq, rk, rv = kernels.Reference.backward(dout.double(), q16.double(), k16.double(), v16.double(), ref, ref_lse,
                                             _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
@@ -111,7 +120,7 @@ def test_cuda_head_padding_changes_nothing():
         assert (a - b).abs().max() <= 2**-8 * a.abs().max(), float((a - b).abs().max())
 
 
-@pytest.mark.parametrize("name", ["cuda", "flash_attn"])
+@pytest.mark.parametrize("name", ["cuda", "cudnn", "flash_attn"])
 def test_cuda_primitive_rows_without_keys(name):
     """Queries that see no key (causal with more queries than keys; an entry with no keys): out 0 and LSE -inf
     (flash itself writes +inf), and a backward given that LSE gives them zero gradient, not NaN."""
@@ -140,8 +149,9 @@ def test_cuda_primitive_rows_without_keys(name):
     assert bool((got[0][none.all(1)] == 0).all())
 
 
+@pytest.mark.parametrize("impl", [kernels.CUDA, kernels.CuDNN], ids=["cuda", "cudnn"])
 @pytest.mark.parametrize("window", [None, 3])
-def test_cuda_cascade_matches_cpu_cascade(window):
+def test_cuda_cascade_matches_cpu_cascade(window, impl):
     """The same cascade (chains, several groups, cached prompts) on CUDA bf16 vs the CPU float64 run."""
     tree = SegmentTree([sp.Group(list(range(1, 40)), [[1] * 9, [2] * 3]), sp.Group([3, 4], [[5] * 17])], prompt_chunk=16)
     row = pack_row(tree, [s.id for s in tree.segments], set())
@@ -149,8 +159,15 @@ def test_cuda_cascade_matches_cpu_cascade(window):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, L, 64, generator=g, dtype=torch.float64) for h in (8, 2, 2))
     want = cascade_attention(kernels.CPU, row.cascade(window), q, k, v, None, 0.125)
-    got = cascade_attention(kernels.CUDA, row.cascade(window), *(x.cuda().bfloat16() for x in (q, k, v)), None, 0.125)
+    qkv = [x.cuda().bfloat16().requires_grad_(True) for x in (q, k, v)]
+    got = cascade_attention(impl, row.cascade(window), *qkv, None, 0.125)
     assert (got.double().cpu() - want).abs().max() < 3e-2
+    q64, k64, v64 = (x.clone().requires_grad_(True) for x in (q, k, v))
+    dout = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    cascade_attention(kernels.CPU, row.cascade(window), q64, k64, v64, None, 0.125).backward(dout)
+    got.backward(dout.cuda().bfloat16())
+    for mine, ref in zip(qkv, (q64, k64, v64)):
+        assert (mine.grad.double().cpu() - ref.grad).abs().max() < 5e-2 * ref.grad.abs().max()
 
 
 def _bf16_rule(model64, groups, fn, arch="qwen3", **kw):
@@ -165,7 +182,7 @@ def _bf16_rule(model64, groups, fn, arch="qwen3", **kw):
     assert ours_err <= 2 * plain_err + 1e-6, (float(ours_err), float(plain_err))
 
 
-def _backward_logprobs(model, groups, mode):
+def _backward_logprobs(model, groups, mode, backend="auto"):
     """The log-probs sp.backward hands to the loss, batch by batch, put back in completion order."""
     got = {}
 
@@ -173,7 +190,7 @@ def _backward_logprobs(model, groups, mode):
         got.update({int(i): lp for i, lp in zip(b.index, b.logprobs.detach())})
         return (b.logprobs * b.mask).sum()
 
-    res = sp.backward(model, groups, loss, max_tokens=256, prefix_activations=mode)
+    res = sp.backward(model, groups, loss, max_tokens=256, prefix_activations=mode, backend=backend)
     assert res.peak_memory_bytes is not None and res.peak_memory_bytes > 0
     return torch.stack([got[i] for i in range(len(got))])
 
@@ -182,8 +199,9 @@ def _grad_vector(model, names):
     return torch.cat([model.get_parameter(n).grad.double().cpu().flatten() for n in names])
 
 
+@pytest.mark.parametrize("backend", ["auto", "cudnn"])
 @pytest.mark.parametrize("mode", ["keep", "offload", "recompute"])
-def test_backward_gradients_bf16_within_twice_plain_error(mode):
+def test_backward_gradients_bf16_within_twice_plain_error(mode, backend):
     """Parameter gradients of sum(log-probs) by the 2x rule: |ours - float64| <= 2 |plain bf16 - float64|, over
     all parameters together (L2), and each parameter tensor within 4x of the plain bf16 error (plus a quarter
     of one bf16 rounding of its largest entry, for tensors whose plain error is near zero)."""
@@ -197,7 +215,8 @@ def test_backward_gradients_bf16_within_twice_plain_error(mode):
     plain_logprobs(model16, groups)[0].sum().backward()
     plain16 = _grad_vector(model16, names)
     model16.zero_grad(set_to_none=True)
-    sp.backward(model16, groups, lambda b: (b.logprobs * b.mask).sum(), max_tokens=256, prefix_activations=mode)
+    sp.backward(model16, groups, lambda b: (b.logprobs * b.mask).sum(), max_tokens=256, prefix_activations=mode,
+                backend=backend)
     ours = _grad_vector(model16, names)
     plain_err, ours_err = (plain16 - exact).norm(), (ours - exact).norm()
     assert ours_err <= 2 * plain_err, (float(ours_err), float(plain_err))
@@ -215,12 +234,13 @@ MODELS = {"qwen3": ("qwen3", {}), "qwen3_d128": ("qwen3", {"head_dim": 128}),
           "mistral_window": ("mistral", {"sliding_window": 64})}
 
 
+@pytest.mark.parametrize("backend", ["auto", "cudnn"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_logprobs_and_backward_bf16_within_twice_plain_error(model):
+def test_logprobs_and_backward_bf16_within_twice_plain_error(model, backend):
     arch, kw = MODELS[model]
     model64 = tiny_model(arch, dtype=torch.float64, **kw)
     groups = random_groups(4, 3, [300, 7, 180], [[120, 3, 90, 9], [20], [5, 50, 5, 1, 160]])
     with torch.no_grad():
-        _bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups).logprobs, arch, **kw)
+        _bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups, backend=backend).logprobs, arch, **kw)
     for mode in ("keep", "offload", "recompute"):
-        _bf16_rule(model64, groups, lambda m, mode=mode: _backward_logprobs(m, groups, mode), arch, **kw)
+        _bf16_rule(model64, groups, lambda m, mode=mode: _backward_logprobs(m, groups, mode, backend), arch, **kw)
