@@ -152,8 +152,8 @@ def in_pass_step(model, groups, max_tokens):
     return tokens
 
 
-def shared_step(model, groups, max_tokens=None, mode="keep", backend="auto"):
-    return sp.backward(model, groups, _loss, max_tokens=max_tokens, prefix_activations=mode, backend=backend)
+def shared_step(model, groups, max_tokens=None, mode="keep"):
+    return sp.backward(model, groups, _loss, max_tokens=max_tokens, prefix_activations=mode)
 
 
 def _sync():

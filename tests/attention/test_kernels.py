@@ -174,21 +174,8 @@ def test_cascade_random_trees(spec, chunk, window, cache_prompts, seed):
     _check_cascade(kernels.CPU, groups, chunk, row_of, window, seed=seed)
 
 
-def test_cudnn_takes_only_the_calls_cudnn_computes_as_the_contract_says():
-    """cuDNN's causal mask is top-left aligned and its entries must hold queries and keys: anything else goes to
-    the flash kernels (the routing runs on CPU tensors too; the kernels themselves only on a GPU)."""
-    q, v = torch.zeros(10, 2, 64), torch.zeros(10, 1, 64)
-    takes = lambda lq, lk, causal, window=None, d=64: kernels.CuDNN.takes(  # noqa: E731
-        q[..., :d], v[..., :d], _cu(lq), _cu(lk), causal, window)
-    assert takes([3, 7], [3, 7], True) and takes([3, 7], [5, 9], False)
-    assert not takes([3, 7], [5, 9], True)  # rectangular causal: cuDNN would align it top-left
-    assert not takes([3, 7], [3, 7], True, window=4)  # no window in the cuDNN op
-    assert not takes([3, 0, 7], [3, 2, 7], False) and not takes([3, 7], [0, 9], False)  # an empty entry
-    assert not kernels.CuDNN.takes(torch.zeros(10, 2, 192), torch.zeros(10, 1, 128), _cu([10]), _cu([10]), True, None)
-
-
 def test_cuda_backends_refuse_float32_with_the_fix():
-    for name in ("auto", "cuda", "cudnn"):
+    for name in ("auto", "cuda"):
         with pytest.raises(ValueError, match="takes bfloat16 or float16 tensors, got torch.float32"):
             kernels.select(name, torch.device("cuda"), torch.float32)
 

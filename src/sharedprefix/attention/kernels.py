@@ -291,55 +291,6 @@ class CUDA:
         return _cut_last(dq, dh), _cut_last(dk, dh), _cut_last(dv, dvh)
 
 
-class CuDNN:
-    """cuDNN's fused attention through torch's varlen ops (``aten._cudnn_attention_forward/backward``, the kernels
-    SDPA picks for plain rows on Hopper), for the calls it takes: no window, every entry with queries and keys,
-    causal entries square (cuDNN's causal mask is top-left aligned; on a square entry that is the contract's), head
-    size at most 128. Any other call goes to ``CUDA`` (flash), and its backward follows the same route.
-
-    On the first H200 run the plain run's cuDNN attention ran at about 1.7x the FLOP rate of the flash kernels.
-    """
-
-    name = "cudnn"
-
-    @staticmethod
-    def takes(q, v, cu_q, cu_k, causal, window) -> bool:
-        if window is not None or _flash_dim(q, v) > 128:
-            return False
-        lq, lk = cu_q.diff(), cu_k.diff()
-        ok = (lq > 0).all() & (lk > 0).all()
-        return bool(ok & (lq == lk).all()) if causal else bool(ok)
-
-    @staticmethod
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
-        if not CuDNN.takes(q, v, cu_q, cu_k, causal, window):
-            out, lse, aux = CUDA.forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale)
-            return out, lse, ("flash", aux)
-        dv_, d = v.shape[-1], _flash_dim(q, v)
-        q, k, v = (_pad_last(x, d).contiguous() for x in (q, k, v))
-        res = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, causal, False,
-                                                      scale=scale)
-        # (output (Tq, H, d), logsumexp (Tq, H, 1) natural-log float32, cum_seq_q, cum_seq_k, max_q, max_k,
-        #  philox_seed, philox_offset, debug mask)
-        return _cut_last(res[0], dv_), res[1][..., 0], ("cudnn", res[6], res[7])
-
-    @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None):
-        if aux is None:
-            aux = ("cudnn", None, None) if CuDNN.takes(q, v, cu_q, cu_k, causal, window) else ("flash", None)
-        if aux[0] == "flash":
-            return CUDA.backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=aux[1])
-        seed, offset = aux[1:]
-        if seed is None:  # read only under dropout, which is 0 here
-            seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
-        dh, dvh, d = q.shape[-1], v.shape[-1], _flash_dim(q, v)
-        q, k, v, dout, out = (_pad_last(x, d).contiguous() for x in (q, k, v, dout, out))
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            dout, q, k, v, out, lse.float()[..., None].contiguous(), seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0,
-            causal, scale=scale)
-        return _cut_last(dq, dh), _cut_last(dk, dh), _cut_last(dv, dvh)
-
-
 def _flash_attn_interface():
     """flash-attn's interface module; 2.7 or newer (2.6 and older take ``window_size=(l, r)`` and return 8 values)."""
     import flash_attn
@@ -380,18 +331,14 @@ class FlashAttn:
         return _cut_last(dq, dh), _cut_last(dk, dh), _cut_last(dv, dvh)
 
 
-IMPLEMENTATIONS = {c.name: c for c in (Reference, CPU, CUDA, CuDNN, FlashAttn)}
+IMPLEMENTATIONS = {c.name: c for c in (Reference, CPU, CUDA, FlashAttn)}
 ALIASES = {"sdpa": "auto", "eager": "reference"}  # names of earlier versions
 
 
-def missing_cuda_ops(name: str = "cuda") -> list[str]:
-    """The aten varlen ops (or the keyword arguments) backend ``name`` needs and this torch lacks, for a clear error
-    at selection ("cudnn" falls back to the flash ops for the calls cuDNN does not take, so it needs both)."""
+def missing_cuda_ops() -> list[str]:
+    """The aten varlen flash ops (or the keyword arguments) this torch lacks, for a clear error at selection."""
     out = []
-    ops = [("_flash_attention_forward", "window_size_left"), ("_flash_attention_backward", "window_size_left")]
-    if name == "cudnn":
-        ops += [("_cudnn_attention_forward", "cum_seq_q"), ("_cudnn_attention_backward", "cum_seq_q")]
-    for op, kw in ops:
+    for op, kw in (("_flash_attention_forward", "window_size_left"), ("_flash_attention_backward", "window_size_left")):
         packet = getattr(torch.ops.aten, op, None)
         if packet is None:
             out.append(f"torch.ops.aten.{op}")
@@ -413,18 +360,18 @@ def select(name: str, device: torch.device, dtype: torch.dtype | None = None):
         )
     if name == "cpu" and device.type != "cpu":
         raise ValueError(f"attention backend 'cpu' got tensors on {device}; use backend='auto'.")
-    if name in ("cuda", "cudnn", "flash_attn") and device.type != "cuda":
+    if name in ("cuda", "flash_attn") and device.type != "cuda":
         raise ValueError(f"attention backend {name!r} needs CUDA tensors, got {device}; use backend='auto' on CPU.")
-    if name in ("cuda", "cudnn", "flash_attn") and dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+    if name in ("cuda", "flash_attn") and dtype is not None and dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(
             f"attention backend {name!r} (the CUDA flash kernels) takes bfloat16 or float16 tensors, got {dtype}. Run "
             "the model in bf16 (model.to(torch.bfloat16), or torch.autocast('cuda', dtype=torch.bfloat16)), or pass "
             "backend='reference' (explicit float64 math per entry: for checks, its memory grows with entry length "
             "squared)."
         )
-    if name in ("cuda", "cudnn") and (missing := missing_cuda_ops(name)):
+    if name == "cuda" and (missing := missing_cuda_ops()):
         raise ValueError(
-            f"attention backend {name!r} needs {', '.join(missing)}, which torch {torch.__version__} lacks; install "
+            f"attention backend 'cuda' needs {', '.join(missing)}, which torch {torch.__version__} lacks; install "
             "torch>=2.5 built with flash attention, or the flash-attn package and pass backend='flash_attn'."
         )
     if name == "flash_attn":

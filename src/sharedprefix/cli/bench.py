@@ -92,18 +92,15 @@ def _gpu(args, grid=None):
     print(f"model: Qwen3-4B layer shapes (hidden 2560, 32/8 heads, head_dim 128, intermediate 9728), {args.layers} "
           f"layers, vocab 151936, bf16, {name}; forward+backward, best of {args.repeats}; peak = allocator peak over "
           "the level before the step")
-    print("ours = sharedprefix with the flash kernels (backend 'cuda'); cuDNN = the same with backend 'cudnn'; x plain, "
-          "x PG and 0.8 FLOP for the faster of the two; PG = prompt K/V repeated per completion (flash); memory in MiB")
-    print(f"{'P':>5} {'T':>5} {'G':>3} | {'plain s':>8} {'PG s':>8} {'ours s':>8} {'cuDNN s':>8} | {'x plain':>7} "
-          f"{'x PG':>6} {'FLOP x':>6} {'0.8 FLOP':>8} | {'mem plain':>9} {'mem PG':>7} {'mem ours':>8} {'ours/plain':>10}",
+    print(f"{'P':>5} {'T':>5} {'G':>3} | {'plain s':>8} {'PG s':>8} {'ours s':>8} | {'x plain':>7} {'x PG':>6} "
+          f"{'FLOP x':>6} {'0.8 FLOP':>8} | {'mem plain':>9} {'mem PG':>7} {'mem ours':>8} {'ours/plain':>10}",
           flush=True)
     grid = grid or [(P, T, G) for P in (4096, 8192) for T in (512, 1024) for G in (8, 16)]
     for P, T, G in grid:
         groups = [bench.make_groups(1, P, T, G, vocab=151936)[0]]
         plain_rows = {"n": G}  # rows per plain microbatch: the whole group, halved while it does not fit the GPU
         runs = {"plain": lambda groups=groups, n=plain_rows, row=P + T: bench.plain_step(model, groups, n["n"] * row),
-                "ours": lambda groups=groups: bench.shared_step(model, groups, backend="cuda"),
-                "cudnn": lambda groups=groups: bench.shared_step(model, groups, backend="cudnn")}
+                "ours": lambda groups=groups: bench.shared_step(model, groups)}
 
         def pg(groups=groups):
             with bench.repeated_prefix():
@@ -123,11 +120,10 @@ def _gpu(args, grid=None):
                         plain_rows["n"] //= 2
                 torch.cuda.empty_cache()
         fr = bench.flops(model.config, groups, False) / bench.flops(model.config, groups, True)
-        best = min(("ours", "cudnn"), key=lambda key: t[key] if t[key] == t[key] else float("inf"))
-        print(f"{P:>5} {T:>5} {G:>3} | {t['plain']:>8.3f} {t['pg']:>8.3f} {t['ours']:>8.3f} {t['cudnn']:>8.3f} | "
-              f"{t['plain'] / t[best]:>6.2f}x {t['pg'] / t[best]:>5.2f}x {fr:>5.2f}x "
-              f"{'yes' if t['plain'] / t[best] >= 0.8 * fr else 'NO':>8} | {m['plain'] / MB:>9.0f} {m['pg'] / MB:>7.0f} "
-              f"{m[best] / MB:>8.0f} {m[best] / m['plain']:>10.3f}"
+        print(f"{P:>5} {T:>5} {G:>3} | {t['plain']:>8.3f} {t['pg']:>8.3f} {t['ours']:>8.3f} | "
+              f"{t['plain'] / t['ours']:>6.2f}x {t['pg'] / t['ours']:>5.2f}x {fr:>5.2f}x "
+              f"{'yes' if t['plain'] / t['ours'] >= 0.8 * fr else 'NO':>8} | {m['plain'] / MB:>9.0f} {m['pg'] / MB:>7.0f} "
+              f"{m['ours'] / MB:>8.0f} {m['ours'] / m['plain']:>10.3f}"
               + (f"  (plain in microbatches of {plain_rows['n']} rows: {G} did not fit)" if plain_rows["n"] < G else ""),
               flush=True)
     _gpu_modes(model, args.repeats)
