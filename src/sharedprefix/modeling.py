@@ -368,9 +368,9 @@ def token_logprobs(
         hidden: (M, d) final hidden states of the predicting positions.
         targets: (M,) int64 token ids.
         temperature: logits are divided by it before the softmax (as TRL does).
-        chunk_tokens: rows of the head computed at once (default: 4M logits per chunk, and never fewer
-            than 1024 rows); under grad each chunk is recomputed in backward, so only a few
-            (chunk_tokens, V) matrices are ever held.
+        chunk_tokens: rows of the head computed at once (default: 4M logits per chunk, and on a GPU
+            never fewer than 1024 rows); under grad each chunk is recomputed in backward, so only a
+            few (chunk_tokens, V) matrices are ever held.
 
     Returns:
         (M,) natural-log probabilities and (M,) entropies in nats (or None), float32, or
@@ -379,11 +379,14 @@ def token_logprobs(
     out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     if chunk_tokens is None:
         vocab = model.get_output_embeddings().weight.shape[0]
-        # Every chunk reads the (V, d) head weight three times and reads and writes its gradient once: a
-        # chunk of c rows does about c FLOP per byte of that traffic, and a GPU needs a few hundred (an
-        # H200: 790 TFLOP/s of bf16 over 4.8 TB/s). 27-row chunks (4M logits of a 152K vocabulary) made
-        # the head of the GPU benchmark memory-bound and slower than the whole plain run.
-        chunk_tokens = max(1024, 2**22 // vocab)
+        chunk_tokens = max(16, 2**22 // vocab)
+        if hidden.is_cuda:
+            # Every chunk reads the (V, d) head weight three times and reads and writes its gradient once:
+            # a chunk of c rows does about c FLOP per byte of that traffic, and a GPU needs a few hundred
+            # (an H200: 790 TFLOP/s of bf16 over 4.8 TB/s). 27-row chunks (4M logits of a 152K
+            # vocabulary) made the head of the GPU benchmark memory-bound and slower than the whole plain
+            # run. (Two CPU cores are compute-bound at any of these sizes; there, memory decides.)
+            chunk_tokens = max(1024, chunk_tokens)
     toks, ents = [], []
     head_params = model.get_output_embeddings().parameters()
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head_params))

@@ -261,8 +261,8 @@ def _lse_to_flash(lse: torch.Tensor) -> torch.Tensor:
 class CUDA:
     """torch's own varlen flash ops (``aten._flash_attention_forward/backward``); GQA native.
 
-    The ops take float16 / bfloat16, head sizes up to 256 and sm80 or newer. NOT YET RUN ON A GPU: kept to
-    the contract in a few lines so the CPU tests cover the rest.
+    The ops take float16 / bfloat16, head sizes up to 256 and sm80 or newer. Run on an H200 (torch 2.11,
+    CUDA 13): tests/gpu passes (``scripts/dev gpu-check``, benchmarks/gpu_nvidia_h200.txt).
     """
 
     name = "cuda"
@@ -304,7 +304,7 @@ def _flash_attn_interface():
 
 
 class FlashAttn:
-    """The flash-attn package's varlen kernels (2.7 or newer). NOT YET RUN ON A GPU."""
+    """The flash-attn package's varlen kernels (2.7 or newer). Never run: the GPU machine had no flash-attn."""
 
     name = "flash_attn"
 
