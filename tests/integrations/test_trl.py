@@ -134,3 +134,39 @@ def test_lora_trainer_matches_grpo_trainer(tmp_path):
     scale = max(float(v.abs().max()) for v in plain.values())
     for n in plain:
         assert (plain[n] - ours[n]).abs().max() <= 1e-4 * scale, n
+
+
+def _with_tool_mask(cls):
+    """``cls`` whose rollouts are multi-turn as TRL's tool loop marks them: some completion tokens are tool results
+    (tool_mask 0: in the row, attended to, but not trained), here every token id divisible by 3 after the first."""
+
+    class WithToolMask(cls):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            tool_mask = (out["completion_ids"] % 3 != 0).int()
+            tool_mask[:, 0] = 1
+            out["tool_mask"] = tool_mask
+            return out
+
+    return WithToolMask
+
+
+def test_multi_turn_tool_mask_trains_as_grpo_trainer(tmp_path):
+    """Rows with tool results inside the completion (TRL's ``tool_mask``) give the same update as GRPOTrainer:
+    sharedprefix computes every completion token's log-prob, TRL's loss masks the tool tokens, and whole-group
+    shuffling keeps ``tool_mask`` aligned with its rows."""
+    tok = build_tokenizer()
+    _model(tok).save_pretrained(tmp_path / "init")
+    init = str(tmp_path / "init")
+    init_state = tf.Qwen3ForCausalLM.from_pretrained(init).state_dict()
+
+    def delta(trainer):
+        return torch.cat([(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters()])
+
+    plain = delta(_train(_with_tool_mask(GRPOTrainer), GRPOConfig, init, tok, tmp_path / "plain", beta=0.1))
+    ours = delta(_train(_with_tool_mask(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, tok, tmp_path / "sp",
+                        beta=0.1))
+    unmasked = delta(_train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "unmasked", beta=0.1))
+    scale = float(plain.abs().max())
+    assert float((plain - unmasked).abs().max()) > 0.05 * scale  # the tool mask changes the update
+    assert float((ours - plain).abs().max()) <= 1e-4 * scale
