@@ -258,7 +258,13 @@ def _child(kind: str, spec: dict) -> dict:
         torch.set_num_threads(int(spec["threads"]))
     device = torch.device(spec.get("device", "cpu"))
     model = bench_model(**spec.get("model", {})).to(device)
-    groups = make_groups(spec["n_groups"], spec["prompt"], spec["completion"], spec["G"])
+    if "tree" in spec:  # the agentic shape as rows, shared prefixes found by the trie (sharedprefix bench --tree --memory)
+        from sharedprefix.bench_tree import agentic
+
+        _, rows, trained = agentic(**spec["tree"])
+        groups = sp.Tree.from_rows(rows, trained)
+    else:
+        groups = make_groups(spec["n_groups"], spec["prompt"], spec["completion"], spec["G"])
     for p in model.parameters():  # allocate .grad first so it is not counted as activation memory
         p.grad = torch.zeros_like(p)
     budget = spec.get("max_tokens")

@@ -82,3 +82,28 @@ def run(max_tokens=8192, layers=4, plain=False, device="cpu", **shape) -> list[s
     out.append(f"tree vs per-group: speed-up {sp_ratio:.2f}x, FLOP ratio {fr:.2f}x ({sp_ratio / fr:.2f} of it); "
                f"tokens {res['per-group'][1] / res['tree'][1]:.2f}x fewer")
     return out
+
+
+def memory(max_tokens=8192, layers=2, prompts=(2, 4, 8, 16), modes=("keep", "recompute"), device="cpu", G=4,
+           completion=128, report=print) -> list[str]:
+    """Peak memory against the number of prompts sharing the 4096-token system prompt, under one budget.
+
+    One fresh process per (prompts, mode), as ``sharedprefix bench --memory``: the peak is the growth of the
+    peak RSS (CPU) or of the allocator's peak (CUDA) over the level after set-up. ``report`` gets each line
+    as its run finishes.
+    """
+    head = (f"agentic shape: system 4096 shared by n prompts of 512, G={G} x {completion}; budget {max_tokens}; "
+            f"Qwen3 hidden 512, {layers} layers, float32, {device}; one fresh process per row")
+    lines = [head, f"{'prompts':>7} {'mode':>9} {'tokens':>7} {'passes':>6} {'time s':>7} {'peak MiB':>9}"]
+    for line in lines:
+        report(line)
+    for n in prompts:
+        shape = dict(prompts=n, G=G, completion=completion)
+        passes = len(sp.plan(sp.Tree.from_rows(*agentic(**shape)[1:]), max_tokens).passes)
+        for mode in modes:
+            spec = dict(tree=shape, max_tokens=max_tokens, model=dict(num_hidden_layers=layers), device=device)
+            r = bench.measure_in_subprocess(mode, spec)
+            lines.append(f"{n:>7} {mode:>9} {r['tokens']:>7} {passes:>6} {r['time_s']:>7.2f} "
+                         f"{r['peak_bytes'] / 2**20:>9.1f}")
+            report(lines[-1])
+    return lines

@@ -43,7 +43,8 @@ def _out(line):
 
 
 def add_arguments(p):
-    p.add_argument("--memory", action="store_true", help="run the memory benchmark of the cross-microbatch schedule")
+    p.add_argument("--memory", action="store_true", help="run the memory benchmark of the cross-microbatch schedule "
+                   "(with --tree: peak memory against the number of prompts sharing the system prompt)")
     p.add_argument("--tree", action="store_true", help="agentic shape: a system prompt shared by 8 prompts (trees vs "
                    "per-group sharing; --max-tokens is the budget, default 8192 here; --plain adds the plain run)")
     p.add_argument("--plain", action="store_true", help="with --tree: also time the plain run (slow on CPU)")
@@ -63,6 +64,12 @@ def run(args):
     _import_heavy()
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.memory and args.tree:
+        from sharedprefix import bench_tree
+
+        bench_tree.memory(args.max_tokens or 8192, args.layers, device=args.device,
+                          report=lambda line: print(line, flush=True))
+        return 0
     if args.memory:
         args.max_tokens = args.max_tokens or 6144
         return _memory(args)
