@@ -15,6 +15,9 @@ clipping, KL, entropy bonus, masks, metrics) runs unchanged:
 - ``_prepare_inputs`` keeps whole groups inside one microbatch (TRL shuffles rows across the
   generation batch): it draws the same random permutation as TRL, then orders groups by it.
 
+Images (Qwen-style ``pixel_values`` with ``image_grid_thw``): the rows are regrouped by prompt and
+image into ``sp.Group``s with ``prompt_inputs``, so each vision tower and prompt run once.
+
 Notation: B = rows of a microbatch, C = completion columns (``logits_to_keep``), N = non-empty rows,
 L = longest [prompt + completion] row.
 """
@@ -25,13 +28,15 @@ from dataclasses import dataclass, field
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import split_tensor_dict
+from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 import sharedprefix as sp
 from sharedprefix.schedule.runner import PREFIX_MODES
 
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
                "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+# what image rows of TRL's batches sharedprefix takes: Qwen-style patches with a (t, h, w) grid per image
+_GRID_INPUTS = {"pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids"}
 
 
 @dataclass
@@ -91,6 +96,55 @@ def tree_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     return TreeRows(sp.Tree.from_rows(rows, trained) if rows else None, row_of, plen, lens)
 
 
+def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pixel_values: torch.Tensor,
+                 image_grid_thw: torch.Tensor, num_images: list[int], mm_token_type_ids: torch.Tensor | None = None):
+    """TRL's (B, L) rows with images (Qwen-style: ``pixel_values`` (patches, dim) of every image of every row in
+    row order, ``image_grid_thw`` (images, 3), ``num_images`` per row) -> (groups, members).
+
+    Rows with the same prompt tokens and the same images form one ``sp.Group`` whose ``prompt_inputs`` are that
+    prompt's images, so its vision tower and prompt run once; ``members[i]`` lists the microbatch rows of group i,
+    in the order of its completions. Rows whose completion holds no token are left out (TRL masks them).
+    """
+    B, L = input_ids.shape
+    P = L - logits_to_keep
+    if len(num_images) != B:
+        raise ValueError(f"num_images has {len(num_images)} entries for {B} rows; expected one per row.")
+    patches = image_grid_thw.prod(-1).tolist()
+    first_image = [0, *torch.tensor(num_images).cumsum(0).tolist()]
+    first_patch = [0, *torch.tensor(patches, dtype=torch.long).cumsum(0).tolist()]
+    if first_patch[-1] != pixel_values.shape[0]:
+        raise ValueError(f"image_grid_thw gives {first_patch[-1]} patches, pixel_values has {pixel_values.shape[0]} rows.")
+    ids, att = input_ids.cpu(), attention_mask.cpu().bool()
+    keys: dict[tuple, int] = {}
+    prompts, completions, members = [], [], []
+    for b in range(B):
+        keep = att[b, :P]
+        prompt, t = ids[b, :P][keep], int(att[b, P:].sum())
+        if t == 0:
+            continue
+        if not bool(att[b, P : P + t].all()):
+            raise ValueError(f"row {b} has a completion mask with holes; expected a run of tokens then padding.")
+        i0, i1 = first_image[b], first_image[b + 1]
+        pix, grid = pixel_values[first_patch[i0] : first_patch[i1]], image_grid_thw[i0:i1]
+        key = (tuple(prompt.tolist()), tuple(grid.flatten().tolist()), pix.detach().cpu().numpy().tobytes())
+        completion = ids[b, P : P + t]
+        if key in keys:
+            completions[keys[key]].append(completion)
+            members[keys[key]].append(b)
+            continue
+        inputs = None
+        if i1 > i0:
+            inputs = {"pixel_values": pix, "image_grid_thw": grid}
+            if mm_token_type_ids is not None:
+                inputs["mm_token_type_ids"] = mm_token_type_ids[b, :P][keep.to(mm_token_type_ids.device)]
+        keys[key] = len(prompts)
+        prompts.append((prompt, inputs))
+        completions.append([completion])
+        members.append([b])
+    groups = [sp.Group(p, cs, prompt_inputs=inputs) for (p, inputs), cs in zip(prompts, completions)]
+    return groups, members
+
+
 def _to_rows(values: torch.Tensor, tr: TreeRows, B: int, C: int) -> torch.Tensor:
     """(N, L) aligned with the tree's rows -> (B, C) completion columns in microbatch order, zero elsewhere."""
     dev = values.device
@@ -133,23 +187,38 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
         used = sorted(k for k in _MULTIMODAL if extra.get(k) is not None)
-        if used:
-            raise ValueError(f"multimodal inputs {used} are not supported by SharedPrefixGRPOTrainer (text only).")
+        images = bool(used) and set(used) <= _GRID_INPUTS and extra.get("image_grid_thw") is not None
+        if used and not images:
+            raise ValueError(
+                f"multimodal inputs {used} are not supported by SharedPrefixGRPOTrainer: it takes images of Qwen-style "
+                "vision-language models (pixel_values with image_grid_thw: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and text."
+            )
         if compute_aux_loss:
             raise ValueError("MoE auxiliary losses are not supported by SharedPrefixGRPOTrainer.")
         B, C = input_ids.shape[0], logits_to_keep
-        tr = tree_rows(input_ids, attention_mask, logits_to_keep)
+        if images:
+            groups, members = image_groups(input_ids, attention_mask, logits_to_keep, **{k: extra.get(k) for k in used})
+            source = groups
+        else:
+            tr = tree_rows(input_ids, attention_mask, logits_to_keep)
+            source = tr.tree
         dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
         zeros = torch.zeros(B, C, dtype=dtype, device=input_ids.device)
-        if tr.tree is None:
+        if not source:
             return zeros, (zeros.clone() if compute_entropy else None), None
         # With a budget, the policy pass is deferred: values without a graph now, sp.backward under the
         # budget when TRL backpropagates its loss (exact by the chain rule). Gradient checkpointing defers too.
         defer = True if (torch.is_grad_enabled() and self._sp_budget is not None) else None
         with self.accelerator.autocast():  # as TRL's own forward
-            out = sp.logprobs(model, tr.tree, temperature=self.temperature, entropy=compute_entropy,
+            out = sp.logprobs(model, source, temperature=self.temperature, entropy=compute_entropy,
                               max_tokens=self._sp_budget, defer=defer, prefix_activations=self._sp_mode,
                               grad_reduction="mean")  # TRL's losses are per-rank means, averaged as DDP does
+        if images:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
+            order = torch.tensor([b for m in members for b in m], device=input_ids.device)
+            pad = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1]))  # noqa: E731
+            lp = zeros.index_copy(0, order, pad(out.logprobs).to(dtype))
+            ent = zeros.clone().index_copy(0, order, pad(out.entropy).to(dtype)) if compute_entropy else None
+            return lp, ent, None
         lp = _to_rows(out.logprobs, tr, B, C)
         ent = _to_rows(out.entropy, tr, B, C) if compute_entropy else None
         return lp, ent, None
@@ -162,8 +231,9 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             batch = self._generate_and_score_completions(generation_batch)
-            batch = _group_preserving_shuffle(batch)
-            self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
+            batch = _group_preserving_shuffle(split_pixel_values_by_grid(batch))  # images: one entry per row
+            batches = split_tensor_dict(batch, self.args.steps_per_generation)
+            self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
 

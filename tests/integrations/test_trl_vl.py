@@ -1,0 +1,140 @@
+"""SharedPrefixGRPOTrainer with images: the log-probs, entropies and gradients of the plain per-row forward.
+
+TRL hands its log-prob hook the rows [left-padded prompt | right-padded completion] with every row's images
+(Qwen-style: patches of all images in row order, a (t, h, w) grid per image, ``num_images`` per row). The
+trainer regroups the rows by prompt and image, so each group's vision tower and prompt run once. On a tiny
+Qwen2-VL in float64, one pass and a budget that splits a group: equal (1e-9) to one plain forward per row
+with its own images, and GRPOTrainer's own hook agrees with that reference to float32 rounding (TRL's fused
+LM head computes in float32 even for a float64 model).
+"""
+
+import contextlib
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from multimodal.test_vl import IMAGE, V_END, V_START, _model  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+from trl.trainer.utils import add_fused_lm_head, split_pixel_values_by_grid, unsplit_pixel_values_by_grid  # noqa: E402
+
+from sharedprefix.integrations.trl import SharedPrefixGRPOTrainer, _group_preserving_shuffle  # noqa: E402
+
+PATCH_DIM = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
+
+
+def _batch(seed=0, G=3, C=5):
+    """Three prompts (two with one image of different sizes, one text only) x G rows, as TRL batches them."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for grid in ((1, 4, 4), None, (1, 2, 4)):
+        text = torch.randint(0, 90, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)
+        if grid is None:
+            prompts.append((text, None, None))
+            continue
+        n = grid[0] * grid[1] * grid[2]
+        ids = torch.cat([text[:1], torch.tensor([V_START]), torch.full((n // 4,), IMAGE), torch.tensor([V_END]), text[1:]])
+        prompts.append((ids, torch.randn(n, PATCH_DIM, generator=g, dtype=torch.float64), torch.tensor([grid])))
+    P = max(p.numel() for p, _, _ in prompts)
+    rows, masks, pix, grids, num_images = [], [], [], [], []
+    for p, px, grid in prompts:
+        for _ in range(G):
+            t = int(torch.randint(1, C + 1, (1,), generator=g))
+            comp = torch.randint(0, 90, (t,), generator=g)
+            rows.append(torch.cat([torch.zeros(P - p.numel(), dtype=torch.long), p, comp,
+                                   torch.zeros(C - t, dtype=torch.long)]))
+            masks.append(torch.cat([torch.zeros(P - p.numel()), torch.ones(p.numel() + t), torch.zeros(C - t)]))
+            num_images.append(0 if px is None else 1)
+            if px is not None:
+                pix.append(px)
+                grids.append(grid)
+    input_ids, attention_mask = torch.stack(rows), torch.stack(masks).long()
+    extra = dict(pixel_values=torch.cat(pix), image_grid_thw=torch.cat(grids), num_images=num_images,
+                 mm_token_type_ids=(input_ids == IMAGE).int() * attention_mask)
+    return input_ids, attention_mask, C, extra
+
+
+def _stub(budget=None, mode="keep"):
+    accelerator = types.SimpleNamespace(autocast=contextlib.nullcontext, is_main_process=True)
+    return types.SimpleNamespace(temperature=0.8, accelerator=accelerator,
+                                 _sp_budget=budget, _sp_mode=mode)
+
+
+def _plain_hook(stub, model, input_ids, attention_mask, C, compute_entropy, pixel_values, image_grid_thw, num_images,
+                mm_token_type_ids):
+    """The reference: one forward per row, unpadded, with that row's images; float64 log-softmax."""
+    first = [0, *torch.tensor(num_images).cumsum(0).tolist()]
+    patch0 = [0, *image_grid_thw.prod(-1).cumsum(0).tolist()]
+    lps, ents = [], []
+    for b in range(input_ids.shape[0]):
+        keep = attention_mask[b].bool()
+        kw = {}
+        if num_images[b]:
+            kw = dict(pixel_values=pixel_values[patch0[first[b]] : patch0[first[b + 1]]],
+                      image_grid_thw=image_grid_thw[first[b] : first[b + 1]], mm_token_type_ids=mm_token_type_ids[b][keep][None])
+        ids = input_ids[b][keep]
+        t = int(keep[-C:].sum())
+        logits = model(input_ids=ids[None], use_cache=False, **kw).logits[0, ids.numel() - t - 1 : -1] / stub.temperature
+        logp = torch.log_softmax(logits, -1)
+        lps.append(torch.nn.functional.pad(logp.gather(-1, ids[-t:, None])[:, 0], (0, C - t)))
+        ents.append(torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (0, C - t)))
+    return torch.stack(lps), torch.stack(ents), None
+
+
+def _run(hook, stub, model, batch):
+    input_ids, attention_mask, C, extra = batch
+    model.zero_grad(set_to_none=True)
+    lp, ent, _ = hook(stub, model, input_ids, attention_mask, C, compute_entropy=True, **extra)
+    mask = attention_mask[:, -C:].bool()
+    w = torch.linspace(-1.0, 2.0, lp.numel(), dtype=lp.dtype).reshape(lp.shape)
+    ((lp * w).masked_fill(~mask, 0).sum() + 0.1 * ent.masked_fill(~mask, 0).sum()).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return lp.detach().masked_fill(~mask, 0), ent.detach().masked_fill(~mask, 0), grads
+
+
+@pytest.mark.parametrize("budget, mode", [(None, "keep"), (40, "recompute")])
+def test_image_rows_match_grpo_trainer(budget, mode):
+    model = _model("qwen2_vl")
+    add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
+    batch = _batch()
+    want = _run(_plain_hook, _stub(), model, batch)
+    got = _run(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, _stub(budget, mode), model, batch)
+    trl = _run(GRPOTrainer._get_per_token_logps_and_entropies, _stub(), model, batch)
+    assert float(want[0].abs().max()) > 0.1
+    for a, b, c in zip(got[:2], want[:2], trl[:2]):
+        assert torch.allclose(a, b, rtol=0, atol=1e-9), float((a - b).abs().max())
+        assert torch.allclose(c.double(), b, rtol=0, atol=1e-5), float((c - b).abs().max())  # TRL: float32 head
+    assert set(got[2]) == set(want[2]) and any("visual" in n for n in want[2])
+    for n, w in want[2].items():
+        assert (got[2][n] - w).abs().max() <= 1e-9 * max(1.0, float(w.abs().max())), n
+
+
+def test_group_shuffle_keeps_each_rows_images():
+    """The whole-group shuffle moves each row's patches and grid with it (TRL splits them per row first)."""
+    input_ids, attention_mask, C, extra = _batch(seed=1)
+    batch = {"prompt_ids": input_ids[:, :-C], "prompt_mask": attention_mask[:, :-C], "completion_ids": input_ids[:, -C:],
+             **extra}
+    torch.manual_seed(3)
+    out = unsplit_pixel_values_by_grid(_group_preserving_shuffle(split_pixel_values_by_grid(batch)))
+    first = [0, *torch.tensor(extra["num_images"]).cumsum(0).tolist()]
+    patch0 = [0, *extra["image_grid_thw"].prod(-1).cumsum(0).tolist()]
+    by_row = {tuple(input_ids[b].tolist()): extra["pixel_values"][patch0[first[b]]:patch0[first[b + 1]]]
+              for b in range(input_ids.shape[0])}
+    f2 = [0, *torch.tensor(out["num_images"]).cumsum(0).tolist()]
+    p2 = [0, *out["image_grid_thw"].prod(-1).cumsum(0).tolist()]
+    moved = False
+    for b in range(input_ids.shape[0]):
+        row = tuple(torch.cat([out["prompt_ids"][b], out["completion_ids"][b]]).tolist())
+        moved |= row != tuple(input_ids[b].tolist())
+        assert torch.equal(out["pixel_values"][p2[f2[b]]:p2[f2[b + 1]]], by_row[row])
+    assert moved
+
+
+def test_other_image_layouts_are_refused_with_what_is_supported():
+    input_ids, attention_mask, C, extra = _batch()
+    llava_like = dict(pixel_values=torch.zeros(6, 3, 4, 4, dtype=torch.float64), num_images=extra["num_images"])
+    with pytest.raises(ValueError, match=r"multimodal inputs \['num_images', 'pixel_values'\].*Qwen2-VL"):
+        SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies(_stub(), _model("qwen2_vl"), input_ids,
+                                                                   attention_mask, C, **llava_like)
