@@ -14,7 +14,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from sharedprefix import bench
+from sharedprefix.tools import bench
 
 
 def _profile(name, fn, rows=25):

@@ -6,8 +6,8 @@ import torch
 import transformers as tf
 
 import sharedprefix as sp
-from sharedprefix.testing import dtype_faithful_norms as float64_faithful  # noqa: F401
-from sharedprefix.testing import plain_logprobs  # noqa: F401
+from sharedprefix.tools.reference import dtype_faithful_norms as float64_faithful  # noqa: F401
+from sharedprefix.tools.reference import plain_logprobs  # noqa: F401
 
 VOCAB = 97
 

@@ -25,8 +25,8 @@ _PUBLIC = {
     "logprobs": "sharedprefix.schedule.runner",
     "plan": "sharedprefix.schedule.planner",
     "shard_groups": "sharedprefix.schedule.sharding",
-    "verify": "sharedprefix.checks",
-    "VerifyReport": "sharedprefix.checks",
+    "verify": "sharedprefix.tools.verify",
+    "VerifyReport": "sharedprefix.tools.verify",
 }
 __all__ = ["Batch", "BackwardResult", "Group", "LogProbs", "Plan", "Tree", "VerifyReport", "backward", "logprobs", "plan",
            "shard_groups", "verify"]
@@ -50,9 +50,9 @@ def __dir__():
 
 
 if TYPE_CHECKING:
-    from sharedprefix.checks import VerifyReport, verify
     from sharedprefix.layout.groups import Group
     from sharedprefix.layout.rows import Tree
     from sharedprefix.schedule.planner import Plan, plan
     from sharedprefix.schedule.runner import BackwardResult, Batch, LogProbs, backward, logprobs
     from sharedprefix.schedule.sharding import shard_groups
+    from sharedprefix.tools.verify import VerifyReport, verify

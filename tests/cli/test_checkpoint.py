@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sharedprefix.cli.main import main
-from sharedprefix.training import checkpoint
-from sharedprefix.training.loop import read_metrics
+from sharedprefix.recipes.grpo import checkpoint
+from sharedprefix.recipes.grpo.loop import read_metrics
 from tests.cli.weights import assert_same_weights
 
 PRIMITIVES = ["_write", "_mark_whole", "_rename", "_unmark", "_rmtree"]
@@ -172,7 +172,7 @@ def test_train_kill_9_between_the_renames(tmp_path):
     assert main([*RUN, "--output", str(tmp_path / "ref")]) == 0
     out = tmp_path / "killed"
     code = ("import os, signal, sys\n"
-            "from sharedprefix.training import checkpoint\n"
+            "from sharedprefix.recipes.grpo import checkpoint\n"
             "from sharedprefix.cli.main import main\n"
             "rename = checkpoint._rename\n"
             "def rename_then_die(src, dst):\n"

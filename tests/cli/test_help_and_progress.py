@@ -8,8 +8,8 @@ import sys
 import pytest
 
 import sharedprefix as sp
-from sharedprefix import bench
 from sharedprefix.cli.main import main
+from sharedprefix.tools import bench
 
 HELP_CHECK = """
 import sys
@@ -22,7 +22,7 @@ for argv in (["--help"], ["train", "--help"], ["verify", "--help"], ["bench", "-
 print("HEAVY", sorted(m for m in ("torch", "transformers", "peft", "matplotlib") if m in sys.modules))
 from sharedprefix.cli import train
 train.run  # a command's module is light; its work imports the heavy modules
-import sharedprefix.training.run
+import sharedprefix.recipes.grpo.run
 print("AFTER A COMMAND'S IMPORTS", "torch" in sys.modules, "transformers" in sys.modules)
 """
 

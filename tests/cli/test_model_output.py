@@ -10,9 +10,9 @@ import torch
 import transformers as tf
 
 from sharedprefix.cli.main import main
-from sharedprefix.training.config import TrainConfig
-from sharedprefix.training.run import load_model
-from sharedprefix.training.tasks import KeyValueTask, build_tokenizer
+from sharedprefix.recipes.grpo.config import TrainConfig
+from sharedprefix.recipes.grpo.run import load_model
+from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer
 from tests.cli.weights import assert_same_weights
 
 RUN = ["train", "--steps", "2", "--records", "8", "--prompts-per-step", "2", "--group-size", "4", "--warmup-steps", "2",

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from sharedprefix.cli.main import main
-from sharedprefix.training.loop import TrainConfig, Trainer, check_rewards, encode_prompt, read_metrics
-from sharedprefix.training.run import load_model
-from sharedprefix.training.tasks import KeyValueTask, build_tokenizer
+from sharedprefix.recipes.grpo.loop import TrainConfig, Trainer, check_rewards, encode_prompt, read_metrics
+from sharedprefix.recipes.grpo.run import load_model
+from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer
 from tests.cli.weights import assert_same_weights
 
 SMALL = ["--records", "8", "--prompts-per-step", "2", "--group-size", "4", "--warmup-steps", "2", "--no-bench",

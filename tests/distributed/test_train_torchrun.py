@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from sharedprefix.cli.main import main
-from sharedprefix.training.loop import read_metrics
+from sharedprefix.recipes.grpo.loop import read_metrics
 
 ARGS = ["train", "--steps", "4", "--records", "8", "--prompts-per-step", "4", "--group-size", "4", "--warmup-steps", "2",
         "--no-bench", "--no-resume", "--threads", "1"]

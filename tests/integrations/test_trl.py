@@ -14,7 +14,7 @@ import transformers as tf  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer, tree_rows  # noqa: E402
-from sharedprefix.training.tasks import KeyValueTask, build_tokenizer  # noqa: E402
+from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer  # noqa: E402
 
 TASK = KeyValueTask(records=6)
 

@@ -20,7 +20,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-from sharedprefix.testing import dtype_faithful_norms
+from sharedprefix.tools.reference import dtype_faithful_norms
 
 VOCAB = 96
 

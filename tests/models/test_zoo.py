@@ -13,7 +13,7 @@ import transformers
 
 from sharedprefix import zoo
 from sharedprefix.attention import interface
-from sharedprefix.zoo import readme
+from sharedprefix.tools.zoo import readme
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 _RESULTS: dict = {}
@@ -79,7 +79,7 @@ def test_readme_table_is_the_zoo_results():
     if f"transformers {transformers.__version__} registers" not in current:
         pytest.skip(f"README's zoo table was generated with another transformers than {transformers.__version__}")
     block = readme.render([_result(e) for e in zoo.entries()], transformers.__version__)
-    assert current == block, "README's zoo table is stale: run python -m sharedprefix.zoo --write-readme"
+    assert current == block, "README's zoo table is stale: run python -m sharedprefix.tools.zoo --write-readme"
 
 
 @pytest.mark.parametrize("entry", ["phimoe", "mistral", "exaone4", "gemma3_text", "gpt_oss"])
@@ -105,6 +105,6 @@ def test_zoo_catches_ignored_attention_sinks(monkeypatch):
 
 
 def test_zoo_fails_a_refusal_that_names_no_known_feature(monkeypatch):
-    monkeypatch.setattr("sharedprefix.zoo.checks.REFUSALS", [])
+    monkeypatch.setattr("sharedprefix.tools.zoo.checks.REFUSALS", [])
     r = zoo.check("mamba")
     assert r.status == "failed" and "in no category" in r.detail

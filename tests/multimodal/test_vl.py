@@ -6,7 +6,7 @@ import transformers as tf
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of
-from sharedprefix.testing import dtype_faithful_norms
+from sharedprefix.tools.reference import dtype_faithful_norms
 
 IMAGE, VIDEO, V_START, V_END = 100, 101, 102, 103
 TEXT = dict(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

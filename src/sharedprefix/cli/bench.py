@@ -24,7 +24,7 @@ def _import_heavy():
     global torch, bench
     import torch
 
-    from sharedprefix import bench
+    from sharedprefix.tools import bench
 
 
 def _progress(total, desc):
@@ -65,7 +65,7 @@ def run(args):
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.memory and args.tree:
-        from sharedprefix import bench_tree
+        from sharedprefix.tools import bench_tree
 
         bench_tree.memory(args.max_tokens or 8192, args.layers, device=args.device,
                           report=lambda line: print(line, flush=True))
@@ -74,12 +74,12 @@ def run(args):
         args.max_tokens = args.max_tokens or 6144
         return _memory(args)
     if args.vision:
-        from sharedprefix import bench_vl
+        from sharedprefix.tools import bench_vl
 
         print("\n".join(bench_vl.run(args.layers)), flush=True)
         return 0
     if args.tree:
-        from sharedprefix import bench_tree
+        from sharedprefix.tools import bench_tree
 
         budget = args.max_tokens or 8192
         print("\n".join(bench_tree.run(budget, args.layers, args.plain, args.device)), flush=True)

@@ -25,7 +25,7 @@ HELP = "GRPO on an embedded default task and model (the main job)"
 
 
 def add_arguments(p):
-    from sharedprefix.training.config import TrainConfig
+    from sharedprefix.recipes.grpo.config import TrainConfig
 
     p.add_argument("--config", help="JSON file with any of the options below")
     for f in dataclasses.fields(TrainConfig):
@@ -54,7 +54,7 @@ def _parser(f):
 
 
 def resolve_config(args):
-    from sharedprefix.training.config import TrainConfig
+    from sharedprefix.recipes.grpo.config import TrainConfig
 
     values = {}
     if args.config:
@@ -74,7 +74,7 @@ def resolve_config(args):
 
 
 def run(args):
-    from sharedprefix.training.run import train
+    from sharedprefix.recipes.grpo.run import train
 
     try:
         cfg = resolve_config(args)

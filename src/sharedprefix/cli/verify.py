@@ -37,7 +37,8 @@ def _own_model(args) -> int:
     import transformers as tf
 
     import sharedprefix as sp
-    from sharedprefix.testing import plain_logprobs
+    from sharedprefix.tools.reference import plain_logprobs
+    from sharedprefix.tools.verify import _random_groups
 
     model = tf.AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype="auto")
     model = model.to(args.device).eval()
@@ -45,7 +46,7 @@ def _own_model(args) -> int:
     print(f"{type(model).__name__} ({model.dtype}, {args.device}):")
     print(report)
     if report.ok:
-        groups = sp.checks._random_groups(model.get_output_embeddings().weight.shape[0], args.seed)
+        groups = _random_groups(model.get_output_embeddings().weight.shape[0], args.seed)
         with torch.no_grad():
             times = []
             for fn in (lambda: plain_logprobs(model, groups), lambda: sp.logprobs(model, groups)):
@@ -65,8 +66,8 @@ def run(args):
     from tqdm import tqdm
 
     import sharedprefix as sp
-    from sharedprefix import bench
-    from sharedprefix.testing import dtype_faithful_norms, plain_logprobs
+    from sharedprefix.tools import bench
+    from sharedprefix.tools.reference import dtype_faithful_norms, plain_logprobs
 
     checks = [(None, "keep"), (60, "offload"), (20, "recompute")]
     # progress on stderr, only when stderr is a terminal (tqdm's disable=None); results on stdout via tqdm.write

@@ -89,7 +89,7 @@ def logprobs(
                 out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
             return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
     if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
-        from sharedprefix.checks import self_check
+        from sharedprefix.tools.verify import self_check
 
         self_check(model, groups)
     run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
@@ -171,7 +171,7 @@ def backward(
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
-        from sharedprefix.checks import self_check
+        from sharedprefix.tools.verify import self_check
 
         self_check(model, groups)
     run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True)

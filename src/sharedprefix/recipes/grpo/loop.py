@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 import sharedprefix as sp
 from sharedprefix import losses
-from sharedprefix.training import checkpoint
-from sharedprefix.training.config import TrainConfig
+from sharedprefix.recipes.grpo import checkpoint
+from sharedprefix.recipes.grpo.config import TrainConfig
 
 __all__ = ["TrainConfig", "Trainer", "check_rewards", "encode_prompt", "read_metrics", "sample_completions",
            "write_metrics"]
@@ -71,7 +71,7 @@ def sample_completions(model, tokenizer, prompt_ids: torch.Tensor, n: int, max_n
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, model, tokenizer, task, reward_fn=None, ctx=None):
-        from sharedprefix.training.distributed import Context
+        from sharedprefix.recipes.grpo.distributed import Context
 
         self.cfg, self.model, self.tok, self.task = cfg, model, tokenizer, task
         self.ctx = ctx or Context()

@@ -238,7 +238,7 @@ def _peak_rss_bytes() -> int:
 def measure_in_subprocess(kind: str, spec: dict) -> dict:
     """Run one step of ``kind`` in a fresh Python process; returns time, peak memory growth and tokens."""
     code = (
-        "import json,sys; from sharedprefix.bench import _child; "
+        "import json,sys; from sharedprefix.tools.bench import _child; "
         "print(json.dumps(_child(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))"
     )
     # A fixed mmap threshold makes glibc return every large freed block to the OS at once; with its default
@@ -259,7 +259,7 @@ def _child(kind: str, spec: dict) -> dict:
     device = torch.device(spec.get("device", "cpu"))
     model = bench_model(**spec.get("model", {})).to(device)
     if "tree" in spec:  # the agentic shape as rows, shared prefixes found by the trie (sharedprefix bench --tree --memory)
-        from sharedprefix.bench_tree import agentic
+        from sharedprefix.tools.bench_tree import agentic
 
         _, rows, trained = agentic(**spec["tree"])
         groups = sp.Tree.from_rows(rows, trained)

@@ -54,7 +54,7 @@ def _random_groups(vocab: int, seed: int):
 
 def _plain(model, groups) -> torch.Tensor:
     from sharedprefix.modeling import unwrap
-    from sharedprefix.testing import plain_logprobs
+    from sharedprefix.tools.reference import plain_logprobs
 
     with torch.no_grad():
         return plain_logprobs(unwrap(model), groups)[0].double().cpu()
@@ -84,7 +84,7 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
     plain = _plain(model, groups)
     dev = reference_device or next(base.parameters()).device
     ref_model = copy.deepcopy(base).to(device=dev, dtype=torch.float64)
-    from sharedprefix.testing import dtype_faithful_norms
+    from sharedprefix.tools.reference import dtype_faithful_norms
 
     dtype_faithful_norms(ref_model)
     exact = _plain(ref_model, groups)

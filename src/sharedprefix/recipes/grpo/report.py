@@ -49,7 +49,7 @@ def summarize(rows: list[dict]) -> str:
 def speed_comparison(trainer) -> str:
     """Forward+backward of one training step's shape: plain rows vs sharedprefix, in this process."""
     import sharedprefix as sp
-    from sharedprefix import bench
+    from sharedprefix.tools import bench
 
     cfg, model = trainer.cfg, trainer.model
     import random

@@ -1,4 +1,4 @@
-"""``python -m sharedprefix.zoo [ENTRY ...] [--no-grads] [--write-readme [PATH]]``: run the zoo, print one line
+"""``python -m sharedprefix.tools.zoo [ENTRY ...] [--no-grads] [--write-readme [PATH]]``: run the zoo, print one line
 per entry and the counts; exit 1 when an entry failed. ``--write-readme`` (all entries only) rewrites the
 README's generated table."""
 
@@ -12,10 +12,10 @@ def main(argv=None) -> int:
     import transformers
     from transformers.utils import logging
 
-    from sharedprefix.zoo import readme
-    from sharedprefix.zoo.checks import run
+    from sharedprefix.tools.zoo import readme
+    from sharedprefix.tools.zoo.checks import run
 
-    p = argparse.ArgumentParser(prog="python -m sharedprefix.zoo", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m sharedprefix.tools.zoo", description=__doc__)
     p.add_argument("entries", nargs="*", help="model types or variants (default: all)")
     p.add_argument("--no-grads", action="store_true", help="skip the gradient checks")
     p.add_argument("--write-readme", metavar="PATH", nargs="?", const="README.md", help="rewrite the README's table")

@@ -24,11 +24,11 @@ from importlib import resources
 
 import torch
 
-from sharedprefix.training import checkpoint
-from sharedprefix.training.config import TrainConfig
-from sharedprefix.training.loop import Trainer, read_metrics, write_metrics
-from sharedprefix.training.report import plot_metrics, speed_comparison, summarize
-from sharedprefix.training.tasks import build_tokenizer, make_task
+from sharedprefix.recipes.grpo import checkpoint
+from sharedprefix.recipes.grpo.config import TrainConfig
+from sharedprefix.recipes.grpo.loop import Trainer, read_metrics, write_metrics
+from sharedprefix.recipes.grpo.report import plot_metrics, speed_comparison, summarize
+from sharedprefix.recipes.grpo.tasks import build_tokenizer, make_task
 
 
 def load_model(cfg: TrainConfig, tokenizer):
@@ -160,7 +160,7 @@ def check_config(cfg: TrainConfig):
 def train(cfg: TrainConfig) -> int:
     from tqdm import tqdm
 
-    from sharedprefix.training import distributed as dist
+    from sharedprefix.recipes.grpo import distributed as dist
 
     check_config(cfg)
     if cfg.model is not None:

@@ -221,7 +221,7 @@ def _float64_norms(model) -> list:
     """``testing.dtype_faithful_norms`` on each norm it can reproduce (transformers' RMSNorms compute in float32
     even in a float64 model); a norm it cannot is left as it is, and its float32 shows in the zoo's note.
     Returns the patched modules (``del mod.forward`` restores one)."""
-    from sharedprefix.testing import dtype_faithful_norms
+    from sharedprefix.tools.reference import dtype_faithful_norms
 
     done = []
     for mod in model.modules():

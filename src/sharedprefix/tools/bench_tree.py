@@ -18,8 +18,8 @@ import time
 import torch
 
 import sharedprefix as sp
-from sharedprefix import bench
 from sharedprefix.layout.tree import SegmentTree
+from sharedprefix.tools import bench
 
 
 def agentic(system=4096, prompts=8, prompt_len=512, G=8, completion=256, vocab=32000, seed=0):

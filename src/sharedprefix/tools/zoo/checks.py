@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sharedprefix.zoo.configs import NotBuildable, _first_line, _float64_norms, build, entries, groups
+from sharedprefix.tools.zoo.configs import NotBuildable, _first_line, _float64_norms, build, entries, groups
 
 LOGPROB_TOL = 1e-9
 GRAD_TOL = 1e-9
@@ -156,7 +156,7 @@ def check(entry: str, grads: bool = True) -> Result:
 
 def _plain(model, gs):
     """(N, T) plain log-probs and the ops the model ran in float32 (None, error when the forward fails)."""
-    from sharedprefix.testing import plain_logprobs
+    from sharedprefix.tools.reference import plain_logprobs
 
     low = _LowPrecisionOps(model)
     try:
@@ -206,7 +206,7 @@ def _check_model(model, grads: bool, res: Result) -> None:
 
 def _compare(model, gs, ref, out, low_ops, grads, res):
     import sharedprefix as sp
-    from sharedprefix.testing import plain_logprobs
+    from sharedprefix.tools.reference import plain_logprobs
 
     tol, gtol = LOGPROB_TOL, GRAD_TOL
     if low_ops:  # the plain forward itself is only float32-accurate there

@@ -16,7 +16,7 @@ import time
 import torch
 
 import sharedprefix as sp
-from sharedprefix import bench
+from sharedprefix.tools import bench
 
 IMAGE, V_START, V_END = 31990, 31991, 31992
 

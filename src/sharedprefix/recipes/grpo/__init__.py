@@ -1,0 +1,1 @@
+"""The GRPO recipe behind ``sharedprefix train``: tasks and tokenizer, config, loop, checkpoints, report."""
