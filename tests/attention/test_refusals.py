@@ -162,7 +162,7 @@ def test_length_dependent_rope_scaling_refused(rope_type):
 
 def test_random_forward_in_training_mode_refused():
     """Phi-MoE samples its expert routing in training mode: one draw for a shared prompt is not the plain run's."""
-    from sharedprefix import zoo
+    from sharedprefix.tools import zoo
 
     model, _ = zoo.build("phimoe")
     groups = zoo.groups(model)

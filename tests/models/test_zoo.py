@@ -11,7 +11,7 @@ import os
 import pytest
 import transformers
 
-from sharedprefix import zoo
+from sharedprefix.tools import zoo
 from sharedprefix.attention import interface
 from sharedprefix.tools.zoo import readme
 
