@@ -11,8 +11,8 @@ import os
 import pytest
 import transformers
 
-from sharedprefix.tools import zoo
 from sharedprefix.attention import interface
+from sharedprefix.tools import zoo
 from sharedprefix.tools.zoo import readme
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
