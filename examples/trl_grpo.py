@@ -15,7 +15,7 @@ import torch
 import transformers as tf
 
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer
-from sharedprefix.training.tasks import KeyValueTask, build_tokenizer
+from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer
 
 task = KeyValueTask(records=12)
 tok = build_tokenizer()
