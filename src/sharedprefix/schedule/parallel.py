@@ -21,10 +21,17 @@ accumulation; the last call of the optimizer step syncs what was accumulated).
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+_CALLS = itertools.count()  # the n-th sharedprefix call of this process: the same n on every rank (keys errors)
+_ERROR_KEY = "sharedprefix/error/{call}/{rank}"
 
 
 def _fsdp_module_cls():
@@ -37,32 +44,92 @@ def _fsdp_module_cls():
 
 @dataclass
 class Parallel:
+    """How one call runs over the ranks; created for the call and dropped with it (nothing is set on the model)."""
+
     kind: str = "none"  # "none" | "ddp" | "fsdp"
     root: torch.nn.Module | None = None
     world_size: int = 1
+    call_id: int = -1  # set by ``start``
+    broken: bool = False  # an error left a collective-bearing region: this call's process group is closed
 
     @property
     def fsdp(self) -> bool:
         return self.kind == "fsdp"
 
-    def call(self, fn):
-        """Run ``fn()`` inside the root module's ``__call__`` under FSDP2, directly otherwise."""
+    @property
+    def multi(self) -> bool:
+        return self.kind != "none" and self.world_size > 1
+
+    def start(self) -> None:
+        """Number this call (every rank makes the same calls in the same order, so the numbers agree)."""
+        self.call_id = next(_CALLS)
+
+    def call(self, fn, guard: bool = True):
+        """Run ``fn()`` as the FSDP2 root module's forward (directly without FSDP2).
+
+        The root's own FSDP2 pre- and post-forward run around ``fn`` exactly as the root's ``__call__`` runs them
+        around its ``forward`` (unshard the root's parameters, and register the pre-backward hooks on the tensors
+        ``fn`` returns, which is why everything a backward starts from must be among them); the model's ``forward``
+        is neither called nor replaced. ``guard``: see ``collectives``; False only where every rank computes the
+        same thing and so fails together (the head check).
+        """
         if not self.fsdp:
             return fn()
-        root = self.root
-        had = "forward" in root.__dict__
-        saved = root.__dict__.get("forward")
-        # code inside fn that needs the model's own forward (the head check) finds it here
-        root._sharedprefix_own_forward = saved if had else type(root).forward.__get__(root)
-        root.forward = lambda *a, **k: fn()
+        state = self.root._get_fsdp_state()
+        with self.collectives() if guard else contextlib.nullcontext():
+            state._pre_forward(self.root, (), {})
+            return state._post_forward(self.root, (), fn())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` (FSDP2's backward all-gathers and reduce-scatters: a guarded region)."""
+        with self.collectives():
+            loss.backward()
+
+    @contextlib.contextmanager
+    def collectives(self):
+        """A region whose collectives the other ranks are running too (an FSDP2 forward or backward).
+
+        An error here cannot be agreed on: the other ranks wait in a collective this rank will not join. So the
+        failing rank publishes its message in the process group's store and closes its process groups; the other
+        ranks' collectives then fail at once (gloo: "connection closed by peer"), they find the message, close
+        theirs too and raise an error naming the failing rank and its message.
+        """
+        if not (self.fsdp and self.world_size > 1):
+            yield
+            return
         try:
-            return root()
-        finally:
-            del root._sharedprefix_own_forward
-            if had:
-                root.forward = saved
-            else:
-                del root.forward
+            yield
+        except Exception as e:
+            if self.broken:
+                raise
+            self.broken = True
+            from torch.distributed import distributed_c10d as c10d
+
+            store = c10d._get_default_store()
+            rank = dist.get_rank()
+            others = self._published(store, rank, wait=isinstance(e, RuntimeError))
+            if not others:
+                store.set(_ERROR_KEY.format(call=self.call_id, rank=rank), f"{type(e).__name__}: {e}")
+            dist.destroy_process_group()  # every process group: the others' collectives with this rank fail now
+            if not others:
+                raise
+            r, m = others[0]
+            raise RuntimeError(
+                f"rank {r} stopped during this sharedprefix call ({m}); it left in the middle of FSDP2's collectives, "
+                "which a call cannot resume, so every rank closed its process group and raises. Fix the error on "
+                f"rank {r}; then restart the processes (torchrun does)."
+            ) from e
+
+    def _published(self, store, rank: int, wait: bool) -> list[tuple[int, str]]:
+        """(rank, message) of the other ranks that published an error in this call; with ``wait``, up to 3 s for
+        one (this rank's error may be the consequence of another's: a collective it left)."""
+        keys = {r: _ERROR_KEY.format(call=self.call_id, rank=r) for r in range(self.world_size) if r != rank}
+        deadline = time.monotonic() + (3.0 if wait else 0.0)
+        while True:
+            found = [(r, store.get(k).decode()) for r, k in keys.items() if store.check([k])]
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
 
     def agree_max(self, values: list[int]) -> list[int]:
         if self.world_size == 1:

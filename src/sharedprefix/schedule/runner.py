@@ -96,13 +96,26 @@ def logprobs(
     lps, ents, masks, order = [], [], [], []
     # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agree before any of them
     pad = run.par.agree_max([len(run.plan.passes)])[0] - len(run.plan.passes) if run.par.fsdp else 0
+    error = None  # under FSDP2, an error outside the collectives: the rank runs the rest as dummies, then all raise
     with activated(run.model):
         for step in run.plan.steps:
             if isinstance(step, PrefixBackward):
                 for s in step.segments:
                     run.cache.release(s)
                 continue
-            _, res, layout = run.run_pass(step)
+            if error is not None:
+                run.dummy_round(grad=False)
+                continue
+            run.last = None
+            try:
+                _, res, layout = run.run_pass(step)
+            except Exception as e:
+                if not (run.par.fsdp and run.par.world_size > 1) or run.par.broken:
+                    raise
+                error = e
+                if run.last is None:  # the pass's forward did not run: its collectives, as a dummy
+                    run.dummy_round(grad=False)
+                continue
             for s in step.record:
                 run.cache.seal(s, keep_graph=False)
             if res is None:
@@ -114,6 +127,8 @@ def logprobs(
             order += layout.rows
         for _ in range(pad):
             run.dummy_round(grad=False)
+    if run.par.fsdp:
+        run.par.agree_on_error(error, where="during")
     inv = torch.empty(len(order), dtype=torch.int64)
     inv[torch.tensor(order)] = torch.arange(len(order))
     inv = inv.to(run.device)
