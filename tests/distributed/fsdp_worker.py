@@ -93,8 +93,10 @@ def wrappings(rank, world, out):
     result = {"grads": {}, "reduces": [], "changed": []}
     for how, reshard, mode in WRAPPINGS:
         model = shard(tiny_model("qwen3"), how, reshard)
-        before = snapshot(model)
-        during = []
+        during, before = [], {}
+        # looks at the model from inside each pass (a layer's forward) and between passes (loss_fn)
+        model.model.layers[0].register_forward_hook(lambda *_: during.append(snapshot(model) == before))
+        before.update(snapshot(model))
 
         def checked(b):
             during.append(snapshot(model) == before)

@@ -60,10 +60,10 @@ def test_every_wrapping_matches_plain_and_leaves_the_model_untouched(tmp_path, r
     assert_grads_close({k: v for k, v in got["tree_grads"].items() if v is not None}, want, 1e-9)
     groups, _ = groups_and_weights()
     for rank, r in enumerate(got["ranks"]):
+        assert r["changed"] == [], f"the user's model changed under {r['changed']}"
         with torch.no_grad():
             ref = plain_logprobs(model, sp.shard_groups(groups, rank, 2))[0]
         assert float((r["logprobs"] - ref).abs().max()) <= 1e-9
-        assert r["changed"] == []
         assert r["reduces"] == [[1, 2, 1]] * len(WRAPPINGS)
 
 
