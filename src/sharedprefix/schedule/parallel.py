@@ -8,15 +8,28 @@ accumulation; the last call of the optimizer step syncs what was accumulated).
 - DDP: passes run on the wrapped module directly (DDP's reducer stays idle), then one
   all-reduce (sum) of all gradients, flattened per dtype.
 - FSDP2: every forward all-gathers parameters and every backward may reduce-scatter, so
-  (1) each pass runs through the root module's ``__call__`` (its hooks unshard the root's
-  parameters and track the outputs), including a prompt's deferred backward, which is run
-  as a recomputation whose surrogate loss ``sum(dK * K) + ...`` is a root output;
-  (2) every rank runs the same sequence of collectives: forward-only rounds first (the
-  prompts of split groups), then forward+backward rounds, both counts agreed across ranks
-  with one all-reduce(max), and a rank with fewer rounds runs dummy rounds on a 2-token row
-  whose loss is multiplied by zero; (3) gradient sync is disabled except in the last
-  forward+backward round; (4) FSDP2 averages over ranks when it reduce-scatters, so the
-  losses are scaled by the world size to keep the sum semantics.
+  (1) each pass runs between the root's own FSDP2 pre- and post-forward (which unshard the
+  root's parameters and hook the outputs for backward, as the root's ``__call__`` would; the
+  model's ``forward`` is not replaced, nothing is set on the model), including a prompt's
+  deferred backward, which is run as a recomputation whose surrogate loss ``sum(dK * K) + ...``
+  is an output of that call; (2) every rank runs the same sequence of collectives, whatever
+  the wrapping (nested units, grouped units, embedding and head as units of their own):
+  forward-only rounds first (the prompts of split groups), then forward+backward rounds, both
+  counts agreed across ranks with one all-reduce(max), and a rank with fewer rounds runs dummy
+  rounds on a 2-token row whose loss is multiplied by zero; (3) gradient sync is disabled
+  except in the last forward+backward round; (4) FSDP2 averages over ranks when it
+  reduce-scatters, so the losses are scaled by the world size to keep the sum semantics.
+
+Failures (every rank stops, with the failing rank's message, within seconds):
+- before any collective of a call (bad input, a refusal): one all-reduce of an error flag;
+- FSDP2, outside the collectives (``loss_fn`` raising, a refusal after a pass): the rank runs
+  the rest of the call's collectives as dummy rounds, and the ranks agree at the end of the call
+  (one more one-element all-reduce per call); the process group stays usable;
+- FSDP2, inside a forward or backward (where agreeing is impossible): the failing rank puts
+  its message in the process group's store and closes its process groups; the others'
+  collectives fail at once, they read the message and raise it (``Parallel.collectives``).
+  Tested with gloo; with NCCL, a rank blocked in a collective learns of it only through
+  NCCL's own error handling (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` and the group's timeout).
 """
 
 from __future__ import annotations
@@ -213,6 +226,13 @@ def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
         m = getattr(m, "module", None)
     fsdp_cls = _fsdp_module_cls()
     if fsdp_cls is not None and isinstance(root, fsdp_cls):
+        state = root._get_fsdp_state() if hasattr(root, "_get_fsdp_state") else None
+        if not (hasattr(state, "_pre_forward") and hasattr(state, "_post_forward")):
+            raise ValueError(
+                f"torch {torch.__version__}'s FSDP2 root state has no _pre_forward / _post_forward, which sharedprefix "
+                "runs around each pass (the FSDP2 root's own hooks); use a torch version that has them (torch 2.13, "
+                "which this was tested with, does)."
+            )
         return Parallel("fsdp", root, world)
     if fsdp_cls is not None and any(isinstance(m, fsdp_cls) for m in root.modules()):
         raise ValueError(
