@@ -20,8 +20,9 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import sharedprefix as sp  # noqa: E402
 from distributed.worker import BUDGET, groups_and_weights, run_tree  # noqa: E402
+
+import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402
 
 # (name, reshard_after_forward, prefix_activations) -- the modes FSDP2 runs under a split budget: its default (None)
@@ -80,6 +81,22 @@ def my_work(rank, world):
     return mine, (lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum())
 
 
+def one_wrapping(how, reshard, mode, mine, loss_fn):
+    """A fresh model wrapped ``how``, one sp.backward; returns it and whether its modules stayed unchanged."""
+    model = shard(tiny_model("qwen3"), how, reshard)
+    during, before = [], {}
+    # looks at the model from inside each pass (a layer's forward) and between passes (loss_fn)
+    model.model.layers[0].register_forward_hook(lambda *_: during.append(snapshot(model) == before))
+    before.update(snapshot(model))
+
+    def checked(b):
+        during.append(snapshot(model) == before)
+        return loss_fn(b)
+
+    sp.backward(model, mine, checked, max_tokens=BUDGET, prefix_activations=mode)
+    return model, bool(during) and all(during) and snapshot(model) == before
+
+
 def wrappings(rank, world, out):
     mine, loss_fn = my_work(rank, world)
     reduces = []
@@ -92,21 +109,11 @@ def wrappings(rank, world, out):
     dist.all_reduce = counting
     result = {"grads": {}, "reduces": [], "changed": []}
     for how, reshard, mode in WRAPPINGS:
-        model = shard(tiny_model("qwen3"), how, reshard)
-        during, before = [], {}
-        # looks at the model from inside each pass (a layer's forward) and between passes (loss_fn)
-        model.model.layers[0].register_forward_hook(lambda *_: during.append(snapshot(model) == before))
-        before.update(snapshot(model))
-
-        def checked(b):
-            during.append(snapshot(model) == before)
-            return loss_fn(b)
-
         reduces.clear()
-        sp.backward(model, mine, checked, max_tokens=BUDGET, prefix_activations=mode)
+        model, unchanged = one_wrapping(how, reshard, mode, mine, loss_fn)
         result["reduces"].append(list(reduces))
         result["grads"][(how, reshard, mode)] = full_grads(model)
-        if not (during and all(during) and snapshot(model) == before):
+        if not unchanged:
             result["changed"].append((how, reshard, mode))
         if (how, reshard) == ("nested", True):  # a tree whose budget splits every depth, and forward-only values
             model.zero_grad(set_to_none=True)

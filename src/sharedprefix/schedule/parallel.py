@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-
 _CALLS = itertools.count()  # the n-th sharedprefix call of this process: the same n on every rank (keys errors)
 _ERROR_KEY = "sharedprefix/error/{call}/{rank}"
 
