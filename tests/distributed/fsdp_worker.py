@@ -5,7 +5,8 @@ KIND:
   wrappings  sp.backward under each wrapping of ``WRAPPINGS`` (fresh model each), a budget that splits a group;
              rank 0 writes every wrapping's full gradients, the one-element all-reduces per call, and whether any
              module of the user's model changed (attributes, ``forward``, class) during or after the calls.
-  midfail    rank 1's loss_fn raises on its second pass (outside the collectives); then a clean call.
+  midfail    rank 1's loss_fn raises on its second pass (outside the collectives); then a clean call; then a
+             forward-only sp.logprobs in which rank 1 refuses after a pass, and the same call again.
   inside     rank 1 raises inside a layer's forward on its second pass (inside FSDP2's collectives).
 Each rank of ``midfail`` / ``inside`` writes OUT.RANK: its error message and the seconds the call took.
 """
@@ -160,8 +161,35 @@ def failing(rank, world, out, kind):
         model.zero_grad(set_to_none=True)
         sp.backward(model, mine, loss_fn, max_tokens=BUDGET)
         record["grads"] = full_grads(model)
+        record.update(forward_only_failure(model, mine, rank))
     record["initialized"] = dist.is_initialized()
     torch.save(record, f"{out}.{rank}")
+
+
+def forward_only_failure(model, mine, rank):
+    """Forward-only sp.logprobs: rank 1 refuses after its second pass's forward; then the same call succeeds."""
+    from sharedprefix.schedule.executor import Executor
+
+    with torch.no_grad():
+        before = sp.logprobs(model, mine, max_tokens=BUDGET).logprobs
+        own, checks = Executor._check_calls, []
+
+        def refusing(self, state):
+            checks.append(1)
+            if rank == 1 and len(checks) == 2:
+                raise ValueError("rank 1 refused a pass after its forward")
+            return own(self, state)
+
+        Executor._check_calls = refusing
+        try:
+            sp.logprobs(model, mine, max_tokens=BUDGET)
+            msg = "no error"
+        except (ValueError, RuntimeError) as e:
+            msg = f"{type(e).__name__}: {e}"
+        finally:
+            Executor._check_calls = own
+        again = sp.logprobs(model, mine, max_tokens=BUDGET).logprobs
+    return {"lp_message": msg, "lp_same_after": bool(torch.equal(before, again))}
 
 
 def main(kind, out):

@@ -75,7 +75,8 @@ def _records(tmp_path, kind):
 def test_an_error_in_loss_fn_on_one_rank_stops_every_rank(tmp_path, reference):
     """Rank 1's loss_fn raises on its second pass, outside FSDP2's collectives while rank 0 is about to run a
     backward: rank 1 finishes the call's collectives as dummy rounds, both ranks raise at its end (rank 0 naming
-    rank 1 and its message) within seconds, neither keeps a gradient, and the next call runs exactly."""
+    rank 1 and its message) within seconds, neither keeps a gradient, and the next call runs exactly. The same for
+    a forward-only sp.logprobs in which rank 1 refuses after a pass."""
     msg = "advantages missing for this batch (rank 1's loss_fn)"
     r0, r1 = _records(tmp_path, "midfail")
     assert r1["message"] == f"ValueError: {msg}"
@@ -83,6 +84,11 @@ def test_an_error_in_loss_fn_on_one_rank_stops_every_rank(tmp_path, reference):
     for r in (r0, r1):
         assert r["seconds"] < 10 and r["grads_left"] == 0 and r["initialized"]
     assert_grads_close({k: v for k, v in r0["grads"].items() if v is not None}, reference, 1e-9)
+    # forward-only sp.logprobs: rank 1 refuses after a pass's forward; both raise, and the next call is unchanged
+    msg = "rank 1 refused a pass after its forward"
+    assert r1["lp_message"] == f"ValueError: {msg}"
+    assert r0["lp_message"].startswith("RuntimeError: rank 1 stopped during this sharedprefix call")
+    assert msg in r0["lp_message"] and r0["lp_same_after"] and r1["lp_same_after"]
 
 
 def test_an_error_inside_a_pass_on_one_rank_stops_every_rank(tmp_path):
