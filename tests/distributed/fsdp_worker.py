@@ -5,7 +5,7 @@ KIND:
   wrappings  sp.backward under each wrapping of ``WRAPPINGS`` (fresh model each), a budget that splits a group;
              rank 0 writes every wrapping's full gradients, the one-element all-reduces per call, and whether any
              module of the user's model changed (attributes, ``forward``, class) during or after the calls.
-  midfail    rank 1's loss_fn raises on its second pass (outside the collectives); then a clean call; then a
+  midfail    prefix_activations='keep' refused on the rank whose shard splits a group; rank 1's loss_fn raises on its second pass (outside the collectives); then a clean call; then a
              forward-only sp.logprobs in which rank 1 refuses after a pass, and the same call again.
   inside     rank 1 raises inside a layer's forward on its second pass (inside FSDP2's collectives).
 Each rank of ``midfail`` / ``inside`` writes OUT.RANK: its error message and the seconds the call took.
@@ -147,14 +147,21 @@ def failing(rank, world, out, kind):
             raise ValueError("layer 1 refused this batch on rank 1 (inside a pass)")
 
     handle = model.model.layers[1].register_forward_pre_hook(refuse) if kind == "inside" else None
+    record = {}
+    if kind == "midfail":  # a mode FSDP2 cannot run, where only rank 0's shard splits a group: refused on rank 0 only
+        try:
+            sp.backward(model, mine, loss_fn, max_tokens=BUDGET, prefix_activations="keep")
+            record["keep_message"] = "no error"
+        except (ValueError, RuntimeError) as e:
+            record["keep_message"] = f"{type(e).__name__}: {e}"
     t = time.monotonic()
     try:
         sp.backward(model, mine, loss, max_tokens=BUDGET)
         msg = "no error"
     except (ValueError, RuntimeError) as e:
         msg = f"{type(e).__name__}: {e}"
-    record = {"message": msg, "seconds": time.monotonic() - t,
-              "grads_left": sum(p.grad is not None for p in model.parameters())}
+    record.update(message=msg, seconds=time.monotonic() - t,
+                  grads_left=sum(p.grad is not None for p in model.parameters()))
     if handle is not None:
         handle.remove()
     if kind == "midfail":  # the process group and FSDP2's state are intact: the next call runs and is exact

@@ -43,8 +43,8 @@ def test_every_wrapping_matches_plain_and_leaves_the_model_untouched(tmp_path, r
     (all layers as one; embedding + head as one), reshard_after_forward True and False, FSDP2's default mode and
     'recompute', a budget that splits a group on one rank only: every rank runs the same collectives and the summed
     gradients are the plain run's. No module of the user's model gains or loses an attribute, a ``forward`` or a
-    class during or after a call; and an FSDP2 call costs 3 small all-reduces (setup errors, round counts, errors
-    during the call), one of which is the price of ending failures cleanly."""
+    class during or after a call; and an FSDP2 call costs 2 small all-reduces besides FSDP2's own collectives (setup
+    errors with the round counts; errors during the call), as many as before failures ended cleanly."""
     from schedule.test_tree import plain_rows
 
     got = torch.load(_launch("wrappings", tmp_path), weights_only=False)
@@ -64,7 +64,7 @@ def test_every_wrapping_matches_plain_and_leaves_the_model_untouched(tmp_path, r
         with torch.no_grad():
             ref = plain_logprobs(model, sp.shard_groups(groups, rank, 2))[0]
         assert float((r["logprobs"] - ref).abs().max()) <= 1e-9
-        assert r["reduces"] == [[1, 2, 1]] * len(WRAPPINGS)
+        assert r["reduces"] == [[3, 1]] * len(WRAPPINGS)  # (setup error, forward rounds, backward rounds), errors
 
 
 def _records(tmp_path, kind):
@@ -73,7 +73,8 @@ def _records(tmp_path, kind):
 
 
 def test_an_error_in_loss_fn_on_one_rank_stops_every_rank(tmp_path, reference):
-    """Rank 1's loss_fn raises on its second pass, outside FSDP2's collectives while rank 0 is about to run a
+    """A refusal of prefix_activations='keep' on the one rank whose shard splits a group stops both at setup.
+    Rank 1's loss_fn raises on its second pass, outside FSDP2's collectives while rank 0 is about to run a
     backward: rank 1 finishes the call's collectives as dummy rounds, both ranks raise at its end (rank 0 naming
     rank 1 and its message) within seconds, neither keeps a gradient, and the next call runs exactly. The same for
     a forward-only sp.logprobs in which rank 1 refuses after a pass."""
@@ -84,6 +85,11 @@ def test_an_error_in_loss_fn_on_one_rank_stops_every_rank(tmp_path, reference):
     for r in (r0, r1):
         assert r["seconds"] < 10 and r["grads_left"] == 0 and r["initialized"]
     assert_grads_close({k: v for k, v in r0["grads"].items() if v is not None}, reference, 1e-9)
+    # a mode FSDP2 cannot run, refused only on the rank whose shard splits a group: every rank raises, at setup
+    keep = [r["keep_message"] for r in (r0, r1)]
+    assert sum(m.startswith("ValueError: prefix_activations='keep' with an FSDP2 model") for m in keep) == 1
+    assert sum(m.startswith("RuntimeError: rank ") and "stopped before any computation" in m and
+               "prefix_activations='recompute'" in m for m in keep) == 1
     # forward-only sp.logprobs: rank 1 refuses after a pass's forward; both raise, and the next call is unchanged
     msg = "rank 1 refused a pass after its forward"
     assert r1["lp_message"] == f"ValueError: {msg}"

@@ -37,22 +37,27 @@ from sharedprefix.schedule.results import Batch
 
 
 class Executor:
-    def __init__(self, model, source, max_tokens, backend, temperature, entropy, leaves):
+    def __init__(self, model, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations=None):
         self.model = unwrap(model)
         self.par = detect(model, self.model)
         self.par.start()
         self.last = None  # (state, result) of the latest pass whose forward completed (see ``run_rounds``)
         error = None
         try:
-            self._setup(source, max_tokens, backend, temperature, entropy, leaves)
+            self._setup(source, max_tokens, backend, temperature, entropy, leaves, prefix_activations)
         except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank, before collectives
             error = e
-        self.par.agree_on_error(error)
+        # FSDP2: the round counts every rank runs, agreed in the same all-reduce: (forward-only, forward+backward)
+        # rounds for sp.backward, passes for sp.logprobs
+        counts = [] if not self.par.fsdp else [0, 0] if leaves else [0]
+        if error is None and self.par.fsdp:
+            counts = list(self.plan.fsdp_rounds) if leaves else [len(self.plan.passes)]
+        self.rounds = self.par.agree_on_error(error, counts=counts)
         # the same model on every rank: a refusal here is raised by every rank together (no guard needed)
         own = self.model.forward if self.par.fsdp else None
         self.par.call(lambda: verify_head(self.model, own), guard=False)
 
-    def _setup(self, source, max_tokens, backend, temperature, entropy, leaves):
+    def _setup(self, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations):
         check_supported(self.model)
         emb = self.model.get_input_embeddings()
         vocab = min(emb.num_embeddings, self.model.get_output_embeddings().weight.shape[0])
@@ -71,6 +76,12 @@ class Executor:
                 "K/V read inside each layer would get none. Enable it with "
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or raise "
                 "max_tokens so that every group fits one pass."
+            )
+        if leaves and self.par.fsdp and self.plan.splits and prefix_activations != "recompute":
+            raise ValueError(
+                f"prefix_activations={prefix_activations!r} with an FSDP2 model and a budget that splits a group: a "
+                "prompt's deferred backward must run inside the root module's call under FSDP2, which only "
+                "'recompute' does. Use prefix_activations='recompute' (or None, which picks it under FSDP2)."
             )
         self.device = emb.weight.device
         select(backend, self.device)  # an unknown or unavailable backend fails before any computation

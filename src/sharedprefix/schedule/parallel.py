@@ -15,7 +15,7 @@ accumulation; the last call of the optimizer step syncs what was accumulated).
   is an output of that call; (2) every rank runs the same sequence of collectives, whatever
   the wrapping (nested units, grouped units, embedding and head as units of their own):
   forward-only rounds first (the prompts of split groups), then forward+backward rounds, both
-  counts agreed across ranks with one all-reduce(max), and a rank with fewer rounds runs dummy
+  counts agreed across ranks in the all-reduce(max) that agrees on setup errors, and a rank with fewer rounds runs dummy
   rounds on a 2-token row whose loss is multiplied by zero; (3) gradient sync is disabled
   except in the last forward+backward round; (4) FSDP2 averages over ranks when it
   reduce-scatters, so the losses are scaled by the world size to keep the sum semantics.
@@ -143,25 +143,20 @@ class Parallel:
                 return found
             time.sleep(0.05)
 
-    def agree_max(self, values: list[int]) -> list[int]:
-        if self.world_size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.int64, device=_comm_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [int(x) for x in t.tolist()]
-
-    def agree_on_error(self, error: BaseException | None, where: str = "before any computation of") -> None:
+    def agree_on_error(self, error: BaseException | None, where: str = "before any computation of",
+                       counts: list[int] = ()) -> list[int]:
         """Under DDP / FSDP2, every rank learns whether any rank failed before the next collective (the call's first,
         or DDP's gradient all-reduce at its end), and all raise together (the failing rank its own error, the others
-        one naming it) instead of waiting in a collective the failed rank never joins."""
+        one naming it) instead of waiting in a collective the failed rank never joins. ``counts`` ride along in the
+        same all-reduce: returns their maximum over the ranks (FSDP2's round counts)."""
         if self.kind == "none" or self.world_size == 1:
             if error is not None:
                 raise error
-            return
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=_comm_device())
+            return list(counts)
+        flag = torch.tensor([0 if error is None else 1, *counts], dtype=torch.int64, device=_comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one tiny collective when nothing failed (the common case)
-        if not int(flag.item()):
-            return
+        if not int(flag[0].item()):
+            return [int(x) for x in flag[1:].tolist()]
         msgs = [None] * self.world_size
         dist.all_gather_object(msgs, None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:

@@ -94,8 +94,8 @@ def logprobs(
         self_check(model, groups)
     run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
     lps, ents, masks, order = [], [], [], []
-    # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agree before any of them
-    pad = run.par.agree_max([len(run.plan.passes)])[0] - len(run.plan.passes) if run.par.fsdp else 0
+    # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agreed before any of them
+    pad = run.rounds[0] - len(run.plan.passes) if run.par.fsdp else 0
     error = None  # under FSDP2, an error outside the collectives: the rank runs the rest as dummies, then all raise
     with activated(run.model):
         for step in run.plan.steps:
@@ -189,14 +189,10 @@ def backward(
         from sharedprefix.checks import self_check
 
         self_check(model, groups)
-    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True)
+    # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True,
+                   prefix_activations=prefix_activations)
     par = run.par
-    if par.fsdp and run.plan.splits and prefix_activations != "recompute":
-        raise ValueError(
-            f"prefix_activations={prefix_activations!r} with an FSDP2 model and a budget that splits a group: a "
-            "prompt's deferred backward must run inside the root module's call under FSDP2, which only "
-            "'recompute' does. Use prefix_activations='recompute'."
-        )
     recompute = prefix_activations == "recompute" or par.fsdp
     cuda = run.device.type == "cuda"
     if cuda:
@@ -204,7 +200,7 @@ def backward(
     hooks = OffloadHooks(run.model, offload_device) if prefix_activations == "offload" and not par.fsdp else None
     steps = run.plan
     if par.fsdp:  # every rank runs the same collectives: the plan reordered and padded to the agreed counts
-        steps = steps.for_fsdp(*par.agree_max(list(steps.fsdp_rounds)))
+        steps = steps.for_fsdp(*run.rounds)
     rounds = rounds_of(steps)
     dummies = sum(k in ("DF", "DFB") for k, _ in rounds)
     last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
