@@ -171,6 +171,11 @@ def backward(
             its end). Pass False for all but the last call of an optimizer step to accumulate.
         grad_reduction: "sum" (default: each rank's loss uses global normalisers, so the global
             loss is the sum over ranks) or "mean" (the average over ranks, DDP's convention).
+
+    Failures under DDP / FSDP2: an error on one rank ends the call on every rank within seconds, the others
+    raising a RuntimeError that names the failing rank and its message, and no rank keeps the call's gradient.
+    The process group stays usable, except after an error inside FSDP2's own collectives (a forward or backward
+    failing part-way), where every rank closes it (see ``schedule.parallel``).
     """
     if prefix_activations is None:  # the default: "keep", or the mode FSDP2 needs
         prefix_activations = "recompute" if detect(model, unwrap(model)).fsdp else "keep"
