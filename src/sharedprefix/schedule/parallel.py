@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 _CALLS = itertools.count()  # the n-th sharedprefix call of this process: the same n on every rank (keys errors)
 _ERROR_KEY = "sharedprefix/error/{call}/{rank}"
+_STORES: list = []  # stores an error was published in, kept alive for the other ranks to read it
 
 
 def _fsdp_module_cls():
@@ -121,7 +122,11 @@ class Parallel:
             rank = dist.get_rank()
             others = self._published(store, rank, wait=isinstance(e, RuntimeError))
             if not others:
-                store.set(_ERROR_KEY.format(call=self.call_id, rank=rank), f"{type(e).__name__}: {e}")
+                try:
+                    store.set(_ERROR_KEY.format(call=self.call_id, rank=rank), f"{type(e).__name__}: {e}")
+                    _STORES.append(store)  # where rank 0 hosts the store (tcp:// init), it outlives the group
+                except RuntimeError:  # the store left with its host: this rank's own error is raised as it is
+                    pass
             dist.destroy_process_group()  # every process group: the others' collectives with this rank fail now
             if not others:
                 raise
@@ -138,7 +143,10 @@ class Parallel:
         keys = {r: _ERROR_KEY.format(call=self.call_id, rank=r) for r in range(self.world_size) if r != rank}
         deadline = time.monotonic() + (3.0 if wait else 0.0)
         while True:
-            found = [(r, store.get(k).decode()) for r, k in keys.items() if store.check([k])]
+            try:
+                found = [(r, store.get(k).decode()) for r, k in keys.items() if store.check([k])]
+            except RuntimeError:  # the store is gone with its host: no message to find; this rank's own error stands
+                return []
             if found or time.monotonic() >= deadline:
                 return found
             time.sleep(0.05)
