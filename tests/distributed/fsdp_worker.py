@@ -33,6 +33,7 @@ WRAPPINGS = [
     ("nested", False, "recompute"),
     ("grouped", True, "recompute"),  # both layers as one unit, embedding + head as one unit, root
     ("grouped", False, None),
+    ("mixed", None, None),  # torchtitan's choice: every layer but the last, and the units, reshard; the root does not
 ]
 
 
@@ -50,6 +51,12 @@ def shard(model, how, reshard):
     elif how == "grouped":
         fully_shard(list(dec.layers), **kw)
         fully_shard([dec.embed_tokens, model.lm_head], **kw)
+    elif how == "mixed":
+        for i, layer in enumerate(dec.layers):
+            fully_shard(layer, reshard_after_forward=i < len(dec.layers) - 1)
+        fully_shard(dec.embed_tokens, reshard_after_forward=True)
+        fully_shard(model.lm_head, reshard_after_forward=True)
+        kw = dict(reshard_after_forward=False)
     else:
         raise ValueError(how)
     fully_shard(model, **kw)

@@ -39,8 +39,8 @@ def reference():
 
 
 def test_every_wrapping_matches_plain_and_leaves_the_model_untouched(tmp_path, reference):
-    """Nested units (attention and MLP inside layers, layers, embedding, head, decoder, root) and grouped units
-    (all layers as one; embedding + head as one), reshard_after_forward True and False, FSDP2's default mode and
+    """Nested units (attention and MLP inside layers, layers, embedding, head, decoder, root), grouped units
+    (all layers as one; embedding + head as one) and per-unit settings, reshard_after_forward True and False, FSDP2's default mode and
     'recompute', a budget that splits a group on one rank only: every rank runs the same collectives and the summed
     gradients are the plain run's. No module of the user's model gains or loses an attribute, a ``forward`` or a
     class during or after a call; and an FSDP2 call costs 2 small all-reduces besides FSDP2's own collectives (setup
