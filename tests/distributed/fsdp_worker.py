@@ -3,10 +3,11 @@
 Usage: torchrun --nproc_per_node=2 fsdp_worker.py KIND OUT
 KIND:
   wrappings  sp.backward under each wrapping of ``WRAPPINGS`` (fresh model each), a budget that splits a group;
-             rank 0 writes every wrapping's full gradients, the one-element all-reduces per call, and whether any
-             module of the user's model changed (attributes, ``forward``, class) during or after the calls.
-  midfail    prefix_activations='keep' refused on the rank whose shard splits a group; rank 1's loss_fn raises on its second pass (outside the collectives); then a clean call; then a
-             forward-only sp.logprobs in which rank 1 refuses after a pass, and the same call again.
+             rank 0 writes every wrapping's full gradients, the sizes of the all-reduces per call, and whether
+             any module of the user's model changed (attributes, ``forward``, class) during or after the calls.
+  midfail    prefix_activations='keep' refused on the rank whose shard alone splits a group; rank 1's loss_fn
+             raises on its second pass (outside the collectives); then a clean call; then a forward-only
+             sp.logprobs in which rank 1 refuses after a pass, and the same call again.
   inside     rank 1 raises inside a layer's forward on its second pass (inside FSDP2's collectives).
 Each rank of ``midfail`` / ``inside`` writes OUT.RANK: its error message and the seconds the call took.
 """
