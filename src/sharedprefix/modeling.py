@@ -220,26 +220,26 @@ def _modules_after_decoder(model: PreTrainedModel) -> list[torch.nn.Module]:
     ]
 
 
-def verify_head(model: PreTrainedModel) -> None:
+def verify_head(model: PreTrainedModel, forward=None) -> None:
     """Check once per model, before any pass, what sharedprefix relies on: base + ``head_logits`` equals the
     model's own logits, the forward is not random, positions and token convolutions (see the helpers), and
     which attention each layer computes (``attention.probe``). Raises ValueError for what cannot be exact.
     The caller's random stream is left as it was. Once per model and mode (training mode adds a check).
+    ``forward``: what computes the model's own logits (default: ``model``; inside an FSDP2 root call, where the
+    root's hooks already ran, its bound ``model.forward``).
     """
     modes = _VERIFIED.setdefault(model, set())
     if model.training in modes:
         return
     device = model.get_output_embeddings().weight.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        _verify(model, device)
+        _verify(model, device, model if forward is None else forward)
     modes.add(model.training)
 
 
-def _verify(model: PreTrainedModel, device) -> None:
+def _verify(model: PreTrainedModel, device, forward) -> None:
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = (torch.arange(3, device=device) * 7 + 1).remainder(vocab)[None]
-    # inside an FSDP2 root call the model's forward is replaced; its own forward is kept aside
-    forward = getattr(model, "_sharedprefix_own_forward", model)
     dec = decoder(model)
     if model.training:
         _check_deterministic(model, dec, ids)

@@ -114,6 +114,7 @@ def main(kind, out):
         dist.all_gather_object(msgs, msg)
         if rank == 0:
             torch.save({"messages": msgs}, out)
+        del model  # before its process group goes: a DDP reducer destroyed after it can block on gloo (as below)
         dist.barrier()
         dist.destroy_process_group()
         return

@@ -37,18 +37,27 @@ from sharedprefix.schedule.results import Batch
 
 
 class Executor:
-    def __init__(self, model, source, max_tokens, backend, temperature, entropy, leaves):
+    def __init__(self, model, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations=None):
         self.model = unwrap(model)
         self.par = detect(model, self.model)
+        self.par.start()
+        self.last = None  # (state, result) of the latest pass whose forward completed (see ``run_rounds``)
         error = None
         try:
-            self._setup(source, max_tokens, backend, temperature, entropy, leaves)
+            self._setup(source, max_tokens, backend, temperature, entropy, leaves, prefix_activations)
         except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank, before collectives
             error = e
-        self.par.agree_on_error(error)
-        self.par.call(lambda: verify_head(self.model))
+        # FSDP2: the round counts every rank runs, agreed in the same all-reduce: (forward-only, forward+backward)
+        # rounds for sp.backward, passes for sp.logprobs
+        counts = [] if not self.par.fsdp else [0, 0] if leaves else [0]
+        if error is None and self.par.fsdp:
+            counts = list(self.plan.fsdp_rounds) if leaves else [len(self.plan.passes)]
+        self.rounds = self.par.agree_on_error(error, counts=counts)
+        # the same model on every rank: a refusal here is raised by every rank together (no guard needed)
+        own = self.model.forward if self.par.fsdp else None
+        self.par.call(lambda: verify_head(self.model, own), guard=False)
 
-    def _setup(self, source, max_tokens, backend, temperature, entropy, leaves):
+    def _setup(self, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations):
         check_supported(self.model)
         emb = self.model.get_input_embeddings()
         vocab = min(emb.num_embeddings, self.model.get_output_embeddings().weight.shape[0])
@@ -67,6 +76,12 @@ class Executor:
                 "K/V read inside each layer would get none. Enable it with "
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or raise "
                 "max_tokens so that every group fits one pass."
+            )
+        if leaves and self.par.fsdp and self.plan.splits and prefix_activations != "recompute":
+            raise ValueError(
+                f"prefix_activations={prefix_activations!r} with an FSDP2 model and a budget that splits a group: a "
+                "prompt's deferred backward must run inside the root module's call under FSDP2, which only "
+                "'recompute' does. Use prefix_activations='recompute' (or None, which picks it under FSDP2)."
             )
         self.device = emb.weight.device
         select(backend, self.device)  # an unknown or unavailable backend fails before any computation
@@ -132,6 +147,7 @@ class Executor:
                     self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None)
 
         result = self.par.call(fn)
+        self.last = (state, result)
         self._check_calls(state)
         self.tokens += layout.length if tree is self.plan.tree else 0
         for s in layout.record:
@@ -159,7 +175,7 @@ class Executor:
             state, res, _ = self.run_pass(Pass((0, 1), rows=(0,)), tree=tree)
             if grad:
                 with pass_state(state):
-                    (res[0].sum() * 0.0).backward()
+                    self.par.backward(res[0].sum() * 0.0)
 
     def _check_calls(self, state: PassState) -> None:
         want = num_attention_layers(self.model)
@@ -196,53 +212,96 @@ def rounds_of(p: Plan) -> list[tuple[str, object]]:
 
 
 def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb):
+    """Run ``rounds``; returns (total loss, loss_fn calls).
+
+    Under FSDP2 (several ranks) an error outside the collectives (in ``loss_fn``, a refusal after a pass's
+    forward) does not leave the other ranks waiting: this rank finishes the round's collectives with a backward of
+    zero, runs its remaining rounds as dummy rounds (the same collectives, nothing computed that is kept: the call's
+    gradients are rolled back), and at the end every rank learns of the error from one one-element all-reduce and
+    raises, with the process group intact. An error inside the collectives is ``Parallel.collectives``' case.
+    """
     par = run.par
-    total, calls = 0.0, 0
+    total, calls, error = 0.0, 0, None
     with activated(run.model):
         for i, (kind, x) in enumerate(rounds):
             if kind in ("FB", "PB", "DFB"):
                 par.set_sync(sync and i == last_fb)
-            if kind == "DF":
-                run.dummy_round(grad=False)
-            elif kind == "DFB":
-                run.dummy_round(grad=True)
-            elif kind == "REL":
-                for s in x:
-                    run.cache.release(s)
-            elif kind == "PB":
-                if recompute:
-                    state, sur, _ = run.run_pass(Pass((x,), record=(x,)), surrogate=x)
-                else:
-                    state = run.cache.states[x]
-                    sur = run.cache.surrogate(x)
-                if sur is not None:
-                    with pass_state(state):
-                        sur.backward()
-            elif kind == "F":
-                with torch.set_grad_enabled(not recompute):
-                    if hooks is not None:
-                        with hooks():
-                            run.run_pass(x)
-                    else:
-                        run.run_pass(x)
-                for s in x.record:
-                    run.cache.seal(s, keep_graph=not recompute)
-            else:  # FB
-                state, res, layout = run.run_pass(x)
-                if res is None:  # a pass with no rows to report (its values are cached for later rows)
-                    continue
-                batch = Batch(
-                    logprobs=res[0],
-                    mask=run.mask(layout),
-                    entropy=res[1] if entropy else None,
-                    index=torch.tensor(layout.rows, dtype=torch.int64, device=run.device),
-                )
-                loss = check_loss(loss_fn(batch), calls)
+            if error is not None:  # this rank failed earlier in the call: it only takes part in the collectives
+                if kind != "REL":
+                    run.dummy_round(grad=kind in ("FB", "PB", "DFB"))
+                continue
+            run.last = None
+            try:
+                loss = _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls)
+            except Exception as e:
+                if not (par.fsdp and par.world_size > 1) or par.broken:
+                    raise
+                error = e
+                _finish_round(run, kind)
+                continue
+            if loss is not None:
+                total += loss
                 calls += 1
-                with pass_state(state):
-                    (loss * scale if scale != 1.0 else loss).backward()
-                total += float(loss.detach())
+    if par.fsdp:
+        par.agree_on_error(error, where="during")
     return total, calls
+
+
+def _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls) -> float | None:
+    """One round (see ``rounds_of``); returns the loss of an FB round that called ``loss_fn``, else None."""
+    par = run.par
+    if kind in ("DF", "DFB"):
+        run.dummy_round(grad=kind == "DFB")
+    elif kind == "REL":
+        for s in x:
+            run.cache.release(s)
+    elif kind == "PB":
+        if recompute:
+            state, sur, _ = run.run_pass(Pass((x,), record=(x,)), surrogate=x)
+        else:
+            state = run.cache.states[x]
+            sur = run.cache.surrogate(x)
+        if sur is not None:
+            with pass_state(state):
+                par.backward(sur)
+    elif kind == "F":
+        with torch.set_grad_enabled(not recompute):
+            if hooks is not None:
+                with hooks():
+                    run.run_pass(x)
+            else:
+                run.run_pass(x)
+        for s in x.record:
+            run.cache.seal(s, keep_graph=not recompute)
+    else:  # FB
+        state, res, layout = run.run_pass(x)
+        if res is None:  # a pass with no rows to report (its values are cached for later rows)
+            return None
+        batch = Batch(
+            logprobs=res[0],
+            mask=run.mask(layout),
+            entropy=res[1] if entropy else None,
+            index=torch.tensor(layout.rows, dtype=torch.int64, device=run.device),
+        )
+        loss = check_loss(loss_fn(batch), calls)
+        with pass_state(state):
+            par.backward(loss * scale if scale != 1.0 else loss)
+        return float(loss.detach())
+    return None
+
+
+def _finish_round(run, kind: str) -> None:
+    """After an error outside the collectives of a round: run the collectives the other ranks still run in it."""
+    grad = kind in ("FB", "PB", "DFB")
+    if run.last is None:  # the error came before the round's forward: all of it, as a dummy round
+        if kind != "REL":
+            run.dummy_round(grad=grad)
+        return
+    state, out = run.last  # the forward ran: its backward, of zero (the call's gradients are rolled back)
+    out = out[0] if isinstance(out, tuple) else out
+    if grad and out is not None and out.requires_grad:
+        with pass_state(state):
+            run.par.backward(out.sum() * 0.0)
 
 
 def check_loss(loss, call: int) -> torch.Tensor:

@@ -94,15 +94,28 @@ def logprobs(
         self_check(model, groups)
     run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
     lps, ents, masks, order = [], [], [], []
-    # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agree before any of them
-    pad = run.par.agree_max([len(run.plan.passes)])[0] - len(run.plan.passes) if run.par.fsdp else 0
+    # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agreed before any of them
+    pad = run.rounds[0] - len(run.plan.passes) if run.par.fsdp else 0
+    error = None  # under FSDP2, an error outside the collectives: the rank runs the rest as dummies, then all raise
     with activated(run.model):
         for step in run.plan.steps:
             if isinstance(step, PrefixBackward):
                 for s in step.segments:
                     run.cache.release(s)
                 continue
-            _, res, layout = run.run_pass(step)
+            if error is not None:
+                run.dummy_round(grad=False)
+                continue
+            run.last = None
+            try:
+                _, res, layout = run.run_pass(step)
+            except Exception as e:
+                if not (run.par.fsdp and run.par.world_size > 1) or run.par.broken:
+                    raise
+                error = e
+                if run.last is None:  # the pass's forward did not run: its collectives, as a dummy
+                    run.dummy_round(grad=False)
+                continue
             for s in step.record:
                 run.cache.seal(s, keep_graph=False)
             if res is None:
@@ -114,6 +127,8 @@ def logprobs(
             order += layout.rows
         for _ in range(pad):
             run.dummy_round(grad=False)
+    if run.par.fsdp:
+        run.par.agree_on_error(error, where="during")
     inv = torch.empty(len(order), dtype=torch.int64)
     inv[torch.tensor(order)] = torch.arange(len(order))
     inv = inv.to(run.device)
@@ -156,6 +171,11 @@ def backward(
             its end). Pass False for all but the last call of an optimizer step to accumulate.
         grad_reduction: "sum" (default: each rank's loss uses global normalisers, so the global
             loss is the sum over ranks) or "mean" (the average over ranks, DDP's convention).
+
+    Failures under DDP / FSDP2: an error on one rank ends the call on every rank within seconds, the others
+    raising a RuntimeError that names the failing rank and its message, and no rank keeps the call's gradient.
+    The process group stays usable, except after an error inside FSDP2's own collectives (a forward or backward
+    failing part-way), where every rank closes it (see ``schedule.parallel``).
     """
     if prefix_activations is None:  # the default: "keep", or the mode FSDP2 needs
         prefix_activations = "recompute" if detect(model, unwrap(model)).fsdp else "keep"
@@ -174,14 +194,10 @@ def backward(
         from sharedprefix.tools.verify import self_check
 
         self_check(model, groups)
-    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True)
+    # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True,
+                   prefix_activations=prefix_activations)
     par = run.par
-    if par.fsdp and run.plan.splits and prefix_activations != "recompute":
-        raise ValueError(
-            f"prefix_activations={prefix_activations!r} with an FSDP2 model and a budget that splits a group: a "
-            "prompt's deferred backward must run inside the root module's call under FSDP2, which only "
-            "'recompute' does. Use prefix_activations='recompute'."
-        )
     recompute = prefix_activations == "recompute" or par.fsdp
     cuda = run.device.type == "cuda"
     if cuda:
@@ -189,7 +205,7 @@ def backward(
     hooks = OffloadHooks(run.model, offload_device) if prefix_activations == "offload" and not par.fsdp else None
     steps = run.plan
     if par.fsdp:  # every rank runs the same collectives: the plan reordered and padded to the agreed counts
-        steps = steps.for_fsdp(*par.agree_max(list(steps.fsdp_rounds)))
+        steps = steps.for_fsdp(*run.rounds)
     rounds = rounds_of(steps)
     dummies = sum(k in ("DF", "DFB") for k, _ in rounds)
     last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
