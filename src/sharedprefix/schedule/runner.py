@@ -19,7 +19,9 @@ from sharedprefix.attention.interface import activated
 from sharedprefix.modeling import unwrap, uses_checkpointing
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.executor import Executor, rounds_of, run_rounds
+from sharedprefix.schedule import hybrid
 from sharedprefix.schedule.grads import GradTransaction
+from sharedprefix.schedule.hybrid import is_hybrid
 from sharedprefix.schedule.parallel import detect
 from sharedprefix.schedule.planner import PrefixBackward
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
@@ -68,6 +70,9 @@ def logprobs(
         raise ValueError(f"prefix_activations={prefix_activations!r}; expected one of {PREFIX_MODES}.")
     if grad_reduction not in REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r}; expected one of {REDUCTIONS}.")
+    if is_hybrid(unwrap(model)):
+        _check_hybrid_parallel(model)
+        return hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
     if torch.is_grad_enabled():
         inner = unwrap(model)
         kind = detect(model, inner).kind
@@ -170,6 +175,10 @@ def backward(
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
+    if is_hybrid(unwrap(model)):
+        _check_hybrid_parallel(model)
+        return hybrid.backward(unwrap(model), groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
+                               offload_device)
     if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
         from sharedprefix.checks import self_check
 
@@ -229,6 +238,16 @@ def backward(
         offloaded_bytes=hooks.bytes_moved if hooks else 0,
         dummy_rounds=dummies,
     )
+
+
+def _check_hybrid_parallel(model) -> None:
+    kind = detect(model, unwrap(model)).kind
+    if kind != "none":
+        raise ValueError(
+            f"{type(unwrap(model)).__name__} is a hybrid model (layers that mix tokens outside attention) wrapped for "
+            f"{kind.upper()}; sharedprefix's hybrid path runs on a single process's model only. Run it without "
+            "DDP/FSDP2, or use the plain forward for this model."
+        )
 
 
 class _Deferred(torch.autograd.Function):
