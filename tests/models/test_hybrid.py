@@ -13,7 +13,7 @@ import transformers
 
 import sharedprefix as sp
 from sharedprefix.schedule import hybrid
-from sharedprefix.testing import plain_logprobs
+from sharedprefix.testing import Float64Inside, plain_logprobs
 from sharedprefix.zoo.configs import _float64_norms
 
 # initializer_range 0.2 (not 0.02): states that matter, so that a completion started from a wrong one is caught
@@ -54,29 +54,6 @@ def groups_of(seed=0):
     ids = lambda n: torch.randint(3, COMMON["vocab_size"], (n,), generator=g)  # noqa: E731
     return [sp.Group(ids(9), [ids(5), ids(3), ids(6), ids(1)]), sp.Group(ids(1), [ids(4), ids(2)]),
             sp.Group(ids(5), [ids(3)])]
-
-
-class Float64Inside(torch.overrides.TorchFunctionMode):
-    """Keep float64 tensors float64 where a model casts them to float32 (``x.float()``, ``x.to(torch.float32)``,
-    ``dtype=torch.float32`` arguments such as a router's softmax).
-
-    Falcon-H1's Mamba2 scan and Qwen3-Next's gated delta rule cast their inputs to float32 even in a float64 model,
-    so its float64 forward is only float32-accurate there, and the two runs round differently wherever their chunks
-    differ. Under this mode both the plain run and sharedprefix compute those layers in float64 (the same code);
-    tensors of other dtypes (integer positions of the rotary embeddings) are cast as the model says.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        x = args[0] if args else None
-        if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
-            if func is torch.Tensor.float:
-                return x
-            if func is torch.Tensor.to:
-                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-            if kwargs.get("dtype") is torch.float32:  # .to(dtype=...), softmax(..., dtype=torch.float) of routers
-                kwargs = dict(kwargs, dtype=torch.float64)
-        return func(*args, **kwargs)
 
 
 @pytest.fixture

@@ -146,7 +146,12 @@ ARCH: dict[str, dict] = {
     "granitemoehybrid": _MAMBA,
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=8, chunk_size=8),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # its default pattern would be cut to attention only
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # hybrids: Mamba2 and gated delta-net layers as small as the rest (their defaults take minutes in float64)
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4),
+    "qwen3_next": dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                       linear_num_value_heads=4),
     "gemma3n_text": dict(num_kv_shared_layers=0),
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "dots3_note": dict(vision_config=dict(adapter_in_dim=32, adapter_out_dim=32),
