@@ -28,6 +28,10 @@ SPARSE_ATTENTION_LAYER_TYPES = {  # attention over keys chosen per query, or ove
     "compressed_sparse_attention": "attention over compressed and indexer-selected keys",
     "heavily_compressed_attention": "attention over compressed keys",
 }
+# Hybrid model types (layers that mix tokens outside attention) whose own cache-aware forward continues a prompt's
+# layer state exactly (tests/models/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
+# refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
+HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "falcon_h1", "qwen3_next"}
 _VERIFIED = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
 _HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head
 
@@ -48,6 +52,11 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
         f"model is a {type(model).__name__}; expected a transformers causal LM (a PreTrainedModel with an LM head), "
         "optionally wrapped by PEFT or DistributedDataParallel."
     )
+
+
+def is_hybrid(model: PreTrainedModel) -> bool:
+    """True for a model type that runs on the hybrid path (``HYBRID_MODEL_TYPES``)."""
+    return getattr(text_config(model), "model_type", None) in HYBRID_MODEL_TYPES
 
 
 def decoder(model: PreTrainedModel) -> torch.nn.Module:
@@ -148,8 +157,10 @@ def _check_layer_types(name: str, cfg) -> None:
     if odd:
         raise ValueError(
             f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear attention, "
-            "recurrence or convolution). sharedprefix only shares prompts through attention and refuses these "
-            "models rather than give inexact results."
+            f"recurrence or convolution), and its model type {getattr(cfg, 'model_type', None)!r} is not one whose "
+            "cache-aware forward sharedprefix has checked exact for carrying a prompt's layer state to its "
+            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}); it refuses the model rather than give inexact "
+            "results."
         )
 
 
@@ -308,7 +319,8 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
     if ran and not convolutions_allowed:  # 1-d convolutions that run on a text-only row mix tokens; patch/audio encoders do not run here
         raise ValueError(
             f"{name} contains a convolution over tokens ({ran[0][0]}: {ran[0][1]}); layers that mix tokens outside "
-            "attention cannot share a prompt exactly, so sharedprefix refuses this model."
+            "attention cannot share a prompt through attention, and this model type is not one whose layer states "
+            f"sharedprefix carries ({', '.join(sorted(HYBRID_MODEL_TYPES))}), so it refuses this model."
         )
     if not torch.allclose(numbered, hidden, rtol=1e-5, atol=1e-6 * max(1.0, float(hidden.abs().max()))):
         raise ValueError(

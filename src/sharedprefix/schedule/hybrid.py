@@ -18,7 +18,7 @@ cache-aware forward (its torch code on CPU, its kernels where installed), with n
    the prompt's own graph (kept, offloaded, or recomputed at the end: ``prefix_activations``).
 
 Only model types whose cache-aware forward has been checked exact against the plain forward run here
-(``HYBRID_MODEL_TYPES``); other hybrids keep their refusal. Every batch is at least 2 tokens wide, so
+(``modeling.HYBRID_MODEL_TYPES``); other hybrids keep their refusal. Every batch is at least 2 tokens wide, so
 that the models' single-token decode kernels (which update states in place) never run.
 
 Notation: G = completions of a group, P = prompt length, n = rows of one batch, t = its width
@@ -38,15 +38,7 @@ from sharedprefix.modeling import decoder, token_logprobs, uses_checkpointing, v
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.results import Batch
 
-# Model types whose own cache-aware forward continues a prompt's state exactly (tests/models/test_hybrid.py,
-# and the zoo). A hybrid not listed here is refused (modeling._check_layer_types).
-HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "qwen3_next", "falcon_h1"}
 MIN_WIDTH = 2  # a batch of width 1 would take the models' in-place single-token decode kernels
-
-
-def is_hybrid(model) -> bool:
-    """True for a model type that runs on this path (``HYBRID_MODEL_TYPES``)."""
-    return getattr(model.config.get_text_config(), "model_type", None) in HYBRID_MODEL_TYPES
 
 
 def _cache_arg(dec) -> str:

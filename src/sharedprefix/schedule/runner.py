@@ -16,12 +16,12 @@ import os
 import torch
 
 from sharedprefix.attention.interface import activated
-from sharedprefix.modeling import unwrap, uses_checkpointing
+from sharedprefix.attention.kernels import select
+from sharedprefix.modeling import is_hybrid, unwrap, uses_checkpointing
+from sharedprefix.schedule import hybrid
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.executor import Executor, rounds_of, run_rounds
-from sharedprefix.schedule import hybrid
 from sharedprefix.schedule.grads import GradTransaction
-from sharedprefix.schedule.hybrid import is_hybrid
 from sharedprefix.schedule.parallel import detect
 from sharedprefix.schedule.planner import PrefixBackward
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
@@ -71,7 +71,11 @@ def logprobs(
     if grad_reduction not in REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r}; expected one of {REDUCTIONS}.")
     if is_hybrid(unwrap(model)):
-        _check_hybrid_parallel(model)
+        _check_hybrid(model, backend)
+        if torch.is_grad_enabled() and defer:  # values without a graph, hybrid.backward when autograd reaches them
+            with torch.no_grad():
+                out = hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
+            return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
         return hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
     if torch.is_grad_enabled():
         inner = unwrap(model)
@@ -176,7 +180,7 @@ def backward(
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     if is_hybrid(unwrap(model)):
-        _check_hybrid_parallel(model)
+        _check_hybrid(model, backend)
         return hybrid.backward(unwrap(model), groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
                                offload_device)
     if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
@@ -240,7 +244,10 @@ def backward(
     )
 
 
-def _check_hybrid_parallel(model) -> None:
+def _check_hybrid(model, backend: str) -> None:
+    """A hybrid model runs its own attention (``schedule.hybrid``): the backend name is checked, not used; DDP and
+    FSDP2 are refused."""
+    select(backend, unwrap(model).get_input_embeddings().weight.device)
     kind = detect(model, unwrap(model)).kind
     if kind != "none":
         raise ValueError(

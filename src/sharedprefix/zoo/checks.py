@@ -285,7 +285,7 @@ def features(model) -> list[str]:
         out.append("MoE")
     if any(p.calls > 1 for p in pats):
         out.append("several attention calls per layer (looped layers, differential attention)")
-    from sharedprefix.schedule.hybrid import is_hybrid
+    from sharedprefix.modeling import is_hybrid
 
     if is_hybrid(model):
         out.append("layers that mix tokens outside attention (each completion from the prompt's layer state)")
