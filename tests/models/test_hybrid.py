@@ -229,3 +229,50 @@ def test_deferred_logprobs_give_the_plain_gradient():
     w = _weights(ref.shape)
     got = _grads(model, lambda: (sp.logprobs(model, gs, max_tokens=6, defer=True).logprobs * w).sum())
     assert _grad_error(got, want) <= 1e-9
+
+
+ZOO_HYBRIDS = ["lfm2_moe", "zamba2", "olmo_hybrid", "qwen3_5_text",
+               pytest.param("qwen3_5_moe_text", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("entry", ZOO_HYBRIDS)
+def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
+    """The other listed hybrids, built as the zoo builds them but with weights of std 0.2 (states that matter), their
+    float32 casts kept float64: log-probs to 1e-9 under a budget that chunks the prompt and splits the completions,
+    ``sp.backward``'s gradient to a relative 1e-9, and every kind of state the cache carries (K/V, conv, recurrent)
+    matters: zeroed, the log-probs move far beyond the tolerance."""
+    from sharedprefix import zoo
+
+    cfg = zoo.tiny_config(entry)
+    for c in zoo.configs._all_configs(cfg):
+        c.initializer_range = 0.2
+    torch.manual_seed(0)
+    model = getattr(transformers, zoo.entries()[entry])._from_config(cfg, attn_implementation="sdpa")
+    model.config._experts_implementation = "eager"
+    model = model.to(torch.float64).eval()
+    _float64_norms(model)
+    assert model.config.model_type in HYBRID_MODEL_TYPES
+    gs = groups_of()
+    with Float64Inside():
+        ref = plain_logprobs(model, gs)[0].detach()
+        w = _weights(ref.shape)
+        want = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+        with torch.no_grad():
+            assert float((sp.logprobs(model, gs, max_tokens=6).logprobs - ref).abs().max()) <= 1e-9
+        sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6)
+        got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        assert _grad_error(got, want) <= 1e-9
+        read = hybrid._read
+        cache = hybrid.HybridRun(model, gs, None, 1.0, False).prompt(gs[0])[0]
+        kinds = sorted({name for _, name, _ in hybrid._slots(cache)})
+        assert {"keys", "conv_states"} <= set(kinds), kinds
+        for slot in kinds:
+            zeroed = lambda cache, slots, slot=slot: [  # noqa: E731
+                torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))]
+            hybrid._read = zeroed
+            try:
+                with torch.no_grad():
+                    assert float((sp.logprobs(model, gs).logprobs - ref).abs().max()) > 1e-6, slot
+            finally:
+                hybrid._read = read

@@ -3,6 +3,12 @@
 They validate, plan and hand the plan to ``schedule.executor``. Notation: N = output rows
 (completions in group order, or a tree's rows), W = columns, n = rows in one pass.
 
+Hybrid models (``modeling.HYBRID_MODEL_TYPES``: LFM2, Falcon-H1, Qwen3-Next, whose layers also mix tokens
+outside attention) take ``schedule.hybrid`` instead: each prompt once through the model's own cache-aware
+forward, each completion batch from a copy of the prompt's cache. There ``max_tokens`` bounds every forward
+(prompt chunks, right-padded completion batches); a completion longer than it is refused, and so are
+``sp.Tree``, ``prompt_inputs``, DDP/FSDP2 and gradient checkpointing.
+
 ``backward`` contract: ``loss_fn`` is called once per pass that reports rows, with a ``Batch``
 of those rows (each whole), and must be *additive over rows*: the loss of a set of rows is the
 sum of the losses of its parts. Every GRPO-family loss is, once its normalisers (total tokens,
