@@ -77,7 +77,7 @@ def dtype_faithful_norms(model):
 
 class Float64Inside(torch.overrides.TorchFunctionMode):
     """Keep float64 tensors float64 where a model casts them to float32 (``x.float()``, ``x.to(torch.float32)``,
-    ``dtype=torch.float32`` arguments such as a router's softmax).
+    ``x.type(torch.float32)``, ``dtype=torch.float32`` arguments such as a router's softmax).
 
     Falcon-H1's Mamba2 scan and Qwen3-Next's gated delta rule cast their inputs to float32 even in a float64 model,
     so its float64 forward is only float32-accurate there, and two computations of the same values round
@@ -92,7 +92,7 @@ class Float64Inside(torch.overrides.TorchFunctionMode):
         if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
             if func is torch.Tensor.float:
                 return x
-            if func is torch.Tensor.to:
+            if func in (torch.Tensor.to, torch.Tensor.type):  # .to(torch.float32), .type(torch.float32) of routers
                 args = tuple(torch.float64 if a is torch.float32 else a for a in args)
             if kwargs.get("dtype") is torch.float32:  # .to(dtype=...), softmax(..., dtype=torch.float) of routers
                 kwargs = dict(kwargs, dtype=torch.float64)

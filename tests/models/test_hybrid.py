@@ -231,7 +231,7 @@ def test_deferred_logprobs_give_the_plain_gradient():
     assert _grad_error(got, want) <= 1e-9
 
 
-ZOO_HYBRIDS = ["lfm2_moe", "zamba2", "olmo_hybrid", "qwen3_5_text"]
+ZOO_HYBRIDS = ["lfm2_moe", "zamba2", "olmo_hybrid", "qwen3_5_text", "kimi_linear", "bailing_hybrid", "nemotron_h"]
 
 
 @pytest.mark.parametrize("entry", ZOO_HYBRIDS)
