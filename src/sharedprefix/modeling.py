@@ -28,7 +28,12 @@ SPARSE_ATTENTION_LAYER_TYPES = {  # attention over keys chosen per query, or ove
     "compressed_sparse_attention": "attention over compressed and indexer-selected keys",
     "heavily_compressed_attention": "attention over compressed keys",
 }
-_VERIFIED = weakref.WeakKeyDictionary()  # model -> the modes (model.training) it was verified in
+# Hybrid model types (layers that mix tokens outside attention) whose own cache-aware forward continues a prompt's
+# layer state exactly (tests/models/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
+# refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
+HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "falcon_h1", "qwen3_next", "qwen3_5_text", "zamba2", "olmo_hybrid",
+                      "kimi_linear", "bailing_hybrid", "nemotron_h"}
+_VERIFIED = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
 _HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head
 
 
@@ -48,6 +53,11 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
         f"model is a {type(model).__name__}; expected a transformers causal LM (a PreTrainedModel with an LM head), "
         "optionally wrapped by PEFT or DistributedDataParallel."
     )
+
+
+def is_hybrid(model: PreTrainedModel) -> bool:
+    """True for a model type that runs on the hybrid path (``HYBRID_MODEL_TYPES``)."""
+    return getattr(model.config, "model_type", None) in HYBRID_MODEL_TYPES  # a multimodal wrapper is not listed
 
 
 def decoder(model: PreTrainedModel) -> torch.nn.Module:
@@ -79,11 +89,13 @@ def text_config(model: PreTrainedModel):
     return model.config.get_text_config()
 
 
-def check_supported(model: PreTrainedModel) -> None:
-    """Raise ValueError for every model feature sharedprefix cannot compute exactly."""
+def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
+    """Raise ValueError for every model feature sharedprefix cannot compute exactly. ``hybrid``: the model runs on
+    the hybrid path (``schedule.hybrid``), which carries layer states that mix tokens outside attention."""
     cfg = text_config(model)
     name = type(model).__name__
-    _check_layer_types(name, cfg)
+    if not hybrid:
+        _check_layer_types(name, cfg)
     dec = decoder(model)
     if "position_ids" not in _params(dec.forward):
         raise ValueError(
@@ -146,8 +158,10 @@ def _check_layer_types(name: str, cfg) -> None:
     if odd:
         raise ValueError(
             f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear attention, "
-            "recurrence or convolution). sharedprefix only shares prompts through attention and refuses these "
-            "models rather than give inexact results."
+            f"recurrence or convolution), and its model type {getattr(cfg, 'model_type', None)!r} is not one whose "
+            "cache-aware forward sharedprefix has checked exact for carrying a prompt's layer state to its "
+            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}); it refuses the model rather than give inexact "
+            "results."
         )
 
 
@@ -220,24 +234,25 @@ def _modules_after_decoder(model: PreTrainedModel) -> list[torch.nn.Module]:
     ]
 
 
-def verify_head(model: PreTrainedModel, forward=None) -> None:
+def verify_head(model: PreTrainedModel, forward=None, hybrid: bool = False) -> None:
     """Check once per model, before any pass, what sharedprefix relies on: base + ``head_logits`` equals the
     model's own logits, the forward is not random, positions and token convolutions (see the helpers), and
     which attention each layer computes (``attention.probe``). Raises ValueError for what cannot be exact.
     The caller's random stream is left as it was. Once per model and mode (training mode adds a check).
     ``forward``: what computes the model's own logits (default: ``model``; inside an FSDP2 root call, where the
     root's hooks already ran, its bound ``model.forward``).
+    ``hybrid``: the model runs on the hybrid path (its own attention and convolutions, no probe).
     """
     modes = _VERIFIED.setdefault(model, set())
-    if model.training in modes:
+    if (model.training, hybrid) in modes:
         return
     device = model.get_output_embeddings().weight.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        _verify(model, device, model if forward is None else forward)
-    modes.add(model.training)
+        _verify(model, device, model if forward is None else forward, hybrid)
+    modes.add((model.training, hybrid))
 
 
-def _verify(model: PreTrainedModel, device, forward) -> None:
+def _verify(model: PreTrainedModel, device, forward, hybrid: bool = False) -> None:
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = (torch.arange(3, device=device) * 7 + 1).remainder(vocab)[None]
     dec = decoder(model)
@@ -245,7 +260,7 @@ def _verify(model: PreTrainedModel, device, forward) -> None:
         _check_deterministic(model, dec, ids)
     ref = forward(input_ids=ids, use_cache=False).logits[0].float()
     hidden = dec(input_ids=ids, use_cache=False).last_hidden_state[0]
-    _check_positions_and_convolutions(model, dec, ids, hidden)
+    _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allowed=hybrid)
     tol = 1e-4 * max(1.0, float(ref.abs().max()))
     errs = []
     for chain in (None, _modules_after_decoder(model)):
@@ -258,7 +273,8 @@ def _verify(model: PreTrainedModel, device, forward) -> None:
             _HEADS.pop(model, None)
             continue
         if ours.shape == ref.shape and torch.allclose(ours, ref, rtol=1e-3, atol=tol):
-            probe.probe(model, dec, _config_attention_layers(model))
+            if not hybrid:  # the hybrid path runs the model's own attention, not sharedprefix's
+                probe.probe(model, dec, _config_attention_layers(model))
             return
         errs.append(f"{float((ours - ref).abs().max()):.3g}" if ours.shape == ref.shape else f"shape {tuple(ours.shape)}")
         _HEADS.pop(model, None)
@@ -285,8 +301,9 @@ def _check_deterministic(model, dec, ids) -> None:
         )
 
 
-def _check_positions_and_convolutions(model, dec, ids, hidden) -> None:
-    """Refuse a decoder whose own position numbering is not 0..L-1, or that runs a convolution along the tokens."""
+def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allowed: bool = False) -> None:
+    """Refuse a decoder whose own position numbering is not 0..L-1, or that runs a convolution along the tokens
+    (unless ``convolutions_allowed``: the hybrid path carries convolution states)."""
     name = type(model).__name__
     ran = []
     hooks = [
@@ -300,10 +317,11 @@ def _check_positions_and_convolutions(model, dec, ids, hidden) -> None:
     finally:
         for h in hooks:
             h.remove()
-    if ran:  # 1-d convolutions that run on a text-only row mix tokens; patch/audio encoders do not run here
+    if ran and not convolutions_allowed:  # 1-d convolutions that run on a text-only row mix tokens; patch/audio encoders do not run here
         raise ValueError(
             f"{name} contains a convolution over tokens ({ran[0][0]}: {ran[0][1]}); layers that mix tokens outside "
-            "attention cannot share a prompt exactly, so sharedprefix refuses this model."
+            "attention cannot share a prompt through attention, and this model type is not one whose layer states "
+            f"sharedprefix carries ({', '.join(sorted(HYBRID_MODEL_TYPES))}), so it refuses this model."
         )
     if not torch.allclose(numbered, hidden, rtol=1e-5, atol=1e-6 * max(1.0, float(hidden.abs().max()))):
         raise ValueError(

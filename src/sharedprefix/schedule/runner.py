@@ -3,6 +3,12 @@
 They validate, plan and hand the plan to ``schedule.executor``. Notation: N = output rows
 (completions in group order, or a tree's rows), W = columns, n = rows in one pass.
 
+Hybrid models (``modeling.HYBRID_MODEL_TYPES``: LFM2, Falcon-H1, Qwen3-Next, Zamba2 and others, whose layers mix tokens
+outside attention) take ``schedule.hybrid`` instead: each prompt once through the model's own cache-aware
+forward, each completion batch from a copy of the prompt's cache. There ``max_tokens`` bounds every forward
+(prompt chunks, right-padded completion batches); a completion longer than it is refused, and so are
+``sp.Tree``, ``prompt_inputs``, DDP/FSDP2 and gradient checkpointing.
+
 ``backward`` contract: ``loss_fn`` is called once per pass that reports rows, with a ``Batch``
 of those rows (each whole), and must be *additive over rows*: the loss of a set of rows is the
 sum of the losses of its parts. Every GRPO-family loss is, once its normalisers (total tokens,
@@ -16,7 +22,9 @@ import os
 import torch
 
 from sharedprefix.attention.interface import activated
-from sharedprefix.modeling import unwrap, uses_checkpointing
+from sharedprefix.attention.kernels import select
+from sharedprefix.modeling import is_hybrid, unwrap, uses_checkpointing
+from sharedprefix.schedule import hybrid
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.executor import Executor, rounds_of, run_rounds
 from sharedprefix.schedule.grads import GradTransaction
@@ -68,6 +76,13 @@ def logprobs(
         raise ValueError(f"prefix_activations={prefix_activations!r}; expected one of {PREFIX_MODES}.")
     if grad_reduction not in REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r}; expected one of {REDUCTIONS}.")
+    if is_hybrid(unwrap(model)):
+        _check_hybrid(model, backend)
+        if torch.is_grad_enabled() and defer:  # values without a graph, hybrid.backward when autograd reaches them
+            with torch.no_grad():
+                out = hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
+            return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
+        return hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
     if torch.is_grad_enabled():
         inner = unwrap(model)
         kind = detect(model, inner).kind
@@ -190,6 +205,10 @@ def backward(
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
+    if is_hybrid(unwrap(model)):
+        _check_hybrid(model, backend)
+        return hybrid.backward(unwrap(model), groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
+                               offload_device)
     if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
         from sharedprefix.tools.verify import self_check
 
@@ -245,6 +264,19 @@ def backward(
         offloaded_bytes=hooks.bytes_moved if hooks else 0,
         dummy_rounds=dummies,
     )
+
+
+def _check_hybrid(model, backend: str) -> None:
+    """A hybrid model runs its own attention (``schedule.hybrid``): the backend name is checked, not used; DDP and
+    FSDP2 are refused."""
+    select(backend, unwrap(model).get_input_embeddings().weight.device)
+    kind = detect(model, unwrap(model)).kind
+    if kind != "none":
+        raise ValueError(
+            f"{type(unwrap(model)).__name__} is a hybrid model (layers that mix tokens outside attention) wrapped for "
+            f"{kind.upper()}; sharedprefix's hybrid path runs on a single process's model only. Run it without "
+            "DDP/FSDP2, or use the plain forward for this model."
+        )
 
 
 class _Deferred(torch.autograd.Function):

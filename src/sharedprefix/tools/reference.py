@@ -3,7 +3,8 @@
 ``plain_logprobs`` runs one transformers forward per ``[prompt + completion]`` row, exactly
 what a trainer without sharedprefix does, and reads the completion log-probs from the
 model's own logits. ``dtype_faithful_norms`` makes a float64 model really float64 (see its
-docstring); both the plain run and sharedprefix then use the same patched model.
+docstring); both the plain run and sharedprefix then use the same patched model. ``Float64Inside``
+keeps a float64 model's own float32 casts in float64 (Mamba2 scans, gated delta rules, routers).
 """
 
 from __future__ import annotations
@@ -72,3 +73,27 @@ def dtype_faithful_norms(model):
             else:
                 raise ValueError(f"no dtype-faithful norm matches {name} ({type(mod).__name__})")
     return model
+
+
+class Float64Inside(torch.overrides.TorchFunctionMode):
+    """Keep float64 tensors float64 where a model casts them to float32 (``x.float()``, ``x.to(torch.float32)``,
+    ``x.type(torch.float32)``, ``dtype=torch.float32`` arguments such as a router's softmax).
+
+    Falcon-H1's Mamba2 scan and Qwen3-Next's gated delta rule cast their inputs to float32 even in a float64 model,
+    so its float64 forward is only float32-accurate there, and two computations of the same values round
+    differently wherever their chunks differ. Under this mode the model computes those layers in float64 (the same
+    code): the float64 reference such a model's float32 error is measured against. Tensors of other dtypes
+    (integer positions of the rotary embeddings) are cast as the model says.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.dtype == torch.float64:
+            if func is torch.Tensor.float:
+                return x
+            if func in (torch.Tensor.to, torch.Tensor.type):  # .to(torch.float32), .type(torch.float32) of routers
+                args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:  # .to(dtype=...), softmax(..., dtype=torch.float) of routers
+                kwargs = dict(kwargs, dtype=torch.float64)
+        return func(*args, **kwargs)

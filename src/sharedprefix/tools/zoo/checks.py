@@ -7,7 +7,9 @@
   (cached prompt K/V), and the gradient of a random linear function of the log-probs equals the plain one
   to a relative 1e-9. Where the plain forward of the float64 model itself computes in float32 (eager
   attention's softmax, routers, float32 logits: ``Result.float32_inside`` names the ops), it is only
-  float32-accurate, and the zoo holds sharedprefix to 1e-6 / 1e-5 instead and says so;
+  float32-accurate, and the zoo holds sharedprefix to 1e-6 / 1e-5 instead and says so; gradients beyond 1e-5
+  pass only within twice the plain run's own error against the same model computing those ops in float64
+  (``testing.Float64Inside``: the flash-attention rule);
 - ``refused``: ``sp.logprobs`` raised ``ValueError`` before returning anything or touching a gradient,
   with a message in one of the ``REFUSALS`` categories (each names the feature and why);
 - ``not buildable``: the tiny config, the model or its own plain forward fails (``EXPECTED_NOT_BUILDABLE``
@@ -75,6 +77,9 @@ class Result:
         float32_inside: the ops the plain float64 forward runs in float32 (outside rotary embeddings), which
             hold the comparison to the float32 tolerances, or "".
         split_refusal: the refusal under a budget that splits a group (exact in one pass), or "".
+        float32_rule: set when the gradients, beyond the float32 tolerance against the plain run, are within twice
+            the plain run's own error against the model computing its float32 ops in float64
+            (``testing.Float64Inside``), or "".
         features: attention features the entry exercised (sliding window, chunked, sinks, latent, MoE, looped).
     """
 
@@ -87,6 +92,7 @@ class Result:
     grad_err: float | None = None
     float32_inside: str = ""
     split_refusal: str = ""
+    float32_rule: str = ""
     features: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -235,7 +241,22 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
         want = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
         got = _grads(model, lambda: (sp.logprobs(model, gs).logprobs * w).sum())
         res.grad_err = _grad_error(got, want)
-        if not res.grad_err <= gtol:
+        if not res.grad_err <= gtol and low_ops:
+            # the plain run is itself only float32-accurate here: hold sharedprefix to twice its error against the
+            # same model computing those ops in float64 (the flash-attention rule)
+            from sharedprefix.tools.reference import Float64Inside
+
+            with Float64Inside():
+                truth = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+            plain_err, ours_err = _grad_error(want, truth), _grad_error(got, truth)
+            if ours_err <= 2 * plain_err:
+                res.grad_err = ours_err
+                res.float32_rule = f"gradients {ours_err:.2g} from float64, the plain run's {plain_err:.2g}"
+            else:
+                res.detail = (f"gradient mismatch: relative error {res.grad_err:.3g} > {gtol} against the plain run, "
+                              f"and {ours_err:.3g} > twice the plain run's {plain_err:.3g} against float64")
+                return
+        elif not res.grad_err <= gtol:
             res.detail = f"gradient mismatch: relative error {res.grad_err:.3g} > {gtol}"
             return
     res.features = features(model)
@@ -264,6 +285,10 @@ def features(model) -> list[str]:
         out.append("MoE")
     if any(p.calls > 1 for p in pats):
         out.append("several attention calls per layer (looped layers, differential attention)")
+    from sharedprefix.modeling import is_hybrid
+
+    if is_hybrid(model):
+        out.append("layers that mix tokens outside attention (each completion from the prompt's layer state)")
     return out
 
 

@@ -138,6 +138,7 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
     return s if len(s) <= limit else s[: limit - 3] + "..."
 
 
+_DELTA_NET = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8, mamba_n_groups=1)
 
 # Per-architecture settings the generic sizes cannot infer (a dict value configures that sub-config).
@@ -146,7 +147,16 @@ ARCH: dict[str, dict] = {
     "granitemoehybrid": _MAMBA,
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=8, chunk_size=8),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "lfm2": dict(layer_types=["conv", "full_attention"]),  # its default pattern would be cut to attention only
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # hybrids: Mamba2 and gated delta-net layers as small as the rest (their defaults take minutes in float64)
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4),
+    "zamba2": dict(mamba_d_state=8, chunk_size=4),
+    "qwen3_next": _DELTA_NET,
+    "qwen3_5_text": _DELTA_NET,
+    "qwen3_5_moe_text": _DELTA_NET,
+    "qwen3_5": dict(text_config=_DELTA_NET),
+    "qwen3_5_moe": dict(text_config=_DELTA_NET),
     "gemma3n_text": dict(num_kv_shared_layers=0),
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "dots3_note": dict(vision_config=dict(adapter_in_dim=32, adapter_out_dim=32),

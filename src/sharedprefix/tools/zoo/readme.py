@@ -56,9 +56,15 @@ def render(results: list[Result], transformers_version: str) -> str:
         f"| exact: log-probs to {_e(LOGPROB_TOL)} in one pass and with a group split across passes, gradients to a "
         f"relative {_e(GRAD_TOL)} | {_names(exact)} |",
         f"| exact at the plain forward's own float32 level ({_e(LOGPROB_TOL_FLOAT32_INSIDE)} / {_e(GRAD_TOL_FLOAT32_INSIDE)}): "
-        "even in float64 the model computes parts in float32 (eager attention's softmax, routers, norms, logits) | "
+        "even in float64 the model computes parts in float32 (eager attention's softmax, routers, norms, logits, "
+        "Mamba2 scans, gated delta rules) | "
         f"{_names(exact32)} |",
     ]
+    rule = [r for r in exact32 if r.float32_rule]
+    if rule:
+        lines[-1] = lines[-1][:-2] + (
+            f"; gradients of {_names(rule)} beyond {_e(GRAD_TOL_FLOAT32_INSIDE)}, within twice the plain forward's own "
+            "error against the same model computing those parts in float64 |")
     if one_pass:
         lines.append(f"| exact in one pass; a budget that splits a group is refused (several attention calls per layer) | "
                      f"{_names(one_pass)} |")

@@ -1,0 +1,368 @@
+"""Hybrid models: each prompt runs once, and every completion starts from the prompt's final layer state.
+
+A hybrid model mixes tokens outside attention too (short convolutions, Mamba2 state-space layers, gated
+delta-net linear attention). Their state at the end of a prompt is not a set of per-token K/V that the
+packed-row cascade could read, so hybrids take a separate, simpler path built on the model's own
+cache-aware forward (its torch code on CPU, its kernels where installed), with no change to its code:
+
+1. the prompt runs once through the decoder with a fresh cache of the model's own class
+   (``DynamicCache(config=...)``): attention layers fill K/V, convolution layers their last
+   ``kernel - 1`` inputs, recurrent layers their final state;
+2. the cache's tensors (and the prompt's last hidden state, which predicts every completion's first
+   token) become the state of the group; under ``sp.backward`` they are detached leaves that require grad;
+3. the completions run in batches of rows, right-padded (a causal model's padding after a row's last
+   token never reaches that row's tokens: attention is causal, convolutions and recurrences run forward
+   in time), each batch from a copy of the prompt's cache repeated once per row, positions continuing
+   at the prompt's length; the log-probs come from the library's chunked head;
+4. the gradients that reach the state's leaves are summed over the batches, then pushed once through
+   the prompt's own graph (kept, offloaded, or recomputed at the end: ``prefix_activations``).
+
+Only model types whose cache-aware forward has been checked exact against the plain forward run here
+(``modeling.HYBRID_MODEL_TYPES``); other hybrids keep their refusal. Every batch is at least 2 tokens wide, so
+that the models' single-token decode kernels (which update states in place) never run.
+
+Notation: G = completions of a group, P = prompt length, n = rows of one batch, t = its width
+(longest completion of the batch, at least 2), W = longest completion overall, d = hidden size.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from sharedprefix.layout.groups import validate_groups
+from sharedprefix.layout.rows import Tree
+from sharedprefix.modeling import decoder, token_logprobs, uses_checkpointing, verify_head
+from sharedprefix.schedule.cache import OffloadHooks
+from sharedprefix.schedule.results import Batch
+
+MIN_WIDTH = 2  # a batch of width 1 would take the models' in-place single-token decode kernels
+
+
+def _cache_arg(dec) -> str:
+    import inspect
+
+    params = inspect.signature(dec.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return _write_fresh(DynamicCache(config=model.config))
+
+
+def _write_fresh(cache):
+    """Make the cache's conv and recurrent state updates write into new memory.
+
+    transformers' linear-attention cache layers copy each new state into the old state's tensor in place,
+    after the layer's forward may have saved that tensor for its backward (the gated delta rule multiplies by
+    its initial state): autograd would then refuse the backward. Each update here first replaces the stored
+    tensor by a copy, so the tensor a forward read stays as it was; the values are the same.
+    """
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for name in ("conv_states", "recurrent_states"):
+                method = f"update_{name[:-1]}"
+                setattr(layer, method, _fresh_update(layer, name, getattr(type(layer), method)))
+    return cache
+
+
+def _fresh_update(layer, name: str, update):
+    def fresh(states, state_idx: int = 0, **kwargs):
+        stored = getattr(layer, name)
+        if stored.get(state_idx) is not None:
+            stored[state_idx] = stored[state_idx].clone()
+        return update(layer, states, state_idx, **kwargs)
+
+    return fresh
+
+
+# -- the cache's tensors, read out and written back ---------------------------------------------------------------
+
+def _slots(cache) -> list[tuple[int, str, int | None]]:
+    """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
+    from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+
+    out = []
+    for i, layer in enumerate(cache.layers):
+        known = set()
+        if isinstance(layer, DummyLayer):
+            continue
+        if isinstance(layer, DynamicLayer) and type(layer).get_seq_length is DynamicLayer.get_seq_length:
+            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+                out += [(i, "keys", None), (i, "values", None)]
+            known |= {"keys", "values"}
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for name in ("conv_states", "recurrent_states"):
+                for s, t in getattr(layer, name).items():
+                    if t is not None:
+                        out.append((i, name, s))
+                known.add(name)
+        if not known:
+            raise ValueError(
+                f"the cache layer {i} is a {type(layer).__name__}, which sharedprefix's hybrid path does not know how to "
+                "copy per completion (it handles full-attention K/V and linear-attention conv/recurrent states), so it "
+                "refuses the model rather than start a completion from a wrong state."
+            )
+        odd = [k for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and k not in known]
+        if odd:
+            raise ValueError(
+                f"the cache layer {i} ({type(layer).__name__}) holds tensors {odd} that sharedprefix's hybrid path "
+                "does not copy per completion, so it refuses the model rather than start a completion from a wrong state."
+            )
+    return out
+
+
+def _read(cache, slots) -> list[torch.Tensor]:
+    out = []
+    for i, name, s in slots:
+        v = getattr(cache.layers[i], name)
+        out.append(v if s is None else v[s])
+    return out
+
+
+def _repeated(cache, slots, tensors, n: int):
+    """A copy of ``cache`` whose tensors are ``tensors`` repeated ``n`` times along the batch (new memory: the
+    model updates conv and recurrent states in place; gradients flow back to ``tensors`` through the repeat)."""
+    new = copy.copy(cache)
+    new.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in new.layers:  # per-state dicts (states, flags) of its own
+        for name, value in list(vars(layer).items()):
+            if isinstance(value, dict):
+                setattr(layer, name, dict(value))
+    _write_fresh(new)
+    for (i, name, s), t in zip(slots, tensors):
+        r = t.repeat(n, *([1] * (t.dim() - 1)))
+        layer = new.layers[i]
+        if s is None:
+            setattr(layer, name, r)
+        else:
+            getattr(layer, name)[s] = r
+    return new
+
+
+def prompt_chunks(length: int, max_tokens: int | None) -> list[tuple[int, int]]:
+    """[start, end) chunks of a prompt of ``length`` tokens, each at most ``max_tokens`` (>= 3) long and none
+    after the first of 1 token (a 1-token continuation would take the in-place decode kernels)."""
+    if max_tokens is None or length <= max_tokens:
+        return [(0, length)]
+    ends = list(range(max_tokens, length, max_tokens)) + [length]
+    if length - ends[-2] == 1:
+        ends[-2] -= 1
+    return list(zip([0] + ends[:-1], ends))
+
+
+# -- one group ----------------------------------------------------------------------------------------------------
+
+class HybridRun:
+    """One call's state on the hybrid path: the model, the groups, the budget and the statistics."""
+
+    def __init__(self, model, groups, max_tokens, temperature, entropy):
+        from sharedprefix.modeling import check_supported
+
+        self.model = model
+        name = type(model).__name__
+        check_supported(model, hybrid=True)
+        if isinstance(groups, Tree):
+            raise ValueError(
+                f"{name} is a hybrid model (layers that mix tokens outside attention); sharedprefix runs it group by "
+                "group from each prompt's cached layer state and does not take an sp.Tree. Pass a list of sp.Group."
+            )
+        emb = model.get_input_embeddings()
+        vocab = min(emb.num_embeddings, model.get_output_embeddings().weight.shape[0])
+        self.groups = validate_groups(groups, vocab)
+        if any(g.prompt_inputs for g in self.groups):
+            raise ValueError(f"{name} is a hybrid text model; prompt_inputs (images, videos) are not supported for it.")
+        if uses_checkpointing(model):
+            raise ValueError(
+                f"{name} is a hybrid model in training mode with gradient checkpointing on: transformers turns its "
+                "cache off under gradient checkpointing, and sharedprefix carries each prompt's convolution and "
+                "recurrent state to its completions through that cache. Disable gradient checkpointing for this model."
+            )
+        if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
+        if max_tokens is not None:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < MIN_WIDTH + 1:
+                raise ValueError(
+                    f"max_tokens={max_tokens!r}; expected None or an int >= {MIN_WIDTH + 1} for a hybrid model, whose "
+                    "prompt chunks and completion batches are at least 2 tokens wide."
+                )
+            for gi, g in enumerate(self.groups):
+                need = max(max(c.numel() for c in g.completions), MIN_WIDTH)
+                if need > max_tokens:
+                    raise ValueError(
+                        f"max_tokens={max_tokens} is below groups[{gi}]'s longest completion ({need} tokens) on a "
+                        f"hybrid model ({name}), where each completion runs whole from its prompt's state. Raise "
+                        f"max_tokens to at least {need}."
+                    )
+        self.max_tokens = max_tokens
+        self.temperature = float(temperature)
+        self.entropy = entropy
+        self.device = emb.weight.device
+        self.dec = decoder(model)
+        self.cache_arg = _cache_arg(self.dec)
+        self.W = max(c.numel() for g in self.groups for c in g.completions)
+        self.tokens = 0
+        self.passes = 0
+        self.plain_tokens = sum(g.prompt.numel() * len(g.completions) + sum(c.numel() for c in g.completions)
+                                for g in self.groups)
+        verify_head(model, hybrid=True)
+
+    def batches(self, g) -> list[list[int]]:
+        """The completions of ``g`` in batches (in order) whose padded size n * t fits the budget."""
+        out, cur, width = [], [], 0
+        for i, c in enumerate(g.completions):
+            w = max(width, c.numel(), MIN_WIDTH)
+            if cur and self.max_tokens is not None and (len(cur) + 1) * w > self.max_tokens:
+                out.append(cur)
+                cur, w = [], max(c.numel(), MIN_WIDTH)
+            cur.append(i)
+            width = w
+        out.append(cur)
+        return out
+
+    def prompt(self, g):
+        """(cache, slots, tensors, (d,) last hidden state) of the prompt, as the model's own forward leaves them.
+
+        A prompt longer than the budget runs in consecutive chunks, each continuing the cache of the last.
+        """
+        cache = _new_cache(self.model)
+        ids = g.prompt.to(self.device)[None]
+        for a, b in prompt_chunks(ids.shape[1], self.max_tokens):
+            out = self.dec(input_ids=ids[:, a:b], position_ids=torch.arange(a, b, device=self.device)[None],
+                           use_cache=True, **{self.cache_arg: cache})
+            self.tokens += b - a
+            self.passes += 1
+        slots = _slots(cache)
+        self._check_filled(cache, slots, ids.shape[1])
+        return cache, slots, _read(cache, slots), out.last_hidden_state[0, -1]
+
+    def _check_filled(self, cache, slots, length: int) -> None:
+        """Every layer that mixes tokens left its state in the cache (none did silently without one)."""
+        from transformers.cache_utils import DummyLayer
+
+        have = {i for i, _, _ in slots}
+        missing = [i for i, layer in enumerate(cache.layers) if i not in have and not isinstance(layer, DummyLayer)]
+        if missing:
+            raise ValueError(
+                f"{type(self.model).__name__}: after the prompt's forward, cache layers {missing} hold no state, so its "
+                "completions would start from nothing instead of the prompt's state. This model's cache use is not "
+                "supported by sharedprefix's hybrid path."
+            )
+        for (i, name, _), t in zip(slots, _read(cache, slots)):
+            if name == "keys" and t.shape[-2] != length:
+                raise ValueError(
+                    f"{type(self.model).__name__}: cache layer {i} holds K/V of {t.shape[-2]} tokens after a prompt of "
+                    f"{length} (a sliding or compressed cache); sharedprefix's hybrid path needs every prompt key."
+                )
+
+    def completions(self, g, rows: list[int], cache, slots, tensors, h_last):
+        """(n, W) log-probs and entropies (or None) of completions ``rows`` of ``g``, from the prompt's state."""
+        P = g.prompt.numel()
+        cs = [g.completions[i] for i in rows]
+        n, t = len(cs), max(max(c.numel() for c in cs), MIN_WIDTH)
+        ids = torch.zeros(n, t, dtype=torch.int64)
+        mask = torch.zeros(n, t, dtype=torch.bool)
+        for r, c in enumerate(cs):  # right padding: after a row's last token, it never reaches the row's tokens
+            ids[r, : c.numel()] = c
+            ids[r, c.numel():] = c[-1]
+            mask[r, : c.numel()] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (P + torch.arange(t, device=self.device))[None].expand(n, t)
+        out = self.dec(input_ids=ids, position_ids=pos, use_cache=True,
+                       **{self.cache_arg: _repeated(cache, slots, tensors, n)})
+        self.tokens += n * t
+        self.passes += 1
+        hidden = out.last_hidden_state  # (n, t, d)
+        pred = torch.cat([h_last.expand(n, 1, -1), hidden[:, :-1]], 1)  # token j is predicted at j - 1
+        lp, ent = token_logprobs(self.model, pred[mask], ids[mask], self.temperature, self.entropy)
+        return self._rows(lp, mask), (self._rows(ent, mask) if self.entropy else None)
+
+    def _rows(self, values, mask):
+        n, t = mask.shape
+        full = torch.zeros(n, max(self.W, t), dtype=values.dtype, device=values.device)
+        m = torch.zeros(n, full.shape[1], dtype=torch.bool, device=mask.device)
+        m[:, :t] = mask
+        return full.masked_scatter(m, values)[:, : self.W]
+
+    def mask(self, g, rows) -> torch.Tensor:
+        m = torch.zeros(len(rows), self.W, dtype=torch.bool)
+        for r, i in enumerate(rows):
+            m[r, : g.completions[i].numel()] = True
+        return m.to(self.device)
+
+    def offsets(self) -> list[int]:
+        out, k = [], 0
+        for g in self.groups:
+            out.append(k)
+            k += len(g.completions)
+        return out
+
+
+def logprobs(model, groups, temperature, entropy, max_tokens):
+    """``sp.logprobs`` on a hybrid model: (N, W) log-probs, mask and entropies; with grad enabled, one graph."""
+    from sharedprefix.schedule.results import LogProbs
+
+    run = HybridRun(model, groups, max_tokens, temperature, entropy)
+    lps, ents, masks = [], [], []
+    for g in run.groups:
+        cache, slots, tensors, h = run.prompt(g)
+        for rows in run.batches(g):
+            lp, ent = run.completions(g, rows, cache, slots, tensors, h)
+            lps.append(lp)
+            ents.append(ent)
+            masks.append(run.mask(g, rows))
+    return LogProbs(torch.cat(lps), torch.cat(masks), torch.cat(ents) if entropy else None)
+
+
+def backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, offload_device):
+    """``sp.backward`` on a hybrid model, group by group (see the module docstring); returns the statistics."""
+    from sharedprefix.schedule.executor import check_loss
+    from sharedprefix.schedule.grads import GradTransaction
+    from sharedprefix.schedule.results import BackwardResult
+
+    run = HybridRun(model, groups, max_tokens, temperature, entropy)
+    hooks = OffloadHooks(model, offload_device) if prefix_activations == "offload" else None
+    recompute = prefix_activations == "recompute"
+    tx = GradTransaction(model, ddp=False)
+    total, calls = 0.0, 0
+    try:
+        for g, first in zip(run.groups, run.offsets()):
+            with torch.set_grad_enabled(not recompute):
+                if hooks is not None:
+                    with hooks():
+                        cache, slots, tensors, h = run.prompt(g)
+                else:
+                    cache, slots, tensors, h = run.prompt(g)
+            outs = tensors + [h]
+            leaves = [x.detach().requires_grad_() for x in outs]
+            for rows in run.batches(g):
+                lp, ent = run.completions(g, rows, cache, slots, leaves[:-1], leaves[-1])
+                batch = Batch(logprobs=lp, mask=run.mask(g, rows), entropy=ent if entropy else None,
+                              index=torch.tensor([first + i for i in rows], dtype=torch.int64, device=run.device))
+                loss = check_loss(loss_fn(batch), calls)
+                calls += 1
+                loss.backward()
+                total += float(loss.detach())
+            got = [(o, x.grad) for o, x in zip(outs, leaves) if x.grad is not None]
+            if not got:
+                continue
+            if recompute:  # the prompt again, now with its graph, for its one backward
+                cache, slots, tensors, h = run.prompt(g)
+                outs = tensors + [h]
+                got = [(o, x.grad) for o, x in zip(outs, leaves) if x.grad is not None]
+            torch.autograd.backward([o for o, _ in got], [gr for _, gr in got])
+    except BaseException:
+        tx.rollback()
+        raise
+    tx.commit(synced=True)
+    return BackwardResult(
+        loss=total, tokens_computed=run.tokens, tokens_plain=run.plain_tokens, passes=run.passes, loss_calls=calls,
+        peak_memory_bytes=int(torch.cuda.max_memory_allocated(run.device)) if run.device.type == "cuda" else None,
+        offloaded_bytes=hooks.bytes_moved if hooks else 0,
+    )

@@ -1,0 +1,277 @@
+"""Hybrid models (short convolutions, Mamba2, gated delta-net beside attention): each prompt once, each completion
+from the prompt's final layer state, against the plain per-row forward in float64.
+
+LFM2 computes in float64 throughout (once its RMSNorms are made dtype-faithful). Falcon-H1's Mamba2 scan and
+Qwen3-Next's gated delta rule cast to float32 even in a float64 model: the exactness test runs both the plain
+forward and sharedprefix with those casts kept float64 (``Float64Inside``, the same code otherwise), and a second
+test holds the models' own float32 layers to the flash-attention rule (at most twice the plain run's error).
+"""
+
+import pytest
+import torch
+import transformers
+
+import sharedprefix as sp
+from sharedprefix.modeling import HYBRID_MODEL_TYPES
+from sharedprefix.schedule import hybrid
+from sharedprefix.tools.reference import Float64Inside, plain_logprobs
+from sharedprefix.tools.zoo.configs import _float64_norms
+
+# initializer_range 0.2 (not 0.02): states that matter, so that a completion started from a wrong one is caught
+COMMON = dict(initializer_range=0.2, vocab_size=61, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+CONFIGS = {
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
+             dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
+                  block_auto_adjust_ff_dim=False)),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",
+                  dict(num_hidden_layers=2, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                       mamba_d_state=8, mamba_chunk_size=4, mamba_n_groups=1)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], head_dim=8,
+                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=16)),
+}
+TOL = {"lfm2": (1e-9, 1e-9), "falcon_h1": (1e-6, 1e-5), "qwen3_next": (1e-6, 1e-5)}
+_MODELS = {}
+
+
+def model_of(family):
+    if family not in _MODELS:
+        cfg_cls, model_cls, extra = CONFIGS[family]
+        cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)._from_config(cfg, attn_implementation="sdpa")
+        model.config._experts_implementation = "eager"
+        model = model.to(torch.float64).eval()
+        _float64_norms(model)
+        _MODELS[family] = model
+    return _MODELS[family]
+
+
+def groups_of(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, COMMON["vocab_size"], (n,), generator=g)  # noqa: E731
+    return [sp.Group(ids(9), [ids(5), ids(3), ids(6), ids(1)]), sp.Group(ids(1), [ids(4), ids(2)]),
+            sp.Group(ids(5), [ids(3)])]
+
+
+@pytest.fixture
+def float64_inside():
+    with Float64Inside():
+        yield
+
+
+_REF: dict = {}
+
+
+def _grads(model, fn):
+    model.zero_grad(set_to_none=True)
+    fn().backward()
+    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def _grad_error(got, want):
+    """Max over tensors of |got - want| / max|want| (a tensor whose gradient is zero: 1e-6 of the largest)."""
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    floor = 1e-6 * max(float(w.abs().max()) for w in want.values())
+    return max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(floor)) for n in want)
+
+
+def _mask(gs, width):
+    lens = torch.tensor([c.numel() for g in gs for c in g.completions])
+    return torch.arange(width)[None] < lens[:, None]
+
+
+def _weights(shape):
+    return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def reference(key, model, gs, mode=None):
+    """Plain per-row log-probs, entropies and the gradient of a random linear function of the log-probs (computed
+    under ``mode()`` when given)."""
+    import contextlib
+
+    if key not in _REF:
+        with mode() if mode else contextlib.nullcontext():
+            lp, ent = plain_logprobs(model, gs, entropy=True)
+            w = _weights(lp.shape)
+            _REF[key] = lp.detach(), ent.detach(), _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+    return _REF[key]
+
+
+def _family(request, family):
+    if family in FLOAT32_INSIDE:
+        request.getfixturevalue("float64_inside")
+    return model_of(family)
+
+
+FAMILIES = ["lfm2", "falcon_h1", "qwen3_next"]
+FLOAT32_INSIDE = {"falcon_h1", "qwen3_next"}  # run under Float64Inside
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logprobs_and_gradients_match_the_plain_forward(request, family):
+    """Float64 log-probs (and entropies) to 1e-9 in one pass and under a budget that chunks the 9-token prompt and
+    splits its 4 completions; gradients of a linear function of the log-probs to a relative 1e-9 through
+    ``logprobs``' graph and ``backward`` (in the three prefix modes, split and whole, on LFM2). Falcon-H1 and Qwen3-Next run
+    float64 throughout (``Float64Inside``)."""
+    model = _family(request, family)
+    gs = groups_of()
+    lp_tol = grad_tol = 1e-9
+    ref, ref_ent, want = reference(family + ("+float64" if family in FLOAT32_INSIDE else ""), model, gs)
+    for max_tokens in (None, 6):
+        with torch.no_grad():
+            out = sp.logprobs(model, gs, entropy=True, max_tokens=max_tokens)
+        assert out.logprobs.dtype == torch.float64 and out.logprobs.shape == ref.shape
+        assert torch.equal(out.mask, _mask(gs, ref.shape[1]))
+        assert float((out.logprobs - ref).abs().max()) <= lp_tol, (max_tokens, float((out.logprobs - ref).abs().max()))
+        assert float((out.entropy - ref_ent).abs().max()) <= lp_tol
+    w = _weights(ref.shape)
+    got = _grads(model, lambda: (sp.logprobs(model, gs).logprobs * w).sum())  # one graph, grad enabled
+    assert _grad_error(got, want) <= grad_tol
+    # the three modes are the same code for every family: all on LFM2 (the fastest), "keep" split on the others
+    runs = [("keep", 6), ("offload", None), ("recompute", 6)] if family == "lfm2" else [("keep", 6)]
+    for mode, max_tokens in runs:
+        model.zero_grad(set_to_none=True)
+        res = sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens,
+                          prefix_activations=mode)
+        got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        assert _grad_error(got, want) <= grad_tol, (mode, max_tokens, _grad_error(got, want))
+        assert abs(res.loss - float((ref * w).sum())) <= 1e-9 * max(1.0, abs(res.loss))
+        assert res.tokens_computed < res.tokens_plain and res.tokens_plain == sum(
+            (g.prompt.numel() + c.numel()) for g in gs for c in g.completions)
+
+
+@pytest.mark.parametrize("family", sorted(FLOAT32_INSIDE))
+def test_own_float32_layers_within_twice_the_plain_error(family):
+    """With the models' own float32 scan / delta rule, a float64 Falcon-H1 or Qwen3-Next is float32-accurate there:
+    hold the hybrid path to the flash-attention rule against the float64 result (``Float64Inside``): at most twice
+    the plain run's own error, for the log-probs and for the gradients (max relative error over tensors)."""
+    model, gs = model_of(family), groups_of()
+    truth, _, g_truth = reference(family + "+float64", model, gs, Float64Inside)
+    w = _weights(truth.shape)
+    plain = plain_logprobs(model, gs)[0].detach()
+    with torch.no_grad():
+        ours = sp.logprobs(model, gs, max_tokens=6).logprobs
+    assert float((ours - truth).abs().max()) <= 2 * float((plain - truth).abs().max())
+    g_plain = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+    g_ours = _grads(model, lambda: (sp.logprobs(model, gs).logprobs * w).sum())
+    assert _grad_error(g_ours, g_truth) <= 2 * _grad_error(g_plain, g_truth)
+
+
+@pytest.mark.parametrize("family, slot", [("lfm2", "conv_states"), ("lfm2", "keys"), ("falcon_h1", "recurrent_states")])
+def test_a_completion_that_does_not_start_from_the_prompts_state_is_caught(monkeypatch, family, slot):
+    """The exactness test can fail: completions started from a zeroed conv state, zeroed prompt keys or a zeroed
+    recurrent state give log-probs far (1000x) beyond the 1e-9 tolerance (random weights of std 0.02 make the
+    differences small in absolute terms)."""
+    model, gs = model_of(family), groups_of()
+    ref = reference(family, model, gs)[0]
+    read = hybrid._read  # (the model's own float32 layers: their rounding is far below what is asserted here)
+    monkeypatch.setattr(hybrid, "_read", lambda cache, slots: [
+        torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))])
+    with torch.no_grad():
+        out = sp.logprobs(model, gs)
+    assert float((out.logprobs - ref).abs().max()) > 1e-6
+
+
+def test_gradients_reach_the_prompt_through_its_state(monkeypatch):
+    """Detaching the prompt's state (log-probs unchanged) loses the gradient the completions send into the prompt
+    through its conv and attention state: the comparison with the plain gradient catches it."""
+    model, gs = model_of("lfm2"), groups_of()
+    ref, _, want = reference("lfm2", model, gs)
+    read = hybrid._read
+    monkeypatch.setattr(hybrid, "_read", lambda cache, slots: [t.detach() for t in read(cache, slots)])
+    w = _weights(ref.shape)
+    out = sp.logprobs(model, gs)
+    assert float((out.logprobs.detach() - ref).abs().max()) <= 1e-9
+    got = _grads(model, lambda: (sp.logprobs(model, gs).logprobs * w).sum())
+    assert _grad_error(got, want) > 1e-6
+
+
+def test_refusals_name_the_value_and_the_fix():
+    model, gs = model_of("lfm2"), groups_of()
+    with pytest.raises(ValueError, match=r"max_tokens=5 is below groups\[0\]'s longest completion \(6 tokens\)"):
+        sp.logprobs(model, gs, max_tokens=5)
+    with pytest.raises(ValueError, match=r"max_tokens=2; expected None or an int >= 3"):
+        sp.logprobs(model, gs, max_tokens=2)
+    with pytest.raises(ValueError, match="does not take an sp.Tree"):
+        sp.logprobs(model, sp.Tree.from_rows([[3, 4, 5], [3, 4, 6]]))
+    model.gradient_checkpointing_enable()
+    model.train()
+    try:
+        with pytest.raises(ValueError, match="gradient checkpointing on"):
+            sp.backward(model, gs, lambda b: b.logprobs.sum())
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_unlisted_hybrid_stays_refused():
+    """A model type that mixes tokens outside attention and is not in modeling.HYBRID_MODEL_TYPES keeps its refusal."""
+    cfg = transformers.Mamba2Config(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                                    n_groups=1, state_size=8, chunk_size=8)
+    model = transformers.Mamba2ForCausalLM(cfg).to(torch.float64).eval()
+    assert "mamba2" not in HYBRID_MODEL_TYPES
+    with pytest.raises(ValueError, match="mix tokens outside attention|convolution over tokens"):
+        sp.logprobs(model, groups_of())
+
+
+def test_deferred_logprobs_give_the_plain_gradient():
+    """``defer=True``: values without a graph, ``sp.backward`` on the hybrid path when autograd reaches them."""
+    model, gs = model_of("lfm2"), groups_of()
+    ref, _, want = reference("lfm2", model, gs)
+    w = _weights(ref.shape)
+    got = _grads(model, lambda: (sp.logprobs(model, gs, max_tokens=6, defer=True).logprobs * w).sum())
+    assert _grad_error(got, want) <= 1e-9
+
+
+ZOO_HYBRIDS = ["lfm2_moe", "zamba2", "olmo_hybrid", "qwen3_5_text", "kimi_linear", "bailing_hybrid", "nemotron_h"]
+
+
+@pytest.mark.parametrize("entry", ZOO_HYBRIDS)
+def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
+    """The other listed hybrids, built as the zoo builds them but with weights of std 0.2 (states that matter), their
+    float32 casts kept float64: log-probs to 1e-9 under a budget that chunks the prompt and splits the completions,
+    ``sp.backward``'s gradient to a relative 1e-9, and every kind of state the cache carries (K/V, conv, recurrent)
+    matters: zeroed, the log-probs move far beyond the tolerance."""
+    from sharedprefix.tools import zoo
+
+    cfg = zoo.tiny_config(entry)
+    for c in zoo.configs._all_configs(cfg):
+        c.initializer_range = 0.2
+    torch.manual_seed(0)
+    model = getattr(transformers, zoo.entries()[entry])._from_config(cfg, attn_implementation="sdpa")
+    model.config._experts_implementation = "eager"
+    model = model.to(torch.float64).eval()
+    _float64_norms(model)
+    assert model.config.model_type in HYBRID_MODEL_TYPES
+    gs = groups_of()
+    with Float64Inside():
+        ref = plain_logprobs(model, gs)[0].detach()
+        w = _weights(ref.shape)
+        want = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+        with torch.no_grad():
+            assert float((sp.logprobs(model, gs, max_tokens=6).logprobs - ref).abs().max()) <= 1e-9
+        sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6)
+        got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        assert _grad_error(got, want) <= 1e-9
+        read = hybrid._read
+        cache = hybrid.HybridRun(model, gs, None, 1.0, False).prompt(gs[0])[0]
+        kinds = sorted({name for _, name, _ in hybrid._slots(cache)})
+        assert {"keys", "conv_states"} <= set(kinds), kinds
+        for slot in kinds:
+            zeroed = lambda cache, slots, slot=slot: [  # noqa: E731
+                torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))]
+            hybrid._read = zeroed
+            try:
+                with torch.no_grad():
+                    assert float((sp.logprobs(model, gs).logprobs - ref).abs().max()) > 1e-6, slot
+            finally:
+                hybrid._read = read
