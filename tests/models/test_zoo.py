@@ -46,7 +46,7 @@ def test_the_features_this_zoo_exists_for_are_exercised():
     feats = {f for e in zoo.entries() for f in _result(e).features}
     assert {"sliding window", "attention sinks", "chunked attention", "MoE",
             "latent attention (value head dim != query head dim)"} <= feats
-    assert {"gpt_oss", "deepseek_v3", "phimoe", "exaone4", "gemma3_text"} <= {
+    assert {"gpt_oss", "deepseek_v3", "phimoe", "exaone4", "gemma3_text", "llama4_text+chunk_4"} <= {
         e for e in zoo.entries() if _result(e).status == "exact"}
 
 
@@ -56,7 +56,6 @@ def test_the_features_this_zoo_exists_for_are_exercised():
     ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
     ("deepseek_v32", "sparse attention over indexer-selected"),
     ("llama4_text", "query scaling by the token's index"),
-    ("llama4_text+chunk_4", "chunked attention on rows longer than one chunk"),  # was refused as a state-space layer
     ("mamba", "token mixing outside attention"),
     ("doge", "attention masks other than causal"),
     ("gemma2", "attention-score soft-capping"),
@@ -84,7 +83,7 @@ def test_readme_table_is_the_zoo_results():
 
 @pytest.mark.parametrize("entry", ["phimoe", "mistral", "exaone4", "gemma3_text", "gpt_oss"])
 def test_zoo_catches_a_window_that_is_not_applied(entry, monkeypatch):
-    monkeypatch.setattr(interface, "layer_window", lambda module, passed, max_position: None)
+    monkeypatch.setattr(interface, "layer_window", lambda module, passed: None)
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 
@@ -92,8 +91,16 @@ def test_zoo_catches_a_window_that_is_not_applied(entry, monkeypatch):
 @pytest.mark.parametrize("entry", ["exaone4", "gemma3_text", "gpt_oss"])
 def test_zoo_catches_a_window_applied_to_full_attention_layers(entry, monkeypatch):
     """The bug class of issue 10: a module's window attribute applied on layers whose masks are full."""
-    monkeypatch.setattr(interface, "layer_window", lambda module, passed, max_position: zoo.configs.WINDOW)
+    monkeypatch.setattr(interface, "layer_window", lambda module, passed: zoo.configs.WINDOW)
     r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+def test_zoo_catches_chunks_that_are_not_applied(monkeypatch):
+    """llama4_text+chunk_4's rows cross chunk boundaries (was refused as a state-space layer, then as chunks
+    beyond the first)."""
+    monkeypatch.setattr(interface, "layer_chunk", lambda module: None)
+    r = zoo.check("llama4_text+chunk_4", grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 
 

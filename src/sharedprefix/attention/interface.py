@@ -44,7 +44,6 @@ class PassState:
         write_kv: (module, segment id, k, v) -> None, called once per layer for ``layout.record``.
         seen: attention modules that ran in this pass (a layer recomputed by gradient
             checkpointing runs again; it must not record twice).
-        max_position: the row's largest position id, set on first use (chunked attention checks it).
 
     """
 
@@ -53,7 +52,6 @@ class PassState:
     read_kv: Callable | None = None
     write_kv: Callable | None = None
     seen: dict = field(default_factory=dict)
-    max_position: int | None = None
 
 
 _STACK: list[PassState] = []
@@ -88,9 +86,8 @@ def shared_prefix_attention(
     state = _STACK[-1]
     layout = state.layout
     name = type(module).__name__
-    if state.max_position is None:
-        state.max_position = int(layout.position_ids.max()) if layout.position_ids.numel() else 0
-    sliding_window = layer_window(module, sliding_window, state.max_position)
+    sliding_window = layer_window(module, sliding_window)
+    chunk = layer_chunk(module)
     if dropout and dropout > 0:
         _refuse(
             f"{name} runs attention dropout p={dropout} in training mode; sharedprefix refuses it because a "
@@ -131,7 +128,7 @@ def shared_prefix_attention(
         raise RuntimeError(f"{name}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
 
-    casc = layout.cascade(sliding_window)
+    casc = layout.cascade(sliding_window, chunk)
     calls = probe.pattern(module).calls
     if calls > 1 and (layout.record or any(src.cached for c in casc.calls for src in c.keys)):
         _refuse(
@@ -152,21 +149,15 @@ def shared_prefix_attention(
     return cascade_attention(impl, casc, query, key, value, read, scale, sinks), None
 
 
-def layer_window(module, passed: int | None, max_position: int) -> int | None:
-    """The sliding window (tokens) of this layer in a row whose largest position id is ``max_position``.
+def layer_window(module, passed: int | None) -> int | None:
+    """The sliding window (tokens) of this layer, None when it has none.
 
     What the plain forward does comes from the masks transformers builds for the layer (``attention.probe``,
     run once per model before any pass); ``config.layer_types`` and a window the layer passes must agree with
-    it. Chunked attention is exact while every position of the row lies in the first chunk (the chunk
-    boundaries are positions, so a completion continues its prompt's chunk); beyond it, it is refused.
+    it.
     """
     name = type(module).__name__
-    pat = probe.pattern(module)
-    if pat is None:
-        raise RuntimeError(
-            f"{name}: its model was not probed (modeling.verify_head) before a sharedprefix pass, so the layer's "
-            "window is unknown. This is a bug in the caller: every pass must follow verify_head."
-        )
+    pat = _pattern(module)
     cfg = getattr(module, "config", None)
     types = getattr(cfg, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
@@ -187,15 +178,25 @@ def layer_window(module, passed: int | None, max_position: int) -> int | None:
             f"for this layer is {desc}; the two disagree and sharedprefix refuses rather than pick one. Fix the "
             "model's configuration."
         )
-    if pat.kind == "chunked" and max_position >= pat.size:
-        raise ValueError(
-            f"{name} (layer {idx}) uses chunked attention ({pat.setting}={pat.size}): a token sees only the keys of "
-            f"its own block of {pat.size} positions. This row reaches position {max_position}, beyond the first "
-            "block, and sharedprefix does not implement attention split at chunk boundaries; it is exact only "
-            f"while every prompt + completion is shorter than {pat.size} tokens. Shorten the rows or use a model "
-            "without chunked attention."
-        )
     return window
+
+
+def layer_chunk(module) -> int | None:
+    """The attention chunk (positions) of this layer, None when it has none: a query at position p sees the keys
+    at positions floor(p / chunk) * chunk .. p (Llama 4). The chunk boundaries are positions, so a completion
+    continues its prompt's chunk (``layout.cascade``)."""
+    pat = _pattern(module)
+    return pat.size if pat.kind == "chunked" else None
+
+
+def _pattern(module) -> probe.LayerPattern:
+    pat = probe.pattern(module)
+    if pat is None:
+        raise RuntimeError(
+            f"{type(module).__name__}: its model was not probed (modeling.verify_head) before a sharedprefix pass, so "
+            "the layer's window is unknown. This is a bug in the caller: every pass must follow verify_head."
+        )
+    return pat
 
 
 AttentionInterface.register(NAME, shared_prefix_attention)

@@ -52,7 +52,6 @@ REFUSALS: list[tuple[str, str]] = [
     ("attention masks other than causal, sliding-window or chunked", r"neither causal nor a causal sliding window"),
     ("attention-score soft-capping", r"attention-score soft-capping"),
     ("query scaling by the token's index in the row (Llama 4 attn_temperature_tuning)", r"attn_temperature_tuning"),
-    ("chunked attention on rows longer than one chunk", r"uses chunked attention"),
     ("several attention calls per layer, split across passes", r"runs its attention \d+ times in one forward"),
     ("keys beyond the row (memory, compressed keys)", r"attends over \d+ keys for a row"),
     ("an LM head sharedprefix cannot reproduce", r"turns hidden states into logits"),

@@ -168,7 +168,7 @@ ARCH: dict[str, dict] = {
 # Variants: an architecture with settings that exercise a feature its tiny default config does not, or that a
 # refusal hides. name -> (model type, settings).
 VARIANTS: dict[str, tuple[str, dict]] = {
-    # Llama 4 without query temperature tuning: chunked attention within one chunk (exact) and across chunks
+    # Llama 4 without query temperature tuning: chunked attention within one chunk and across chunks
     "llama4_text+chunk_32": ("llama4_text", dict(attn_temperature_tuning=False, attention_chunk_size=32)),
     "llama4_text+chunk_4": ("llama4_text", dict(attn_temperature_tuning=False)),
     # Gemma 2 without attention-score soft-capping: its sliding layers and final-logit soft-capping
