@@ -122,12 +122,6 @@ def check_supported(model: PreTrainedModel) -> None:
             "position id, so a packed row would change the result. Set config.attn_temperature_tuning=False only if "
             "the model was trained without it; otherwise this model is not supported."
         )
-    if getattr(cfg, "output_router_logits", False):
-        raise ValueError(
-            f"{name} has output_router_logits=True: its MoE load-balancing loss counts every token of every row, so "
-            "a prompt shared by G completions would be counted once instead of G times. Set "
-            "config.output_router_logits=False (routing itself is per token and stays exact)."
-        )
     if model.get_output_embeddings() is None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
 

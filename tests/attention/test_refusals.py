@@ -76,11 +76,14 @@ def test_attention_softcapping_refused():
         sp.logprobs(model, GROUPS)
 
 
-def test_moe_router_loss_refused():
+def test_moe_router_loss_is_refused_per_pass_and_returned_by_logprobs():
+    """A product of two batch means: sp.backward (loss per pass) refuses it; sp.logprobs returns it whole
+    (tests/models/test_router_aux.py holds it to the plain run)."""
     model = _tiny(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=16, output_router_logits=True)
-    with pytest.raises(ValueError, match="output_router_logits=True"):
-        sp.logprobs(model, GROUPS)
+    with pytest.raises(ValueError, match="output_router_logits=True, and sharedprefix.backward takes its loss per pass"):
+        sp.backward(model, GROUPS, lambda b: b.logprobs.sum())
+    assert sp.logprobs(model, GROUPS).aux_loss.requires_grad
 
 
 def test_moe_without_router_loss_is_exact():

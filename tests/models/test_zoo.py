@@ -44,7 +44,7 @@ def test_the_features_this_zoo_exists_for_are_exercised():
     """Windows, sinks, latent attention, chunks and MoE really occur among the exact entries (a config change that
     quietly turned them off would leave their tests vacuous)."""
     feats = {f for e in zoo.entries() for f in _result(e).features}
-    assert {"sliding window", "attention sinks", "chunked attention", "MoE",
+    assert {"sliding window", "attention sinks", "chunked attention", "MoE", "MoE load-balancing loss",
             "latent attention (value head dim != query head dim)"} <= feats
     assert {"gpt_oss", "deepseek_v3", "phimoe", "exaone4", "gemma3_text", "llama4_text+chunk_4"} <= {
         e for e in zoo.entries() if _result(e).status == "exact"}
@@ -102,6 +102,15 @@ def test_zoo_catches_chunks_that_are_not_applied(monkeypatch):
     monkeypatch.setattr(interface, "layer_chunk", lambda module: None)
     r = zoo.check("llama4_text+chunk_4", grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+def test_zoo_catches_a_load_balancing_loss_that_counts_a_shared_prompt_once(monkeypatch):
+    from sharedprefix import router
+
+    own = router.multiplicity
+    monkeypatch.setattr(router, "multiplicity", lambda layout: own(layout) * 0 + 1)
+    r = zoo.check("mixtral+router_aux_loss", grads=False)
+    assert r.status == "failed" and "silent mismatch of the load-balancing loss" in r.detail, (r.status, r.detail)
 
 
 def test_zoo_catches_ignored_attention_sinks(monkeypatch):

@@ -19,6 +19,7 @@ from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
+from sharedprefix import router
 from sharedprefix.modeling import (
     check_supported,
     decoder,
@@ -47,6 +48,8 @@ class Executor:
             error = e
         self.par.agree_on_error(error)
         self.par.call(lambda: verify_head(self.model))
+        if self.router_logits is not None:
+            self.par.call(lambda: router.verify(self.model, decoder(self.model), self.device))
 
     def _setup(self, source, max_tokens, backend, temperature, entropy, leaves):
         check_supported(self.model)
@@ -76,6 +79,13 @@ class Executor:
         self.cache = PrefixCache(leaves=leaves)
         self.T = self.plan.tree.width
         self.tokens = 0
+        self.router_logits = [] if router.enabled(self.model) else None  # per pass: (router logits, multiplicities)
+        if self.router_logits is not None and self.mm is not None:
+            raise ValueError(
+                f"{type(self.model).__name__} has output_router_logits=True and the groups carry prompt_inputs: "
+                "sharedprefix reproduces the load-balancing loss of text rows only. Set "
+                "config.output_router_logits=False (routing itself stays exact)."
+            )
 
     def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | None = None):
         """Forward of one row (inside the root module's call under FSDP2).
@@ -102,6 +112,8 @@ class Executor:
                         use_cache=False,
                     )
             hidden = out.last_hidden_state[0]  # (L, d)
+            if self.router_logits is not None and tree is self.plan.tree:
+                self.router_logits.append((out.router_logits, router.multiplicity(layout)))
             for s in layout.record:
                 self.cache.write_h(s, hidden[layout.row_end[s] - 1])
             lp = ent = None

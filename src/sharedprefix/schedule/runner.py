@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from sharedprefix import router
 from sharedprefix.attention.interface import activated
 from sharedprefix.modeling import unwrap, uses_checkpointing
 from sharedprefix.schedule.cache import OffloadHooks
@@ -85,6 +86,7 @@ def logprobs(
                 "gradients). Leave defer=None."
             )
         if defer or (defer is None and needs):
+            router.refuse_per_pass(inner, f"logprobs defers its backward to sharedprefix.backward ({needs or 'defer=True'})")
             with torch.no_grad():
                 out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
             return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
@@ -120,7 +122,8 @@ def logprobs(
     lp = torch.cat(lps).index_select(0, inv)
     mask = torch.cat(masks).index_select(0, inv)
     ent = torch.cat(ents).index_select(0, inv) if entropy else None
-    return LogProbs(lp, mask, ent)
+    aux = router.aux_loss(run.model, run.router_logits) if run.router_logits else None
+    return LogProbs(lp, mask, ent, aux)
 
 
 def backward(
@@ -170,6 +173,7 @@ def backward(
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
+    router.refuse_per_pass(unwrap(model), "sharedprefix.backward takes its loss per pass")
     if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
         from sharedprefix.checks import self_check
 

@@ -171,6 +171,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # Llama 4 without query temperature tuning: chunked attention within one chunk and across chunks
     "llama4_text+chunk_32": ("llama4_text", dict(attn_temperature_tuning=False, attention_chunk_size=32)),
     "llama4_text+chunk_4": ("llama4_text", dict(attn_temperature_tuning=False)),
+    # MoE load-balancing loss (output_router_logits=True): Mixtral-style, with a shared expert, with sinks and windows
+    "mixtral+router_aux_loss": ("mixtral", dict(output_router_logits=True)),
+    "qwen2_moe+router_aux_loss": ("qwen2_moe", dict(output_router_logits=True)),
+    "gpt_oss+router_aux_loss": ("gpt_oss", dict(output_router_logits=True)),
     # Gemma 2 without attention-score soft-capping: its sliding layers and final-logit soft-capping
     "gemma2+no_attn_softcap": ("gemma2", dict(attn_logit_softcapping=None)),
 }
