@@ -103,11 +103,6 @@ def check_supported(model: PreTrainedModel) -> None:
             f"{name} is in training mode with attention_dropout={cfg.attention_dropout}; sharedprefix refuses attention "
             "dropout because the shared prompt would share one dropout draw. Set config.attention_dropout=0.0."
         )
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise ValueError(
-            f"{name} uses attention-score soft-capping (attn_logit_softcapping={cfg.attn_logit_softcapping}), which "
-            "sharedprefix does not implement exactly, so it refuses the model."
-        )
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type in ("dynamic", "longrope"):

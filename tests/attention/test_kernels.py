@@ -23,11 +23,13 @@ def _qkv(seed, tq, tk, h, hkv, d, dv, dtype=torch.float64):
     return q, k, v
 
 
-def _dense(q, k, v, allowed, scale):
+def _dense(q, k, v, allowed, scale, softcap=None):
     """Explicit attention with an (Tq, Tk) bool mask; float64; (out, lse) as (Tq, H, Dv), (Tq, H)."""
     n = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
     s = torch.einsum("ihd,jhd->hij", q, kk) * scale
+    if softcap is not None:  # Gemma 2: scores / cap -> tanh -> * cap, autograd differentiates it
+        s = torch.tanh(s / softcap) * softcap
     s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
@@ -89,6 +91,43 @@ def test_primitive_forward_and_backward_match_explicit_attention(impl, heads, di
     dq, dk, dvv = impl.backward(g, q, k, v, out, lse, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
     for got, ref in ((dq, q_.grad), (dk, k_.grad), (dvv, v_.grad)):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda c: c.name)
+@pytest.mark.parametrize("dims", [(8, 8), (12, 6)], ids=["d", "dv_smaller"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_softcapped_primitive_matches_explicit_attention(impl, dims, case, monkeypatch):
+    """Soft-capped scores (Gemma 2): tiles of 4 queries and blocks of 3 keys, so that the CPU path merges blocks."""
+    monkeypatch.setattr(kernels, "TILE", 4)
+    monkeypatch.setattr(kernels, "KEY_BLOCK", 3)
+    lq, lk, causal, window = CASES[case]
+    q, k, v = _qkv(2, sum(lq), sum(lk), 4, 2, *dims)
+    q = q * 4  # scores of several units, where tanh(s / 1.5) caps visibly
+    allowed = _entry_mask(lq, lk, causal, window)
+    q_, k_, v_ = (x.clone().requires_grad_(True) for x in (q, k, v))
+    want, want_lse = _dense(q_, k_, v_, allowed, 0.37, softcap=1.5)
+    plain, _ = _dense(q, k, v, allowed, 0.37)
+    if case != "window_zero":  # (one key per query there: any scores give the same output)
+        assert (plain - want).abs().max() > 1e-2  # the cap changes the result: the comparison below can fail
+    out, lse = impl.forward(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, 0.37, softcap=1.5)
+    torch.testing.assert_close(out, want.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse.detach(), rtol=0, atol=1e-12)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    want.backward(g)
+    grads = impl.backward(g, q, k, v, out, lse, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, 0.37, softcap=1.5)
+    for got, ref in zip(grads, (q_.grad, k_.grad, v_.grad)):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
+
+
+def test_softcapped_cpu_primitive_in_float32_and_bfloat16_stays_near_float64():
+    lq = lk = [40, 3, 17]
+    q, k, v = _qkv(3, 60, 60, 4, 2, 16, 16)
+    want, want_lse = kernels.Reference.forward(q, k, v, _cu(lq), _cu(lk), 40, 40, True, None, 0.25, softcap=2.0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        out, lse = kernels.CPU.forward(q.to(dtype), k.to(dtype), v.to(dtype), _cu(lq), _cu(lk), 40, 40, True, None,
+                                       0.25, softcap=2.0)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert (out.double() - want).abs().max() < tol and (lse.double() - want_lse).abs().max() < tol
 
 
 def test_cpu_primitive_in_float32_and_bfloat16_stays_near_float64():

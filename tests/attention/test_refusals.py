@@ -70,10 +70,15 @@ def test_convolution_that_does_not_run_on_text_is_not_refused():
     sp.logprobs(model, GROUPS)
 
 
-def test_attention_softcapping_refused():
+def test_attention_softcapping_refused_on_a_backend_without_it(monkeypatch):
+    """torch's CUDA flash ops have no soft-capping: such a backend refuses before any pass, naming the fix."""
+    from sharedprefix.attention import kernels
+
     model = _tiny(tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=8, attn_logit_softcapping=50.0)
-    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
+    monkeypatch.setattr(kernels.CPU, "SOFTCAP", False)  # stands for the 'cuda' backend on this CPU-only machine
+    with pytest.raises(ValueError, match=r"soft-capping \(softcap=50.0\).*backend 'cpu'.*backend='flash_attn'"):
         sp.logprobs(model, GROUPS)
+    assert not kernels.CUDA.SOFTCAP and kernels.FlashAttn.SOFTCAP
 
 
 def test_moe_router_loss_is_refused_per_pass_and_returned_by_logprobs():

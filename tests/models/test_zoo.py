@@ -45,7 +45,7 @@ def test_the_features_this_zoo_exists_for_are_exercised():
     quietly turned them off would leave their tests vacuous)."""
     feats = {f for e in zoo.entries() for f in _result(e).features}
     assert {"sliding window", "attention sinks", "chunked attention", "MoE", "MoE load-balancing loss",
-            "latent attention (value head dim != query head dim)"} <= feats
+            "attention-score soft-capping", "latent attention (value head dim != query head dim)"} <= feats
     assert {"gpt_oss", "deepseek_v3", "phimoe", "exaone4", "gemma3_text", "llama4_text+chunk_4"} <= {
         e for e in zoo.entries() if _result(e).status == "exact"}
 
@@ -58,7 +58,6 @@ def test_the_features_this_zoo_exists_for_are_exercised():
     ("llama4_text", "query scaling by the token's index"),
     ("mamba", "token mixing outside attention"),
     ("doge", "attention masks other than causal"),
-    ("gemma2", "attention-score soft-capping"),
 ])
 def test_refusals_name_the_feature(entry, category):
     r = _result(entry)
@@ -111,6 +110,14 @@ def test_zoo_catches_a_load_balancing_loss_that_counts_a_shared_prompt_once(monk
     monkeypatch.setattr(router, "multiplicity", lambda layout: own(layout) * 0 + 1)
     r = zoo.check("mixtral+router_aux_loss", grads=False)
     assert r.status == "failed" and "silent mismatch of the load-balancing loss" in r.detail, (r.status, r.detail)
+
+
+@pytest.mark.parametrize("entry", ["gemma2", "vaultgemma"])
+def test_zoo_catches_ignored_attention_softcapping(entry, monkeypatch):
+    orig = interface.cascade_attention
+    monkeypatch.setattr(interface, "cascade_attention", lambda *a: orig(*a[:8], None))
+    r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 
 
 def test_zoo_catches_ignored_attention_sinks(monkeypatch):

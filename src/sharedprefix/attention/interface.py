@@ -94,11 +94,13 @@ def shared_prefix_attention(
             "prompt shared by G completions would share one dropout draw, unlike the plain run. "
             "Set the model's attention_dropout to 0.0 (RL fine-tuning normally does) or call model.eval()."
         )
+    impl = kernels.select(state.backend, query.device, query.dtype)
     if softcap is not None:
-        _refuse(
-            f"{name} uses attention-score soft-capping (softcap={softcap}), which sharedprefix does not "
-            "implement. Set config.attn_logit_softcapping=None only if the model was trained without it."
-        )
+        softcap = float(softcap)
+        if not softcap > 0:
+            _refuse(f"{name} passed softcap={softcap}; expected a positive attention-score soft-cap or None.")
+        if not getattr(impl, "SOFTCAP", False):
+            _refuse(softcap_refusal(name, softcap, impl.name))
     sinks = kwargs.pop("s_aux", None)
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         _refuse(
@@ -144,9 +146,18 @@ def shared_prefix_attention(
             r0, r1 = layout.row_start[s], layout.row_end[s]
             state.write_kv(module, s, key[:, :, r0:r1], value[:, :, r0:r1])
 
-    impl = kernels.select(state.backend, query.device, query.dtype)
     read = (lambda seg: state.read_kv(module, seg)) if state.read_kv else None
-    return cascade_attention(impl, casc, query, key, value, read, scale, sinks), None
+    return cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap), None
+
+
+def softcap_refusal(name: str, softcap: float, backend: str) -> str:
+    """The refusal of attention-score soft-capping on a backend without it (the CUDA flash ops)."""
+    return (
+        f"{name} uses attention-score soft-capping (softcap={softcap}), which the attention backend {backend!r} "
+        "cannot compute: torch's own CUDA flash kernels have no soft-capping. Install the flash-attn package "
+        "(its varlen kernels take softcap) and pass backend='flash_attn', or run on the CPU ('cpu' computes it "
+        "exactly); do not set config.attn_logit_softcapping=None unless the model was trained without it."
+    )
 
 
 def layer_window(module, passed: int | None) -> int | None:

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from sharedprefix.attention.interface import PassState, activated, pass_state
+from sharedprefix.attention.interface import PassState, activated, pass_state, softcap_refusal
 from sharedprefix.attention.kernels import select
 from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
@@ -72,7 +72,10 @@ class Executor:
                 "max_tokens so that every group fits one pass."
             )
         self.device = emb.weight.device
-        select(backend, self.device)  # an unknown or unavailable backend fails before any computation
+        impl = select(backend, self.device)  # an unknown or unavailable backend fails before any computation
+        cap = getattr(self.model.config.get_text_config(), "attn_logit_softcapping", None)
+        if cap is not None and not impl.SOFTCAP:  # refused here, before any pass (the attention would refuse too)
+            raise ValueError(softcap_refusal(type(self.model).__name__, cap, impl.name))
         self.backend = backend
         self.temperature = float(temperature)
         self.entropy = entropy

@@ -53,7 +53,7 @@ REFUSALS: list[tuple[str, str]] = [
     ("positions numbered by the model itself (no position_ids input, RoBERTa offsets)",
      r"takes no position_ids|numbers the positions of a row differently"),
     ("attention masks other than causal, sliding-window or chunked", r"neither causal nor a causal sliding window"),
-    ("attention-score soft-capping", r"attention-score soft-capping"),
+    ("attention-score soft-capping on a backend without it (torch's CUDA flash ops)", r"attention-score soft-capping"),
     ("query scaling by the token's index in the row (Llama 4 attn_temperature_tuning)", r"attn_temperature_tuning"),
     ("several attention calls per layer, split across passes", r"runs its attention \d+ times in one forward"),
     ("keys beyond the row (memory, compressed keys)", r"attends over \d+ keys for a row"),
@@ -299,6 +299,8 @@ def features(model) -> list[str]:
         out.append("chunked attention")
     if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         out.append("attention sinks")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        out.append("attention-score soft-capping")
     if v is not None and qk is not None and v != qk:
         out.append("latent attention (value head dim != query head dim)")
     if any("expert" in type(m).__name__.lower() for m in model.modules()):

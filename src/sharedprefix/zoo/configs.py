@@ -163,6 +163,9 @@ ARCH: dict[str, dict] = {
                      local_attn_chunk_length=4, lsh_attn_chunk_length=4),
     "xlstm": dict(embedding_dim=32, num_heads=4),
     "dbrx": dict(attn_config=dict(rope_theta=10000.0, clip_qkv=8.0)),  # DbrxAttention reads both, unconditionally
+    # attention-score soft-capping that bites on tiny random weights, whose scores are ~1e-3 (the default 50 does not)
+    "gemma2": dict(attn_logit_softcapping=0.002),
+    "vaultgemma": dict(attn_logit_softcapping=0.002),
 }
 
 # Variants: an architecture with settings that exercise a feature its tiny default config does not, or that a
