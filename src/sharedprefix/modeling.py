@@ -112,11 +112,15 @@ def check_supported(model: PreTrainedModel) -> None:
             "rope_type is not supported (plain, linear, yarn and llama3 scaling depend on positions only)."
         )
     if getattr(cfg, "attn_temperature_tuning", False):
-        raise ValueError(
-            f"{name} scales attention queries by the token's index in the row (attn_temperature_tuning), not by its "
-            "position id, so a packed row would change the result. Set config.attn_temperature_tuning=False only if "
-            "the model was trained without it; otherwise this model is not supported."
-        )
+        tuned = [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False)]
+        odd = [type(m).__name__ for m in tuned if not all(hasattr(m, a) for a in ("floor_scale", "attn_scale", "use_rope"))]
+        if not tuned or odd:
+            raise ValueError(
+                f"{name} scales attention queries by the token's index in the row (attn_temperature_tuning), and "
+                f"sharedprefix finds no Llama 4 attention module with floor_scale, attn_scale and use_rope "
+                f"({odd or 'none'}) to rescale them to position ids, so a packed row would change the result. This "
+                "model is not supported; set config.attn_temperature_tuning=False only if it was trained without it."
+            )
     if model.get_output_embeddings() is None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
 

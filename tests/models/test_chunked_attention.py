@@ -1,10 +1,12 @@
-"""Llama 4's chunked attention, beyond the first chunk: exact against the plain forward of every row.
+"""Llama 4's chunked attention, beyond the first chunk, and its query temperature: exact against the plain forward.
 
 A query at position p sees the keys at positions floor(p / C) * C .. p. The chunk boundaries are positions, so
 a completion continues its prompt's chunk and sees the prompt's keys from that chunk's start on. The model here
 is Llama 4 text with chunks of 4 positions, dense MLPs and no QK norm, and a float64 rotary embedding (Llama 4's
 own rounds q and k to float32 even in a float64 model, which would hold the comparison to float32 accuracy), so
-that the plain float64 forward is float64 throughout and 1e-9 can fail.
+that the plain float64 forward is float64 throughout and 1e-9 can fail. Its NoPE layer scales queries by a
+temperature of the token's index in the row (``attn_temperature_tuning``, growing every ``floor_scale`` = 4
+tokens here), which sharedprefix rescales to the token's position.
 """
 
 import pytest
@@ -34,7 +36,7 @@ def model(monkeypatch):
     cfg = tf.Llama4TextConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-        attention_chunk_size=CHUNK, attn_temperature_tuning=False, use_qk_norm=False, moe_layers=[],
+        attention_chunk_size=CHUNK, attn_temperature_tuning=True, floor_scale=4, use_qk_norm=False, moe_layers=[],
         no_rope_layers=[1, 1, 1, 0],  # layers 0-2 chunked with RoPE, layer 3 full attention without
     )
     cfg._attn_implementation = "sdpa"
@@ -69,16 +71,18 @@ def _without_prompt_keys(own):
     return lambda layout, base, x, lo: [] if lo % CHUNK == 0 else own(layout, base, x, lo)
 
 
-@pytest.mark.parametrize("mistake", ["chunks ignored", "completions restart the chunk"])
+@pytest.mark.parametrize("mistake", ["chunks ignored", "completions restart the chunk", "temperature of the index"])
 def test_the_check_fails_when_chunks_are_computed_wrongly(model, monkeypatch, mistake):
-    """Either plausible mistake changes the log-probs far beyond 1e-9 on these rows, so the test above can fail."""
+    """Each plausible mistake changes the log-probs far beyond 1e-9 on these rows, so the test above can fail."""
     from sharedprefix.layout import cascade
 
     if mistake == "chunks ignored":
         monkeypatch.setattr(interface, "layer_chunk", lambda module: None)
+    elif mistake == "temperature of the index":
+        monkeypatch.setattr(interface, "index_to_position_temperature", lambda module, q, pos: q)
     else:
         monkeypatch.setattr(cascade, "_ancestor_keys", _without_prompt_keys(cascade._ancestor_keys))
     groups = _groups()
     ref = plain_logprobs(model, groups)[0]
     with torch.no_grad():
-        assert (sp.logprobs(model, groups).logprobs - ref).abs().max() > 1e-3
+        assert (sp.logprobs(model, groups).logprobs - ref).abs().max() > 1e-5

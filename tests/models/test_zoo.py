@@ -55,7 +55,6 @@ def test_the_features_this_zoo_exists_for_are_exercised():
     ("roberta", "positions numbered by the model itself"),  # was silently wrong: positions start after padding
     ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
     ("deepseek_v32", "sparse attention over indexer-selected"),
-    ("llama4_text", "query scaling by the token's index"),
     ("mamba", "token mixing outside attention"),
     ("doge", "attention masks other than causal"),
 ])
@@ -116,6 +115,14 @@ def test_zoo_catches_a_load_balancing_loss_that_counts_a_shared_prompt_once(monk
 def test_zoo_catches_ignored_attention_softcapping(entry, monkeypatch):
     orig = interface.cascade_attention
     monkeypatch.setattr(interface, "cascade_attention", lambda *a: orig(*a[:8], None))
+    r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+@pytest.mark.parametrize("entry", ["llama4_text", "llama4"])
+def test_zoo_catches_a_query_temperature_of_the_row_index(entry, monkeypatch):
+    """Llama 4's NoPE layers scale queries by a function of the row index; sharedprefix rescales it to positions."""
+    monkeypatch.setattr(interface, "index_to_position_temperature", lambda module, q, pos: q)
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 

@@ -129,6 +129,8 @@ def shared_prefix_attention(
     if query.shape[1] % key.shape[1]:
         raise RuntimeError(f"{name}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        query = index_to_position_temperature(module, query, layout.position_ids)
 
     casc = layout.cascade(sliding_window, chunk)
     calls = probe.pattern(module).calls
@@ -158,6 +160,26 @@ def softcap_refusal(name: str, softcap: float, backend: str) -> str:
         "(its varlen kernels take softcap) and pass backend='flash_attn', or run on the CPU ('cpu' computes it "
         "exactly); do not set config.attn_logit_softcapping=None unless the model was trained without it."
     )
+
+
+def _temperature(module, x: torch.Tensor) -> torch.Tensor:
+    """Llama 4's query temperature of row index or position ``x``, float32 as the model computes it."""
+    return torch.log1p(torch.floor((x.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+
+def index_to_position_temperature(module, query: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Llama 4's NoPE layers (``attn_temperature_tuning``) scale each query by log1p(floor((i + 1) / floor_scale))
+    * attn_scale + 1 of its index i in the row (arXiv 2501.19399), which in a plain row is its position. In a packed
+    row the index is not the position: rescale (1, H, L, D) ``query`` by t(position) / t(index), once, in float32
+    (float64 for a float64 model); exact up to that one rounding, and autograd carries the factor to dQ."""
+    idx = torch.arange(query.shape[2], device=query.device)
+    pos = position_ids[0].to(query.device)
+    t_pos, t_idx = _temperature(module, pos), _temperature(module, idx)
+    if torch.equal(t_pos, t_idx):  # rows shorter than floor_scale: every factor is 1
+        return query
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    ratio = t_pos.to(acc) / t_idx.to(acc)
+    return (query.to(acc) * ratio[None, None, :, None]).to(query.dtype)
 
 
 def layer_window(module, passed: int | None) -> int | None:

@@ -165,6 +165,9 @@ ARCH: dict[str, dict] = {
     "dbrx": dict(attn_config=dict(rope_theta=10000.0, clip_qkv=8.0)),  # DbrxAttention reads both, unconditionally
     # attention-score soft-capping that bites on tiny random weights, whose scores are ~1e-3 (the default 50 does not)
     "gemma2": dict(attn_logit_softcapping=0.002),
+    # Llama 4's query temperature (NoPE layers) grows every floor_scale positions: every 4 so that it bites
+    "llama4_text": dict(floor_scale=4),
+    "llama4": dict(text_config=dict(floor_scale=4)),
     "vaultgemma": dict(attn_logit_softcapping=0.002),
 }
 
