@@ -13,13 +13,13 @@ import math
 
 import torch
 
+from sharedprefix import router
 from sharedprefix.attention.interface import PassState, activated, pass_state, softcap_refusal
 from sharedprefix.attention.kernels import select
 from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
-from sharedprefix import router
 from sharedprefix.modeling import (
     check_supported,
     decoder,
