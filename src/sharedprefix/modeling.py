@@ -30,6 +30,7 @@ SPARSE_ATTENTION_LAYER_TYPES = {  # attention over keys chosen per query, or ove
 }
 _VERIFIED = weakref.WeakKeyDictionary()  # model -> the modes (model.training) it was verified in
 _HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head
+_PADDING_NUMBERED = weakref.WeakKeyDictionary()  # model -> padding index of its RoBERTa-style position numbering
 
 
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
@@ -298,12 +299,53 @@ def _check_positions_and_convolutions(model, dec, ids, hidden) -> None:
             f"{name} contains a convolution over tokens ({ran[0][0]}: {ran[0][1]}); layers that mix tokens outside "
             "attention cannot share a prompt exactly, so sharedprefix refuses this model."
         )
-    if not torch.allclose(numbered, hidden, rtol=1e-5, atol=1e-6 * max(1.0, float(hidden.abs().max()))):
-        raise ValueError(
-            f"{name}'s decoder numbers the positions of a row differently from 0..L-1 when given no position_ids "
-            "(RoBERTa-style models start after the padding index), so the position ids sharedprefix gives each "
-            "prompt and completion would not be the ones the plain forward uses. This model is not supported."
-        )
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))  # noqa: E731
+    if close(numbered, hidden):
+        return
+    pad = getattr(text_config(model), "pad_token_id", None)
+    if isinstance(pad, int) and _numbers_after_padding(dec, ids, hidden, pad, close):
+        _PADDING_NUMBERED[model] = pad
+        return
+    raise ValueError(
+        f"{name}'s decoder numbers the positions of a row differently from 0..L-1 when given no position_ids, and "
+        "not as RoBERTa does (padding index + 1 + the count of non-padding tokens so far), so the position ids "
+        "sharedprefix gives each prompt and completion would not be the ones the plain forward uses. This model is "
+        "not supported."
+    )
+
+
+def padding_numbered(ids: torch.Tensor, pad: int) -> torch.Tensor:
+    """RoBERTa's position ids of a row of token ``ids`` (..., L): pad + 1 + the count of non-padding tokens before
+    each non-padding token, ``pad`` on padding tokens (transformers' create_position_ids_from_input_ids)."""
+    keep = ids.ne(pad).long()
+    return keep.cumsum(-1) * keep + pad
+
+
+def _numbers_after_padding(dec, ids, hidden, pad: int, close) -> bool:
+    """True when the decoder numbers rows as ``padding_numbered`` does: on the probe row, and on it with a padding
+    token inside (which keeps the position of the padding index and does not advance the count)."""
+    with_pad = torch.cat([ids[:, :1], torch.full_like(ids[:, :1], pad), ids[:, 1:]], 1)
+    for row, own in ((ids, hidden), (with_pad, None)):
+        if own is None:
+            own = dec(input_ids=row, use_cache=False).last_hidden_state[0]
+        ours = dec(input_ids=row, position_ids=padding_numbered(row, pad), use_cache=False).last_hidden_state[0]
+        if not close(ours, own):
+            return False
+    return True
+
+
+def decoder_position_ids(model: PreTrainedModel, layout) -> torch.Tensor:
+    """(1, L) int64 position ids to give the decoder for ``layout``'s packed row: its positions (each completion
+    continuing its prompt), or, for a RoBERTa-style model, the numbering of each token's plain row
+    (``padding_numbered`` over the token's ancestors and its own segment up to it)."""
+    pad = _PADDING_NUMBERED.get(model)
+    if pad is None:
+        return layout.position_ids
+    segs, out = layout.tree.segments, []
+    for s in layout.segments:
+        path = torch.cat([segs[a].tokens for a in layout.tree.ancestors(s)] + [segs[s].tokens])
+        out.append(padding_numbered(path, pad)[-segs[s].length:])
+    return torch.cat(out)[None]
 
 
 class _TokenLogprob(torch.autograd.Function):

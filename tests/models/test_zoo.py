@@ -52,7 +52,6 @@ def test_the_features_this_zoo_exists_for_are_exercised():
 
 @pytest.mark.parametrize("entry, category", [
     ("bart", "positions numbered by the model itself"),  # was silently wrong: positions 0..L-1 along the row
-    ("roberta", "positions numbered by the model itself"),  # was silently wrong: positions start after padding
     ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
     ("deepseek_v32", "sparse attention over indexer-selected"),
     ("mamba", "token mixing outside attention"),
@@ -123,6 +122,16 @@ def test_zoo_catches_ignored_attention_softcapping(entry, monkeypatch):
 def test_zoo_catches_a_query_temperature_of_the_row_index(entry, monkeypatch):
     """Llama 4's NoPE layers scale queries by a function of the row index; sharedprefix rescales it to positions."""
     monkeypatch.setattr(interface, "index_to_position_temperature", lambda module, q, pos: q)
+    r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+@pytest.mark.parametrize("entry", ["roberta", "xlm-roberta"])
+def test_zoo_catches_roberta_positions_given_as_0_to_l(entry, monkeypatch):
+    """RoBERTa numbers positions from padding index + 1 (was silently wrong, then refused; now reproduced)."""
+    from sharedprefix.schedule import executor
+
+    monkeypatch.setattr(executor, "decoder_position_ids", lambda model, layout: layout.position_ids)
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 

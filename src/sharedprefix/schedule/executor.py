@@ -23,6 +23,7 @@ from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.modeling import (
     check_supported,
     decoder,
+    decoder_position_ids,
     head_logits,
     num_attention_layers,
     token_logprobs,
@@ -111,7 +112,7 @@ class Executor:
                 else:
                     out = decoder(self.model)(
                         input_ids=layout.input_ids.to(self.device),
-                        position_ids=layout.position_ids.to(self.device),
+                        position_ids=decoder_position_ids(self.model, layout).to(self.device),
                         use_cache=False,
                     )
             hidden = out.last_hidden_state[0]  # (L, d)

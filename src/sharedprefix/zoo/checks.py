@@ -50,7 +50,7 @@ REFUSALS: list[tuple[str, str]] = [
      r"mix tokens outside attention|convolution over tokens"),
     ("sparse attention over indexer-selected or compressed keys", r"sparse attention over the keys|attention over compressed"),
     ("attention outside transformers' attention interface", r"bypasses transformers' attention interface"),
-    ("positions numbered by the model itself (no position_ids input, RoBERTa offsets)",
+    ("positions numbered by the model itself (no position_ids input, or a numbering other than RoBERTa's)",
      r"takes no position_ids|numbers the positions of a row differently"),
     ("attention masks other than causal, sliding-window or chunked", r"neither causal nor a causal sliding window"),
     ("attention-score soft-capping on a backend without it (torch's CUDA flash ops)", r"attention-score soft-capping"),
