@@ -85,9 +85,10 @@ TREE_GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group(
                sp.Group([9, 8, 7, 6], [[1], [2]])]
 
 
-def tree_mask(tree, window=None) -> torch.Tensor:
+def tree_mask(tree, window=None, chunk=None) -> torch.Tensor:
     """(T, T) bool over every token of ``tree`` (segments in id order): which keys each query may attend to, built
-    from the definition (ancestors whole, own segment causally, positions within the window). Tests only."""
+    from the definition (ancestors whole, own segment causally, positions within the window, or in the query's
+    chunk of positions). Tests only."""
     seg = torch.cat([torch.full((s.length,), s.id) for s in tree.segments])
     pos = torch.cat([torch.arange(s.start, s.end) for s in tree.segments])
     anc = [set(tree.ancestors(s.id)) for s in tree.segments]
@@ -95,4 +96,6 @@ def tree_mask(tree, window=None) -> torch.Tensor:
     ok = is_anc[seg[:, None], seg[None, :]] | ((seg[:, None] == seg[None, :]) & (pos[None] <= pos[:, None]))
     if window is not None:
         ok &= (pos[:, None] - pos[None]) < window
+    if chunk is not None:
+        ok &= (pos[:, None] // chunk) == (pos[None] // chunk)
     return ok

@@ -35,6 +35,7 @@ HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "falcon_h1", "qwen3_next", "qwen3_5_te
                       "kimi_linear", "bailing_hybrid", "nemotron_h"}
 _VERIFIED = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
 _HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head
+_PADDING_NUMBERED = weakref.WeakKeyDictionary()  # model -> padding index of its RoBERTa-style position numbering
 
 
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
@@ -115,11 +116,6 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
             f"{name} is in training mode with attention_dropout={cfg.attention_dropout}; sharedprefix refuses attention "
             "dropout because the shared prompt would share one dropout draw. Set config.attention_dropout=0.0."
         )
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise ValueError(
-            f"{name} uses attention-score soft-capping (attn_logit_softcapping={cfg.attn_logit_softcapping}), which "
-            "sharedprefix does not implement exactly, so it refuses the model."
-        )
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type in ("dynamic", "longrope"):
@@ -129,17 +125,15 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
             "rope_type is not supported (plain, linear, yarn and llama3 scaling depend on positions only)."
         )
     if getattr(cfg, "attn_temperature_tuning", False):
-        raise ValueError(
-            f"{name} scales attention queries by the token's index in the row (attn_temperature_tuning), not by its "
-            "position id, so a packed row would change the result. Set config.attn_temperature_tuning=False only if "
-            "the model was trained without it; otherwise this model is not supported."
-        )
-    if getattr(cfg, "output_router_logits", False):
-        raise ValueError(
-            f"{name} has output_router_logits=True: its MoE load-balancing loss counts every token of every row, so "
-            "a prompt shared by G completions would be counted once instead of G times. Set "
-            "config.output_router_logits=False (routing itself is per token and stays exact)."
-        )
+        tuned = [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False)]
+        odd = [type(m).__name__ for m in tuned if not all(hasattr(m, a) for a in ("floor_scale", "attn_scale", "use_rope"))]
+        if not tuned or odd:
+            raise ValueError(
+                f"{name} scales attention queries by the token's index in the row (attn_temperature_tuning), and "
+                f"sharedprefix finds no Llama 4 attention module with floor_scale, attn_scale and use_rope "
+                f"({odd or 'none'}) to rescale them to position ids, so a packed row would change the result. This "
+                "model is not supported; set config.attn_temperature_tuning=False only if it was trained without it."
+            )
     if model.get_output_embeddings() is None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
 
@@ -323,12 +317,53 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
             "attention cannot share a prompt through attention, and this model type is not one whose layer states "
             f"sharedprefix carries ({', '.join(sorted(HYBRID_MODEL_TYPES))}), so it refuses this model."
         )
-    if not torch.allclose(numbered, hidden, rtol=1e-5, atol=1e-6 * max(1.0, float(hidden.abs().max()))):
-        raise ValueError(
-            f"{name}'s decoder numbers the positions of a row differently from 0..L-1 when given no position_ids "
-            "(RoBERTa-style models start after the padding index), so the position ids sharedprefix gives each "
-            "prompt and completion would not be the ones the plain forward uses. This model is not supported."
-        )
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))  # noqa: E731
+    if close(numbered, hidden):
+        return
+    pad = getattr(text_config(model), "pad_token_id", None)
+    if isinstance(pad, int) and _numbers_after_padding(dec, ids, hidden, pad, close):
+        _PADDING_NUMBERED[model] = pad
+        return
+    raise ValueError(
+        f"{name}'s decoder numbers the positions of a row differently from 0..L-1 when given no position_ids, and "
+        "not as RoBERTa does (padding index + 1 + the count of non-padding tokens so far), so the position ids "
+        "sharedprefix gives each prompt and completion would not be the ones the plain forward uses. This model is "
+        "not supported."
+    )
+
+
+def padding_numbered(ids: torch.Tensor, pad: int) -> torch.Tensor:
+    """RoBERTa's position ids of a row of token ``ids`` (..., L): pad + 1 + the count of non-padding tokens before
+    each non-padding token, ``pad`` on padding tokens (transformers' create_position_ids_from_input_ids)."""
+    keep = ids.ne(pad).long()
+    return keep.cumsum(-1) * keep + pad
+
+
+def _numbers_after_padding(dec, ids, hidden, pad: int, close) -> bool:
+    """True when the decoder numbers rows as ``padding_numbered`` does: on the probe row, and on it with a padding
+    token inside (which keeps the position of the padding index and does not advance the count)."""
+    with_pad = torch.cat([ids[:, :1], torch.full_like(ids[:, :1], pad), ids[:, 1:]], 1)
+    for row, own in ((ids, hidden), (with_pad, None)):
+        if own is None:
+            own = dec(input_ids=row, use_cache=False).last_hidden_state[0]
+        ours = dec(input_ids=row, position_ids=padding_numbered(row, pad), use_cache=False).last_hidden_state[0]
+        if not close(ours, own):
+            return False
+    return True
+
+
+def decoder_position_ids(model: PreTrainedModel, layout) -> torch.Tensor:
+    """(1, L) int64 position ids to give the decoder for ``layout``'s packed row: its positions (each completion
+    continuing its prompt), or, for a RoBERTa-style model, the numbering of each token's plain row
+    (``padding_numbered`` over the token's ancestors and its own segment up to it)."""
+    pad = _PADDING_NUMBERED.get(model)
+    if pad is None:
+        return layout.position_ids
+    segs, out = layout.tree.segments, []
+    for s in layout.segments:
+        path = torch.cat([segs[a].tokens for a in layout.tree.ancestors(s)] + [segs[s].tokens])
+        out.append(padding_numbered(path, pad)[-segs[s].length:])
+    return torch.cat(out)[None]
 
 
 class _TokenLogprob(torch.autograd.Function):

@@ -71,17 +71,25 @@ def test_convolution_that_does_not_run_on_text_is_not_refused():
     sp.logprobs(model, GROUPS)
 
 
-def test_attention_softcapping_refused():
+def test_attention_softcapping_refused_on_a_backend_without_it(monkeypatch):
+    """torch's CUDA flash ops have no soft-capping: such a backend refuses before any pass, naming the fix."""
+    from sharedprefix.attention import kernels
+
     model = _tiny(tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=8, attn_logit_softcapping=50.0)
-    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0"):
+    monkeypatch.setattr(kernels.CPU, "SOFTCAP", False)  # stands for the 'cuda' backend on this CPU-only machine
+    with pytest.raises(ValueError, match=r"soft-capping \(softcap=50.0\).*backend 'cpu'.*backend='flash_attn'"):
         sp.logprobs(model, GROUPS)
+    assert not kernels.CUDA.SOFTCAP and kernels.FlashAttn.SOFTCAP
 
 
-def test_moe_router_loss_refused():
+def test_moe_router_loss_is_refused_per_pass_and_returned_by_logprobs():
+    """A product of two batch means: sp.backward (loss per pass) refuses it; sp.logprobs returns it whole
+    (tests/models/test_router_aux.py holds it to the plain run)."""
     model = _tiny(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=16, output_router_logits=True)
-    with pytest.raises(ValueError, match="output_router_logits=True"):
-        sp.logprobs(model, GROUPS)
+    with pytest.raises(ValueError, match="output_router_logits=True, and sharedprefix.backward takes its loss per pass"):
+        sp.backward(model, GROUPS, lambda b: b.logprobs.sum())
+    assert sp.logprobs(model, GROUPS).aux_loss.requires_grad
 
 
 def test_moe_without_router_loss_is_exact():
@@ -146,10 +154,12 @@ def test_bad_temperature_and_model_type():
         sp.logprobs(torch.nn.Linear(2, 2), GROUPS)
 
 
-def test_attention_temperature_tuning_refused():
+def test_attention_temperature_tuning_refused_without_llama4_modules_to_rescale():
+    """Llama 4's own modules are rescaled to positions (tests/models/test_chunked_attention.py); any other model
+    claiming the setting is refused."""
     model = tiny_model("llama")
     model.config.attn_temperature_tuning = True
-    with pytest.raises(ValueError, match="attn_temperature_tuning"):
+    with pytest.raises(ValueError, match="attn_temperature_tuning.*finds no Llama 4 attention module"):
         sp.logprobs(model, GROUPS)
 
 

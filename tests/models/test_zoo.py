@@ -44,22 +44,18 @@ def test_the_features_this_zoo_exists_for_are_exercised():
     """Windows, sinks, latent attention, chunks and MoE really occur among the exact entries (a config change that
     quietly turned them off would leave their tests vacuous)."""
     feats = {f for e in zoo.entries() for f in _result(e).features}
-    assert {"sliding window", "attention sinks", "chunked attention", "MoE",
-            "latent attention (value head dim != query head dim)"} <= feats
-    assert {"gpt_oss", "deepseek_v3", "phimoe", "exaone4", "gemma3_text"} <= {
+    assert {"sliding window", "attention sinks", "chunked attention", "MoE", "MoE load-balancing loss",
+            "attention-score soft-capping", "latent attention (value head dim != query head dim)"} <= feats
+    assert {"gpt_oss", "deepseek_v3", "phimoe", "exaone4", "gemma3_text", "llama4_text+chunk_4"} <= {
         e for e in zoo.entries() if _result(e).status == "exact"}
 
 
 @pytest.mark.parametrize("entry, category", [
     ("bart", "positions numbered by the model itself"),  # was silently wrong: positions 0..L-1 along the row
-    ("roberta", "positions numbered by the model itself"),  # was silently wrong: positions start after padding
     ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
     ("deepseek_v32", "sparse attention over indexer-selected"),
-    ("llama4_text", "query scaling by the token's index"),
-    ("llama4_text+chunk_4", "chunked attention on rows longer than one chunk"),  # was refused as a state-space layer
     ("mamba", "token mixing outside attention"),
     ("doge", "attention masks other than causal"),
-    ("gemma2", "attention-score soft-capping"),
 ])
 def test_refusals_name_the_feature(entry, category):
     r = _result(entry)
@@ -84,7 +80,7 @@ def test_readme_table_is_the_zoo_results():
 
 @pytest.mark.parametrize("entry", ["phimoe", "mistral", "exaone4", "gemma3_text", "gpt_oss"])
 def test_zoo_catches_a_window_that_is_not_applied(entry, monkeypatch):
-    monkeypatch.setattr(interface, "layer_window", lambda module, passed, max_position: None)
+    monkeypatch.setattr(interface, "layer_window", lambda module, passed: None)
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 
@@ -92,7 +88,50 @@ def test_zoo_catches_a_window_that_is_not_applied(entry, monkeypatch):
 @pytest.mark.parametrize("entry", ["exaone4", "gemma3_text", "gpt_oss"])
 def test_zoo_catches_a_window_applied_to_full_attention_layers(entry, monkeypatch):
     """The bug class of issue 10: a module's window attribute applied on layers whose masks are full."""
-    monkeypatch.setattr(interface, "layer_window", lambda module, passed, max_position: zoo.configs.WINDOW)
+    monkeypatch.setattr(interface, "layer_window", lambda module, passed: zoo.configs.WINDOW)
+    r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+def test_zoo_catches_chunks_that_are_not_applied(monkeypatch):
+    """llama4_text+chunk_4's rows cross chunk boundaries (was refused as a state-space layer, then as chunks
+    beyond the first)."""
+    monkeypatch.setattr(interface, "layer_chunk", lambda module: None)
+    r = zoo.check("llama4_text+chunk_4", grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+def test_zoo_catches_a_load_balancing_loss_that_counts_a_shared_prompt_once(monkeypatch):
+    from sharedprefix import router
+
+    own = router.multiplicity
+    monkeypatch.setattr(router, "multiplicity", lambda layout: own(layout) * 0 + 1)
+    r = zoo.check("mixtral+router_aux_loss", grads=False)
+    assert r.status == "failed" and "silent mismatch of the load-balancing loss" in r.detail, (r.status, r.detail)
+
+
+@pytest.mark.parametrize("entry", ["gemma2", "vaultgemma"])
+def test_zoo_catches_ignored_attention_softcapping(entry, monkeypatch):
+    orig = interface.cascade_attention
+    monkeypatch.setattr(interface, "cascade_attention", lambda *a: orig(*a[:8], None))
+    r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+@pytest.mark.parametrize("entry", ["llama4_text", "llama4"])
+def test_zoo_catches_a_query_temperature_of_the_row_index(entry, monkeypatch):
+    """Llama 4's NoPE layers scale queries by a function of the row index; sharedprefix rescales it to positions."""
+    monkeypatch.setattr(interface, "index_to_position_temperature", lambda module, q, pos: q)
+    r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+@pytest.mark.parametrize("entry", ["roberta", "xlm-roberta"])
+def test_zoo_catches_roberta_positions_given_as_0_to_l(entry, monkeypatch):
+    """RoBERTa numbers positions from padding index + 1 (was silently wrong, then refused; now reproduced)."""
+    from sharedprefix.schedule import executor
+
+    monkeypatch.setattr(executor, "decoder_position_ids", lambda model, layout: layout.position_ids)
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 

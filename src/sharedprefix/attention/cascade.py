@@ -27,13 +27,13 @@ class _Merged(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, impl, calls, device, scale, sinks, q, *kv):
+    def forward(ctx, impl, calls, device, scale, softcap, sinks, q, *kv):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         outs, lses, auxes = [], [], []
         for i, c in enumerate(calls):
             cu_q, cu_k, _ = c.on(device)
             o, m, *aux = impl.forward(q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], cu_q, cu_k, c.max_seqlen_q,
-                                      c.max_seqlen_k, c.causal, c.window, scale)
+                                      c.max_seqlen_k, c.causal, c.window, scale, **_cap(softcap))
             outs.append(o)
             lses.append(m.to(acc))
             auxes.append(aux[0] if aux else None)
@@ -53,7 +53,7 @@ class _Merged(torch.autograd.Function):
             out = (torch.exp(lse - lse_s).nan_to_num_(0.0)[..., None] * out.to(acc)).to(q.dtype)
             lse = lse_s
         ctx.save_for_backward(q, out, lse, sinks, *kv)
-        ctx.impl, ctx.calls, ctx.device, ctx.scale, ctx.auxes = impl, calls, device, scale, auxes
+        ctx.impl, ctx.calls, ctx.device, ctx.scale, ctx.auxes, ctx.softcap = impl, calls, device, scale, auxes, softcap
         return out
 
     @staticmethod
@@ -66,15 +66,20 @@ class _Merged(torch.autograd.Function):
             s = slice(c.q_start, c.q_end)
             gq, gk, gv = ctx.impl.backward(dout[s], q[s], kv[2 * i], kv[2 * i + 1], out[s], lse[s], cu_q, cu_k,
                                            c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ctx.scale,
-                                           aux=ctx.auxes[i])
+                                           aux=ctx.auxes[i], **_cap(ctx.softcap))
             dq[s] += gq
             grads += [gk, gv]
         dsinks = None
-        if sinks is not None and ctx.needs_input_grad[4]:
+        if sinks is not None and ctx.needs_input_grad[5]:
             acc = lse.dtype
             delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (L, H)
             dsinks = -(torch.exp(sinks.to(acc)[None, :] - lse) * delta).sum(0).to(sinks.dtype)
-        return (None, None, None, None, dsinks, dq, *grads)
+        return (None, None, None, None, None, dsinks, dq, *grads)
+
+
+def _cap(softcap) -> dict:
+    """The kernels' softcap keyword, only when there is one (implementations without soft-capping lack it)."""
+    return {} if softcap is None else {"softcap": softcap}
 
 
 def _keys(call, k: torch.Tensor, v: torch.Tensor, read_kv):
@@ -96,7 +101,8 @@ def _keys(call, k: torch.Tensor, v: torch.Tensor, read_kv):
     return kk, vv
 
 
-def cascade_attention(impl, cascade: Cascade, query, key, value, read_kv, scale: float, sinks=None) -> torch.Tensor:
+def cascade_attention(impl, cascade: Cascade, query, key, value, read_kv, scale: float, sinks=None,
+                      softcap: float | None = None) -> torch.Tensor:
     """Shared-prefix attention of a packed row.
 
     Args:
@@ -104,6 +110,8 @@ def cascade_attention(impl, cascade: Cascade, query, key, value, read_kv, scale:
         query: (1, H, L, D); key, value: (1, Hkv, L, D | Dv) as transformers passes them.
         read_kv: segment id -> its cached (k, v), each (1, Hkv, len, D | Dv).
         sinks: None, or (H,) attention-sink logits (natural-log units, unscaled), one per query head.
+        softcap: None, or the soft-cap of the scores (s -> softcap * tanh(s / softcap)), for an ``impl`` whose
+            ``SOFTCAP`` is True.
 
     Returns:
         (1, L, H, Dv) in query's dtype, as transformers' attention functions return it.
@@ -113,5 +121,5 @@ def cascade_attention(impl, cascade: Cascade, query, key, value, read_kv, scale:
     kv = []
     for c in cascade.calls:
         kv += _keys(c, k, v, read_kv)
-    out = _Merged.apply(impl, cascade.calls, q.device, scale, sinks, q, *kv)
+    out = _Merged.apply(impl, cascade.calls, q.device, scale, softcap, sinks, q, *kv)
     return out[None]

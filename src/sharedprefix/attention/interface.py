@@ -44,7 +44,6 @@ class PassState:
         write_kv: (module, segment id, k, v) -> None, called once per layer for ``layout.record``.
         seen: attention modules that ran in this pass (a layer recomputed by gradient
             checkpointing runs again; it must not record twice).
-        max_position: the row's largest position id, set on first use (chunked attention checks it).
 
     """
 
@@ -53,7 +52,6 @@ class PassState:
     read_kv: Callable | None = None
     write_kv: Callable | None = None
     seen: dict = field(default_factory=dict)
-    max_position: int | None = None
 
 
 _STACK: list[PassState] = []
@@ -88,20 +86,21 @@ def shared_prefix_attention(
     state = _STACK[-1]
     layout = state.layout
     name = type(module).__name__
-    if state.max_position is None:
-        state.max_position = int(layout.position_ids.max()) if layout.position_ids.numel() else 0
-    sliding_window = layer_window(module, sliding_window, state.max_position)
+    sliding_window = layer_window(module, sliding_window)
+    chunk = layer_chunk(module)
     if dropout and dropout > 0:
         _refuse(
             f"{name} runs attention dropout p={dropout} in training mode; sharedprefix refuses it because a "
             "prompt shared by G completions would share one dropout draw, unlike the plain run. "
             "Set the model's attention_dropout to 0.0 (RL fine-tuning normally does) or call model.eval()."
         )
+    impl = kernels.select(state.backend, query.device, query.dtype)
     if softcap is not None:
-        _refuse(
-            f"{name} uses attention-score soft-capping (softcap={softcap}), which sharedprefix does not "
-            "implement. Set config.attn_logit_softcapping=None only if the model was trained without it."
-        )
+        softcap = float(softcap)
+        if not softcap > 0:
+            _refuse(f"{name} passed softcap={softcap}; expected a positive attention-score soft-cap or None.")
+        if not getattr(impl, "SOFTCAP", False):
+            _refuse(softcap_refusal(name, softcap, impl.name))
     sinks = kwargs.pop("s_aux", None)
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         _refuse(
@@ -130,8 +129,10 @@ def shared_prefix_attention(
     if query.shape[1] % key.shape[1]:
         raise RuntimeError(f"{name}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        query = index_to_position_temperature(module, query, layout.position_ids)
 
-    casc = layout.cascade(sliding_window)
+    casc = layout.cascade(sliding_window, chunk)
     calls = probe.pattern(module).calls
     if calls > 1 and (layout.record or any(src.cached for c in casc.calls for src in c.keys)):
         _refuse(
@@ -147,26 +148,49 @@ def shared_prefix_attention(
             r0, r1 = layout.row_start[s], layout.row_end[s]
             state.write_kv(module, s, key[:, :, r0:r1], value[:, :, r0:r1])
 
-    impl = kernels.select(state.backend, query.device, query.dtype)
     read = (lambda seg: state.read_kv(module, seg)) if state.read_kv else None
-    return cascade_attention(impl, casc, query, key, value, read, scale, sinks), None
+    return cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap), None
 
 
-def layer_window(module, passed: int | None, max_position: int) -> int | None:
-    """The sliding window (tokens) of this layer in a row whose largest position id is ``max_position``.
+def softcap_refusal(name: str, softcap: float, backend: str) -> str:
+    """The refusal of attention-score soft-capping on a backend without it (the CUDA flash ops)."""
+    return (
+        f"{name} uses attention-score soft-capping (softcap={softcap}), which the attention backend {backend!r} "
+        "cannot compute: torch's own CUDA flash kernels have no soft-capping. Install the flash-attn package "
+        "(its varlen kernels take softcap) and pass backend='flash_attn', or run on the CPU ('cpu' computes it "
+        "exactly); do not set config.attn_logit_softcapping=None unless the model was trained without it."
+    )
+
+
+def _temperature(module, x: torch.Tensor) -> torch.Tensor:
+    """Llama 4's query temperature of row index or position ``x``, float32 as the model computes it."""
+    return torch.log1p(torch.floor((x.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+
+def index_to_position_temperature(module, query: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Llama 4's NoPE layers (``attn_temperature_tuning``) scale each query by log1p(floor((i + 1) / floor_scale))
+    * attn_scale + 1 of its index i in the row (arXiv 2501.19399), which in a plain row is its position. In a packed
+    row the index is not the position: rescale (1, H, L, D) ``query`` by t(position) / t(index), once, in float32
+    (float64 for a float64 model); exact up to that one rounding, and autograd carries the factor to dQ."""
+    idx = torch.arange(query.shape[2], device=query.device)
+    pos = position_ids[0].to(query.device)
+    t_pos, t_idx = _temperature(module, pos), _temperature(module, idx)
+    if torch.equal(t_pos, t_idx):  # rows shorter than floor_scale: every factor is 1
+        return query
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    ratio = t_pos.to(acc) / t_idx.to(acc)
+    return (query.to(acc) * ratio[None, None, :, None]).to(query.dtype)
+
+
+def layer_window(module, passed: int | None) -> int | None:
+    """The sliding window (tokens) of this layer, None when it has none.
 
     What the plain forward does comes from the masks transformers builds for the layer (``attention.probe``,
     run once per model before any pass); ``config.layer_types`` and a window the layer passes must agree with
-    it. Chunked attention is exact while every position of the row lies in the first chunk (the chunk
-    boundaries are positions, so a completion continues its prompt's chunk); beyond it, it is refused.
+    it.
     """
     name = type(module).__name__
-    pat = probe.pattern(module)
-    if pat is None:
-        raise RuntimeError(
-            f"{name}: its model was not probed (modeling.verify_head) before a sharedprefix pass, so the layer's "
-            "window is unknown. This is a bug in the caller: every pass must follow verify_head."
-        )
+    pat = _pattern(module)
     cfg = getattr(module, "config", None)
     types = getattr(cfg, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
@@ -187,15 +211,25 @@ def layer_window(module, passed: int | None, max_position: int) -> int | None:
             f"for this layer is {desc}; the two disagree and sharedprefix refuses rather than pick one. Fix the "
             "model's configuration."
         )
-    if pat.kind == "chunked" and max_position >= pat.size:
-        raise ValueError(
-            f"{name} (layer {idx}) uses chunked attention ({pat.setting}={pat.size}): a token sees only the keys of "
-            f"its own block of {pat.size} positions. This row reaches position {max_position}, beyond the first "
-            "block, and sharedprefix does not implement attention split at chunk boundaries; it is exact only "
-            f"while every prompt + completion is shorter than {pat.size} tokens. Shorten the rows or use a model "
-            "without chunked attention."
-        )
     return window
+
+
+def layer_chunk(module) -> int | None:
+    """The attention chunk (positions) of this layer, None when it has none: a query at position p sees the keys
+    at positions floor(p / chunk) * chunk .. p (Llama 4). The chunk boundaries are positions, so a completion
+    continues its prompt's chunk (``layout.cascade``)."""
+    pat = _pattern(module)
+    return pat.size if pat.kind == "chunked" else None
+
+
+def _pattern(module) -> probe.LayerPattern:
+    pat = probe.pattern(module)
+    if pat is None:
+        raise RuntimeError(
+            f"{type(module).__name__}: its model was not probed (modeling.verify_head) before a sharedprefix pass, so "
+            "the layer's window is unknown. This is a bug in the caller: every pass must follow verify_head."
+        )
+    return pat
 
 
 AttentionInterface.register(NAME, shared_prefix_attention)

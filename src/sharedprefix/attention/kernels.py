@@ -3,10 +3,10 @@
 Every device runs the same cascade (``attention.cascade``) over this one primitive; only the
 implementation under it differs. The contract, in flash-attention's varlen convention:
 
-    forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale)
-        -> (out, lse)
+    forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale,
+            softcap=None) -> (out, lse)
     backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             causal, window, scale) -> (dq, dk, dv)
+             causal, window, scale, softcap=None) -> (dq, dk, dv)
 
 Notation: B = entries, Tq / Tk = packed queries / keys, H = query heads, Hkv = key/value heads
 (H % Hkv == 0: GQA/MQA, never repeated where the kernel takes it natively), D = q/k head dim,
@@ -20,6 +20,9 @@ Dv = value head dim.
         int >= 0) hides keys more than ``window`` before it. (A transformers sliding window of w
         tokens is ``window = w - 1``.)
     scale: the softmax scale (``module.scaling``).
+    softcap: None, or c > 0: the scores are soft-capped before the softmax, s -> c * tanh(s / c) with
+        s = scale * q.k (Gemma 2's attn_logit_softcapping). Only implementations with ``SOFTCAP = True``
+        take it (``reference``, ``cpu``, ``flash_attn``); torch's CUDA flash ops have no soft-capping.
     out: (Tq, H, Dv) in q's dtype.
     lse: (Tq, H) natural-log log-sum-exp of the scaled scores, float32 (float64 for float64
         inputs); -inf where a query sees no key (its out is 0).
@@ -28,11 +31,13 @@ Dv = value head dim.
 
 ``backward`` takes the output and LSE of the *merged* attention the entry is one part of (the
 identity ring attention uses): with P = exp(S - lse_merged), dV = P^T dO, dS = P * (dO V^T -
-rowsum(dO * out_merged)), it returns exactly this part's share of dQ, dK, dV.
+rowsum(dO * out_merged)), it returns exactly this part's share of dQ, dK, dV (with a softcap, dS is
+further multiplied by the derivative of the cap, 1 - tanh(s / c)^2).
 
 Implementations: ``reference`` (explicit float64 math, the tests' yardstick), ``cpu`` (torch's CPU
 flash kernel, one call per entry, query tiles with a small local mask where a window or a
-non-square causal entry needs one), ``cuda`` (torch's own varlen flash ops, no extra dependency),
+non-square causal entry needs one; with a softcap, explicit math over query tiles and key blocks merged by
+log-sum-exp, which the CPU flash op cannot do), ``cuda`` (torch's own varlen flash ops, no extra dependency),
 ``flash_attn`` (the flash-attn package, when installed). The two GPU wrappers are kept thin: the
 CPU tests cover all the logic around them.
 """
@@ -42,6 +47,7 @@ from __future__ import annotations
 import torch
 
 TILE = 256  # query rows per CPU kernel call when a local mask is needed
+KEY_BLOCK = 1024  # keys per block of the explicit soft-capped CPU path: (TILE, H, KEY_BLOCK) scores at most
 
 
 def _entries(cu_q: torch.Tensor, cu_k: torch.Tensor):
@@ -86,28 +92,39 @@ def _fold_heads(dx: torch.Tensor, n: int) -> torch.Tensor:
     return dx.view(t, h // n, n, d).sum(2)
 
 
+def _capped(s: torch.Tensor, softcap: float | None):
+    """(softcap * tanh(s / softcap), its derivative 1 - tanh^2), or (s, 1) without a softcap."""
+    if softcap is None:
+        return s, 1.0
+    t = torch.tanh(s / softcap)
+    return t * softcap, 1 - t * t
+
+
 class Reference:
     """Explicit math in float64: the yardstick every other implementation is tested against."""
 
     name = "reference"
+    SOFTCAP = True
 
     @staticmethod
-    def _scores(q, k, scale, i0, i1, k0, k1, lq, lk, causal, window):
+    def _scores(q, k, scale, i0, i1, k0, k1, lq, lk, causal, window, softcap=None):
+        """(H, Lq, Lk) masked scores and the derivative of the soft-cap (1 where there is none)."""
         n = q.shape[1] // k.shape[1]
         kk = _repeat_heads(k.double(), n)
-        s = torch.einsum("ihd,jhd->hij", q.double(), kk) * scale
+        s, dcap = _capped(torch.einsum("ihd,jhd->hij", q.double(), kk) * scale, softcap)
         ok = _allowed(i0, i1, k0, k1, lq, lk, causal, window, q.device)
-        return s.masked_fill(~ok, float("-inf"))
+        return s.masked_fill(~ok, float("-inf")), dcap
 
     @staticmethod
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale, softcap=None):
         h, n = q.shape[1], q.shape[1] // k.shape[1]
         out = q.new_zeros(q.shape[0], h, v.shape[-1], dtype=torch.float64)
         lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float64, device=q.device)
         for q0, q1, k0, k1 in _entries(cu_q, cu_k):
             if q1 == q0 or k1 == k0:
                 continue
-            s = Reference._scores(q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal, window)
+            s, _ = Reference._scores(q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal,
+                                     window, softcap)
             m = torch.logsumexp(s, dim=-1)  # (H, Lq)
             p = torch.exp(s - m[..., None]).nan_to_num(0.0)
             out[q0:q1] = torch.einsum("hij,jhd->ihd", p, _repeat_heads(v[k0:k1].double(), n))
@@ -115,7 +132,7 @@ class Reference:
         return out.to(q.dtype), lse.to(_lse_dtype(q))
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None, softcap=None):
         n = q.shape[1] // k.shape[1]
         dq = torch.zeros_like(q, dtype=torch.float64)
         dk = torch.zeros(k.shape[0], q.shape[1], k.shape[2], dtype=torch.float64, device=q.device)
@@ -123,7 +140,8 @@ class Reference:
         for q0, q1, k0, k1 in _entries(cu_q, cu_k):
             if q1 == q0 or k1 == k0:
                 continue
-            s = Reference._scores(q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal, window)
+            s, dcap = Reference._scores(q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal,
+                                        window, softcap)
             m = lse[q0:q1].double().t()
             m = m.masked_fill(torch.isneginf(m), float("inf"))  # a row with no key at all: P = 0, not NaN
             p = torch.exp(s - m[..., None])  # (H, Lq, Lk) under the merged lse
@@ -132,7 +150,7 @@ class Reference:
             dv[k0:k1] += torch.einsum("hij,ihd->jhd", p, do)
             dp = torch.einsum("ihd,jhd->hij", do, vv)
             delta = (do * o).sum(-1).t()[..., None]  # (H, Lq, 1)
-            ds = p * (dp - delta) * scale
+            ds = p * (dp - delta) * dcap * scale
             dq[q0:q1] += torch.einsum("hij,jhd->ihd", ds, _repeat_heads(k[k0:k1].double(), n))
             dk[k0:k1] += torch.einsum("hij,ihd->jhd", ds, q[q0:q1].double())
         return dq.to(q.dtype), _fold_heads(dk, n).to(k.dtype), _fold_heads(dv, n).to(v.dtype)
@@ -164,6 +182,7 @@ class CPU:
     """
 
     name = "cpu"
+    SOFTCAP = True
 
     @staticmethod
     def _mask(i0, i1, k0, k1, lq, lk, causal, window, dtype, device):
@@ -171,7 +190,9 @@ class CPU:
         return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
 
     @staticmethod
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale, softcap=None):
+        if softcap is not None:
+            return _softcap_forward(q, k, v, cu_q, cu_k, causal, window, scale, softcap)
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         n = q.shape[1] // k.shape[1]
         dv_, d = v.shape[-1], max(q.shape[-1], v.shape[-1])
@@ -196,7 +217,9 @@ class CPU:
         return out[..., :dv_], lse
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None, softcap=None):
+        if softcap is not None:
+            return _softcap_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, window, scale, softcap)
         bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         n = q.shape[1] // k.shape[1]
         dh, dvh, d = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
@@ -221,6 +244,71 @@ class CPU:
                 dk[e0 + k0 : e0 + k1] += gk[0].transpose(0, 1)
                 dv[e0 + k0 : e0 + k1] += gv[0].transpose(0, 1)
         return dq[..., :dh], _fold_heads(dk, n)[..., :dh], _fold_heads(dv, n)[..., :dvh]
+
+
+def _softcap_blocks(lq: int, lk: int, causal: bool, window: int | None):
+    """(i0, i1, b0, b1): query tiles of TILE rows and, for each, blocks of KEY_BLOCK of the keys it may see."""
+    for i0 in range(0, lq, TILE):
+        i1 = min(lq, i0 + TILE)
+        k0, k1 = _key_range(i0, i1, lq, lk, causal, window)
+        for b0 in range(k0, k1, KEY_BLOCK):
+            yield i0, i1, b0, min(k1, b0 + KEY_BLOCK)
+
+
+def _softcap_scores(q, k, i0, i1, b0, b1, lq, lk, causal, window, scale, softcap, n):
+    """(H, tile, block) soft-capped, masked scores in the accumulation dtype, and the cap's derivative."""
+    s, dcap = _capped(torch.einsum("ihd,jhd->hij", q, _repeat_heads(k, n)) * scale, softcap)
+    ok = _allowed(i0, i1, b0, b1, lq, lk, causal, window, q.device)
+    return s.masked_fill(~ok, float("-inf")), dcap
+
+
+def _softcap_forward(q, k, v, cu_q, cu_k, causal, window, scale, softcap):
+    """Soft-capped attention on the CPU: explicit scores per (query tile, key block), merged by log-sum-exp in
+    float32 (float64 for float64 inputs); never more than (TILE, H, KEY_BLOCK) scores at once."""
+    acc = _lse_dtype(q)
+    n = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
+    for q0, q1, e0, e1 in _entries(cu_q, cu_k):
+        lq, lk = q1 - q0, e1 - e0
+        for i0, i1, b0, b1 in _softcap_blocks(lq, lk, causal, window):
+            a, b = q0 + i0, q0 + i1
+            s, _ = _softcap_scores(q[a:b].to(acc), k[e0 + b0 : e0 + b1].to(acc), i0, i1, b0, b1, lq, lk, causal,
+                                   window, scale, softcap, n)
+            m_blk = torch.logsumexp(s, -1).t()  # (tile, H)
+            m_new = torch.logaddexp(lse[a:b], m_blk)
+            p = torch.exp(s - m_new.t()[..., None]).nan_to_num_(0.0)  # -inf - -inf: no key yet
+            keep = torch.exp(lse[a:b] - m_new).nan_to_num_(0.0)
+            vv = _repeat_heads(v[e0 + b0 : e0 + b1].to(acc), n)
+            out[a:b] = out[a:b] * keep[..., None] + torch.einsum("hij,jhd->ihd", p, vv)
+            lse[a:b] = m_new
+    return out.to(q.dtype), lse
+
+
+def _softcap_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, window, scale, softcap):
+    """The contract's backward for ``_softcap_forward``: P = exp(capped S - lse), dS = P (dO V^T - rowsum(dO out))
+    (1 - tanh^2) scale, block by block."""
+    acc = _lse_dtype(q)
+    n = q.shape[1] // k.shape[1]
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape[0], q.shape[1], k.shape[2], dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape[0], q.shape[1], v.shape[2], dtype=acc, device=q.device)
+    m_all = lse.to(acc).masked_fill(torch.isneginf(lse), float("inf"))  # a query with no key: P = 0
+    delta_all = (dout.to(acc) * out.to(acc)).sum(-1)  # (Tq, H)
+    for q0, q1, e0, e1 in _entries(cu_q, cu_k):
+        lq, lk = q1 - q0, e1 - e0
+        for i0, i1, b0, b1 in _softcap_blocks(lq, lk, causal, window):
+            a, b, c, d = q0 + i0, q0 + i1, e0 + b0, e0 + b1
+            qq, kk = q[a:b].to(acc), k[c:d].to(acc)
+            s, dcap = _softcap_scores(qq, kk, i0, i1, b0, b1, lq, lk, causal, window, scale, softcap, n)
+            p = torch.exp(s - m_all[a:b].t()[..., None])  # (H, tile, block)
+            do = dout[a:b].to(acc)
+            dv[c:d] += torch.einsum("hij,ihd->jhd", p, do)
+            dp = torch.einsum("ihd,jhd->hij", do, _repeat_heads(v[c:d].to(acc), n))
+            ds = p * (dp - delta_all[a:b].t()[..., None]) * dcap * scale
+            dq[a:b] += torch.einsum("hij,jhd->ihd", ds, _repeat_heads(kk, n))
+            dk[c:d] += torch.einsum("hij,ihd->jhd", ds, qq)
+    return dq.to(q.dtype), _fold_heads(dk, n).to(k.dtype), _fold_heads(dv, n).to(v.dtype)
 
 
 def _flash_window(causal: bool, window: int | None, max_k: int) -> tuple[int, int]:
@@ -266,6 +354,7 @@ class CUDA:
     """
 
     name = "cuda"
+    SOFTCAP = False
 
     @staticmethod
     def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
@@ -307,19 +396,21 @@ class FlashAttn:
     """The flash-attn package's varlen kernels (2.7 or newer). Never run: the GPU machine had no flash-attn."""
 
     name = "flash_attn"
+    SOFTCAP = True  # flash-attn's varlen kernels take softcap (not run here: see the class docstring)
 
     @staticmethod
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale):
+    def forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, scale, softcap=None):
         fa = _flash_attn_interface()
         wl, wr = _flash_window(causal, window, max_k)
         dv_, d = v.shape[-1], _flash_dim(q, v)
         q, k, v = (_pad_last(x, d).contiguous() for x in (q, k, v))
         out, lse, _, _ = fa._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, scale, causal=causal,
-                                                       window_size_left=wl, window_size_right=wr)
+                                                       window_size_left=wl, window_size_right=wr,
+                                                       softcap=float(softcap or 0.0))
         return _cut_last(out, dv_), _lse_from_flash(lse)  # (out, softmax_lse (H, Tq), S_dmask, rng_state)
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None):
+    def backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, window, scale, aux=None, softcap=None):
         fa = _flash_attn_interface()
         wl, wr = _flash_window(causal, window, max_k)
         dh, dvh, d = q.shape[-1], v.shape[-1], _flash_dim(q, v)
@@ -327,7 +418,7 @@ class FlashAttn:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # positional after the scale: causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic
         fa._flash_attn_varlen_backward(dout, q, k, v, out, _lse_to_flash(lse), dq, dk, dv, cu_q, cu_k, max_q, max_k,
-                                       0.0, scale, causal, wl, wr, 0.0, None, False)
+                                       0.0, scale, causal, wl, wr, float(softcap or 0.0), None, False)
         return _cut_last(dq, dh), _cut_last(dk, dh), _cut_last(dv, dvh)
 
 

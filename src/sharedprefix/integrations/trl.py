@@ -176,8 +176,11 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
             )
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(
-                "the model's MoE load-balancing loss is enabled (output_router_logits=True); it counts every token of "
-                "every row, which a shared prompt cannot reproduce. Set model.config.output_router_logits=False."
+                "the model's MoE load-balancing loss is enabled (output_router_logits=True): TRL adds the loss of each "
+                "of its own microbatches of rows, a product of two means over that microbatch's tokens, while this "
+                "trainer runs sharedprefix's own passes under a token budget, which cannot form those products. Set "
+                "model.config.output_router_logits=False (routing itself stays exact), or use sharedprefix.logprobs, "
+                "whose .aux_loss is that loss over all rows of the call."
             )
         if getattr(a, "fp16", False):
             raise ValueError("fp16 mixed precision (loss scaling) is not supported; use bf16=True or float32.")

@@ -19,6 +19,13 @@ gathered with one index (``k_index``), so the copy is bounded by the window per 
 the prompt, and no query-key pair outside the window is computed. Positions along the ancestor
 chain are contiguous, which is what makes the bottom-right alignment of the kernels exact.
 
+Chunked attention of C positions (Llama 4: a query at position p sees the keys at positions
+floor(p / C) * C .. p) is a left limit aligned to positions, not to the query: one causal call
+with one entry per (segment, chunk) piece; a piece's keys are its ancestors' keys from the chunk's
+first position on (only a segment's first piece reaches them, at most C - 1 keys), then its own
+from the chunk's start. The chunk boundaries are positions, so a completion continues its
+prompt's chunk exactly as the plain row ``[prompt, completion]`` does.
+
 Notation: L = row length, B = entries of a call, K = keys of a call.
 """
 
@@ -89,16 +96,22 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return out
 
 
-def build_cascade(layout, window: int | None, repeat_prefix: bool = False) -> Cascade:
-    """The kernel calls of ``layout`` (a ``RowLayout``) for a sliding window of ``window`` tokens or None.
+def build_cascade(layout, window: int | None, repeat_prefix: bool = False, chunk: int | None = None) -> Cascade:
+    """The kernel calls of ``layout`` (a ``RowLayout``) for a sliding window of ``window`` tokens or None,
+    or for attention chunks of ``chunk`` positions (not both).
 
     ``repeat_prefix=True`` gives every segment its ancestors' keys by gathering them (the whole prefix, copied
     per segment, as Prefix Grouper does): exact too, and only used as the benchmark's point of comparison.
     """
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window}: expected a positive number of tokens or None.")
+    if chunk is not None and (chunk < 1 or window is not None):
+        raise ValueError(f"attention chunk {chunk} with window {window}: expected a positive chunk size and no "
+                         "window (no model combines the two).")
     segs = layout.tree.segments
     order = layout.segments
+    if chunk is not None and max(segs[s].end for s in order) > chunk:  # else every position is in chunk 0
+        return _chunked(layout, chunk)
     if repeat_prefix:
         return _windowed(layout, window or max(segs[s].end for s in order) + 1)
     if window is not None and max(segs[s].end for s in order) <= window:
@@ -153,27 +166,36 @@ def _dense(layout, xs: list[int], a: int, q0: int, q1: int) -> Call:
     return Call(q0, q1, keys, None, _cu(nq), _cu(nk), max(nq), max(nk), causal=False)
 
 
-def _windowed(layout, window: int) -> Cascade:
-    """One causal windowed call; each segment's keys: its ancestors' last ``window - 1`` positions, then its own."""
-    segs, tree = layout.tree.segments, layout.tree
-    base = {}  # where each key source starts in the concatenation [row, cached reads...]
-    off = layout.length
+def _gathered_keys(layout) -> tuple[list[KeySource], dict[int, int]]:
+    """The key sources [row, cached reads...] and where each cached segment starts in their concatenation."""
+    base, off = {}, layout.length
     for c in layout.cached_reads:
         base[c] = off
-        off += segs[c].length
-    keys = [KeySource(start=0, end=layout.length)] + [KeySource(seg=c) for c in layout.cached_reads]
+        off += layout.tree.segments[c].length
+    return [KeySource(start=0, end=layout.length)] + [KeySource(seg=c) for c in layout.cached_reads], base
+
+
+def _ancestor_keys(layout, base: dict[int, int], x: int, lo: int) -> list[torch.Tensor]:
+    """Indices (into the concatenated key sources) of segment ``x``'s ancestor keys at positions >= ``lo``."""
+    segs, parts = layout.tree.segments, []
+    for y in layout.tree.ancestors(x):
+        ys = segs[y]
+        p0, p1 = max(lo, ys.start), ys.end
+        if p0 >= p1:
+            continue
+        at = layout.row_start[y] if y in layout.row_start else base[y]
+        parts.append(torch.arange(at + p0 - ys.start, at + p1 - ys.start))
+    return parts
+
+
+def _windowed(layout, window: int) -> Cascade:
+    """One causal windowed call; each segment's keys: its ancestors' last ``window - 1`` positions, then its own."""
+    segs = layout.tree.segments
+    keys, base = _gathered_keys(layout)
     index, nk, nq = [], [], []
     for x in layout.segments:
         seg = segs[x]
-        lo = max(0, seg.start - (window - 1))
-        parts = []
-        for y in tree.ancestors(x):
-            ys = segs[y]
-            p0, p1 = max(lo, ys.start), ys.end
-            if p0 >= p1:
-                continue
-            at = layout.row_start[y] if y in layout.row_start else base[y]
-            parts.append(torch.arange(at + p0 - ys.start, at + p1 - ys.start))
+        parts = _ancestor_keys(layout, base, x, max(0, seg.start - (window - 1)))
         r = layout.row_start[x]
         parts.append(torch.arange(r, r + seg.length))
         idx = torch.cat(parts)
@@ -184,4 +206,26 @@ def _windowed(layout, window: int) -> Cascade:
     full = window > max(segs[s].end for s in layout.segments)
     call = Call(0, layout.length, keys, k_index, _cu(nq), _cu(nk), max(nq), max(nk), causal=True,
                 window=None if full else window - 1)
+    return Cascade([call], copied_keys=int(k_index.numel()))
+
+
+def _chunked(layout, chunk: int) -> Cascade:
+    """One causal call, one entry per (segment, chunk) piece; a piece whose positions are p0..p1-1 in chunk
+    [c0, c0 + chunk) sees its ancestors' keys at positions c0..start-1 (if c0 < start) and its own from
+    max(c0, start) on. Keys end at the piece's last query, so the kernels' bottom-right causal alignment holds."""
+    segs = layout.tree.segments
+    keys, base = _gathered_keys(layout)
+    index, nk, nq = [], [], []
+    for x in layout.segments:
+        seg, r = segs[x], layout.row_start[x]
+        for c0 in range(seg.start // chunk * chunk, seg.end, chunk):
+            p0, p1 = max(c0, seg.start), min(c0 + chunk, seg.end)
+            parts = _ancestor_keys(layout, base, x, c0) if c0 < seg.start else []
+            parts.append(torch.arange(r + p0 - seg.start, r + p1 - seg.start))
+            idx = torch.cat(parts)
+            index.append(idx)
+            nk.append(idx.numel())
+            nq.append(p1 - p0)
+    k_index = torch.cat(index)
+    call = Call(0, layout.length, keys, k_index, _cu(nq), _cu(nk), max(nq), max(nk), causal=True)
     return Cascade([call], copied_keys=int(k_index.numel()))

@@ -67,13 +67,14 @@ class RowLayout:
     def length(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def cascade(self, window: int | None):
-        """The attention calls of this row for a sliding window of ``window`` tokens (None: full), built once."""
+    def cascade(self, window: int | None, chunk: int | None = None):
+        """The attention calls of this row for a sliding window of ``window`` tokens or attention chunks of
+        ``chunk`` positions (both None: full), built once."""
         from sharedprefix.layout.cascade import build_cascade
 
-        if window not in self._cascades:
-            self._cascades[window] = build_cascade(self, window)
-        return self._cascades[window]
+        if (window, chunk) not in self._cascades:
+            self._cascades[window, chunk] = build_cascade(self, window, chunk=chunk)
+        return self._cascades[window, chunk]
 
 
 def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: list[int] = (),

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from sharedprefix.attention.interface import PassState, activated, pass_state
+from sharedprefix import router
+from sharedprefix.attention.interface import PassState, activated, pass_state, softcap_refusal
 from sharedprefix.attention.kernels import select
 from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
@@ -22,6 +23,7 @@ from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.modeling import (
     check_supported,
     decoder,
+    decoder_position_ids,
     head_logits,
     num_attention_layers,
     token_logprobs,
@@ -56,6 +58,8 @@ class Executor:
         # the same model on every rank: a refusal here is raised by every rank together (no guard needed)
         own = self.model.forward if self.par.fsdp else None
         self.par.call(lambda: verify_head(self.model, own), guard=False)
+        if self.router_logits is not None:
+            self.par.call(lambda: router.verify(self.model, decoder(self.model), self.device), guard=False)
 
     def _setup(self, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations):
         check_supported(self.model)
@@ -84,13 +88,23 @@ class Executor:
                 "'recompute' does. Use prefix_activations='recompute' (or None, which picks it under FSDP2)."
             )
         self.device = emb.weight.device
-        select(backend, self.device)  # an unknown or unavailable backend fails before any computation
+        impl = select(backend, self.device)  # an unknown or unavailable backend fails before any computation
+        cap = getattr(self.model.config.get_text_config(), "attn_logit_softcapping", None)
+        if cap is not None and not impl.SOFTCAP:  # refused here, before any pass (the attention would refuse too)
+            raise ValueError(softcap_refusal(type(self.model).__name__, cap, impl.name))
         self.backend = backend
         self.temperature = float(temperature)
         self.entropy = entropy
         self.cache = PrefixCache(leaves=leaves)
         self.T = self.plan.tree.width
         self.tokens = 0
+        self.router_logits = [] if router.enabled(self.model) else None  # per pass: (router logits, multiplicities)
+        if self.router_logits is not None and self.mm is not None:
+            raise ValueError(
+                f"{type(self.model).__name__} has output_router_logits=True and the groups carry prompt_inputs: "
+                "sharedprefix reproduces the load-balancing loss of text rows only. Set "
+                "config.output_router_logits=False (routing itself stays exact)."
+            )
 
     def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | None = None):
         """Forward of one row (inside the root module's call under FSDP2).
@@ -113,10 +127,12 @@ class Executor:
                 else:
                     out = decoder(self.model)(
                         input_ids=layout.input_ids.to(self.device),
-                        position_ids=layout.position_ids.to(self.device),
+                        position_ids=decoder_position_ids(self.model, layout).to(self.device),
                         use_cache=False,
                     )
             hidden = out.last_hidden_state[0]  # (L, d)
+            if self.router_logits is not None and tree is self.plan.tree:
+                self.router_logits.append((out.router_logits, router.multiplicity(layout)))
             for s in layout.record:
                 self.cache.write_h(s, hidden[layout.row_end[s] - 1])
             lp = ent = None

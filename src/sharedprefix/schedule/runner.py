@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from sharedprefix import router
 from sharedprefix.attention.interface import activated
 from sharedprefix.attention.kernels import select
 from sharedprefix.modeling import is_hybrid, unwrap, uses_checkpointing
@@ -100,6 +101,7 @@ def logprobs(
                 "gradients). Leave defer=None."
             )
         if defer or (defer is None and needs):
+            router.refuse_per_pass(inner, f"logprobs defers its backward to sharedprefix.backward ({needs or 'defer=True'})")
             with torch.no_grad():
                 out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
             return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
@@ -150,7 +152,8 @@ def logprobs(
     lp = torch.cat(lps).index_select(0, inv)
     mask = torch.cat(masks).index_select(0, inv)
     ent = torch.cat(ents).index_select(0, inv) if entropy else None
-    return LogProbs(lp, mask, ent)
+    aux = router.aux_loss(run.model, run.router_logits) if run.router_logits else None
+    return LogProbs(lp, mask, ent, aux)
 
 
 def backward(
@@ -205,6 +208,7 @@ def backward(
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
+    router.refuse_per_pass(unwrap(model), "sharedprefix.backward takes its loss per pass")
     if is_hybrid(unwrap(model)):
         _check_hybrid(model, backend)
         return hybrid.backward(unwrap(model), groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,

@@ -187,7 +187,7 @@ def repeated_prefix():
     from sharedprefix.layout.packing import RowLayout
 
     own = RowLayout.cascade
-    RowLayout.cascade = lambda self, window: build_cascade(self, window, repeat_prefix=True)
+    RowLayout.cascade = lambda self, window, chunk=None: build_cascade(self, window, repeat_prefix=True, chunk=chunk)
     try:
         yield
     finally:

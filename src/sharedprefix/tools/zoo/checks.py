@@ -5,7 +5,9 @@
 - ``exact``: ``sp.logprobs`` equals the plain transformers forward of every ``[prompt + completion]`` row
   to 1e-9 (float64 log-probs, nats), in one pass and under a budget that splits a group across passes
   (cached prompt K/V), and the gradient of a random linear function of the log-probs equals the plain one
-  to a relative 1e-9. Where the plain forward of the float64 model itself computes in float32 (eager
+  to a relative 1e-9; with ``output_router_logits=True`` also the MoE load-balancing loss (``aux_loss``,
+  float32 in transformers: to a relative 1e-6) against one plain forward of all rows (padding masked), and the
+  gradient includes it. Where the plain forward of the float64 model itself computes in float32 (eager
   attention's softmax, routers, float32 logits: ``Result.float32_inside`` names the ops), it is only
   float32-accurate, and the zoo holds sharedprefix to 1e-6 / 1e-5 instead and says so; gradients beyond 1e-5
   pass only within twice the plain run's own error against the same model computing those ops in float64
@@ -32,6 +34,7 @@ LOGPROB_TOL = 1e-9
 GRAD_TOL = 1e-9
 LOGPROB_TOL_FLOAT32_INSIDE = 1e-6
 GRAD_TOL_FLOAT32_INSIDE = 1e-5
+AUX_TOL = 1e-6  # relative, on the MoE load-balancing loss: transformers computes it in float32 in any model
 BUDGET = 12  # max_tokens of the schedule check: splits the first group (9 + 5 + 3 + 6 tokens) across passes
 
 # Entries that cannot be built tiny here, and why (a new one fails the zoo test until it is explained).
@@ -49,18 +52,18 @@ REFUSALS: list[tuple[str, str]] = [
      r"mix tokens outside attention|convolution over tokens"),
     ("sparse attention over indexer-selected or compressed keys", r"sparse attention over the keys|attention over compressed"),
     ("attention outside transformers' attention interface", r"bypasses transformers' attention interface"),
-    ("positions numbered by the model itself (no position_ids input, RoBERTa offsets)",
+    ("positions numbered by the model itself (no position_ids input, or a numbering other than RoBERTa's)",
      r"takes no position_ids|numbers the positions of a row differently"),
     ("attention masks other than causal, sliding-window or chunked", r"neither causal nor a causal sliding window"),
-    ("attention-score soft-capping", r"attention-score soft-capping"),
+    ("attention-score soft-capping on a backend without it (torch's CUDA flash ops)", r"attention-score soft-capping"),
     ("query scaling by the token's index in the row (Llama 4 attn_temperature_tuning)", r"attn_temperature_tuning"),
-    ("chunked attention on rows longer than one chunk", r"uses chunked attention"),
     ("several attention calls per layer, split across passes", r"runs its attention \d+ times in one forward"),
     ("keys beyond the row (memory, compressed keys)", r"attends over \d+ keys for a row"),
     ("an LM head sharedprefix cannot reproduce", r"turns hidden states into logits"),
     ("RoPE scaling that depends on the longest position", r"RoPE scaling, whose frequencies"),
     ("other attention arguments (position biases, non-causal flags)", r"attention arguments .* cannot honour"),
     ("a decoder that fails when run on a packed row", r"fails on a probe row"),
+    ("an MoE load-balancing loss sharedprefix cannot reproduce", r"output_router_logits=True, but"),
 ]
 
 
@@ -210,6 +213,22 @@ def _check_model(model, grads: bool, res: Result) -> None:
     _compare(model, gs, ref, out, low_ops, grads, res)
 
 
+def plain_aux_loss(model, gs):
+    """The MoE load-balancing loss of one plain forward of every ``[prompt + completion]`` row, right-padded with
+    the row's first token and masked out; None when the model returns none."""
+    rows = [torch.cat([g.prompt, c]) for g in gs for c in g.completions]
+    width = max(r.numel() for r in rows)
+    ids = torch.stack([torch.cat([r, r[:1].expand(width - r.numel())]) for r in rows])
+    mask = (torch.arange(width)[None] < torch.tensor([r.numel() for r in rows])[:, None]).long()
+    return getattr(model(input_ids=ids, attention_mask=mask, use_cache=False), "aux_loss", None)
+
+
+def _aux_error(got, want) -> float:
+    if got is None or want is None:
+        return 0.0 if got is None and want is None else float("inf")
+    return float((got.detach().double() - want.detach().double()).abs() / want.detach().double().abs().clamp_min(1e-12))
+
+
 def _compare(model, gs, ref, out, low_ops, grads, res):
     import sharedprefix as sp
     from sharedprefix.tools.reference import plain_logprobs
@@ -222,9 +241,22 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
     if not res.logprob_err <= tol:
         res.detail = f"silent mismatch: max |d logprob| = {res.logprob_err:.3g} > {tol}"
         return
+    with torch.no_grad():
+        want_aux = plain_aux_loss(model, gs)
+    if want_aux is not None:  # a float32 loss: its gradient is float32-accurate too
+        res.float32_inside = ", ".join(x for x in (res.float32_inside, "aux_loss") if x)
+        gtol = GRAD_TOL_FLOAT32_INSIDE
+    if not _aux_error(out.aux_loss, want_aux) <= AUX_TOL:
+        res.detail = f"silent mismatch of the load-balancing loss: {out.aux_loss} against the plain {want_aux}"
+        return
     try:
         with torch.no_grad():  # the schedule: a group split across passes, with cached prompt K/V
-            split = sp.logprobs(model, gs, max_tokens=BUDGET).logprobs
+            split_out = sp.logprobs(model, gs, max_tokens=BUDGET)
+            split = split_out.logprobs
+        if not _aux_error(split_out.aux_loss, want_aux) <= AUX_TOL:
+            res.detail = (f"silent mismatch of the load-balancing loss under max_tokens={BUDGET}: "
+                          f"{split_out.aux_loss} against the plain {want_aux}")
+            return
     except ValueError as e:  # exact in one pass, refused when split: fine if the refusal says why
         res.split_refusal = str(e)
         if not _category(str(e)):
@@ -238,8 +270,17 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
         res.logprob_err = max(res.logprob_err, err)
     if grads:
         w = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(1))
-        want = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
-        got = _grads(model, lambda: (sp.logprobs(model, gs).logprobs * w).sum())
+
+        def plain_loss():
+            aux = plain_aux_loss(model, gs) if want_aux is not None else 0.0
+            return (plain_logprobs(model, gs)[0] * w).sum() + aux
+
+        def ours():
+            o = sp.logprobs(model, gs)
+            return (o.logprobs * w).sum() + (o.aux_loss if o.aux_loss is not None else 0.0)
+
+        want = _grads(model, plain_loss)
+        got = _grads(model, ours)
         res.grad_err = _grad_error(got, want)
         if not res.grad_err <= gtol and low_ops:
             # the plain run is itself only float32-accurate here: hold sharedprefix to twice its error against the
@@ -279,10 +320,14 @@ def features(model) -> list[str]:
         out.append("chunked attention")
     if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
         out.append("attention sinks")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        out.append("attention-score soft-capping")
     if v is not None and qk is not None and v != qk:
         out.append("latent attention (value head dim != query head dim)")
     if any("expert" in type(m).__name__.lower() for m in model.modules()):
         out.append("MoE")
+    if getattr(cfg, "output_router_logits", False):
+        out.append("MoE load-balancing loss")
     if any(p.calls > 1 for p in pats):
         out.append("several attention calls per layer (looped layers, differential attention)")
     from sharedprefix.modeling import is_hybrid

@@ -173,14 +173,24 @@ ARCH: dict[str, dict] = {
                      local_attn_chunk_length=4, lsh_attn_chunk_length=4),
     "xlstm": dict(embedding_dim=32, num_heads=4),
     "dbrx": dict(attn_config=dict(rope_theta=10000.0, clip_qkv=8.0)),  # DbrxAttention reads both, unconditionally
+    # attention-score soft-capping that bites on tiny random weights, whose scores are ~1e-3 (the default 50 does not)
+    "gemma2": dict(attn_logit_softcapping=0.002),
+    # Llama 4's query temperature (NoPE layers) grows every floor_scale positions: every 4 so that it bites
+    "llama4_text": dict(floor_scale=4),
+    "llama4": dict(text_config=dict(floor_scale=4)),
+    "vaultgemma": dict(attn_logit_softcapping=0.002),
 }
 
 # Variants: an architecture with settings that exercise a feature its tiny default config does not, or that a
 # refusal hides. name -> (model type, settings).
 VARIANTS: dict[str, tuple[str, dict]] = {
-    # Llama 4 without query temperature tuning: chunked attention within one chunk (exact) and across chunks
+    # Llama 4 without query temperature tuning: chunked attention within one chunk and across chunks
     "llama4_text+chunk_32": ("llama4_text", dict(attn_temperature_tuning=False, attention_chunk_size=32)),
     "llama4_text+chunk_4": ("llama4_text", dict(attn_temperature_tuning=False)),
+    # MoE load-balancing loss (output_router_logits=True): Mixtral-style, with a shared expert, with sinks and windows
+    "mixtral+router_aux_loss": ("mixtral", dict(output_router_logits=True)),
+    "qwen2_moe+router_aux_loss": ("qwen2_moe", dict(output_router_logits=True)),
+    "gpt_oss+router_aux_loss": ("gpt_oss", dict(output_router_logits=True)),
     # Gemma 2 without attention-score soft-capping: its sliding layers and final-logit soft-capping
     "gemma2+no_attn_softcap": ("gemma2", dict(attn_logit_softcapping=None)),
 }

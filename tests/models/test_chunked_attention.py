@@ -1,0 +1,88 @@
+"""Llama 4's chunked attention, beyond the first chunk, and its query temperature: exact against the plain forward.
+
+A query at position p sees the keys at positions floor(p / C) * C .. p. The chunk boundaries are positions, so
+a completion continues its prompt's chunk and sees the prompt's keys from that chunk's start on. The model here
+is Llama 4 text with chunks of 4 positions, dense MLPs and no QK norm, and a float64 rotary embedding (Llama 4's
+own rounds q and k to float32 even in a float64 model, which would hold the comparison to float32 accuracy), so
+that the plain float64 forward is float64 throughout and 1e-9 can fail. Its NoPE layer scales queries by a
+temperature of the token's index in the row (``attn_temperature_tuning``, growing every ``floor_scale`` = 4
+tokens here), which sharedprefix rescales to the token's position.
+"""
+
+import pytest
+import torch
+import transformers as tf
+from transformers.models.llama4 import modeling_llama4
+
+import sharedprefix as sp
+from helpers import VOCAB, assert_grads_close, float64_faithful, grads_of, plain_logprobs, random_groups
+from sharedprefix.attention import interface
+
+CHUNK = 4
+# prompts of 9 and 6 tokens (positions 0..8: chunks 0..3, 4..7, 8..), completions that cross chunk boundaries
+PROMPTS, COMPLETIONS = (9, 6), ((5, 3, 6, 1), (2, 7))
+
+
+def _rotary64(xq, xk, freqs_cis):
+    """Llama 4's apply_rotary_emb in float64 (the same complex rotation, without the float32 round trip)."""
+    cis = freqs_cis.to(torch.complex128)[:, :, None, :]
+    rot = lambda x: torch.view_as_real(torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2)) * cis)  # noqa: E731
+    return rot(xq).flatten(3).type_as(xq), rot(xk).flatten(3).type_as(xk)
+
+
+@pytest.fixture
+def model(monkeypatch):
+    monkeypatch.setattr(modeling_llama4, "apply_rotary_emb", _rotary64)
+    cfg = tf.Llama4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        attention_chunk_size=CHUNK, attn_temperature_tuning=True, floor_scale=4, use_qk_norm=False, moe_layers=[],
+        no_rope_layers=[1, 1, 1, 0],  # layers 0-2 chunked with RoPE, layer 3 full attention without
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    m = tf.Llama4ForCausalLM(cfg).to(torch.float64).eval()
+    assert [str(t) for t in m.config.layer_types] == ["chunked_attention"] * 3 + ["full_attention"]
+    return float64_faithful(m)
+
+
+def _groups():
+    return random_groups(0, 2, PROMPTS, COMPLETIONS)
+
+
+@pytest.mark.parametrize("budget, mode", [(None, "keep"), (12, "keep"), (12, "recompute"), (7, "offload")])
+def test_chunked_attention_beyond_the_first_chunk_matches_plain_rows(model, budget, mode):
+    groups = _groups()
+    if budget is not None:  # the budget splits the first group: its prompt's K/V is cached, completions later
+        assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(groups, budget).steps)
+    ref = plain_logprobs(model, groups)[0].detach()
+    with torch.no_grad():
+        out = sp.logprobs(model, groups, max_tokens=budget)
+    assert (out.logprobs - ref).abs().max() <= 1e-9
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * w).sum())
+    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(),
+                                             max_tokens=budget, prefix_activations=mode) and None)
+    assert_grads_close(got, want, 1e-9)
+
+
+def _without_prompt_keys(own):
+    """A completion that restarts its chunks instead of continuing its prompt's: no ancestor keys in its chunk."""
+    return lambda layout, base, x, lo: [] if lo % CHUNK == 0 else own(layout, base, x, lo)
+
+
+@pytest.mark.parametrize("mistake", ["chunks ignored", "completions restart the chunk", "temperature of the index"])
+def test_the_check_fails_when_chunks_are_computed_wrongly(model, monkeypatch, mistake):
+    """Each plausible mistake changes the log-probs far beyond 1e-9 on these rows, so the test above can fail."""
+    from sharedprefix.layout import cascade
+
+    if mistake == "chunks ignored":
+        monkeypatch.setattr(interface, "layer_chunk", lambda module: None)
+    elif mistake == "temperature of the index":
+        monkeypatch.setattr(interface, "index_to_position_temperature", lambda module, q, pos: q)
+    else:
+        monkeypatch.setattr(cascade, "_ancestor_keys", _without_prompt_keys(cascade._ancestor_keys))
+    groups = _groups()
+    ref = plain_logprobs(model, groups)[0]
+    with torch.no_grad():
+        assert (sp.logprobs(model, groups).logprobs - ref).abs().max() > 1e-5

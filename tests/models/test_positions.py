@@ -1,0 +1,63 @@
+"""RoBERTa-style position numbering: exact against the plain forward of every row, padding tokens inside included.
+
+RoBERTa's decoder numbers a row itself when given no position ids: padding index + 1 + the count of non-padding
+tokens so far, and the padding index on a padding token. sharedprefix gives each token of the packed row the
+number its own plain row gives it (``modeling.decoder_position_ids``). The groups here hold the padding token (0)
+in a prompt and in a completion, where the plain numbering stops counting.
+"""
+
+import pytest
+import torch
+import transformers as tf
+
+import sharedprefix as sp
+from helpers import VOCAB, assert_grads_close, grads_of, plain_logprobs
+from sharedprefix import modeling
+from sharedprefix.schedule import executor
+
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = tf.RobertaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=64, pad_token_id=PAD, is_decoder=True,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return tf.RobertaForCausalLM(cfg).to(torch.float64).eval()
+
+
+def _groups():
+    return [sp.Group([5, 6, PAD, 7, 8, 9, 10, 11, 12], [[13, PAD, 14, 15, 16], [17, 18, 19], [20, 21, 22, 23, 24, 25]]),
+            sp.Group([30, 31, 32, 33], [[PAD, 34, 35, 36]])]
+
+
+@pytest.mark.parametrize("budget", [None, 12])
+def test_roberta_numbering_matches_plain_rows(model, budget):
+    groups = _groups()
+    if budget is not None:  # the budget splits the first group: its prompt's K/V is cached, completions later
+        assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(groups, budget).steps)
+    ref = plain_logprobs(model, groups)[0].detach()
+    with torch.no_grad():
+        out = sp.logprobs(model, groups, max_tokens=budget)
+    assert (out.logprobs - ref).abs().max() <= 1e-9
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * w).sum())
+    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(),
+                                             max_tokens=budget) and None)
+    assert_grads_close(got, want, 1e-9)
+
+
+@pytest.mark.parametrize("mistake", ["positions 0..L-1", "padding counted"])
+def test_the_check_fails_with_another_numbering(model, monkeypatch, mistake):
+    groups = _groups()
+    ref = plain_logprobs(model, groups)[0]
+    with torch.no_grad():
+        sp.logprobs(model, groups)  # verified once per model with the real numbering, before it is broken
+    if mistake == "positions 0..L-1":
+        monkeypatch.setattr(executor, "decoder_position_ids", lambda m, layout: layout.position_ids)
+    else:
+        monkeypatch.setattr(modeling, "padding_numbered", lambda ids, pad: torch.arange(ids.shape[-1]) + pad + 1)
+    with torch.no_grad():
+        assert (sp.logprobs(model, groups).logprobs - ref).abs().max() > 1e-3

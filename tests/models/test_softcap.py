@@ -1,0 +1,71 @@
+"""Gemma 2's attention-score soft-capping on the CPU: exact against the plain forward of every row.
+
+Gemma 2's plain forward runs its eager attention (SDPA has no soft-capping), whose softmax is float32 even in a
+float64 model; the test swaps in the same eager attention with a float64 softmax (both runs use it), so that the
+plain float64 forward is float64 throughout and 1e-9 can fail. The cap (0.002) bites on tiny random weights, whose
+scores are ~1e-3; sliding-window layers and final-logit soft-capping are on as in Gemma 2.
+"""
+
+import pytest
+import torch
+import transformers as tf
+from transformers.models.gemma2 import modeling_gemma2
+
+import sharedprefix as sp
+from helpers import VOCAB, assert_grads_close, float64_faithful, grads_of, plain_logprobs, random_groups
+from sharedprefix.attention import interface
+
+CAP = 0.002
+
+
+def _eager64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
+    """Gemma 2's eager attention with the softmax in the inputs' dtype (float64 here) instead of float32."""
+    key = modeling_gemma2.repeat_kv(key, module.num_key_value_groups)
+    value = modeling_gemma2.repeat_kv(value, module.num_key_value_groups)
+    w = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        w = torch.tanh(w / softcap) * softcap
+    if attention_mask is not None:
+        w = w + attention_mask
+    w = torch.softmax(w, dim=-1)
+    return torch.matmul(w, value).transpose(1, 2).contiguous(), w
+
+
+@pytest.fixture
+def model(monkeypatch):
+    monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", _eager64)
+    cfg = tf.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                          sliding_window=4, attn_logit_softcapping=CAP, final_logit_softcapping=30.0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return float64_faithful(tf.Gemma2ForCausalLM(cfg).to(torch.float64).eval())
+
+
+def _groups():
+    return random_groups(0, 2, (9, 6), ((5, 3, 6, 1), (2, 7)))
+
+
+@pytest.mark.parametrize("budget, mode", [(None, "keep"), (12, "keep"), (12, "recompute"), (7, "offload")])
+def test_softcapped_attention_matches_plain_rows(model, budget, mode):
+    groups = _groups()
+    if budget is not None:  # the budget splits the first group: its prompt's K/V is cached, completions later
+        assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(groups, budget).steps)
+    ref = plain_logprobs(model, groups)[0].detach()
+    with torch.no_grad():
+        out = sp.logprobs(model, groups, max_tokens=budget)
+    assert (out.logprobs - ref).abs().max() <= 1e-9
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * w).sum())
+    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(),
+                                             max_tokens=budget, prefix_activations=mode) and None)
+    assert_grads_close(got, want, 1e-9)
+
+
+def test_the_check_fails_when_the_cap_is_ignored(model, monkeypatch):
+    groups = _groups()
+    ref = plain_logprobs(model, groups)[0]
+    orig = interface.cascade_attention
+    monkeypatch.setattr(interface, "cascade_attention", lambda *a: orig(*a[:8], None))
+    with torch.no_grad():
+        assert (sp.logprobs(model, groups).logprobs - ref).abs().max() > 1e-5
