@@ -27,11 +27,13 @@ from sharedprefix.attention.kernels import select
 from sharedprefix.modeling import is_hybrid, unwrap, uses_checkpointing
 from sharedprefix.schedule import hybrid
 from sharedprefix.schedule.cache import OffloadHooks
-from sharedprefix.schedule.executor import Executor, rounds_of, run_rounds
+from sharedprefix.schedule.deferred import defer_logprobs
+from sharedprefix.schedule.executor import Executor
 from sharedprefix.schedule.grads import GradTransaction
 from sharedprefix.schedule.parallel import detect
 from sharedprefix.schedule.planner import PrefixBackward
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
+from sharedprefix.schedule.rounds import rounds_of, run_rounds
 
 __all__ = ["PREFIX_MODES", "REDUCTIONS", "BackwardResult", "Batch", "LogProbs", "backward", "logprobs"]
 
@@ -82,7 +84,7 @@ def logprobs(
         if torch.is_grad_enabled() and defer:  # values without a graph, hybrid.backward when autograd reaches them
             with torch.no_grad():
                 out = hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
-            return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
+            return defer_logprobs(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
         return hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
     if torch.is_grad_enabled():
         inner = unwrap(model)
@@ -104,7 +106,7 @@ def logprobs(
             router.refuse_per_pass(inner, f"logprobs defers its backward to sharedprefix.backward ({needs or 'defer=True'})")
             with torch.no_grad():
                 out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
-            return _defer(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
+            return defer_logprobs(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
     if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
         from sharedprefix.tools.verify import self_check
 
@@ -281,42 +283,3 @@ def _check_hybrid(model, backend: str) -> None:
             f"{kind.upper()}; sharedprefix's hybrid path runs on a single process's model only. Run it without "
             "DDP/FSDP2, or use the plain forward for this model."
         )
-
-
-class _Deferred(torch.autograd.Function):
-    """Values computed without a graph; their backward runs ``backward`` with the incoming gradients."""
-
-    @staticmethod
-    def forward(ctx, anchor, lp, ent, spec):
-        ctx.spec = spec
-        return lp.clone(), ent.clone()
-
-    @staticmethod
-    def backward(ctx, g_lp, g_ent):
-        spec = ctx.spec
-        w_ent = g_ent if spec["entropy"] else None
-
-        def loss_fn(b):
-            loss = (b.logprobs * g_lp[b.index].to(b.logprobs.dtype)).sum()
-            if w_ent is not None:
-                loss = loss + (b.entropy * w_ent[b.index].to(b.entropy.dtype)).sum()
-            return loss
-
-        with torch.enable_grad(), torch.autocast(**spec["autocast"]):
-            backward(spec["model"], spec["groups"], loss_fn, max_tokens=spec["max_tokens"], temperature=spec["temperature"],
-                     entropy=w_ent is not None, backend=spec["backend"], prefix_activations=spec["mode"],
-                     grad_reduction=spec["reduction"])
-        return None, None, None, None
-
-
-def _defer(model, groups, out: LogProbs, temperature, max_tokens, backend, mode, reduction) -> LogProbs:
-    if mode not in PREFIX_MODES:
-        raise ValueError(f"prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
-    dev = out.logprobs.device.type
-    spec = dict(model=model, groups=groups, temperature=temperature, max_tokens=max_tokens, backend=backend, mode=mode,
-                reduction=reduction,
-                entropy=out.entropy is not None,
-                autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)))
-    ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
-    lp, ent = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, spec)
-    return LogProbs(lp, out.mask, ent if out.entropy is not None else None)

@@ -1,0 +1,55 @@
+"""Deferred log-probs (``sp.logprobs(defer=True)``): values computed without a graph now; when the caller's loss
+backpropagates, its per-token gradients dL/dlogp (and dL/dentropy) drive ``sp.backward`` under the token budget with
+the linear loss ``sum(dL/dlogp * logp)``, whose parameter gradient is exactly dL/dtheta.
+
+Notation: N = output rows, W = columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sharedprefix.schedule.results import PREFIX_MODES, LogProbs
+
+
+class _Deferred(torch.autograd.Function):
+    """Values computed without a graph; their backward runs ``backward`` with the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx, anchor, lp, ent, spec):
+        ctx.spec = spec
+        return lp.clone(), ent.clone()
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        spec = ctx.spec
+        w_ent = g_ent if spec["entropy"] else None
+
+        def loss_fn(b):
+            loss = (b.logprobs * g_lp[b.index].to(b.logprobs.dtype)).sum()
+            if w_ent is not None:
+                loss = loss + (b.entropy * w_ent[b.index].to(b.entropy.dtype)).sum()
+            return loss
+
+        from sharedprefix.schedule.runner import backward  # the public call; it imports this module
+
+        with torch.enable_grad(), torch.autocast(**spec["autocast"]):
+            backward(spec["model"], spec["groups"], loss_fn, max_tokens=spec["max_tokens"], temperature=spec["temperature"],
+                     entropy=w_ent is not None, backend=spec["backend"], prefix_activations=spec["mode"],
+                     grad_reduction=spec["reduction"])
+        return None, None, None, None
+
+
+def defer_logprobs(model, groups, out: LogProbs, temperature, max_tokens, backend, mode, reduction) -> LogProbs:
+    """``out``'s values, computed without a graph, as outputs whose backward runs ``sp.backward`` under the budget
+    with the incoming per-token gradients as a linear loss (exact by the chain rule)."""
+    if mode not in PREFIX_MODES:
+        raise ValueError(f"prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
+    dev = out.logprobs.device.type
+    spec = dict(model=model, groups=groups, temperature=temperature, max_tokens=max_tokens, backend=backend, mode=mode,
+                reduction=reduction,
+                entropy=out.entropy is not None,
+                autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)))
+    ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
+    lp, ent = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, spec)
+    return LogProbs(lp, out.mask, ent if out.entropy is not None else None)

@@ -1,0 +1,127 @@
+"""The layer state a hybrid model's prompt leaves in its cache (``schedule.hybrid``): read it, repeat it once per
+completion row, and write updates into fresh tensors so that a state saved for backward is never overwritten.
+
+Notation: n = rows of one batch, P = prompt length.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def _cache_arg(dec) -> str:
+    import inspect
+
+    params = inspect.signature(dec.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return _write_fresh(DynamicCache(config=model.config))
+
+
+def _write_fresh(cache):
+    """Make the cache's conv and recurrent state updates write into new memory.
+
+    transformers' linear-attention cache layers copy each new state into the old state's tensor in place,
+    after the layer's forward may have saved that tensor for its backward (the gated delta rule multiplies by
+    its initial state): autograd would then refuse the backward. Each update here first replaces the stored
+    tensor by a copy, so the tensor a forward read stays as it was; the values are the same.
+    """
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for name in ("conv_states", "recurrent_states"):
+                method = f"update_{name[:-1]}"
+                setattr(layer, method, _fresh_update(layer, name, getattr(type(layer), method)))
+    return cache
+
+
+def _fresh_update(layer, name: str, update):
+    def fresh(states, state_idx: int = 0, **kwargs):
+        stored = getattr(layer, name)
+        if stored.get(state_idx) is not None:
+            stored[state_idx] = stored[state_idx].clone()
+        return update(layer, states, state_idx, **kwargs)
+
+    return fresh
+
+
+# -- the cache's tensors, read out and written back ---------------------------------------------------------------
+
+def _slots(cache) -> list[tuple[int, str, int | None]]:
+    """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
+    from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+
+    out = []
+    for i, layer in enumerate(cache.layers):
+        known = set()
+        if isinstance(layer, DummyLayer):
+            continue
+        if isinstance(layer, DynamicLayer) and type(layer).get_seq_length is DynamicLayer.get_seq_length:
+            if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
+                out += [(i, "keys", None), (i, "values", None)]
+            known |= {"keys", "values"}
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            for name in ("conv_states", "recurrent_states"):
+                for s, t in getattr(layer, name).items():
+                    if t is not None:
+                        out.append((i, name, s))
+                known.add(name)
+        if not known:
+            raise ValueError(
+                f"the cache layer {i} is a {type(layer).__name__}, which sharedprefix's hybrid path does not know how to "
+                "copy per completion (it handles full-attention K/V and linear-attention conv/recurrent states), so it "
+                "refuses the model rather than start a completion from a wrong state."
+            )
+        odd = [k for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and k not in known]
+        if odd:
+            raise ValueError(
+                f"the cache layer {i} ({type(layer).__name__}) holds tensors {odd} that sharedprefix's hybrid path "
+                "does not copy per completion, so it refuses the model rather than start a completion from a wrong state."
+            )
+    return out
+
+
+def _read(cache, slots) -> list[torch.Tensor]:
+    out = []
+    for i, name, s in slots:
+        v = getattr(cache.layers[i], name)
+        out.append(v if s is None else v[s])
+    return out
+
+
+def _repeated(cache, slots, tensors, n: int):
+    """A copy of ``cache`` whose tensors are ``tensors`` repeated ``n`` times along the batch (new memory: the
+    model updates conv and recurrent states in place; gradients flow back to ``tensors`` through the repeat)."""
+    new = copy.copy(cache)
+    new.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in new.layers:  # per-state dicts (states, flags) of its own
+        for name, value in list(vars(layer).items()):
+            if isinstance(value, dict):
+                setattr(layer, name, dict(value))
+    _write_fresh(new)
+    for (i, name, s), t in zip(slots, tensors):
+        r = t.repeat(n, *([1] * (t.dim() - 1)))
+        layer = new.layers[i]
+        if s is None:
+            setattr(layer, name, r)
+        else:
+            getattr(layer, name)[s] = r
+    return new
+
+
+def prompt_chunks(length: int, max_tokens: int | None) -> list[tuple[int, int]]:
+    """[start, end) chunks of a prompt of ``length`` tokens, each at most ``max_tokens`` (>= 3) long and none
+    after the first of 1 token (a 1-token continuation would take the in-place decode kernels)."""
+    if max_tokens is None or length <= max_tokens:
+        return [(0, length)]
+    ends = list(range(max_tokens, length, max_tokens)) + [length]
+    if length - ends[-2] == 1:
+        ends[-2] -= 1
+    return list(zip([0] + ends[:-1], ends))
