@@ -80,6 +80,26 @@ def assert_grads_close(got, want, rtol):
 
 
 
+def assert_matches_plain_rows(model, groups, budget=None, mode=None, plain=None):
+    """``sp.logprobs`` (1e-9) and ``sp.backward``'s parameter gradients of a per-completion weighted sum (relative
+    1e-9) equal to one plain forward per row, under ``budget``; a budget must split a group (its prompt cached, its
+    completions later), or the check would not exercise the schedule. ``plain(model, groups)`` -> (N, T) log-probs
+    (default: ``plain_logprobs``). Returns the gradients, for further checks."""
+    plain = plain or (lambda m, gs: plain_logprobs(m, gs)[0])
+    if budget is not None:
+        assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(groups, budget).steps)
+    ref = plain(model, groups).detach()
+    with torch.no_grad():
+        out = sp.logprobs(model, groups, max_tokens=budget)
+    assert (out.logprobs - ref).abs().max() <= 1e-9
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (plain(model, groups) * w).sum())
+    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(),
+                                             max_tokens=budget, prefix_activations=mode) and None)
+    assert_grads_close(got, want, 1e-9)
+    return got
+
+
 # groups whose tree has a long prompt (cut into chains by a budget), a one-token prompt and several completions
 TREE_GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group([3], [[7, 7, 7, 7]]),
                sp.Group([9, 8, 7, 6], [[1], [2]])]

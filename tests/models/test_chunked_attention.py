@@ -15,7 +15,7 @@ import transformers as tf
 from transformers.models.llama4 import modeling_llama4
 
 import sharedprefix as sp
-from helpers import VOCAB, assert_grads_close, float64_faithful, grads_of, plain_logprobs, random_groups
+from helpers import VOCAB, assert_matches_plain_rows, float64_faithful, plain_logprobs, random_groups
 from sharedprefix.attention import interface
 
 CHUNK = 4
@@ -52,18 +52,7 @@ def _groups():
 
 @pytest.mark.parametrize("budget, mode", [(None, "keep"), (12, "keep"), (12, "recompute"), (7, "offload")])
 def test_chunked_attention_beyond_the_first_chunk_matches_plain_rows(model, budget, mode):
-    groups = _groups()
-    if budget is not None:  # the budget splits the first group: its prompt's K/V is cached, completions later
-        assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(groups, budget).steps)
-    ref = plain_logprobs(model, groups)[0].detach()
-    with torch.no_grad():
-        out = sp.logprobs(model, groups, max_tokens=budget)
-    assert (out.logprobs - ref).abs().max() <= 1e-9
-    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * w).sum())
-    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(),
-                                             max_tokens=budget, prefix_activations=mode) and None)
-    assert_grads_close(got, want, 1e-9)
+    assert_matches_plain_rows(model, _groups(), budget, mode)
 
 
 def _without_prompt_keys(own):

@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import sharedprefix as sp
-from helpers import VOCAB, assert_grads_close, grads_of, plain_logprobs
+from helpers import VOCAB, assert_matches_plain_rows, plain_logprobs
 from sharedprefix import modeling
 from sharedprefix.schedule import executor
 
@@ -35,18 +35,7 @@ def _groups():
 
 @pytest.mark.parametrize("budget", [None, 12])
 def test_roberta_numbering_matches_plain_rows(model, budget):
-    groups = _groups()
-    if budget is not None:  # the budget splits the first group: its prompt's K/V is cached, completions later
-        assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(groups, budget).steps)
-    ref = plain_logprobs(model, groups)[0].detach()
-    with torch.no_grad():
-        out = sp.logprobs(model, groups, max_tokens=budget)
-    assert (out.logprobs - ref).abs().max() <= 1e-9
-    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * w).sum())
-    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(),
-                                             max_tokens=budget) and None)
-    assert_grads_close(got, want, 1e-9)
+    assert_matches_plain_rows(model, _groups(), budget)
 
 
 @pytest.mark.parametrize("mistake", ["positions 0..L-1", "padding counted"])
