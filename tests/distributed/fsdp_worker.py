@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.worker import BUDGET, groups_and_weights, run_tree  # noqa: E402
+from distributed.worker import BUDGET, full_grads, loss_fn_for, my_share, run_tree  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402
@@ -69,25 +69,9 @@ def snapshot(model):
     return {name: (type(m), sorted(m.__dict__), m.__dict__.get("forward")) for name, m in model.named_modules()}
 
 
-def full_grads(model):
-    out = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        if g is not None and hasattr(g, "full_tensor"):
-            g = g.full_tensor()
-        out[name] = None if g is None else g.detach().clone()
-    return out
-
-
 def my_work(rank, world):
-    groups, W = groups_and_weights()
-    mine = sp.shard_groups(groups, rank, world)
-    starts, n = {}, 0
-    for g in groups:
-        starts[id(g)] = n
-        n += g.group_size
-    gidx = torch.tensor([starts[id(g)] + i for g in mine for i in range(g.group_size)])
-    return mine, (lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum())
+    mine, gidx = my_share(rank, world)
+    return mine, loss_fn_for(mine, gidx)
 
 
 def one_wrapping(how, reshard, mode, mine, loss_fn):

@@ -59,6 +59,28 @@ def loss_fn_for(groups, gidx):
     return lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()
 
 
+def my_share(rank, world):
+    """This rank's groups and the global completion index of each of their completions."""
+    groups, _ = groups_and_weights()
+    mine = sp.shard_groups(groups, rank, world)
+    starts, n = {}, 0
+    for g in groups:
+        starts[id(g)] = n
+        n += g.group_size
+    return mine, torch.tensor([starts[id(g)] + i for g in mine for i in range(g.group_size)])
+
+
+def full_grads(model):
+    """{parameter name without DDP's ``module.``: its whole gradient (FSDP2 shards gathered), or None}."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if g is not None and hasattr(g, "full_tensor"):
+            g = g.full_tensor()
+        out[name.replace("module.", "")] = None if g is None else g.detach().clone()
+    return out
+
+
 def main(kind, out):
     import faulthandler
 
@@ -67,13 +89,7 @@ def main(kind, out):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     groups, W = groups_and_weights()
-    mine = sp.shard_groups(groups, rank, world)
-    # global completion index of each of my completions
-    starts, n = {}, 0
-    for g in groups:
-        starts[id(g)] = n
-        n += g.group_size
-    gidx = torch.tensor([starts[id(g)] + i for g in mine for i in range(g.group_size)])
+    mine, gidx = my_share(rank, world)
     model = tiny_model("qwen3")
     calls = {"all_reduce": 0}
     if kind.startswith("ddp"):
@@ -95,7 +111,7 @@ def main(kind, out):
         for layer in model.model.layers:
             fully_shard(layer, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
-    loss_fn = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()  # noqa: E731
+    loss_fn = loss_fn_for(mine, gidx)
     if kind.endswith("_refuse") or kind == "ddp_midfail":  # rank 1 fails: every rank must stop, none hang
         seen = []
 
@@ -148,12 +164,7 @@ def main(kind, out):
         mode = {} if kind == "fsdp_units" else {"prefix_activations": "recompute"}  # FSDP2's default: its mode
         res = sp.backward(model, mine, loss_fn, max_tokens=BUDGET, grad_reduction="mean" if kind.endswith("mean") else
                           "sum", **mode)
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad
-        if g is not None and hasattr(g, "full_tensor"):
-            g = g.full_tensor()
-        grads[name.replace("module.", "")] = None if g is None else g.detach().clone()
+    grads = full_grads(model)
     stats = torch.tensor([res.passes if res else 0, res.dummy_rounds if res else 0, calls["all_reduce"]])
     gathered = [torch.zeros_like(stats) for _ in range(world)]
     dist.all_gather(gathered, stats)
