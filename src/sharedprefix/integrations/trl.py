@@ -71,29 +71,37 @@ def tree_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
     Completion tokens are trained. Rows whose completion holds no token have no log-prob to compute and
     get zeros (TRL masks them).
     """
-    B, L = input_ids.shape
-    P = L - logits_to_keep
+    P = input_ids.shape[1] - logits_to_keep
     ids, att = input_ids.cpu(), attention_mask.cpu().bool()
     rows, trained, row_of, plen, lens = [], [], [], [], []
-    for b in range(B):
-        prompt = ids[b, :P][att[b, :P]]
-        cmask = att[b, P:]
-        t = int(cmask.sum())
-        if t == 0:
+    for b in range(input_ids.shape[0]):
+        parts = _row(ids, att, b, P)
+        if parts is None:
             continue
-        if not bool(cmask[:t].all()):
-            raise ValueError(
-                f"row {b} has a completion mask with holes ({cmask.int().tolist()}); sharedprefix expects each "
-                "completion to be a run of tokens followed by padding."
-            )
-        if prompt.numel() == 0:
-            raise ValueError(f"row {b} has an empty prompt; expected at least one prompt token (e.g. BOS).")
-        rows.append(torch.cat([prompt, ids[b, P : P + t]]))
-        trained.append(torch.arange(prompt.numel() + t) >= prompt.numel())
+        prompt, completion = parts
+        rows.append(torch.cat([prompt, completion]))
+        trained.append(torch.arange(rows[-1].numel()) >= prompt.numel())
         row_of.append(b)
         plen.append(int(prompt.numel()))
-        lens.append(t)
+        lens.append(int(completion.numel()))
     return TreeRows(sp.Tree.from_rows(rows, trained) if rows else None, row_of, plen, lens)
+
+
+def _row(ids: torch.Tensor, att: torch.Tensor, b: int, P: int):
+    """Row ``b`` of TRL's (B, L) layout [left-padded prompt | right-padded completion] as (prompt, completion)
+    without padding, or None when its completion holds no token (TRL masks it)."""
+    prompt, cmask = ids[b, :P][att[b, :P]], att[b, P:]
+    t = int(cmask.sum())
+    if t == 0:
+        return None
+    if not bool(cmask[:t].all()):
+        raise ValueError(
+            f"row {b} has a completion mask with holes ({cmask.int().tolist()}); sharedprefix expects each "
+            "completion to be a run of tokens followed by padding."
+        )
+    if prompt.numel() == 0:
+        raise ValueError(f"row {b} has an empty prompt; expected at least one prompt token (e.g. BOS).")
+    return prompt, ids[b, P : P + t]
 
 
 def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pixel_values: torch.Tensor,
@@ -118,16 +126,13 @@ def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
     keys: dict[tuple, int] = {}
     prompts, completions, members = [], [], []
     for b in range(B):
-        keep = att[b, :P]
-        prompt, t = ids[b, :P][keep], int(att[b, P:].sum())
-        if t == 0:
+        parts = _row(ids, att, b, P)
+        if parts is None:
             continue
-        if not bool(att[b, P : P + t].all()):
-            raise ValueError(f"row {b} has a completion mask with holes; expected a run of tokens then padding.")
+        prompt, completion = parts
         i0, i1 = first_image[b], first_image[b + 1]
         pix, grid = pixel_values[first_patch[i0] : first_patch[i1]], image_grid_thw[i0:i1]
         key = (tuple(prompt.tolist()), tuple(grid.flatten().tolist()), pix.detach().cpu().numpy().tobytes())
-        completion = ids[b, P : P + t]
         if key in keys:
             completions[keys[key]].append(completion)
             members[keys[key]].append(b)
@@ -136,7 +141,7 @@ def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
         if i1 > i0:
             inputs = {"pixel_values": pix, "image_grid_thw": grid}
             if mm_token_type_ids is not None:
-                inputs["mm_token_type_ids"] = mm_token_type_ids[b, :P][keep.to(mm_token_type_ids.device)]
+                inputs["mm_token_type_ids"] = mm_token_type_ids[b, :P][att[b, :P].to(mm_token_type_ids.device)]
         keys[key] = len(prompts)
         prompts.append((prompt, inputs))
         completions.append([completion])
