@@ -89,7 +89,7 @@ def run(args):
     return _speed(args)
 
 
-def _gpu(args, grid=None):
+def _gpu(args):
     """The GPU grid: Qwen3-4B layer shapes, bf16, forward+backward; plain, Prefix-Grouper-style, sharedprefix."""
     model = bench.bench_model(dtype=torch.bfloat16, **{**bench.GPU_MODEL, "num_hidden_layers": args.layers})
     model = model.to(args.device)
@@ -102,7 +102,7 @@ def _gpu(args, grid=None):
     print(f"{'P':>5} {'T':>5} {'G':>3} | {'plain s':>8} {'PG s':>8} {'ours s':>8} | {'x plain':>7} {'x PG':>6} "
           f"{'FLOP x':>6} {'0.8 FLOP':>8} | {'mem plain':>9} {'mem PG':>7} {'mem ours':>8} {'ours/plain':>10}",
           flush=True)
-    grid = grid or [(P, T, G) for P in (4096, 8192) for T in (512, 1024) for G in (8, 16)]
+    grid = [(P, T, G) for P in (4096, 8192) for T in (512, 1024) for G in (8, 16)]
     for P, T, G in grid:
         groups = [bench.make_groups(1, P, T, G, vocab=151936)[0]]
         plain_rows = {"n": G}  # rows per plain microbatch: the whole group, halved while it does not fit the GPU
