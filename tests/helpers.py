@@ -105,15 +105,21 @@ TREE_GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group(
                sp.Group([9, 8, 7, 6], [[1], [2]])]
 
 
-def tree_mask(tree, window=None, chunk=None) -> torch.Tensor:
+def tree_mask(tree, window=None, chunk=None, blocks=()) -> torch.Tensor:
     """(T, T) bool over every token of ``tree`` (segments in id order): which keys each query may attend to, built
-    from the definition (ancestors whole, own segment causally, positions within the window, or in the query's
-    chunk of positions). Tests only."""
+    from the definition (ancestors whole, own segment causally, or inside the same bidirectional block, given as
+    (segment id, start, end) segment-local; then positions within the window, or in the query's chunk of
+    positions: Gemma 3's AND(window, OR(causal, block))). Tests only."""
     seg = torch.cat([torch.full((s.length,), s.id) for s in tree.segments])
     pos = torch.cat([torch.arange(s.start, s.end) for s in tree.segments])
     anc = [set(tree.ancestors(s.id)) for s in tree.segments]
     is_anc = torch.tensor([[b in anc[a] for b in range(len(anc))] for a in range(len(anc))])
     ok = is_anc[seg[:, None], seg[None, :]] | ((seg[:, None] == seg[None, :]) & (pos[None] <= pos[:, None]))
+    block = torch.full(seg.shape, -1)
+    for i, (s, a, b) in enumerate(blocks):
+        off = sum(t.length for t in tree.segments[:s])
+        block[off + a : off + b] = i
+    ok |= (block[:, None] == block[None, :]) & (block[:, None] >= 0)
     if window is not None:
         ok &= (pos[:, None] - pos[None]) < window
     if chunk is not None:

@@ -10,9 +10,15 @@ later token of the group (completions, deeper segments) continues at ``1-D posit
 on all three axes, delta = (largest prompt position + 1) - P, exactly what the model computes for
 the full row. Models without M-RoPE (Llava-style) keep 1-D positions.
 
-Refused: prompts that would be cut into a chain (raise ``max_tokens`` to hold the prompt), models
-whose image tokens attend to each other bidirectionally (Gemma3: its prompt attention is not
-causal), models whose multimodal module takes none of the given inputs.
+Gemma 3's image tokens attend to each other bidirectionally: its ``token_type_ids`` (1 on image
+tokens) become the row's ``blocks``, every maximal run of image tokens one block, which the
+attention cascade completes with the block's later keys, under the model's own mask
+AND(sliding window, OR(causal, same block)). Without ``token_type_ids`` the model's mask is causal,
+and so is ours.
+
+Refused: prompts that would be cut into a chain (raise ``max_tokens`` to hold the prompt), other
+models that take ``token_type_ids`` (their masks differ: PaliGemma's prefix is bidirectional as a
+whole), models whose multimodal module takes none of the given inputs.
 
 Notation: L = row length, P = prompt length.
 """
@@ -26,8 +32,8 @@ import torch
 # inputs concatenated over the prompts of a row (first dimension), as the processor batches them
 _CAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
              "image_sizes", "pixel_attention_mask", "image_grid_hws")
-# used for positions only (the pass hands the positions themselves)
-_POSITION_ONLY = ("mm_token_type_ids",)
+# used for positions or the attention's blocks only (the pass hands positions and blocks themselves)
+_POSITION_ONLY = ("mm_token_type_ids", "token_type_ids")
 
 
 def _params(fn) -> set[str]:
@@ -46,20 +52,26 @@ class Multimodal:
         cfg = model.config
         if self.module is None or not hasattr(self.module, "get_input_embeddings"):
             raise ValueError(f"{name} has no multimodal base module (model.model); prompt_inputs are not supported.")
-        if getattr(cfg, "model_type", "").startswith("gemma3") or "token_type_ids" in _params(self.module.forward):
-            raise ValueError(
-                f"{name}: its image tokens attend to each other bidirectionally (token_type_ids), so its prompt "
-                "attention is not causal, which sharedprefix's prompt segments assume. Not supported yet."
-            )
         accepted = _params(self.module.forward)
+        gemma3 = getattr(cfg, "model_type", None) == "gemma3"
+        if "token_type_ids" in accepted and not gemma3:
+            raise ValueError(
+                f"{name} takes token_type_ids, with which its attention mask is not causal (bidirectional image "
+                "tokens or a bidirectional prefix); sharedprefix reproduces Gemma 3's image blocks only, and refuses "
+                f"model_type={getattr(cfg, 'model_type', None)!r}, whose mask it has not verified."
+            )
+        self.blocks = {gi: _image_blocks(gi, g) for gi, g in enumerate(groups) if gemma3 and g.prompt_inputs}
+        self.mrope = hasattr(self.module, "get_rope_index")
+        used = {"token_type_ids"} if gemma3 else set()
+        if self.mrope:
+            used |= set(_POSITION_ONLY) & _params(self.module.get_rope_index)
         for gi, g in enumerate(groups):
-            extra = sorted(set(g.prompt_inputs or {}) - accepted - set(_POSITION_ONLY))
+            extra = sorted(set(g.prompt_inputs or {}) - (accepted - set(_POSITION_ONLY)) - used)
             if extra:
                 raise ValueError(
                     f"groups[{gi}].prompt_inputs has {extra}, which {type(self.module).__name__}.forward does not take; "
                     f"expected some of {sorted(accepted & set(_CAT_KEYS))} (the processor's outputs for the prompt)."
                 )
-        self.mrope = hasattr(self.module, "get_rope_index")
         self.delta: dict[int, int] = {}
         self.prompt_pos: dict[int, torch.Tensor] = {}
         if self.mrope:
@@ -95,6 +107,16 @@ class Multimodal:
                 out[:, 0, r : r + seg.length] = self.prompt_pos[seg.group]
         return out
 
+    def row_blocks(self, layout) -> list[tuple[int, int]]:
+        """The bidirectional blocks of the prompts this row computes, as row ranges."""
+        segs, out = layout.tree.segments, []
+        for s in layout.segments:
+            seg = segs[s]
+            if seg.parent is None and seg.group in self.blocks:
+                r = layout.row_start[s]
+                out += [(r + a, r + b) for a, b in self.blocks[seg.group]]
+        return out
+
     def inputs(self, layout, groups) -> dict:
         """The prompt inputs of the prompts this row computes, concatenated in row order."""
         segs = layout.tree.segments
@@ -106,6 +128,29 @@ class Multimodal:
                     if k not in _POSITION_ONLY:
                         parts.setdefault(k, []).append(_batched(k, v) if k in _CAT_KEYS else v)
         return {k: torch.cat(v) if k in _CAT_KEYS else v[0] for k, v in parts.items()}
+
+
+def _image_blocks(gi: int, g) -> list[tuple[int, int]]:
+    """Gemma 3: the maximal runs of ``token_type_ids == 1`` of a prompt, [start, end) prompt positions, as its
+    ``get_block_sequence_ids_for_mask`` numbers them (each run one block)."""
+    tt = g.prompt_inputs.get("token_type_ids")
+    if tt is None:
+        return []
+    tt = tt.reshape(-1) if tt.dim() == 2 and tt.shape[0] == 1 else tt
+    if tt.dim() != 1 or tt.numel() != g.prompt.numel():
+        raise ValueError(
+            f"groups[{gi}].prompt_inputs['token_type_ids'] has shape {tuple(g.prompt_inputs['token_type_ids'].shape)}; "
+            f"expected ({g.prompt.numel()},) or (1, {g.prompt.numel()}): the processor's token_type_ids for the prompt."
+        )
+    img = (tt == 1).tolist()
+    out, start = [], None
+    for p, x in enumerate(img + [False]):
+        if x and start is None:
+            start = p
+        elif not x and start is not None:
+            out.append((start, p))
+            start = None
+    return out
 
 
 def _batched(key: str, v: torch.Tensor) -> torch.Tensor:

@@ -140,24 +140,26 @@ def test_cpu_primitive_in_float32_and_bfloat16_stays_near_float64():
         assert (out.double() - want).abs().max() < tol and (lse.double() - want_lse).abs().max() < tol
 
 
-def _tree_reference(tree, qf, kf, vf, window, scale, chunk=None):
+def _tree_reference(tree, qf, kf, vf, window, scale, chunk=None, blocks=()):
     """Explicit attention over every token of the tree (test only: a full mask from the tree)."""
-    allowed = tree_mask(tree, window, chunk)
+    allowed = tree_mask(tree, window, chunk, blocks)
     return _dense(qf, kf, vf, allowed, scale)[0]
 
 
 def _check_cascade(impl, groups, prompt_chunk, row_of, window, seed=0, h=4, hkv=2, d=6, dv=6, repeat_prefix=False,
-                   chunk=None):
+                   chunk=None, blocks=(), drop_blocks=False):
     tree = SegmentTree(groups, prompt_chunk=prompt_chunk)
     start, off = {}, 0
     for s in tree.segments:
         start[s.id] = off
         off += s.length
     qf, kf, vf = (x.requires_grad_(True) for x in _qkv(seed, off, off, h, hkv, d, dv))
-    want = _tree_reference(tree, qf, kf, vf, window, 0.5, chunk)
+    want = _tree_reference(tree, qf, kf, vf, window, 0.5, chunk, blocks)
     row_segs = [s.id for s in tree.segments if row_of(s)]
     cached = {a for s in row_segs for a in tree.ancestors(s)} - set(row_segs)
     row = pack_row(tree, row_segs, cached)
+    if not drop_blocks:
+        row.blocks = sorted((row.row_start[s] + a, row.row_start[s] + b) for s, a, b in blocks)
     idx = torch.cat([torch.arange(start[s], start[s] + tree.segments[s].length) for s in row.segments])
     as_module = lambda x: x[idx].transpose(0, 1)[None]  # noqa: E731  (L, H, D) -> (1, H, L, D)
 
@@ -195,6 +197,31 @@ def test_chunked_cascade_equals_explicit_tree_attention(impl, chunk, prompt_chun
     """Chunks of positions (Llama 4): a completion continues its prompt's chunk, whose keys may lie in the prompt."""
     row_of = (lambda s: s.completion is not None or s.group == 1) if cached else (lambda s: True)
     _check_cascade(impl, TREE_GROUPS, prompt_chunk, row_of, None, chunk=chunk)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=lambda c: c.name)
+@pytest.mark.parametrize("window", [None, 1, 2, 3, 6, 100])
+@pytest.mark.parametrize("cached", [False, True], ids=["in_row", "cached_prompts"])
+def test_bidirectional_blocks_equal_explicit_attention(impl, window, cached):
+    """Gemma 3's image tokens: each block also sees its own later keys, AND(window, OR(causal, block)); blocks
+    longer than the window, of one token, touching, at a prompt's start and end, in several prompts of the row."""
+    groups = [sp.Group(list(range(1, 11)), [[1, 2, 3], [4], [5, 6]]), sp.Group([7, 8, 9, 10, 11], [[1, 2]]),
+              sp.Group([3, 4, 5, 6], [[7]])]
+    tree = SegmentTree(groups)
+    roots = [s.id for s in tree.segments if s.parent is None]
+    blocks = [(roots[0], 0, 3), (roots[0], 3, 4), (roots[0], 4, 5), (roots[0], 6, 10), (roots[1], 1, 4),
+              (roots[2], 0, 4)]
+    row_of = (lambda s: s.completion is not None or s.group != 1) if cached else (lambda s: True)
+    in_row = [b for b in blocks if row_of(tree.segments[b[0]])]
+    _check_cascade(impl, groups, None, row_of, window, blocks=in_row)
+
+
+def test_blocks_fail_the_cascade_test_without_their_call():
+    """The reference sees the blocks: a cascade that ignored them would not match it."""
+    groups = [sp.Group(list(range(1, 7)), [[1, 2]])]
+    root = SegmentTree(groups).segments[0].id
+    with pytest.raises(AssertionError):
+        _check_cascade(kernels.Reference, groups, None, lambda s: True, None, blocks=[(root, 1, 4)], drop_blocks=True)
 
 
 def test_chunked_cascade_pieces():

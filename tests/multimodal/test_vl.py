@@ -160,16 +160,91 @@ def test_llava_style_groups_match_plain_rows(budget):
     assert_grads_close(got, want, 1e-9)
 
 
-def test_gemma3_images_refused_with_the_reason():
+def _gemma3(window):
     cfg = tf.Gemma3Config(
-        text_config=dict(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, sliding_window=4),
+        text_config=dict(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, sliding_window=window,
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=8, patch_size=4),
-        mm_tokens_per_image=4, image_token_index=IMAGE, boi_token_index=V_START, eoi_token_index=V_END)
-    cfg._attn_implementation = "sdpa"
-    model = tf.Gemma3ForConditionalGeneration(cfg).double().eval()
-    g = sp.Group(torch.tensor([1, 2] + [IMAGE] * 4 + [3]), [torch.tensor([4, 5])],
-                 prompt_inputs={"pixel_values": torch.randn(1, 3, 8, 8, dtype=torch.float64)})
-    with pytest.raises(ValueError, match="attend to each other bidirectionally"):
-        sp.logprobs(model, [g])
+                           image_size=8, patch_size=2),
+        mm_tokens_per_image=16, image_token_index=IMAGE, boi_token_index=V_START, eoi_token_index=V_END)
+    cfg._attn_implementation = "sdpa"  # eager's softmax runs in float32, even in a float64 model
+    torch.manual_seed(0)
+    return dtype_faithful_norms(tf.Gemma3ForConditionalGeneration(cfg).double().eval())
+
+
+def _gemma3_group(seed, layout, completions, token_types=True):
+    """A prompt of text runs and images ("i": 16 image tokens between begin/end-of-image tokens), as its processor
+    lays it out, with token_type_ids 1 on the image tokens."""
+    g = torch.Generator().manual_seed(seed)
+    parts, n_images = [], 0
+    for x in layout:
+        if x == "i":
+            parts += [torch.tensor([V_START]), torch.full((16,), IMAGE), torch.tensor([V_END])]
+            n_images += 1
+        else:
+            parts.append(torch.randint(0, 90, (x,), generator=g))
+    prompt = torch.cat(parts)
+    inputs = {"pixel_values": torch.randn(n_images, 3, 8, 8, generator=g, dtype=torch.float64)}
+    if token_types:
+        inputs["token_type_ids"] = (prompt == IMAGE).long()
+    return sp.Group(prompt, [torch.randint(0, 90, (n,), generator=g) for n in completions], prompt_inputs=inputs)
+
+
+def _plain_gemma3(model, groups):
+    rows, T = [], max(c.numel() for g in groups for c in g.completions)
+    for g in groups:
+        for c in g.completions:
+            kw = {}
+            if "token_type_ids" in (g.prompt_inputs or {}):
+                kw["token_type_ids"] = torch.cat([g.prompt_inputs["token_type_ids"], torch.zeros_like(c)])[None]
+            out = model(input_ids=torch.cat([g.prompt, c])[None], pixel_values=(g.prompt_inputs or {}).get("pixel_values"),
+                        use_cache=False, **kw)
+            lp = torch.log_softmax(out.logits[0, g.prompt.numel() - 1 : -1], -1).gather(-1, c[:, None])[:, 0]
+            rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
+    return torch.stack(rows)
+
+
+GEMMA3_GROUPS = lambda: [_gemma3_group(0, [2, "i", 3], [3, 1, 4]), _gemma3_group(1, ["i", "i", 1], [2, 5]),  # noqa: E731
+                         sp.Group(torch.tensor([5, 6, 7]), [torch.tensor([8, 9])]),
+                         _gemma3_group(2, [1, "i"], [1, 2], token_types=False)]  # the model's causal mask
+
+
+@pytest.mark.parametrize("window, budget, mode", [(4, None, "keep"), (4, 40, "recompute"), (4, 40, "offload"),
+                                                  (64, None, "keep"), (64, 40, "keep")])
+def test_gemma3_bidirectional_images_match_plain_rows(window, budget, mode):
+    """Gemma 3's image tokens see their whole image (16 tokens, longer than a window of 4: AND(window, OR(causal,
+    image))); two adjacent images stay two blocks; text tokens and completions stay causal."""
+    model = _gemma3(window)
+    got = assert_matches_plain_rows(model, GEMMA3_GROUPS(), budget, mode, plain=_plain_gemma3)
+    assert any("vision_tower" in n for n in got)
+
+
+def test_gemma3_blocks_change_the_result():
+    """The test above can fail: with the image blocks dropped, the log-probs move far beyond the tolerance."""
+    model = _gemma3(64)
+    groups = GEMMA3_GROUPS()[:2]
+    ref = _plain_gemma3(model, groups)
+    from sharedprefix import multimodal
+    orig = multimodal.Multimodal.row_blocks
+    multimodal.Multimodal.row_blocks = lambda self, layout: []
+    try:
+        with torch.no_grad():
+            wrong = sp.logprobs(model, groups).logprobs
+    finally:
+        multimodal.Multimodal.row_blocks = orig
+    assert (wrong - ref).abs().max() > 1e-3
+
+
+def test_token_type_ids_refused_where_the_model_does_not_use_them():
+    model = _model("qwen2_vl")
+    g = _group(0, (1, 4, 4), 2, 3, [3])
+    bad = sp.Group(g.prompt, g.completions, prompt_inputs={**g.prompt_inputs, "token_type_ids": g.prompt_inputs[
+        "mm_token_type_ids"]})
+    with pytest.raises(ValueError, match=r"prompt_inputs has \['token_type_ids'\]"):
+        sp.logprobs(model, [bad])
+    gem = _gemma3_group(0, [2, "i", 3], [3])
+    short = sp.Group(gem.prompt, gem.completions, prompt_inputs={**gem.prompt_inputs,
+                                                                 "token_type_ids": gem.prompt_inputs["token_type_ids"][1:]})
+    with pytest.raises(ValueError, match=r"token_type_ids'\] has shape \(22,\); expected \(23,\)"):
+        sp.logprobs(_gemma3(4), [short])

@@ -102,7 +102,49 @@ def build_cascade(layout, window: int | None, repeat_prefix: bool = False, chunk
 
     ``repeat_prefix=True`` gives every segment its ancestors' keys by gathering them (the whole prefix, copied
     per segment, as Prefix Grouper does): exact too, and only used as the benchmark's point of comparison.
+
+    ``layout.blocks`` (bidirectional runs, e.g. a Gemma 3 prompt's image tokens) add one call, ``_upper``.
     """
+    casc = _causal_cascade(layout, window, repeat_prefix, chunk)
+    blocks = [(a, b) for a, b in layout.blocks if b - a > 1]  # a block of one token adds no key
+    if blocks:
+        if chunk is not None and max(layout.tree.segments[s].end for s in layout.segments) > chunk:
+            raise ValueError(
+                f"bidirectional blocks {layout.blocks} in a row with attention chunks of {chunk} positions: no model "
+                "combines the two, and sharedprefix does not define their combination."
+            )
+        casc = Cascade(casc.calls + [_upper(blocks)], casc.copied_keys)
+    return casc
+
+
+def _upper(blocks: list[tuple[int, int]]) -> Call:
+    """The keys a bidirectional block adds to the causal cascade: query i of block [a, b) also sees the keys
+    i + 1 .. b - 1 (a Gemma 3 image token sees the rest of its image; under a sliding window too, whose mask is
+    AND(window, OR(causal, block)): the later keys of the block are never outside the window).
+
+    One non-causal call with ``window = 0`` over views of the row. The entry of block [a, b) has the queries
+    a .. b - 2 and the keys a + 1 .. b - 1, as many of each: bottom-right aligned, query a + t sits on key a + 1 + t
+    and the window of 0 hides the keys before it, leaving a + t + 1 .. b - 1. Between two blocks, one entry holds
+    the gap's queries and no keys (lse = -inf, which the merge ignores), and one the gap's keys and no queries, so
+    that queries and keys stay two contiguous runs of the row.
+    """
+    cu_q, cu_k = [0], [0]
+    q0, k0 = blocks[0][0], blocks[0][0] + 1
+    for i, (a, b) in enumerate(blocks):
+        if i:
+            prev_b = blocks[i - 1][1]
+            cu_q += [cu_q[-1] + a - (prev_b - 1), cu_q[-1] + a - (prev_b - 1)]  # gap queries b'-1 .. a-1, no keys
+            cu_k += [cu_k[-1], cu_k[-1] + (a + 1) - prev_b]  # then gap keys b' .. a, no queries
+        cu_q.append(cu_q[-1] + b - 1 - a)
+        cu_k.append(cu_k[-1] + b - 1 - a)
+    q1, k1 = q0 + cu_q[-1], k0 + cu_k[-1]
+    lq = [cu_q[j + 1] - cu_q[j] for j in range(len(cu_q) - 1)]
+    lk = [cu_k[j + 1] - cu_k[j] for j in range(len(cu_k) - 1)]
+    return Call(q0, q1, [KeySource(start=k0, end=k1)], None, _cu(lq), _cu(lk), max(lq), max(lk), causal=False,
+                window=0)
+
+
+def _causal_cascade(layout, window: int | None, repeat_prefix: bool, chunk: int | None) -> Cascade:
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window}: expected a positive number of tokens or None.")
     if chunk is not None and (chunk < 1 or window is not None):

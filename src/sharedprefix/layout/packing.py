@@ -41,6 +41,9 @@ class RowLayout:
         v_sources: segment ids whose cached token values are appended after the row's M values.
         out_index / out_mask: (n, W) int64 index into ``cat([values (M,), cached values...])`` and bool,
             True where row ``rows[i]`` reports column c.
+        blocks: [start, end) row ranges whose tokens also attend to each other bidirectionally (the image
+            tokens of a Gemma 3 prompt), set by the caller before the first ``cascade``; sorted, disjoint, each
+            inside one segment.
     """
 
     segments: list[int]
@@ -60,6 +63,7 @@ class RowLayout:
     v_sources: list[int]
     out_index: torch.Tensor
     out_mask: torch.Tensor
+    blocks: list[tuple[int, int]] = field(default_factory=list)
 
     _cascades: dict = field(default_factory=dict, repr=False)
 

@@ -113,6 +113,8 @@ class Executor:
         """
         tree = tree or self.plan.tree
         layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record, step.rows)
+        if self.mm is not None and tree is self.plan.tree:
+            layout.blocks = self.mm.row_blocks(layout)
         state = PassState(layout, self.backend, self.cache.read_kv, self.cache.write_kv)
 
         def fn():
