@@ -162,6 +162,13 @@ def probe(model, decoder, expected_layers: int) -> dict:
             decoder(input_ids=ids, position_ids=torch.arange(n, device=device)[None], use_cache=False)
         log = _LOG[-1]
     except Exception as e:  # noqa: BLE001  (the model's own code: refused, with its error, never passed over)
+        if not _LOG[-1] and not _uses_interface(model):
+            raise ValueError(
+                f"{name}'s attention bypasses transformers' attention interface (its modeling code never looks up "
+                "ALL_ATTENTION_FUNCTIONS: its own attention, e.g. LSH or local attention), so prompt sharing cannot be "
+                f"applied exactly; its decoder also fails on a probe row ({type(e).__name__}: {e}). This model is not "
+                "supported."
+            ) from e
         raise ValueError(
             f"{name}'s decoder fails on a probe row of {n} tokens with position_ids 0..{n - 1}, run the way "
             f"sharedprefix runs it ({type(e).__name__}: {e}); sharedprefix refuses the model."
@@ -205,6 +212,18 @@ def probe(model, decoder, expected_layers: int) -> dict:
     _PATTERNS.update(out)
     _BY_MODEL[model] = len(out)
     return out
+
+
+def _uses_interface(model) -> bool:
+    """Whether the modeling code of ``model``'s class (or of a module inside it) looks up transformers' attention
+    interface at all."""
+    import sys
+
+    for cls in {type(m) for m in model.modules()}:
+        src = sys.modules.get(cls.__module__)
+        if src is not None and "ALL_ATTENTION_FUNCTIONS" in vars(src):
+            return True
+    return False
 
 
 def attention_modules(model) -> int | None:
