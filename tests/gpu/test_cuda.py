@@ -27,6 +27,8 @@ CASES = {  # name -> (queries per entry, keys per entry, causal, window, D, Dv[,
     "single_query_gqa": ([1, 0, 1], [5, 3, 7], False, None, 128, 128),
     "latent_dims": ([7, 33], [7, 90], True, None, 192, 128),  # Dv != D: padded to one head size
     "head_dim_12": ([5, 60], [5, 60], True, 7, 12, 12),  # not a multiple of 8: padded (tiny qwen3's head_dim)
+    # bidirectional image blocks (Gemma 3): non-causal, window 0, a gap entry without queries
+    "upper_blocks": ([255, 0, 15], [255, 4, 15], False, 0, 128, 128),
 }
 
 
@@ -143,12 +145,16 @@ def test_cuda_primitive_rows_without_keys(name):
     assert bool((got[0][none.all(1)] == 0).all())
 
 
-@pytest.mark.parametrize("window, chunk", [(None, None), (3, None), (None, 8)], ids=["full", "window", "chunked"])
-def test_cuda_cascade_matches_cpu_cascade(window, chunk):
-    """The same cascade (chains, several groups, cached prompts; chunked attention too) on CUDA bf16 vs the CPU
-    float64 run. (Not yet run on a GPU for the chunked case.)"""
+@pytest.mark.parametrize("window, chunk, blocks", [(None, None, False), (3, None, False), (None, 8, False),
+                                                   (None, None, True), (3, None, True)],
+                         ids=["full", "window", "chunked", "blocks", "blocks_window"])
+def test_cuda_cascade_matches_cpu_cascade(window, chunk, blocks):
+    """The same cascade (chains, several groups, cached prompts; chunked attention; Gemma 3's bidirectional blocks)
+    on CUDA bf16 vs the CPU float64 run. (Not yet run on a GPU for the chunked and block cases.)"""
     tree = SegmentTree([sp.Group(list(range(1, 40)), [[1] * 9, [2] * 3]), sp.Group([3, 4], [[5] * 17])], prompt_chunk=16)
     row = pack_row(tree, [s.id for s in tree.segments], set())
+    if blocks:
+        row.blocks = [(2, 12), (12, 14), (20, 31)]
     L = row.length
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, L, 64, generator=g, dtype=torch.float64) for h in (8, 2, 2))
