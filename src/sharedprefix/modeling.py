@@ -136,6 +136,16 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
             )
     if model.get_output_embeddings() is None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
+    if getattr(model.config, "model_type", None) in POOLING_MODEL_TYPES:
+        raise ValueError(f"{name}: {POOLING_MODEL_TYPES[model.config.model_type]}; sharedprefix refuses the model.")
+
+
+# Models whose decoder pools tokens into larger units before attention runs over those units.
+POOLING_MODEL_TYPES = {
+    "blt": "the Byte Latent Transformer pools bytes into patches whose boundaries depend on the bytes (an entropy "
+           "model), and its local layers cross-attend between bytes and patches: its layers mix tokens outside "
+           "attention (pooling), which sharedprefix's packed rows cannot reproduce",
+}
 
 
 def _check_layer_types(name: str, cfg) -> None:
