@@ -37,6 +37,7 @@ from sharedprefix.schedule.runner import PREFIX_MODES
 
 __all__ = ["SharedPrefixGRPOConfig", "SharedPrefixGRPOTrainer", "tree_rows"]
 
+
 @dataclass
 class SharedPrefixGRPOConfig(GRPOConfig):
     """``GRPOConfig`` plus the token budget of sharedprefix.
