@@ -1,11 +1,12 @@
 """SharedPrefixGRPOTrainer with images: the log-probs, entropies and gradients of the plain per-row forward.
 
 TRL hands its log-prob hook the rows [left-padded prompt | right-padded completion] with every row's images
-(Qwen-style: patches of all images in row order, a (t, h, w) grid per image, ``num_images`` per row). The
-trainer regroups the rows by prompt and image, so each group's vision tower and prompt run once. On a tiny
-Qwen2-VL in float64, one pass and a budget that splits a group: equal (1e-9) to one plain forward per row
-with its own images, and GRPOTrainer's own hook agrees with that reference to float32 rounding (TRL's fused
-LM head computes in float32 even for a float64 model).
+(Qwen-style: patches of all images in row order, a (t, h, w) grid per image; Llava-style: one (channels,
+height, width) entry per image; ``num_images`` per row). The trainer regroups the rows by prompt and image,
+so each group's vision tower and prompt run once. On a tiny Qwen2-VL and a tiny Llava in float64, one pass
+and a budget that splits a group: equal (1e-9) to one plain forward per row with its own images, and
+GRPOTrainer's own hook agrees with that reference to float32 rounding (TRL's fused LM head computes in
+float32 even for a float64 model).
 """
 
 import contextlib
@@ -16,27 +17,37 @@ import torch
 
 pytest.importorskip("trl")
 
-from multimodal.test_vl import IMAGE, V_END, V_START, _model  # noqa: E402
+from multimodal.test_vl import IMAGE, V_END, V_START, _llava, _model  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head, split_pixel_values_by_grid, unsplit_pixel_values_by_grid  # noqa: E402
 
+import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOTrainer, _group_preserving_shuffle  # noqa: E402
+from sharedprefix.integrations.trl_batch import image_groups  # noqa: E402
 
 PATCH_DIM = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
 
 
-def _batch(seed=0, G=3, C=5):
-    """Three prompts (two with one image of different sizes, one text only) x G rows, as TRL batches them."""
+def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
+    """Four prompts x G rows, as TRL batches them: Qwen2-VL, one image of 4x4 or 2x4 patches, or two images, or
+    none; Llava, one or two 8x8 images (4 tokens each), or none."""
     g = torch.Generator().manual_seed(seed)
+    images = [[(1, 4, 4)], None, [(1, 2, 4)], [(1, 2, 4), (1, 4, 2)]]
     prompts = []
-    for grid in ((1, 4, 4), None, (1, 2, 4)):
+    for grids in images:
         text = torch.randint(0, 90, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)
-        if grid is None:
+        if grids is None:
             prompts.append((text, None, None))
             continue
-        n = grid[0] * grid[1] * grid[2]
-        ids = torch.cat([text[:1], torch.tensor([V_START]), torch.full((n // 4,), IMAGE), torch.tensor([V_END]), text[1:]])
-        prompts.append((ids, torch.randn(n, PATCH_DIM, generator=g, dtype=torch.float64), torch.tensor([grid])))
+        if kind == "llava":
+            tokens = [torch.full((4,), IMAGE) for _ in grids]
+            pix = torch.randn(len(grids), 3, 8, 8, generator=g, dtype=torch.float64)
+        else:
+            tokens = [torch.cat([torch.tensor([V_START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([V_END])])
+                      for t, h, w in grids]
+            pix = torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g, dtype=torch.float64)
+        ids = torch.cat([text[:1], *tokens, text[1:]])
+        prompts.append((ids, pix, torch.tensor(grids)))
     P = max(p.numel() for p, _, _ in prompts)
     rows, masks, pix, grids, num_images = [], [], [], [], []
     for p, px, grid in prompts:
@@ -46,11 +57,13 @@ def _batch(seed=0, G=3, C=5):
             rows.append(torch.cat([torch.zeros(P - p.numel(), dtype=torch.long), p, comp,
                                    torch.zeros(C - t, dtype=torch.long)]))
             masks.append(torch.cat([torch.zeros(P - p.numel()), torch.ones(p.numel() + t), torch.zeros(C - t)]))
-            num_images.append(0 if px is None else 1)
+            num_images.append(0 if px is None else len(grid))
             if px is not None:
                 pix.append(px)
                 grids.append(grid)
     input_ids, attention_mask = torch.stack(rows), torch.stack(masks).long()
+    if kind == "llava":
+        return input_ids, attention_mask, C, dict(pixel_values=torch.cat(pix), num_images=num_images)
     extra = dict(pixel_values=torch.cat(pix), image_grid_thw=torch.cat(grids), num_images=num_images,
                  mm_token_type_ids=(input_ids == IMAGE).int() * attention_mask)
     return input_ids, attention_mask, C, extra
@@ -62,18 +75,21 @@ def _stub(budget=None, mode="keep"):
                                  _sp_budget=budget, _sp_mode=mode)
 
 
-def _plain_hook(stub, model, input_ids, attention_mask, C, compute_entropy, pixel_values, image_grid_thw, num_images,
-                mm_token_type_ids):
+def _plain_hook(stub, model, input_ids, attention_mask, C, compute_entropy, pixel_values, num_images,
+                image_grid_thw=None, mm_token_type_ids=None):
     """The reference: one forward per row, unpadded, with that row's images; float64 log-softmax."""
     first = [0, *torch.tensor(num_images).cumsum(0).tolist()]
-    patch0 = [0, *image_grid_thw.prod(-1).cumsum(0).tolist()]
+    # row b's pixel_values entries: its images' patches (Qwen) or its images (Llava)
+    entry0 = range(first[-1] + 1) if image_grid_thw is None else [0, *image_grid_thw.prod(-1).cumsum(0).tolist()]
     lps, ents = [], []
     for b in range(input_ids.shape[0]):
         keep = attention_mask[b].bool()
         kw = {}
         if num_images[b]:
-            kw = dict(pixel_values=pixel_values[patch0[first[b]] : patch0[first[b + 1]]],
-                      image_grid_thw=image_grid_thw[first[b] : first[b + 1]], mm_token_type_ids=mm_token_type_ids[b][keep][None])
+            kw = dict(pixel_values=pixel_values[entry0[first[b]] : entry0[first[b + 1]]])
+            if image_grid_thw is not None:
+                kw.update(image_grid_thw=image_grid_thw[first[b] : first[b + 1]],
+                          mm_token_type_ids=mm_token_type_ids[b][keep][None])
         ids = input_ids[b][keep]
         t = int(keep[-C:].sum())
         logits = model(input_ids=ids[None], use_cache=False, **kw).logits[0, ids.numel() - t - 1 : -1] / stub.temperature
@@ -94,11 +110,14 @@ def _run(hook, stub, model, batch):
     return lp.detach().masked_fill(~mask, 0), ent.detach().masked_fill(~mask, 0), grads
 
 
-@pytest.mark.parametrize("budget, mode", [(None, "keep"), (40, "recompute")])
-def test_image_rows_match_grpo_trainer(budget, mode):
-    model = _model("qwen2_vl")
+@pytest.mark.parametrize("kind, budget, mode", [("qwen2_vl", None, "keep"), ("qwen2_vl", 14, "recompute"),
+                                              ("llava", None, "keep"), ("llava", 14, "offload")])
+def test_image_rows_match_grpo_trainer(kind, budget, mode):
+    model = _llava() if kind == "llava" else _model(kind)
     add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
-    batch = _batch()
+    batch = _batch(kind=kind)
+    if budget is not None:  # prompts of 2 to 11 tokens, groups of up to 26: the budget splits groups
+        assert sp.plan(image_groups(*batch[:3], **batch[3])[0], budget).splits
     want = _run(_plain_hook, _stub(), model, batch)
     got = _run(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, _stub(budget, mode), model, batch)
     trl = _run(GRPOTrainer._get_per_token_logps_and_entropies, _stub(), model, batch)
@@ -106,7 +125,7 @@ def test_image_rows_match_grpo_trainer(budget, mode):
     for a, b, c in zip(got[:2], want[:2], trl[:2]):
         assert torch.allclose(a, b, rtol=0, atol=1e-9), float((a - b).abs().max())
         assert torch.allclose(c.double(), b, rtol=0, atol=1e-5), float((c - b).abs().max())  # TRL: float32 head
-    assert set(got[2]) == set(want[2]) and any("visual" in n for n in want[2])
+    assert set(got[2]) == set(want[2]) and any("visual" in n or "vision_tower" in n for n in want[2])
     for n, w in want[2].items():
         assert (got[2][n] - w).abs().max() <= 1e-9 * max(1.0, float(w.abs().max())), n
 
@@ -133,8 +152,14 @@ def test_group_shuffle_keeps_each_rows_images():
 
 
 def test_other_image_layouts_are_refused_with_what_is_supported():
-    input_ids, attention_mask, C, extra = _batch()
-    llava_like = dict(pixel_values=torch.zeros(6, 3, 4, 4, dtype=torch.float64), num_images=extra["num_images"])
-    with pytest.raises(ValueError, match=r"multimodal inputs \['num_images', 'pixel_values'\].*Qwen2-VL"):
-        SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies(_stub(), _model("qwen2_vl"), input_ids,
-                                                                   attention_mask, C, **llava_like)
+    input_ids, attention_mask, C, extra = _batch(kind="llava")
+    hook = SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies
+    tiles = dict(extra, num_tiles=[2] * len(extra["num_images"]))
+    with pytest.raises(ValueError, match=r"multimodal inputs \['num_images', 'num_tiles', 'pixel_values'\].*Llava"):
+        hook(_stub(), _llava(), input_ids, attention_mask, C, **tiles)
+    with pytest.raises(ValueError, match=r"multimodal inputs \['image_sizes', 'num_images', 'pixel_values'\]"):
+        hook(_stub(), _llava(), input_ids, attention_mask, C, **extra, image_sizes=torch.ones(8, 2, dtype=torch.long))
+    per_row = dict(pixel_values=torch.zeros(input_ids.shape[0], 2, 3, 8, 8, dtype=torch.float64),
+                   num_images=extra["num_images"])  # Idefics-style: padded to one entry per row
+    with pytest.raises(ValueError, match=r"shape \(12, 2, 3, 8, 8\) for 12 images .*one \(channels, height, width\) entry per"):
+        hook(_stub(), _llava(), input_ids, attention_mask, C, **per_row)

@@ -115,15 +115,20 @@ def test_multimodal_refusals():
         sp.Group([1], [[2]], prompt_inputs={"pixel_values": [1, 2]})
 
 
-def _llava():
+def llava_config(**text):
+    """A tiny Llava: CLIP tower on 8x8 images in 4x4 patches (4 image tokens, CLS dropped), Llama text model."""
     cfg = tf.LlavaConfig(
         vision_config=tf.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                                           image_size=8, patch_size=4),
-        text_config=tf.LlamaConfig(**{k: v for k, v in TEXT.items() if k != "rope_scaling"}),
+        text_config=tf.LlamaConfig(**{k: v for k, v in TEXT.items() if k != "rope_scaling"}, **text),
         image_token_index=IMAGE, vision_feature_layer=-1, projector_hidden_act="gelu")
     cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _llava():
     torch.manual_seed(0)
-    return dtype_faithful_norms(tf.LlavaForConditionalGeneration(cfg).double().eval())
+    return dtype_faithful_norms(tf.LlavaForConditionalGeneration(llava_config()).double().eval())
 
 
 def _llava_group(seed, completions):

@@ -15,8 +15,9 @@ clipping, KL, entropy bonus, masks, metrics) runs unchanged:
 - ``_prepare_inputs`` keeps whole groups inside one microbatch (TRL shuffles rows across the
   generation batch): it draws the same random permutation as TRL, then orders groups by it.
 
-Images (Qwen-style ``pixel_values`` with ``image_grid_thw``): the rows are regrouped by prompt and
-image into ``sp.Group``s with ``prompt_inputs``, so each vision tower and prompt run once.
+Images (Qwen-style ``pixel_values`` with ``image_grid_thw``, or Llava-style ``pixel_values`` per image; see
+``trl_batch``): the rows are regrouped by prompt and image into ``sp.Group``s with ``prompt_inputs``, so each
+vision tower and prompt run once.
 
 Notation: B = rows of a microbatch, C = completion columns (``logits_to_keep``), N = non-empty rows,
 L = longest [prompt + completion] row.
@@ -31,12 +32,10 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 import sharedprefix as sp
+from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
 from sharedprefix.schedule.runner import PREFIX_MODES
 
-_MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-# what image rows of TRL's batches sharedprefix takes: Qwen-style patches with a (t, h, w) grid per image
-_GRID_INPUTS = {"pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids"}
+__all__ = ["SharedPrefixGRPOConfig", "SharedPrefixGRPOTrainer", "tree_rows"]
 
 
 @dataclass
@@ -53,112 +52,6 @@ class SharedPrefixGRPOConfig(GRPOConfig):
 
     sharedprefix_max_tokens: int | None = field(default=None, metadata={"help": "tokens one sharedprefix pass may hold"})
     sharedprefix_prefix_activations: str = field(default="keep", metadata={"help": "keep | offload | recompute"})
-
-
-@dataclass
-class TreeRows:
-    """How the rows of a microbatch map onto the rows of a ``sharedprefix.Tree``."""
-
-    tree: sp.Tree | None
-    row_of: list[int]  # tree row i -> microbatch row b
-    prompt_len: list[int]  # tree row i -> its prompt's length without padding (its first completion column)
-    lengths: list[int]  # tree row i -> its completion's number of tokens
-
-
-def tree_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> TreeRows:
-    """(B, L) rows ``[left-padded prompt | right-padded completion]`` -> a Tree of [prompt + completion] rows.
-
-    Completion tokens are trained. Rows whose completion holds no token have no log-prob to compute and
-    get zeros (TRL masks them).
-    """
-    P = input_ids.shape[1] - logits_to_keep
-    ids, att = input_ids.cpu(), attention_mask.cpu().bool()
-    rows, trained, row_of, plen, lens = [], [], [], [], []
-    for b in range(input_ids.shape[0]):
-        parts = _row(ids, att, b, P)
-        if parts is None:
-            continue
-        prompt, completion = parts
-        rows.append(torch.cat([prompt, completion]))
-        trained.append(torch.arange(rows[-1].numel()) >= prompt.numel())
-        row_of.append(b)
-        plen.append(int(prompt.numel()))
-        lens.append(int(completion.numel()))
-    return TreeRows(sp.Tree.from_rows(rows, trained) if rows else None, row_of, plen, lens)
-
-
-def _row(ids: torch.Tensor, att: torch.Tensor, b: int, P: int):
-    """Row ``b`` of TRL's (B, L) layout [left-padded prompt | right-padded completion] as (prompt, completion)
-    without padding, or None when its completion holds no token (TRL masks it)."""
-    prompt, cmask = ids[b, :P][att[b, :P]], att[b, P:]
-    t = int(cmask.sum())
-    if t == 0:
-        return None
-    if not bool(cmask[:t].all()):
-        raise ValueError(
-            f"row {b} has a completion mask with holes ({cmask.int().tolist()}); sharedprefix expects each "
-            "completion to be a run of tokens followed by padding."
-        )
-    if prompt.numel() == 0:
-        raise ValueError(f"row {b} has an empty prompt; expected at least one prompt token (e.g. BOS).")
-    return prompt, ids[b, P : P + t]
-
-
-def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pixel_values: torch.Tensor,
-                 image_grid_thw: torch.Tensor, num_images: list[int], mm_token_type_ids: torch.Tensor | None = None):
-    """TRL's (B, L) rows with images (Qwen-style: ``pixel_values`` (patches, dim) of every image of every row in
-    row order, ``image_grid_thw`` (images, 3), ``num_images`` per row) -> (groups, members).
-
-    Rows with the same prompt tokens and the same images form one ``sp.Group`` whose ``prompt_inputs`` are that
-    prompt's images, so its vision tower and prompt run once; ``members[i]`` lists the microbatch rows of group i,
-    in the order of its completions. Rows whose completion holds no token are left out (TRL masks them).
-    """
-    B, L = input_ids.shape
-    P = L - logits_to_keep
-    if len(num_images) != B:
-        raise ValueError(f"num_images has {len(num_images)} entries for {B} rows; expected one per row.")
-    patches = image_grid_thw.prod(-1).tolist()
-    first_image = [0, *torch.tensor(num_images).cumsum(0).tolist()]
-    first_patch = [0, *torch.tensor(patches, dtype=torch.long).cumsum(0).tolist()]
-    if first_patch[-1] != pixel_values.shape[0]:
-        raise ValueError(f"image_grid_thw gives {first_patch[-1]} patches, pixel_values has {pixel_values.shape[0]} rows.")
-    ids, att = input_ids.cpu(), attention_mask.cpu().bool()
-    keys: dict[tuple, int] = {}
-    prompts, completions, members = [], [], []
-    for b in range(B):
-        parts = _row(ids, att, b, P)
-        if parts is None:
-            continue
-        prompt, completion = parts
-        i0, i1 = first_image[b], first_image[b + 1]
-        pix, grid = pixel_values[first_patch[i0] : first_patch[i1]], image_grid_thw[i0:i1]
-        key = (tuple(prompt.tolist()), tuple(grid.flatten().tolist()), pix.detach().cpu().numpy().tobytes())
-        if key in keys:
-            completions[keys[key]].append(completion)
-            members[keys[key]].append(b)
-            continue
-        inputs = None
-        if i1 > i0:
-            inputs = {"pixel_values": pix, "image_grid_thw": grid}
-            if mm_token_type_ids is not None:
-                inputs["mm_token_type_ids"] = mm_token_type_ids[b, :P][att[b, :P].to(mm_token_type_ids.device)]
-        keys[key] = len(prompts)
-        prompts.append((prompt, inputs))
-        completions.append([completion])
-        members.append([b])
-    groups = [sp.Group(p, cs, prompt_inputs=inputs) for (p, inputs), cs in zip(prompts, completions)]
-    return groups, members
-
-
-def _to_rows(values: torch.Tensor, tr: TreeRows, B: int, C: int) -> torch.Tensor:
-    """(N, L) aligned with the tree's rows -> (B, C) completion columns in microbatch order, zero elsewhere."""
-    dev = values.device
-    cols = torch.tensor(tr.prompt_len, device=dev)[:, None] + torch.arange(C, device=dev)[None]
-    keep = torch.arange(C, device=dev)[None] < torch.tensor(tr.lengths, device=dev)[:, None]
-    picked = values.gather(1, cols.clamp(max=values.shape[1] - 1))
-    picked = torch.where(keep, picked, torch.zeros((), dtype=values.dtype, device=dev))
-    out = values.new_zeros(B, C)
-    return out.index_copy(0, torch.tensor(tr.row_of, device=dev), picked)
 
 
 class SharedPrefixGRPOTrainer(GRPOTrainer):
@@ -194,18 +87,13 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **extra):
-        used = sorted(k for k in _MULTIMODAL if extra.get(k) is not None)
-        images = bool(used) and set(used) <= _GRID_INPUTS and extra.get("image_grid_thw") is not None
-        if used and not images:
-            raise ValueError(
-                f"multimodal inputs {used} are not supported by SharedPrefixGRPOTrainer: it takes images of Qwen-style "
-                "vision-language models (pixel_values with image_grid_thw: Qwen2-VL, Qwen2.5-VL, Qwen3-VL) and text."
-            )
+        images = check_image_inputs(extra)
         if compute_aux_loss:
             raise ValueError("MoE auxiliary losses are not supported by SharedPrefixGRPOTrainer.")
         B, C = input_ids.shape[0], logits_to_keep
         if images:
-            groups, members = image_groups(input_ids, attention_mask, logits_to_keep, **{k: extra.get(k) for k in used})
+            used = {k: extra[k] for k in MULTIMODAL if extra.get(k) is not None}
+            groups, members = image_groups(input_ids, attention_mask, logits_to_keep, **used)
             source = groups
         else:
             tr = tree_rows(input_ids, attention_mask, logits_to_keep)
@@ -227,8 +115,8 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
             lp = zeros.index_copy(0, order, pad(out.logprobs).to(dtype))
             ent = zeros.clone().index_copy(0, order, pad(out.entropy).to(dtype)) if compute_entropy else None
             return lp, ent, None
-        lp = _to_rows(out.logprobs, tr, B, C)
-        ent = _to_rows(out.entropy, tr, B, C) if compute_entropy else None
+        lp = to_rows(out.logprobs, tr, B, C)
+        ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
         return lp, ent, None
 
     # -- whole groups per microbatch ----------------------------------------------------------------------------
@@ -246,11 +134,14 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
 
 
 def _group_preserving_shuffle(batch: dict) -> dict:
-    """Shuffle the order of groups (not of rows) with the permutation TRL would draw for rows."""
+    """Shuffle the order of groups (rows with the same prompt and images), not of rows, with the permutation TRL
+    would draw for rows."""
     n = len(next(v for v in batch.values() if v is not None))
     perm = torch.randperm(n)  # the same draw as trl's shuffle_sequence_dict, so RNG streams stay aligned
     prompt_ids, prompt_mask = batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu().bool()
-    keys = [tuple(prompt_ids[i][prompt_mask[i]].tolist()) for i in range(n)]
+    pix = batch.get("pixel_values")  # after split_pixel_values_by_grid: a list, row i's images at i
+    keys = [(tuple(prompt_ids[i][prompt_mask[i]].tolist()),
+             pix[i].detach().cpu().numpy().tobytes() if isinstance(pix, list) else None) for i in range(n)]
     members: dict[tuple, list[int]] = {}
     for i in range(n):
         members.setdefault(keys[i], []).append(i)

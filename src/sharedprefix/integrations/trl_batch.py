@@ -1,0 +1,170 @@
+"""TRL's log-prob batches as sharedprefix sources: a token tree for text rows, image groups for rows with images.
+
+``GRPOTrainer`` hands its log-prob hook (B, L) rows ``[left-padded prompt | right-padded completion]``
+(``logits_to_keep`` = C completion columns) and, for vision-language models, every row's images in one of
+several layouts. The layouts taken here, the ones sharedprefix computes exactly through
+``sp.Group(prompt_inputs=...)`` (tests/multimodal):
+
+- grid (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``pixel_values`` (patches, dim) of every image of every row in row
+  order, ``image_grid_thw`` (images, 3) giving each image's patches, ``mm_token_type_ids`` (B, L) for the
+  3-D positions.
+- per image (Llava): ``pixel_values`` (images, channels, height, width), one entry per image in row order.
+
+Both come with ``num_images`` (B,): images of each row. Other layouts (tiles with ``num_tiles`` or
+``spatial_shapes``, ``image_sizes``, ``token_type_ids``, ``image_position_ids``, pixel values padded to one
+entry per row) are refused by ``check_image_inputs``.
+
+Notation: B = rows of a microbatch, C = completion columns, P = L - C prompt columns, N = non-empty rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import sharedprefix as sp
+
+MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+              "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_LAYOUTS = {  # required keys -> keys allowed beside them
+    "grid": ({"pixel_values", "image_grid_thw", "num_images"}, {"mm_token_type_ids"}),
+    "per image": ({"pixel_values", "num_images"}, {"mm_token_type_ids"}),
+}
+_SUPPORTED = ("images of Qwen-style vision-language models (pixel_values with image_grid_thw: Qwen2-VL, Qwen2.5-VL, "
+              "Qwen3-VL), images of Llava-style ones (pixel_values with one (channels, height, width) entry per image) "
+              "and text")
+
+
+def check_image_inputs(extra: dict) -> bool:
+    """True when ``extra`` (the hook's keyword arguments) holds images in a layout taken here, False for text;
+    raises for any other multimodal input, before anything is computed."""
+    used = {k for k in MULTIMODAL if extra.get(k) is not None}
+    if not used:
+        return False
+    for required, allowed in _LAYOUTS.values():
+        if required <= used <= required | allowed:
+            shape, n = tuple(extra["pixel_values"].shape), sum(extra["num_images"])
+            if "image_grid_thw" in used or (len(shape) == 4 and shape[0] == n):
+                return True
+            raise ValueError(
+                f"pixel_values of shape {shape} for {n} images (num_images={list(extra['num_images'])}): without "
+                "image_grid_thw, SharedPrefixGRPOTrainer expects one (channels, height, width) entry per image, "
+                f"(images, channels, height, width); other layouts (e.g. padded to one entry per row, Idefics-style) "
+                f"are not supported. It takes {_SUPPORTED}."
+            )
+    raise ValueError(f"multimodal inputs {sorted(used)} are not supported by SharedPrefixGRPOTrainer: it takes {_SUPPORTED}.")
+
+
+@dataclass
+class TreeRows:
+    """How the rows of a microbatch map onto the rows of a ``sharedprefix.Tree``."""
+
+    tree: sp.Tree | None
+    row_of: list[int]  # tree row i -> microbatch row b
+    prompt_len: list[int]  # tree row i -> its prompt's length without padding (its first completion column)
+    lengths: list[int]  # tree row i -> its completion's number of tokens
+
+
+def tree_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> TreeRows:
+    """(B, L) rows ``[left-padded prompt | right-padded completion]`` -> a Tree of [prompt + completion] rows.
+
+    Completion tokens are trained. Rows whose completion holds no token have no log-prob to compute and
+    get zeros (TRL masks them).
+    """
+    P = input_ids.shape[1] - logits_to_keep
+    ids, att = input_ids.cpu(), attention_mask.cpu().bool()
+    rows, trained, row_of, plen, lens = [], [], [], [], []
+    for b in range(input_ids.shape[0]):
+        parts = _row(ids, att, b, P)
+        if parts is None:
+            continue
+        prompt, completion = parts
+        rows.append(torch.cat([prompt, completion]))
+        trained.append(torch.arange(rows[-1].numel()) >= prompt.numel())
+        row_of.append(b)
+        plen.append(int(prompt.numel()))
+        lens.append(int(completion.numel()))
+    return TreeRows(sp.Tree.from_rows(rows, trained) if rows else None, row_of, plen, lens)
+
+
+def _row(ids: torch.Tensor, att: torch.Tensor, b: int, P: int):
+    """Row ``b`` of TRL's (B, L) layout [left-padded prompt | right-padded completion] as (prompt, completion)
+    without padding, or None when its completion holds no token (TRL masks it)."""
+    prompt, cmask = ids[b, :P][att[b, :P]], att[b, P:]
+    t = int(cmask.sum())
+    if t == 0:
+        return None
+    if not bool(cmask[:t].all()):
+        raise ValueError(
+            f"row {b} has a completion mask with holes ({cmask.int().tolist()}); sharedprefix expects each "
+            "completion to be a run of tokens followed by padding."
+        )
+    if prompt.numel() == 0:
+        raise ValueError(f"row {b} has an empty prompt; expected at least one prompt token (e.g. BOS).")
+    return prompt, ids[b, P : P + t]
+
+
+def _row_images(pixel_values: torch.Tensor, num_images: list[int], image_grid_thw: torch.Tensor | None = None):
+    """Row b -> its images' inputs: (pixel_values, image_grid_thw or None), each row's slice of the batch's."""
+    first_image = [0, *torch.tensor(num_images, dtype=torch.long).cumsum(0).tolist()]
+    if image_grid_thw is None:  # per image: entry i is image i
+        return lambda b: (pixel_values[first_image[b] : first_image[b + 1]], None)
+    first_patch = [0, *image_grid_thw.prod(-1).cpu().cumsum(0).tolist()]
+    if first_patch[-1] != pixel_values.shape[0]:
+        raise ValueError(f"image_grid_thw gives {first_patch[-1]} patches, pixel_values has {pixel_values.shape[0]} rows.")
+    return lambda b: (pixel_values[first_patch[first_image[b]] : first_patch[first_image[b + 1]]],
+                      image_grid_thw[first_image[b] : first_image[b + 1]])
+
+
+def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pixel_values: torch.Tensor,
+                 num_images: list[int], image_grid_thw: torch.Tensor | None = None,
+                 mm_token_type_ids: torch.Tensor | None = None):
+    """TRL's (B, L) rows with their images (a layout of the module docstring) -> (groups, members).
+
+    Rows with the same prompt tokens and the same images form one ``sp.Group`` whose ``prompt_inputs`` are that
+    prompt's images, so its vision tower and prompt run once; ``members[i]`` lists the microbatch rows of group i,
+    in the order of its completions. Rows whose completion holds no token are left out (TRL masks them).
+    """
+    B, L = input_ids.shape
+    P = L - logits_to_keep
+    if len(num_images) != B:
+        raise ValueError(f"num_images has {len(num_images)} entries for {B} rows; expected one per row.")
+    images_of = _row_images(pixel_values, num_images, image_grid_thw)
+    ids, att = input_ids.cpu(), attention_mask.cpu().bool()
+    keys: dict[tuple, int] = {}
+    prompts, completions, members = [], [], []
+    for b in range(B):
+        parts = _row(ids, att, b, P)
+        if parts is None:
+            continue
+        prompt, completion = parts
+        pix, grid = images_of(b)
+        key = (tuple(prompt.tolist()), tuple(pix.shape), pix.detach().cpu().numpy().tobytes(),
+               None if grid is None else tuple(grid.flatten().tolist()))
+        if key in keys:
+            completions[keys[key]].append(completion)
+            members[keys[key]].append(b)
+            continue
+        inputs = None
+        if num_images[b]:
+            inputs = {"pixel_values": pix} if grid is None else {"pixel_values": pix, "image_grid_thw": grid}
+            if mm_token_type_ids is not None:
+                inputs["mm_token_type_ids"] = mm_token_type_ids[b, :P][att[b, :P].to(mm_token_type_ids.device)]
+        keys[key] = len(prompts)
+        prompts.append((prompt, inputs))
+        completions.append([completion])
+        members.append([b])
+    groups = [sp.Group(p, cs, prompt_inputs=inputs) for (p, inputs), cs in zip(prompts, completions)]
+    return groups, members
+
+
+def to_rows(values: torch.Tensor, tr: TreeRows, B: int, C: int) -> torch.Tensor:
+    """(N, L) aligned with the tree's rows -> (B, C) completion columns in microbatch order, zero elsewhere."""
+    dev = values.device
+    cols = torch.tensor(tr.prompt_len, device=dev)[:, None] + torch.arange(C, device=dev)[None]
+    keep = torch.arange(C, device=dev)[None] < torch.tensor(tr.lengths, device=dev)[:, None]
+    picked = values.gather(1, cols.clamp(max=values.shape[1] - 1))
+    picked = torch.where(keep, picked, torch.zeros((), dtype=values.dtype, device=dev))
+    out = values.new_zeros(B, C)
+    return out.index_copy(0, torch.tensor(tr.row_of, device=dev), picked)

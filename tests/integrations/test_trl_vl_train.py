@@ -1,0 +1,190 @@
+"""SharedPrefixGRPOTrainer against TRL's GRPOTrainer on image datasets: same seed, same data, same parameters.
+
+Both trainers run their real ``train()`` (generation, processor, rewards, TRL's loss, SGD) on a tiny
+vision-language model built from config classes (Qwen2-VL: images as patches with a (t, h, w) grid; Llava:
+one (channels, height, width) entry per image), with a dataset of conversational prompts with images (two
+image sizes, a prompt with two images, two prompts with the same text and different images), and the
+parameters after 2 steps are compared, vision tower included.
+
+The processors are transformers' own ``Qwen2VLProcessor`` and ``LlavaProcessor`` with their PIL image
+processors and a word-level tokenizer built here; the Qwen2-VL one leaves out its video processor (it needs
+torchvision): ``ImageOnlyQwen2VLProcessor`` declares no ``video_processor`` argument, which is how
+``ProcessorMixin`` learns a processor's parts. TRL calls ``apply_chat_template`` (generation), ``__call__``
+with images (the log-prob forward) and ``batch_decode``.
+"""
+
+import random
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+np = pytest.importorskip("numpy")
+Image = pytest.importorskip("PIL.Image")
+
+import transformers as tf  # noqa: E402
+from multimodal.test_vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION, llava_config  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # noqa: E402
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+import sharedprefix as sp  # noqa: E402
+from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
+
+SPECIAL = {IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>", V_START: "<|vision_start|>", V_END: "<|vision_end|>"}
+LLAVA_SPECIAL = {IMAGE: "<image>"}
+# one user turn: its images then its text; a generation prompt is empty
+TEMPLATE = ("<bos>{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE"
+            "{% else %} {{ p['text'] }}{% endif %}{% endfor %}{% endfor %}")
+TEXT_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+class ImageOnlyQwen2VLProcessor(tf.Qwen2VLProcessor):
+    """``Qwen2VLProcessor`` without a video processor (its parts are read from this signature)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+def _tokenizer(special):
+    """Word-level tokenizer whose ids match the model's vision tokens (100-103) and vocab (120)."""
+    words = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    words += [special.get(i, f"w{i}") for i in range(len(words), TEXT["vocab_size"])]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(special.values()))  # "<|image_pad|><|image_pad|>..." splits into tokens
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                      unk_token="<unk>", padding_side="left")
+
+
+def _processor(kind):
+    """Qwen2-VL: 8x8 pixel images become (1, 4, 4) patch grids (4 image tokens), 8x16 ones (1, 4, 8) grids (8 image
+    tokens). Llava: every image is resized and cropped to 8x8, 4x4 patches: 4 image tokens."""
+    if kind == "llava":
+        images = CLIPImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+        return tf.LlavaProcessor(image_processor=images, tokenizer=_tokenizer(LLAVA_SPECIAL), patch_size=4,
+                                 vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                 chat_template=TEMPLATE.replace("IMAGE", "<image>"))
+    images = Qwen2VLImageProcessorPil(patch_size=VISION["patch_size"], merge_size=VISION["spatial_merge_size"],
+                                      temporal_patch_size=VISION["temporal_patch_size"], min_pixels=16, max_pixels=256)
+    return ImageOnlyQwen2VLProcessor(image_processor=images, tokenizer=_tokenizer(SPECIAL),
+                                     chat_template=TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"))
+
+
+def _model(kind):
+    torch.manual_seed(0)
+    if kind == "llava":
+        return tf.LlavaForConditionalGeneration(llava_config(**TEXT_IDS))
+    cfg = tf.Qwen2VLConfig(text_config=dict(TEXT, **TEXT_IDS), vision_config=dict(VISION, embed_dim=16, mlp_ratio=2),
+                           image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START,
+                           vision_end_token_id=V_END)
+    cfg._attn_implementation = "sdpa"
+    return tf.Qwen2VLForConditionalGeneration(cfg)
+
+
+def _dataset():
+    """6 prompts with images of 8x8, 8x16 or 16x8 pixels, one with two images; prompts 0 and 1 share their text
+    and image size, not their image."""
+    rng, npr = random.Random(0), np.random.RandomState(0)
+    texts = [" ".join(f"w{rng.randrange(4, 60)}" for _ in range(rng.randrange(1, 4))) for _ in range(5)]
+    texts.insert(1, texts[0])
+    sizes = [[(8, 8)], [(8, 8)], [(8, 16)], [(16, 8), (8, 8)], [(8, 16)], [(8, 8)]]
+    images = [[Image.fromarray(npr.randint(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in row] for row in sizes]
+    return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": t}] for t in texts], "images": images})
+
+
+def _reward(completions, **kw):
+    """Rewards words with an even id, so completions differ in advantage."""
+    words = [c[0]["content"].split() if isinstance(c, list) else c.split() for c in completions]
+    return [sum(1.0 for w in ws if w[1:].isdigit() and int(w[1:]) % 2 == 0) + 0.1 * len(ws) for ws in words]
+
+
+def _train(cls, cfg_cls, init, kind, tmp_path, **kw):
+    args = cfg_cls(output_dir=str(tmp_path), num_generations=3, per_device_train_batch_size=9,
+                   gradient_accumulation_steps=1, max_steps=2, max_completion_length=4, learning_rate=0.5,
+                   optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no",
+                   seed=0, use_cpu=True, bf16=False, temperature=1.0, beta=0.1, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = cls(model=init, reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                      processing_class=_processor(kind))
+        trainer.train()
+    return trainer
+
+
+def _swap_images(cls):
+    """``cls`` that misroutes images: in each batch, two rows with the same prompt tokens and different images get
+    each other's image before the log-prob hook (the negative control: the comparison must catch this)."""
+
+    class SwapImages(cls):
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
+                                               pixel_values=None, image_grid_thw=None, num_images=None, **kw):
+            P = input_ids.shape[1] - logits_to_keep
+            per_image = torch.ones(sum(num_images), dtype=torch.long) if image_grid_thw is None else image_grid_thw.prod(-1)
+            per_row = [int(n.sum()) for n in per_image.split(num_images)]  # pixel_values entries of each row
+            first = [0, *torch.tensor(per_row).cumsum(0).tolist()]  # row b's: first[b] to first[b + 1]
+            rows = [(input_ids[b, :P][attention_mask[b, :P].bool()].tolist(), pixel_values[first[b] : first[b + 1]])
+                    for b in range(input_ids.shape[0])]
+            pairs = [(a, b) for b in range(len(rows)) for a in range(b)
+                     if rows[a][0] == rows[b][0] and not torch.equal(rows[a][1], rows[b][1])]
+            if pairs:
+                (a, b), pixel_values = pairs[0], pixel_values.clone()
+                pixel_values[first[a] : first[a + 1]], pixel_values[first[b] : first[b + 1]] = rows[b][1], rows[a][1]
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, *args, pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw, num_images=num_images, **kw)
+
+    return SwapImages
+
+
+@pytest.mark.parametrize("kind, budget", [("qwen2_vl", 24), ("llava", 16)])
+def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budget):
+    calls = []
+
+    def spy(model, source, **kw):
+        calls.append((source, sp.plan(source, kw["max_tokens"])))
+        return logprobs(model, source, **kw)
+
+    logprobs = sp.logprobs
+    monkeypatch.setattr(sp, "logprobs", spy)
+    _model(kind).save_pretrained(tmp_path / "init")
+    init = str(tmp_path / "init")
+    init_state = type(_model(kind)).from_pretrained(init).state_dict()
+
+    def delta(trainer, only=""):
+        return torch.cat([(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters()
+                          if only in n])
+
+    # the budget holds one prompt (up to 14 tokens for Qwen2-VL, 12 for Llava) and a few of its completions:
+    # groups are split
+    budget = dict(sharedprefix_max_tokens=budget, sharedprefix_prefix_activations="recompute")
+    plain_trainer = _train(GRPOTrainer, GRPOConfig, init, kind, tmp_path / "plain")
+    plain = delta(plain_trainer)
+    vision = delta(plain_trainer, "visual" if kind == "qwen2_vl" else "vision_tower")
+    ours = delta(_train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, kind, tmp_path / "sp", **budget))
+    # what sharedprefix ran: image groups split by the budget, a prompt with 2 images, and in one batch two groups
+    # with the same prompt tokens and different images (regrouping by prompt alone would misroute one of them)
+    assert len(calls) == 4  # 2 steps x (reference, policy)
+    assert all(plan.splits and all(g.prompt_inputs is not None for g in groups) for groups, plan in calls)
+    if kind == "qwen2_vl":
+        grids = {tuple(g.prompt_inputs["image_grid_thw"].flatten().tolist()) for groups, _ in calls for g in groups}
+        assert {(1, 4, 4), (1, 4, 8), (1, 8, 4, 1, 4, 4)} <= grids, grids
+    else:
+        assert {g.prompt_inputs["pixel_values"].shape[0] for groups, _ in calls for g in groups} == {1, 2}
+    assert any(torch.equal(a.prompt, b.prompt) and not torch.equal(a.prompt_inputs["pixel_values"],
+                                                                   b.prompt_inputs["pixel_values"])
+               for groups, _ in calls for i, a in enumerate(groups) for b in groups[:i])
+    scale = float(plain.abs().max())
+    assert scale > 1e-3 and float(vision.abs().max()) > 1e-2 * scale  # language model and vision tower both moved
+    # float32: the two runs compute the same sums in other orders (one packed prompt per group, completions in
+    # budgeted passes, vs one padded row each), so the updates agree to float32 rounding (measured 1.3e-7 of the
+    # largest update for Qwen2-VL, 2.3e-7 for Llava); 1e-4 is far above that and far below what misrouted images
+    # give (below: 1.4e-2 of it for both).
+    err = float((ours - plain).abs().max())
+    assert err <= 1e-4 * scale, (err, scale)
+    swapped = delta(_train(_swap_images(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, kind, tmp_path / "swap",
+                           **budget))
+    assert float((swapped - plain).abs().max()) > 1e-3 * scale
