@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from multimodal.test_vl import IMAGE, V_END, V_START, _llava, _model  # noqa: E402
+from multimodal.test_vl import IMAGE, V_END, V_START, _gemma3, _llava, _model  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head, split_pixel_values_by_grid, unsplit_pixel_values_by_grid  # noqa: E402
 
@@ -42,6 +42,9 @@ def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
         if kind == "llava":
             tokens = [torch.full((4,), IMAGE) for _ in grids]
             pix = torch.randn(len(grids), 3, 8, 8, generator=g, dtype=torch.float64)
+        elif kind == "gemma3":  # 16 image tokens per 8x8 image, between begin- and end-of-image tokens
+            tokens = [torch.cat([torch.tensor([V_START]), torch.full((16,), IMAGE), torch.tensor([V_END])]) for _ in grids]
+            pix = torch.randn(len(grids), 3, 8, 8, generator=g, dtype=torch.float64)
         else:
             tokens = [torch.cat([torch.tensor([V_START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([V_END])])
                       for t, h, w in grids]
@@ -64,6 +67,9 @@ def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
     input_ids, attention_mask = torch.stack(rows), torch.stack(masks).long()
     if kind == "llava":
         return input_ids, attention_mask, C, dict(pixel_values=torch.cat(pix), num_images=num_images)
+    if kind == "gemma3":  # as TRL extends the processor's token_type_ids: zeros over padding and completions
+        return input_ids, attention_mask, C, dict(pixel_values=torch.cat(pix), num_images=num_images,
+                                                  token_type_ids=(input_ids == IMAGE).long() * attention_mask)
     extra = dict(pixel_values=torch.cat(pix), image_grid_thw=torch.cat(grids), num_images=num_images,
                  mm_token_type_ids=(input_ids == IMAGE).int() * attention_mask)
     return input_ids, attention_mask, C, extra
@@ -76,7 +82,7 @@ def _stub(budget=None, mode="keep"):
 
 
 def _plain_hook(stub, model, input_ids, attention_mask, C, compute_entropy, pixel_values, num_images,
-                image_grid_thw=None, mm_token_type_ids=None):
+                image_grid_thw=None, mm_token_type_ids=None, token_type_ids=None):
     """The reference: one forward per row, unpadded, with that row's images; float64 log-softmax."""
     first = [0, *torch.tensor(num_images).cumsum(0).tolist()]
     # row b's pixel_values entries: its images' patches (Qwen) or its images (Llava)
@@ -90,6 +96,8 @@ def _plain_hook(stub, model, input_ids, attention_mask, C, compute_entropy, pixe
             if image_grid_thw is not None:
                 kw.update(image_grid_thw=image_grid_thw[first[b] : first[b + 1]],
                           mm_token_type_ids=mm_token_type_ids[b][keep][None])
+        if token_type_ids is not None:
+            kw.update(token_type_ids=token_type_ids[b][keep][None])
         ids = input_ids[b][keep]
         t = int(keep[-C:].sum())
         logits = model(input_ids=ids[None], use_cache=False, **kw).logits[0, ids.numel() - t - 1 : -1] / stub.temperature
@@ -111,12 +119,13 @@ def _run(hook, stub, model, batch):
 
 
 @pytest.mark.parametrize("kind, budget, mode", [("qwen2_vl", None, "keep"), ("qwen2_vl", 14, "recompute"),
-                                              ("llava", None, "keep"), ("llava", 14, "offload")])
+                                              ("llava", None, "keep"), ("llava", 14, "offload"),
+                                              ("gemma3", None, "keep"), ("gemma3", 44, "recompute")])
 def test_image_rows_match_grpo_trainer(kind, budget, mode):
-    model = _llava() if kind == "llava" else _model(kind)
+    model = {"llava": _llava, "gemma3": lambda: _gemma3(4)}.get(kind, lambda: _model(kind))()
     add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
     batch = _batch(kind=kind)
-    if budget is not None:  # prompts of 2 to 11 tokens, groups of up to 26: the budget splits groups
+    if budget is not None:  # prompts of 2 to 11 tokens (Gemma 3: up to 41), groups of up to 26: the budget splits groups
         assert sp.plan(image_groups(*batch[:3], **batch[3])[0], budget).splits
     want = _run(_plain_hook, _stub(), model, batch)
     got = _run(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, _stub(budget, mode), model, batch)
@@ -163,3 +172,12 @@ def test_other_image_layouts_are_refused_with_what_is_supported():
                    num_images=extra["num_images"])  # Idefics-style: padded to one entry per row
     with pytest.raises(ValueError, match=r"shape \(12, 2, 3, 8, 8\) for 12 images .*one \(channels, height, width\) entry per"):
         hook(_stub(), _llava(), input_ids, attention_mask, C, **per_row)
+
+
+def test_token_type_ids_outside_a_prompts_images_are_refused():
+    input_ids, attention_mask, C, extra = _batch(kind="gemma3")
+    hook = SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies
+    bad = extra["token_type_ids"].clone()
+    bad[0, -C] = 1  # row 0's first completion token marked as an image token
+    with pytest.raises(ValueError, match=r"row 0 has token_type_ids .* a 1 \(image token\) in its completion"):
+        hook(_stub(), _gemma3(4), input_ids, attention_mask, C, **dict(extra, token_type_ids=bad))

@@ -8,11 +8,13 @@ several layouts. The layouts taken here, the ones sharedprefix computes exactly 
 - grid (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): ``pixel_values`` (patches, dim) of every image of every row in row
   order, ``image_grid_thw`` (images, 3) giving each image's patches, ``mm_token_type_ids`` (B, L) for the
   3-D positions.
-- per image (Llava): ``pixel_values`` (images, channels, height, width), one entry per image in row order.
+- per image (Llava; Gemma 3 with ``token_type_ids`` (B, L), 1 on image tokens, whose image tokens attend to
+  each other bidirectionally): ``pixel_values`` (images, channels, height, width), one entry per image in row
+  order.
 
 Both come with ``num_images`` (B,): images of each row. Other layouts (tiles with ``num_tiles`` or
-``spatial_shapes``, ``image_sizes``, ``token_type_ids``, ``image_position_ids``, pixel values padded to one
-entry per row) are refused by ``check_image_inputs``.
+``spatial_shapes``, ``image_sizes``, ``image_position_ids``, pixel values padded to one entry per row) are
+refused by ``check_image_inputs``; so are ``token_type_ids`` with a 1 outside a row's prompt.
 
 Notation: B = rows of a microbatch, C = completion columns, P = L - C prompt columns, N = non-empty rows.
 """
@@ -29,17 +31,19 @@ MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_m
               "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 _LAYOUTS = {  # required keys -> keys allowed beside them
     "grid": ({"pixel_values", "image_grid_thw", "num_images"}, {"mm_token_type_ids"}),
-    "per image": ({"pixel_values", "num_images"}, {"mm_token_type_ids"}),
+    "per image": ({"pixel_values", "num_images"}, {"mm_token_type_ids", "token_type_ids"}),
 }
 _SUPPORTED = ("images of Qwen-style vision-language models (pixel_values with image_grid_thw: Qwen2-VL, Qwen2.5-VL, "
-              "Qwen3-VL), images of Llava-style ones (pixel_values with one (channels, height, width) entry per image) "
-              "and text")
+              "Qwen3-VL), images of Llava-style ones and Gemma 3 (pixel_values with one (channels, height, width) "
+              "entry per image; Gemma 3's token_type_ids) and text")
 
 
 def check_image_inputs(extra: dict) -> bool:
     """True when ``extra`` (the hook's keyword arguments) holds images in a layout taken here, False for text;
     raises for any other multimodal input, before anything is computed."""
     used = {k for k in MULTIMODAL if extra.get(k) is not None}
+    if used == {"token_type_ids"} and not bool(extra["token_type_ids"].any()):
+        return False  # Gemma 3's processor on text alone: every token a text token
     if not used:
         return False
     for required, allowed in _LAYOUTS.values():
@@ -119,7 +123,7 @@ def _row_images(pixel_values: torch.Tensor, num_images: list[int], image_grid_th
 
 def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pixel_values: torch.Tensor,
                  num_images: list[int], image_grid_thw: torch.Tensor | None = None,
-                 mm_token_type_ids: torch.Tensor | None = None):
+                 mm_token_type_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None):
     """TRL's (B, L) rows with their images (a layout of the module docstring) -> (groups, members).
 
     Rows with the same prompt tokens and the same images form one ``sp.Group`` whose ``prompt_inputs`` are that
@@ -140,8 +144,18 @@ def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
             continue
         prompt, completion = parts
         pix, grid = images_of(b)
+        types = None
+        if token_type_ids is not None:
+            row_types = token_type_ids[b].cpu()
+            types = row_types[:P][att[b, :P]]
+            if bool(row_types[P:][att[b, P:]].any()) or (not num_images[b] and bool(types.any())):
+                raise ValueError(
+                    f"row {b} has token_type_ids {row_types[att[b]].tolist()}: a 1 (image token) in its completion, or "
+                    "in a prompt without images; expected 1 only on the image tokens of a prompt (as Gemma 3's "
+                    "processor marks them)."
+                )
         key = (tuple(prompt.tolist()), tuple(pix.shape), pix.detach().cpu().numpy().tobytes(),
-               None if grid is None else tuple(grid.flatten().tolist()))
+               None if grid is None else tuple(grid.flatten().tolist()), None if types is None else tuple(types.tolist()))
         if key in keys:
             completions[keys[key]].append(completion)
             members[keys[key]].append(b)
@@ -151,6 +165,8 @@ def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
             inputs = {"pixel_values": pix} if grid is None else {"pixel_values": pix, "image_grid_thw": grid}
             if mm_token_type_ids is not None:
                 inputs["mm_token_type_ids"] = mm_token_type_ids[b, :P][att[b, :P].to(mm_token_type_ids.device)]
+            if types is not None:
+                inputs["token_type_ids"] = types
         keys[key] = len(prompts)
         prompts.append((prompt, inputs))
         completions.append([completion])
