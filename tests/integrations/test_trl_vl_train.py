@@ -2,12 +2,13 @@
 
 Both trainers run their real ``train()`` (generation, processor, rewards, TRL's loss, SGD) on a tiny
 vision-language model built from config classes (Qwen2-VL: images as patches with a (t, h, w) grid; Llava:
-one (channels, height, width) entry per image), with a dataset of conversational prompts with images (two
+one (channels, height, width) entry per image; Gemma 3: likewise, with token_type_ids, its image tokens attending
+to each other bidirectionally), with a dataset of conversational prompts with images (two
 image sizes, a prompt with two images, two prompts with the same text and different images), and the
 parameters after 2 steps are compared, vision tower included.
 
-The processors are transformers' own ``Qwen2VLProcessor`` and ``LlavaProcessor`` with their PIL image
-processors and a word-level tokenizer built here; the Qwen2-VL one leaves out its video processor (it needs
+The processors are transformers' own ``Qwen2VLProcessor``, ``LlavaProcessor`` and ``Gemma3Processor`` with
+their PIL image processors and a word-level tokenizer built here; the Qwen2-VL one leaves out its video processor (it needs
 torchvision): ``ImageOnlyQwen2VLProcessor`` declares no ``video_processor`` argument, which is how
 ``ProcessorMixin`` learns a processor's parts. TRL calls ``apply_chat_template`` (generation), ``__call__``
 with images (the log-prob forward) and ``batch_decode``.
@@ -25,9 +26,10 @@ np = pytest.importorskip("numpy")
 Image = pytest.importorskip("PIL.Image")
 
 import transformers as tf  # noqa: E402
-from multimodal.test_vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION, llava_config  # noqa: E402
+from multimodal.test_vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION, gemma3_config, llava_config  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # noqa: E402
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil  # noqa: E402
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -36,6 +38,7 @@ from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGR
 
 SPECIAL = {IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>", V_START: "<|vision_start|>", V_END: "<|vision_end|>"}
 LLAVA_SPECIAL = {IMAGE: "<image>"}
+GEMMA3_SPECIAL = {IMAGE: "<image_soft_token>", V_START: "<start_of_image>", V_END: "<end_of_image>"}
 # one user turn: its images then its text; a generation prompt is empty
 TEMPLATE = ("<bos>{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE"
             "{% else %} {{ p['text'] }}{% endif %}{% endfor %}{% endfor %}")
@@ -49,7 +52,7 @@ class ImageOnlyQwen2VLProcessor(tf.Qwen2VLProcessor):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
-def _tokenizer(special):
+def _tokenizer(special, **extra):
     """Word-level tokenizer whose ids match the model's vision tokens (100-103) and vocab (120)."""
     words = ["<pad>", "<bos>", "<eos>", "<unk>"]
     words += [special.get(i, f"w{i}") for i in range(len(words), TEXT["vocab_size"])]
@@ -57,12 +60,19 @@ def _tokenizer(special):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(list(special.values()))  # "<|image_pad|><|image_pad|>..." splits into tokens
     return tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                      unk_token="<unk>", padding_side="left")
+                                      unk_token="<unk>", padding_side="left", **extra)
 
 
 def _processor(kind):
     """Qwen2-VL: 8x8 pixel images become (1, 4, 4) patch grids (4 image tokens), 8x16 ones (1, 4, 8) grids (8 image
     tokens). Llava: every image is resized and cropped to 8x8, 4x4 patches: 4 image tokens."""
+    if kind == "gemma3":  # every image resized to 8x8: 4 image tokens between begin and end of image
+        tok = _tokenizer(GEMMA3_SPECIAL, extra_special_tokens={"boi_token": GEMMA3_SPECIAL[V_START],
+                                                               "eoi_token": GEMMA3_SPECIAL[V_END],
+                                                               "image_token": GEMMA3_SPECIAL[IMAGE]})
+        images = Gemma3ImageProcessorPil(size={"height": 8, "width": 8})
+        return tf.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4,
+                                  chat_template=TEMPLATE.replace("IMAGE", GEMMA3_SPECIAL[V_START]))
     if kind == "llava":
         images = CLIPImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
         return tf.LlavaProcessor(image_processor=images, tokenizer=_tokenizer(LLAVA_SPECIAL), patch_size=4,
@@ -78,6 +88,9 @@ def _model(kind):
     torch.manual_seed(0)
     if kind == "llava":
         return tf.LlavaForConditionalGeneration(llava_config(**TEXT_IDS))
+    if kind == "gemma3":
+        # images of 4 tokens, attending to each other bidirectionally, under a window of 3
+        return tf.Gemma3ForConditionalGeneration(gemma3_config(3, patch=4, **TEXT_IDS))
     cfg = tf.Qwen2VLConfig(text_config=dict(TEXT, **TEXT_IDS), vision_config=dict(VISION, embed_dim=16, mlp_ratio=2),
                            image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START,
                            vision_end_token_id=V_END)
@@ -140,7 +153,7 @@ def _swap_images(cls):
     return SwapImages
 
 
-@pytest.mark.parametrize("kind, budget", [("qwen2_vl", 24), ("llava", 16)])
+@pytest.mark.parametrize("kind, budget", [("qwen2_vl", 24), ("llava", 16), ("gemma3", 18)])
 def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budget):
     calls = []
 

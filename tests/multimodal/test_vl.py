@@ -165,17 +165,23 @@ def test_llava_style_groups_match_plain_rows(budget):
     assert_grads_close(got, want, 1e-9)
 
 
-def _gemma3(window):
+def gemma3_config(window, patch=2, **text):
+    """A tiny Gemma 3: SigLIP tower on 8x8 images in ``patch`` x ``patch`` patches ((8 / patch)^2 image tokens: 16
+    by default), 3 text layers (sliding, full, sliding) with a window of ``window`` tokens."""
     cfg = tf.Gemma3Config(
         text_config=dict(vocab_size=120, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, sliding_window=window,
-                         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                         layer_types=["sliding_attention", "full_attention", "sliding_attention"], **text),
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=8, patch_size=2),
-        mm_tokens_per_image=16, image_token_index=IMAGE, boi_token_index=V_START, eoi_token_index=V_END)
+                           image_size=8, patch_size=patch),
+        mm_tokens_per_image=(8 // patch) ** 2, image_token_index=IMAGE, boi_token_index=V_START, eoi_token_index=V_END)
     cfg._attn_implementation = "sdpa"  # eager's softmax runs in float32, even in a float64 model
+    return cfg
+
+
+def _gemma3(window):
     torch.manual_seed(0)
-    return dtype_faithful_norms(tf.Gemma3ForConditionalGeneration(cfg).double().eval())
+    return dtype_faithful_norms(tf.Gemma3ForConditionalGeneration(gemma3_config(window)).double().eval())
 
 
 def _gemma3_group(seed, layout, completions, token_types=True):
