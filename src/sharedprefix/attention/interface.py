@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
 
-from sharedprefix.attention import kernels, probe
+from sharedprefix.attention import dynamic_mask, kernels, probe
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout.packing import RowLayout
 
@@ -115,6 +115,10 @@ def shared_prefix_attention(
             f"{name} passed attention arguments {sorted(odd)} that sharedprefix cannot honour exactly "
             "(e.g. position biases or a non-causal flag). This model is not supported."
         )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if attention_mask is not None and dynamic_mask.has_dynamic_mask(module):
+        query, key, value = dynamic_mask.fold_key_bias(module, query, key, value, attention_mask, scale)
+        attention_mask = None
     if attention_mask is not None:
         _refuse(
             f"{name} received a ready-made attention mask of shape {tuple(attention_mask.shape)}; sharedprefix "
@@ -128,7 +132,6 @@ def shared_prefix_attention(
         )
     if query.shape[1] % key.shape[1]:
         raise RuntimeError(f"{name}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         query = index_to_position_temperature(module, query, layout.position_ids)
 

@@ -29,7 +29,8 @@ from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "sharedprefix_probe"
-_SETTING = re.compile(r"(window|window_size|window_len|window_length)$|^attention_chunk_size$")  # not max_window_layers
+# not max_window_layers, nor Doge's keep_window_size (a top-k count of its dynamic mask, not a window)
+_SETTING = re.compile(r"(?<!keep_)(window|window_size|window_len|window_length)$|^attention_chunk_size$")
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,8 @@ def _classify(mask: torch.Tensor | None, n: int) -> tuple[str, int | None]:
         return "full", None  # no mask: the plain SDPA forward runs is_causal
     if isinstance(mask, str):
         return "other", None
-    if mask.dtype != torch.bool:
-        mask = mask == 0  # an additive float mask (0 where allowed)
+    if mask.dtype != torch.bool:  # an additive float mask: 0 where allowed (or a bias: Doge), min or -inf elsewhere
+        mask = mask > torch.finfo(mask.dtype).min / 2
     if mask.dim() != 4 or mask.shape[-2:] != (n, n) or not (mask == mask[:1, :1]).all():
         return "other", None
     m = mask[0, 0].cpu()
