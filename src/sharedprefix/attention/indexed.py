@@ -22,7 +22,8 @@ per layer, so this mask costs less than what the model itself computes.
 ``sparse_attention`` then computes softmax(q k^T * scale) v over the keys that are visible AND selected, with
 one SDPA call on the (L, L) mask, and autograd for the backward. Cost: the dense (L, L) score matrix per head
 (torch's math kernel; a masked memory-efficient kernel on CUDA), not topk keys per query: a first, exact
-version, not a sparse kernel.
+version, not a sparse kernel. It runs on torch's SDPA whatever ``backend`` the call names (never run on a GPU
+here).
 
 With attention sinks (HY-V4: one more logit per head, its value dropped) the softmax is written out
 explicitly, with the sink logit as one more column.
