@@ -21,11 +21,11 @@ from transformers import PreTrainedModel
 from sharedprefix.attention import probe
 
 # Layer types (config.layer_types / layers_block_type) by what sharedprefix does with them.
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+# (indexed_attention: DeepSeek sparse attention, attention over indexer-selected keys, ``attention.indexed``)
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention"}
 NON_MIXING_LAYER_TYPES = {"mlp", "moe", "dense", "sparse"}  # per-token layers without any token mixing
-SPARSE_ATTENTION_LAYER_TYPES = {  # attention over keys chosen per query, or over compressed keys
-    "indexed_attention": "sparse attention over the keys an indexer selects per query (DeepSeek sparse attention)",
-    "compressed_sparse_attention": "attention over compressed and indexer-selected keys",
+COMPRESSED_ATTENTION_LAYER_TYPES = {  # DeepSeek-V4: attention over keys pooled from blocks of the row
+    "compressed_sparse_attention": "attention over compressed keys (and indexer-selected ones among them)",
     "heavily_compressed_attention": "attention over compressed keys",
 }
 # Hybrid model types (layers that mix tokens outside attention) whose own cache-aware forward continues a prompt's
@@ -151,14 +151,15 @@ POOLING_MODEL_TYPES = {
 def _check_layer_types(name: str, cfg) -> None:
     types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
     kinds = {str(t) for t in types or ()}
-    sparse = sorted(kinds & set(SPARSE_ATTENTION_LAYER_TYPES))
-    if sparse:
+    compressed = sorted(kinds & set(COMPRESSED_ATTENTION_LAYER_TYPES))
+    odd = sorted(kinds - ATTENTION_LAYER_TYPES - NON_MIXING_LAYER_TYPES - set(compressed))
+    if compressed and not odd:
         raise ValueError(
-            f"{name} has layers of type {sparse}: {SPARSE_ATTENTION_LAYER_TYPES[sparse[0]]}. sharedprefix computes "
-            "dense attention over every key a token may see and does not implement that selection, so it refuses "
-            "the model rather than give different log-probs."
+            f"{name} has layers of type {compressed}: {COMPRESSED_ATTENTION_LAYER_TYPES[compressed[0]]}, whose "
+            "compressor pools every block of compress_rate consecutive tokens of the row into one key (a gated "
+            "weighted sum, blocks aligned to row indices): these layers mix tokens outside attention, and on a packed "
+            "row a block would pool tokens of different prompts and completions. sharedprefix refuses the model."
         )
-    odd = sorted(kinds - ATTENTION_LAYER_TYPES - NON_MIXING_LAYER_TYPES)
     if odd:
         raise ValueError(
             f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear attention, "

@@ -9,6 +9,7 @@ sinks ignored) and require the zoo to report it, so that a silent mismatch of th
 import os
 
 import pytest
+import torch
 import transformers
 
 from sharedprefix.attention import interface
@@ -53,8 +54,9 @@ def test_the_features_this_zoo_exists_for_are_exercised():
 @pytest.mark.parametrize("entry, category", [
     ("bart", "positions numbered by the model itself"),  # was silently wrong: positions 0..L-1 along the row
     ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
-    ("deepseek_v32", "sparse attention over indexer-selected"),
     ("mamba", "token mixing outside attention"),
+    ("deepseek_v4", "token mixing outside attention"),  # its compressors pool blocks of the row into keys
+    ("qwen4_exp_text", "token mixing outside attention"),  # linear-attention layers (next to its indexed ones)
     ("doge", "attention masks other than causal"),
 ])
 def test_refusals_name_the_feature(entry, category):
@@ -66,6 +68,29 @@ def test_several_attention_calls_per_layer_are_exact_in_one_pass_and_refused_whe
     for entry in ("hrm_text", "diffllama"):
         r = _result(entry)
         assert r.status == "exact" and "runs its attention" in r.split_refusal, (entry, r.status, r.split_refusal)
+
+
+DSA_ENTRIES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text", "dots3_note")
+
+
+def test_deepseek_sparse_attention_is_exact_in_one_pass_and_refused_when_split():
+    for entry in DSA_ENTRIES:
+        r = _result(entry)
+        assert r.status == "exact" and "keys selected by an indexer (DeepSeek sparse attention)" in r.features, (
+            entry, r.status, r.detail)
+        assert "selects the keys of each query with an indexer" in r.split_refusal, (entry, r.split_refusal)
+
+
+@pytest.mark.parametrize("entry", ["deepseek_v32", "hy_v4"])
+def test_zoo_catches_an_ignored_indexer_selection(entry, monkeypatch):
+    """The zoo's index_topk (4) is below what most tokens of its rows see: attending to every visible key fails."""
+    from sharedprefix.attention import indexed
+
+    orig = indexed.sparse_attention
+    monkeypatch.setattr(indexed, "sparse_attention", lambda q, k, v, vis, idx, *a: orig(
+        q, k, v, vis, torch.arange(q.shape[2])[None, None].expand(1, q.shape[2], -1), *a))
+    r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 
 
 def test_readme_table_is_the_zoo_results():

@@ -7,6 +7,11 @@ model's code is never edited. The function reads the layout of the current pass 
 process-global stack (not a thread-local: autograd may run the recomputation of a
 checkpointed layer on another thread).
 
+Models with indexed layers (DeepSeek sparse attention, ``attention.indexed``) are switched to a second name,
+``"sharedprefix_indexed"``: the same attention function, plus a mask builder registered with
+``transformers.masking_utils.AttentionMaskInterface`` that answers with the row's visibility mask, which their
+indexers need. No other model gets a mask: for them the attention function refuses any mask.
+
 Shapes as transformers passes them: query (1, H, L, D), key/value (1, Hkv, L, D), where L is
 the packed row; the function returns (1, L, H, D).
 """
@@ -19,8 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
+from transformers.masking_utils import AttentionMaskInterface
 
-from sharedprefix.attention import dynamic_mask, kernels, probe
+from sharedprefix.attention import dynamic_mask, indexed, kernels, probe
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout.packing import RowLayout
 
@@ -44,6 +50,8 @@ class PassState:
         write_kv: (module, segment id, k, v) -> None, called once per layer for ``layout.record``.
         seen: attention modules that ran in this pass (a layer recomputed by gradient
             checkpointing runs again; it must not record twice).
+        visible: (1, 1, L, L) bool visibility mask of the row, built on the first request of a model with indexed
+            layers (``indexed_mask``), else None.
 
     """
 
@@ -52,6 +60,7 @@ class PassState:
     read_kv: Callable | None = None
     write_kv: Callable | None = None
     seen: dict = field(default_factory=dict)
+    visible: torch.Tensor | None = None
 
 
 _STACK: list[PassState] = []
@@ -101,6 +110,7 @@ def shared_prefix_attention(
             _refuse(f"{name} passed softcap={softcap}; expected a positive attention-score soft-cap or None.")
         if not getattr(impl, "SOFTCAP", False):
             _refuse(softcap_refusal(name, softcap, impl.name))
+    indices = kwargs.pop("indices", None)
     sinks = kwargs.pop("s_aux", None)
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
         _refuse(
@@ -119,7 +129,7 @@ def shared_prefix_attention(
     if attention_mask is not None and dynamic_mask.has_dynamic_mask(module):
         query, key, value = dynamic_mask.fold_key_bias(module, query, key, value, attention_mask, scale)
         attention_mask = None
-    if attention_mask is not None:
+    if attention_mask is not None and (state.visible is None or attention_mask is not state.visible):
         _refuse(
             f"{name} received a ready-made attention mask of shape {tuple(attention_mask.shape)}; sharedprefix "
             "builds the shared-prefix mask itself and cannot combine it with the model's own mask. "
@@ -135,8 +145,12 @@ def shared_prefix_attention(
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         query = index_to_position_temperature(module, query, layout.position_ids)
 
-    casc = layout.cascade(sliding_window, chunk)
     calls = probe.pattern(module).calls
+    if indices is not None or probe.pattern(module).indexed:
+        _check_indexed(module, indices, state, sliding_window, chunk, softcap, calls)
+        state.seen[module] = state.seen.get(module, 0) + 1
+        return indexed.sparse_attention(query, key, value, state.visible, indices, scale, sinks), None
+    casc = layout.cascade(sliding_window, chunk)
     if calls > 1 and (layout.record or any(src.cached for c in casc.calls for src in c.keys)):
         _refuse(
             f"{name} runs its attention {calls} times in one forward (looped layers, or differential attention), "
@@ -153,6 +167,43 @@ def shared_prefix_attention(
 
     read = (lambda seg: state.read_kv(module, seg)) if state.read_kv else None
     return cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap), None
+
+
+def _check_indexed(module, indices, state: PassState, window, chunk, softcap, calls) -> None:
+    """Refuse what ``indexed.sparse_attention`` does not reproduce; the probe and this call must agree that the layer
+    attends over indexer-selected keys."""
+    name = type(module).__name__
+    if indices is None or not probe.pattern(module).indexed:
+        raise ValueError(
+            f"{name} passed indexer indices to attention {'only now' if indices is not None else 'in the probe only'}; "
+            "sharedprefix reads which layers attend over indexer-selected keys from the probe and refuses a layer "
+            "that changes its mind. This model is not supported."
+        )
+    if state.visible is None:
+        raise ValueError(
+            f"{name} attends over indexer-selected keys (DeepSeek sparse attention) but its indexer got no visibility "
+            "mask from sharedprefix (its mask does not come from transformers' masking utilities), so the "
+            "selection cannot match the plain run. This model is not supported."
+        )
+    odd = [x for x, on in (("a sliding window", window is not None), ("attention chunks", chunk is not None),
+                           ("attention-score soft-capping", softcap is not None),
+                           (f"{calls} attention calls per forward", calls > 1)) if on]
+    if odd:
+        raise ValueError(
+            f"{name} attends over indexer-selected keys (DeepSeek sparse attention) with {', '.join(odd)}; "
+            "sharedprefix's sparse attention implements plain causal selection only and refuses the model."
+        )
+
+
+def indexed_mask(*args, **kwargs):
+    """transformers' mask builder under ``indexed.NAME``: the row's (1, 1, L, L) visibility mask, one tensor per pass
+    for every layer (the indexers read it; dense layers ignore it, see ``attention.indexed``)."""
+    if not _STACK:
+        return None  # outside a pass the attention function refuses anyway, with its own message
+    state = _STACK[-1]
+    if state.visible is None:
+        state.visible = indexed.visible_mask(state.layout, kwargs.get("device"))
+    return state.visible
 
 
 def softcap_refusal(name: str, softcap: float, backend: str) -> str:
@@ -236,6 +287,8 @@ def _pattern(module) -> probe.LayerPattern:
 
 
 AttentionInterface.register(NAME, shared_prefix_attention)
+AttentionInterface.register(indexed.NAME, shared_prefix_attention)
+AttentionMaskInterface.register(indexed.NAME, indexed_mask)
 
 
 def _encoder_configs(model: torch.nn.Module) -> set[int]:
@@ -273,14 +326,22 @@ def _configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
     return out
 
 
+def implementation(model: torch.nn.Module) -> str:
+    """The attention implementation ``activated`` switches ``model`` to: ``indexed.NAME`` for a model with indexed
+    layers (DeepSeek sparse attention), else ``NAME``."""
+    return indexed.NAME if indexed.is_indexed(_configs(model)) else NAME
+
+
 @contextmanager
 def activated(model: torch.nn.Module):
-    """Switch every config of ``model`` to the sharedprefix attention; restore them on exit."""
+    """Switch every config of ``model`` to the sharedprefix attention (``indexed.NAME`` for a model with indexed
+    layers); restore them on exit."""
     configs = _configs(model)
+    name = implementation(model)
     saved = [cfg._attn_implementation_internal for cfg in configs]
     try:
         for cfg in configs:
-            cfg._attn_implementation_internal = NAME
+            cfg._attn_implementation_internal = name
         yield
     finally:
         for cfg, old in zip(configs, saved):

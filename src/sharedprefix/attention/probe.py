@@ -43,12 +43,14 @@ class LayerPattern:
         size: tokens of the window or chunk, None for "full".
         setting: the config attribute that sets ``size`` ("" for "full").
         calls: how many times one forward runs this module (more than 1 in looped, recurrent-depth models).
+        indexed: the module passes indexer-selected keys (``indices``, DeepSeek sparse attention) to attention.
     """
 
     kind: str
     size: int | None = None
     setting: str = ""
     calls: int = 1
+    indexed: bool = False
 
 
 _PATTERNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> LayerPattern
@@ -71,7 +73,7 @@ def _record(module, query, key, value, attention_mask, **kwargs):
             causal = kwargs.get("is_causal")
             causal = getattr(module, "is_causal", True) if causal is None else causal
             _LOG[-1][module] = [attention_mask if causal or attention_mask is not None else "bidirectional",
-                                key.shape[-2], 1]
+                                key.shape[-2], 1, kwargs.get("indices") is not None]
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
     return out, None
 
@@ -176,14 +178,14 @@ def probe(model, decoder, expected_layers: int) -> dict:
         ) from e
     finally:
         _LOG.pop()
-    if sum(c for _, _, c in log.values()) < expected_layers:
+    if sum(c for _, _, c, _ in log.values()) < expected_layers:
         raise ValueError(
             f"{name}: on a probe row the attention interface ran in {len(log)} of {expected_layers} layers; the model's "
             "attention bypasses transformers' attention interface, so prompt sharing cannot be applied exactly. "
             "This model is not supported."
         )
     out = {}
-    for module, (mask, kv_len, calls) in log.items():
+    for module, (mask, kv_len, calls, indexed) in log.items():
         mod = type(module).__name__
         if kv_len != n:
             raise ValueError(
@@ -209,7 +211,13 @@ def probe(model, decoder, expected_layers: int) -> dict:
                 )
             d, (cfg, setting) = hit
             size = int(getattr(cfg, setting)) + d
-        out[module] = LayerPattern(kind, size, setting, calls)
+        if indexed and kind != "full":
+            raise ValueError(
+                f"{mod} (in {name}) attends over indexer-selected keys (DeepSeek sparse attention) with a {kind} mask "
+                "in the plain forward; sharedprefix hands the indexer the row's causal visibility only, so the "
+                "selection would differ, and it refuses the model."
+            )
+        out[module] = LayerPattern(kind, size, setting, calls, indexed)
     _PATTERNS.update(out)
     _BY_MODEL[model] = len(out)
     return out

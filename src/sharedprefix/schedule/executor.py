@@ -13,7 +13,8 @@ import math
 import torch
 
 from sharedprefix import router
-from sharedprefix.attention.interface import PassState, pass_state, softcap_refusal
+from sharedprefix.attention import indexed
+from sharedprefix.attention.interface import PassState, implementation, pass_state, softcap_refusal
 from sharedprefix.attention.kernels import select
 from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
@@ -79,6 +80,8 @@ class Executor:
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or raise "
                 "max_tokens so that every group fits one pass."
             )
+        if self.plan.splits and implementation(self.model) == indexed.NAME:
+            raise ValueError(indexed.split_refusal(type(self.model).__name__))
         if leaves and self.par.fsdp and self.plan.splits and prefix_activations != "recompute":
             raise ValueError(
                 f"prefix_activations={prefix_activations!r} with an FSDP2 model and a budget that splits a group: a "

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sharedprefix.tools.zoo.configs import NotBuildable, _first_line, _float64_norms, build, entries, groups
+from sharedprefix.tools.zoo.configs import NotBuildable, _first_line, _float64_norms, _get, build, entries, groups
 
 LOGPROB_TOL = 1e-9
 GRAD_TOL = 1e-9
@@ -50,7 +50,6 @@ EXPECTED_NOT_BUILDABLE = {
 REFUSALS: list[tuple[str, str]] = [
     ("token mixing outside attention (state-space, linear attention, recurrence, convolution)",
      r"mix tokens outside attention|convolution over tokens"),
-    ("sparse attention over indexer-selected or compressed keys", r"sparse attention over the keys|attention over compressed"),
     ("attention outside transformers' attention interface", r"bypasses transformers' attention interface"),
     ("positions numbered by the model itself (no position_ids input, or a numbering other than RoBERTa's)",
      r"takes no position_ids|numbers the positions of a row differently"),
@@ -58,6 +57,8 @@ REFUSALS: list[tuple[str, str]] = [
     ("attention-score soft-capping on a backend without it (torch's CUDA flash ops)", r"attention-score soft-capping"),
     ("query scaling by the token's index in the row (Llama 4 attn_temperature_tuning)", r"attn_temperature_tuning"),
     ("several attention calls per layer, split across passes", r"runs its attention \d+ times in one forward"),
+    ("keys selected by an indexer (DeepSeek sparse attention), split across passes",
+     r"selects the keys of each query with an indexer"),
     ("keys beyond the row (memory, compressed keys)", r"attends over \d+ keys for a row"),
     ("an LM head sharedprefix cannot reproduce", r"turns hidden states into logits"),
     ("RoPE scaling that depends on the longest position", r"RoPE scaling, whose frequencies"),
@@ -310,9 +311,9 @@ def features(model) -> list[str]:
 
     pats = [p for p in map(probe.pattern, model.modules()) if p is not None]
     cfg = model.config.get_text_config()
-    v, qk = getattr(cfg, "v_head_dim", None), getattr(cfg, "qk_head_dim", None)
-    if qk is None and getattr(cfg, "qk_nope_head_dim", None) is not None:
-        qk = cfg.qk_nope_head_dim + getattr(cfg, "qk_rope_head_dim", 0)
+    v, qk = _get(cfg, "v_head_dim"), _get(cfg, "qk_head_dim")  # (per-layer configs refuse some global reads)
+    if qk is None and _get(cfg, "qk_nope_head_dim") is not None:
+        qk = cfg.qk_nope_head_dim + (_get(cfg, "qk_rope_head_dim") or 0)
     out = []
     if any(p.kind == "sliding" for p in pats):
         out.append("sliding window")
@@ -328,6 +329,8 @@ def features(model) -> list[str]:
         out.append("MoE")
     if getattr(cfg, "output_router_logits", False):
         out.append("MoE load-balancing loss")
+    if any(p.indexed for p in pats):
+        out.append("keys selected by an indexer (DeepSeek sparse attention)")
     if any(p.calls > 1 for p in pats):
         out.append("several attention calls per layer (looped layers, differential attention)")
     from sharedprefix.modeling import is_hybrid

@@ -139,6 +139,9 @@ def _first_line(e: BaseException, limit: int = 200) -> str:
 
 
 _DELTA_NET = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4)
+# DeepSeek sparse attention: the indexer keeps 4 keys per query, fewer than most tokens of LAYOUT's rows see, so the
+# selection bites; 16 index heads, so that a key whose every head score the ReLU clips to 0 (a tie) is rare
+_DSA = dict(index_topk=4, index_n_heads=16, index_head_dim=16)
 _MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8, mamba_n_groups=1)
 
 # Per-architecture settings the generic sizes cannot infer (a dict value configures that sub-config).
@@ -160,7 +163,13 @@ ARCH: dict[str, dict] = {
     "gemma3n_text": dict(num_kv_shared_layers=0),
     "gemma4_assistant": dict(text_config=dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)),
     "dots3_note": dict(vision_config=dict(adapter_in_dim=32, adapter_out_dim=32),
-                       audio_config=dict(adapter_input_size=32, adapter_out_dim=32, downsample_hidden_size=16)),
+                       audio_config=dict(adapter_input_size=32, adapter_out_dim=32, downsample_hidden_size=16),
+                       text_config=_DSA),
+    "dots3_note_text": _DSA,
+    "deepseek_v32": _DSA,
+    "glm_moe_dsa": _DSA,
+    "axk2": _DSA,
+    "hy_v4": _DSA,
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "zaya": dict(num_experts_per_tok=1),
     "zamba": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "hybrid"] * 2, attn_layer_period=2,

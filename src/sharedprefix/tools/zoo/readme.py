@@ -65,9 +65,10 @@ def render(results: list[Result], transformers_version: str) -> str:
         lines[-1] = lines[-1][:-2] + (
             f"; gradients of {_names(rule)} beyond {_e(GRAD_TOL_FLOAT32_INSIDE)}, within twice the plain forward's own "
             "error against the same model computing those parts in float64 |")
-    if one_pass:
-        lines.append(f"| exact in one pass; a budget that splits a group is refused (several attention calls per layer) | "
-                     f"{_names(one_pass)} |")
+    for label, pat in REFUSALS:  # one line per reason a split is refused
+        hit = [r for r in one_pass if re.search(pat, r.split_refusal, re.S)]
+        if hit:
+            lines.append(f"| exact in one pass; a budget that splits a group is refused ({label}) | {_names(hit)} |")
     for label, _ in REFUSALS:
         hit = [r for r in by["refused"] if r.category == label]
         if hit:

@@ -1,0 +1,204 @@
+"""DeepSeek sparse attention (indexer-selected keys): exact against one plain forward per row, in float64.
+
+The tiny models keep ``index_topk = 4`` keys per query while most tokens see more (rows of up to 13 tokens), so the
+selection changes the result (``test_the_selection_bites``); dense MLPs instead of the MoE layers, whose float32
+routers would hold gradients to float32 accuracy. The mutation tests break the attention on purpose (selection
+ignored, visibility ignored) and require a mismatch, so that the exactness tests can fail.
+"""
+
+import pytest
+import torch
+import transformers
+
+import sharedprefix as sp
+from helpers import assert_grads_close, assert_matches_plain_rows, grads_of, plain_logprobs, random_groups, tree_mask
+from sharedprefix.attention import indexed, interface
+from sharedprefix.layout.packing import pack_row
+from sharedprefix.layout.tree import SegmentTree
+from sharedprefix.tools.reference import Float64Inside
+from sharedprefix.tools.zoo.configs import _float64_norms, entries, tiny_config
+
+# three groups in one row; the first prompt sees 7 keys at its end, its completions up to 13
+GROUPS = random_groups(0, 3, [7, 3, 5], [[4, 6, 2], [5], [3, 3]])
+
+
+def dsa_model(entry="deepseek_v32", **overrides):
+    """The zoo's tiny ``entry`` (index_topk 4, 16 index heads), dense MLPs, float64 norms, its plain attention SDPA
+    where the model has it (eager softmax is float32 in DeepSeek-V3.2) and eager otherwise."""
+    cfg = tiny_config(entry)
+    tc = cfg.get_text_config()
+    tc.mlp_layer_types = ["dense"] * len(tc.mlp_layer_types)
+    for k, v in overrides.items():
+        setattr(tc, k, v)
+    cls = getattr(transformers, entries()[entry])
+    torch.manual_seed(0)
+    model = cls._from_config(cfg, attn_implementation="sdpa" if cls._supports_sdpa else "eager")
+    model = model.to(torch.float64).eval()
+    _float64_norms(model)
+    return model
+
+
+MODEL = dsa_model()
+
+
+def _set_topk(model, k):
+    for m in model.modules():
+        if hasattr(m, "index_topk"):
+            m.index_topk = k
+
+
+def test_visible_mask_is_the_tree_mask():
+    tree = SegmentTree(GROUPS)
+    layout = pack_row(tree, list(range(len(tree.segments))), set())
+    # tree_mask numbers tokens by segment id; the row lays them out level by level
+    off = torch.tensor([0] + [s.length for s in tree.segments]).cumsum(0)
+    order = torch.cat([torch.arange(off[s], off[s] + tree.segments[s].length) for s in layout.segments])
+    want = tree_mask(tree)[order][:, order]
+    assert torch.equal(indexed.visible_mask(layout, "cpu")[0, 0], want)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_sparse_attention_against_explicit_math(sinks):
+    """GQA (4 query heads over 2), value head dim unlike the query's, selected keys that are invisible (masked) and
+    repeated: each query's softmax over exactly its visible selected keys (and the sink logit), values and
+    gradients."""
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, L, D, Dv, topk = 4, 2, 9, 5, 3, 4
+    q, k, v = (torch.randn(1, h, L, d, generator=g, dtype=torch.float64, requires_grad=True)
+               for h, d in ((H, D), (Hkv, D), (Hkv, Dv)))
+    s = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True) if sinks else None
+    tree = SegmentTree(random_groups(1, 2, [3, 2], [[2, 1], [1]]))
+    vis = tree_mask(tree)[None, None]
+    idx = torch.randint(0, L, (1, L, topk), generator=g)
+    idx[0, :, 0] = torch.arange(L)  # every query keeps at least itself
+    out = indexed.sparse_attention(q, k, v, vis, idx, 0.7, s)
+    want = torch.zeros(1, L, H, Dv, dtype=torch.float64)
+    for h in range(H):
+        for i in range(L):
+            keys = sorted(j for j in set(idx[0, i].tolist()) if vis[0, 0, i, j])
+            logits = torch.stack([q[0, h, i] @ k[0, h // 2, j] * 0.7 for j in keys])
+            if sinks:
+                logits = torch.cat([logits, s[h : h + 1]])
+            p = torch.softmax(logits, 0)[: len(keys)]
+            want[0, i, h] = sum(p[n] * v[0, h // 2, j] for n, j in enumerate(keys))
+    assert (out - want).abs().max() <= 1e-13
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    params = [q, k, v] + ([s] if sinks else [])
+    got = torch.autograd.grad((out * w).sum(), params)
+    ref = torch.autograd.grad((want * w).sum(), params)
+    for a, b in zip(got, ref):
+        assert (a - b).abs().max() <= 1e-13
+
+
+def test_only_models_with_indexed_layers_get_a_mask():
+    from helpers import tiny_model
+
+    assert interface.implementation(MODEL) == indexed.NAME
+    assert interface.implementation(tiny_model("llama")) == interface.NAME
+
+
+def test_the_selection_bites():
+    with torch.no_grad():
+        sparse = plain_logprobs(MODEL, GROUPS)[0]
+        _set_topk(MODEL, 1000)
+        try:
+            dense = plain_logprobs(MODEL, GROUPS)[0]
+        finally:
+            _set_topk(MODEL, 4)
+    assert (sparse - dense).abs().max() > 1e-3
+
+
+def test_deepseek_v32_several_groups_per_row_exact():
+    """Log-probs (1e-9) and gradients (relative 1e-9) of three groups in one row, with the indexer's float32 scores
+    as the model computes them."""
+    assert_matches_plain_rows(MODEL, GROUPS)
+
+
+def _plain_rows(model, rows):
+    """(N, L) log p(row[t] | row[:t]) for t >= 1 (zero at t = 0 and past the row), one plain forward per row."""
+    L = max(len(r) for r in rows)
+    out = []
+    for r in rows:
+        ids = torch.tensor(r)[None]
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, :-1], -1)
+        out.append(torch.nn.functional.pad(logp.gather(-1, ids[0, 1:, None])[:, 0], (1, L - len(r))))
+    return torch.stack(out)
+
+
+def test_deepseek_v32_prefix_tree_exact():
+    """Rows sharing prefixes at several depths (segments with up to 3 ancestors): each token sees its ancestors' tokens."""
+    rows = [[5, 9, 11, 3, 4, 8, 2], [5, 9, 11, 3, 7, 7, 1, 6], [5, 9, 11, 3, 7, 7, 2], [5, 9, 40, 41, 42, 43, 44, 45]]
+    tree = sp.Tree.from_rows(rows)
+    segs = SegmentTree.from_trie(list(tree.rows), list(tree.trained))
+    assert max(len(segs.ancestors(s.id)) for s in segs.segments) == 3
+    ref = _plain_rows(MODEL, rows).detach()
+    with torch.no_grad():
+        out = sp.logprobs(MODEL, tree)
+    assert (out.logprobs - ref).abs().max() <= 1e-9
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    want = grads_of(MODEL, lambda: (_plain_rows(MODEL, rows) * w).sum())
+    got = grads_of(MODEL, lambda: sp.backward(MODEL, tree, lambda b: (b.logprobs * w[b.index]).sum()) and None)
+    assert_grads_close(got, want, 1e-9)
+
+
+def test_gradient_checkpointing_exact():
+    """The checkpointed layers' recomputation (during backward) gets the same mask and reselects the same keys."""
+    model = dsa_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    w = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))  # 6 completions, T = 6
+    want = grads_of(model, lambda: (plain_logprobs(model, GROUPS)[0] * w).sum())
+    got = grads_of(model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum()) and None)
+    assert_grads_close(got, want, 1e-9)
+
+
+def test_sinks_and_a_shared_indexer_layer_exact():
+    """HY-V4: attention sinks, and a layer that reuses the previous layer's selection (indexer_types 'shared'). Its
+    hyper-connections compute in float32, so both runs keep them float64 (``Float64Inside``)."""
+    model = dsa_model("hy_v4")
+    assert "shared" in model.config.indexer_types and isinstance(model.model.layers[0].self_attn.sinks, torch.Tensor)
+    with Float64Inside():
+        assert_matches_plain_rows(model, GROUPS)
+
+
+@pytest.mark.parametrize("broken", ["selection ignored", "visibility ignored"])
+def test_a_broken_sparse_attention_is_caught(monkeypatch, broken):
+    """Attending to every visible key, or to every selected key (also the invisible ones top-k returns when a query
+    sees fewer than topk keys), must not pass the exactness check."""
+    real = indexed.sparse_attention
+
+    def fake(q, k, v, visible, indices, scale, sinks=None):
+        L = q.shape[2]
+        if broken == "selection ignored":
+            indices = torch.arange(L)[None, None].expand(1, L, L)
+        else:
+            visible = torch.ones_like(visible)
+        return real(q, k, v, visible, indices, scale, sinks)
+
+    ref = plain_logprobs(MODEL, GROUPS)[0].detach()
+    monkeypatch.setattr(indexed, "sparse_attention", fake)
+    with torch.no_grad():
+        out = sp.logprobs(MODEL, GROUPS)
+    assert (out.logprobs - ref).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["keep", "offload", "recompute"])
+def test_a_budget_that_splits_a_group_is_refused_before_any_computation(mode):
+    model = dsa_model()
+    budget = 12  # the first group (7 + 4 + 6 + 2 tokens) does not fit
+    assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(GROUPS, budget).steps)
+    match = r"selects the keys of each query with an indexer .* cannot split a group .* max_tokens=None"
+    with pytest.raises(ValueError, match=match):
+        sp.backward(model, GROUPS, lambda b: b.logprobs.sum(), max_tokens=budget, prefix_activations=mode)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match=match):
+        sp.logprobs(model, GROUPS, max_tokens=budget)
+    long_prompt = [sp.Group(list(range(3, 20)), [[5, 6]])]  # a prompt longer than the budget: a chain of segments
+    with pytest.raises(ValueError, match=match):
+        sp.logprobs(model, long_prompt, max_tokens=budget)
+    assert all(p.grad is None for p in model.parameters())
+    # a budget that fits every group is exact
+    assert_matches_plain_rows(model, GROUPS[1:], budget=None)
+    with torch.no_grad():
+        out = sp.logprobs(model, GROUPS, max_tokens=19)
+    assert (out.logprobs - plain_logprobs(model, GROUPS)[0]).abs().max() <= 1e-9
