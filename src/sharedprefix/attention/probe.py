@@ -19,6 +19,7 @@ value (3, 6, 9, ...).
 
 from __future__ import annotations
 
+import inspect
 import re
 import weakref
 from contextlib import contextmanager
@@ -159,7 +160,9 @@ def probe(model, decoder, expected_layers: int) -> dict:
     _LOG.append({})
     try:
         with _probing(configs, settings), torch.no_grad():
-            decoder(input_ids=ids, position_ids=torch.arange(n, device=device)[None], use_cache=False)
+            numbered = "position_ids" in inspect.signature(decoder.forward).parameters  # else it numbers 0..n-1 itself
+            decoder(input_ids=ids, use_cache=False,
+                    **({"position_ids": torch.arange(n, device=device)[None]} if numbered else {}))
         log = _LOG[-1]
     except Exception as e:  # noqa: BLE001  (the model's own code: refused, with its error, never passed over)
         raise ValueError(
