@@ -34,6 +34,11 @@ SPARSE_ATTENTION_LAYER_TYPES = {  # attention over keys chosen per query, or ove
 # refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
 HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "falcon_h1", "qwen3_next", "qwen3_5_text", "zamba2", "olmo_hybrid",
                       "kimi_linear", "bailing_hybrid", "nemotron_h"}
+# Model types whose layers mix tokens by a recurrence, without layer_types to say so (refused in check_supported).
+RECURRENT_MODEL_TYPES = {
+    "rwkv": "RWKV's time mixing (a linear recurrence of exponentially decayed keys and values)",
+    "xlstm": "xLSTM's mLSTM cells (a gated matrix-memory recurrence)",
+}
 _VERIFIED = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
 _HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head
 _PADDING_NUMBERED = weakref.WeakKeyDictionary()  # model -> padding index of its RoBERTa-style position numbering
@@ -131,9 +136,24 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
             )
     if model.get_output_embeddings() is None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
+    streams = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if isinstance(m, torch.nn.ModuleList)]
+    if streams:
+        raise ValueError(
+            f"{name} reads and predicts {len(streams[0])} parallel token streams per position (its input and output "
+            "embeddings are lists of modules, one per stream, as MusicGen's audio codebooks are), so a row of its "
+            "input is not one token sequence; sharedprefix's groups hold one token stream per row. This model is not "
+            "supported."
+        )
 
 
 def _check_layer_types(name: str, cfg) -> None:
+    recurrence = RECURRENT_MODEL_TYPES.get(getattr(cfg, "model_type", None))
+    if recurrence is not None:
+        raise ValueError(
+            f"{name}'s layers mix tokens outside attention: {recurrence}, carried from token to token, where "
+            "sharedprefix shares a prompt through attention only; it refuses the model rather than give inexact "
+            "results."
+        )
     types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
     kinds = {str(t) for t in types or ()}
     sparse = sorted(kinds & set(SPARSE_ATTENTION_LAYER_TYPES))
