@@ -53,8 +53,8 @@ class LayerPattern:
 
 # What the model's own attention code does, for the refusal of models whose attention bypasses the interface.
 OWN_ATTENTION = {
-    "bloom": "its own attention code adds ALiBi biases (a per-head slope times the key's index in the row) to the scores",
-    "mpt": "its own attention code adds ALiBi biases (a per-head slope times the key's index in the row) to the scores",
+    "bloom": "its own attention code adds ALiBi biases (a per-head slope times the key's position) to the scores",
+    "mpt": "its own attention code adds ALiBi biases (a per-head slope times the key's position) to the scores",
     "xlnet": "its own two-stream relative-position attention (content and query streams), over the whole row in both "
              "directions unless config.attn_type='uni'",
 }
