@@ -18,6 +18,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from sharedprefix import positions
 from sharedprefix.attention import probe
 
 # Layer types (config.layer_types / layers_block_type) by what sharedprefix does with them.
@@ -33,6 +34,11 @@ COMPRESSED_ATTENTION_LAYER_TYPES = {  # DeepSeek-V4: attention over keys pooled 
 # refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
 HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "falcon_h1", "qwen3_next", "qwen3_5_text", "zamba2", "olmo_hybrid",
                       "kimi_linear", "bailing_hybrid", "nemotron_h"}
+# Model types whose layers mix tokens by a recurrence, without layer_types to say so (refused in check_supported).
+RECURRENT_MODEL_TYPES = {
+    "rwkv": "RWKV's time mixing (a linear recurrence of exponentially decayed keys and values)",
+    "xlstm": "xLSTM's mLSTM cells (a gated matrix-memory recurrence)",
+}
 _VERIFIED = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
 _HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head
 _PADDING_NUMBERED = weakref.WeakKeyDictionary()  # model -> padding index of its RoBERTa-style position numbering
@@ -97,13 +103,7 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
     name = type(model).__name__
     if not hybrid:
         _check_layer_types(name, cfg)
-    dec = decoder(model)
-    if "position_ids" not in _params(dec.forward):
-        raise ValueError(
-            f"{name}'s decoder ({type(dec).__name__}.forward) takes no position_ids: it numbers the tokens of its "
-            "input 0..L-1 itself (or has no position input). sharedprefix packs a prompt and its completions in one "
-            "row, where each completion's positions must continue its prompt's, so this model is not supported."
-        )
+    decoder(model)  # a decoder without position_ids is renumbered or refused in verify_head (positions.verify)
     for mod_name, mod in model.named_modules():
         if model.training and isinstance(mod, torch.nn.Dropout) and mod.p > 0:
             raise ValueError(
@@ -136,6 +136,14 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
             )
     if model.get_output_embeddings() is None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
+    streams = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if isinstance(m, torch.nn.ModuleList)]
+    if streams:
+        raise ValueError(
+            f"{name} reads and predicts {len(streams[0])} parallel token streams per position (its input and output "
+            "embeddings are lists of modules, one per stream, as MusicGen's audio codebooks are), so a row of its "
+            "input is not one token sequence; sharedprefix's groups hold one token stream per row. This model is not "
+            "supported."
+        )
     if getattr(model.config, "model_type", None) in POOLING_MODEL_TYPES:
         raise ValueError(f"{name}: {POOLING_MODEL_TYPES[model.config.model_type]}; sharedprefix refuses the model.")
 
@@ -149,6 +157,13 @@ POOLING_MODEL_TYPES = {
 
 
 def _check_layer_types(name: str, cfg) -> None:
+    recurrence = RECURRENT_MODEL_TYPES.get(getattr(cfg, "model_type", None))
+    if recurrence is not None:
+        raise ValueError(
+            f"{name}'s layers mix tokens outside attention: {recurrence}, carried from token to token, where "
+            "sharedprefix shares a prompt through attention only; it refuses the model rather than give inexact "
+            "results."
+        )
     types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
     kinds = {str(t) for t in types or ()}
     compressed = sorted(kinds & set(COMPRESSED_ATTENTION_LAYER_TYPES))
@@ -265,7 +280,7 @@ def _verify(model: PreTrainedModel, device, forward, hybrid: bool = False) -> No
         _check_deterministic(model, dec, ids)
     ref = forward(input_ids=ids, use_cache=False).logits[0].float()
     hidden = dec(input_ids=ids, use_cache=False).last_hidden_state[0]
-    _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allowed=hybrid)
+    probed = _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allowed=hybrid)
     tol = 1e-4 * max(1.0, float(ref.abs().max()))
     errs = []
     for chain in (None, _modules_after_decoder(model)):
@@ -278,7 +293,7 @@ def _verify(model: PreTrainedModel, device, forward, hybrid: bool = False) -> No
             _HEADS.pop(model, None)
             continue
         if ours.shape == ref.shape and torch.allclose(ours, ref, rtol=1e-3, atol=tol):
-            if not hybrid:  # the hybrid path runs the model's own attention, not sharedprefix's
+            if not hybrid and not probed:  # the hybrid path runs the model's own attention, not sharedprefix's
                 probe.probe(model, dec, _config_attention_layers(model))
             return
         errs.append(f"{float((ours - ref).abs().max()):.3g}" if ours.shape == ref.shape else f"shape {tuple(ours.shape)}")
@@ -306,9 +321,11 @@ def _check_deterministic(model, dec, ids) -> None:
         )
 
 
-def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allowed: bool = False) -> None:
+def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allowed: bool = False) -> bool:
     """Refuse a decoder whose own position numbering is not 0..L-1, or that runs a convolution along the tokens
-    (unless ``convolutions_allowed``: the hybrid path carries convolution states)."""
+    (unless ``convolutions_allowed``: the hybrid path carries convolution states). A decoder without position_ids
+    is probed first (attention outside transformers' interface is the deeper reason to refuse it), then its
+    position modules are renumbered (``positions.verify``). Returns True when it probed the model."""
     name = type(model).__name__
     ran = []
     hooks = [
@@ -317,7 +334,7 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
         if isinstance(mod, torch.nn.Conv1d) and any(mod is m for m in dec.modules())
     ]
     try:
-        numbered = dec(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device)[None],
+        numbered = dec(input_ids=ids, **positions.decoder_kwargs(dec, torch.arange(ids.shape[1], device=ids.device)[None]),
                        use_cache=False).last_hidden_state[0]
     finally:
         for h in hooks:
@@ -328,13 +345,19 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
             "attention cannot share a prompt through attention, and this model type is not one whose layer states "
             f"sharedprefix carries ({', '.join(sorted(HYBRID_MODEL_TYPES))}), so it refuses this model."
         )
+    if not positions.takes_position_ids(dec):
+        if convolutions_allowed:  # the hybrid path numbers its rows through position_ids
+            positions.refuse(name, "and the layer states sharedprefix carries are continued through position_ids")
+        probe.probe(model, dec, _config_attention_layers(model))
+        positions.verify(model, dec, ids)
+        return True
     close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))  # noqa: E731
     if close(numbered, hidden):
-        return
+        return False
     pad = getattr(text_config(model), "pad_token_id", None)
     if isinstance(pad, int) and _numbers_after_padding(dec, ids, hidden, pad, close):
         _PADDING_NUMBERED[model] = pad
-        return
+        return False
     raise ValueError(
         f"{name}'s decoder numbers the positions of a row differently from 0..L-1 when given no position_ids, and "
         "not as RoBERTa does (padding index + 1 + the count of non-padding tokens so far), so the position ids "

@@ -52,12 +52,15 @@ def test_the_features_this_zoo_exists_for_are_exercised():
 
 
 @pytest.mark.parametrize("entry, category", [
-    ("bart", "positions numbered by the model itself"),  # was silently wrong: positions 0..L-1 along the row
     ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
+    ("bloom", "attention outside transformers' attention interface"),  # ALiBi in its own attention; was "positions"
+    ("rwkv", "token mixing outside attention"),  # a recurrence; was "positions numbered by the model itself"
+    ("musicgen", "several token streams per position"),  # codebooks; was "positions", then an AttributeError
     ("mamba", "token mixing outside attention"),
     ("deepseek_v4", "token mixing outside attention"),  # its compressors pool blocks of the row into keys
     ("qwen4_exp_text", "token mixing outside attention"),  # linear-attention layers (next to its indexed ones)
-    ("doge", "attention masks other than causal"),
+    ("blt", "token mixing outside attention"),  # bytes pooled into patches; was "attention masks"
+    ("reformer", "attention outside transformers' attention interface"),  # LSH attention; was "fails on a probe row"
 ])
 def test_refusals_name_the_feature(entry, category):
     r = _result(entry)
@@ -147,6 +150,22 @@ def test_zoo_catches_ignored_attention_softcapping(entry, monkeypatch):
 def test_zoo_catches_a_query_temperature_of_the_row_index(entry, monkeypatch):
     """Llama 4's NoPE layers scale queries by a function of the row index; sharedprefix rescales it to positions."""
     monkeypatch.setattr(interface, "index_to_position_temperature", lambda module, q, pos: q)
+    r = zoo.check(entry, grads=False)
+    assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
+
+
+@pytest.mark.parametrize("entry", ["bart", "marian"])
+def test_zoo_catches_a_position_module_that_is_not_renumbered(entry, monkeypatch):
+    """BART-family decoders number their rows themselves (was silently wrong, then refused; now renumbered)."""
+    from contextlib import contextmanager
+
+    from sharedprefix.schedule import executor
+
+    @contextmanager
+    def unhooked(model, dec, position_ids):  # the decoder's own numbering 0..L-1 along the packed row
+        yield {}
+
+    monkeypatch.setattr(executor, "renumbered", unhooked)
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 

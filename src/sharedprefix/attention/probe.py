@@ -19,6 +19,7 @@ value (3, 6, 9, ...).
 
 from __future__ import annotations
 
+import inspect
 import re
 import weakref
 from contextlib import contextmanager
@@ -53,6 +54,13 @@ class LayerPattern:
     indexed: bool = False
 
 
+# What the model's own attention code does, for the refusal of models whose attention bypasses the interface.
+OWN_ATTENTION = {
+    "bloom": "its own attention code adds ALiBi biases (a per-head slope times the key's position) to the scores",
+    "mpt": "its own attention code adds ALiBi biases (a per-head slope times the key's position) to the scores",
+    "xlnet": "its own two-stream relative-position attention (content and query streams), over the whole row in both "
+             "directions unless config.attn_type='uni'",
+}
 _PATTERNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> LayerPattern
 _BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> attention modules probed
 _LOG: list[dict] = []
@@ -162,7 +170,9 @@ def probe(model, decoder, expected_layers: int) -> dict:
     _LOG.append({})
     try:
         with _probing(configs, settings), torch.no_grad():
-            decoder(input_ids=ids, position_ids=torch.arange(n, device=device)[None], use_cache=False)
+            numbered = "position_ids" in inspect.signature(decoder.forward).parameters  # else it numbers 0..n-1 itself
+            decoder(input_ids=ids, use_cache=False,
+                    **({"position_ids": torch.arange(n, device=device)[None]} if numbered else {}))
         log = _LOG[-1]
     except Exception as e:  # noqa: BLE001  (the model's own code: refused, with its error, never passed over)
         if not _LOG[-1] and not _uses_interface(model):
@@ -179,10 +189,14 @@ def probe(model, decoder, expected_layers: int) -> dict:
     finally:
         _LOG.pop()
     if sum(c for _, _, c, _ in log.values()) < expected_layers:
+        own = sorted({type(m).__name__ for m in decoder.modules() if "Attention" in type(m).__name__ and m not in log
+                      and not any(m in c.modules() for c in log)})
+        what = OWN_ATTENTION.get(getattr(model.config.get_text_config(), "model_type", None))
+        detail = (" (" + ", ".join(own) + ")" if own else "") + (": " + what if what else "")
         raise ValueError(
             f"{name}: on a probe row the attention interface ran in {len(log)} of {expected_layers} layers; the model's "
-            "attention bypasses transformers' attention interface, so prompt sharing cannot be applied exactly. "
-            "This model is not supported."
+            f"attention bypasses transformers' attention interface{detail}, so prompt sharing cannot be applied "
+            "exactly. This model is not supported."
         )
     out = {}
     for module, (mask, kv_len, calls, indexed) in log.items():

@@ -32,6 +32,7 @@ from sharedprefix.modeling import (
     verify_head,
 )
 from sharedprefix.multimodal import Multimodal, check_prompt_fits
+from sharedprefix.positions import renumbered
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.parallel import detect
 from sharedprefix.schedule.planner import Pass, Plan, plan
@@ -128,11 +129,9 @@ class Executor:
                                          position_ids=self.mm.positions(layout).to(self.device), use_cache=False,
                                          **extra)
                 else:
-                    out = decoder(self.model)(
-                        input_ids=layout.input_ids.to(self.device),
-                        position_ids=decoder_position_ids(self.model, layout).to(self.device),
-                        use_cache=False,
-                    )
+                    dec = decoder(self.model)
+                    with renumbered(self.model, dec, decoder_position_ids(self.model, layout).to(self.device)) as kw:
+                        out = dec(input_ids=layout.input_ids.to(self.device), use_cache=False, **kw)
             hidden = out.last_hidden_state[0]  # (L, d)
             if self.router_logits is not None and tree is self.plan.tree:
                 self.router_logits.append((out.router_logits, router.multiplicity(layout)))

@@ -65,6 +65,7 @@ REFUSALS: list[tuple[str, str]] = [
     ("other attention arguments (position biases, non-causal flags)", r"attention arguments .* cannot honour"),
     ("a decoder that fails when run on a packed row", r"fails on a probe row"),
     ("an MoE load-balancing loss sharedprefix cannot reproduce", r"output_router_logits=True, but"),
+    ("several token streams per position (MusicGen's audio codebooks)", r"parallel token streams per position"),
 ]
 
 

@@ -1,0 +1,165 @@
+"""Positions for decoders that number their tokens themselves: renumber their position-embedding module.
+
+Most decoders take ``position_ids``, and sharedprefix gives each token of a packed row its position in its own
+plain row (a completion continues its prompt). The BART family's decoders (BART, mBART, PLBART, Marian, Pegasus,
+Blenderbot, BigBird-Pegasus) take none: the decoder numbers its input ``cache_length + 0..L-1`` and hands those
+numbers to its position-embedding module, whose ``forward`` takes ``position_ids``. sharedprefix renumbers that
+module's call only: inside ``renumbered(model, position_ids)`` a forward pre-hook replaces the ``position_ids``
+the decoder passes with the packed row's; the hook is removed on exit, also on error, and the model's code and
+attributes are never changed.
+
+``verify`` (once per model, before any pass, from ``modeling.verify_head``) finds the modules of the decoder
+whose ``forward`` takes ``position_ids`` and holds the renumbering to the model's own forward on a short row:
+renumbered with the row's own positions 0..n-1, the decoder's output is unchanged; renumbered with positions
+s..s+n-1, each module returns what it returns for the last n tokens of a plain row of s + n tokens (so the
+numbers mean what the model means by them, learned offsets and sinusoids included, and the module does not
+ignore them). A decoder with no such module, or one the check does not confirm, is refused.
+
+What the check cannot see, and the zoo and ``tests/models/test_renumbered_positions.py`` hold to plain rows
+instead: a position the decoder derives elsewhere (a relative bias computed in its own attention code bypasses
+transformers' attention interface, and ``attention.probe`` refuses it first).
+
+Notation: L = packed row length, n = verification row length, s = its shift, d = hidden size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from contextlib import contextmanager
+
+import torch
+
+_MODULES = weakref.WeakKeyDictionary()  # model -> the position modules verified to take the packed row's numbers
+SHIFT = 2  # s: the verification row's positions start here
+
+
+def takes_position_ids(dec: torch.nn.Module) -> bool:
+    """True when the decoder's ``forward`` takes ``position_ids`` (the common case: nothing to renumber)."""
+    return "position_ids" in _params(dec.forward)
+
+
+def decoder_kwargs(dec: torch.nn.Module, position_ids: torch.Tensor) -> dict:
+    """``{"position_ids": position_ids}`` for a decoder that takes them, else ``{}`` (its modules are renumbered)."""
+    return {"position_ids": position_ids} if takes_position_ids(dec) else {}
+
+
+def _params(fn) -> list[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def candidates(dec: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's own modules (not the decoder) whose ``forward`` takes ``position_ids``."""
+    return [m for m in dec.modules() if m is not dec and "position_ids" in _params(m.forward)]
+
+
+def _with_positions(module, args, kwargs, position_ids):
+    bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    bound.arguments["position_ids"] = position_ids
+    return bound.args, bound.kwargs
+
+
+@contextmanager
+def _hooked(modules, position_ids: torch.Tensor | None):
+    """Every module in ``modules`` called with ``position_ids`` (L,) instead of the decoder's own numbers."""
+    hooks = []
+    try:
+        for m in modules if position_ids is not None else ():
+            hooks.append(m.register_forward_pre_hook(
+                lambda mod, args, kwargs: _with_positions(mod, args, kwargs, position_ids), with_kwargs=True))
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextmanager
+def renumbered(model, dec: torch.nn.Module, position_ids: torch.Tensor):
+    """Run ``dec`` on a packed row with (1, L) ``position_ids``: yields the keyword arguments to call it with
+    (``position_ids`` itself for a decoder that takes them) and, for a decoder ``verify`` renumbered, hooks its
+    position modules for the duration."""
+    if takes_position_ids(dec):
+        yield {"position_ids": position_ids}
+        return
+    modules = _MODULES.get(model)
+    if modules is None:
+        raise RuntimeError(
+            f"{type(model).__name__}'s decoder takes no position_ids and was not verified (positions.verify) before a "
+            "sharedprefix pass, so its positions cannot be renumbered. This is a bug in the caller: every pass must "
+            "follow modeling.verify_head."
+        )
+    with _hooked(modules, position_ids.reshape(-1)):
+        yield {}
+
+
+def _outputs(dec, modules, ids, position_ids=None):
+    """(decoder output, {module: [outputs of its calls]}) of ``dec`` on ``ids``, renumbered when given positions."""
+    seen = {m: [] for m in modules}
+    hooks = [m.register_forward_hook(lambda mod, _a, out: seen[mod].append(out)) for m in modules]
+    try:
+        with _hooked(modules, position_ids):
+            out = dec(input_ids=ids, use_cache=False).last_hidden_state
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, seen
+
+
+def refuse(name: str, why: str):
+    raise ValueError(
+        f"{name}'s decoder takes no position_ids: it numbers the tokens of its input 0..L-1 itself, {why}. sharedprefix "
+        "packs a prompt and its completions in one row, where each completion's positions must continue its "
+        "prompt's, so it refuses this model rather than give each completion the wrong positions."
+    )
+
+
+def _tail(own: torch.Tensor, ours: torch.Tensor, s: int) -> torch.Tensor | None:
+    """``own``'s last positions along the one dimension where it is ``s`` longer than ``ours`` (None: no such)."""
+    if own.dim() != ours.dim():
+        return None
+    dims = [i for i, (a, b) in enumerate(zip(own.shape, ours.shape)) if a != b]
+    if len(dims) != 1 or own.shape[dims[0]] != ours.shape[dims[0]] + s:
+        return None
+    return own.narrow(dims[0], s, ours.shape[dims[0]])
+
+
+def verify(model, dec: torch.nn.Module, ids: torch.Tensor) -> None:
+    """Find and check the position modules of a decoder without ``position_ids`` (see the module docstring) on
+    (1, n) token ``ids``; raise ValueError when they cannot be renumbered exactly. Idempotent."""
+    name = type(model).__name__
+    mods = candidates(dec)
+    if not mods:
+        refuse(name, "and none of its modules takes position_ids, so sharedprefix has no call to renumber")
+    n, s = ids.shape[1], SHIFT
+    longer = torch.cat([ids[:, :s], ids], 1)
+    own_hidden, _ = _outputs(dec, mods, ids)
+    _, own = _outputs(dec, mods, longer)
+    mods = [m for m in mods if own[m]]  # modules that run in the decoder's forward
+    if not mods:
+        refuse(name, "and none of its modules that take position_ids runs in its forward")
+    device = ids.device
+    try:
+        same_hidden, _ = _outputs(dec, mods, ids, torch.arange(n, device=device))
+        _, ours = _outputs(dec, mods, ids, torch.arange(s, s + n, device=device))
+    except (TypeError, RuntimeError, IndexError) as e:  # the model's own code on the numbers it was given: refused
+        refuse(name, f"and it fails when its position modules ({_names(mods)}) are given position_ids "
+                     f"({type(e).__name__}: {e})")
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))  # noqa: E731
+    if not close(same_hidden, own_hidden):
+        refuse(name, f"and giving its position modules ({_names(mods)}) the row's own positions 0..{n - 1} changes "
+                      "its output, so they do not take the numbers sharedprefix would give them")
+    for m in mods:
+        pairs = list(zip(own[m], ours[m]))
+        tails = [_tail(a, b, s) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else None
+                 for a, b in pairs]
+        if len(own[m]) != len(ours[m]) or any(t is None or not close(b, t) for t, (_, b) in zip(tails, pairs)):
+            refuse(name, f"and its position module {type(m).__name__}, given positions {s}..{s + n - 1}, does not "
+                          f"return what it returns for the last {n} tokens of a plain row of {s + n}")
+    _MODULES[model] = tuple(mods)
+
+
+def _names(mods) -> str:
+    return ", ".join(sorted({type(m).__name__ for m in mods}))
