@@ -32,7 +32,15 @@ SPARSE_ATTENTION_LAYER_TYPES = {  # attention over keys chosen per query, or ove
 # layer state exactly (tests/models/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
 # refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
 HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "falcon_h1", "qwen3_next", "qwen3_5_text", "zamba2", "olmo_hybrid",
-                      "kimi_linear", "bailing_hybrid", "nemotron_h"}
+                      "kimi_linear", "bailing_hybrid", "nemotron_h", "mamba2", "bamba", "granitemoehybrid"}
+# Hybrid model types that stay refused because their own forward cannot continue a prompt's layer state: why.
+_MAMBA1 = (
+    "its Mamba (v1) selective scan starts every multi-token forward from a zero state (transformers' torch scan and "
+    "the mamba_ssm kernel take no initial state), so a completion batch cannot continue its prompt's recurrent state "
+    "through the model's own forward; only the single-token decode reads that state, and it overwrites it in place, "
+    "which autograd cannot differentiate through"
+)
+HYBRID_REFUSED = {"mamba": _MAMBA1, "falcon_mamba": _MAMBA1, "jamba": _MAMBA1}
 _VERIFIED = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
 _HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head
 _PADDING_NUMBERED = weakref.WeakKeyDictionary()  # model -> padding index of its RoBERTa-style position numbering
@@ -98,7 +106,7 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
     if not hybrid:
         _check_layer_types(name, cfg)
     dec = decoder(model)
-    if "position_ids" not in _params(dec.forward):
+    if not hybrid and "position_ids" not in _params(dec.forward):  # the hybrid path continues the model's own cache
         raise ValueError(
             f"{name}'s decoder ({type(dec).__name__}.forward) takes no position_ids: it numbers the tokens of its "
             "input 0..L-1 itself (or has no position input). sharedprefix packs a prompt and its completions in one "
@@ -150,12 +158,14 @@ def _check_layer_types(name: str, cfg) -> None:
         )
     odd = sorted(kinds - ATTENTION_LAYER_TYPES - NON_MIXING_LAYER_TYPES)
     if odd:
+        model_type = getattr(cfg, "model_type", None)
+        why = f": {HYBRID_REFUSED[model_type]}" if model_type in HYBRID_REFUSED else ""
         raise ValueError(
             f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear attention, "
-            f"recurrence or convolution), and its model type {getattr(cfg, 'model_type', None)!r} is not one whose "
+            f"recurrence or convolution), and its model type {model_type!r} is not one whose "
             "cache-aware forward sharedprefix has checked exact for carrying a prompt's layer state to its "
-            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}); it refuses the model rather than give inexact "
-            "results."
+            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}){why}. It refuses the model rather than give "
+            "inexact results."
         )
 
 

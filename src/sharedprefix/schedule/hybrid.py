@@ -27,6 +27,7 @@ Notation: G = completions of a group, P = prompt length, n = rows of one batch, 
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -90,6 +91,8 @@ class HybridRun:
         self.device = emb.weight.device
         self.dec = decoder(model)
         self.cache_arg = _cache_arg(self.dec)
+        # a decoder without position_ids (a pure state-space model) has no positions to continue
+        self.positioned = "position_ids" in inspect.signature(self.dec.forward).parameters
         self.W = max(c.numel() for g in self.groups for c in g.completions)
         self.tokens = 0
         self.passes = 0
@@ -118,8 +121,8 @@ class HybridRun:
         cache = _new_cache(self.model)
         ids = g.prompt.to(self.device)[None]
         for a, b in prompt_chunks(ids.shape[1], self.max_tokens):
-            out = self.dec(input_ids=ids[:, a:b], position_ids=torch.arange(a, b, device=self.device)[None],
-                           use_cache=True, **{self.cache_arg: cache})
+            out = self.dec(input_ids=ids[:, a:b], use_cache=True, **self._positions(torch.arange(a, b, device=self.device)[None]),
+                           **{self.cache_arg: cache})
             self.tokens += b - a
             self.passes += 1
         slots = _slots(cache)
@@ -158,7 +161,7 @@ class HybridRun:
             mask[r, : c.numel()] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (P + torch.arange(t, device=self.device))[None].expand(n, t)
-        out = self.dec(input_ids=ids, position_ids=pos, use_cache=True,
+        out = self.dec(input_ids=ids, use_cache=True, **self._positions(pos),
                        **{self.cache_arg: _repeated(cache, slots, tensors, n)})
         self.tokens += n * t
         self.passes += 1
@@ -166,6 +169,9 @@ class HybridRun:
         pred = torch.cat([h_last.expand(n, 1, -1), hidden[:, :-1]], 1)  # token j is predicted at j - 1
         lp, ent = token_logprobs(self.model, pred[mask], ids[mask], self.temperature, self.entropy)
         return self._rows(lp, mask), (self._rows(ent, mask) if self.entropy else None)
+
+    def _positions(self, pos: torch.Tensor) -> dict:
+        return {"position_ids": pos} if self.positioned else {}
 
     def _rows(self, values, mask):
         n, t = mask.shape

@@ -143,8 +143,10 @@ _MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_siz
 
 # Per-architecture settings the generic sizes cannot infer (a dict value configures that sub-config).
 ARCH: dict[str, dict] = {
-    "bamba": _MAMBA,
-    "granitemoehybrid": _MAMBA,
+    # hybrids with one attention layer and one Mamba layer (their defaults would be cut to Mamba layers only)
+    "bamba": dict(_MAMBA, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(_MAMBA, layer_types=["linear_attention", "full_attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=8, chunk_size=8),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "lfm2": dict(layer_types=["conv", "full_attention"]),  # its default pattern would be cut to attention only
@@ -245,7 +247,8 @@ def _float64_norms(model) -> list:
 
     done = []
     for mod in model.modules():
-        if type(mod).__name__.endswith("Norm") and isinstance(getattr(mod, "weight", None), torch.Tensor):
+        # a weight that is no parameter is a placeholder (Falcon-Mamba's weightless norms, of another width)
+        if type(mod).__name__.endswith("Norm") and isinstance(getattr(mod, "weight", None), torch.nn.Parameter):
             try:
                 dtype_faithful_norms(mod)
             except ValueError:
