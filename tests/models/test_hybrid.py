@@ -257,8 +257,8 @@ def zoo_model(entry):
 
 
 ZOO_HYBRIDS = ["lfm2_moe", "zamba2", "olmo_hybrid", "qwen3_5_text", "kimi_linear", "bailing_hybrid", "nemotron_h",
-               "mamba2", "bamba", "granitemoehybrid"]
-ALL_MODES = {"mamba2", "bamba", "granitemoehybrid"}  # sp.backward in the three prefix modes (the others: "keep")
+               "mamba2", "bamba", "granitemoehybrid", "lfm3"]
+ALL_MODES = {"mamba2", "bamba", "granitemoehybrid", "lfm3"}  # sp.backward in the three prefix modes (the others: "keep")
 
 
 @pytest.mark.parametrize("entry", ZOO_HYBRIDS)

@@ -142,10 +142,13 @@ class HybridRun:
                 "supported by sharedprefix's hybrid path."
             )
         for (i, name, _), t in zip(slots, _read(cache, slots)):
-            if name == "keys" and t.shape[-2] != length:
+            window = getattr(cache.layers[i], "sliding_window", None) if getattr(cache.layers[i], "is_sliding", False) else None
+            need = length if window is None else min(length, window - 1)  # a sliding layer keeps the last window - 1
+            if name == "keys" and t.shape[-2] != need:
                 raise ValueError(
                     f"{type(self.model).__name__}: cache layer {i} holds K/V of {t.shape[-2]} tokens after a prompt of "
-                    f"{length} (a sliding or compressed cache); sharedprefix's hybrid path needs every prompt key."
+                    f"{length}, where {need} were expected (a compressed cache); sharedprefix's hybrid path needs every "
+                    "prompt key a completion can see."
                 )
 
     def completions(self, g, rows: list[int], cache, slots, tensors, h_last):

@@ -56,17 +56,20 @@ def _fresh_update(layer, name: str, update):
 
 def _slots(cache) -> list[tuple[int, str, int | None]]:
     """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
-    from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import (DummyLayer, DynamicLayer, DynamicSlidingWindowLayer,
+                                          LinearAttentionCacheLayerMixin)
 
     out = []
     for i, layer in enumerate(cache.layers):
         known = set()
         if isinstance(layer, DummyLayer):
             continue
-        if isinstance(layer, DynamicLayer) and type(layer).get_seq_length is DynamicLayer.get_seq_length:
+        full = isinstance(layer, DynamicLayer) and type(layer).get_seq_length is DynamicLayer.get_seq_length
+        sliding = getattr(type(layer), "get_seq_length", None) is DynamicSlidingWindowLayer.get_seq_length  # last window - 1
+        if full or sliding:
             if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
                 out += [(i, "keys", None), (i, "values", None)]
-            known |= {"keys", "values"}
+            known |= {"keys", "values"} | ({"_sliding_window_tensor"} if sliding else set())
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             for name in ("conv_states", "recurrent_states"):
                 for s, t in getattr(layer, name).items():
