@@ -56,8 +56,7 @@ def _fresh_update(layer, name: str, update):
 
 def _slots(cache) -> list[tuple[int, str, int | None]]:
     """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
-    from transformers.cache_utils import (DummyLayer, DynamicLayer, DynamicSlidingWindowLayer,
-                                          LinearAttentionCacheLayerMixin)
+    from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
     out = []
     for i, layer in enumerate(cache.layers):
