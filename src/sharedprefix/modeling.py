@@ -32,7 +32,8 @@ SPARSE_ATTENTION_LAYER_TYPES = {  # attention over keys chosen per query, or ove
 # layer state exactly (tests/models/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
 # refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
 HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "falcon_h1", "qwen3_next", "qwen3_5_text", "zamba2", "olmo_hybrid",
-                      "kimi_linear", "bailing_hybrid", "nemotron_h", "mamba2", "bamba", "granitemoehybrid", "lfm3"}
+                      "kimi_linear", "bailing_hybrid", "nemotron_h", "mamba2", "bamba", "granitemoehybrid", "lfm3",
+                      "minimax", "qwen3_5_moe_text"}
 # Hybrid model types that stay refused because their own forward cannot continue a prompt's layer state: why.
 _MAMBA1 = (
     "its Mamba (v1) selective scan starts every multi-token forward from a zero state (transformers' torch scan and "
@@ -40,7 +41,14 @@ _MAMBA1 = (
     "through the model's own forward; only the single-token decode reads that state, and it overwrites it in place, "
     "which autograd cannot differentiate through"
 )
-HYBRID_REFUSED = {"mamba": _MAMBA1, "falcon_mamba": _MAMBA1, "jamba": _MAMBA1}
+HYBRID_REFUSED = {
+    "mamba": _MAMBA1, "falcon_mamba": _MAMBA1, "jamba": _MAMBA1, "zamba": _MAMBA1,
+    "recurrent_gemma": (
+        "it keeps its convolution and recurrent states on its own modules, not in the cache, and its multi-token "
+        "forward restarts the convolution from zero inputs (only the single-token decode reads the previous ones), so a "
+        "completion batch cannot continue its prompt's state through the model's own forward"
+    ),
+}
 _VERIFIED = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
 _HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head
 _PADDING_NUMBERED = weakref.WeakKeyDictionary()  # model -> padding index of its RoBERTa-style position numbering

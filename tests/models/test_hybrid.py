@@ -212,11 +212,11 @@ def test_refusals_name_the_value_and_the_fix():
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("entry", ["mamba", "falcon_mamba", "jamba"])
+@pytest.mark.parametrize("entry", ["mamba", "falcon_mamba", "jamba", "zamba"])
 def test_mamba1_families_stay_refused_because_their_scan_ignores_the_prompts_state(monkeypatch, entry):
-    """Mamba (v1) layers (Mamba, Falcon-Mamba, Jamba) are refused with the reason, and the reason is real: put on the
-    hybrid path anyway, their completions start from a zero recurrent state (the model's own multi-token scan takes
-    no initial state) and the log-probs are far from the plain run's."""
+    """Mamba (v1) layers (Mamba, Falcon-Mamba, Jamba, Zamba) are refused with the reason, and the reason is real: put
+    on the hybrid path anyway, their completions start from a zero recurrent state (the model's own multi-token scan
+    takes no initial state) and the log-probs are far from the plain run's."""
     from sharedprefix import modeling
 
     model = zoo_model(entry)
@@ -231,6 +231,20 @@ def test_mamba1_families_stay_refused_because_their_scan_ignores_the_prompts_sta
     assert err > 1e-3, err
 
 
+def test_recurrent_gemma_stays_refused_with_its_reason(monkeypatch):
+    """RecurrentGemma keeps its states on its modules, outside the cache: refused with the reason; put on the hybrid
+    path anyway, the prompt's cache holds no state for its recurrent layers and the path refuses it there too."""
+    from sharedprefix import modeling
+
+    model = zoo_model("recurrent_gemma")
+    with pytest.raises(ValueError, match="mix tokens outside attention.*keeps its convolution and recurrent states on "
+                                         "its own modules, not in the cache"):
+        sp.logprobs(model, groups_of())
+    monkeypatch.setattr(modeling, "HYBRID_MODEL_TYPES", HYBRID_MODEL_TYPES | {"recurrent_gemma"})
+    with pytest.raises(ValueError, match=r"cache layers \[0\] hold no state"):
+        sp.logprobs(model, groups_of())
+
+
 def test_deferred_logprobs_give_the_plain_gradient():
     """``defer=True``: values without a graph, ``sp.backward`` on the hybrid path when autograd reaches them."""
     model, gs = model_of("lfm2"), groups_of()
@@ -241,7 +255,10 @@ def test_deferred_logprobs_give_the_plain_gradient():
 
 
 def zoo_model(entry):
-    """A zoo entry built as the zoo builds it but with weights of std 0.2 (states that matter), float64 norms."""
+    """A zoo entry built as the zoo builds it but with weights of std 0.2 (states that matter), float64 norms and
+    decay factors (MiniMax's block prefill, all of a plain row, reads decays rounded to float32 at init, and its
+    token-by-token continuation, our completions, recomputes them in the model's dtype: 1e-8 apart in a float64 model
+    unless the buffers are float64 too)."""
     from sharedprefix.tools import zoo
 
     cfg = zoo.tiny_config(entry)
@@ -253,12 +270,17 @@ def zoo_model(entry):
     model.config._experts_implementation = "eager"
     model = model.to(torch.float64).eval()
     _float64_norms(model)
+    for mod in model.modules():  # MiniMax: decays computed in float32 at init, recomputed in float64 by its decode
+        if hasattr(mod, "decay_factors"):
+            for buf, value in zip((mod.query_decay, mod.key_decay, mod.diagonal_decay), mod.decay_factors(mod.slope_rate)):
+                buf.copy_(value)
     return model
 
 
 ZOO_HYBRIDS = ["lfm2_moe", "zamba2", "olmo_hybrid", "qwen3_5_text", "kimi_linear", "bailing_hybrid", "nemotron_h",
-               "mamba2", "bamba", "granitemoehybrid", "lfm3"]
-ALL_MODES = {"mamba2", "bamba", "granitemoehybrid", "lfm3"}  # sp.backward in the three prefix modes (the others: "keep")
+               "mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text"]
+# sp.backward in the three prefix modes (the others: "keep", the modes being the same code for every family)
+ALL_MODES = {"mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text"}
 
 
 @pytest.mark.parametrize("entry", ZOO_HYBRIDS)
@@ -289,7 +311,8 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
         cache = hybrid.HybridRun(model, gs, None, 1.0, False).prompt(gs[0])[0]
         kinds = sorted({name for _, name, _ in hybrid._slots(cache)})
         types = model.config.get_text_config().layer_types
-        assert {"conv_states"} | ({"keys"} if set(types) & ATTENTION_LAYER_TYPES else set()) <= set(kinds), kinds
+        assert set(kinds) & {"conv_states", "recurrent_states", "linear_cache"}, kinds  # a state beside any K/V
+        assert "keys" in kinds or not set(types) & ATTENTION_LAYER_TYPES, kinds
         for slot in kinds:
             zeroed = lambda cache, slots, slot=slot: [  # noqa: E731
                 torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))]

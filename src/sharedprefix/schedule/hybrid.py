@@ -134,7 +134,8 @@ class HybridRun:
         from transformers.cache_utils import DummyLayer
 
         have = {i for i, _, _ in slots}
-        missing = [i for i, layer in enumerate(cache.layers) if i not in have and not isinstance(layer, DummyLayer)]
+        layers = cache.layers + [None] * (len(cache) - len(cache.layers))  # MiniMax: linear layers not in .layers
+        missing = [i for i, layer in enumerate(layers) if i not in have and not isinstance(layer, DummyLayer)]
         if missing:
             raise ValueError(
                 f"{type(self.model).__name__}: after the prompt's forward, cache layers {missing} hold no state, so its "
@@ -142,9 +143,11 @@ class HybridRun:
                 "supported by sharedprefix's hybrid path."
             )
         for (i, name, _), t in zip(slots, _read(cache, slots)):
-            window = getattr(cache.layers[i], "sliding_window", None) if getattr(cache.layers[i], "is_sliding", False) else None
+            if name != "keys":
+                continue
+            window = cache.layers[i].sliding_window if getattr(cache.layers[i], "is_sliding", False) else None
             need = length if window is None else min(length, window - 1)  # a sliding layer keeps the last window - 1
-            if name == "keys" and t.shape[-2] != need:
+            if t.shape[-2] != need:
                 raise ValueError(
                     f"{type(self.model).__name__}: cache layer {i} holds K/V of {t.shape[-2]} tokens after a prompt of "
                     f"{length}, where {need} were expected (a compressed cache); sharedprefix's hybrid path needs every "

@@ -154,6 +154,8 @@ ARCH: dict[str, dict] = {
     # hybrids: Mamba2 and gated delta-net layers as small as the rest (their defaults take minutes in float64)
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4),
     "zamba2": dict(mamba_d_state=8, chunk_size=4),
+    "minimax": dict(block_size=4),  # lightning attention's blocks bite on short rows
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),  # its default would be cut to recurrent only
     "qwen3_next": _DELTA_NET,
     "qwen3_5_text": _DELTA_NET,
     "qwen3_5_moe_text": _DELTA_NET,

@@ -64,7 +64,8 @@ def render(results: list[Result], transformers_version: str) -> str:
     if rule:
         lines[-1] = lines[-1][:-2] + (
             f"; gradients of {_names(rule)} beyond {_e(GRAD_TOL_FLOAT32_INSIDE)}, within twice the plain forward's own "
-            "error against the same model computing those parts in float64 |")
+            "error against the same model computing those parts in float64 (errors at the scale of the largest "
+            "gradient) |")
     if one_pass:
         lines.append(f"| exact in one pass; a budget that splits a group is refused (several attention calls per layer) | "
                      f"{_names(one_pass)} |")
