@@ -1,13 +1,16 @@
 """Hybrid models: each prompt runs once, and every completion starts from the prompt's final layer state.
 
 A hybrid model mixes tokens outside attention too (short convolutions, Mamba2 state-space layers, gated
-delta-net linear attention). Their state at the end of a prompt is not a set of per-token K/V that the
-packed-row cascade could read, so hybrids take a separate, simpler path built on the model's own
-cache-aware forward (its torch code on CPU, its kernels where installed), with no change to its code:
+delta-net and lightning linear attention), or only outside it (Mamba2). Their state at the end of a prompt is
+not a set of per-token K/V that the packed-row cascade could read, so hybrids take a separate, simpler path
+built on the model's own cache-aware forward (its torch code on CPU, its kernels where installed), with no
+change to its code:
 
 1. the prompt runs once through the decoder with a fresh cache of the model's own class
-   (``DynamicCache(config=...)``): attention layers fill K/V, convolution layers their last
-   ``kernel - 1`` inputs, recurrent layers their final state;
+   (``DynamicCache(config=...)``, or the cache class its modeling module defines: MiniMax's): attention layers
+   fill K/V (a sliding layer its last ``window - 1``), convolution layers their last ``kernel - 1`` inputs,
+   recurrent layers their final state; positions continue the prompt's (a decoder without ``position_ids``,
+   a pure state-space model, has none);
 2. the cache's tensors (and the prompt's last hidden state, which predicts every completion's first
    token) become the state of the group; under ``sp.backward`` they are detached leaves that require grad;
 3. the completions run in batches of rows, right-padded (a causal model's padding after a row's last
