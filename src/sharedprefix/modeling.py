@@ -33,7 +33,7 @@ SPARSE_ATTENTION_LAYER_TYPES = {  # attention over keys chosen per query, or ove
 # refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
 HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "falcon_h1", "qwen3_next", "qwen3_5_text", "zamba2", "olmo_hybrid",
                       "kimi_linear", "bailing_hybrid", "nemotron_h", "mamba2", "bamba", "granitemoehybrid", "lfm3",
-                      "minimax", "qwen3_5_moe_text"}
+                      "minimax", "qwen3_5_moe_text", "zaya", "lara_mini"}
 # Hybrid model types that stay refused because their own forward cannot continue a prompt's layer state: why.
 _MAMBA1 = (
     "its Mamba (v1) selective scan starts every multi-token forward from a zero state (transformers' torch scan and "

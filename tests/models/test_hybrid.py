@@ -255,7 +255,8 @@ def test_deferred_logprobs_give_the_plain_gradient():
 
 
 def zoo_model(entry):
-    """A zoo entry built as the zoo builds it but with weights of std 0.2 (states that matter), float64 norms and
+    """A zoo entry built as the zoo builds it but with weights of std 0.2 (states that matter; Zaya's key scale, zero at
+    init, near 1), float64 norms and
     decay factors (MiniMax's block prefill, all of a plain row, reads decays rounded to float32 at init, and its
     token-by-token continuation, our completions, recomputes them in the model's dtype: 1e-8 apart in a float64 model
     unless the buffers are float64 too)."""
@@ -270,6 +271,10 @@ def zoo_model(entry):
     model.config._experts_implementation = "eager"
     model = model.to(torch.float64).eval()
     _float64_norms(model)
+    with torch.no_grad():  # Zaya scales its keys by a learned factor that starts at zero: keys would not matter
+        for name, p in model.named_parameters():
+            if name.endswith("qk_norm.temp"):
+                p.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(0))
     for mod in model.modules():  # MiniMax: decays computed in float32 at init, recomputed in float64 by its decode
         if hasattr(mod, "decay_factors"):
             for buf, value in zip((mod.query_decay, mod.key_decay, mod.diagonal_decay), mod.decay_factors(mod.slope_rate)):
@@ -278,9 +283,9 @@ def zoo_model(entry):
 
 
 ZOO_HYBRIDS = ["lfm2_moe", "zamba2", "olmo_hybrid", "qwen3_5_text", "kimi_linear", "bailing_hybrid", "nemotron_h",
-               "mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text"]
+               "mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text", "zaya", "lara_mini"]
 # sp.backward in the three prefix modes (the others: "keep", the modes being the same code for every family)
-ALL_MODES = {"mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text"}
+ALL_MODES = {"mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text", "zaya", "lara_mini"}
 
 
 @pytest.mark.parametrize("entry", ZOO_HYBRIDS)
