@@ -33,7 +33,23 @@ COMPRESSED_ATTENTION_LAYER_TYPES = {  # DeepSeek-V4: attention over keys pooled 
 # layer state exactly (tests/models/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
 # refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
 HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "falcon_h1", "qwen3_next", "qwen3_5_text", "zamba2", "olmo_hybrid",
-                      "kimi_linear", "bailing_hybrid", "nemotron_h"}
+                      "kimi_linear", "bailing_hybrid", "nemotron_h", "mamba2", "bamba", "granitemoehybrid", "lfm3",
+                      "minimax", "qwen3_5_moe_text", "zaya", "lara_mini"}
+# Hybrid model types that stay refused because their own forward cannot continue a prompt's layer state: why.
+_MAMBA1 = (
+    "its Mamba (v1) selective scan starts every multi-token forward from a zero state (transformers' torch scan and "
+    "the mamba_ssm kernel take no initial state), so a completion batch cannot continue its prompt's recurrent state "
+    "through the model's own forward; only the single-token decode reads that state, and it overwrites it in place, "
+    "which autograd cannot differentiate through"
+)
+HYBRID_REFUSED = {
+    "mamba": _MAMBA1, "falcon_mamba": _MAMBA1, "jamba": _MAMBA1, "zamba": _MAMBA1,
+    "recurrent_gemma": (
+        "it keeps its convolution and recurrent states on its own modules, not in the cache, and its multi-token "
+        "forward restarts the convolution from zero inputs (only the single-token decode reads the previous ones), so a "
+        "completion batch cannot continue its prompt's state through the model's own forward"
+    ),
+}
 # Model types whose layers mix tokens by a recurrence, without layer_types to say so (refused in check_supported).
 RECURRENT_MODEL_TYPES = {
     "rwkv": "RWKV's time mixing (a linear recurrence of exponentially decayed keys and values)",
@@ -176,12 +192,14 @@ def _check_layer_types(name: str, cfg) -> None:
             "row a block would pool tokens of different prompts and completions. sharedprefix refuses the model."
         )
     if odd:
+        model_type = getattr(cfg, "model_type", None)
+        why = f": {HYBRID_REFUSED[model_type]}" if model_type in HYBRID_REFUSED else ""
         raise ValueError(
             f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear attention, "
-            f"recurrence or convolution), and its model type {getattr(cfg, 'model_type', None)!r} is not one whose "
+            f"recurrence or convolution), and its model type {model_type!r} is not one whose "
             "cache-aware forward sharedprefix has checked exact for carrying a prompt's layer state to its "
-            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}); it refuses the model rather than give inexact "
-            "results."
+            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}){why}. It refuses the model rather than give "
+            "inexact results."
         )
 
 
@@ -346,8 +364,8 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
             f"sharedprefix carries ({', '.join(sorted(HYBRID_MODEL_TYPES))}), so it refuses this model."
         )
     if not positions.takes_position_ids(dec):
-        if convolutions_allowed:  # the hybrid path numbers its rows through position_ids
-            positions.refuse(name, "and the layer states sharedprefix carries are continued through position_ids")
+        if convolutions_allowed:  # the hybrid path continues the model's own cache, whose length numbers completions
+            return False
         probe.probe(model, dec, _config_attention_layers(model))
         positions.verify(model, dec, ids)
         return True

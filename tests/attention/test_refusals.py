@@ -41,10 +41,11 @@ def test_hidden_dropout_in_training_refused():
 @pytest.mark.parametrize(
     "cfg_cls, model_cls, kw, match",
     [
-        (tf.Mamba2Config, tf.Mamba2ForCausalLM, dict(num_heads=4, head_dim=16, n_groups=1, state_size=8, chunk_size=8),
-         "mix tokens outside attention.*'mamba2' is not one"),
+        (tf.MambaConfig, tf.MambaForCausalLM, dict(state_size=8),
+         "mix tokens outside attention.*'mamba' is not one.*Mamba \\(v1\\) selective scan starts every multi-token "
+         "forward from a zero state"),
     ],
-    ids=["mamba2"],
+    ids=["mamba"],
 )
 def test_token_mixing_layers_refused(cfg_cls, model_cls, kw, match):
     """Hybrids outside modeling.HYBRID_MODEL_TYPES (LFM2, Falcon-H1, Qwen3-Next ... run on the hybrid path,

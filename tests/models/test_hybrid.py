@@ -212,13 +212,36 @@ def test_refusals_name_the_value_and_the_fix():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_an_unlisted_hybrid_stays_refused():
-    """A model type that mixes tokens outside attention and is not in modeling.HYBRID_MODEL_TYPES keeps its refusal."""
-    cfg = transformers.Mamba2Config(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
-                                    n_groups=1, state_size=8, chunk_size=8)
-    model = transformers.Mamba2ForCausalLM(cfg).to(torch.float64).eval()
-    assert "mamba2" not in HYBRID_MODEL_TYPES
-    with pytest.raises(ValueError, match="mix tokens outside attention|convolution over tokens"):
+@pytest.mark.parametrize("entry", ["mamba", "falcon_mamba", "jamba", "zamba"])
+def test_mamba1_families_stay_refused_because_their_scan_ignores_the_prompts_state(monkeypatch, entry):
+    """Mamba (v1) layers (Mamba, Falcon-Mamba, Jamba, Zamba) are refused with the reason, and the reason is real: put
+    on the hybrid path anyway, their completions start from a zero recurrent state (the model's own multi-token scan
+    takes no initial state) and the log-probs are far from the plain run's."""
+    from sharedprefix import modeling
+
+    model = zoo_model(entry)
+    assert model.config.model_type in modeling.HYBRID_REFUSED and model.config.model_type not in HYBRID_MODEL_TYPES
+    gs = groups_of()
+    with pytest.raises(ValueError, match=r"mix tokens outside attention.*Mamba \(v1\) selective scan starts every "
+                                         r"multi-token forward from a zero state"):
+        sp.logprobs(model, gs)
+    monkeypatch.setattr(modeling, "HYBRID_MODEL_TYPES", HYBRID_MODEL_TYPES | {model.config.model_type})
+    with torch.no_grad():
+        err = float((sp.logprobs(model, gs).logprobs - plain_logprobs(model, gs)[0]).abs().max())
+    assert err > 1e-3, err
+
+
+def test_recurrent_gemma_stays_refused_with_its_reason(monkeypatch):
+    """RecurrentGemma keeps its states on its modules, outside the cache: refused with the reason; put on the hybrid
+    path anyway, the prompt's cache holds no state for its recurrent layers and the path refuses it there too."""
+    from sharedprefix import modeling
+
+    model = zoo_model("recurrent_gemma")
+    with pytest.raises(ValueError, match="mix tokens outside attention.*keeps its convolution and recurrent states on "
+                                         "its own modules, not in the cache"):
+        sp.logprobs(model, groups_of())
+    monkeypatch.setattr(modeling, "HYBRID_MODEL_TYPES", HYBRID_MODEL_TYPES | {"recurrent_gemma"})
+    with pytest.raises(ValueError, match=r"cache layers \[0\] hold no state"):
         sp.logprobs(model, groups_of())
 
 
@@ -231,25 +254,49 @@ def test_deferred_logprobs_give_the_plain_gradient():
     assert _grad_error(got, want) <= 1e-9
 
 
-ZOO_HYBRIDS = ["lfm2_moe", "zamba2", "olmo_hybrid", "qwen3_5_text", "kimi_linear", "bailing_hybrid", "nemotron_h"]
-
-
-@pytest.mark.parametrize("entry", ZOO_HYBRIDS)
-def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
-    """The other listed hybrids, built as the zoo builds them but with weights of std 0.2 (states that matter), their
-    float32 casts kept float64: log-probs to 1e-9 under a budget that chunks the prompt and splits the completions,
-    ``sp.backward``'s gradient to a relative 1e-9, and every kind of state the cache carries (K/V, conv, recurrent)
-    matters: zeroed, the log-probs move far beyond the tolerance."""
+def zoo_model(entry):
+    """A zoo entry built as the zoo builds it but with weights of std 0.2 (states that matter; Zaya's key scale, zero at
+    init, near 1), float64 norms and
+    decay factors (MiniMax's block prefill, all of a plain row, reads decays rounded to float32 at init, and its
+    token-by-token continuation, our completions, recomputes them in the model's dtype: 1e-8 apart in a float64 model
+    unless the buffers are float64 too)."""
     from sharedprefix.tools import zoo
 
     cfg = zoo.tiny_config(entry)
     for c in zoo.configs._all_configs(cfg):
         c.initializer_range = 0.2
     torch.manual_seed(0)
-    model = getattr(transformers, zoo.entries()[entry])._from_config(cfg, attn_implementation="sdpa")
+    cls = getattr(transformers, zoo.entries()[entry])
+    model = cls._from_config(cfg, attn_implementation="sdpa" if cls._supports_sdpa else "eager")
     model.config._experts_implementation = "eager"
     model = model.to(torch.float64).eval()
     _float64_norms(model)
+    with torch.no_grad():  # Zaya scales its keys by a learned factor that starts at zero: keys would not matter
+        for name, p in model.named_parameters():
+            if name.endswith("qk_norm.temp"):
+                p.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(0))
+    for mod in model.modules():  # MiniMax: decays computed in float32 at init, recomputed in float64 by its decode
+        if hasattr(mod, "decay_factors"):
+            for buf, value in zip((mod.query_decay, mod.key_decay, mod.diagonal_decay), mod.decay_factors(mod.slope_rate)):
+                buf.copy_(value)
+    return model
+
+
+ZOO_HYBRIDS = ["lfm2_moe", "zamba2", "olmo_hybrid", "qwen3_5_text", "kimi_linear", "bailing_hybrid", "nemotron_h",
+               "mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text", "zaya", "lara_mini"]
+# sp.backward in the three prefix modes (the others: "keep", the modes being the same code for every family)
+ALL_MODES = {"mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text", "zaya", "lara_mini"}
+
+
+@pytest.mark.parametrize("entry", ZOO_HYBRIDS)
+def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
+    """The other listed hybrids, built as the zoo builds them but with weights of std 0.2 (states that matter), their
+    float32 casts kept float64: log-probs to 1e-9 under a budget that chunks the prompt and splits the completions,
+    ``sp.backward``'s gradient to a relative 1e-9 (in the three prefix modes for ``ALL_MODES``), and every kind of
+    state the cache carries (K/V where the model has attention layers, conv, recurrent) matters: zeroed, the
+    log-probs move far beyond the tolerance."""
+    from sharedprefix.modeling import ATTENTION_LAYER_TYPES
+    model = zoo_model(entry)
     assert model.config.model_type in HYBRID_MODEL_TYPES
     gs = groups_of()
     with Float64Inside():
@@ -258,14 +305,19 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
         want = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
         with torch.no_grad():
             assert float((sp.logprobs(model, gs, max_tokens=6).logprobs - ref).abs().max()) <= 1e-9
-        sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6)
-        got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        assert _grad_error(got, want) <= 1e-9
+        runs = [("keep", 6), ("offload", None), ("recompute", 6)] if entry in ALL_MODES else [("keep", 6)]
+        for mode, max_tokens in runs:
+            sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens,
+                        prefix_activations=mode)
+            got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+            assert _grad_error(got, want) <= 1e-9, (mode, max_tokens, _grad_error(got, want))
         read = hybrid._read
         cache = hybrid.HybridRun(model, gs, None, 1.0, False).prompt(gs[0])[0]
         kinds = sorted({name for _, name, _ in hybrid._slots(cache)})
-        assert {"keys", "conv_states"} <= set(kinds), kinds
+        types = model.config.get_text_config().layer_types
+        assert set(kinds) & {"conv_states", "recurrent_states", "linear_cache"}, kinds  # a state beside any K/V
+        assert "keys" in kinds or not set(types) & ATTENTION_LAYER_TYPES, kinds
         for slot in kinds:
             zeroed = lambda cache, slots, slot=slot: [  # noqa: E731
                 torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))]

@@ -1,13 +1,16 @@
 """Hybrid models: each prompt runs once, and every completion starts from the prompt's final layer state.
 
 A hybrid model mixes tokens outside attention too (short convolutions, Mamba2 state-space layers, gated
-delta-net linear attention). Their state at the end of a prompt is not a set of per-token K/V that the
-packed-row cascade could read, so hybrids take a separate, simpler path built on the model's own
-cache-aware forward (its torch code on CPU, its kernels where installed), with no change to its code:
+delta-net and lightning linear attention), or only outside it (Mamba2). Their state at the end of a prompt is
+not a set of per-token K/V that the packed-row cascade could read, so hybrids take a separate, simpler path
+built on the model's own cache-aware forward (its torch code on CPU, its kernels where installed), with no
+change to its code:
 
 1. the prompt runs once through the decoder with a fresh cache of the model's own class
-   (``DynamicCache(config=...)``): attention layers fill K/V, convolution layers their last
-   ``kernel - 1`` inputs, recurrent layers their final state;
+   (``DynamicCache(config=...)``, or the cache class its modeling module defines: MiniMax's): attention layers
+   fill K/V (a sliding layer its last ``window - 1``), convolution layers their last ``kernel - 1`` inputs,
+   recurrent layers their final state; positions continue the prompt's (a decoder without ``position_ids``,
+   a pure state-space model, has none);
 2. the cache's tensors (and the prompt's last hidden state, which predicts every completion's first
    token) become the state of the group; under ``sp.backward`` they are detached leaves that require grad;
 3. the completions run in batches of rows, right-padded (a causal model's padding after a row's last
@@ -27,6 +30,7 @@ Notation: G = completions of a group, P = prompt length, n = rows of one batch, 
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -90,6 +94,8 @@ class HybridRun:
         self.device = emb.weight.device
         self.dec = decoder(model)
         self.cache_arg = _cache_arg(self.dec)
+        # a decoder without position_ids (a pure state-space model) has no positions to continue
+        self.positioned = "position_ids" in inspect.signature(self.dec.forward).parameters
         self.W = max(c.numel() for g in self.groups for c in g.completions)
         self.tokens = 0
         self.passes = 0
@@ -118,8 +124,8 @@ class HybridRun:
         cache = _new_cache(self.model)
         ids = g.prompt.to(self.device)[None]
         for a, b in prompt_chunks(ids.shape[1], self.max_tokens):
-            out = self.dec(input_ids=ids[:, a:b], position_ids=torch.arange(a, b, device=self.device)[None],
-                           use_cache=True, **{self.cache_arg: cache})
+            out = self.dec(input_ids=ids[:, a:b], use_cache=True, **self._positions(torch.arange(a, b, device=self.device)[None]),
+                           **{self.cache_arg: cache})
             self.tokens += b - a
             self.passes += 1
         slots = _slots(cache)
@@ -131,7 +137,8 @@ class HybridRun:
         from transformers.cache_utils import DummyLayer
 
         have = {i for i, _, _ in slots}
-        missing = [i for i, layer in enumerate(cache.layers) if i not in have and not isinstance(layer, DummyLayer)]
+        layers = cache.layers + [None] * (len(cache) - len(cache.layers))  # MiniMax: linear layers not in .layers
+        missing = [i for i, layer in enumerate(layers) if i not in have and not isinstance(layer, DummyLayer)]
         if missing:
             raise ValueError(
                 f"{type(self.model).__name__}: after the prompt's forward, cache layers {missing} hold no state, so its "
@@ -139,10 +146,15 @@ class HybridRun:
                 "supported by sharedprefix's hybrid path."
             )
         for (i, name, _), t in zip(slots, _read(cache, slots)):
-            if name == "keys" and t.shape[-2] != length:
+            if name != "keys":
+                continue
+            window = cache.layers[i].sliding_window if getattr(cache.layers[i], "is_sliding", False) else None
+            need = length if window is None else min(length, window - 1)  # a sliding layer keeps the last window - 1
+            if t.shape[-2] != need:
                 raise ValueError(
                     f"{type(self.model).__name__}: cache layer {i} holds K/V of {t.shape[-2]} tokens after a prompt of "
-                    f"{length} (a sliding or compressed cache); sharedprefix's hybrid path needs every prompt key."
+                    f"{length}, where {need} were expected (a compressed cache); sharedprefix's hybrid path needs every "
+                    "prompt key a completion can see."
                 )
 
     def completions(self, g, rows: list[int], cache, slots, tensors, h_last):
@@ -158,7 +170,7 @@ class HybridRun:
             mask[r, : c.numel()] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (P + torch.arange(t, device=self.device))[None].expand(n, t)
-        out = self.dec(input_ids=ids, position_ids=pos, use_cache=True,
+        out = self.dec(input_ids=ids, use_cache=True, **self._positions(pos),
                        **{self.cache_arg: _repeated(cache, slots, tensors, n)})
         self.tokens += n * t
         self.passes += 1
@@ -166,6 +178,9 @@ class HybridRun:
         pred = torch.cat([h_last.expand(n, 1, -1), hidden[:, :-1]], 1)  # token j is predicted at j - 1
         lp, ent = token_logprobs(self.model, pred[mask], ids[mask], self.temperature, self.entropy)
         return self._rows(lp, mask), (self._rows(ent, mask) if self.entropy else None)
+
+    def _positions(self, pos: torch.Tensor) -> dict:
+        return {"position_ids": pos} if self.positioned else {}
 
     def _rows(self, values, mask):
         n, t = mask.shape

@@ -19,8 +19,17 @@ def _cache_arg(dec) -> str:
 
 
 def _new_cache(model):
-    from transformers import DynamicCache
+    """An empty cache of the class the model's own forward would create: the cache class its modeling module
+    defines where it has one (MiniMax's ``MiniMaxCache``), else ``DynamicCache(config=...)``."""
+    import sys
 
+    from transformers import DynamicCache
+    from transformers.cache_utils import Cache
+
+    mod = sys.modules[type(model).__module__]
+    own = [v for v in vars(mod).values() if isinstance(v, type) and issubclass(v, Cache) and v.__module__ == mod.__name__]
+    if len(own) == 1:  # its tensors are checked by _slots like any other cache's
+        return own[0]()
     return _write_fresh(DynamicCache(config=model.config))
 
 
@@ -54,19 +63,24 @@ def _fresh_update(layer, name: str, update):
 
 # -- the cache's tensors, read out and written back ---------------------------------------------------------------
 
+LINEAR_CACHE = "linear_cache"  # MiniMaxCache: a list with each lightning-attention layer's (K^T V) state, on the cache
+
+
 def _slots(cache) -> list[tuple[int, str, int | None]]:
     """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
-    from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
     out = []
     for i, layer in enumerate(cache.layers):
         known = set()
         if isinstance(layer, DummyLayer):
             continue
-        if isinstance(layer, DynamicLayer) and type(layer).get_seq_length is DynamicLayer.get_seq_length:
+        full = isinstance(layer, DynamicLayer) and type(layer).get_seq_length is DynamicLayer.get_seq_length
+        sliding = getattr(type(layer), "get_seq_length", None) is DynamicSlidingWindowLayer.get_seq_length  # last window - 1
+        if full or sliding:
             if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
                 out += [(i, "keys", None), (i, "values", None)]
-            known |= {"keys", "values"}
+            known |= {"keys", "values"} | ({"_sliding_window_tensor"} if sliding else set())
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             for name in ("conv_states", "recurrent_states"):
                 for s, t in getattr(layer, name).items():
@@ -85,12 +99,30 @@ def _slots(cache) -> list[tuple[int, str, int | None]]:
                 f"the cache layer {i} ({type(layer).__name__}) holds tensors {odd} that sharedprefix's hybrid path "
                 "does not copy per completion, so it refuses the model rather than start a completion from a wrong state."
             )
+    out += [(i, LINEAR_CACHE, None) for i, t in enumerate(getattr(cache, LINEAR_CACHE, ())) if isinstance(t, torch.Tensor)]
+    odd = [k for k, v in vars(cache).items() if k not in ("layers", LINEAR_CACHE) and _holds_tensors(v)]
+    if odd:
+        raise ValueError(
+            f"the cache ({type(cache).__name__}) holds tensors in {odd} that sharedprefix's hybrid path does not copy per "
+            "completion, so it refuses the model rather than start a completion from a wrong state."
+        )
     return out
+
+
+def _holds_tensors(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_tensors(v) for v in value)
 
 
 def _read(cache, slots) -> list[torch.Tensor]:
     out = []
     for i, name, s in slots:
+        if name == LINEAR_CACHE:
+            out.append(getattr(cache, name)[i])
+            continue
         v = getattr(cache.layers[i], name)
         out.append(v if s is None else v[s])
     return out
@@ -105,14 +137,17 @@ def _repeated(cache, slots, tensors, n: int):
         for name, value in list(vars(layer).items()):
             if isinstance(value, dict):
                 setattr(layer, name, dict(value))
+    if hasattr(cache, LINEAR_CACHE):
+        setattr(new, LINEAR_CACHE, list(getattr(cache, LINEAR_CACHE)))
     _write_fresh(new)
     for (i, name, s), t in zip(slots, tensors):
         r = t.repeat(n, *([1] * (t.dim() - 1)))
-        layer = new.layers[i]
-        if s is None:
-            setattr(layer, name, r)
+        if name == LINEAR_CACHE:
+            getattr(new, name)[i] = r
+        elif s is None:
+            setattr(new.layers[i], name, r)
         else:
-            getattr(layer, name)[s] = r
+            getattr(new.layers[i], name)[s] = r
     return new
 
 

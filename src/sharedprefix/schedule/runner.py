@@ -3,7 +3,7 @@
 They validate, plan and hand the plan to ``schedule.executor``. Notation: N = output rows
 (completions in group order, or a tree's rows), W = columns, n = rows in one pass.
 
-Hybrid models (``modeling.HYBRID_MODEL_TYPES``: LFM2, Falcon-H1, Qwen3-Next, Zamba2 and others, whose layers mix tokens
+Hybrid models (``modeling.HYBRID_MODEL_TYPES``: LFM2, Falcon-H1, Qwen3-Next, Zamba2, Mamba2 and others, whose layers mix tokens
 outside attention) take ``schedule.hybrid`` instead: each prompt once through the model's own cache-aware
 forward, each completion batch from a copy of the prompt's cache. There ``max_tokens`` bounds every forward
 (prompt chunks, right-padded completion batches); a completion longer than it is refused, and so are

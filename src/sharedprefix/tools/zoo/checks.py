@@ -11,7 +11,8 @@
   attention's softmax, routers, float32 logits: ``Result.float32_inside`` names the ops), it is only
   float32-accurate, and the zoo holds sharedprefix to 1e-6 / 1e-5 instead and says so; gradients beyond 1e-5
   pass only within twice the plain run's own error against the same model computing those ops in float64
-  (``testing.Float64Inside``: the flash-attention rule);
+  (``testing.Float64Inside``: the flash-attention rule), both errors relative to the model's largest gradient
+  (``_grad_error_at_scale``: float32 noise of a gradient that nearly cancels is of that scale, not of its own);
 - ``refused``: ``sp.logprobs`` raised ``ValueError`` before returning anything or touching a gradient,
   with a message in one of the ``REFUSALS`` categories (each names the feature and why);
 - ``not buildable``: the tiny config, the model or its own plain forward fails (``EXPECTED_NOT_BUILDABLE``
@@ -145,6 +146,16 @@ def _grad_error(got: dict, want: dict) -> float:
         return float("inf")
     floor = 1e-6 * max(float(w.abs().max()) for w in want.values())
     return max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(floor)) for n in want)
+
+
+def _grad_error_at_scale(got: dict, want: dict) -> float:
+    """Max over tensors of |got - want|, relative to the model's largest gradient: the scale of float32 rounding in
+    gradients that are sums of larger terms (a tensor whose gradient nearly cancels, such as a gated delta net's
+    ``A_log``, carries float32 noise of the model's scale, far beyond its own size)."""
+    if set(got) != set(want):
+        return float("inf")
+    scale = max(float(w.abs().max()) for w in want.values())
+    return max(float((got[n] - want[n]).abs().max()) for n in want) / scale
 
 
 def _category(msg: str) -> str:
@@ -286,18 +297,20 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
         res.grad_err = _grad_error(got, want)
         if not res.grad_err <= gtol and low_ops:
             # the plain run is itself only float32-accurate here: hold sharedprefix to twice its error against the
-            # same model computing those ops in float64 (the flash-attention rule)
+            # same model computing those ops in float64 (the flash-attention rule), errors at the model's gradient scale
             from sharedprefix.tools.reference import Float64Inside
 
             with Float64Inside():
                 truth = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
-            plain_err, ours_err = _grad_error(want, truth), _grad_error(got, truth)
+            plain_err, ours_err = _grad_error_at_scale(want, truth), _grad_error_at_scale(got, truth)
             if ours_err <= 2 * plain_err:
-                res.grad_err = ours_err
-                res.float32_rule = f"gradients {ours_err:.2g} from float64, the plain run's {plain_err:.2g}"
+                res.grad_err = _grad_error(got, truth)
+                res.float32_rule = (f"gradients {ours_err:.2g} from float64 at the largest gradient's scale, the plain "
+                                    f"run's {plain_err:.2g}")
             else:
                 res.detail = (f"gradient mismatch: relative error {res.grad_err:.3g} > {gtol} against the plain run, "
-                              f"and {ours_err:.3g} > twice the plain run's {plain_err:.3g} against float64")
+                              f"and {ours_err:.3g} > twice the plain run's {plain_err:.3g} against float64 (at the "
+                              "largest gradient's scale)")
                 return
         elif not res.grad_err <= gtol:
             res.detail = f"gradient mismatch: relative error {res.grad_err:.3g} > {gtol}"

@@ -146,8 +146,10 @@ _MAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_siz
 
 # Per-architecture settings the generic sizes cannot infer (a dict value configures that sub-config).
 ARCH: dict[str, dict] = {
-    "bamba": _MAMBA,
-    "granitemoehybrid": _MAMBA,
+    # hybrids with one attention layer and one Mamba layer (their defaults would be cut to Mamba layers only)
+    "bamba": dict(_MAMBA, attn_layer_indices=[1]),
+    "granitemoehybrid": dict(_MAMBA, layer_types=["linear_attention", "full_attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
     "mamba2": dict(num_heads=4, head_dim=16, n_groups=1, state_size=8, chunk_size=8),
     "cohere_compass_text": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "lfm2": dict(layer_types=["conv", "full_attention"]),  # its default pattern would be cut to attention only
@@ -155,6 +157,8 @@ ARCH: dict[str, dict] = {
     # hybrids: Mamba2 and gated delta-net layers as small as the rest (their defaults take minutes in float64)
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_chunk_size=4),
     "zamba2": dict(mamba_d_state=8, chunk_size=4),
+    "minimax": dict(block_size=4),  # lightning attention's blocks bite on short rows
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),  # its default would be cut to recurrent only
     "qwen3_next": _DELTA_NET,
     "qwen3_5_text": _DELTA_NET,
     "qwen3_5_moe_text": _DELTA_NET,
@@ -254,7 +258,8 @@ def _float64_norms(model) -> list:
 
     done = []
     for mod in model.modules():
-        if type(mod).__name__.endswith("Norm") and isinstance(getattr(mod, "weight", None), torch.Tensor):
+        # a weight that is no parameter is a placeholder (Falcon-Mamba's weightless norms, of another width)
+        if type(mod).__name__.endswith("Norm") and isinstance(getattr(mod, "weight", None), torch.nn.Parameter):
             try:
                 dtype_faithful_norms(mod)
             except ValueError:

@@ -64,7 +64,8 @@ def render(results: list[Result], transformers_version: str) -> str:
     if rule:
         lines[-1] = lines[-1][:-2] + (
             f"; gradients of {_names(rule)} beyond {_e(GRAD_TOL_FLOAT32_INSIDE)}, within twice the plain forward's own "
-            "error against the same model computing those parts in float64 |")
+            "error against the same model computing those parts in float64 (errors at the scale of the largest "
+            "gradient) |")
     for label, pat in REFUSALS:  # one line per reason a split is refused
         hit = [r for r in one_pass if re.search(pat, r.split_refusal, re.S)]
         if hit:
