@@ -1,8 +1,9 @@
-"""Adapters around a transformers causal LM: unwrap, refuse what cannot be exact, run the head.
+"""Adapters around a transformers causal LM: unwrap, refuse what cannot be exact, define the head.
 
 sharedprefix runs the model's *base* (the decoder stack, ending with the final norm) on a
-packed row and applies the LM head itself, only where a completion token is predicted and
-in chunks, so that no (tokens, vocab) matrix for the whole row exists at once. The head's
+packed row and applies the LM head itself (``head.token_logprobs``), only where a completion
+token is predicted and in chunks, so that no (tokens, vocab) matrix for the whole row exists
+at once. The head's
 own post-processing (Gemma2 final-logit soft-capping, Granite logit scaling, Cohere logit
 scale) is reproduced, and checked once per model against the model's own forward.
 
@@ -15,7 +16,6 @@ import inspect
 import weakref
 
 import torch
-from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from sharedprefix import positions
@@ -416,94 +416,3 @@ def decoder_position_ids(model: PreTrainedModel, layout) -> torch.Tensor:
         path = torch.cat([segs[a].tokens for a in layout.tree.ancestors(s)] + [segs[s].tokens])
         out.append(padding_numbered(path, pad)[-segs[s].length:])
     return torch.cat(out)[None]
-
-
-class _TokenLogprob(torch.autograd.Function):
-    """(M, V) logits -> (M,) log p(target) and (M,) entropy, with a one-pass exact backward.
-
-    Saves the logits and the (M,) log-sum-exp only; the backward forms
-    d/dz [g_tok * log p_t + g_ent * H] = g_tok * (onehot_t - p) - g_ent * p * (log p + H)
-    directly instead of going through log_softmax and a scattered zero matrix.
-    """
-
-    @staticmethod
-    def forward(ctx, z, targets, want_entropy):
-        lse = torch.logsumexp(z, dim=-1)
-        tok = z.gather(-1, targets[:, None])[:, 0] - lse
-        if want_entropy:
-            p = torch.exp(z - lse[:, None])
-            ent = lse - (p * z).sum(-1)
-        else:
-            ent = z.new_zeros(0)
-        ctx.save_for_backward(z, targets, lse, ent)
-        ctx.want_entropy = want_entropy
-        return tok, ent
-
-    @staticmethod
-    def backward(ctx, g_tok, g_ent):
-        z, targets, lse, ent = ctx.saved_tensors
-        p = (z - lse[:, None]).exp_()  # softmax; at most two (M, V) temporaries live below
-        if ctx.want_entropy and g_ent is not None:
-            e = (z - lse[:, None]).add_(ent[:, None]).mul_(p).mul_(g_ent[:, None])  # g_ent * p * (log p + H)
-            grad = p.mul_(-g_tok[:, None]).sub_(e)
-        else:
-            grad = p.mul_(-g_tok[:, None])
-        grad.scatter_add_(-1, targets[:, None], g_tok[:, None])
-        return grad, None, None
-
-
-def _logprob_chunk(model, hidden, targets, temperature: float, want_entropy: bool, out_dtype):
-    logits = head_logits(model, hidden).to(out_dtype)
-    if temperature != 1.0:
-        logits = logits / temperature
-    return _TokenLogprob.apply(logits, targets, want_entropy)
-
-
-def token_logprobs(
-    model: PreTrainedModel,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float = 1.0,
-    entropy: bool = False,
-    chunk_tokens: int | None = None,
-):
-    """Log-probs (and entropy) of ``targets`` under the head applied to ``hidden``.
-
-    Args:
-        hidden: (M, d) final hidden states of the predicting positions.
-        targets: (M,) int64 token ids.
-        temperature: logits are divided by it before the softmax (as TRL does).
-        chunk_tokens: rows of the head computed at once (default: 4M logits per chunk, and on a GPU
-            never fewer than 1024 rows); under grad each chunk is recomputed in backward, so only a
-            few (chunk_tokens, V) matrices are ever held.
-
-    Returns:
-        (M,) natural-log probabilities and (M,) entropies in nats (or None), float32, or
-        float64 for a float64 model.
-    """
-    out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    if chunk_tokens is None:
-        vocab = model.get_output_embeddings().weight.shape[0]
-        chunk_tokens = max(16, 2**22 // vocab)
-        if hidden.is_cuda:
-            # Every chunk reads the (V, d) head weight three times and reads and writes its gradient once:
-            # a chunk of c rows does about c FLOP per byte of that traffic, and a GPU needs a few hundred
-            # (an H200: 790 TFLOP/s of bf16 over 4.8 TB/s). 27-row chunks (4M logits of a 152K
-            # vocabulary) made the head of the GPU benchmark memory-bound and slower than the whole plain
-            # run. (Two CPU cores are compute-bound at any of these sizes; there, memory decides.)
-            chunk_tokens = max(1024, chunk_tokens)
-    toks, ents = [], []
-    head_params = model.get_output_embeddings().parameters()
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head_params))
-    for s in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens]
-        args = (model, h, t, temperature, entropy, out_dtype)
-        if grad:
-            tok, ent = checkpoint(_logprob_chunk, *args, use_reentrant=False)
-        else:
-            tok, ent = _logprob_chunk(*args)
-        toks.append(tok)
-        ents.append(ent)
-    tok = torch.cat(toks) if toks else hidden.new_zeros(0, dtype=out_dtype)
-    ent = torch.cat(ents) if entropy and ents else None
-    return tok, ent

@@ -16,6 +16,7 @@ from sharedprefix import router
 from sharedprefix.attention import indexed
 from sharedprefix.attention.interface import PassState, implementation, pass_state, softcap_refusal
 from sharedprefix.attention.kernels import select
+from sharedprefix.head import token_logprobs
 from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
@@ -26,7 +27,6 @@ from sharedprefix.modeling import (
     decoder_position_ids,
     head_logits,
     num_attention_layers,
-    token_logprobs,
     unwrap,
     uses_reentrant_checkpointing,
     verify_head,

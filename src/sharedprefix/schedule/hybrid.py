@@ -35,9 +35,10 @@ import math
 
 import torch
 
+from sharedprefix.head import token_logprobs
 from sharedprefix.layout.groups import validate_groups
 from sharedprefix.layout.rows import Tree
-from sharedprefix.modeling import decoder, token_logprobs, uses_checkpointing, verify_head
+from sharedprefix.modeling import decoder, uses_checkpointing, verify_head
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.hybrid_state import _cache_arg, _new_cache, _read, _repeated, _slots, prompt_chunks
 from sharedprefix.schedule.results import Batch
