@@ -80,8 +80,14 @@ def logprobs(
     if grad_reduction not in REDUCTIONS:
         raise ValueError(f"grad_reduction={grad_reduction!r}; expected one of {REDUCTIONS}.")
     if is_hybrid(unwrap(model)):
-        _check_hybrid(model, backend)
-        if torch.is_grad_enabled() and defer:  # values without a graph, hybrid.backward when autograd reaches them
+        kind = _check_hybrid(model, backend)
+        if torch.is_grad_enabled() and kind == "ddp" and defer is False:
+            raise ValueError(
+                "sharedprefix.logprobs with grad enabled and defer=False on a DDP model: the hybrid path runs the "
+                "wrapped module, so only a deferred backward (defer=None or True) synchronises the gradients over "
+                "the ranks. Leave defer=None."
+            )
+        if torch.is_grad_enabled() and (defer or kind == "ddp"):  # no graph now, hybrid.backward when autograd comes
             with torch.no_grad():
                 out = hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
             return defer_logprobs(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
@@ -212,7 +218,9 @@ def backward(
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     router.refuse_per_pass(unwrap(model), "sharedprefix.backward takes its loss per pass")
     if is_hybrid(unwrap(model)):
-        _check_hybrid(model, backend)
+        if _check_hybrid(model, backend) == "ddp":
+            return _hybrid_ddp(model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
+                               offload_device, sync, grad_reduction)
         return hybrid.backward(unwrap(model), groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
                                offload_device)
     if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
@@ -272,14 +280,46 @@ def backward(
     )
 
 
-def _check_hybrid(model, backend: str) -> None:
-    """A hybrid model runs its own attention (``schedule.hybrid``): the backend name is checked, not used; DDP and
-    FSDP2 are refused."""
+def _check_hybrid(model, backend: str) -> str:
+    """A hybrid model runs its own attention (``schedule.hybrid``): the backend name is checked, not used; FSDP2 is
+    refused. Returns the data-parallel kind ("none" or "ddp")."""
     select(backend, unwrap(model).get_input_embeddings().weight.device)
     kind = detect(model, unwrap(model)).kind
-    if kind != "none":
+    if kind == "fsdp":
         raise ValueError(
-            f"{type(unwrap(model)).__name__} is a hybrid model (layers that mix tokens outside attention) wrapped for "
-            f"{kind.upper()}; sharedprefix's hybrid path runs on a single process's model only. Run it without "
-            "DDP/FSDP2, or use the plain forward for this model."
+            f"{type(unwrap(model)).__name__} is a hybrid model (layers that mix tokens outside attention) sharded with "
+            "FSDP2; sharedprefix's hybrid path runs the model's own cache-aware forward, which it does not run inside "
+            "FSDP2's unshard and reshard hooks. Use DDP (supported) or a single process."
         )
+    return kind
+
+
+def _hybrid_ddp(model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, offload_device, sync,
+                grad_reduction) -> BackwardResult:
+    """``hybrid.backward`` on a DDP model's module, then one all-reduce of the gradients, as the packed path does:
+    the passes run no collective, so the ranks agree on any error first (every rank raises, none waits), and a
+    failed call leaves ``.grad`` as it found it on every rank."""
+    par = detect(model, unwrap(model))
+    inner = unwrap(model)
+    tx = GradTransaction(inner, ddp=True)
+    try:
+        error, res = None, None
+        try:
+            res = hybrid.backward(inner, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
+                                  offload_device)
+        except Exception as e:  # agreed on below, before the all-reduce the other ranks will join
+            if not sync:
+                raise
+            error = e
+        if sync:
+            par.agree_on_error(error, where="during")
+            par.all_reduce_grads(inner)
+            if grad_reduction == "mean":
+                for p in inner.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(par.world_size)
+    except BaseException:
+        tx.rollback()
+        raise
+    tx.commit(synced=sync)
+    return res

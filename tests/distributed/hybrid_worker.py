@@ -1,0 +1,89 @@
+"""One rank of the hybrid DDP test (run under torchrun): a tiny LFM2 (short convolutions beside attention) wrapped in
+DDP, each rank with its share of the groups.
+
+Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT
+(KIND: backward | mean | deferred | midfail) Rank 0 writes the gradients (or the messages) to OUT.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from distributed.worker import full_grads  # noqa: E402
+from models.test_hybrid import groups_of, model_of  # noqa: E402
+
+import sharedprefix as sp  # noqa: E402
+
+BUDGET = 8  # splits the first group (prompt 9: two chunks; four completions in several batches)
+
+
+def weights(groups):
+    n = sum(g.group_size for g in groups)
+    return torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+
+
+def share(rank, world):
+    groups = groups_of()
+    mine = sp.shard_groups(groups, rank, world)
+    starts, n = {}, 0
+    for g in groups:
+        starts[id(g)] = n
+        n += g.group_size
+    return mine, torch.tensor([starts[id(g)] + i for g in mine for i in range(g.group_size)])
+
+
+def main(kind, out):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(100, exit=True)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    mine, gidx = share(rank, world)
+    W = weights(groups_of())
+    model = torch.nn.parallel.DistributedDataParallel(model_of("lfm2"))
+
+    def loss_fn(b):
+        return (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()
+
+    if kind == "midfail":  # rank 1's loss is NaN on its second batch: every rank stops, no .grad is left behind
+        seen = []
+
+        def failing(b):
+            seen.append(1)
+            return loss_fn(b) * (float("nan") if rank == 1 and len(seen) == 2 else 1.0)
+
+        try:
+            sp.backward(model, mine, failing, max_tokens=BUDGET)
+            msg = "no error"
+        except (ValueError, RuntimeError) as e:
+            msg = f"{type(e).__name__}: {e}"
+        msg += f" | grads left: {sum(p.grad is not None for p in model.parameters())}"
+        msgs = [None] * world
+        dist.all_gather_object(msgs, msg)
+        if rank == 0:
+            torch.save({"messages": msgs}, out)
+    else:
+        if kind == "deferred":  # grad-enabled log-probs: deferred by default under DDP, synced by their backward
+            out_lp = sp.logprobs(model, mine, max_tokens=BUDGET)
+            (out_lp.logprobs * W[gidx, : out_lp.logprobs.shape[1]] * out_lp.mask).sum().backward()
+        else:
+            sp.backward(model, mine, loss_fn, max_tokens=BUDGET, prefix_activations="recompute",
+                        grad_reduction="mean" if kind == "mean" else "sum")
+        grads = full_grads(model)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, grads)
+        if rank == 0:
+            torch.save({"grads": everyone, "shards": [len(sp.shard_groups(groups_of(), r, world)) for r in range(world)]},
+                       out)
+    del model
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

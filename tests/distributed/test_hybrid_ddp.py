@@ -1,0 +1,52 @@
+"""Hybrid models under DDP (2 CPU processes, gloo): the gradients of a single-process plain run, on every rank."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed.hybrid_worker import BUDGET, weights
+from models.test_hybrid import groups_of, model_of
+
+import sharedprefix as sp
+from helpers import assert_grads_close, grads_of, plain_logprobs
+
+WORKER = os.path.join(os.path.dirname(__file__), "hybrid_worker.py")
+
+
+def _launch(kind, tmp_path):
+    out = tmp_path / f"{kind}.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, kind, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    groups, model = groups_of(), model_of("lfm2")
+    W = weights(groups)
+    return grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W[:, : max(c.numel() for g in groups
+                                                                                    for c in g.completions)]).sum())
+
+
+def test_the_shards_differ_and_the_budget_splits_a_group():
+    shards = [sp.shard_groups(groups_of(), r, 2) for r in range(2)]
+    assert sorted(len(s) for s in shards) == [1, 2]
+    assert any(sp.plan(s, BUDGET).splits for s in shards)
+
+
+@pytest.mark.parametrize("kind, scale", [("backward", 1.0), ("mean", 0.5), ("deferred", 1.0)])
+def test_two_process_hybrid_gradients_match_plain_float64(kind, scale, tmp_path, reference):
+    got = _launch(kind, tmp_path)
+    for grads in got["grads"]:  # both ranks hold the summed (or averaged) gradient
+        assert_grads_close({k: v / scale for k, v in grads.items() if v is not None}, reference, 1e-9)
+
+
+def test_a_failure_on_one_rank_stops_both_and_leaves_no_gradient(tmp_path):
+    msgs = _launch("midfail", tmp_path)["messages"]
+    assert "rank 1 stopped during this sharedprefix call" in msgs[0], msgs
+    assert "non-finite" in msgs[1].lower() or "nan" in msgs[1].lower(), msgs
+    assert all(m.endswith("grads left: 0") for m in msgs), msgs
