@@ -170,3 +170,36 @@ def test_multi_turn_tool_mask_trains_as_grpo_trainer(tmp_path):
     scale = float(plain.abs().max())
     assert float((plain - unmasked).abs().max()) > 0.05 * scale  # the tool mask changes the update
     assert float((ours - plain).abs().max()) <= 1e-4 * scale
+
+
+def _lfm2(tok):
+    """A tiny LFM2 (short convolutions beside attention): the hybrid path, which takes groups of one prompt."""
+    cfg = tf.Lfm2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"],
+                        conv_L_cache=3, block_auto_adjust_ff_dim=False, max_position_embeddings=128,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return tf.Lfm2ForCausalLM(cfg)
+
+
+def test_hybrid_model_trains_as_grpo_trainer(tmp_path, monkeypatch):
+    """A hybrid model (LFM2) through the real train(): TRL's rows regrouped by prompt (the hybrid path takes groups),
+    with a budget that splits groups: the same parameters as GRPOTrainer."""
+    tok = build_tokenizer()
+    _lfm2(tok).save_pretrained(tmp_path / "init")
+    init = str(tmp_path / "init")
+    init_state = tf.Lfm2ForCausalLM.from_pretrained(init).state_dict()
+    calls = []
+    logprobs = sp.logprobs
+    monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: calls.append(source) or logprobs(model, source, **kw))
+    # (gradient checkpointing off: transformers turns the cache off under it, which the hybrid path refuses)
+    plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1, gradient_checkpointing=False)
+    ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1,
+                  sharedprefix_max_tokens=24, sharedprefix_prefix_activations="recompute", gradient_checkpointing=False)
+    assert calls and all(isinstance(s, list) and sp.plan(s, 24).splits for s in calls)  # groups, split by the budget
+    dp = torch.cat([(p.detach() - init_state[n]).flatten() for n, p in plain.model.named_parameters()])
+    do = torch.cat([(p.detach() - init_state[n]).flatten() for n, p in ours.model.named_parameters()])
+    scale = float(dp.abs().max())
+    assert scale > 1e-3
+    assert float((do - dp).abs().max()) <= 1e-4 * scale, (float((do - dp).abs().max()), scale)

@@ -17,7 +17,8 @@ clipping, KL, entropy bonus, masks, metrics) runs unchanged:
 
 Images (Qwen-style ``pixel_values`` with ``image_grid_thw``, or Llava-style ``pixel_values`` per image; see
 ``trl_batch``): the rows are regrouped by prompt and image into ``sp.Group``s with ``prompt_inputs``, so each
-vision tower and prompt run once.
+vision tower and prompt run once. Hybrid models (``schedule.hybrid``, which takes groups, not trees): the rows
+are regrouped by prompt the same way.
 
 Notation: B = rows of a microbatch, C = completion columns (``logits_to_keep``), N = non-empty rows,
 L = longest [prompt + completion] row.
@@ -33,6 +34,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 import sharedprefix as sp
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
+from sharedprefix.modeling import is_hybrid, unwrap
 from sharedprefix.schedule.runner import PREFIX_MODES
 
 __all__ = ["SharedPrefixGRPOConfig", "SharedPrefixGRPOTrainer", "tree_rows"]
@@ -91,7 +93,8 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         if compute_aux_loss:
             raise ValueError("MoE auxiliary losses are not supported by SharedPrefixGRPOTrainer.")
         B, C = input_ids.shape[0], logits_to_keep
-        if images:
+        grouped = images or is_hybrid(unwrap(model))  # the hybrid path takes groups of one prompt, not trees
+        if grouped:
             used = {k: extra[k] for k in MULTIMODAL if extra.get(k) is not None}
             groups, members = image_groups(input_ids, attention_mask, logits_to_keep, **used)
             source = groups
@@ -109,7 +112,7 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
             out = sp.logprobs(model, source, temperature=self.temperature, entropy=compute_entropy,
                               max_tokens=self._sp_budget, defer=defer, prefix_activations=self._sp_mode,
                               grad_reduction="mean")  # TRL's losses are per-rank means, averaged as DDP does
-        if images:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
+        if grouped:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
             order = torch.tensor([b for m in members for b in m], device=input_ids.device)
             pad = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1]))  # noqa: E731
             lp = zeros.index_copy(0, order, pad(out.logprobs).to(dtype))

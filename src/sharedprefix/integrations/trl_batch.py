@@ -121,10 +121,12 @@ def _row_images(pixel_values: torch.Tensor, num_images: list[int], image_grid_th
                       image_grid_thw[first_image[b] : first_image[b + 1]])
 
 
-def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, pixel_values: torch.Tensor,
-                 num_images: list[int], image_grid_thw: torch.Tensor | None = None,
-                 mm_token_type_ids: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None):
-    """TRL's (B, L) rows with their images (a layout of the module docstring) -> (groups, members).
+def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                 pixel_values: torch.Tensor | None = None, num_images: list[int] | None = None,
+                 image_grid_thw: torch.Tensor | None = None, mm_token_type_ids: torch.Tensor | None = None,
+                 token_type_ids: torch.Tensor | None = None):
+    """TRL's (B, L) rows with their images (a layout of the module docstring), or text rows (``pixel_values`` None:
+    hybrid models, which take groups, not trees) -> (groups, members).
 
     Rows with the same prompt tokens and the same images form one ``sp.Group`` whose ``prompt_inputs`` are that
     prompt's images, so its vision tower and prompt run once; ``members[i]`` lists the microbatch rows of group i,
@@ -132,9 +134,13 @@ def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
     """
     B, L = input_ids.shape
     P = L - logits_to_keep
+    if pixel_values is None:
+        num_images = [0] * B
     if len(num_images) != B:
         raise ValueError(f"num_images has {len(num_images)} entries for {B} rows; expected one per row.")
-    images_of = _row_images(pixel_values, num_images, image_grid_thw)
+    empty = torch.zeros(0)
+    images_of = _row_images(pixel_values, num_images, image_grid_thw) if pixel_values is not None else (
+        lambda b: (empty, None))
     ids, att = input_ids.cpu(), attention_mask.cpu().bool()
     keys: dict[tuple, int] = {}
     prompts, completions, members = [], [], []
