@@ -28,20 +28,28 @@ _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclass
 class VerifyReport:
-    """``ok``: exact by the 2x rule in every configuration (False on a refusal). ``refusal``: its message, or None.
-    ``checks``: per configuration (budget, our error, the plain run's error), errors as max |delta log-prob|
-    against the float64 reference."""
+    """``ok``: exact by the 2x rule in every configuration that ran (False on a refusal of the one-pass check).
+    ``refusal``: the one-pass check's refusal, or None. ``split_refusal``: the refusal of the budget that splits a
+    group (models exact in one pass only: several attention calls per layer, indexer-selected keys), or None; the
+    same call with that budget would refuse, never mismatch. ``checks``: per configuration (budget, our error, the
+    plain run's error), errors as max |delta log-prob| against the float64 reference."""
 
     ok: bool
     refusal: str | None = None
     checks: list = field(default_factory=list)
+    split_refusal: str | None = None
+    split: int | None = None
 
     def __str__(self) -> str:
         if self.refusal:
             return f"refused: {self.refusal}"
         lines = [f"max_tokens={b!s:>5}: sharedprefix error {ours:.2e}, plain error {plain:.2e} "
                  f"({'OK' if ours <= 2 * plain + 1e-12 else 'MISMATCH'})" for b, ours, plain in self.checks]
-        return "\n".join(lines + [f"-> {'exact by the 2x rule' if self.ok else 'NOT EXACT'}"])
+        if self.split_refusal:
+            lines.append(f"max_tokens={self.split!s:>5}: refused ({self.split_refusal})")
+        verdict = "exact by the 2x rule" + (" in one pass; a budget that splits a group is refused" if self.split_refusal
+                                            else "")
+        return "\n".join(lines + [f"-> {verdict if self.ok else 'NOT EXACT'}"])
 
 
 def _random_groups(vocab: int, seed: int):
@@ -76,11 +84,16 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
     groups = groups if groups is not None else _random_groups(vocab, seed)
     sizes = [int(g.prompt.numel()) + sum(int(c.numel()) for c in g.completions) for g in groups]
     split = max_tokens or max(max(int(c.numel()) for g in groups for c in g.completions), max(sizes) // 2)
-    try:
-        with torch.no_grad():
-            outs = [(b, sp.logprobs(model, groups, max_tokens=b).logprobs.double().cpu()) for b in (None, split)]
-    except ValueError as e:
-        return VerifyReport(False, refusal=str(e))
+    outs, split_refusal = [], None
+    with torch.no_grad():
+        try:
+            outs.append((None, sp.logprobs(model, groups).logprobs.double().cpu()))
+        except ValueError as e:
+            return VerifyReport(False, refusal=str(e))
+        try:
+            outs.append((split, sp.logprobs(model, groups, max_tokens=split).logprobs.double().cpu()))
+        except ValueError as e:  # refused before any computation: exact in one pass only, never a mismatch
+            split_refusal = str(e)
     plain = _plain(model, groups)
     dev = reference_device or next(base.parameters()).device
     ref_model = copy.deepcopy(base).to(device=dev, dtype=torch.float64)
@@ -90,7 +103,8 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
     exact = _plain(ref_model, groups)
     del ref_model
     checks = [(b, float((o - exact).abs().max()), float((plain - exact).abs().max())) for b, o in outs]
-    return VerifyReport(all(ours <= 2 * pl + 1e-12 for _, ours, pl in checks), checks=checks)
+    return VerifyReport(all(ours <= 2 * pl + 1e-12 for _, ours, pl in checks), checks=checks,
+                        split_refusal=split_refusal, split=split)
 
 
 def self_check(model, groups) -> None:
