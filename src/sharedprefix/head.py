@@ -72,8 +72,8 @@ def token_logprobs(
         hidden: (M, d) final hidden states of the predicting positions.
         targets: (M,) int64 token ids.
         temperature: logits are divided by it before the softmax (as TRL does).
-        chunk_tokens: rows of the head computed at once (default: 4M logits per chunk, and on a GPU
-            never fewer than 1024 rows); under grad each chunk is recomputed in backward, so only a
+        chunk_tokens: rows of the head computed at once (default: 4M logits per chunk, but never fewer
+            than 256 rows, 1024 on a GPU); under grad each chunk is recomputed in backward, so only a
             few (chunk_tokens, V) matrices are ever held.
 
     Returns:
@@ -83,13 +83,15 @@ def token_logprobs(
     out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     if chunk_tokens is None:
         vocab = model.get_output_embeddings().weight.shape[0]
-        chunk_tokens = max(16, 2**22 // vocab)
+        # at least 256 rows: on two CPU cores, chunks of 131 rows (32K vocabulary) made the head's forward and
+        # backward 1.3x slower than with 256 to 1024 (the head weight is streamed once per chunk and pass)
+        chunk_tokens = max(256, 2**22 // vocab)
         if hidden.is_cuda:
             # Every chunk reads the (V, d) head weight three times and reads and writes its gradient once:
             # a chunk of c rows does about c FLOP per byte of that traffic, and a GPU needs a few hundred
             # (an H200: 790 TFLOP/s of bf16 over 4.8 TB/s). 27-row chunks (4M logits of a 152K
             # vocabulary) made the head of the GPU benchmark memory-bound and slower than the whole plain
-            # run. (Two CPU cores are compute-bound at any of these sizes; there, memory decides.)
+            # run.
             chunk_tokens = max(1024, chunk_tokens)
     toks, ents = [], []
     head_params = model.get_output_embeddings().parameters()
