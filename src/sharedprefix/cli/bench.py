@@ -48,6 +48,8 @@ def add_arguments(p):
     p.add_argument("--tree", action="store_true", help="agentic shape: a system prompt shared by 8 prompts (trees vs "
                    "per-group sharing; --max-tokens is the budget, default 8192 here; --plain adds the plain run)")
     p.add_argument("--plain", action="store_true", help="with --tree: also time the plain run (slow on CPU)")
+    p.add_argument("--hybrid", action="store_true", help="a hybrid model (LFM2: short convolutions beside attention) "
+                   "on the speed benchmark's group, through the hybrid path")
     p.add_argument("--vision", action="store_true", help="vision-language shape: 1024 visual + 256 text prompt tokens, "
                    "G=8 x 256, Qwen2-VL architecture (plain rows with their images vs sharedprefix)")
     p.add_argument("--prompt", type=int, default=None, help="prompt length (default 2048, or 4096 with --memory)")
@@ -73,6 +75,11 @@ def run(args):
     if args.memory:
         args.max_tokens = args.max_tokens or 6144
         return _memory(args)
+    if args.hybrid:
+        from sharedprefix.tools import bench_hybrid
+
+        print("\n".join(bench_hybrid.run(args.layers, args.repeats)), flush=True)
+        return 0
     if args.vision:
         from sharedprefix.tools import bench_vl
 
