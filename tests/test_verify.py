@@ -54,15 +54,11 @@ def test_cli_verify_own_model(tmp_path):
 
 
 def test_verify_reports_a_model_exact_in_one_pass_only():
-    """Differential attention (two attention calls per layer) is exact in one pass and refuses a split budget:
-    verify says so, and counts the model as exact (the split call would refuse, never mismatch)."""
-    import transformers as tf
+    """DeepSeek sparse attention is exact in one pass and refuses a split budget: verify says so, and counts the
+    model as exact (the split call would refuse, never mismatch)."""
+    from attention.test_indexed import dsa_model
 
-    cfg = tf.DiffLlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    report = sp.verify(tf.DiffLlamaForCausalLM(cfg).double().eval())
+    report = sp.verify(dsa_model())
     assert report.ok and report.refusal is None and len(report.checks) == 1
-    assert "runs its attention 2 times" in report.split_refusal
+    assert "cannot split a group" in report.split_refusal
     assert "exact by the 2x rule in one pass; a budget that splits a group is refused" in str(report)

@@ -151,21 +151,17 @@ def shared_prefix_attention(
         state.seen[module] = state.seen.get(module, 0) + 1
         return indexed.sparse_attention(query, key, value, state.visible, indices, scale, sinks), None
     casc = layout.cascade(sliding_window, chunk)
-    if calls > 1 and (layout.record or any(src.cached for c in casc.calls for src in c.keys)):
-        _refuse(
-            f"{name} runs its attention {calls} times in one forward (looped layers, or differential attention), "
-            "each time on different keys; sharedprefix keeps one cached prompt K/V per layer across passes, so it "
-            "cannot split this model's groups across passes. Use max_tokens=None (or a budget that fits every "
-            "group in one pass), where its attention is exact."
-        )
-    first = module not in state.seen
-    state.seen[module] = state.seen.get(module, 0) + 1
-    if first and layout.record:
+    # A module that runs its attention several times per forward (looped layers, differential attention) caches
+    # one prompt K/V per call, in call order; a layer recomputed by gradient checkpointing repeats that order.
+    idx = state.seen.get(module, 0)
+    state.seen[module] = idx + 1
+    slot = module if calls == 1 else (module, idx % calls)
+    if idx < calls and layout.record:
         for s in layout.record:
             r0, r1 = layout.row_start[s], layout.row_end[s]
-            state.write_kv(module, s, key[:, :, r0:r1], value[:, :, r0:r1])
+            state.write_kv(slot, s, key[:, :, r0:r1], value[:, :, r0:r1])
 
-    read = (lambda seg: state.read_kv(module, seg)) if state.read_kv else None
+    read = (lambda seg: state.read_kv(slot, seg)) if state.read_kv else None
     return cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap), None
 
 

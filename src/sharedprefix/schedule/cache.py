@@ -21,7 +21,7 @@ import torch
 class PrefixCache:
     def __init__(self, leaves: bool):
         self.leaves = leaves
-        self.graph_kv: dict[int, dict] = {}  # seg -> module -> (k, v) as produced
+        self.graph_kv: dict[int, dict] = {}  # seg -> module (or (module, call) for several calls) -> (k, v) as produced
         self.graph_h: dict[int, torch.Tensor] = {}
         self.read_kv_: dict[int, dict] = {}  # seg -> module -> (k, v) that later passes read
         self.read_h: dict[int, torch.Tensor] = {}
@@ -52,7 +52,8 @@ class PrefixCache:
             return self.read_kv_[seg][module]
         except KeyError:
             raise RuntimeError(
-                f"no cached K/V for segment {seg} in {type(module).__name__}; the model's attention layers differ "
+                f"no cached K/V for segment {seg} in {type(module[0] if isinstance(module, tuple) else module).__name__}"
+                "; the model's attention layers differ "
                 "between passes, which sharedprefix does not support."
             ) from None
 

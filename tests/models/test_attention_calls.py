@@ -1,0 +1,60 @@
+"""Layers that run their attention several times per forward (differential attention, looped layers): one cached
+prompt K/V per call, so a budget that splits groups stays exact, also under gradient checkpointing.
+
+DiffLlama computes its lambda in float32 even in a float64 model: both runs keep it float64 (``Float64Inside``)."""
+
+import pytest
+import torch
+import transformers as tf
+
+import sharedprefix as sp
+from helpers import assert_grads_close, assert_matches_plain_rows, float64_faithful, grads_of, plain_logprobs, random_groups
+from sharedprefix.tools.reference import Float64Inside
+
+GROUPS = lambda: random_groups(0, 3, [9, 5, 7], [[4, 1, 6], [3, 2], [5]])  # noqa: E731
+
+
+def _diffllama():
+    cfg = tf.DiffLlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return float64_faithful(tf.DiffLlamaForCausalLM(cfg).double().eval())
+
+
+@pytest.mark.parametrize("mode", ["keep", "offload", "recompute"])
+def test_differential_attention_split_across_passes(mode):
+    with Float64Inside():
+        assert_matches_plain_rows(_diffllama(), GROUPS(), 12, mode)
+
+
+def test_differential_attention_split_under_gradient_checkpointing():
+    """The recomputation of a checkpointed layer repeats its calls in order and reads the same per-call cache.
+    (Float64Inside does not reach the recomputation, which autograd runs outside the mode: both runs keep DiffLlama's
+    float32 lambda, so the gradients agree to its rounding, 1e-6 relative.)"""
+    model = _diffllama()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # checkpointing runs in training mode (no dropout in this config)
+    groups = GROUPS()
+    ref = plain_logprobs(model, groups)[0].detach()
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * w).sum())
+    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=12)
+                   and None)
+    assert sp.plan(groups, 12).splits
+    assert_grads_close(got, want, 1e-6)
+
+
+def test_one_cached_kv_per_layer_would_be_wrong(monkeypatch):
+    """With one cached K/V per layer (each call's keys written to the same slot, the last call's kept), the split
+    run is wrong: the tests above see the per-call cache."""
+    from sharedprefix.schedule.cache import PrefixCache
+
+    write, read = PrefixCache.write_kv, PrefixCache.read_kv
+    monkeypatch.setattr(PrefixCache, "write_kv", lambda self, m, s, k, v: write(self, m[0] if isinstance(m, tuple) else m,
+                                                                                s, k, v))
+    monkeypatch.setattr(PrefixCache, "read_kv", lambda self, m, s: read(self, m[0] if isinstance(m, tuple) else m, s))
+    with Float64Inside(), pytest.raises(AssertionError):
+        assert_matches_plain_rows(_diffllama(), GROUPS(), 12, "keep")
+
+
