@@ -62,3 +62,10 @@ def test_verify_reports_a_model_exact_in_one_pass_only():
     assert report.ok and report.refusal is None and len(report.checks) == 1
     assert "cannot split a group" in report.split_refusal
     assert "exact by the 2x rule in one pass; a budget that splits a group is refused" in str(report)
+
+
+def test_verify_reports_a_budget_refusal_as_a_refusal():
+    """A budget the groups cannot use (a completion longer than it) is not blamed on the model."""
+    groups = [sp.Group(list(range(1, 9)), [list(range(1, 7)), [3]])]
+    report = sp.verify(tiny_model("qwen3"), groups, max_tokens=4)
+    assert not report.ok and report.refusal.startswith("with max_tokens=4:") and report.split_refusal is None

@@ -2,7 +2,7 @@
 DDP, each rank with its share of the groups.
 
 Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT
-(KIND: backward | mean | deferred | midfail) Rank 0 writes the gradients (or the messages) to OUT.
+(KIND: backward | mean | deferred | midfail | refuse_logprobs) Rank 0 writes the gradients (or the messages) to OUT.
 """
 
 import os
@@ -50,7 +50,19 @@ def main(kind, out):
     def loss_fn(b):
         return (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()
 
-    if kind == "midfail":  # rank 1's loss is NaN on its second batch: every rank stops, no .grad is left behind
+    if kind == "refuse_logprobs":  # rank 1's groups are refused (a completion longer than the budget)
+        bad = [sp.Group([3, 4, 5], [[6] * 12])] if rank == 1 else mine
+        try:
+            out_lp = sp.logprobs(model, bad, max_tokens=BUDGET)  # grad-enabled: deferred under DDP
+            out_lp.logprobs.sum().backward()
+            msg = "no error"
+        except (ValueError, RuntimeError) as e:
+            msg = f"{type(e).__name__}: {e}"
+        msgs = [None] * world
+        dist.all_gather_object(msgs, msg)
+        if rank == 0:
+            torch.save({"messages": msgs}, out)
+    elif kind == "midfail":  # rank 1's loss is NaN on its second batch: every rank stops, no .grad is left behind
         seen = []
 
         def failing(b):

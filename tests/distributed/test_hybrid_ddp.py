@@ -50,3 +50,11 @@ def test_a_failure_on_one_rank_stops_both_and_leaves_no_gradient(tmp_path):
     assert "rank 1 stopped during this sharedprefix call" in msgs[0], msgs
     assert "non-finite" in msgs[1].lower() or "nan" in msgs[1].lower(), msgs
     assert all(m.endswith("grads left: 0") for m in msgs), msgs
+
+
+def test_a_logprobs_refusal_on_one_rank_stops_both(tmp_path):
+    """Grad-enabled log-probs under DDP are deferred; a refusal on one rank must not leave the other waiting in the
+    deferred backward's all-reduce."""
+    msgs = _launch("refuse_logprobs", tmp_path)["messages"]
+    assert "rank 1 stopped" in msgs[0], msgs
+    assert "max_tokens" in msgs[1], msgs

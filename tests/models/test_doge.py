@@ -46,7 +46,13 @@ def test_the_bias_matters():
 
 
 def test_rows_longer_than_keep_window_size_are_refused():
+    """Past keep_window_size keys Doge keeps the top keys of each query: refused before any pass when a plain row
+    is longer (even if a budget would keep every pass shorter) or when a pass would pack more tokens."""
     model = _doge(keep=16)
-    with pytest.raises(ValueError, match=r"packed row of \d+ tokens is longer than keep_window_size=16.*max_tokens <= 16"):
-        sp.logprobs(model, GROUPS())
+    long_rows = random_groups(1, 1, [12], [[8, 8]])  # plain rows of 20 tokens
+    for budget in (None, 16):
+        with pytest.raises(ValueError, match=r"longest \[prompt \+ completion\] row here has 20 tokens"):
+            sp.logprobs(model, long_rows, max_tokens=budget)
+    with pytest.raises(ValueError, match=r"a pass here packs \d+ tokens.*max_tokens <= 16"):
+        sp.logprobs(model, GROUPS())  # rows of at most 15 tokens, packed into one longer pass
     assert_matches_plain_rows(model, GROUPS(), 16, "keep")  # a budget that keeps every pass within it is exact

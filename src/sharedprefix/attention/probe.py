@@ -29,6 +29,8 @@ import torch
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from sharedprefix.attention.dynamic_mask import has_dynamic_mask
+
 NAME = "sharedprefix_probe"
 # not max_window_layers, nor Doge's keep_window_size (a top-k count of its dynamic mask, not a window)
 _SETTING = re.compile(r"(?<!keep_)(window|window_size|window_len|window_length)$|^attention_chunk_size$")
@@ -125,14 +127,15 @@ def _probing(configs, settings):
             setattr(cfg, k, old)
 
 
-def _classify(mask: torch.Tensor | None, n: int) -> tuple[str, int | None]:
-    """("full" | "sliding" | "chunked" | "other", visible keys or chunk size) of an (.., n, n) boolean mask."""
+def _classify(mask: torch.Tensor | None, n: int, biased: bool = False) -> tuple[str, int | None]:
+    """("full" | "sliding" | "chunked" | "other", visible keys or chunk size) of an (.., n, n) boolean mask, or of an
+    additive float mask: 0 where allowed, or any finite bias where ``biased`` (Doge's dynamic mask)."""
     if mask is None:
         return "full", None  # no mask: the plain SDPA forward runs is_causal
     if isinstance(mask, str):
         return "other", None
-    if mask.dtype != torch.bool:  # an additive float mask: 0 where allowed (or a bias: Doge), min or -inf elsewhere
-        mask = mask > torch.finfo(mask.dtype).min / 2
+    if mask.dtype != torch.bool:  # an additive float mask: 0 (or a bias) where allowed, min or -inf elsewhere
+        mask = mask > torch.finfo(mask.dtype).min / 2 if biased else mask == 0
     if mask.dim() != 4 or mask.shape[-2:] != (n, n) or not (mask == mask[:1, :1]).all():
         return "other", None
     m = mask[0, 0].cpu()
@@ -206,7 +209,7 @@ def probe(model, decoder, expected_layers: int) -> dict:
                 f"{mod} attends over {kv_len} keys for a row of {n} tokens (e.g. memory or compressed keys); "
                 "sharedprefix attends over the row's own keys only and refuses this model."
             )
-        kind, seen = _classify(mask, n)
+        kind, seen = _classify(mask, n, biased=has_dynamic_mask(module))
         if kind == "other":
             raise ValueError(
                 f"{mod} (in {name}) gets a mask from the plain forward that is neither causal nor a causal sliding "

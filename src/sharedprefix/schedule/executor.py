@@ -13,7 +13,8 @@ import math
 import torch
 
 from sharedprefix import router
-from sharedprefix.attention import indexed
+from sharedprefix.attention import indexed, probe
+from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.interface import PassState, implementation, pass_state, softcap_refusal
 from sharedprefix.attention.kernels import select
 from sharedprefix.head import token_logprobs
@@ -28,6 +29,7 @@ from sharedprefix.modeling import (
     head_logits,
     num_attention_layers,
     unwrap,
+    uses_checkpointing,
     uses_reentrant_checkpointing,
     verify_head,
 )
@@ -58,6 +60,16 @@ class Executor:
         # the same model on every rank: a refusal here is raised by every rank together (no guard needed)
         own = self.model.forward if self.par.fsdp else None
         self.par.call(lambda: verify_head(self.model, own), guard=False)
+        mods = [m for m in self.model.modules() if probe.pattern(m) is not None]
+        calls = max((probe.pattern(m).calls for m in mods), default=1)
+        keep = min((m.keep_window_size for m in mods if has_dynamic_mask(m)), default=None)
+        if keep is not None or (calls > 1 and uses_checkpointing(self.model)):  # the same on every rank
+            error = None
+            try:  # these depend on each rank's groups: agreed, so that a refusal on one rank stops every rank
+                self._check_after_probe(calls, keep)
+            except ValueError as e:
+                error = e
+            self.par.agree_on_error(error)
         if self.router_logits is not None:
             self.par.call(lambda: router.verify(self.model, decoder(self.model), self.device), guard=False)
 
@@ -195,6 +207,34 @@ class Executor:
                 with pass_state(state):
                     self.par.backward(res[0].sum() * 0.0)
 
+    def _check_after_probe(self, calls: int, keep: int | None) -> None:
+        """Refusals that need the probe's view of the layers (``calls``: the most attention calls of a module per
+        forward; ``keep``: Doge's keep_window_size, or None), before any pass."""
+        name = type(self.model).__name__
+        if calls > 1 and self.plan.splits and uses_checkpointing(self.model):
+            raise ValueError(
+                f"{name} runs an attention module {calls} times per forward (looped layers or differential attention) "
+                "and gradient checkpointing is on, with a budget that splits a group: the prompt cache holds one K/V "
+                "per call in forward order, but a model that checkpoints each call separately recomputes them in "
+                "reverse, so sharedprefix refuses the combination. Turn gradient checkpointing off, or raise "
+                "max_tokens so that every group fits one pass."
+            )
+        if keep is None:
+            return
+        longest, widest = longest_row(self.source), max(self.plan.pass_tokens(p) for p in self.plan.passes)
+        if longest > keep:
+            raise ValueError(
+                f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once a row is "
+                f"longer than that, and the longest [prompt + completion] row here has {longest} tokens: its selection "
+                f"(over the plain row's keys) is not reproduced. Use rows of at most {keep} tokens with this model."
+            )
+        if widest > keep:
+            raise ValueError(
+                f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once the keys "
+                f"of a forward outnumber it, and a pass here packs {widest} tokens, which would make it select over "
+                f"the packed row. Use max_tokens <= {keep}."
+            )
+
     def _check_calls(self, state: PassState) -> None:
         want = num_attention_layers(self.model)
         got = len(state.seen)
@@ -213,3 +253,10 @@ def validate_source(source, vocab_size: int | None = None):
             source.check_vocab(vocab_size)
         return source
     return validate_groups(source, vocab_size)
+
+
+def longest_row(source) -> int:
+    """The longest plain row [prompt + completion] (a Tree: its longest row) of validated ``source``."""
+    if isinstance(source, Tree):
+        return max((int(r.numel()) for r in source.rows), default=0)
+    return max((int(g.prompt.numel() + c.numel()) for g in source for c in g.completions), default=0)

@@ -17,6 +17,7 @@ total completions) are computed globally and passed in.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -87,11 +88,20 @@ def logprobs(
                 "wrapped module, so only a deferred backward (defer=None or True) synchronises the gradients over "
                 "the ranks. Leave defer=None."
             )
-        if torch.is_grad_enabled() and (defer or kind == "ddp"):  # no graph now, hybrid.backward when autograd comes
-            with torch.no_grad():
+        deferred = torch.is_grad_enabled() and (defer or kind == "ddp")  # no graph now, hybrid.backward later
+        error, out = None, None
+        try:
+            with torch.no_grad() if deferred else contextlib.nullcontext():
                 out = hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
+        except (ValueError, TypeError) as e:  # DDP: every rank stops, none waits in a later collective
+            if kind != "ddp":
+                raise
+            error = e
+        if kind == "ddp":
+            detect(model, unwrap(model)).agree_on_error(error)
+        if deferred:
             return defer_logprobs(model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
-        return hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
+        return out
     if torch.is_grad_enabled():
         inner = unwrap(model)
         kind = detect(model, inner).kind

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 import torch
 
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+ONE_PASS_ONLY = "cannot split a group"  # the refusal of a budget that splits a group by a model exact in one pass
 
 
 @dataclass
 class VerifyReport:
     """``ok``: exact by the 2x rule in every configuration that ran (False on a refusal of the one-pass check).
-    ``refusal``: the one-pass check's refusal, or None. ``split_refusal``: the refusal of the budget that splits a
-    group (models exact in one pass only: several attention calls per layer, indexer-selected keys), or None; the
-    same call with that budget would refuse, never mismatch. ``checks``: per configuration (budget, our error, the
+    ``refusal``: a refusal of either check, or None. ``split_refusal``: the refusal of the budget that splits a
+    group by a model exact in one pass only (DeepSeek sparse attention: the indexer keys of cached prompts are not
+    kept), or None; the same call with that budget would refuse, never mismatch. ``checks``: per configuration (budget, our error, the
     plain run's error), errors as max |delta log-prob| against the float64 reference."""
 
     ok: bool
@@ -92,8 +93,10 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
             return VerifyReport(False, refusal=str(e))
         try:
             outs.append((split, sp.logprobs(model, groups, max_tokens=split).logprobs.double().cpu()))
-        except ValueError as e:  # refused before any computation: exact in one pass only, never a mismatch
-            split_refusal = str(e)
+        except ValueError as e:
+            if ONE_PASS_ONLY not in str(e):  # a refusal of the model or of the budget itself: reported as such
+                return VerifyReport(False, refusal=f"with max_tokens={split}: {e}")
+            split_refusal = str(e)  # the model is exact in one pass only: the split call refuses, never mismatches
     plain = _plain(model, groups)
     dev = reference_device or next(base.parameters()).device
     ref_model = copy.deepcopy(base).to(device=dev, dtype=torch.float64)
