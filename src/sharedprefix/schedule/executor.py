@@ -221,7 +221,7 @@ class Executor:
             )
         if keep is None:
             return
-        longest, widest = longest_row(self.source), max(self.plan.pass_tokens(p) for p in self.plan.passes)
+        longest, widest = longest_row(self.source), max((self.plan.pass_tokens(p) for p in self.plan.passes), default=0)
         if longest > keep:
             raise ValueError(
                 f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once a row is "
