@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.worker import full_grads  # noqa: E402
+from distributed.worker import full_grads, nan_on_second_pass, report_outcome  # noqa: E402
 from models.test_hybrid import groups_of, model_of  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
@@ -52,33 +52,14 @@ def main(kind, out):
 
     if kind == "refuse_logprobs":  # rank 1's groups are refused (a completion longer than the budget)
         bad = [sp.Group([3, 4, 5], [[6] * 12])] if rank == 1 else mine
-        try:
-            out_lp = sp.logprobs(model, bad, max_tokens=BUDGET)  # grad-enabled: deferred under DDP
-            out_lp.logprobs.sum().backward()
-            msg = "no error"
-        except (ValueError, RuntimeError) as e:
-            msg = f"{type(e).__name__}: {e}"
-        msgs = [None] * world
-        dist.all_gather_object(msgs, msg)
-        if rank == 0:
-            torch.save({"messages": msgs}, out)
+
+        def deferred(m):
+            sp.logprobs(m, bad, max_tokens=BUDGET).logprobs.sum().backward()  # grad-enabled: deferred under DDP
+
+        report_outcome(deferred, model, rank, world, out)
     elif kind == "midfail":  # rank 1's loss is NaN on its second batch: every rank stops, no .grad is left behind
-        seen = []
-
-        def failing(b):
-            seen.append(1)
-            return loss_fn(b) * (float("nan") if rank == 1 and len(seen) == 2 else 1.0)
-
-        try:
-            sp.backward(model, mine, failing, max_tokens=BUDGET)
-            msg = "no error"
-        except (ValueError, RuntimeError) as e:
-            msg = f"{type(e).__name__}: {e}"
-        msg += f" | grads left: {sum(p.grad is not None for p in model.parameters())}"
-        msgs = [None] * world
-        dist.all_gather_object(msgs, msg)
-        if rank == 0:
-            torch.save({"messages": msgs}, out)
+        report_outcome(lambda m: sp.backward(m, mine, nan_on_second_pass(loss_fn, rank), max_tokens=BUDGET),
+                       model, rank, world, out)
     else:
         if kind == "deferred":  # grad-enabled log-probs: deferred by default under DDP, synced by their backward
             out_lp = sp.logprobs(model, mine, max_tokens=BUDGET)

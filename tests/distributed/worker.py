@@ -81,6 +81,32 @@ def full_grads(model):
     return out
 
 
+def nan_on_second_pass(loss_fn, rank):
+    """``loss_fn`` whose value on rank 1 is NaN on its second call, after a first call accumulated gradients."""
+    seen = []
+
+    def failing(b):
+        seen.append(1)
+        return loss_fn(b) * (float("nan") if rank == 1 and len(seen) == 2 else 1.0)
+
+    return failing
+
+
+def report_outcome(fn, model, rank, world, out):
+    """Run ``fn(model)``; rank 0 writes every rank's outcome ("no error" or the error, then how many ``.grad`` are left)
+    to OUT as {"messages": [...]}."""
+    try:
+        fn(model)
+        msg = "no error"
+    except (ValueError, RuntimeError) as e:
+        msg = f"{type(e).__name__}: {e}"
+    msg += f" | grads left: {sum(p.grad is not None for p in model.parameters())}"
+    msgs = [None] * world
+    dist.all_gather_object(msgs, msg)
+    if rank == 0:
+        torch.save({"messages": msgs}, out)
+
+
 def main(kind, out):
     import faulthandler
 
@@ -113,23 +139,10 @@ def main(kind, out):
         fully_shard(model, reshard_after_forward=reshard)
     loss_fn = loss_fn_for(mine, gidx)
     if kind.endswith("_refuse") or kind == "ddp_midfail":  # rank 1 fails: every rank must stop, none hang
-        seen = []
-
-        def failing(b):  # rank 1: a NaN loss on its second pass, after a first pass accumulated gradients
-            seen.append(1)
-            return loss_fn(b) * (float("nan") if rank == 1 and len(seen) == 2 else 1.0)
-
+        failing = nan_on_second_pass(loss_fn, rank)
         bad = [sp.Group([1, 2, 500], [[3]])] if rank == 1 and kind.endswith("_refuse") else mine
-        try:
-            sp.backward(model, bad, failing, max_tokens=BUDGET, prefix_activations="recompute")
-            msg = "no error"
-        except (ValueError, RuntimeError) as e:
-            msg = f"{type(e).__name__}: {e}"
-        msg += f" | grads left: {sum(p.grad is not None for p in model.parameters())}"
-        msgs = [None] * world
-        dist.all_gather_object(msgs, msg)
-        if rank == 0:
-            torch.save({"messages": msgs}, out)
+        report_outcome(lambda m: sp.backward(m, bad, failing, max_tokens=BUDGET, prefix_activations="recompute"),
+                       model, rank, world, out)
         del model  # before its process group goes: a DDP reducer destroyed after it can block on gloo (as below)
         dist.barrier()
         dist.destroy_process_group()
