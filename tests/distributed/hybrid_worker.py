@@ -5,6 +5,7 @@ Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT
 (KIND: backward | mean | deferred | midfail | refuse_logprobs) Rank 0 writes the gradients (or the messages) to OUT.
 """
 
+import gc
 import os
 import sys
 
@@ -73,7 +74,8 @@ def main(kind, out):
         if rank == 0:
             torch.save({"grads": everyone, "shards": [len(sp.shard_groups(groups_of(), r, world)) for r in range(world)]},
                        out)
-    del model
+    del model  # before the process group goes (the caught error's traceback may hold it in a cycle: collected)
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

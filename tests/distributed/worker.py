@@ -5,6 +5,7 @@ Usage: torchrun --nproc_per_node=2 worker.py KIND OUT
 Rank 0 writes the full gradients (and statistics) to OUT.
 """
 
+import gc
 import os
 import sys
 
@@ -143,7 +144,10 @@ def main(kind, out):
         bad = [sp.Group([1, 2, 500], [[3]])] if rank == 1 and kind.endswith("_refuse") else mine
         report_outcome(lambda m: sp.backward(m, bad, failing, max_tokens=BUDGET, prefix_activations="recompute"),
                        model, rank, world, out)
-        del model  # before its process group goes: a DDP reducer destroyed after it can block on gloo (as below)
+        # before its process group goes: a DDP reducer destroyed after it can block on gloo or abort the process at
+        # exit; the caught error's traceback may still hold the model in a reference cycle, hence the collection
+        del model
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
         return
