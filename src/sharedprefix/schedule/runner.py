@@ -228,11 +228,15 @@ def backward(
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     router.refuse_per_pass(unwrap(model), "sharedprefix.backward takes its loss per pass")
     if is_hybrid(unwrap(model)):
-        if _check_hybrid(model, backend) == "ddp":
-            return _hybrid_ddp(model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
-                               offload_device, sync, grad_reduction)
-        return hybrid.backward(unwrap(model), groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
-                               offload_device)
+        inner = unwrap(model)
+
+        def run_hybrid():
+            return hybrid.backward(inner, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
+                                   offload_device)
+
+        if _check_hybrid(model, backend) != "ddp":
+            return run_hybrid()
+        return _synced(detect(model, inner), inner, sync, grad_reduction, run_hybrid)  # the module, then one sync
     if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") not in ("", "0"):  # opt-in: verify this model once first
         from sharedprefix.tools.verify import self_check
 
@@ -254,29 +258,8 @@ def backward(
     last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
     scale = par.loss_scale() if grad_reduction == "sum" else 1.0
-    tx = GradTransaction(run.model, ddp=par.kind == "ddp")
-    total, calls = 0.0, 0
-    try:
-        error = None
-        try:
-            total, calls = run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
-        except Exception as e:  # under DDP the passes run no collective: agree before the all-reduce below
-            if par.kind != "ddp" or not sync:
-                raise
-            error = e
-        if par.kind == "ddp" and sync:
-            par.agree_on_error(error, where="during")
-            par.all_reduce_grads(run.model)
-            if grad_reduction == "mean":
-                for p in run.model.parameters():
-                    if p.grad is not None:
-                        p.grad.div_(par.world_size)
-    except BaseException:
-        tx.rollback()  # no partial gradient is left behind
-        raise
-    finally:
-        par.set_sync(True)  # FSDP2's default, whatever happened
-    tx.commit(synced=sync)
+    total, calls = _synced(par, run.model, sync, grad_reduction,
+                           lambda: run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb))
     peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
     return BackwardResult(
         loss=total,
@@ -304,32 +287,31 @@ def _check_hybrid(model, backend: str) -> str:
     return kind
 
 
-def _hybrid_ddp(model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, offload_device, sync,
-                grad_reduction) -> BackwardResult:
-    """``hybrid.backward`` on a DDP model's module, then one all-reduce of the gradients, as the packed path does:
-    the passes run no collective, so the ranks agree on any error first (every rank raises, none waits), and a
-    failed call leaves ``.grad`` as it found it on every rank."""
-    par = detect(model, unwrap(model))
-    inner = unwrap(model)
-    tx = GradTransaction(inner, ddp=True)
+def _synced(par, model, sync: bool, grad_reduction: str, fn):
+    """``fn()`` inside a gradient transaction (a failure leaves ``.grad`` as it was); under DDP with ``sync``, whose
+    passes run no collective, the ranks agree on any error first (every rank raises, none waits), then one
+    all-reduce of the gradients (sum, or mean)."""
+    tx = GradTransaction(model, ddp=par.kind == "ddp")
+    ddp = par.kind == "ddp" and sync
     try:
-        error, res = None, None
+        error, out = None, None
         try:
-            res = hybrid.backward(inner, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
-                                  offload_device)
+            out = fn()
         except Exception as e:  # agreed on below, before the all-reduce the other ranks will join
-            if not sync:
+            if not ddp:
                 raise
             error = e
-        if sync:
+        if ddp:
             par.agree_on_error(error, where="during")
-            par.all_reduce_grads(inner)
+            par.all_reduce_grads(model)
             if grad_reduction == "mean":
-                for p in inner.parameters():
+                for p in model.parameters():
                     if p.grad is not None:
                         p.grad.div_(par.world_size)
     except BaseException:
-        tx.rollback()
+        tx.rollback()  # no partial gradient is left behind
         raise
+    finally:
+        par.set_sync(True)  # FSDP2's default, whatever happened
     tx.commit(synced=sync)
-    return res
+    return out
