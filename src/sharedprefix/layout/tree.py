@@ -170,6 +170,10 @@ class SegmentTree:
         """Tokens a plain run computes: every output row with its whole prefix, ``sum_i len(row_i)``."""
         return sum(self.segments[r.end].end for r in self.rows)
 
+    def longest_row(self) -> int:
+        """The longest plain row, prefix included: ``max_i len(row_i)``."""
+        return max((self.segments[r.end].end for r in self.rows), default=0)
+
     @classmethod
     def from_trie(cls, rows: list[torch.Tensor], trained: list[torch.Tensor], chunk: int | None = None) -> SegmentTree:
         """Every common prefix of ``rows`` as one segment (a compressed token trie); rows keep their order.

@@ -221,7 +221,7 @@ class Executor:
             )
         if keep is None:
             return
-        longest, widest = longest_row(self.source), max((self.plan.pass_tokens(p) for p in self.plan.passes), default=0)
+        longest, widest = self.plan.tree.longest_row(), max((self.plan.pass_tokens(p) for p in self.plan.passes), default=0)
         if longest > keep:
             raise ValueError(
                 f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once a row is "
@@ -253,10 +253,3 @@ def validate_source(source, vocab_size: int | None = None):
             source.check_vocab(vocab_size)
         return source
     return validate_groups(source, vocab_size)
-
-
-def longest_row(source) -> int:
-    """The longest plain row [prompt + completion] (a Tree: its longest row) of validated ``source``."""
-    if isinstance(source, Tree):
-        return max((int(r.numel()) for r in source.rows), default=0)
-    return max((int(g.prompt.numel() + c.numel()) for g in source for c in g.completions), default=0)
