@@ -11,8 +11,9 @@ scale * q'.k' = scale * q.k + b exactly up to one rounding of b / scale * scale,
 the prompt K/V cache run unchanged on (q', k', v) with the key heads repeated to the query heads (the bias is per
 query head). The cached K of a prompt carries its bias with it.
 
-Refused: a row longer than ``keep_window_size`` (the model's top-k selection then bites, and selects over the
-packed row's keys, not each plain row's), and a mask that is not a bias broadcast over queries.
+Refused: a plain row or a pass longer than ``keep_window_size`` (the model's top-k selection then bites, and
+would select over the packed row's keys, not each plain row's): before any pass, by the executor; here, a mask
+that is not one finite bias per key for every query (which a selection that bit would also produce).
 
 Notation: H = query heads, Hkv = key/value heads, L = row length, D = head dim.
 """
@@ -32,13 +33,6 @@ def fold_key_bias(module, query, key, value, mask: torch.Tensor, scale: float):
     key (1, H, L, D + 1), value (1, H, L, Dv), as transformers' attention functions take them."""
     name = type(module).__name__
     H, L = query.shape[1], query.shape[2]
-    keep = getattr(module, "keep_window_size", None)
-    if keep is not None and L > keep:
-        raise ValueError(
-            f"{name}: a packed row of {L} tokens is longer than keep_window_size={keep}, past which the model's "
-            "dynamic mask keeps only the top keys of each query over the whole row, which differs between a packed row "
-            f"and the plain rows. Use max_tokens <= {keep}, so that every pass holds at most that many tokens."
-        )
     if tuple(mask.shape) != (1, H, L, L) or not mask.is_floating_point():
         raise ValueError(f"{name} passed a dynamic mask of shape {tuple(mask.shape)} ({mask.dtype}); sharedprefix "
                          f"expects a float (1, {H}, {L}, {L}) bias broadcast over queries, and refuses other masks.")
