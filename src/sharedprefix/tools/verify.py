@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-ONE_PASS_ONLY = "cannot split a group"  # the refusal of a budget that splits a group by a model exact in one pass
 
 
 @dataclass
@@ -78,6 +77,7 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
         max_tokens: the budget of the split check (default: half the longest group, so a group splits).
     """
     import sharedprefix as sp
+    from sharedprefix.attention import indexed
     from sharedprefix.modeling import unwrap
 
     base = unwrap(model)
@@ -94,7 +94,7 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
         try:
             outs.append((split, sp.logprobs(model, groups, max_tokens=split).logprobs.double().cpu()))
         except ValueError as e:
-            if ONE_PASS_ONLY not in str(e):  # a refusal of the model or of the budget itself: reported as such
+            if str(e) != indexed.split_refusal(type(base).__name__):  # the model or the budget refused: as such
                 return VerifyReport(False, refusal=f"with max_tokens={split}: {e}")
             split_refusal = str(e)  # the model is exact in one pass only: the split call refuses, never mismatches
     plain = _plain(model, groups)
