@@ -100,34 +100,32 @@ class Multimodal:
         segs = layout.tree.segments
         shift = torch.cat([torch.full((segs[s].length,), self.delta.get(segs[s].group, 0)) for s in layout.segments])
         out = (pos[0] + shift)[None, None].expand(3, 1, -1).clone()
-        for s in layout.segments:
-            seg = segs[s]
-            if seg.parent is None and seg.group in self.prompt_pos:
-                r = layout.row_start[s]
-                out[:, 0, r : r + seg.length] = self.prompt_pos[seg.group]
+        for gi, r, n in _row_prompts(layout):
+            if gi in self.prompt_pos:
+                out[:, 0, r : r + n] = self.prompt_pos[gi]
         return out
 
     def row_blocks(self, layout) -> list[tuple[int, int]]:
         """The bidirectional blocks of the prompts this row computes, as row ranges."""
-        segs, out = layout.tree.segments, []
-        for s in layout.segments:
-            seg = segs[s]
-            if seg.parent is None and seg.group in self.blocks:
-                r = layout.row_start[s]
-                out += [(r + a, r + b) for a, b in self.blocks[seg.group]]
-        return out
+        return [(r + a, r + b) for gi, r, _ in _row_prompts(layout) for a, b in self.blocks.get(gi, ())]
 
     def inputs(self, layout, groups) -> dict:
         """The prompt inputs of the prompts this row computes, concatenated in row order."""
-        segs = layout.tree.segments
         parts: dict[str, list] = {}
-        for s in layout.segments:
-            seg = segs[s]
-            if seg.parent is None and seg.group < len(groups) and groups[seg.group].prompt_inputs:
-                for k, v in groups[seg.group].prompt_inputs.items():
+        for gi, _, _ in _row_prompts(layout):
+            if gi < len(groups) and groups[gi].prompt_inputs:
+                for k, v in groups[gi].prompt_inputs.items():
                     if k not in _POSITION_ONLY:
                         parts.setdefault(k, []).append(_batched(k, v) if k in _CAT_KEYS else v)
         return {k: torch.cat(v) if k in _CAT_KEYS else v[0] for k, v in parts.items()}
+
+
+def _row_prompts(layout):
+    """(group, row offset, length) of every prompt the row computes (its root segments), in row order."""
+    segs = layout.tree.segments
+    for s in layout.segments:
+        if segs[s].parent is None:
+            yield segs[s].group, layout.row_start[s], segs[s].length
 
 
 def _image_blocks(gi: int, g) -> list[tuple[int, int]]:
