@@ -53,11 +53,21 @@ def test_cli_verify_own_model(tmp_path):
     assert "exact by the 2x rule" in proc.stdout and "speed of the check's forward" in proc.stdout
 
 
-def test_verify_reports_a_model_exact_in_one_pass_only():
-    """DeepSeek sparse attention is exact in one pass and refuses a split budget: verify says so, and counts the
-    model as exact (the split call would refuse, never mismatch)."""
+def test_verify_checks_deepseek_sparse_attention_split_too():
     from attention.test_indexed import dsa_model
 
+    report = sp.verify(dsa_model())
+    assert report.ok and report.refusal is None and report.split_refusal is None and len(report.checks) == 2
+
+
+def test_verify_reports_a_model_exact_in_one_pass_only(monkeypatch):
+    """A DeepSeek sparse attention model whose indexers sharedprefix cannot reach is exact in one pass and refuses a
+    split budget: verify says so, and counts the model as exact (the split call would refuse, never mismatch)."""
+    from attention.test_indexed import dsa_model
+
+    from sharedprefix.attention import indexed
+
+    monkeypatch.setattr(indexed, "indexers", lambda m: {})
     report = sp.verify(dsa_model())
     assert report.ok and report.refusal is None and len(report.checks) == 1
     assert "cannot split a group" in report.split_refusal

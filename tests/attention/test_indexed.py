@@ -11,7 +11,14 @@ import torch
 import transformers
 
 import sharedprefix as sp
-from helpers import assert_grads_close, assert_matches_plain_rows, grads_of, plain_logprobs, random_groups, tree_mask
+from helpers import (
+    assert_grads_close,
+    assert_matches_plain_rows,
+    grads_of,
+    plain_logprobs,
+    random_groups,
+    tree_mask,
+)
 from sharedprefix.attention import indexed, interface
 from sharedprefix.layout.packing import pack_row
 from sharedprefix.layout.tree import SegmentTree
@@ -125,30 +132,38 @@ def _plain_rows(model, rows):
     return torch.stack(out)
 
 
-def test_deepseek_v32_prefix_tree_exact():
-    """Rows sharing prefixes at several depths (segments with up to 3 ancestors): each token sees its ancestors' tokens."""
-    rows = [[5, 9, 11, 3, 4, 8, 2], [5, 9, 11, 3, 7, 7, 1, 6], [5, 9, 11, 3, 7, 7, 2], [5, 9, 40, 41, 42, 43, 44, 45]]
-    tree = sp.Tree.from_rows(rows)
+TRIE_ROWS = [[5, 9, 11, 3, 4, 8, 2], [5, 9, 11, 3, 7, 7, 1, 6], [5, 9, 11, 3, 7, 7, 2], [5, 9, 40, 41, 42, 43, 44, 45]]
+
+
+@pytest.mark.parametrize("budget", [None, 8, 4])
+def test_deepseek_v32_prefix_tree_exact(budget):
+    """Rows sharing prefixes at several depths (segments with up to 3 ancestors): each token sees its ancestors' tokens,
+    in one pass and with budgets that cache inner segments (and chunks of them) for later passes."""
+    tree = sp.Tree.from_rows(TRIE_ROWS)
     segs = SegmentTree.from_trie(list(tree.rows), list(tree.trained))
     assert max(len(segs.ancestors(s.id)) for s in segs.segments) == 3
-    ref = _plain_rows(MODEL, rows).detach()
+    ref = _plain_rows(MODEL, TRIE_ROWS).detach()
     with torch.no_grad():
-        out = sp.logprobs(MODEL, tree)
+        out = sp.logprobs(MODEL, tree, max_tokens=budget)
     assert (out.logprobs - ref).abs().max() <= 1e-9
     w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    want = grads_of(MODEL, lambda: (_plain_rows(MODEL, rows) * w).sum())
-    got = grads_of(MODEL, lambda: sp.backward(MODEL, tree, lambda b: (b.logprobs * w[b.index]).sum()) and None)
+    want = grads_of(MODEL, lambda: (_plain_rows(MODEL, TRIE_ROWS) * w).sum())
+    got = grads_of(MODEL, lambda: sp.backward(MODEL, tree, lambda b: (b.logprobs * w[b.index]).sum(),
+                                             max_tokens=budget) and None)
     assert_grads_close(got, want, 1e-9)
 
 
-def test_gradient_checkpointing_exact():
-    """The checkpointed layers' recomputation (during backward) gets the same mask and reselects the same keys."""
+@pytest.mark.parametrize("budget", [None, 12])
+def test_gradient_checkpointing_exact(budget):
+    """The checkpointed layers' recomputation (during backward) gets the same mask and reselects the same keys, also
+    over a cached prompt's indexer keys."""
     model = dsa_model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     w = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))  # 6 completions, T = 6
     want = grads_of(model, lambda: (plain_logprobs(model, GROUPS)[0] * w).sum())
-    got = grads_of(model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum()) and None)
+    got = grads_of(model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum(),
+                                             max_tokens=budget) and None)
     assert_grads_close(got, want, 1e-9)
 
 
@@ -182,23 +197,94 @@ def test_a_broken_sparse_attention_is_caught(monkeypatch, broken):
     assert (out.logprobs - ref).abs().max() > 1e-4
 
 
+def test_visible_mask_over_cached_segments_is_the_tree_mask():
+    """A pass that reads cached ancestors: its keys are the cached segments' tokens (``cached_reads`` order), then the
+    row's; each query sees exactly its ancestors' keys and its own segment's up to itself."""
+    t = sp.Tree.from_rows(TRIE_ROWS)
+    tree = SegmentTree.from_trie(list(t.rows), list(t.trained))
+    n = len(tree.segments)
+    # a row of the leaves, every inner segment (up to 3 per leaf) cached
+    rows = [s.id for s in tree.segments if not tree.children[s.id]]
+    cached = {a for s in rows for a in tree.ancestors(s)}
+    assert len(cached) >= 3 and max(len(tree.ancestors(s)) for s in rows) == 3
+    layout = pack_row(tree, rows, cached)
+    off = torch.tensor([0] + [s.length for s in tree.segments]).cumsum(0)
+    tok = lambda segs: torch.cat([torch.arange(off[s], off[s] + tree.segments[s].length) for s in segs])  # noqa: E731
+    want = tree_mask(tree)[tok(layout.segments)][:, tok(list(layout.cached_reads) + layout.segments)]
+    assert torch.equal(indexed.visible_mask(layout, "cpu")[0, 0], want)
+    assert n > len(rows)
+
+
 @pytest.mark.parametrize("mode", ["keep", "offload", "recompute"])
-def test_a_budget_that_splits_a_group_is_refused_before_any_computation(mode):
+@pytest.mark.parametrize("entry", ["deepseek_v32", "hy_v4"])
+def test_a_budget_that_splits_a_group_exact(entry, mode):
+    """Prompts cached across passes: the completions' indexers score the cached prompt's indexer keys too (kept
+    beside its K/V), and their selected keys index the cached K/V followed by the row's. Log-probs 1e-9 and
+    gradients relative 1e-9 in every prefix_activations mode; HY-V4 with its sinks and shared-indexer layer."""
+    model = dsa_model(entry)
+    with Float64Inside():
+        assert_matches_plain_rows(model, GROUPS, budget=12, mode=mode)
+
+
+def test_a_long_prompt_in_chunks_exact():
+    """A prompt longer than the budget is computed in chunks, each reading the cached chunks before it: the indexer
+    keys of several cached segments, in order."""
     model = dsa_model()
-    budget = 12  # the first group (7 + 4 + 6 + 2 tokens) does not fit
-    assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(GROUPS, budget).steps)
-    match = r"selects the keys of each query with an indexer .* cannot split a group .* max_tokens=None"
-    with pytest.raises(ValueError, match=match):
-        sp.backward(model, GROUPS, lambda b: b.logprobs.sum(), max_tokens=budget, prefix_activations=mode)
-    assert all(p.grad is None for p in model.parameters())
-    with pytest.raises(ValueError, match=match):
-        sp.logprobs(model, GROUPS, max_tokens=budget)
-    long_prompt = [sp.Group(list(range(3, 20)), [[5, 6]])]  # a prompt longer than the budget: a chain of segments
-    with pytest.raises(ValueError, match=match):
-        sp.logprobs(model, long_prompt, max_tokens=budget)
-    assert all(p.grad is None for p in model.parameters())
-    # a budget that fits every group is exact
-    assert_matches_plain_rows(model, GROUPS[1:], budget=None)
+    groups = [sp.Group(list(range(3, 20)), [[5, 6, 7, 1], [8]]), GROUPS[1]]
+    steps = sp.plan(groups, 6).steps
+    assert sum(isinstance(s, sp.schedule.PrefixBackward) for s in steps) >= 3
+    assert_matches_plain_rows(model, groups, budget=6, mode="keep")
+
+
+@pytest.mark.parametrize("broken", ["cached indexer keys zeroed", "cached keys invisible"])
+def test_a_split_without_the_cached_prompt_is_caught(monkeypatch, broken):
+    """Controls for the split: the completions' indexers scoring zeros instead of the cached prompt's keys, or their
+    attention not seeing the cached keys, must not pass."""
+    real_update, real_mask = indexed.IndexerKeys.update_indexer, indexed.visible_mask
+
+    def zeroed(self, keys, layer_idx=None):
+        out = real_update(self, keys, layer_idx)
+        out = out.clone()
+        out[:, : out.shape[1] - keys.shape[1]] = 0
+        return out
+
+    def invisible(layout, device):
+        vis = real_mask(layout, device).clone()
+        vis[..., : vis.shape[-1] - layout.length] = False
+        vis[..., torch.arange(layout.length), torch.arange(layout.length) + vis.shape[-1] - layout.length] = True
+        return vis
+
+    ref = plain_logprobs(MODEL, GROUPS)[0].detach()
+    if broken == "cached indexer keys zeroed":
+        monkeypatch.setattr(indexed.IndexerKeys, "update_indexer", zeroed)
+    else:
+        monkeypatch.setattr(indexed, "visible_mask", invisible)
     with torch.no_grad():
-        out = sp.logprobs(model, GROUPS, max_tokens=19)
+        out = sp.logprobs(MODEL, GROUPS, max_tokens=12)
+    assert (out.logprobs - ref).abs().max() > 1e-4
+
+
+def test_the_indexers_are_the_models_own_again_after_a_call():
+    """The hooks that hand the indexers their cached keys live only during a sharedprefix call, also one that fails."""
+    ixs = indexed.indexers(MODEL)
+    assert len(ixs) == MODEL.config.num_hidden_layers and all(v == ("cache", 5) for v in ixs.values())
+    with torch.no_grad():
+        sp.logprobs(MODEL, GROUPS, max_tokens=12)
+    assert all(not ix._forward_pre_hooks for ix in ixs)
+    with pytest.raises(ValueError):
+        sp.logprobs(MODEL, GROUPS, max_tokens=12, temperature=-1.0)
+    assert all(not ix._forward_pre_hooks for ix in ixs)
+
+
+def test_a_budget_that_splits_is_refused_when_no_indexer_is_reachable(monkeypatch):
+    """An indexed model whose indexers sharedprefix cannot hand cached keys to is refused before any computation under
+    a split budget, and stays exact in one pass."""
+    model = dsa_model()
+    monkeypatch.setattr(indexed, "indexers", lambda m: {})
+    match = r"selects the keys of each query with an indexer .* finds no indexer module .* max_tokens=None"
+    with pytest.raises(ValueError, match=match):
+        sp.backward(model, GROUPS, lambda b: b.logprobs.sum(), max_tokens=12)
+    assert all(p.grad is None for p in model.parameters())
+    with torch.no_grad():
+        out = sp.logprobs(model, GROUPS)
     assert (out.logprobs - plain_logprobs(model, GROUPS)[0]).abs().max() <= 1e-9

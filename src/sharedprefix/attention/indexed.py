@@ -14,23 +14,32 @@ is the same. When ``index_topk`` exceeds a query's visible keys, torch's top-k a
 (scored -inf); the attention keeps them masked, as the plain run's mask does.
 
 So, for these models only (``activated`` switches them to ``INDEXED_NAME``), transformers' mask builder is
-answered with ``visible_mask``: one (1, 1, L, L) bool tensor per pass, handed to every layer (the indexer reads
+answered with ``visible_mask``: one (1, 1, L, C + L) bool tensor per pass, handed to every layer (the indexer reads
 it; a dense layer of the same model ignores it and runs the cascade). That is a row x row tensor, which the
 rest of sharedprefix never builds; the model's own indexer already builds (L, index heads, L) float32 scores
 per layer, so this mask costs less than what the model itself computes.
 
+A pass that reads cached prompts (a budget that splits a group, or a long prompt computed in chunks): the keys of
+a pass are the cached segments' tokens (``layout.cached_reads``, in that order, C tokens in all) followed by the
+row's. The indexer gets them through its own cache protocol: for the duration of a sharedprefix call,
+``key_hooks`` hands each indexer module (``module.indexer`` of an attention module) a stand-in for its cache
+argument, ``IndexerKeys``, whose ``update_indexer`` records the row's indexer keys of the segments the pass
+caches and returns the cached segments' indexer keys followed by the row's. Indexer keys carry no gradient (the
+indexer runs without autograd, in the plain run too), so they are kept detached beside the prompt K/V
+(``PrefixCache.write_index``). Its top-k indices then index the same C + L keys the attention gets: the cached
+K/V of those segments followed by the row's.
+
 ``sparse_attention`` then computes softmax(q k^T * scale) v over the keys that are visible AND selected, with
-one SDPA call on the (L, L) mask, and autograd for the backward. Cost: the dense (L, L) score matrix per head
-(torch's math kernel; a masked memory-efficient kernel on CUDA), not topk keys per query: a first, exact
-version, not a sparse kernel. It runs on torch's SDPA whatever ``backend`` the call names (never run on a GPU
-here).
+one SDPA call on the (L, C + L) mask, and autograd for the backward (the cached K/V's gradients reach the prompt's
+pass as every cached K/V's do). Cost: the dense (L, C + L) score matrix per head (torch's math kernel; a masked
+memory-efficient kernel on CUDA), not topk keys per query: a first, exact version, not a sparse kernel. It runs
+on torch's SDPA whatever ``backend`` the call names (never run on a GPU here).
 
 With attention sinks (HY-V4: one more logit per head, its value dropped) the softmax is written out
 explicitly, with the sink logit as one more column.
 
-Not supported (refused): a budget that splits a group across passes (the indexer of a completion would need
-the cached prompt's indexer keys, which sharedprefix does not keep), an indexed layer with a sliding window,
-chunks or soft-capping.
+Not supported (refused): an indexed layer with a sliding window, chunks or soft-capping; a budget that splits a
+group for a model whose indexers sharedprefix cannot reach (no ``indexer`` module with a cache argument).
 
 Exactness caveat: the plain run itself is only defined up to ties. Keys with exactly equal index scores at
 the top-k boundary (e.g. several keys whose every head score is clipped to 0 by the ReLU) are broken by
@@ -38,11 +47,13 @@ the top-k boundary (e.g. several keys whose every head score is clipped to 0 by 
 its scores in float32 even in a float64 model, so two keys within float32 rounding of each other can swap.
 A swap changes which keys attend, in sharedprefix as in a plain run padded differently.
 
-Notation: L = packed row length, S = segments of the row, H = query heads, Hkv = key/value heads,
+Notation: L = packed row length, C = cached tokens a pass reads, S = segments of the row, H = query heads, Hkv = key/value heads,
 D = query/key head dim, Dv = value head dim, topk = keys the indexer selects per query.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -63,32 +74,111 @@ def is_indexed(configs) -> bool:
 
 
 def split_refusal(name: str) -> str:
-    """The refusal of a plan that caches a prefix across passes, for a model with an indexer."""
+    """The refusal of a plan that caches a prefix across passes, for an indexed model whose indexers ``key_hooks``
+    cannot reach."""
     return (
         f"{name} selects the keys of each query with an indexer (DeepSeek sparse attention, layers of type "
-        f"{LAYER_TYPE!r}) that scores every key the query sees; sharedprefix does not keep the indexer's keys of a "
-        "cached prompt, so it cannot split a group (or a long prompt) across passes for this model. Use "
-        "max_tokens=None, or a budget that fits every group and every prompt in one pass."
+        f"{LAYER_TYPE!r}) that scores every key the query sees, and sharedprefix finds no indexer module it can hand "
+        "a cached prompt's indexer keys to (an attention module's `indexer` whose forward takes a `cache` or "
+        "`past_key_values` argument), so it cannot split a group (or a long prompt) across passes for this model. "
+        "Use max_tokens=None, or a budget that fits every group and every prompt in one pass."
     )
 
 
+def indexers(model: torch.nn.Module) -> dict[torch.nn.Module, tuple[str, int]]:
+    """The indexer modules of ``model`` (``module.indexer`` of any module) that take a cache argument -> (that
+    argument's name, its positional index)."""
+    out = {}
+    for m in model.modules():
+        ix = getattr(m, "indexer", None)
+        if isinstance(ix, torch.nn.Module) and ix not in out:
+            params = list(inspect.signature(ix.forward).parameters)
+            name = next((n for n in ("cache", "past_key_values") if n in params), None)
+            if name is not None:
+                out[ix] = (name, params.index(name))
+    return out
+
+
+class IndexerKeys:
+    """What an indexer gets as its cache inside a sharedprefix pass (see the module docstring).
+
+    ``update_indexer(keys, layer_idx)``, keys (1, L, D) of the row: records the keys of the segments the pass caches
+    (``layout.record``) and returns (1, C + L, D): the cached segments' keys (``layout.cached_reads`` order), then
+    the row's. Any other use of the cache is refused: sharedprefix gives the indexer nothing else.
+    """
+
+    def __init__(self, indexer: torch.nn.Module, state):
+        self._indexer, self._state = indexer, state
+
+    def update_indexer(self, keys: torch.Tensor, layer_idx=None) -> torch.Tensor:
+        layout, state = self._state.layout, self._state
+        if keys.dim() != 3 or keys.shape[:2] != (1, layout.length):
+            raise RuntimeError(
+                f"{type(self._indexer).__name__} gave indexer keys of shape {tuple(keys.shape)}; sharedprefix expects "
+                f"(1, {layout.length}, D) for the packed row. This model is not supported."
+            )
+        for s in layout.record:
+            state.write_index(self._indexer, s, keys[:, layout.row_start[s] : layout.row_end[s]])
+        if not layout.cached_reads:
+            return keys
+        cached = [state.read_index(self._indexer, a).to(keys.dtype) for a in layout.cached_reads]
+        return torch.cat(cached + [keys], dim=1)
+
+    def __getattr__(self, name):
+        raise ValueError(
+            f"{type(self._indexer).__name__} used {name!r} of its cache; inside a sharedprefix pass an indexer's cache "
+            "only answers update_indexer (the cached prompts' indexer keys), so this model is not supported."
+        )
+
+
+def key_hooks(model: torch.nn.Module, current) -> list:
+    """Forward pre-hooks that hand every indexer of ``model`` an ``IndexerKeys`` of the pass ``current()`` returns
+    (nothing outside a pass); the caller removes the returned handles."""
+    handles = []
+    for ix, (name, pos) in indexers(model).items():
+
+        def hook(module, args, kwargs, name=name, pos=pos):
+            state = current()
+            if state is None:
+                return None
+            given = args[pos] if pos < len(args) else kwargs.get(name)
+            if given is not None:
+                raise ValueError(
+                    f"{type(module).__name__} got a cache ({type(given).__name__}) inside a sharedprefix pass; "
+                    "sharedprefix runs the model without one. Do not pass a cache to the model."
+                )
+            keys = IndexerKeys(module, state)
+            if pos < len(args):
+                return args[:pos] + (keys,) + args[pos + 1 :], kwargs
+            return args, {**kwargs, name: keys}
+
+        handles.append(ix.register_forward_pre_hook(hook, with_kwargs=True))
+    return handles
+
+
 def visible_mask(layout: RowLayout, device) -> torch.Tensor:
-    """(1, 1, L, L) bool: True where row token i may attend to row token j (j is in an ancestor segment of i's, or
-    in i's own segment at or before i). Every ancestor must be in the row (no cached prefix)."""
-    if layout.cached_reads or layout.record:
-        raise ValueError(split_refusal("this model"))
-    n_seg = len(layout.segments)
-    local = {s: i for i, s in enumerate(layout.segments)}
-    sees = torch.eye(n_seg, dtype=torch.bool)  # (S, S): sees[a, b] when b is a or an ancestor of a
-    for s in layout.segments:
-        for a in layout.tree.ancestors(s):
-            sees[local[s], local[a]] = True
+    """(1, 1, L, C + L) bool: True where row token i may attend to key j, the keys being the C tokens of the cached
+    segments (``layout.cached_reads`` order) followed by the row's: key j is in an ancestor segment of i's, or in
+    i's own segment at or before i."""
+    tree, cached = layout.tree, list(layout.cached_reads)
+    cols = cached + list(layout.segments)  # the segments of the keys, in key order
+    local = {s: i for i, s in enumerate(cols)}
+    n_row = len(layout.segments)
+    sees = torch.zeros(n_row, len(cols), dtype=torch.bool)  # (S, S + cached): sees[a, b] when b is a or an ancestor
+    for i, s in enumerate(layout.segments):
+        sees[i, local[s]] = True
+        for a in tree.ancestors(s):
+            sees[i, local[a]] = True
+    n_cached = sum(tree.segments[a].length for a in cached)
     lengths = torch.tensor([layout.row_end[s] - layout.row_start[s] for s in layout.segments])
-    seg = torch.repeat_interleave(torch.arange(n_seg), lengths).to(device)  # (L,) local segment of each row token
+    q_seg = torch.repeat_interleave(torch.arange(n_row), lengths).to(device)  # (L,) local row segment of each query
+    k_len = torch.tensor([tree.segments[a].length for a in cached] + lengths.tolist(), dtype=torch.long)
+    k_seg = torch.repeat_interleave(torch.arange(len(cols)), k_len).to(device)  # (C + L,) key segment
     sees = sees.to(device)
-    idx = torch.arange(layout.length, device=device)
-    same = seg[:, None] == seg[None, :]
-    ok = sees[seg[:, None], seg[None, :]] & (~same | (idx[None, :] <= idx[:, None]))
+    q_at = torch.arange(layout.length, device=device) + n_cached  # each query's own key index
+    k_at = torch.arange(n_cached + layout.length, device=device)
+    same = (q_seg + len(cached))[:, None] == k_seg[None, :]
+    ok = sees[q_seg[:, None], k_seg[None, :]] & (~same | (k_at[None, :] <= q_at[:, None]))
     return ok[None, None]
 
 
@@ -99,9 +189,11 @@ def sparse_attention(
     """Attention of each query over its visible keys that the indexer selected.
 
     Args:
-        query: (1, H, L, D); key: (1, Hkv, L, D); value: (1, Hkv, L, Dv), H a multiple of Hkv.
-        visible: (1, 1, L, L) bool, ``visible_mask`` of the row.
-        indices: (1, L, topk) integer row indices of the keys selected for each query (may include invisible keys).
+        query: (1, H, L, D); key: (1, Hkv, T, D); value: (1, Hkv, T, Dv), H a multiple of Hkv; T = C + L keys (the
+            cached segments' then the row's).
+        visible: (1, 1, L, T) bool, ``visible_mask`` of the row.
+        indices: (1, L, topk) integer indices into the T keys of the keys selected for each query (may include
+            invisible keys).
         scale: the softmax scale (the module's ``scaling``).
         sinks: (H,) attention-sink logits (one more logit per head in the softmax, whose value is dropped: HY-V4),
             or None.
@@ -109,11 +201,13 @@ def sparse_attention(
     Returns:
         (1, L, H, Dv), in the query's dtype.
     """
-    L = query.shape[2]
+    L, T = query.shape[2], key.shape[2]
     idx = indices.to(device=query.device, dtype=torch.long)
     if idx.dim() != 3 or idx.shape[:2] != (1, L):
         raise RuntimeError(f"indexer indices of shape {tuple(indices.shape)}; expected (1, {L}, topk).")
-    selected = torch.zeros(L, L, dtype=torch.bool, device=query.device).scatter_(1, idx[0], True)
+    if tuple(visible.shape) != (1, 1, L, T):
+        raise RuntimeError(f"a visibility mask of shape {tuple(visible.shape)} for {L} queries over {T} keys.")
+    selected = torch.zeros(L, T, dtype=torch.bool, device=query.device).scatter_(1, idx[0], True)
     # every query keeps at least one key: with topk keys selected, its best visible ones, itself included when it
     # sees fewer than topk (visible keys score above the -inf of the others)
     allowed = visible & selected
@@ -124,7 +218,7 @@ def sparse_attention(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scale)
         return out.transpose(1, 2)
     # explicit softmax with one sink logit per head (exact; autograd gives the sinks' own gradient)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # (1, H, L, L)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # (1, H, L, T)
     scores = scores.masked_fill(~allowed, float("-inf"))
     sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(1, scores.shape[1], L, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

@@ -50,8 +50,9 @@ class PassState:
         write_kv: (module, segment id, k, v) -> None, called once per layer for ``layout.record``.
         seen: attention modules that ran in this pass (a layer recomputed by gradient
             checkpointing runs again; it must not record twice).
-        visible: (1, 1, L, L) bool visibility mask of the row, built on the first request of a model with indexed
-            layers (``indexed_mask``), else None.
+        visible: (1, 1, L, C + L) bool visibility mask of the row over the cached segments' and the row's keys,
+            built on the first request of a model with indexed layers (``indexed_mask``), else None.
+        read_index / write_index: like read_kv / write_kv, for an indexer's keys (1, len, D) (``indexed``).
 
     """
 
@@ -61,6 +62,8 @@ class PassState:
     write_kv: Callable | None = None
     seen: dict = field(default_factory=dict)
     visible: torch.Tensor | None = None
+    read_index: Callable | None = None
+    write_index: Callable | None = None
 
 
 _STACK: list[PassState] = []
@@ -146,11 +149,9 @@ def shared_prefix_attention(
         query = index_to_position_temperature(module, query, layout.position_ids)
 
     calls = probe.pattern(module).calls
-    if indices is not None or probe.pattern(module).indexed:
+    is_indexed = indices is not None or probe.pattern(module).indexed
+    if is_indexed:
         _check_indexed(module, indices, state, sliding_window, chunk, softcap, calls)
-        state.seen[module] = state.seen.get(module, 0) + 1
-        return indexed.sparse_attention(query, key, value, state.visible, indices, scale, sinks), None
-    casc = layout.cascade(sliding_window, chunk)
     # A module that runs its attention several times per forward (looped layers, differential attention) caches
     # one prompt K/V per call, in call order; a layer recomputed by gradient checkpointing repeats that order.
     idx = state.seen.get(module, 0)
@@ -160,8 +161,15 @@ def shared_prefix_attention(
         for s in layout.record:
             r0, r1 = layout.row_start[s], layout.row_end[s]
             state.write_kv(slot, s, key[:, :, r0:r1], value[:, :, r0:r1])
+    if is_indexed:  # over the cached segments' keys, then the row's (the indexer's indices number them so)
+        if layout.cached_reads:
+            kv = [state.read_kv(slot, a) for a in layout.cached_reads]
+            key = torch.cat([k for k, _ in kv] + [key], dim=2)
+            value = torch.cat([v for _, v in kv] + [value], dim=2)
+        return indexed.sparse_attention(query, key, value, state.visible, indices, scale, sinks), None
 
     read = (lambda seg: state.read_kv(slot, seg)) if state.read_kv else None
+    casc = layout.cascade(sliding_window, chunk)
     return cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap), None
 
 
@@ -192,8 +200,8 @@ def _check_indexed(module, indices, state: PassState, window, chunk, softcap, ca
 
 
 def indexed_mask(*args, **kwargs):
-    """transformers' mask builder under ``indexed.NAME``: the row's (1, 1, L, L) visibility mask, one tensor per pass
-    for every layer (the indexers read it; dense layers ignore it, see ``attention.indexed``)."""
+    """transformers' mask builder under ``indexed.NAME``: the row's (1, 1, L, C + L) visibility mask, one tensor per
+    pass for every layer (the indexers read it; dense layers ignore it, see ``attention.indexed``)."""
     if not _STACK:
         return None  # outside a pass the attention function refuses anyway, with its own message
     state = _STACK[-1]
@@ -331,14 +339,17 @@ def implementation(model: torch.nn.Module) -> str:
 @contextmanager
 def activated(model: torch.nn.Module):
     """Switch every config of ``model`` to the sharedprefix attention (``indexed.NAME`` for a model with indexed
-    layers); restore them on exit."""
+    layers, whose indexers also get ``indexed.key_hooks`` for the duration); restore them on exit."""
     configs = _configs(model)
     name = implementation(model)
     saved = [cfg._attn_implementation_internal for cfg in configs]
+    hooks = indexed.key_hooks(model, lambda: _STACK[-1] if _STACK else None) if name == indexed.NAME else []
     try:
         for cfg in configs:
             cfg._attn_implementation_internal = name
         yield
     finally:
+        for h in hooks:
+            h.remove()
         for cfg, old in zip(configs, saved):
             cfg._attn_implementation_internal = old

@@ -28,6 +28,9 @@ class PrefixCache:
         self.graph_vals: dict[int, tuple] = {}  # seg -> (log-probs (k,), entropies (k,) | None)
         self.read_vals: dict[int, tuple] = {}
         self.states: dict[int, object] = {}  # seg -> PassState of the recording pass
+        # seg -> indexer module -> its keys (1, len, D) (DeepSeek sparse attention, ``attention.indexed``): detached,
+        # the indexer runs without autograd (in the plain run too), so they need no gradient and no sealing
+        self.index_keys: dict[int, dict] = {}
 
     def __contains__(self, seg: int) -> bool:
         return seg in self.read_kv_
@@ -37,6 +40,18 @@ class PrefixCache:
 
     def write_kv(self, module, seg: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.graph_kv.setdefault(seg, {})[module] = (k, v)
+
+    def write_index(self, indexer, seg: int, k: torch.Tensor) -> None:
+        self.index_keys.setdefault(seg, {})[indexer] = k.detach()
+
+    def read_index(self, indexer, seg: int) -> torch.Tensor:
+        try:
+            return self.index_keys[seg][indexer]
+        except KeyError:
+            raise RuntimeError(
+                f"no cached indexer keys for segment {seg} in {type(indexer).__name__}; its indexer did not run in the "
+                "pass that cached the segment, which sharedprefix does not support."
+            ) from None
 
     def write_h(self, seg: int, h: torch.Tensor) -> None:
         self.graph_h[seg] = h
@@ -103,7 +118,8 @@ class PrefixCache:
         return total
 
     def release(self, seg: int) -> None:
-        for d in (self.graph_kv, self.graph_h, self.read_kv_, self.read_h, self.graph_vals, self.read_vals, self.states):
+        for d in (self.graph_kv, self.graph_h, self.read_kv_, self.read_h, self.graph_vals, self.read_vals, self.states,
+                  self.index_keys):
             d.pop(seg, None)
 
 

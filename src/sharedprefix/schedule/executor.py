@@ -93,7 +93,7 @@ class Executor:
                 "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or raise "
                 "max_tokens so that every group fits one pass."
             )
-        if self.plan.splits and implementation(self.model) == indexed.NAME:
+        if self.plan.splits and implementation(self.model) == indexed.NAME and not indexed.indexers(self.model):
             raise ValueError(indexed.split_refusal(type(self.model).__name__))
         if leaves and self.par.fsdp and self.plan.splits and prefix_activations != "recompute":
             raise ValueError(
@@ -131,7 +131,8 @@ class Executor:
         layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record, step.rows)
         if self.mm is not None and tree is self.plan.tree:
             layout.blocks = self.mm.row_blocks(layout)
-        state = PassState(layout, self.backend, self.cache.read_kv, self.cache.write_kv)
+        state = PassState(layout, self.backend, self.cache.read_kv, self.cache.write_kv,
+                          read_index=self.cache.read_index, write_index=self.cache.write_index)
 
         def fn():
             with pass_state(state):
