@@ -19,7 +19,7 @@ the packed row; the function returns (1, L, H, D).
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +106,10 @@ def shared_prefix_attention(
             "prompt shared by G completions would share one dropout draw, unlike the plain run. "
             "Set the model's attention_dropout to 0.0 (RL fine-tuning normally does) or call model.eval()."
         )
+    amp = autocast_device(query)
+    if amp is not None:  # as autocast casts the plain run's scaled_dot_product_attention
+        dt = torch.get_autocast_dtype(amp)
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
     impl = kernels.select(state.backend, query.device, query.dtype)
     if softcap is not None:
         softcap = float(softcap)
@@ -170,7 +174,17 @@ def shared_prefix_attention(
 
     read = (lambda seg: state.read_kv(slot, seg)) if state.read_kv else None
     casc = layout.cascade(sliding_window, chunk)
-    return cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap), None
+    with torch.autocast(amp, enabled=False) if amp is not None else nullcontext():  # merges stay float32
+        return cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap), None
+
+
+def autocast_device(t: torch.Tensor) -> str | None:
+    """The device type of ``t`` when autocast is on for it (mixed precision: TRL's and accelerate's ``bf16=True``
+    over float32 weights), else None. Autocast runs the plain forward's ``scaled_dot_product_attention`` in its
+    lower-precision dtype; the shared-prefix attention casts query, key and value the same way, and keeps its own
+    log-sum-exp merges out of autocast (float32, as without it)."""
+    kind = t.device.type
+    return kind if torch.is_autocast_enabled(kind) else None
 
 
 def _check_indexed(module, indices, state: PassState, window, chunk, softcap, calls) -> None:

@@ -28,17 +28,21 @@ _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclass
 class VerifyReport:
-    """``ok``: exact by the 2x rule in every configuration that ran (False on a refusal of the one-pass check).
+    """``ok``: exact by the 2x rule in every configuration that ran (False on a refusal of the one-pass check), or,
+    for a low-precision model that makes discrete choices per token (``choices``: MoE routing, an indexer) and fails
+    that rule, exact on the float64 copy (``float64``: sharedprefix's largest error there, at most ``FLOAT64_TOL``).
     ``refusal``: a refusal of either check, or None. ``split_refusal``: the refusal of the budget that splits a
-    group by a model exact in one pass only (DeepSeek sparse attention: the indexer keys of cached prompts are not
-    kept), or None; the same call with that budget would refuse, never mismatch. ``checks``: per configuration (budget, our error, the
-    plain run's error), errors as max |delta log-prob| against the float64 reference."""
+    group by a model exact in one pass only (DeepSeek sparse attention whose indexers sharedprefix cannot reach),
+    or None; the same call with that budget would refuse, never mismatch. ``checks``: per configuration (budget,
+    our error, the plain run's error), errors as max |delta log-prob| against the float64 reference."""
 
     ok: bool
     refusal: str | None = None
     checks: list = field(default_factory=list)
     split_refusal: str | None = None
     split: int | None = None
+    choices: str | None = None
+    float64: float | None = None
 
     def __str__(self) -> str:
         if self.refusal:
@@ -49,6 +53,12 @@ class VerifyReport:
             lines.append(f"max_tokens={self.split!s:>5}: refused ({self.split_refusal})")
         verdict = "exact by the 2x rule" + (" in one pass; a budget that splits a group is refused" if self.split_refusal
                                             else "")
+        if self.float64 is not None:
+            lines.append(
+                f"the model makes discrete choices per token ({self.choices}), which flip at near-ties between two "
+                "roundings (the plain run's against float64 too) and move that token's log-prob by more than "
+                f"rounding; on its float64 copy sharedprefix's error is {self.float64:.2e} (tolerance {FLOAT64_TOL:.0e})")
+            verdict = "exact on the float64 copy; the low-precision differences are flipped discrete choices"
         return "\n".join(lines + [f"-> {verdict if self.ok else 'NOT EXACT'}"])
 
 
@@ -57,7 +67,11 @@ def _random_groups(vocab: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(0, vocab, (n,), generator=g)  # noqa: E731
-    return [Group(ids(24), [ids(5), ids(9), ids(1)]), Group(ids(7), [ids(6), ids(6)])]
+    # 183 completion tokens: with 27 (before), the largest error exceeded twice the plain run's on an exact dense
+    # model under bfloat16 autocast for 1 seed in 5 (VaultGemma, 2.25x); with these, OPT, Llama, Gemma 2 and
+    # VaultGemma in bfloat16 or under autocast stayed at or below 1.43x over 8 seeds each
+    return [Group(ids(40), [ids(16), ids(24), ids(1), ids(9)]), Group(ids(7), [ids(12), ids(12), ids(20)]),
+            Group(ids(24), [ids(30), ids(5)]), Group(ids(2), [ids(18), ids(18), ids(18)])]
 
 
 def _plain(model, groups) -> torch.Tensor:
@@ -104,10 +118,36 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
 
     dtype_faithful_norms(ref_model)
     exact = _plain(ref_model, groups)
-    del ref_model
     checks = [(b, float((o - exact).abs().max()), float((plain - exact).abs().max())) for b, o in outs]
-    return VerifyReport(all(ours <= 2 * pl + 1e-12 for _, ours, pl in checks), checks=checks,
-                        split_refusal=split_refusal, split=split)
+    ok = all(ours <= 2 * pl + 1e-12 for _, ours, pl in checks)
+    choices, float64 = (discrete_choices(base) if not ok and next(base.parameters()).dtype != torch.float64
+                        else None), None
+    if choices:  # a second opinion: the same algorithm on the float64 copy, where near-ties do not flip
+        with torch.no_grad():
+            float64 = max(float((sp.logprobs(ref_model, groups, max_tokens=b).logprobs.double().cpu() - exact)
+                                .abs().max()) for b, _ in outs)
+        ok = float64 <= FLOAT64_TOL
+    del ref_model
+    return VerifyReport(ok, checks=checks, split_refusal=split_refusal, split=split, choices=choices,
+                        float64=float64)
+
+
+FLOAT64_TOL = 1e-5  # |delta log-prob| of the float64 copy (routers and indexers score in float32 even there)
+
+
+def discrete_choices(model) -> str | None:
+    """What per-token discrete choices ``model`` makes (top-k expert routing, an indexer's top-k keys), or None.
+    Such a choice flips at a near-tie between two roundings of the same computation (the plain run against a
+    float64 copy, or against sharedprefix), and a flipped choice moves that token's log-prob by far more than
+    rounding, so the 2x rule on the largest error does not judge these models in low precision."""
+    from sharedprefix.attention import indexed, interface
+
+    out = []
+    if any(k in type(m).__name__.lower() for m in model.modules() for k in ("expert", "router", "moe")):
+        out.append("top-k expert routing")
+    if indexed.is_indexed(interface._configs(model)):
+        out.append("an indexer's top-k keys")
+    return " and ".join(out) or None
 
 
 def self_check(model, groups) -> None:
