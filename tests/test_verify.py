@@ -79,3 +79,51 @@ def test_verify_reports_a_budget_refusal_as_a_refusal():
     groups = [sp.Group(list(range(1, 9)), [list(range(1, 7)), [3]])]
     report = sp.verify(tiny_model("qwen3"), groups, max_tokens=4)
     assert not report.ok and report.refusal.startswith("with max_tokens=4:") and report.split_refusal is None
+
+
+def _moe(dtype=torch.float32):
+    from sharedprefix.tools.zoo.configs import build
+
+    return build("qwen3_moe")[0].to(dtype)
+
+
+def _perturb_low_precision(monkeypatch, where):
+    """Move the shared-prefix attention's output in float32 only (a float64 run is untouched): at one query of
+    each row (``where="one token"``, the second-to-last of the row: as a flipped routing choice moves one token) or
+    at every query (``"every token"``, as a low-precision error of the computation itself would)."""
+    from sharedprefix.attention import interface
+
+    orig = interface.cascade_attention
+
+    def moved(impl, casc, query, *a, **k):
+        out = orig(impl, casc, query, *a, **k)
+        if out.dtype != torch.float32:
+            return out
+        if where == "every token":
+            return out * 1.01
+        out = out.clone()
+        out[:, -2] += 0.5
+        return out
+
+    monkeypatch.setattr(interface, "cascade_attention", moved)
+
+
+def test_verify_judges_a_flipped_choice_of_a_moe_model_on_its_float64_copy(monkeypatch):
+    """A low-precision MoE model failing the 2x rule at one token per row: the float64 copy is exact, so the verdict
+    is exact, with the reason."""
+    _perturb_low_precision(monkeypatch, "one token")
+    report = sp.verify(_moe(), max_tokens=10_000)
+    assert report.checks[0][1] > 2 * report.checks[0][2]  # the 2x rule alone would fail
+    assert report.ok and report.choices == "top-k expert routing" and report.float64 <= 1e-9 and report.beyond <= 2
+    assert "flipped discrete choices" in str(report) and "token(s) beyond twice the plain error" in str(report)
+
+
+@pytest.mark.parametrize("case", ["every token of a MoE model", "one token of a dense model"])
+def test_verify_does_not_excuse_other_low_precision_errors(monkeypatch, case):
+    """An error at every token is no flipped choice, even where the float64 copy is exact; a model without discrete
+    choices gets no second opinion."""
+    _perturb_low_precision(monkeypatch, "every token" if case.startswith("every") else "one token")
+    model = _moe() if "MoE" in case else tiny_model("qwen3", dtype=torch.float32)
+    report = sp.verify(model, max_tokens=10_000)
+    assert not report.ok and "NOT EXACT" in str(report)
+    assert (report.float64 is not None) == ("MoE" in case)
