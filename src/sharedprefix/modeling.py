@@ -132,6 +132,15 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
             f"{name} is in training mode with attention_dropout={cfg.attention_dropout}; sharedprefix refuses attention "
             "dropout because the shared prompt would share one dropout draw. Set config.attention_dropout=0.0."
         )
+    drops = [getattr(cfg, k, None) for k in ("layerdrop", "decoder_layerdrop")]  # and the modules' own copies
+    drops += [getattr(m, "layerdrop", None) for m in model.modules()]
+    drop = max((float(d) for d in drops if isinstance(d, (int, float)) and not isinstance(d, bool)), default=0.0)
+    if model.training and drop > 0:
+        raise ValueError(
+            f"{name} is in training mode with layerdrop={drop}: its forward skips each layer at random (Python's "
+            "random.uniform, per forward), so a prompt shared by G completions would share one draw where the plain "
+            "run draws one per row. Set config.layerdrop=0.0 (and decoder_layerdrop) or call model.eval()."
+        )
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type in ("dynamic", "longrope"):

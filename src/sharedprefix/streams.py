@@ -84,8 +84,9 @@ def encode(model, source):
     name, k = type(model).__name__, num_streams(model)
     if isinstance(source, Tree):
         raise ValueError(
-            f"{name} reads {k} token streams per position and got an sp.Tree (rows of single token ids); sharedprefix "
-            "takes frames for it only as a list of sp.Group with (K, P) prompts and (K, T) completions. Pass groups."
+            f"{name} reads {k} token streams per position and got an sp.Tree (rows of single token ids, as the TRL "
+            "trainer and verl build them); sharedprefix takes frames for it only as a list of sp.Group with (K, P) "
+            "prompts and (K, T) completions. Pass groups to sp.logprobs / sp.backward."
         )
     groups = validate_groups(source, streams=True)
     e, v, pad = embedding_size(model), head_vocab(model), pad_id(model)

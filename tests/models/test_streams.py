@@ -24,7 +24,7 @@ from sharedprefix.tools.zoo.configs import tiny_config
 K = 4  # the zoo's tiny MusicGen: 4 codebooks of 97 codes (embeddings of 98)
 
 
-def _model(entry="musicgen", pad_in_vocab=False, seed=0):
+def _model(entry="musicgen", pad_in_vocab=False, seed=0, **settings):
     """float64 tiny MusicGen; the pad / BOS code is ``vocab_size`` (MusicGen's own setup: the heads cannot predict
     it) unless ``pad_in_vocab`` (the zoo's tiny config: pad 0, a code the heads predict, so not excluding it is
     a silent difference)."""
@@ -32,6 +32,8 @@ def _model(entry="musicgen", pad_in_vocab=False, seed=0):
     cfg = getattr(cfg, "decoder", cfg)
     if not pad_in_vocab:
         cfg.pad_token_id = cfg.bos_token_id = cfg.vocab_size
+    for k, v in settings.items():
+        setattr(cfg, k, v)
     cfg._attn_implementation = "sdpa"
     cls = tf.MusicgenForCausalLM if entry == "musicgen" else tf.MusicgenMelodyForCausalLM
     torch.manual_seed(seed)
@@ -244,7 +246,40 @@ def test_frames_for_a_one_stream_model_are_refused():
 def test_malformed_frames_are_refused_at_the_group():
     with pytest.raises(ValueError, match=r"4 token streams of lengths \[2, 3\]"):
         sp.Group([[1, 2, 3], [1, 2, 3], [1, 2], [1, 2, 3]], [[[1]] * 4])
-    with pytest.raises(ValueError, match=r"completions\[0\] has shape \(3, 2\) and the prompt \(4, 3\)"):
+    with pytest.raises(ValueError, match=r"completions\[0\] has shape \(3, 2\) and the prompt shape \(4, 3\)"):
         sp.Group(torch.ones(4, 3, dtype=torch.long), [torch.ones(3, 2, dtype=torch.long)])
     with pytest.raises(ValueError, match=r"completions\[0\] has shape \(2,\)"):
         sp.Group(torch.ones(4, 3, dtype=torch.long), [[1, 2]])
+
+
+def test_sp_verify_takes_a_k_stream_model():
+    """``sp.verify`` draws frames for such a model, and holds both budgets to the float64 plain run."""
+    model = _model(seed=6)
+    report = sp.verify(model)
+    assert report.ok and report.refusal is None and len(report.checks) == 2, report
+
+
+def test_training_mode_with_gradient_checkpointing():
+    model = _model(seed=7, dropout=0.0)
+    model.gradient_checkpointing_enable()  # non-reentrant, the transformers default
+    model.train()
+    try:
+        assert_matches_plain_rows(model, _groups(model), 12, "recompute", plain=_plain)
+    finally:
+        model.eval()
+
+
+def test_dropout_in_training_is_refused():
+    """The tiny config's dropout=0.1, applied by the decoder's own F.dropout (no nn.Dropout module to see)."""
+    model = _model(seed=7)
+    model.train()
+    with pytest.raises(ValueError, match=r"in training mode draws random numbers"):
+        sp.logprobs(model, [_groups(model)[1]])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_layerdrop_in_training_is_refused():
+    model = _model(seed=7, dropout=0.0)
+    model.model.decoder.layerdrop = 0.5  # MusicGen skips layers by Python's random.uniform, one draw per forward
+    model.train()
+    _refused(model, [_groups(model)[1]], r"training mode with layerdrop=0.5")

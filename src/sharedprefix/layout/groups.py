@@ -108,7 +108,7 @@ class Group:
             t = _as_ids(c, f"completions[{i}]")
             if t.dim() != p.dim() or t.shape[:-1] != p.shape[:-1]:
                 raise ValueError(
-                    f"completions[{i}] has shape {tuple(t.shape)} and the prompt {tuple(p.shape)}; expected the "
+                    f"completions[{i}] has shape {tuple(t.shape)} and the prompt shape {tuple(p.shape)}; expected the "
                     "prompt's number of token streams per position in every completion (1-D token ids, or (K, T) "
                     "frames with the prompt's K)."
                 )
