@@ -261,7 +261,7 @@ def test_sp_verify_takes_a_k_stream_model():
 
 def test_training_mode_with_gradient_checkpointing():
     model = _model(seed=7, dropout=0.0)
-    model.gradient_checkpointing_enable()  # non-reentrant, the transformers default
+    model.activation_checkpointing_enable()  # non-reentrant, the transformers default
     model.train()
     try:
         assert_matches_plain_rows(model, _groups(model), 12, "recompute", plain=_plain)
