@@ -5,7 +5,11 @@ verified once per model) to (M, d) hidden states in chunks of about 4M logits, s
 once, with a custom backward that recomputes each chunk's logits instead of keeping them. On CUDA a chunk holds at
 least 1024 rows (smaller chunks made the head memory-bound on the GPU).
 
-Notation: M = predicted tokens, d = hidden size, V = vocabulary.
+A model with K token streams per position (``streams``: MusicGen) takes (M, K) code targets: each head's log-prob
+of its code, summed over the codebooks whose code is not ``ignore`` (the delay pattern's pad), and likewise the
+entropies.
+
+Notation: M = predicted tokens, d = hidden size, V = vocabulary, K = streams.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from sharedprefix.modeling import head_logits
+from sharedprefix.streams import head_vocab
 
 
 class _TokenLogprob(torch.autograd.Function):
@@ -51,11 +56,21 @@ class _TokenLogprob(torch.autograd.Function):
         return grad, None, None
 
 
-def _logprob_chunk(model, hidden, targets, temperature: float, want_entropy: bool, out_dtype):
-    logits = head_logits(model, hidden).to(out_dtype)
+def _logprob_chunk(model, hidden, targets, temperature: float, want_entropy: bool, out_dtype, ignore=None):
+    logits = head_logits(model, hidden).to(out_dtype)  # (M, V), or (K, M, V) for (M, K) targets
     if temperature != 1.0:
         logits = logits / temperature
-    return _TokenLogprob.apply(logits, targets, want_entropy)
+    if targets.dim() == 1:
+        return _TokenLogprob.apply(logits, targets, want_entropy)
+    tok = ent = 0.0
+    for k in range(targets.shape[1]):  # one head per stream; a pad target adds exactly nothing
+        t = targets[:, k]
+        keep = t.ne(ignore) if ignore is not None else torch.ones_like(t, dtype=torch.bool)
+        tok_k, ent_k = _TokenLogprob.apply(logits[k], t.where(keep, 0), want_entropy)
+        tok = tok + torch.where(keep, tok_k, 0.0)
+        if want_entropy:
+            ent = ent + torch.where(keep, ent_k, 0.0)
+    return tok, ent if want_entropy else logits.new_zeros(0)
 
 
 def token_logprobs(
@@ -65,12 +80,14 @@ def token_logprobs(
     temperature: float = 1.0,
     entropy: bool = False,
     chunk_tokens: int | None = None,
+    ignore: int | None = None,
 ):
     """Log-probs (and entropy) of ``targets`` under the head applied to ``hidden``.
 
     Args:
         hidden: (M, d) final hidden states of the predicting positions.
-        targets: (M,) int64 token ids.
+        targets: (M,) int64 token ids, or (M, K) int64 codes for a model with K heads (``streams``).
+        ignore: with (M, K) targets, the code that contributes nothing (the delay pattern's pad).
         temperature: logits are divided by it before the softmax (as TRL does).
         chunk_tokens: rows of the head computed at once (default: 4M logits per chunk, but never fewer
             than 256 rows, 1024 on a GPU); under grad each chunk is recomputed in backward, so only a
@@ -82,7 +99,7 @@ def token_logprobs(
     """
     out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     if chunk_tokens is None:
-        vocab = model.get_output_embeddings().weight.shape[0]
+        vocab = head_vocab(model) * (targets.shape[1] if targets.dim() == 2 else 1)  # logits per row of a chunk
         # at least 256 rows: on two CPU cores, chunks of 131 rows (32K vocabulary) made the head's forward and
         # backward 1.3x slower than with 256 to 1024 (the head weight is streamed once per chunk and pass)
         chunk_tokens = max(256, 2**22 // vocab)
@@ -94,11 +111,11 @@ def token_logprobs(
             # run.
             chunk_tokens = max(1024, chunk_tokens)
     toks, ents = [], []
-    head_params = model.get_output_embeddings().parameters()
+    head_params = model.get_output_embeddings().parameters()  # (a ModuleList's: every head's)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head_params))
     for s in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens]
-        args = (model, h, t, temperature, entropy, out_dtype)
+        args = (model, h, t, temperature, entropy, out_dtype, ignore)
         if grad:
             tok, ent = checkpoint(_logprob_chunk, *args, use_reentrant=False)
         else:

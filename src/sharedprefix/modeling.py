@@ -18,7 +18,7 @@ import weakref
 import torch
 from transformers import PreTrainedModel
 
-from sharedprefix import positions
+from sharedprefix import positions, streams
 from sharedprefix.attention import probe
 
 # Layer types (config.layer_types / layers_block_type) by what sharedprefix does with them.
@@ -132,6 +132,15 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
             f"{name} is in training mode with attention_dropout={cfg.attention_dropout}; sharedprefix refuses attention "
             "dropout because the shared prompt would share one dropout draw. Set config.attention_dropout=0.0."
         )
+    drops = [getattr(cfg, k, None) for k in ("layerdrop", "decoder_layerdrop")]  # and the modules' own copies
+    drops += [getattr(m, "layerdrop", None) for m in model.modules()]
+    drop = max((float(d) for d in drops if isinstance(d, (int, float)) and not isinstance(d, bool)), default=0.0)
+    if model.training and drop > 0:
+        raise ValueError(
+            f"{name} is in training mode with layerdrop={drop}: its forward skips each layer at random (Python's "
+            "random.uniform, per forward), so a prompt shared by G completions would share one draw where the plain "
+            "run draws one per row. Set config.layerdrop=0.0 (and decoder_layerdrop) or call model.eval()."
+        )
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if rope_type in ("dynamic", "longrope"):
@@ -152,14 +161,7 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
             )
     if model.get_output_embeddings() is None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
-    streams = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if isinstance(m, torch.nn.ModuleList)]
-    if streams:
-        raise ValueError(
-            f"{name} reads and predicts {len(streams[0])} parallel token streams per position (its input and output "
-            "embeddings are lists of modules, one per stream, as MusicGen's audio codebooks are), so a row of its "
-            "input is not one token sequence; sharedprefix's groups hold one token stream per row. This model is not "
-            "supported."
-        )
+    streams.num_streams(model)  # several token streams per position: one embedding and one linear head each
     if getattr(model.config, "model_type", None) in POOLING_MODEL_TYPES:
         raise ValueError(f"{name}: {POOLING_MODEL_TYPES[model.config.model_type]}; sharedprefix refuses the model.")
 
@@ -237,7 +239,8 @@ def uses_reentrant_checkpointing(model: PreTrainedModel) -> bool:
 
 
 def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
-    """(M, d) final hidden states -> (M, V) logits, with the model's own post-processing.
+    """(M, d) final hidden states -> (M, V) logits, with the model's own post-processing; (K, M, V) for a model
+    with one head per token stream (``streams``: MusicGen).
 
     By default the output embedding followed by the post-processing transformers models apply (final-logit
     soft-capping, Granite's ``logits_scaling``, Cohere's ``logit_scale``). A model whose head is more than that
@@ -249,7 +252,8 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
         for mod in chain:
             hidden = mod(hidden)
         return hidden
-    logits = model.get_output_embeddings()(hidden)
+    out = model.get_output_embeddings()
+    logits = torch.stack([h(hidden) for h in out]) if isinstance(out, torch.nn.ModuleList) else out(hidden)
     cfg = text_config(model)
     cap = getattr(cfg, "final_logit_softcapping", None)
     scaling = getattr(cfg, "logits_scaling", None)
@@ -284,19 +288,21 @@ def verify_head(model: PreTrainedModel, forward=None, hybrid: bool = False) -> N
     modes = _VERIFIED.setdefault(model, set())
     if (model.training, hybrid) in modes:
         return
-    device = model.get_output_embeddings().weight.device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+    device = streams.head_device(model)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
+            streams.framed(model, decoder(model)):  # a K-stream model reads these ids as frames of one code
         _verify(model, device, model if forward is None else forward, hybrid)
     modes.add((model.training, hybrid))
 
 
 def _verify(model: PreTrainedModel, device, forward, hybrid: bool = False) -> None:
-    vocab = model.get_output_embeddings().weight.shape[0]
-    ids = (torch.arange(3, device=device) * 7 + 1).remainder(vocab)[None]
+    ids = (torch.arange(3, device=device) * 7 + 1).remainder(streams.head_vocab(model))[None]
     dec = decoder(model)
     if model.training:
         _check_deterministic(model, dec, ids)
-    ref = forward(input_ids=ids, use_cache=False).logits[0].float()
+    ref = forward(input_ids=ids, use_cache=False).logits
+    k = streams.num_streams(model)  # K > 1: logits (K, 3, V), one row per stream, as head_logits gives them
+    ref = (ref[0] if k == 1 else ref.reshape(-1, k, *ref.shape[1:])[0]).float()
     hidden = dec(input_ids=ids, use_cache=False).last_hidden_state[0]
     probed = _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allowed=hybrid)
     tol = 1e-4 * max(1.0, float(ref.abs().max()))

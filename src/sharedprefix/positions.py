@@ -8,6 +8,14 @@ module's call only: inside ``renumbered(model, position_ids)`` a forward pre-hoo
 the decoder passes with the packed row's; the hook is removed on exit, also on error, and the model's code and
 attributes are never changed.
 
+MusicGen's decoders hand their sinusoidal position module no numbers at all, only the input and a cache length
+(``embed_positions(input, cache_length)``, which numbers its L positions ``cache_length + 0..L-1``). Such a module
+(its ``forward`` takes ``cache_length`` or ``past_key_values_length``, and no ``position_ids``) is renumbered by a
+forward hook instead: it calls the module's own ``forward`` once per window of L consecutive positions that the
+packed row's positions need (``cache_length`` = the window's first position; a few windows, one per run of
+positions not yet covered) and returns, for each token, the row of its position, taken along the output's
+sequence dimension (the one ``verify`` saw grow with the row).
+
 ``verify`` (once per model, before any pass, from ``modeling.verify_head``) finds the modules of the decoder
 whose ``forward`` takes ``position_ids`` and holds the renumbering to the model's own forward on a short row:
 renumbered with the row's own positions 0..n-1, the decoder's output is unchanged; renumbered with positions
@@ -24,14 +32,17 @@ Notation: L = packed row length, n = verification row length, s = its shift, d =
 
 from __future__ import annotations
 
+import bisect
 import inspect
 import weakref
 from contextlib import contextmanager
 
 import torch
 
-_MODULES = weakref.WeakKeyDictionary()  # model -> the position modules verified to take the packed row's numbers
+_MODULES = weakref.WeakKeyDictionary()  # model -> {position module verified to take the packed row's numbers:
+#   None (its position_ids are replaced) or its output's sequence dimension (renumbered by cache-length windows)}
 SHIFT = 2  # s: the verification row's positions start here
+COUNT_ARGS = ("cache_length", "past_key_values_length")  # a module numbering its input from this offset itself
 
 
 def takes_position_ids(dec: torch.nn.Module) -> bool:
@@ -56,6 +67,40 @@ def candidates(dec: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in dec.modules() if m is not dec and "position_ids" in _params(m.forward)]
 
 
+def counting(dec: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's own modules whose ``forward`` takes a cache length (``COUNT_ARGS``) and no ``position_ids``."""
+    return [m for m in dec.modules() if m is not dec and "position_ids" not in _params(m.forward)
+            and any(a in _params(m.forward) for a in COUNT_ARGS)]
+
+
+def _windowed(module: torch.nn.Module, dim: int, position_ids: torch.Tensor):
+    """A forward hook: ``module``'s output for the (L,) ``position_ids``, from its own forward on windows of L
+    consecutive positions (``cache_length`` = each window's start), gathered along ``dim``."""
+    arg = next(a for a in COUNT_ARGS if a in _params(module.forward))
+    pos = [int(p) for p in position_ids.tolist()]
+    n, starts = len(pos), []
+    for p in sorted(set(pos)):
+        if not starts or p > starts[-1] + n - 1:
+            starts.append(p)
+    window = [bisect.bisect_right(starts, p) - 1 for p in pos]
+    index = torch.tensor([w * n + p - starts[w] for p, w in zip(pos, window)], device=position_ids.device)
+
+    def hook(mod, args, kwargs, output):
+        if not isinstance(output, torch.Tensor) or output.dim() <= dim or output.shape[dim] != n:
+            raise RuntimeError(
+                f"{type(mod).__name__} returned {getattr(output, 'shape', type(output).__name__)} for a row of {n} "
+                f"positions (its sequence dimension {dim} as verified); sharedprefix cannot renumber this call."
+            )
+        bound = inspect.signature(mod.forward).bind(*args, **kwargs)
+        outs = []
+        for start in starts:
+            bound.arguments[arg] = start
+            outs.append(mod.forward(*bound.args, **bound.kwargs))
+        return torch.cat(outs, dim).index_select(dim, index.to(outs[0].device))
+
+    return hook
+
+
 def _with_positions(module, args, kwargs, position_ids):
     bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
     bound.arguments["position_ids"] = position_ids
@@ -63,13 +108,17 @@ def _with_positions(module, args, kwargs, position_ids):
 
 
 @contextmanager
-def _hooked(modules, position_ids: torch.Tensor | None):
-    """Every module in ``modules`` called with ``position_ids`` (L,) instead of the decoder's own numbers."""
+def _hooked(modules: dict, position_ids: torch.Tensor | None):
+    """Every module in ``modules`` ({module: None or its sequence dimension}) numbering its tokens with
+    ``position_ids`` (L,) instead of the decoder's own numbers."""
     hooks = []
     try:
-        for m in modules if position_ids is not None else ():
-            hooks.append(m.register_forward_pre_hook(
-                lambda mod, args, kwargs: _with_positions(mod, args, kwargs, position_ids), with_kwargs=True))
+        for m, dim in modules.items() if position_ids is not None else ():
+            if dim is None:
+                hooks.append(m.register_forward_pre_hook(
+                    lambda mod, args, kwargs: _with_positions(mod, args, kwargs, position_ids), with_kwargs=True))
+            else:
+                hooks.append(m.register_forward_hook(_windowed(m, dim, position_ids), with_kwargs=True))
         yield
     finally:
         for h in hooks:
@@ -95,16 +144,16 @@ def renumbered(model, dec: torch.nn.Module, position_ids: torch.Tensor):
         yield {}
 
 
-def _outputs(dec, modules, ids, position_ids=None):
+def _outputs(dec, modules: dict, ids, position_ids=None):
     """(decoder output, {module: [outputs of its calls]}) of ``dec`` on ``ids``, renumbered when given positions."""
     seen = {m: [] for m in modules}
-    hooks = [m.register_forward_hook(lambda mod, _a, out: seen[mod].append(out)) for m in modules]
-    try:
-        with _hooked(modules, position_ids):
+    with _hooked(modules, position_ids):  # recorded after the renumbering hooks: what the decoder receives
+        hooks = [m.register_forward_hook(lambda mod, _a, out: seen[mod].append(out)) for m in modules]
+        try:
             out = dec(input_ids=ids, use_cache=False).last_hidden_state
-    finally:
-        for h in hooks:
-            h.remove()
+        finally:
+            for h in hooks:
+                h.remove()
     return out, seen
 
 
@@ -116,30 +165,46 @@ def refuse(name: str, why: str):
     )
 
 
-def _tail(own: torch.Tensor, ours: torch.Tensor, s: int) -> torch.Tensor | None:
-    """``own``'s last positions along the one dimension where it is ``s`` longer than ``ours`` (None: no such)."""
-    if own.dim() != ours.dim():
+def _grown(own, ours, s: int) -> int | None:
+    """The one dimension along which tensor ``own`` is ``s`` longer than tensor ``ours`` (None: no such)."""
+    if not isinstance(own, torch.Tensor) or not isinstance(ours, torch.Tensor) or own.dim() != ours.dim():
         return None
     dims = [i for i, (a, b) in enumerate(zip(own.shape, ours.shape)) if a != b]
     if len(dims) != 1 or own.shape[dims[0]] != ours.shape[dims[0]] + s:
         return None
-    return own.narrow(dims[0], s, ours.shape[dims[0]])
+    return dims[0]
+
+
+def _tail(own: torch.Tensor, ours: torch.Tensor, s: int) -> torch.Tensor | None:
+    """``own``'s last positions along the one dimension where it is ``s`` longer than ``ours`` (None: no such)."""
+    dim = _grown(own, ours, s)
+    return None if dim is None else own.narrow(dim, s, ours.shape[dim])
 
 
 def verify(model, dec: torch.nn.Module, ids: torch.Tensor) -> None:
     """Find and check the position modules of a decoder without ``position_ids`` (see the module docstring) on
     (1, n) token ``ids``; raise ValueError when they cannot be renumbered exactly. Idempotent."""
     name = type(model).__name__
-    mods = candidates(dec)
+    mods = dict.fromkeys(candidates(dec))
     if not mods:
-        refuse(name, "and none of its modules takes position_ids, so sharedprefix has no call to renumber")
+        mods = dict.fromkeys(counting(dec), 0)  # sequence dimensions found below
+    if not mods:
+        refuse(name, "and none of its modules takes position_ids or a cache length, so sharedprefix has no call to "
+                     "renumber")
     n, s = ids.shape[1], SHIFT
     longer = torch.cat([ids[:, :s], ids], 1)
-    own_hidden, _ = _outputs(dec, mods, ids)
+    own_hidden, short = _outputs(dec, mods, ids)
     _, own = _outputs(dec, mods, longer)
-    mods = [m for m in mods if own[m]]  # modules that run in the decoder's forward
+    mods = {m: d for m, d in mods.items() if own[m]}  # modules that run in the decoder's forward
     if not mods:
-        refuse(name, "and none of its modules that take position_ids runs in its forward")
+        refuse(name, "and none of its modules that take position_ids or a cache length runs in its forward")
+    for m, d in mods.items():
+        if d is not None:  # the one dimension of its output that grew by s with the row
+            dims = [_grown(a, b, s) for a, b in zip(own[m], short[m])]
+            if len(set(dims)) != 1 or dims[0] is None or len(own[m]) != len(short[m]):
+                refuse(name, f"and its position module {type(m).__name__} (which takes a cache length) returns no "
+                              f"tensor with one dimension that grows with the row")
+            mods[m] = dims[0]
     device = ids.device
     try:
         same_hidden, _ = _outputs(dec, mods, ids, torch.arange(n, device=device))
@@ -158,7 +223,7 @@ def verify(model, dec: torch.nn.Module, ids: torch.Tensor) -> None:
         if len(own[m]) != len(ours[m]) or any(t is None or not close(b, t) for t, (_, b) in zip(tails, pairs)):
             refuse(name, f"and its position module {type(m).__name__}, given positions {s}..{s + n - 1}, does not "
                           f"return what it returns for the last {n} tokens of a plain row of {s + n}")
-    _MODULES[model] = tuple(mods)
+    _MODULES[model] = mods
 
 
 def _names(mods) -> str:

@@ -55,7 +55,6 @@ def test_the_features_this_zoo_exists_for_are_exercised():
     ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
     ("bloom", "attention outside transformers' attention interface"),  # ALiBi in its own attention; was "positions"
     ("rwkv", "token mixing outside attention"),  # a recurrence; was "positions numbered by the model itself"
-    ("musicgen", "several token streams per position"),  # codebooks; was "positions", then an AttributeError
     ("mamba", "token mixing outside attention"),
     ("deepseek_v4", "token mixing outside attention"),  # its compressors pool blocks of the row into keys
     ("qwen4_exp_text", "token mixing outside attention"),  # linear-attention layers (next to its indexed ones)
@@ -65,6 +64,13 @@ def test_the_features_this_zoo_exists_for_are_exercised():
 def test_refusals_name_the_feature(entry, category):
     r = _result(entry)
     assert r.status == "refused" and r.category.startswith(category), (r.status, r.category, r.detail)
+
+
+def test_several_token_streams_per_position_are_exact_also_when_split():
+    """MusicGen's codebooks: groups of frames, a frame's log-prob summed over its codebooks (was refused)."""
+    for entry in ("musicgen", "musicgen_melody"):
+        r = _result(entry)
+        assert r.status == "exact" and not r.split_refusal and r.grad_err is not None, (entry, r.status, r.detail)
 
 
 def test_several_attention_calls_per_layer_are_exact_also_when_split():

@@ -168,7 +168,8 @@ def probe(model, decoder, expected_layers: int) -> dict:
     smalls = {small: (cfg, k) for cfg, k, small in settings}
     n = 3 * (3 * len(settings) + 3) + 1
     device = next(model.parameters()).device
-    vocab = model.get_input_embeddings().weight.shape[0]
+    emb = model.get_input_embeddings()  # one per token stream for MusicGen (the ids run as frames of one code)
+    vocab = min(e.weight.shape[0] for e in (emb if isinstance(emb, torch.nn.ModuleList) else [emb]))
     ids = (torch.arange(n, device=device) * 7 + 3).remainder(vocab)[None]
     _LOG.append({})
     try:

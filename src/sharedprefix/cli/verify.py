@@ -46,7 +46,9 @@ def _own_model(args) -> int:
     print(f"{type(model).__name__} ({model.dtype}, {args.device}):")
     print(report)
     if report.ok:
-        groups = _random_groups(model.get_output_embeddings().weight.shape[0], args.seed)
+        from sharedprefix.streams import head_vocab, num_streams
+
+        groups = _random_groups(head_vocab(model), args.seed, num_streams(model))
         with torch.no_grad():
             times = []
             for fn in (lambda: plain_logprobs(model, groups), lambda: sp.logprobs(model, groups)):

@@ -1,8 +1,9 @@
 """Groups: one prompt with the G completions sampled from it, validated at the boundary.
 
-Notation: G = completions of one group, P = prompt length, T_i = length of completion i.
-Token ids are stored as 1-D int64 CPU tensors; nothing the user gave is reordered,
-truncated or dropped.
+Notation: G = completions of one group, P = prompt length, T_i = length of completion i, K = token streams per
+position (a model with several, such as MusicGen's K audio codebooks, reads one "frame" of K codes per position).
+Token ids are stored as 1-D int64 CPU tensors, frames as (K, length) int64 CPU tensors; nothing the user gave is
+reordered, truncated or dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +17,24 @@ _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def _as_ids(value, what: str) -> torch.Tensor:
-    """Convert a list of ints or a 1-D integer tensor into a 1-D int64 CPU tensor."""
+    """Convert a list of ints or a 1-D integer tensor into a 1-D int64 CPU tensor, and K lists of ints or a
+    (K, length) integer tensor (frames: one code per stream and position) into a (K, length) one."""
+    frames = isinstance(value, torch.Tensor) and value.dim() == 2
+    if not frames and not isinstance(value, (torch.Tensor, str, bytes)) and isinstance(value, Sequence) and value:
+        frames = all(isinstance(v, torch.Tensor) or (isinstance(v, Sequence) and not isinstance(v, (str, bytes)))
+                     for v in value)
+    if frames:
+        rows = value.unbind(0) if isinstance(value, torch.Tensor) else value
+        out = [_as_ids(r, f"{what}[{k}]") for k, r in enumerate(rows)]
+        if any(r.dim() != 1 for r in out):
+            raise ValueError(f"{what} nests deeper than K lists of codes; expected 1-D token ids or (K, length) frames.")
+        lens = sorted({int(r.numel()) for r in out})
+        if len(lens) != 1 or not out:
+            raise ValueError(
+                f"{what} holds {len(out)} token streams of lengths {lens}; expected K streams of one length (a frame "
+                "of K codes per position, e.g. MusicGen's K codebooks after its delay pattern)."
+            )
+        return torch.stack(out)
     if isinstance(value, torch.Tensor):
         if value.dtype not in _INT_DTYPES:
             raise TypeError(
@@ -25,8 +43,9 @@ def _as_ids(value, what: str) -> torch.Tensor:
             )
         if value.dim() != 1:
             raise ValueError(
-                f"{what} has shape {tuple(value.shape)}; expected a 1-D tensor of token ids. "
-                "Pass one sequence per prompt or completion, without a batch dimension."
+                f"{what} has shape {tuple(value.shape)}; expected a 1-D tensor of token ids (or a (K, length) tensor "
+                "of frames for a model with K token streams). Pass one sequence per prompt or completion, without a "
+                "batch dimension."
             )
         return value.detach().to(device="cpu", dtype=torch.int64).clone()
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
@@ -51,9 +70,11 @@ class Group:
     """One prompt and the completions sampled from it.
 
     Args:
-        prompt: token ids of the prompt, a list of ints or a 1-D integer tensor, length P >= 1.
-        completions: G >= 1 sequences of token ids, each of length T_i >= 1. Each completion
-            continues the prompt: its first token is predicted by the prompt's last token.
+        prompt: token ids of the prompt, a list of ints or a 1-D integer tensor, length P >= 1. For a model
+            with K token streams per position (MusicGen): frames, a (K, P) integer tensor or K lists of P codes.
+        completions: G >= 1 sequences of token ids, each of length T_i >= 1 ((K, T_i) frames when the prompt
+            is frames). Each completion continues the prompt: its first token is predicted by the prompt's
+            last token.
         prompt_inputs: for a vision-language model, the processor's other outputs for the prompt
             alone (e.g. ``pixel_values``, ``image_grid_thw``, ``mm_token_type_ids``), tensors as the
             processor returns them for one sample. The vision tower runs once per group.
@@ -65,7 +86,7 @@ class Group:
 
     def __init__(self, prompt, completions, prompt_inputs=None):
         p = _as_ids(prompt, "prompt")
-        if p.numel() == 0:
+        if p.shape[-1] == 0:
             raise ValueError(
                 "prompt is empty; expected at least one token, because the first completion token "
                 "is predicted by the last prompt token. Add a BOS token or the chat template's prefix."
@@ -85,7 +106,13 @@ class Group:
         cs = []
         for i, c in enumerate(completions):
             t = _as_ids(c, f"completions[{i}]")
-            if t.numel() == 0:
+            if t.dim() != p.dim() or t.shape[:-1] != p.shape[:-1]:
+                raise ValueError(
+                    f"completions[{i}] has shape {tuple(t.shape)} and the prompt shape {tuple(p.shape)}; expected the "
+                    "prompt's number of token streams per position in every completion (1-D token ids, or (K, T) "
+                    "frames with the prompt's K)."
+                )
+            if t.shape[-1] == 0:
                 raise ValueError(
                     f"completions[{i}] is empty; expected at least one token (an empty completion has no "
                     "log-prob to compute). Append the EOS token the sampler stopped on, or drop it."
@@ -113,10 +140,16 @@ class Group:
     def group_size(self) -> int:
         return len(self.completions)
 
+    @property
+    def streams(self) -> int | None:
+        """K for a group of (K, length) frames, None for one of 1-D token ids."""
+        return int(self.prompt.shape[0]) if self.prompt.dim() == 2 else None
+
     def __repr__(self) -> str:
-        lens = [int(c.numel()) for c in self.completions]
+        lens = [int(c.shape[-1]) for c in self.completions]
         extra = f", prompt_inputs={sorted(self.prompt_inputs)}" if self.prompt_inputs else ""
-        return f"Group(prompt_len={self.prompt.numel()}, completion_lens={lens}{extra})"
+        extra += f", streams={self.streams}" if self.streams else ""
+        return f"Group(prompt_len={self.prompt.shape[-1]}, completion_lens={lens}{extra})"
 
 
 def check_in_vocab(ids: torch.Tensor, vocab_size: int, what: str) -> None:
@@ -130,8 +163,10 @@ def check_in_vocab(ids: torch.Tensor, vocab_size: int, what: str) -> None:
         )
 
 
-def validate_groups(groups, vocab_size: int | None = None) -> list[Group]:
-    """Check a list of groups (and token ids against ``vocab_size``); return it as a list."""
+def validate_groups(groups, vocab_size: int | None = None, streams: bool = False) -> list[Group]:
+    """Check a list of groups (and token ids against ``vocab_size``); return it as a list. Groups of frames
+    ((K, length) token streams) are refused when ``vocab_size`` is given (a one-stream model's check), and
+    accepted as they are with ``streams=True`` (the caller checks them against its model)."""
     if isinstance(groups, Group):
         raise TypeError("groups is a single Group; expected a list of Group objects. Wrap it: [group].")
     if not isinstance(groups, Sequence) or isinstance(groups, (str, bytes)):
@@ -143,6 +178,12 @@ def validate_groups(groups, vocab_size: int | None = None) -> list[Group]:
         if not isinstance(g, Group):
             raise TypeError(
                 f"groups[{gi}] is a {type(g).__name__}; expected sharedprefix.Group(prompt=..., completions=...)."
+            )
+        if g.streams and vocab_size is not None and not streams:
+            raise ValueError(
+                f"groups[{gi}] holds frames of {g.streams} token streams per position (a prompt of shape "
+                f"{tuple(g.prompt.shape)}), but the model reads one token per position. Pass 1-D token ids "
+                "(frames are for models with several token streams per position, such as MusicGen)."
             )
         if vocab_size is not None:
             for what, ids in [("prompt", g.prompt)] + [(f"completions[{i}]", c) for i, c in enumerate(g.completions)]:

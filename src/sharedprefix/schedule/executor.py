@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from sharedprefix import router
+from sharedprefix import router, streams
 from sharedprefix.attention import indexed, probe
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.interface import PassState, implementation, pass_state, softcap_refusal
@@ -75,8 +75,11 @@ class Executor:
 
     def _setup(self, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations):
         check_supported(self.model)
-        emb = self.model.get_input_embeddings()
-        vocab = min(emb.num_embeddings, self.model.get_output_embeddings().weight.shape[0])
+        # a model with K token streams per position (MusicGen): frames checked, then one frame id per position
+        self.frames = None
+        if streams.num_streams(self.model) > 1:
+            source, self.frames = streams.encode(self.model, source)
+        vocab = None if self.frames else min(streams.embedding_size(self.model), streams.head_vocab(self.model))
         self.source = validate_source(source, vocab)
         if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
@@ -101,7 +104,7 @@ class Executor:
                 "prompt's deferred backward must run inside the root module's call under FSDP2, which only "
                 "'recompute' does. Use prefix_activations='recompute' (or None, which picks it under FSDP2)."
             )
-        self.device = emb.weight.device
+        self.device = streams.head_device(self.model)
         impl = select(backend, self.device)  # an unknown or unavailable backend fails before any computation
         cap = getattr(self.model.config.get_text_config(), "attn_logit_softcapping", None)
         if cap is not None and not impl.SOFTCAP:  # refused here, before any pass (the attention would refuse too)
@@ -143,7 +146,8 @@ class Executor:
                                          **extra)
                 else:
                     dec = decoder(self.model)
-                    with renumbered(self.model, dec, decoder_position_ids(self.model, layout).to(self.device)) as kw:
+                    with renumbered(self.model, dec, decoder_position_ids(self.model, layout).to(self.device)) as kw, \
+                            streams.framed(self.model, dec, self.frames):
                         out = dec(input_ids=layout.input_ids.to(self.device), use_cache=False, **kw)
             hidden = out.last_hidden_state[0]  # (L, d)
             if self.router_logits is not None and tree is self.plan.tree:
@@ -155,8 +159,11 @@ class Executor:
                 sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
                 pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(
                     0, layout.pred_index.to(hidden.device))
-                lp, ent = token_logprobs(self.model, pred, layout.targets.to(hidden.device), self.temperature,
-                                         self.entropy)
+                targets = layout.targets.to(hidden.device)
+                if self.frames is not None:  # (M,) frame ids -> (M, K) codes, one per head; pads add nothing
+                    targets = self.frames.codes(targets)
+                lp, ent = token_logprobs(self.model, pred, targets, self.temperature, self.entropy,
+                                         ignore=streams.pad_id(self.model) if self.frames else None)
                 for s in layout.record:
                     if s in layout.value_slot:
                         a, b = layout.value_slot[s]

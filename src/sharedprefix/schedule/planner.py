@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sharedprefix.layout import frames
 from sharedprefix.layout.groups import validate_groups
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
@@ -142,6 +143,8 @@ def plan(source, max_tokens: int | None = None) -> Plan:
     max_tokens = _check_budget(max_tokens)
     if not isinstance(source, Tree):
         source = validate_groups(source)
+        if any(g.streams for g in source):  # frames (K codes per position): planned as one frame id per position
+            source = frames.encode(source)[0]
         for gi, g in enumerate(source):
             lens = [int(c.numel()) for c in g.completions]
             for i, t in enumerate(lens):

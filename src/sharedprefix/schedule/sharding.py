@@ -14,8 +14,8 @@ from sharedprefix.layout.rows import Tree
 
 def group_cost(g: Group, hidden_equiv: int = 4096) -> float:
     """Estimated cost: tokens, plus attention pairs / ``hidden_equiv`` (pairs cost ~d/12 linear FLOPs)."""
-    p = int(g.prompt.numel())
-    lens = [int(c.numel()) for c in g.completions]
+    p = int(g.prompt.shape[-1])  # positions (a frame of K codes is one)
+    lens = [int(c.shape[-1]) for c in g.completions]
     tokens = p + sum(lens)
     pairs = p * (p + 1) / 2 + sum(t * p + t * (t + 1) / 2 for t in lens)
     return tokens + pairs / hidden_equiv

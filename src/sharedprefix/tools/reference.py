@@ -18,19 +18,30 @@ from sharedprefix.layout.groups import Group
 
 
 def plain_logprobs(model, groups: list[Group], temperature: float = 1.0, entropy: bool = False):
-    """(N, T) log-probs (and entropies) from one plain forward per row; zero on padding."""
+    """(N, T) log-probs (and entropies) from one plain forward per row; zero on padding.
+
+    Groups of (K, length) frames (a model with K token streams, MusicGen): the row is the (K, P + T) codes, the
+    model's logits (K, P + T, V) one row per codebook, and a frame's value the sum over its codebooks of the
+    per-codebook log-prob (entropy), codebooks whose code is ``config.pad_token_id`` left out (``streams``)."""
     rows, ents = [], []
-    T = max(c.numel() for g in groups for c in g.completions)
+    T = max(c.shape[-1] for g in groups for c in g.completions)
     dev = next(model.parameters()).device
+    pad = getattr(model.config.get_text_config(), "pad_token_id", None)
     for g in groups:
         for c in g.completions:
-            ids = torch.cat([g.prompt, c])[None].to(dev)
-            logits = model(input_ids=ids, use_cache=False).logits[0, g.prompt.numel() - 1 : -1]
+            framed = c.dim() == 2
+            ids = torch.cat([g.prompt, c], -1).to(dev)  # (K, P + T) codes, or (P + T,) ids
+            logits = model(input_ids=ids if framed else ids[None], use_cache=False).logits
+            logits = (logits if framed else logits[:1])[:, g.prompt.shape[-1] - 1 : -1]  # (K or 1, T, V)
             dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
             logp = torch.log_softmax(logits.to(dt) / temperature, -1)
-            rows.append(F.pad(logp.gather(-1, c.to(dev)[:, None])[:, 0], (0, T - c.numel())))
+            tgt = c.to(dev) if framed else c.to(dev)[None]
+            keep = tgt.ne(pad) if framed and pad is not None else torch.ones_like(tgt, dtype=torch.bool)
+            tok = logp.gather(-1, tgt.where(keep, 0)[..., None])[..., 0]
+            rows.append(F.pad(torch.where(keep, tok, 0.0).sum(0), (0, T - c.shape[-1])))
             if entropy:
-                ents.append(F.pad(-(logp.exp() * logp).sum(-1), (0, T - c.numel())))
+                ent = torch.where(keep, -(logp.exp() * logp).sum(-1), 0.0).sum(0)
+                ents.append(F.pad(ent, (0, T - c.shape[-1])))
     return torch.stack(rows), (torch.stack(ents) if entropy else None)
 
 

@@ -65,11 +65,13 @@ class VerifyReport:
         return "\n".join(lines + [f"-> {verdict if self.ok else 'NOT EXACT'}"])
 
 
-def _random_groups(vocab: int, seed: int):
+def _random_groups(vocab: int, seed: int, streams: int = 1):
+    """Four random groups of token ids (of (streams, n) frames for a model with several token streams)."""
     from sharedprefix.layout.groups import Group
 
     g = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(0, vocab, (n,), generator=g)  # noqa: E731
+    shape = lambda n: (n,) if streams == 1 else (streams, n)  # noqa: E731
+    ids = lambda n: torch.randint(0, vocab, shape(n), generator=g)  # noqa: E731
     # 183 completion tokens: with 27 (before), the largest error exceeded twice the plain run's on an exact dense
     # model under bfloat16 autocast for 1 seed in 5 (VaultGemma, 2.25x); with these, OPT, Llama, Gemma 2 and
     # VaultGemma in bfloat16 or under autocast stayed at or below 1.43x over 8 seeds each
@@ -98,10 +100,11 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
     from sharedprefix.modeling import unwrap
 
     base = unwrap(model)
-    vocab = base.get_output_embeddings().weight.shape[0]
-    groups = groups if groups is not None else _random_groups(vocab, seed)
-    sizes = [int(g.prompt.numel()) + sum(int(c.numel()) for c in g.completions) for g in groups]
-    split = max_tokens or max(max(int(c.numel()) for g in groups for c in g.completions), max(sizes) // 2)
+    from sharedprefix.streams import head_vocab, num_streams
+
+    groups = groups if groups is not None else _random_groups(head_vocab(base), seed, num_streams(base))
+    sizes = [int(g.prompt.shape[-1]) + sum(int(c.shape[-1]) for c in g.completions) for g in groups]  # positions
+    split = max_tokens or max(max(int(c.shape[-1]) for g in groups for c in g.completions), max(sizes) // 2)
     outs, split_refusal = [], None
     with torch.no_grad():
         try:

@@ -270,8 +270,10 @@ def _float64_norms(model) -> list:
 
 
 def groups(model, seed: int = 0):
-    """The zoo's groups: token ids that are not special tokens of the model's config."""
+    """The zoo's groups: token ids that are not special tokens of the model's config (frames for a model with
+    several token streams per position)."""
     import sharedprefix as sp
+    from sharedprefix import streams
 
     special = set()
     for cfg in _all_configs(model.config):
@@ -280,8 +282,31 @@ def groups(model, seed: int = 0):
                 special.update(x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, int))
     allowed = torch.tensor([t for t in range(VOCAB) if t not in special and t > 2])
     g = torch.Generator().manual_seed(seed)
+    k = streams.num_streams(model)
+    if k > 1:  # frames (MusicGen's codebooks): a BOS frame first, and the delay pattern's pads closing a completion
+        return _frame_groups(model, k, allowed, g)
     ids = lambda n: allowed[torch.randint(0, len(allowed), (n,), generator=g)]  # noqa: E731
     return [sp.Group(ids(p), [ids(t) for t in ts]) for p, ts in LAYOUT]
+
+
+def _frame_groups(model, k: int, allowed, g):
+    """The zoo's groups for a model with ``k`` token streams: (k, length) frames in the ``LAYOUT`` shapes; each
+    prompt opens with a frame of the BOS code, and the first completion ends as MusicGen's delay pattern does
+    (stream i padded over its last i frames), so the pads' exclusion is exercised too."""
+    import sharedprefix as sp
+
+    cfg = model.config.get_text_config()
+    codes = lambda n: allowed[torch.randint(0, len(allowed), (k, n), generator=g)]  # noqa: E731
+    out = []
+    for gi, (p, ts) in enumerate(LAYOUT):
+        prompt = codes(p)
+        prompt[:, 0] = cfg.bos_token_id
+        completions = [codes(t) for t in ts]
+        if gi == 0:
+            for i in range(1, k):
+                completions[0][i, -i:] = cfg.pad_token_id
+        out.append(sp.Group(prompt, completions))
+    return out
 
 
 def _all_configs(cfg) -> list:
