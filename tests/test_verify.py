@@ -127,3 +127,28 @@ def test_verify_does_not_excuse_other_low_precision_errors(monkeypatch, case):
     report = sp.verify(model, max_tokens=10_000)
     assert not report.ok and "NOT EXACT" in str(report)
     assert (report.float64 is not None) == ("MoE" in case)
+
+
+def test_verify_names_the_indexer_tie_caveat_when_a_dsa_model_is_not_exact(monkeypatch):
+    """Not excused, but explained: the indexer's float32 scores tie at its top-k boundary in any layout-dependent
+    order, also on the float64 copy."""
+    from attention.test_indexed import dsa_model
+
+    _perturb_low_precision(monkeypatch, "every token")
+    model = dsa_model().float()
+    monkeypatch.setattr("sharedprefix.attention.indexed.sparse_attention", _moved_sparse(monkeypatch))
+    report = sp.verify(model, max_tokens=10_000)
+    assert not report.ok and "an indexer's top-k keys" in report.choices
+    assert "tie exactly at its top-k boundary" in str(report) and "NOT EXACT" in str(report)
+
+
+def _moved_sparse(monkeypatch):
+    from sharedprefix.attention import indexed
+
+    orig = indexed.sparse_attention
+
+    def moved(q, *a, **k):
+        out = orig(q, *a, **k)
+        return out * 1.01 if out.dtype == torch.float32 else out
+
+    return moved
