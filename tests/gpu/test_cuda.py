@@ -241,3 +241,20 @@ def test_logprobs_and_backward_bf16_within_twice_plain_error(model):
         _bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups).logprobs, arch, **kw)
     for mode in ("keep", "offload", "recompute"):
         _bf16_rule(model64, groups, lambda m, mode=mode: _backward_logprobs(m, groups, mode), arch, **kw)
+
+
+@pytest.mark.parametrize("budget", [None, 256])
+def test_autocast_over_float32_weights_within_twice_plain_error(budget):
+    """Mixed precision as TRL/accelerate run it (float32 weights, CUDA autocast to bf16): the attention casts q/k/v as
+    autocast casts the plain SDPA; log-probs within twice the plain autocast run's error against float64."""
+    model64 = tiny_model("qwen3", dtype=torch.float64, head_dim=128)
+    groups = random_groups(4, 3, [300, 7, 180], [[120, 3, 90, 9], [20], [5, 50, 5, 1, 160]])
+    model32 = tiny_model("qwen3", dtype=torch.float32, head_dim=128).cuda()
+    model32.load_state_dict({k: v.float() for k, v in model64.state_dict().items()})
+    exact, _ = plain_logprobs(model64, groups)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        plain = plain_logprobs(model32, groups)[0]
+        ours = sp.logprobs(model32, groups, max_tokens=budget).logprobs
+    plain_err = (plain.double().cpu() - exact).abs().max()
+    assert 1e-4 < plain_err  # autocast really ran in bf16
+    assert (ours.double().cpu() - exact).abs().max() <= 2 * plain_err + 1e-6
