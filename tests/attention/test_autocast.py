@@ -55,3 +55,21 @@ def test_without_the_cast_the_kernels_get_mixed_dtypes(monkeypatch):
     monkeypatch.setattr(interface, "autocast_device", lambda t: None)
     with _autocast(), torch.no_grad(), pytest.raises(RuntimeError):
         sp.logprobs(model, GROUPS)
+
+
+@pytest.mark.parametrize("budget", [None, 12])
+def test_a_float64_model_under_autocast_stays_float64(budget):
+    """Autocast casts no float64 tensor (a float64 model, or sp.verify's float64 copy, run inside a bf16=True training
+    step runs in float64): neither does the shared-prefix attention (it cast them and crashed in o_proj)."""
+    model = tiny_model("llama")  # float64
+    w = torch.randn(5, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref = plain_logprobs(model, GROUPS)[0].detach()
+    want = grads_of(model, lambda: (plain_logprobs(model, GROUPS)[0] * w).sum())
+    with _autocast():
+        with torch.no_grad():
+            assert (plain_logprobs(model, GROUPS)[0] - ref).abs().max() == 0  # autocast leaves the plain run alone
+            out = sp.logprobs(model, GROUPS, max_tokens=budget).logprobs
+        got = grads_of(model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum(),
+                                                 max_tokens=budget) and None)
+    assert (out - ref).abs().max() <= 1e-9
+    assert _grad_error(got, want) <= 1e-9

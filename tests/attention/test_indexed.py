@@ -288,3 +288,21 @@ def test_a_budget_that_splits_is_refused_when_no_indexer_is_reachable(monkeypatc
     with torch.no_grad():
         out = sp.logprobs(model, GROUPS)
     assert (out.logprobs - plain_logprobs(model, GROUPS)[0]).abs().max() <= 1e-9
+
+
+def test_a_nested_call_on_the_same_model_exact():
+    """A sharedprefix call inside another on the same model (a loss_fn that computes reference log-probs with the
+    policy itself, e.g. PEFT with the adapter off): the outer call's indexer hooks are still installed, and the inner
+    call's must take the outer's stand-in for the same pass rather than refuse it as a user's cache."""
+    ref = plain_logprobs(MODEL, GROUPS)[0].detach()
+    inner = []
+
+    def loss_fn(b):
+        with torch.no_grad():
+            inner.append(sp.logprobs(MODEL, GROUPS, max_tokens=12).logprobs)
+        return b.logprobs.sum()
+
+    sp.backward(MODEL, GROUPS, loss_fn, max_tokens=12)
+    MODEL.zero_grad(set_to_none=True)
+    assert inner and all((lp - ref).abs().max() <= 1e-9 for lp in inner)
+    assert all(not ix._forward_pre_hooks for ix in indexed.indexers(MODEL))

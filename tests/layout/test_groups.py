@@ -22,6 +22,9 @@ def test_group_accepts_lists_and_tensors_and_keeps_order():
         ([1], [[1, "a"]], TypeError, r"completions\[0\]\[1\] is 'a'"),
         (torch.tensor([1.0]), [[1]], TypeError, "dtype torch.float32"),
         (torch.tensor([[1, 2]]), [[1]], ValueError, r"shape \(1, 2\)"),
+        # a tokenizer's (1, P) input_ids, completions alike: a batch dimension, not one stream of frames
+        (torch.tensor([[1, 2]]), [torch.tensor([[3]])], ValueError, r"prompt has shape \(1, 2\); .*without a batch"),
+        ([[1, 2]], [[[3]]], ValueError, r"prompt has shape \(1, 2\); .*without a batch"),
         ("hello", [[1]], TypeError, "Tokenize text"),
         ([1], torch.tensor([[1, 2]]), TypeError, "completions is a Tensor"),
     ],
@@ -29,6 +32,13 @@ def test_group_accepts_lists_and_tensors_and_keeps_order():
 def test_group_validation_messages(prompt, completions, err, match):
     with pytest.raises(err, match=match):
         sp.Group(prompt, completions)
+
+
+def test_a_list_of_scalar_tensors_is_token_ids():
+    """``list(ids)`` of a 1-D tensor: 0-d integer tensors are token ids (as numpy scalars are), not token streams."""
+    ids = torch.tensor([3, 1, 2])
+    g = sp.Group(list(ids), [list(torch.tensor([5, 4])), [7]])
+    assert g.prompt.tolist() == [3, 1, 2] and g.completions[0].tolist() == [5, 4] and g.streams is None
 
 
 def test_ids_outside_vocabulary_name_group_and_value():

@@ -142,6 +142,8 @@ def key_hooks(model: torch.nn.Module, current) -> list:
             if state is None:
                 return None
             given = args[pos] if pos < len(args) else kwargs.get(name)
+            if isinstance(given, IndexerKeys):  # a nested sharedprefix call's hook ran first: the same pass
+                return None
             if given is not None:
                 raise ValueError(
                     f"{type(module).__name__} got a cache ({type(given).__name__}) inside a sharedprefix pass; "

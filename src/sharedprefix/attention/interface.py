@@ -107,9 +107,9 @@ def shared_prefix_attention(
             "Set the model's attention_dropout to 0.0 (RL fine-tuning normally does) or call model.eval()."
         )
     amp = autocast_device(query)
-    if amp is not None:  # as autocast casts the plain run's scaled_dot_product_attention
+    if amp is not None:  # as autocast casts the plain run's scaled_dot_product_attention: float64 it leaves alone
         dt = torch.get_autocast_dtype(amp)
-        query, key, value = query.to(dt), key.to(dt), value.to(dt)
+        query, key, value = (t if t.dtype == torch.float64 else t.to(dt) for t in (query, key, value))
     impl = kernels.select(state.backend, query.device, query.dtype)
     if softcap is not None:
         softcap = float(softcap)

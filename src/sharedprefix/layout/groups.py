@@ -21,8 +21,9 @@ def _as_ids(value, what: str) -> torch.Tensor:
     (K, length) integer tensor (frames: one code per stream and position) into a (K, length) one."""
     frames = isinstance(value, torch.Tensor) and value.dim() == 2
     if not frames and not isinstance(value, (torch.Tensor, str, bytes)) and isinstance(value, Sequence) and value:
-        frames = all(isinstance(v, torch.Tensor) or (isinstance(v, Sequence) and not isinstance(v, (str, bytes)))
-                     for v in value)
+        # a 0-d integer tensor is one token id (``list(ids)`` of a 1-D tensor), not a stream
+        frames = all((isinstance(v, torch.Tensor) and v.dim() > 0)
+                     or (isinstance(v, Sequence) and not isinstance(v, (str, bytes))) for v in value)
     if frames:
         rows = value.unbind(0) if isinstance(value, torch.Tensor) else value
         out = [_as_ids(r, f"{what}[{k}]") for k, r in enumerate(rows)]
@@ -33,6 +34,11 @@ def _as_ids(value, what: str) -> torch.Tensor:
             raise ValueError(
                 f"{what} holds {len(out)} token streams of lengths {lens}; expected K streams of one length (a frame "
                 "of K codes per position, e.g. MusicGen's K codebooks after its delay pattern)."
+            )
+        if len(out) == 1:  # one stream: a batch dimension (a tokenizer's (1, P) input_ids), not frames
+            raise ValueError(
+                f"{what} has shape (1, {lens[0]}); expected 1-D token ids (frames need K >= 2 token streams). Pass one "
+                "sequence per prompt or completion, without a batch dimension (e.g. input_ids[0])."
             )
         return torch.stack(out)
     if isinstance(value, torch.Tensor):
