@@ -253,7 +253,10 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
             hidden = mod(hidden)
         return hidden
     out = model.get_output_embeddings()
-    logits = torch.stack([h(hidden) for h in out]) if isinstance(out, torch.nn.ModuleList) else out(hidden)
+    if isinstance(out, torch.nn.ModuleList):  # one head per stream; a single stream is an ordinary head
+        logits = torch.stack([h(hidden) for h in out]) if len(out) > 1 else out[0](hidden)
+    else:
+        logits = out(hidden)
     cfg = text_config(model)
     cap = getattr(cfg, "final_logit_softcapping", None)
     scaling = getattr(cfg, "logits_scaling", None)

@@ -283,3 +283,12 @@ def test_layerdrop_in_training_is_refused():
     model.model.decoder.layerdrop = 0.5  # MusicGen skips layers by Python's random.uniform, one draw per forward
     model.train()
     _refused(model, [_groups(model)[1]], r"training mode with layerdrop=0.5")
+
+
+def test_one_codebook_is_an_ordinary_token_stream():
+    """num_codebooks=1: one embedding and one head in lists of one; its rows are ordinary token ids (1-D groups), exact
+    in one pass and split, log-probs and gradients."""
+    model = _model(num_codebooks=1)
+    assert streams.num_streams(model) == 1
+    groups = [sp.Group([5, 6, 7, 8, 9, 10], [[1, 2, 3], [4, 5]]), sp.Group([3, 4], [[9, 9, 9, 9]])]
+    assert_matches_plain_rows(model, groups, budget=5)

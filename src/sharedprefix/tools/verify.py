@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -61,7 +62,9 @@ class VerifyReport:
                 "roundings (the plain run's against float64 too) and move that token's log-prob by more than "
                 f"rounding: {self.beyond} token(s) beyond twice the plain error (at most {FLIPPED_SHARE:.0%} may be); "
                 f"on the float64 copy sharedprefix's error is {self.float64:.2e} (at most {FLOAT64_TOL:.0e})")
-            verdict = "exact on the float64 copy; the low-precision differences are flipped discrete choices"
+            verdict = ("exact on the float64 copy; in low precision the few tokens beyond the 2x rule are taken for "
+                       "flipped discrete choices, which verify does not check token by token: if the same model fails "
+                       "again with other seeds (--seed), report it")
             if not self.ok and "indexer" in (self.choices or ""):
                 lines.append(
                     "an indexer scores keys in float32 even on the float64 copy, and keys whose index scores tie "
@@ -133,8 +136,8 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
     plain_err = float((plain - exact).abs().max())
     checks = [(b, float((o - exact).abs().max()), plain_err) for b, o in outs]
     ok = all(ours <= 2 * pl + 1e-12 for _, ours, pl in checks)
-    choices, float64, beyond = (discrete_choices(base) if not ok and next(base.parameters()).dtype != torch.float64
-                                else None), None, None
+    low = next(base.parameters()).dtype != torch.float64
+    choices, float64, beyond = (discrete_choices(base) if not ok and low else None), None, None
     if choices:  # a second opinion: the same algorithm on the float64 copy, where near-ties do not flip
         with torch.no_grad():
             float64 = max(float((sp.logprobs(ref_model, groups, max_tokens=b).logprobs.double().cpu() - exact)
@@ -149,7 +152,10 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
 
 
 FLOAT64_TOL = 1e-5  # |delta log-prob| of the float64 copy (routers and indexers score in float32 even there)
-FLIPPED_SHARE = 0.1  # at most this share of the tokens beyond twice the plain error, for flipped choices
+# At most this share of the tokens (and at least one) beyond twice the plain error, for flipped choices: 40 runs of 5
+# tiny MoE models in bfloat16 (8 seeds each) flipped one token once; a bug confined to the first token of each
+# completion (12 of the default 183) is not excused.
+FLIPPED_SHARE = 0.02
 
 
 def discrete_choices(model) -> str | None:
@@ -160,7 +166,9 @@ def discrete_choices(model) -> str | None:
     from sharedprefix.attention import indexed, interface
 
     out = []
-    if any(k in type(m).__name__.lower() for m in model.modules() for k in ("expert", "router", "moe")):
+    names = [type(m).__name__.lower() for m in model.modules()]
+    # the modules of a routed layer (not every class of a MoE family: a tiny config may hold dense layers only)
+    if any("experts" in n or "router" in n or n.endswith(("moe", "moeblock", "moelayer")) for n in names):
         out.append("top-k expert routing")
     if indexed.is_indexed(interface._configs(model)):
         out.append("an indexer's top-k keys")
@@ -186,3 +194,5 @@ def self_check(model, groups) -> None:
             f"{type(base).__name__} on this batch:\n{report}\nDo not train with sharedprefix on this model; please "
             "report it with the model's config."
         )
+    if report.float64 is not None:  # passed on the float64 copy's second opinion: said, not silent
+        warnings.warn(f"SHAREDPREFIX_SELF_CHECK on {type(base).__name__}:\n{report}", stacklevel=3)
