@@ -72,6 +72,11 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
             m = m.module
         else:
             break
+    if hasattr(m, "_orig_mod"):  # torch.compile's OptimizedModule
+        raise TypeError(
+            f"model is a torch.compile wrapper ({type(m).__name__}); sharedprefix runs the model's decoder and head "
+            "itself, so a compiled forward would not be used. Pass the uncompiled model (model._orig_mod)."
+        )
     raise TypeError(
         f"model is a {type(model).__name__}; expected a transformers causal LM (a PreTrainedModel with an LM head), "
         "optionally wrapped by PEFT or DistributedDataParallel."
