@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.worker import full_grads, nan_on_second_pass, report_outcome  # noqa: E402
+from distributed.worker import full_grads, nan_on_second_pass, report_outcome, shard_of  # noqa: E402
 from models.test_hybrid import groups_of, model_of  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
@@ -27,16 +27,6 @@ def weights(groups):
     return torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
 
 
-def share(rank, world):
-    groups = groups_of()
-    mine = sp.shard_groups(groups, rank, world)
-    starts, n = {}, 0
-    for g in groups:
-        starts[id(g)] = n
-        n += g.group_size
-    return mine, torch.tensor([starts[id(g)] + i for g in mine for i in range(g.group_size)])
-
-
 def main(kind, out):
     import faulthandler
 
@@ -44,7 +34,7 @@ def main(kind, out):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    mine, gidx = share(rank, world)
+    mine, gidx = shard_of(groups_of(), rank, world)
     W = weights(groups_of())
     model = torch.nn.parallel.DistributedDataParallel(model_of("lfm2"))
 

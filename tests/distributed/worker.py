@@ -62,7 +62,11 @@ def loss_fn_for(groups, gidx):
 
 def my_share(rank, world):
     """This rank's groups and the global completion index of each of their completions."""
-    groups, _ = groups_and_weights()
+    return shard_of(groups_and_weights()[0], rank, world)
+
+
+def shard_of(groups, rank, world):
+    """This rank's share of ``groups`` and the global completion index of each of their completions."""
     mine = sp.shard_groups(groups, rank, world)
     starts, n = {}, 0
     for g in groups:
