@@ -142,15 +142,7 @@ def test_deepseek_v32_prefix_tree_exact(budget):
     tree = sp.Tree.from_rows(TRIE_ROWS)
     segs = SegmentTree.from_trie(list(tree.rows), list(tree.trained))
     assert max(len(segs.ancestors(s.id)) for s in segs.segments) == 3
-    ref = _plain_rows(MODEL, TRIE_ROWS).detach()
-    with torch.no_grad():
-        out = sp.logprobs(MODEL, tree, max_tokens=budget)
-    assert (out.logprobs - ref).abs().max() <= 1e-9
-    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    want = grads_of(MODEL, lambda: (_plain_rows(MODEL, TRIE_ROWS) * w).sum())
-    got = grads_of(MODEL, lambda: sp.backward(MODEL, tree, lambda b: (b.logprobs * w[b.index]).sum(),
-                                             max_tokens=budget) and None)
-    assert_grads_close(got, want, 1e-9)
+    assert_matches_plain_rows(MODEL, tree, budget=budget, plain=lambda m, _: _plain_rows(m, TRIE_ROWS))
 
 
 @pytest.mark.parametrize("budget", [None, 12])
