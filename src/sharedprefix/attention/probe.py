@@ -29,6 +29,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from sharedprefix import streams
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 
 NAME = "sharedprefix_probe"
@@ -168,9 +169,8 @@ def probe(model, decoder, expected_layers: int) -> dict:
     smalls = {small: (cfg, k) for cfg, k, small in settings}
     n = 3 * (3 * len(settings) + 3) + 1
     device = next(model.parameters()).device
-    emb = model.get_input_embeddings()  # one per token stream for MusicGen (the ids run as frames of one code)
-    vocab = min(e.weight.shape[0] for e in (emb if isinstance(emb, torch.nn.ModuleList) else [emb]))
-    ids = (torch.arange(n, device=device) * 7 + 3).remainder(vocab)[None]
+    # one embedding per token stream for MusicGen (the ids run as frames of one code)
+    ids = (torch.arange(n, device=device) * 7 + 3).remainder(streams.embedding_size(model))[None]
     _LOG.append({})
     try:
         with _probing(configs, settings), torch.no_grad():

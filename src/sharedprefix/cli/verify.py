@@ -38,7 +38,7 @@ def _own_model(args) -> int:
 
     import sharedprefix as sp
     from sharedprefix.tools.reference import plain_logprobs
-    from sharedprefix.tools.verify import _random_groups
+    from sharedprefix.tools.verify import default_groups
 
     model = tf.AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype="auto")
     model = model.to(args.device).eval()
@@ -46,9 +46,7 @@ def _own_model(args) -> int:
     print(f"{type(model).__name__} ({model.dtype}, {args.device}):")
     print(report)
     if report.ok:
-        from sharedprefix.streams import head_vocab, num_streams
-
-        groups = _random_groups(head_vocab(model), args.seed, num_streams(model))
+        groups = default_groups(model, args.seed)
         with torch.no_grad():
             times = []
             for fn in (lambda: plain_logprobs(model, groups), lambda: sp.logprobs(model, groups)):

@@ -91,6 +91,13 @@ def _random_groups(vocab: int, seed: int, streams: int = 1):
             Group(ids(24), [ids(30), ids(5)]), Group(ids(2), [ids(18), ids(18), ids(18)])]
 
 
+def default_groups(model, seed: int = 0):
+    """The random groups verify checks ``model`` on when given none (frames for a model with several streams)."""
+    from sharedprefix.streams import head_vocab, num_streams
+
+    return _random_groups(head_vocab(model), seed, num_streams(model))
+
+
 def _plain(model, groups) -> torch.Tensor:
     from sharedprefix.modeling import unwrap
     from sharedprefix.tools.reference import plain_logprobs
@@ -112,9 +119,7 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
     from sharedprefix.modeling import unwrap
 
     base = unwrap(model)
-    from sharedprefix.streams import head_vocab, num_streams
-
-    groups = groups if groups is not None else _random_groups(head_vocab(base), seed, num_streams(base))
+    groups = groups if groups is not None else default_groups(base, seed)
     sizes = [int(g.prompt.shape[-1]) + sum(int(c.shape[-1]) for c in g.completions) for g in groups]  # positions
     split = max_tokens or max(max(int(c.shape[-1]) for g in groups for c in g.completions), max(sizes) // 2)
     outs, split_refusal = [], None
