@@ -111,7 +111,7 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
     """Check sharedprefix against the plain forward on ``model`` (see the module docstring).
 
     Args:
-        groups: the groups to check on (default: two random groups sized to the model's vocabulary).
+        groups: the groups to check on (default: ``default_groups``, four random groups sized to the model's vocabulary).
         max_tokens: the budget of the split check (default: half the longest group, so a group splits).
     """
     import sharedprefix as sp
