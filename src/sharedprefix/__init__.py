@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "Batch": "sharedprefix.schedule.runner",
-    "BackwardResult": "sharedprefix.schedule.runner",
+    "Batch": "sharedprefix.api",
+    "BackwardResult": "sharedprefix.api",
     "Group": "sharedprefix.layout.groups",
     "Tree": "sharedprefix.layout.rows",
-    "LogProbs": "sharedprefix.schedule.runner",
+    "LogProbs": "sharedprefix.api",
     "Plan": "sharedprefix.schedule.planner",
-    "backward": "sharedprefix.schedule.runner",
-    "logprobs": "sharedprefix.schedule.runner",
+    "backward": "sharedprefix.api",
+    "logprobs": "sharedprefix.api",
     "plan": "sharedprefix.schedule.planner",
-    "shard_groups": "sharedprefix.schedule.sharding",
+    "shard_groups": "sharedprefix.parallel.sharding",
     "verify": "sharedprefix.tools.verify",
     "VerifyReport": "sharedprefix.tools.verify",
 }
@@ -34,6 +34,8 @@ __all__ = ["Batch", "BackwardResult", "Group", "LogProbs", "Plan", "Tree", "Veri
 
 def __getattr__(name: str):
     if name in _PUBLIC:
+        if _PUBLIC[name] == "sharedprefix.api":  # the public calls come with the checks ``tools`` registers
+            importlib.import_module("sharedprefix.tools.verify")
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value
         return value
@@ -50,9 +52,9 @@ def __dir__():
 
 
 if TYPE_CHECKING:
+    from sharedprefix.api import BackwardResult, Batch, LogProbs, backward, logprobs
     from sharedprefix.layout.groups import Group
     from sharedprefix.layout.rows import Tree
+    from sharedprefix.parallel.sharding import shard_groups
     from sharedprefix.schedule.planner import Plan, plan
-    from sharedprefix.schedule.runner import BackwardResult, Batch, LogProbs, backward, logprobs
-    from sharedprefix.schedule.sharding import shard_groups
     from sharedprefix.tools.verify import VerifyReport, verify

@@ -1,5 +1,7 @@
 """The attention primitive and the cascade over the tree, against explicit float64 attention."""
 
+import inspect
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -98,8 +100,8 @@ def test_primitive_forward_and_backward_match_explicit_attention(impl, heads, di
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_softcapped_primitive_matches_explicit_attention(impl, dims, case, monkeypatch):
     """Soft-capped scores (Gemma 2): tiles of 4 queries and blocks of 3 keys, so that the CPU path merges blocks."""
-    monkeypatch.setattr(kernels, "TILE", 4)
-    monkeypatch.setattr(kernels, "KEY_BLOCK", 3)
+    monkeypatch.setattr(kernels.cpu, "TILE", 4)
+    monkeypatch.setattr(kernels.cpu, "KEY_BLOCK", 3)
     lq, lk, causal, window = CASES[case]
     q, k, v = _qkv(2, sum(lq), sum(lk), 4, 2, *dims)
     q = q * 4  # scores of several units, where tanh(s / 1.5) caps visibly
@@ -280,3 +282,14 @@ def test_a_row_without_any_key_gets_no_nan_in_backward():
         assert torch.isneginf(lse[2]).all() and (out[2] == 0).all()
         grads = impl.backward(torch.ones_like(out), q, k, v, out, lse, cu_q, cu_k, 2, 2, False, None, 0.5)
         assert all(torch.isfinite(g).all() for g in grads) and (grads[0][2] == 0).all()
+
+
+@pytest.mark.parametrize("name", sorted(kernels.IMPLEMENTATIONS))
+def test_every_backend_takes_the_contracts_arguments_in_order(name):
+    impl = kernels.IMPLEMENTATIONS[name]
+    assert isinstance(impl.name, str) and isinstance(impl.SOFTCAP, bool)
+    for fn in ("forward", "backward"):
+        want = list(inspect.signature(getattr(kernels.AttentionKernel, fn)).parameters)
+        got = list(inspect.signature(getattr(impl, fn)).parameters)
+        assert got[: len(want)] == want, (name, fn, got)
+        assert all(p in ("softcap",) for p in got[len(want):]), (name, fn, got)

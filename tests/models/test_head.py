@@ -3,7 +3,7 @@
 import torch
 
 from helpers import tiny_model
-from sharedprefix.head import token_logprobs
+from sharedprefix.model.head import token_logprobs
 
 
 def test_chunked_head_matches_one_chunk():

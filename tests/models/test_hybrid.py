@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import sharedprefix as sp
-from sharedprefix.modeling import HYBRID_MODEL_TYPES
+from sharedprefix.model.support import HYBRID_MODEL_TYPES
 from sharedprefix.schedule import hybrid
 from sharedprefix.tools.reference import Float64Inside, plain_logprobs
 from sharedprefix.tools.zoo.configs import _float64_norms
@@ -217,7 +217,7 @@ def test_mamba1_families_stay_refused_because_their_scan_ignores_the_prompts_sta
     """Mamba (v1) layers (Mamba, Falcon-Mamba, Jamba, Zamba) are refused with the reason, and the reason is real: put
     on the hybrid path anyway, their completions start from a zero recurrent state (the model's own multi-token scan
     takes no initial state) and the log-probs are far from the plain run's."""
-    from sharedprefix import modeling
+    from sharedprefix.model import support as modeling
 
     model = zoo_model(entry)
     assert model.config.model_type in modeling.HYBRID_REFUSED and model.config.model_type not in HYBRID_MODEL_TYPES
@@ -234,7 +234,7 @@ def test_mamba1_families_stay_refused_because_their_scan_ignores_the_prompts_sta
 def test_recurrent_gemma_stays_refused_with_its_reason(monkeypatch):
     """RecurrentGemma keeps its states on its modules, outside the cache: refused with the reason; put on the hybrid
     path anyway, the prompt's cache holds no state for its recurrent layers and the path refuses it there too."""
-    from sharedprefix import modeling
+    from sharedprefix.model import support as modeling
 
     model = zoo_model("recurrent_gemma")
     with pytest.raises(ValueError, match="mix tokens outside attention.*keeps its convolution and recurrent states on "
@@ -295,7 +295,7 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
     ``sp.backward``'s gradient to a relative 1e-9 (in the three prefix modes for ``ALL_MODES``), and every kind of
     state the cache carries (K/V where the model has attention layers, conv, recurrent) matters: zeroed, the
     log-probs move far beyond the tolerance."""
-    from sharedprefix.modeling import ATTENTION_LAYER_TYPES
+    from sharedprefix.model.adapter import ATTENTION_LAYER_TYPES
     model = zoo_model(entry)
     assert model.config.model_type in HYBRID_MODEL_TYPES
     gs = groups_of()

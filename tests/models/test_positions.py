@@ -2,7 +2,7 @@
 
 RoBERTa's decoder numbers a row itself when given no position ids: padding index + 1 + the count of non-padding
 tokens so far, and the padding index on a padding token. sharedprefix gives each token of the packed row the
-number its own plain row gives it (``modeling.decoder_position_ids``). The groups here hold the padding token (0)
+number its own plain row gives it (``model.checks.decoder_position_ids``). The groups here hold the padding token (0)
 in a prompt and in a completion, where the plain numbering stops counting.
 """
 
@@ -12,7 +12,7 @@ import transformers as tf
 
 import sharedprefix as sp
 from helpers import VOCAB, assert_matches_plain_rows, plain_logprobs
-from sharedprefix import modeling
+from sharedprefix.model import checks as modeling
 from sharedprefix.schedule import executor
 
 PAD = 0

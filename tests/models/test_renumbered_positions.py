@@ -14,7 +14,7 @@ import transformers as tf
 
 import sharedprefix as sp
 from helpers import VOCAB, assert_matches_plain_rows, plain_logprobs
-from sharedprefix import positions
+from sharedprefix.model import positions
 
 _SIZES = dict(vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=48,
               encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=48, max_position_embeddings=64,

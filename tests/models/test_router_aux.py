@@ -10,7 +10,7 @@ import torch
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups
-from sharedprefix import router
+from sharedprefix.model import router
 from sharedprefix.tools.zoo.checks import plain_aux_loss
 from sharedprefix.tools.zoo.configs import build
 

@@ -1,7 +1,7 @@
 """Models with K token streams per position (MusicGen's audio codebooks): exact on groups of frames.
 
 A group holds a (K, P) prompt and (K, T) completions; the log-prob of a completion frame is the sum over codebooks
-of log p_k(code_k), codebooks whose code is the delay pattern's pad left out (``sharedprefix.streams``). Held to a
+of log p_k(code_k), codebooks whose code is the delay pattern's pad left out (``sharedprefix.model.streams``). Held to a
 plain ``MusicgenForCausalLM`` forward of each (K, P + T) row of codes, written here with the per-codebook cross
 entropy MusicGen's own loss uses (``ignore_index`` = pad), in float64: log-probs to 1e-9, gradients to a relative
 1e-9, in one pass, under budgets that split a group (every prefix_activations mode) and a long prompt in chunks.
@@ -16,8 +16,8 @@ import transformers as tf
 
 import sharedprefix as sp
 from helpers import assert_matches_plain_rows, grads_of, tiny_model
-from sharedprefix import positions, streams
 from sharedprefix.layout import frames
+from sharedprefix.model import positions, streams
 from sharedprefix.tools.reference import plain_logprobs
 from sharedprefix.tools.zoo.configs import tiny_config
 
@@ -163,7 +163,7 @@ def test_control_one_codebook_dropped(monkeypatch):
 
 
 def test_control_one_codebook_dropped_in_the_head_only(monkeypatch):
-    from sharedprefix import head
+    from sharedprefix.model import head
 
     model = _model()
     groups = _groups(model)

@@ -137,7 +137,7 @@ def test_zoo_catches_chunks_that_are_not_applied(monkeypatch):
 
 
 def test_zoo_catches_a_load_balancing_loss_that_counts_a_shared_prompt_once(monkeypatch):
-    from sharedprefix import router
+    from sharedprefix.model import router
 
     own = router.multiplicity
     monkeypatch.setattr(router, "multiplicity", lambda layout: own(layout) * 0 + 1)

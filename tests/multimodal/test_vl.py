@@ -236,7 +236,7 @@ def test_gemma3_blocks_change_the_result():
     model = _gemma3(64)
     groups = GEMMA3_GROUPS()[:2]
     ref = _plain_gemma3(model, groups)
-    from sharedprefix import multimodal
+    from sharedprefix.model import multimodal
     orig = multimodal.Multimodal.row_blocks
     multimodal.Multimodal.row_blocks = lambda self, layout: []
     try:

@@ -29,8 +29,8 @@ import torch
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from sharedprefix import streams
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
+from sharedprefix.model import streams
 
 NAME = "sharedprefix_probe"
 # not max_window_layers, nor Doge's keep_window_size (a top-k count of its dynamic mask, not a window)

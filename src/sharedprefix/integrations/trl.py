@@ -34,8 +34,9 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 import sharedprefix as sp
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
-from sharedprefix.modeling import is_hybrid, unwrap
-from sharedprefix.schedule.runner import PREFIX_MODES
+from sharedprefix.model.adapter import unwrap
+from sharedprefix.model.support import is_hybrid
+from sharedprefix.schedule.results import PREFIX_MODES
 
 __all__ = ["SharedPrefixGRPOConfig", "SharedPrefixGRPOTrainer", "tree_rows"]
 

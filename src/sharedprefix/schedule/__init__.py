@@ -1,7 +1,6 @@
-"""Planning passes under a token budget, the prefix K/V cache, and running forward/backward."""
+"""Planning passes under a token budget, the prefix K/V cache, and running forward/backward over a plan."""
 
 from sharedprefix.schedule.planner import Pass, Plan, PrefixBackward, plan
-from sharedprefix.schedule.runner import BackwardResult, Batch, LogProbs, backward, logprobs
-from sharedprefix.schedule.sharding import shard_groups
+from sharedprefix.schedule.results import BackwardResult, Batch, LogProbs
 
-__all__ = ["Batch", "BackwardResult", "LogProbs", "Pass", "Plan", "PrefixBackward", "backward", "logprobs", "plan", "shard_groups"]
+__all__ = ["Batch", "BackwardResult", "LogProbs", "Pass", "Plan", "PrefixBackward", "plan"]

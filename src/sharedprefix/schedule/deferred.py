@@ -31,22 +31,22 @@ class _Deferred(torch.autograd.Function):
                 loss = loss + (b.entropy * w_ent[b.index].to(b.entropy.dtype)).sum()
             return loss
 
-        from sharedprefix.schedule.runner import backward  # the public call; it imports this module
-
         with torch.enable_grad(), torch.autocast(**spec["autocast"]):
-            backward(spec["model"], spec["groups"], loss_fn, max_tokens=spec["max_tokens"], temperature=spec["temperature"],
+            spec["backward"](spec["model"], spec["groups"], loss_fn, max_tokens=spec["max_tokens"], temperature=spec["temperature"],
                      entropy=w_ent is not None, backend=spec["backend"], prefix_activations=spec["mode"],
                      grad_reduction=spec["reduction"])
         return None, None, None, None
 
 
-def defer_logprobs(model, groups, out: LogProbs, temperature, max_tokens, backend, mode, reduction) -> LogProbs:
-    """``out``'s values, computed without a graph, as outputs whose backward runs ``sp.backward`` under the budget
-    with the incoming per-token gradients as a linear loss (exact by the chain rule)."""
+def defer_logprobs(backward, model, groups, out: LogProbs, temperature, max_tokens, backend, mode,
+                   reduction) -> LogProbs:
+    """``out``'s values, computed without a graph, as outputs whose backward runs ``backward`` (``sp.backward``,
+    passed in by the public call) under the budget with the incoming per-token gradients as a linear loss (exact by
+    the chain rule)."""
     if mode not in PREFIX_MODES:
         raise ValueError(f"prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
     dev = out.logprobs.device.type
-    spec = dict(model=model, groups=groups, temperature=temperature, max_tokens=max_tokens, backend=backend, mode=mode,
+    spec = dict(backward=backward, model=model, groups=groups, temperature=temperature, max_tokens=max_tokens, backend=backend, mode=mode,
                 reduction=reduction,
                 entropy=out.entropy is not None,
                 autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)))

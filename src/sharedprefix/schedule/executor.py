@@ -12,31 +12,24 @@ import math
 
 import torch
 
-from sharedprefix import router, streams
 from sharedprefix.attention import indexed, probe
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
-from sharedprefix.attention.interface import PassState, implementation, pass_state, softcap_refusal
+from sharedprefix.attention.interface import PassState, implementation, pass_state
 from sharedprefix.attention.kernels import select
-from sharedprefix.head import token_logprobs
+from sharedprefix.attention.layers import softcap_refusal
 from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
-from sharedprefix.modeling import (
-    check_supported,
-    decoder,
-    decoder_position_ids,
-    head_logits,
-    num_attention_layers,
-    unwrap,
-    uses_checkpointing,
-    uses_reentrant_checkpointing,
-    verify_head,
-)
-from sharedprefix.multimodal import Multimodal, check_prompt_fits
-from sharedprefix.positions import renumbered
+from sharedprefix.model import router, streams
+from sharedprefix.model.adapter import decoder, head_logits, num_attention_layers, unwrap, uses_checkpointing, uses_reentrant_checkpointing
+from sharedprefix.model.checks import decoder_position_ids, verify_head
+from sharedprefix.model.head import token_logprobs
+from sharedprefix.model.multimodal import Multimodal, check_prompt_fits
+from sharedprefix.model.positions import renumbered
+from sharedprefix.model.support import check_supported
+from sharedprefix.parallel.strategy import detect
 from sharedprefix.schedule.cache import PrefixCache
-from sharedprefix.schedule.parallel import detect
 from sharedprefix.schedule.planner import Pass, Plan, plan
 
 
@@ -45,7 +38,7 @@ class Executor:
         self.model = unwrap(model)
         self.par = detect(model, self.model)
         self.par.start()
-        self.last = None  # (state, result) of the latest pass whose forward completed (see ``rounds.run_rounds``)
+        self.last = None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
         error = None
         try:
             self._setup(source, max_tokens, backend, temperature, entropy, leaves, prefix_activations)
@@ -131,6 +124,7 @@ class Executor:
         surrogate loss (see ``PrefixCache.surrogate``), computed inside the same call.
         """
         tree = tree or self.plan.tree
+        self.last = None
         layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record, step.rows)
         if self.mm is not None and tree is self.plan.tree:
             layout.blocks = self.mm.row_blocks(layout)
@@ -202,6 +196,28 @@ class Executor:
         idx, mask = layout.out_index.to(src.device), layout.out_mask.to(src.device)
         rows = src.index_select(0, idx.reshape(-1)).view(n, w)
         return torch.where(mask, rows, torch.zeros((), dtype=src.dtype, device=src.device))
+
+    def begin_round(self) -> None:
+        """Forget the latest pass: ``finish_failed_round`` then knows whether the next round's forward ran."""
+        self.last = None
+
+    def recoverable(self) -> bool:
+        """Whether an error outside the collectives lets this rank finish the call as dummy rounds (FSDP2 with
+        several ranks and an intact process group) instead of raising at once."""
+        return self.par.fsdp and self.par.world_size > 1 and not self.par.broken
+
+    def finish_failed_round(self, grad: bool, dummy: bool = True) -> None:
+        """After an error outside the collectives of a round: run the collectives the other ranks still run in it.
+        ``grad``: the round has a backward; ``dummy``: a round whose forward did not run is replaced by a dummy."""
+        if self.last is None:  # the error came before the round's forward: all of it, as a dummy round
+            if dummy:
+                self.dummy_round(grad=grad)
+            return
+        state, out = self.last  # the forward ran: its backward, of zero (the call's gradients are rolled back)
+        out = out[0] if isinstance(out, tuple) else out
+        if grad and out is not None and out.requires_grad:
+            with pass_state(state):
+                self.par.backward(out.sum() * 0.0)
 
     def mask(self, layout: RowLayout) -> torch.Tensor:
         return layout.out_mask.to(self.device)

@@ -65,3 +65,33 @@ class GradTransaction:
             _give_back(self.stash)
         elif self.created:
             _give_back(_SYNCED.pop(self.model, {}))
+
+
+def synced(par, model, sync: bool, grad_reduction: str, fn):
+    """``fn()`` inside a gradient transaction (a failure leaves ``.grad`` as it was); under DDP with ``sync``, whose
+    passes run no collective, the ranks agree on any error first (every rank raises, none waits), then one
+    all-reduce of the gradients (sum, or mean)."""
+    tx = GradTransaction(model, ddp=par.kind == "ddp")
+    ddp = par.kind == "ddp" and sync
+    try:
+        error, out = None, None
+        try:
+            out = fn()
+        except Exception as e:  # agreed on below, before the all-reduce the other ranks will join
+            if not ddp:
+                raise
+            error = e
+        if ddp:
+            par.agree_on_error(error, where="during")
+            par.all_reduce_grads(model)
+            if grad_reduction == "mean":
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(par.world_size)
+    except BaseException:
+        tx.rollback()  # no partial gradient is left behind
+        raise
+    finally:
+        par.set_sync(True)  # FSDP2's default, whatever happened
+    tx.commit(synced=sync)
+    return out

@@ -21,7 +21,7 @@ change to its code:
    the prompt's own graph (kept, offloaded, or recomputed at the end: ``prefix_activations``).
 
 Only model types whose cache-aware forward has been checked exact against the plain forward run here
-(``modeling.HYBRID_MODEL_TYPES``); other hybrids keep their refusal. Every batch is at least 2 tokens wide, so
+(``model.support.HYBRID_MODEL_TYPES``); other hybrids keep their refusal. Every batch is at least 2 tokens wide, so
 that the models' single-token decode kernels (which update states in place) never run.
 
 Notation: G = completions of a group, P = prompt length, n = rows of one batch, t = its width
@@ -35,10 +35,11 @@ import math
 
 import torch
 
-from sharedprefix.head import token_logprobs
 from sharedprefix.layout.groups import validate_groups
 from sharedprefix.layout.rows import Tree
-from sharedprefix.modeling import decoder, uses_checkpointing, verify_head
+from sharedprefix.model.adapter import decoder, uses_checkpointing
+from sharedprefix.model.checks import verify_head
+from sharedprefix.model.head import token_logprobs
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.hybrid_state import _cache_arg, _new_cache, _read, _repeated, _slots, prompt_chunks
 from sharedprefix.schedule.results import Batch
@@ -52,7 +53,7 @@ class HybridRun:
     """One call's state on the hybrid path: the model, the groups, the budget and the statistics."""
 
     def __init__(self, model, groups, max_tokens, temperature, entropy):
-        from sharedprefix.modeling import check_supported
+        from sharedprefix.model.support import check_supported
 
         self.model = model
         name = type(model).__name__

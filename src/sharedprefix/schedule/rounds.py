@@ -1,7 +1,8 @@
-"""Run ``sp.backward``'s rounds over an ``Executor``: F (record a segment), FB (a pass whose rows get a loss and
-a backward), PB (a cached segment's deferred backward), REL (release it), DF / DFB (FSDP2 dummy rounds).
+"""Drive an ``Executor`` through a plan: ``forward`` (``sp.logprobs``: every pass once, rows read out) and
+``backward`` (``sp.backward``'s rounds: F records a segment, FB is a pass whose rows get a loss and a backward, PB a
+cached segment's deferred backward, REL releases it, DF / DFB are FSDP2 dummy rounds).
 
-Notation: n = rows a pass reports.
+Notation: N = output rows, W = columns, n = rows a pass reports.
 """
 
 from __future__ import annotations
@@ -9,8 +10,92 @@ from __future__ import annotations
 import torch
 
 from sharedprefix.attention.interface import activated, pass_state
+from sharedprefix.model import router
+from sharedprefix.schedule.cache import OffloadHooks
+from sharedprefix.schedule.grads import synced
 from sharedprefix.schedule.planner import Dummy, Pass, Plan, PrefixBackward
-from sharedprefix.schedule.results import Batch
+from sharedprefix.schedule.results import BackwardResult, Batch, LogProbs
+
+
+def forward(run, entropy: bool) -> LogProbs:
+    """Every pass of ``run``'s plan once (a split prompt's segments sealed without a graph, released at their
+    backward step); the reported rows gathered back into output order: (N, W) tensors."""
+    lps, ents, masks, order = [], [], [], []
+    # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agreed before any of them
+    pad = run.rounds[0] - len(run.plan.passes) if run.par.fsdp else 0
+    error = None  # under FSDP2, an error outside the collectives: the rank runs the rest as dummies, then all raise
+    with activated(run.model):
+        for step in run.plan.steps:
+            if isinstance(step, PrefixBackward):
+                for s in step.segments:
+                    run.cache.release(s)
+                continue
+            if error is not None:
+                run.dummy_round(grad=False)
+                continue
+            run.begin_round()
+            try:
+                _, res, layout = run.run_pass(step)
+            except Exception as e:
+                if not run.recoverable():
+                    raise
+                error = e
+                run.finish_failed_round(grad=False)  # a forward that did not run: its collectives, as a dummy
+                continue
+            for s in step.record:
+                run.cache.seal(s, keep_graph=False)
+            if res is None:
+                continue
+            lps.append(res[0])
+            masks.append(run.mask(layout))
+            if entropy:
+                ents.append(res[1])
+            order += layout.rows
+        for _ in range(pad):
+            run.dummy_round(grad=False)
+    if run.par.fsdp:
+        run.par.agree_on_error(error, where="during")
+    inv = torch.empty(len(order), dtype=torch.int64)
+    inv[torch.tensor(order)] = torch.arange(len(order))
+    inv = inv.to(run.device)
+    lp = torch.cat(lps).index_select(0, inv)
+    mask = torch.cat(masks).index_select(0, inv)
+    ent = torch.cat(ents).index_select(0, inv) if entropy else None
+    aux = router.aux_loss(run.model, run.router_logits) if run.router_logits else None
+    return LogProbs(lp, mask, ent, aux)
+
+
+def backward(run, loss_fn, entropy: bool, prefix_activations: str, offload_device, sync: bool,
+             grad_reduction: str) -> BackwardResult:
+    """``sp.backward`` over ``run``: its plan as rounds (FSDP2: reordered and padded to the agreed counts), inside a
+    gradient transaction and, under DDP, one synchronisation at the end."""
+    par = run.par
+    recompute = prefix_activations == "recompute" or par.fsdp
+    cuda = run.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(run.device)
+    hooks = OffloadHooks(run.model, offload_device) if prefix_activations == "offload" and not par.fsdp else None
+    steps = run.plan
+    if par.fsdp:  # every rank runs the same collectives: the plan reordered and padded to the agreed counts
+        steps = steps.for_fsdp(*run.rounds)
+    rounds = rounds_of(steps)
+    dummies = sum(k in ("DF", "DFB") for k, _ in rounds)
+    last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
+    # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
+    scale = par.loss_scale() if grad_reduction == "sum" else 1.0
+    total, calls = synced(par, run.model, sync, grad_reduction,
+                          lambda: run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb))
+    peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
+    return BackwardResult(
+        loss=total,
+        tokens_computed=run.tokens,
+        tokens_plain=run.plan.plain_tokens,
+        passes=len(run.plan.passes),
+        loss_calls=calls,
+        peak_memory_bytes=peak,
+        offloaded_bytes=hooks.bytes_moved if hooks else 0,
+        dummy_rounds=dummies,
+    )
 
 
 def rounds_of(p: Plan) -> list[tuple[str, object]]:
@@ -46,14 +131,14 @@ def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, las
                 if kind != "REL":
                     run.dummy_round(grad=kind in ("FB", "PB", "DFB"))
                 continue
-            run.last = None
+            run.begin_round()
             try:
                 loss = _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls)
             except Exception as e:
-                if not (par.fsdp and par.world_size > 1) or par.broken:
+                if not run.recoverable():
                     raise
                 error = e
-                _finish_round(run, kind)
+                run.finish_failed_round(grad=kind in ("FB", "PB", "DFB"), dummy=kind != "REL")
                 continue
             if loss is not None:
                 total += loss
@@ -104,20 +189,6 @@ def _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls) -> fl
             par.backward(loss * scale if scale != 1.0 else loss)
         return float(loss.detach())
     return None
-
-
-def _finish_round(run, kind: str) -> None:
-    """After an error outside the collectives of a round: run the collectives the other ranks still run in it."""
-    grad = kind in ("FB", "PB", "DFB")
-    if run.last is None:  # the error came before the round's forward: all of it, as a dummy round
-        if kind != "REL":
-            run.dummy_round(grad=grad)
-        return
-    state, out = run.last  # the forward ran: its backward, of zero (the call's gradients are rolled back)
-    out = out[0] if isinstance(out, tuple) else out
-    if grad and out is not None and out.requires_grad:
-        with pass_state(state):
-            run.par.backward(out.sum() * 0.0)
 
 
 def check_loss(loss, call: int) -> torch.Tensor:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sharedprefix.api import register_call_check
+
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -93,13 +95,13 @@ def _random_groups(vocab: int, seed: int, streams: int = 1):
 
 def default_groups(model, seed: int = 0):
     """The random groups verify checks ``model`` on when given none (frames for a model with several streams)."""
-    from sharedprefix.streams import head_vocab, num_streams
+    from sharedprefix.model.streams import head_vocab, num_streams
 
     return _random_groups(head_vocab(model), seed, num_streams(model))
 
 
 def _plain(model, groups) -> torch.Tensor:
-    from sharedprefix.modeling import unwrap
+    from sharedprefix.model.adapter import unwrap
     from sharedprefix.tools.reference import plain_logprobs
 
     with torch.no_grad():
@@ -116,7 +118,7 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
     """
     import sharedprefix as sp
     from sharedprefix.attention import indexed
-    from sharedprefix.modeling import unwrap
+    from sharedprefix.model.adapter import unwrap
 
     base = unwrap(model)
     groups = groups if groups is not None else default_groups(base, seed)
@@ -199,7 +201,7 @@ def self_check(model, groups) -> None:
     """With ``SHAREDPREFIX_SELF_CHECK=1``: verify once per model on its first real groups; raise on a mismatch."""
     if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") in ("", "0") or not isinstance(groups, list):
         return
-    from sharedprefix.modeling import unwrap
+    from sharedprefix.model.adapter import unwrap
 
     base = unwrap(model)
     if _CHECKED.get(base):
@@ -216,3 +218,6 @@ def self_check(model, groups) -> None:
         )
     if report.float64 is not None:  # passed on the float64 copy's second opinion: said, not silent
         warnings.warn(f"SHAREDPREFIX_SELF_CHECK on {type(base).__name__}:\n{report}", stacklevel=3)
+
+
+register_call_check(self_check)

@@ -349,7 +349,7 @@ def features(model) -> list[str]:
         out.append("keys selected by an indexer (DeepSeek sparse attention)")
     if any(p.calls > 1 for p in pats):
         out.append("several attention calls per layer (looped layers, differential attention)")
-    from sharedprefix.modeling import is_hybrid
+    from sharedprefix.model.support import is_hybrid
 
     if is_hybrid(model):
         out.append("layers that mix tokens outside attention (each completion from the prompt's layer state)")

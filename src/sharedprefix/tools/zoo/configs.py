@@ -273,7 +273,7 @@ def groups(model, seed: int = 0):
     """The zoo's groups: token ids that are not special tokens of the model's config (frames for a model with
     several token streams per position)."""
     import sharedprefix as sp
-    from sharedprefix import streams
+    from sharedprefix.model import streams
 
     special = set()
     for cfg in _all_configs(model.config):

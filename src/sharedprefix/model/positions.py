@@ -16,7 +16,7 @@ packed row's positions need (``cache_length`` = the window's first position; a f
 positions not yet covered) and returns, for each token, the row of its position, taken along the output's
 sequence dimension (the one ``verify`` saw grow with the row).
 
-``verify`` (once per model, before any pass, from ``modeling.verify_head``) finds the modules of the decoder
+``verify`` (once per model, before any pass, from ``model.checks.verify_head``) finds the modules of the decoder
 whose ``forward`` takes ``position_ids`` and holds the renumbering to the model's own forward on a short row:
 renumbered with the row's own positions 0..n-1, the decoder's output is unchanged; renumbered with positions
 s..s+n-1, each module returns what it returns for the last n tokens of a plain row of s + n tokens (so the

@@ -1,6 +1,6 @@
 """The LM head on the predicting positions only: chunked log-probs (and entropies) of the completion tokens.
 
-``token_logprobs`` applies the model's head (``modeling.head_logits``: its output embedding and post-processing,
+``token_logprobs`` applies the model's head (``model.adapter.head_logits``: its output embedding and post-processing,
 verified once per model) to (M, d) hidden states in chunks of about 4M logits, so that no (M, V) matrix exists at
 once, with a custom backward that recomputes each chunk's logits instead of keeping them. On CUDA a chunk holds at
 least 1024 rows (smaller chunks made the head memory-bound on the GPU).
@@ -18,8 +18,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
-from sharedprefix.modeling import head_logits
-from sharedprefix.streams import head_vocab
+from sharedprefix.model.adapter import head_logits
+from sharedprefix.model.streams import head_vocab
 
 
 class _TokenLogprob(torch.autograd.Function):

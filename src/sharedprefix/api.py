@@ -1,0 +1,254 @@
+"""The public calls: ``sp.logprobs`` (forward) and ``sp.backward`` (forward, loss, backward per pass).
+
+Each validates its settings, then dispatches: a hybrid model to ``schedule.hybrid``, a grad-enabled call that
+must run its backward inside sharedprefix to a deferred backward (``schedule.deferred``), and everything else to an
+``Executor`` driven over its plan by ``schedule.rounds``. Notation: N = output rows (completions in group order,
+or a tree's rows), W = columns, n = rows in one pass.
+
+Hybrid models (``model.support.HYBRID_MODEL_TYPES``: LFM2, Falcon-H1, Qwen3-Next, Zamba2, Mamba2 and others, whose
+layers mix tokens outside attention) take ``schedule.hybrid``: each prompt once through the model's own cache-aware
+forward, each completion batch from a copy of the prompt's cache. There ``max_tokens`` bounds every forward
+(prompt chunks, right-padded completion batches); a completion longer than it is refused, and so are ``sp.Tree``,
+``prompt_inputs``, FSDP2 and gradient checkpointing.
+
+``backward`` contract: ``loss_fn`` is called once per pass that reports rows, with a ``Batch`` of those rows (each
+whole), and must be *additive over rows*: the loss of a set of rows is the sum of the losses of its parts. Every
+GRPO-family loss is, once its normalisers (total tokens, total completions) are computed globally and passed in.
+
+Checks run before every call (``register_call_check``): ``sharedprefix.tools.verify`` registers its opt-in
+first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) there, so that this module never imports ``tools``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from sharedprefix.attention.kernels import select
+from sharedprefix.model import router
+from sharedprefix.model.adapter import unwrap, uses_checkpointing
+from sharedprefix.model.support import is_hybrid
+from sharedprefix.parallel.strategy import detect
+from sharedprefix.schedule import hybrid, rounds
+from sharedprefix.schedule.deferred import defer_logprobs
+from sharedprefix.schedule.executor import Executor
+from sharedprefix.schedule.grads import synced
+from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
+
+__all__ = ["PREFIX_MODES", "REDUCTIONS", "BackwardResult", "Batch", "LogProbs", "backward", "logprobs",
+           "register_call_check"]
+
+_CALL_CHECKS: list[Callable] = []
+
+
+def register_call_check(fn: Callable) -> None:
+    """Run ``fn(model, groups)`` before every packed-path call (once per function, whatever the import order)."""
+    if fn not in _CALL_CHECKS:
+        _CALL_CHECKS.append(fn)
+
+
+def logprobs(
+    model,
+    groups,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    max_tokens: int | None = None,
+    backend: str = "auto",
+    defer: bool | None = None,
+    prefix_activations: str = "recompute",
+    grad_reduction: str = "sum",
+) -> LogProbs:
+    """Log-probs of every completion token, each prompt computed once.
+
+    Args:
+        model: a transformers causal LM (PEFT / DDP / FSDP2 wrappers are handled).
+        groups: list of ``sharedprefix.Group``, or a ``sharedprefix.Tree``.
+        temperature: logits are divided by it before the log-softmax, as in TRL.
+        entropy: also return the entropy of each predicted distribution.
+        max_tokens: tokens one pass may hold (None: all groups in one pass). Groups larger than
+            the budget run their prompt once and their completions in later passes.
+        backend: implementation of the attention primitive: "auto" (the device's own: "cuda" on CUDA,
+            "cpu" otherwise), "cpu", "cuda", "flash_attn", or "reference" (float64 math, for tests).
+        defer: with grad enabled, compute the values without a graph and run ``sp.backward`` (with
+            the incoming per-token gradients as a linear loss) when autograd reaches them. Exact by
+            the chain rule; costs one more forward, but keeps the memory of the schedule under
+            ``max_tokens`` and lets the backward run inside sharedprefix's attention context, which
+            gradient checkpointing needs (its recomputation happens during backward), and under
+            DDP, whose gradient sync it then performs. None: defer exactly when gradient
+            checkpointing is active or the model is wrapped in DDP. Deferred outputs give gradients
+            to the model's parameters only. (Under FSDP2, grad-enabled logprobs are refused; use
+            ``sp.backward``.)
+        prefix_activations / grad_reduction: the ``sp.backward`` settings a deferred backward uses.
+
+    Returns:
+        ``LogProbs`` with (N, W) tensors, float32 (float64 for a float64 model), with grad when
+        grad is enabled.
+    """
+    _check_modes(prefix_activations, grad_reduction)
+    if is_hybrid(unwrap(model)):
+        return _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations,
+                                grad_reduction)
+    if torch.is_grad_enabled() and _defers(model, defer):
+        with torch.no_grad():
+            out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
+        return defer_logprobs(backward, model, groups, out, temperature, max_tokens, backend, prefix_activations,
+                              grad_reduction)
+    _run_call_checks(model, groups)
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
+    return rounds.forward(run, entropy)
+
+
+def backward(
+    model,
+    groups,
+    loss_fn,
+    max_tokens: int | None = None,
+    prefix_activations: str | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    backend: str = "auto",
+    offload_device: str | torch.device = "cpu",
+    sync: bool = True,
+    grad_reduction: str = "sum",
+) -> BackwardResult:
+    """Accumulate into ``.grad`` the exact gradient of ``sum over passes of loss_fn(batch)``.
+
+    ``loss_fn(batch) -> scalar tensor`` must be additive over completions (see the module
+    docstring): the total is then the loss of all completions at once, whatever the budget.
+
+    Args:
+        max_tokens: tokens one pass may hold; a group larger than that computes its prompt once,
+            caches the prompt's per-layer K/V and last hidden state as leaves, runs its
+            completions in budget-sized passes that accumulate their gradients, and runs the
+            prompt's backward once at the end.
+        prefix_activations: what happens to a split prompt's activations while its completions
+            run: "keep" (held), "offload" (moved to ``offload_device`` by saved-tensor hooks and
+            brought back for its backward) or "recompute" (the prompt runs without a graph first
+            and again with grad at the end). All three give the same gradient. None (default):
+            "keep", or "recompute" on an FSDP2 model, the only mode FSDP2 can run (a prompt's
+            deferred backward must run inside the root module's call).
+        sync: under DDP / FSDP2, synchronise the gradients of this call over the ranks (once, at
+            its end). Pass False for all but the last call of an optimizer step to accumulate.
+        grad_reduction: "sum" (default: each rank's loss uses global normalisers, so the global
+            loss is the sum over ranks) or "mean" (the average over ranks, DDP's convention).
+
+    Failures under DDP / FSDP2: an error on one rank ends the call on every rank within seconds, the others
+    raising a RuntimeError that names the failing rank and its message, and no rank keeps the call's gradient.
+    The process group stays usable, except after an error inside FSDP2's own collectives (a forward or backward
+    failing part-way), where every rank closes it (see ``parallel.strategy``).
+    """
+    if prefix_activations is None:  # the default: "keep", or the mode FSDP2 needs
+        prefix_activations = "recompute" if detect(model, unwrap(model)).fsdp else "keep"
+    _check_modes(prefix_activations, grad_reduction)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
+    if not torch.is_grad_enabled():
+        raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
+    router.refuse_per_pass(unwrap(model), "sharedprefix.backward takes its loss per pass")
+    if is_hybrid(unwrap(model)):
+        return _hybrid_backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend,
+                                offload_device, sync, grad_reduction)
+    _run_call_checks(model, groups)
+    # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True,
+                   prefix_activations=prefix_activations)
+    return rounds.backward(run, loss_fn, entropy, prefix_activations, offload_device, sync, grad_reduction)
+
+
+# -- validation and the deferral decision --------------------------------------------------------------------------
+
+def _check_modes(prefix_activations: str, grad_reduction: str) -> None:
+    if prefix_activations not in PREFIX_MODES:
+        raise ValueError(
+            f"prefix_activations={prefix_activations!r}; expected one of {PREFIX_MODES} or None: 'keep' holds the prompt's "
+            "activations, 'offload' moves them to host memory, 'recompute' recomputes them at the end."
+        )
+    if grad_reduction not in REDUCTIONS:
+        raise ValueError(f"grad_reduction={grad_reduction!r}; expected one of {REDUCTIONS}.")
+
+
+def _run_call_checks(model, groups) -> None:
+    for check in _CALL_CHECKS:
+        check(model, groups)
+
+
+def _defers(model, defer: bool | None) -> bool:
+    """Whether a grad-enabled ``logprobs`` on the packed path computes its values now and its backward later,
+    through ``sp.backward``: asked for (``defer=True``), or needed (gradient checkpointing, DDP). Refuses what
+    cannot be exact either way (FSDP2; ``defer=False`` where it is needed)."""
+    inner = unwrap(model)
+    kind = detect(model, inner).kind
+    if kind == "fsdp":
+        raise ValueError(
+            "sharedprefix.logprobs with grad enabled is not supported on an FSDP2 model: its backward would run "
+            "outside FSDP2's hooks. Use sharedprefix.backward for the policy step (and logprobs under "
+            "torch.no_grad() for old-policy and reference log-probs)."
+        )
+    needs = "a DDP model" if kind == "ddp" else "gradient checkpointing" if uses_checkpointing(inner) else None
+    if defer is False and needs:
+        raise ValueError(
+            f"defer=False with grad enabled is not possible with {needs}: the backward must run inside "
+            "sharedprefix (to recompute checkpointed layers with its attention, or to synchronise DDP "
+            "gradients). Leave defer=None."
+        )
+    if defer or (defer is None and needs):
+        router.refuse_per_pass(inner, f"logprobs defers its backward to sharedprefix.backward ({needs or 'defer=True'})")
+        return True
+    return False
+
+
+# -- hybrid models -------------------------------------------------------------------------------------------------
+
+def _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations,
+                     grad_reduction) -> LogProbs:
+    kind = _check_hybrid(model, backend)
+    if torch.is_grad_enabled() and kind == "ddp" and defer is False:
+        raise ValueError(
+            "sharedprefix.logprobs with grad enabled and defer=False on a DDP model: the hybrid path runs the "
+            "wrapped module, so only a deferred backward (defer=None or True) synchronises the gradients over "
+            "the ranks. Leave defer=None."
+        )
+    deferred = torch.is_grad_enabled() and (defer or kind == "ddp")  # no graph now, hybrid.backward later
+    error, out = None, None
+    try:
+        with torch.no_grad() if deferred else contextlib.nullcontext():
+            out = hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
+    except (ValueError, TypeError) as e:  # DDP: every rank stops, none waits in a later collective
+        if kind != "ddp":
+            raise
+        error = e
+    if kind == "ddp":
+        detect(model, unwrap(model)).agree_on_error(error)
+    if deferred:
+        return defer_logprobs(backward, model, groups, out, temperature, max_tokens, backend, prefix_activations,
+                              grad_reduction)
+    return out
+
+
+def _hybrid_backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend,
+                     offload_device, sync, grad_reduction) -> BackwardResult:
+    inner = unwrap(model)
+
+    def run():
+        return hybrid.backward(inner, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
+                               offload_device)
+
+    if _check_hybrid(model, backend) != "ddp":
+        return run()
+    return synced(detect(model, inner), inner, sync, grad_reduction, run)  # the module, then one sync
+
+
+def _check_hybrid(model, backend: str) -> str:
+    """A hybrid model runs its own attention (``schedule.hybrid``): the backend name is checked, not used; FSDP2 is
+    refused. Returns the data-parallel kind ("none" or "ddp")."""
+    select(backend, unwrap(model).get_input_embeddings().weight.device)
+    kind = detect(model, unwrap(model)).kind
+    if kind == "fsdp":
+        raise ValueError(
+            f"{type(unwrap(model)).__name__} is a hybrid model (layers that mix tokens outside attention) sharded with "
+            "FSDP2; sharedprefix's hybrid path runs the model's own cache-aware forward, which it does not run inside "
+            "FSDP2's unshard and reshard hooks. Use DDP (supported) or a single process."
+        )
+    return kind

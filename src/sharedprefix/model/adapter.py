@@ -1,0 +1,153 @@
+"""Adapters around a transformers causal LM: unwrap its wrappers, find its decoder, define its head.
+
+sharedprefix runs the model's *base* (the decoder stack, ending with the final norm) on a
+packed row and applies the LM head itself (``head.token_logprobs``), only where a completion
+token is predicted and in chunks, so that no (tokens, vocab) matrix for the whole row exists
+at once. The head's
+own post-processing (Gemma2 final-logit soft-capping, Granite logit scaling, Cohere logit
+scale) is reproduced, and checked once per model against the model's own forward (``checks.verify_head``).
+What cannot be exact is refused in ``support``.
+
+Notation: M = predicted tokens, d = hidden size, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+from transformers import PreTrainedModel
+
+from sharedprefix.attention import probe
+
+# Layer types that attend (config.layer_types / layers_block_type); ``support`` classifies the others.
+# (indexed_attention: DeepSeek sparse attention, attention over indexer-selected keys, ``attention.indexed``)
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention"}
+_HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head (``checks.verify_head``)
+
+
+def unwrap(model: torch.nn.Module) -> PreTrainedModel:
+    """The transformers causal LM inside DDP / PEFT / accelerate wrappers."""
+    m = model
+    for _ in range(8):
+        if isinstance(m, PreTrainedModel):
+            return m
+        if hasattr(m, "get_base_model"):  # peft.PeftModel
+            m = m.get_base_model()
+        elif hasattr(m, "module"):  # DistributedDataParallel, accelerate wrappers
+            m = m.module
+        else:
+            break
+    if hasattr(m, "_orig_mod"):  # torch.compile's OptimizedModule
+        raise TypeError(
+            f"model is a torch.compile wrapper ({type(m).__name__}); sharedprefix runs the model's decoder and head "
+            "itself, so a compiled forward would not be used. Pass the uncompiled model (model._orig_mod)."
+        )
+    raise TypeError(
+        f"model is a {type(model).__name__}; expected a transformers causal LM (a PreTrainedModel with an LM head), "
+        "optionally wrapped by PEFT or DistributedDataParallel."
+    )
+
+
+def decoder(model: PreTrainedModel) -> torch.nn.Module:
+    """The decoder stack (embeddings, layers, final norm) whose output feeds the LM head.
+
+    The first of ``get_decoder()``, ``base_model`` and ``model.model`` that is not the causal LM itself and
+    takes ``input_ids`` (``get_decoder()`` guesses by attribute name, and some heads are called ``decoder``).
+    """
+    cands = [model.get_decoder() if hasattr(model, "get_decoder") else None, model.base_model,
+             getattr(model, "model", None)]
+    for dec in cands:
+        if isinstance(dec, torch.nn.Module) and dec is not model and "input_ids" in _params(dec.forward):
+            return dec
+    raise ValueError(
+        f"{type(model).__name__}: cannot find its decoder stack (get_decoder(), base_model and .model are the model "
+        "itself or do not take input_ids), so sharedprefix cannot run the layers without the LM head. This model "
+        "is not supported."
+    )
+
+
+def _params(fn) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def text_config(model: PreTrainedModel):
+    return model.config.get_text_config()
+
+
+def num_attention_layers(model: PreTrainedModel) -> int:
+    """Attention modules that must run through the sharedprefix attention function in every pass: as probed
+    (``attention.probe``; a looped model runs fewer modules than it has layers), else from the config."""
+    probed = probe.attention_modules(model)
+    return probed if probed is not None else _config_attention_layers(model)
+
+
+def _config_attention_layers(model: PreTrainedModel) -> int:
+    cfg = text_config(model)
+    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
+    if types:
+        return sum(str(t) in ATTENTION_LAYER_TYPES for t in types)
+    return int(getattr(cfg, "num_hidden_layers", None) or 1)  # a config without a layer count: at least one
+
+
+def uses_checkpointing(model: PreTrainedModel) -> bool:
+    """True when gradient checkpointing is active (training mode), reentrant or not."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def uses_reentrant_checkpointing(model: PreTrainedModel) -> bool:
+    """True when gradient checkpointing with ``use_reentrant=True`` is active in training mode."""
+    if not model.training:
+        return False
+    for mod in model.modules():
+        if getattr(mod, "gradient_checkpointing", False):
+            fn = getattr(mod, "_gradient_checkpointing_func", None)
+            # torch.utils.checkpoint defaults to use_reentrant=True when it is not given
+            if getattr(fn, "keywords", {}).get("use_reentrant", True):
+                return True
+    return False
+
+
+def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """(M, d) final hidden states -> (M, V) logits, with the model's own post-processing; (K, M, V) for a model
+    with one head per token stream (``streams``: MusicGen).
+
+    By default the output embedding followed by the post-processing transformers models apply (final-logit
+    soft-capping, Granite's ``logits_scaling``, Cohere's ``logit_scale``). A model whose head is more than that
+    (BERT-style transform + norm + decoder) uses the chain of modules after its decoder that ``verify_head``
+    found to reproduce the model's own logits.
+    """
+    chain = _HEADS.get(model)
+    if chain is not None:
+        for mod in chain:
+            hidden = mod(hidden)
+        return hidden
+    out = model.get_output_embeddings()
+    if isinstance(out, torch.nn.ModuleList):  # one head per stream; a single stream is an ordinary head
+        logits = torch.stack([h(hidden) for h in out]) if len(out) > 1 else out[0](hidden)
+    else:
+        logits = out(hidden)
+    cfg = text_config(model)
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    scaling = getattr(cfg, "logits_scaling", None)
+    scale = getattr(model, "logit_scale", None)
+    if scaling is not None:
+        logits = logits / scaling
+    if scale is not None and not isinstance(scale, torch.nn.Module):
+        logits = logits * scale
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _modules_after_decoder(model: PreTrainedModel) -> list[torch.nn.Module]:
+    """The causal LM's own children with parameters, other than (a parent of) the decoder, in order."""
+    dec = decoder(model)
+    return [
+        child for _, child in model.named_children()
+        if not any(m is dec for m in child.modules()) and next(child.parameters(), None) is not None
+    ]
