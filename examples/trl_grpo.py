@@ -30,18 +30,38 @@ def reward(completions, answer, **kw):
     return [task.reward(c, a) + 0.1 * c.strip().startswith("v") for c, a in zip(completions, answer)]
 
 
-cfg = tf.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, bos_token_id=tok.bos_token_id,
-                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+cfg = tf.Qwen3Config(
+    vocab_size=len(tok),
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    bos_token_id=tok.bos_token_id,
+    eos_token_id=tok.eos_token_id,
+    pad_token_id=tok.pad_token_id,
+)
 torch.manual_seed(0)
 model = tf.Qwen3ForCausalLM(cfg)
 out = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
-args = SharedPrefixGRPOConfig(output_dir=out, num_generations=4, per_device_train_batch_size=8, max_steps=4,
-                              max_completion_length=3, learning_rate=1e-3, logging_steps=1, report_to=[],
-                              save_strategy="no", use_cpu=True, bf16=False, beta=0.0,
-                              sharedprefix_max_tokens=48, sharedprefix_prefix_activations="recompute")
-trainer = SharedPrefixGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                                  processing_class=tok)
+args = SharedPrefixGRPOConfig(
+    output_dir=out,
+    num_generations=4,
+    per_device_train_batch_size=8,
+    max_steps=4,
+    max_completion_length=3,
+    learning_rate=1e-3,
+    logging_steps=1,
+    report_to=[],
+    save_strategy="no",
+    use_cpu=True,
+    bf16=False,
+    beta=0.0,
+    sharedprefix_max_tokens=48,
+    sharedprefix_prefix_activations="recompute",
+)
+trainer = SharedPrefixGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
 trainer.train()
 if trainer.accelerator.is_main_process:
     print(f"done: {trainer.state.global_step} steps on {trainer.accelerator.num_processes} process(es)")

@@ -50,20 +50,28 @@ def main() -> int:
         print("gpu-check: no CUDA device visible to torch; nothing to check.", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name()
-    lines = [f"gpu-check {time.strftime('%Y-%m-%d %H:%M')} on {name}; torch {torch.__version__} (CUDA "
-             f"{torch.version.cuda}), transformers {transformers.__version__}"]
+    lines = [
+        f"gpu-check {time.strftime('%Y-%m-%d %H:%M')} on {name}; torch {torch.__version__} (CUDA "
+        f"{torch.version.cuda}), transformers {transformers.__version__}"
+    ]
     missing = missing_cuda_ops()
     lines.append("aten varlen flash ops: " + ("present" if not missing else "MISSING " + ", ".join(missing)))
     print("\n".join(lines), flush=True)
     env = {**os.environ, "PYTHONPATH": "src" + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.time()
-    rc_tests, out = _run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
-                          "-rfE", "--tb=short"], env, 180, keep=25, log=log("gpu_tests.log"))
+    rc_tests, out = _run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider", "-rfE", "--tb=short"],
+        env,
+        180,
+        keep=25,
+        log=log("gpu_tests.log"),
+    )
     lines += ["", f"gpu tests (exit {rc_tests}, {time.time() - t0:.0f} s):", *out]
     print("\n".join(lines[-len(out) - 2 :]), flush=True)
     t0 = time.time()
-    rc_bench, out = _run([sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda", "--repeats", "2"],
-                         env, 270, log=log("gpu_bench.log"))
+    rc_bench, out = _run(
+        [sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda", "--repeats", "2"], env, 270, log=log("gpu_bench.log")
+    )
     lines += ["", f"benchmark: sharedprefix bench --device cuda (exit {rc_bench}, {time.time() - t0:.0f} s)", *out]
     print("\n".join(lines[-len(out) - 2 :]), flush=True)
     path = f"benchmarks/gpu_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.txt"

@@ -13,8 +13,15 @@ VOCAB = 97
 
 
 def _common(**kw):
-    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    base = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     base.update(kw)
     return base
 
@@ -27,8 +34,11 @@ ARCHS = {
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, _common(head_dim=12)),  # head_dim != hidden/heads
     "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, _common(head_dim=8, num_key_value_heads=1)),  # MQA
     "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, _common(num_key_value_heads=4, pad_token_id=0)),
-    "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel, dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512,
-                                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt2": (
+        tf.GPT2Config,
+        tf.GPT2LMHeadModel,
+        dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
 }
 
 
@@ -79,7 +89,6 @@ def assert_grads_close(got, want, rtol):
         assert err <= rtol, f"{n}: relative error {float(err):.3g} > {rtol}"
 
 
-
 def assert_matches_plain_rows(model, groups, budget=None, mode=None, plain=None):
     """``sp.logprobs`` (1e-9) and ``sp.backward``'s parameter gradients of a per-completion weighted sum (relative
     1e-9) equal to one plain forward per row, under ``budget``; a budget must split a group (its prompt cached, its
@@ -94,15 +103,16 @@ def assert_matches_plain_rows(model, groups, budget=None, mode=None, plain=None)
     assert (out.logprobs - ref).abs().max() <= 1e-9
     w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     want = grads_of(model, lambda: (plain(model, groups) * w).sum())
-    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(),
-                                             max_tokens=budget, prefix_activations=mode) and None)
+    got = grads_of(
+        model,
+        lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=budget, prefix_activations=mode) and None,
+    )
     assert_grads_close(got, want, 1e-9)
     return got
 
 
 # groups whose tree has a long prompt (cut into chains by a budget), a one-token prompt and several completions
-TREE_GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group([3], [[7, 7, 7, 7]]),
-               sp.Group([9, 8, 7, 6], [[1], [2]])]
+TREE_GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group([3], [[7, 7, 7, 7]]), sp.Group([9, 8, 7, 6], [[1], [2]])]
 
 
 def tree_mask(tree, window=None, chunk=None, blocks=()) -> torch.Tensor:

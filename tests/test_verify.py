@@ -47,8 +47,12 @@ def test_cli_verify_own_model(tmp_path):
     import sys
 
     tiny_model("qwen3", dtype=torch.float32).save_pretrained(tmp_path / "m")
-    proc = subprocess.run([sys.executable, "-m", "sharedprefix.cli.main", "verify", "--model", str(tmp_path / "m")],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sharedprefix.cli.main", "verify", "--model", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exact by the 2x rule" in proc.stdout and "speed of the check's forward" in proc.stdout
 
@@ -116,8 +120,9 @@ def test_verify_judges_a_flipped_choice_of_a_moe_model_on_its_float64_copy(monke
 
     _perturb_low_precision(monkeypatch, "one token")
     real = ties.tie_margins
-    monkeypatch.setattr(ties, "tie_margins", lambda m, g: [x * (0.0 if tied else float("inf")) + (0.0 if tied else 1.0)
-                                                            for x in real(m, g)])
+    monkeypatch.setattr(
+        ties, "tie_margins", lambda m, g: [x * (0.0 if tied else float("inf")) + (0.0 if tied else 1.0) for x in real(m, g)]
+    )
     report = sp.verify(_moe(), max_tokens=10_000)
     assert report.checks[0][1] > 2 * report.checks[0][2]  # the 2x rule alone would fail
     assert report.choices == "top-k expert routing" and report.float64 <= 1e-9 and report.beyond <= 2

@@ -28,8 +28,20 @@ _PUBLIC = {
     "verify": "sharedprefix.tools.verify",
     "VerifyReport": "sharedprefix.tools.verify",
 }
-__all__ = ["Batch", "BackwardResult", "Group", "LogProbs", "Plan", "Tree", "VerifyReport", "backward", "logprobs", "plan",
-           "shard_groups", "verify"]
+__all__ = [
+    "Batch",
+    "BackwardResult",
+    "Group",
+    "LogProbs",
+    "Plan",
+    "Tree",
+    "VerifyReport",
+    "backward",
+    "logprobs",
+    "plan",
+    "shard_groups",
+    "verify",
+]
 
 
 def __getattr__(name: str):

@@ -37,8 +37,7 @@ from sharedprefix.schedule.executor import Executor
 from sharedprefix.schedule.grads import synced
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
 
-__all__ = ["PREFIX_MODES", "REDUCTIONS", "BackwardResult", "Batch", "LogProbs", "backward", "logprobs",
-           "register_call_check"]
+__all__ = ["PREFIX_MODES", "REDUCTIONS", "BackwardResult", "Batch", "LogProbs", "backward", "logprobs", "register_call_check"]
 
 _CALL_CHECKS: list[Callable] = []
 
@@ -88,13 +87,11 @@ def logprobs(
     """
     _check_modes(prefix_activations, grad_reduction)
     if is_hybrid(unwrap(model)):
-        return _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations,
-                                grad_reduction)
+        return _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction)
     if torch.is_grad_enabled() and _defers(model, defer):
         with torch.no_grad():
             out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
-        return defer_logprobs(backward, model, groups, out, temperature, max_tokens, backend, prefix_activations,
-                              grad_reduction)
+        return defer_logprobs(backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
     _run_call_checks(model, groups)
     run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
     return rounds.forward(run, entropy)
@@ -148,16 +145,17 @@ def backward(
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     router.refuse_per_pass(unwrap(model), "sharedprefix.backward takes its loss per pass")
     if is_hybrid(unwrap(model)):
-        return _hybrid_backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend,
-                                offload_device, sync, grad_reduction)
+        return _hybrid_backward(
+            model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend, offload_device, sync, grad_reduction
+        )
     _run_call_checks(model, groups)
     # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
-    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True,
-                   prefix_activations=prefix_activations)
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True, prefix_activations=prefix_activations)
     return rounds.backward(run, loss_fn, entropy, prefix_activations, offload_device, sync, grad_reduction)
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------
+
 
 def _check_modes(prefix_activations: str, grad_reduction: str) -> None:
     if prefix_activations not in PREFIX_MODES:
@@ -201,8 +199,8 @@ def _defers(model, defer: bool | None) -> bool:
 
 # -- hybrid models -------------------------------------------------------------------------------------------------
 
-def _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations,
-                     grad_reduction) -> LogProbs:
+
+def _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction) -> LogProbs:
     kind = _check_hybrid(model, backend)
     if torch.is_grad_enabled() and kind == "ddp" and defer is False:
         raise ValueError(
@@ -222,18 +220,17 @@ def _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, d
     if kind == "ddp":
         detect(model, unwrap(model)).agree_on_error(error)
     if deferred:
-        return defer_logprobs(backward, model, groups, out, temperature, max_tokens, backend, prefix_activations,
-                              grad_reduction)
+        return defer_logprobs(backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
     return out
 
 
-def _hybrid_backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend,
-                     offload_device, sync, grad_reduction) -> BackwardResult:
+def _hybrid_backward(
+    model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend, offload_device, sync, grad_reduction
+) -> BackwardResult:
     inner = unwrap(model)
 
     def run():
-        return hybrid.backward(inner, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy,
-                               offload_device)
+        return hybrid.backward(inner, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, offload_device)
 
     if _check_hybrid(model, backend) != "ddp":
         return run()

@@ -59,9 +59,7 @@ def test_eager_backend_temperature_and_entropy():
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    spec=st.lists(
-        st.tuples(st.integers(1, 12), st.lists(st.integers(1, 8), min_size=1, max_size=6)), min_size=1, max_size=4
-    ),
+    spec=st.lists(st.tuples(st.integers(1, 12), st.lists(st.integers(1, 8), min_size=1, max_size=6)), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
 )
 def test_random_layouts(spec, seed):
@@ -144,8 +142,7 @@ def test_float32_within_twice_plain_error():
 
 
 def _head_model(cfg_cls, model_cls, **kw):
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2)
+    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     cfg = cfg_cls(**{**base, **kw})
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -210,9 +207,17 @@ def test_attention_setting_restored_also_on_error():
 
 def test_window_kept_on_the_module_is_applied(kernel_path):
     """Qwen2-MoE keeps its sliding window on the attention module and applies it through the mask only."""
-    model = _head_model(tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, use_sliding_window=True, sliding_window=4,
-                        max_window_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                        shared_expert_intermediate_size=16)
+    model = _head_model(
+        tf.Qwen2MoeConfig,
+        tf.Qwen2MoeForCausalLM,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    )
     model.config._experts_implementation_internal = "eager"
     assert any(getattr(m, "sliding_window", None) == 4 for m in model.modules())
     groups = random_groups(0, 2, [9, 3], [[6, 4], [5]])
@@ -230,15 +235,21 @@ def test_window_kept_on_the_module_is_applied(kernel_path):
 def test_full_layers_ignore_a_window_left_on_the_module(kernel_path):
     """Exaone4 keeps config.sliding_window on every attention module but passes sliding_window=None on its
     full-attention layers: which layers slide comes from config.layer_types, never from the module attribute."""
-    model = _head_model(tf.Exaone4Config, tf.Exaone4ForCausalLM, sliding_window=3, num_hidden_layers=4,
-                        layer_types=["sliding_attention", "full_attention"] * 2)
+    model = _head_model(
+        tf.Exaone4Config,
+        tf.Exaone4ForCausalLM,
+        sliding_window=3,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    )
     assert all(getattr(m, "sliding_window", None) == 3 for m in model.modules() if type(m).__name__.endswith("Attention"))
     _check(model, random_groups(0, 2, [9, 3], [[6, 4], [5]]))
 
 
 def test_a_window_the_layer_passes_must_agree_with_layer_types():
-    model = _head_model(tf.Exaone4Config, tf.Exaone4ForCausalLM, sliding_window=3, num_hidden_layers=2,
-                        layer_types=["sliding_attention", "full_attention"])
+    model = _head_model(
+        tf.Exaone4Config, tf.Exaone4ForCausalLM, sliding_window=3, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]
+    )
     model.config.layer_types = ["full_attention", "full_attention"]  # now layer 0 passes a window its type denies
     with pytest.raises(ValueError, match=r"passes sliding_window=3 to attention, but config.layer_types says 'full"):
         sp.logprobs(model, random_groups(0, 1, [9], [[6, 4]]))

@@ -71,8 +71,7 @@ def test_sparse_attention_against_explicit_math(sinks):
     gradients."""
     g = torch.Generator().manual_seed(0)
     H, Hkv, L, D, Dv, topk = 4, 2, 9, 5, 3, 4
-    q, k, v = (torch.randn(1, h, L, d, generator=g, dtype=torch.float64, requires_grad=True)
-               for h, d in ((H, D), (Hkv, D), (Hkv, Dv)))
+    q, k, v = (torch.randn(1, h, L, d, generator=g, dtype=torch.float64, requires_grad=True) for h, d in ((H, D), (Hkv, D), (Hkv, Dv)))
     s = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True) if sinks else None
     tree = SegmentTree(random_groups(1, 2, [3, 2], [[2, 1], [1]]))
     vis = tree_mask(tree)[None, None]
@@ -154,8 +153,7 @@ def test_gradient_checkpointing_exact(budget):
     model.train()
     w = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))  # 6 completions, T = 6
     want = grads_of(model, lambda: (plain_logprobs(model, GROUPS)[0] * w).sum())
-    got = grads_of(model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum(),
-                                             max_tokens=budget) and None)
+    got = grads_of(model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=budget) and None)
     assert_grads_close(got, want, 1e-9)
 
 

@@ -13,8 +13,7 @@ GROUPS = random_groups(0, 1, [5], [[2, 3]])
 
 
 def _tiny(cfg_cls, model_cls, **kw):
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2)
+    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     base.update(kw)
     cfg = cfg_cls(**base)
     cfg._attn_implementation = "eager"
@@ -41,9 +40,13 @@ def test_hidden_dropout_in_training_refused():
 @pytest.mark.parametrize(
     "cfg_cls, model_cls, kw, match",
     [
-        (tf.MambaConfig, tf.MambaForCausalLM, dict(state_size=8),
-         "mix tokens outside attention.*'mamba' is not one.*Mamba \\(v1\\) selective scan starts every multi-token "
-         "forward from a zero state"),
+        (
+            tf.MambaConfig,
+            tf.MambaForCausalLM,
+            dict(state_size=8),
+            "mix tokens outside attention.*'mamba' is not one.*Mamba \\(v1\\) selective scan starts every multi-token "
+            "forward from a zero state",
+        ),
     ],
     ids=["mamba"],
 )
@@ -86,8 +89,9 @@ def test_attention_softcapping_refused_on_a_backend_without_it(monkeypatch):
 def test_moe_router_loss_is_refused_per_pass_and_returned_by_logprobs():
     """A product of two batch means: sp.backward (loss per pass) refuses it; sp.logprobs returns it whole
     (tests/models/test_router_aux.py holds it to the plain run)."""
-    model = _tiny(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=16, output_router_logits=True)
+    model = _tiny(
+        tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True
+    )
     with pytest.raises(ValueError, match="output_router_logits=True, and sharedprefix.backward takes its loss per pass"):
         sp.backward(model, GROUPS, lambda b: b.logprobs.sum())
     assert sp.logprobs(model, GROUPS).aux_loss.requires_grad
@@ -96,8 +100,7 @@ def test_moe_router_loss_is_refused_per_pass_and_returned_by_logprobs():
 def test_moe_without_router_loss_is_exact():
     from helpers import float64_faithful, plain_logprobs
 
-    model = _tiny(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2,
-                  moe_intermediate_size=16).double()
+    model = _tiny(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16).double()
     model.config._attn_implementation_internal = "sdpa"
     model.config._experts_implementation_internal = "eager"  # grouped_mm has no float64 kernel
     float64_faithful(model)

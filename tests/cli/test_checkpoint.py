@@ -17,8 +17,24 @@ from sharedprefix.recipes.grpo.loop import read_metrics
 from tests.cli.weights import assert_same_weights
 
 PRIMITIVES = ["_write", "_mark_whole", "_rename", "_unmark", "_rmtree"]
-RUN = ["train", "--steps", "2", "--checkpoint-every", "1", "--records", "8", "--prompts-per-step", "2",
-       "--group-size", "4", "--warmup-steps", "2", "--no-bench", "--threads", "1"]
+RUN = [
+    "train",
+    "--steps",
+    "2",
+    "--checkpoint-every",
+    "1",
+    "--records",
+    "8",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--warmup-steps",
+    "2",
+    "--no-bench",
+    "--threads",
+    "1",
+]
 
 
 class Killed(BaseException):
@@ -153,9 +169,20 @@ def test_train_killed_at_every_step_of_every_write_resumes_to_the_same_weights(t
         calls = instrument(m)
         assert main([*RUN, "--output", str(tmp_path / "ref")]) == 0
     # two checkpoints (the first replaces nothing, the second replaces the first) and the final model
-    assert [c[0] for c in calls] == ["_write", "_mark_whole", "_rename",
-                                     "_write", "_mark_whole", "_rename", "_rename", "_unmark", "_rmtree",
-                                     "_write", "_mark_whole", "_rename"]
+    assert [c[0] for c in calls] == [
+        "_write",
+        "_mark_whole",
+        "_rename",
+        "_write",
+        "_mark_whole",
+        "_rename",
+        "_rename",
+        "_unmark",
+        "_rmtree",
+        "_write",
+        "_mark_whole",
+        "_rename",
+    ]
     for k in range(len(calls)):
         out = tmp_path / f"killed{k}"
         with monkeypatch.context() as m:
@@ -171,18 +198,25 @@ def test_train_kill_9_between_the_renames(tmp_path):
     exist, and the resume takes checkpoint.tmp."""
     assert main([*RUN, "--output", str(tmp_path / "ref")]) == 0
     out = tmp_path / "killed"
-    code = ("import os, signal, sys\n"
-            "from sharedprefix.recipes.grpo import checkpoint\n"
-            "from sharedprefix.cli.main import main\n"
-            "rename = checkpoint._rename\n"
-            "def rename_then_die(src, dst):\n"
-            "    rename(src, dst)\n"
-            "    if dst.endswith('checkpoint.old'):\n"
-            "        os.kill(os.getpid(), signal.SIGKILL)\n"
-            "checkpoint._rename = rename_then_die\n"
-            "sys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.run([sys.executable, "-c", code, *RUN, "--output", str(out)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = (
+        "import os, signal, sys\n"
+        "from sharedprefix.recipes.grpo import checkpoint\n"
+        "from sharedprefix.cli.main import main\n"
+        "rename = checkpoint._rename\n"
+        "def rename_then_die(src, dst):\n"
+        "    rename(src, dst)\n"
+        "    if dst.endswith('checkpoint.old'):\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "checkpoint._rename = rename_then_die\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *RUN, "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     ck = str(out / "checkpoint")
     assert not os.path.exists(ck) and checkpoint.whole(ck + ".tmp") and checkpoint.whole(ck + ".old")

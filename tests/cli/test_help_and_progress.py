@@ -32,8 +32,14 @@ def test_help_imports_neither_torch_nor_transformers():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "HEAVY []" in proc.stdout
     assert "AFTER A COMMAND'S IMPORTS True True" in proc.stdout  # the same check sees them once they are imported
-    for text in ("usage: sharedprefix [-h] {train,verify,bench,plan}", "--lora-r", "--checkpoint-every", "--memory",
-                 "--no-speed", "--max-tokens"):
+    for text in (
+        "usage: sharedprefix [-h] {train,verify,bench,plan}",
+        "--lora-r",
+        "--checkpoint-every",
+        "--memory",
+        "--no-speed",
+        "--max-tokens",
+    ):
         assert text in proc.stdout
 
 
@@ -61,8 +67,24 @@ def test_verify_shows_progress_on_a_terminal(monkeypatch, capsys):
 
 
 def test_train_progress_on_a_terminal_only(tmp_path, monkeypatch, capsys):
-    args = ["train", "--steps", "2", "--records", "8", "--prompts-per-step", "2", "--group-size", "4",
-            "--warmup-steps", "2", "--no-bench", "--threads", "1", "--checkpoint-every", "1"]
+    args = [
+        "train",
+        "--steps",
+        "2",
+        "--records",
+        "8",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--warmup-steps",
+        "2",
+        "--no-bench",
+        "--threads",
+        "1",
+        "--checkpoint-every",
+        "1",
+    ]
     assert main([*args, "--output", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err
     assert "warm-up" not in err and "GRPO" not in err and "it/s" not in err and "\r" not in err
@@ -99,10 +121,13 @@ def test_speed_benchmark_shows_its_runs_on_a_terminal(monkeypatch, capsys):
     monkeypatch.setattr(bench, "measure_in_subprocess", _fake_measure(capsys, []))
     tty = Terminal()
     monkeypatch.setattr(sys, "stderr", tty)
-    assert main(["bench", "--prompt", "24", "--completion", "4", "--G", "2", "--layers", "1", "--repeats", "1",
-                 "--device", "cpu"]) == 0
+    assert main(["bench", "--prompt", "24", "--completion", "4", "--G", "2", "--layers", "1", "--repeats", "1", "--device", "cpu"]) == 0
     shown = tty.getvalue()
-    for stage in ("bench: plain run", "bench: sharedprefix", "bench: prompt K/V repeated per completion",
-                  "bench: peak memory of sharedprefix (subprocess)"):
+    for stage in (
+        "bench: plain run",
+        "bench: sharedprefix",
+        "bench: prompt K/V repeated per completion",
+        "bench: peak memory of sharedprefix (subprocess)",
+    ):
         assert stage in shown
     assert "speed-up" in capsys.readouterr().out

@@ -15,15 +15,29 @@ from sharedprefix.recipes.grpo.run import load_model
 from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer
 from tests.cli.weights import assert_same_weights
 
-RUN = ["train", "--steps", "2", "--records", "8", "--prompts-per-step", "2", "--group-size", "4", "--warmup-steps", "2",
-       "--no-bench", "--threads", "1"]
+RUN = [
+    "train",
+    "--steps",
+    "2",
+    "--records",
+    "8",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--warmup-steps",
+    "2",
+    "--no-bench",
+    "--threads",
+    "1",
+]
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def readme_code():
     """The python blocks of the README's section on loading the trained model."""
     text = README.read_text()
-    section = text[text.index("### Loading the trained model"):]
+    section = text[text.index("### Loading the trained model") :]
     section = section[: section.index("\n## ")]
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
@@ -72,8 +86,7 @@ def test_lora_run_writes_a_peft_adapter_of_its_base(tmp_path):
     exec(readme_code()[1].replace("runs/lora", str(out)), ns)
     merged = ns["model"]
     assert type(merged) is type(base)
-    ids = torch.tensor([build_tokenizer()(KeyValueTask(records=8).sample(random.Random(1)).prompt,
-                                          add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor([build_tokenizer()(KeyValueTask(records=8).sample(random.Random(1)).prompt, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         assert (merged(ids).logits - base(ids).logits).abs().max() > 1e-4
     # a LoRA run stopped after one step and resumed ends with the same adapter

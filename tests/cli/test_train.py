@@ -13,8 +13,21 @@ from sharedprefix.recipes.grpo.run import load_model
 from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer
 from tests.cli.weights import assert_same_weights
 
-SMALL = ["--records", "8", "--prompts-per-step", "2", "--group-size", "4", "--warmup-steps", "2", "--no-bench",
-         "--checkpoint-every", "2", "--threads", "1"]
+SMALL = [
+    "--records",
+    "8",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--warmup-steps",
+    "2",
+    "--no-bench",
+    "--checkpoint-every",
+    "2",
+    "--threads",
+    "1",
+]
 
 
 def _run(out, steps, *extra):
@@ -60,8 +73,7 @@ def test_missing_model_folder_is_refused_before_writing(tmp_path, capsys):
 def test_non_causal_lm_folder_is_refused(tmp_path, capsys):
     import transformers as tf
 
-    tf.ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                 intermediate_size=8).save_pretrained(tmp_path / "vit")
+    tf.ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8).save_pretrained(tmp_path / "vit")
     assert _run(tmp_path / "out", 2, "--model", str(tmp_path / "vit")) == 2
     assert "'vit' model, which is not a causal LM" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -69,8 +81,19 @@ def test_non_causal_lm_folder_is_refused(tmp_path, capsys):
 
 def test_config_file_and_unknown_option(tmp_path, capsys):
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"steps": 2, "records": 8, "group_size": 4, "prompts_per_step": 2, "warmup_steps": 1,
-                               "bench": False, "output": str(tmp_path / "o")}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "steps": 2,
+                "records": 8,
+                "group_size": 4,
+                "prompts_per_step": 2,
+                "warmup_steps": 1,
+                "bench": False,
+                "output": str(tmp_path / "o"),
+            }
+        )
+    )
     assert main(["train", "--config", str(cfg)]) == 0
     assert len(read_metrics(tmp_path / "o" / "metrics.jsonl")) == 2
     cfg.write_text(json.dumps({"stepz": 2}))

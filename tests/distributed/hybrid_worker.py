@@ -49,21 +49,20 @@ def main(kind, out):
 
         report_outcome(deferred, model, rank, world, out)
     elif kind == "midfail":  # rank 1's loss is NaN on its second batch: every rank stops, no .grad is left behind
-        report_outcome(lambda m: sp.backward(m, mine, nan_on_second_pass(loss_fn, rank), max_tokens=BUDGET),
-                       model, rank, world, out)
+        report_outcome(lambda m: sp.backward(m, mine, nan_on_second_pass(loss_fn, rank), max_tokens=BUDGET), model, rank, world, out)
     else:
         if kind == "deferred":  # grad-enabled log-probs: deferred by default under DDP, synced by their backward
             out_lp = sp.logprobs(model, mine, max_tokens=BUDGET)
             (out_lp.logprobs * W[gidx, : out_lp.logprobs.shape[1]] * out_lp.mask).sum().backward()
         else:
-            sp.backward(model, mine, loss_fn, max_tokens=BUDGET, prefix_activations="recompute",
-                        grad_reduction="mean" if kind == "mean" else "sum")
+            sp.backward(
+                model, mine, loss_fn, max_tokens=BUDGET, prefix_activations="recompute", grad_reduction="mean" if kind == "mean" else "sum"
+            )
         grads = full_grads(model)
         everyone = [None] * world
         dist.all_gather_object(everyone, grads)
         if rank == 0:
-            torch.save({"grads": everyone, "shards": [len(sp.shard_groups(groups_of(), r, world)) for r in range(world)]},
-                       out)
+            torch.save({"grads": everyone, "shards": [len(sp.shard_groups(groups_of(), r, world)) for r in range(world)]}, out)
     del model  # before the process group goes (the caught error's traceback may hold it in a cycle: collected)
     gc.collect()
     dist.barrier()

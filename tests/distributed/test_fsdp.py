@@ -88,8 +88,13 @@ def test_an_error_in_loss_fn_on_one_rank_stops_every_rank(tmp_path, reference):
     # a mode FSDP2 cannot run, refused only on the rank whose shard splits a group: every rank raises, at setup
     keep = [r["keep_message"] for r in (r0, r1)]
     assert sum(m.startswith("ValueError: prefix_activations='keep' with an FSDP2 model") for m in keep) == 1
-    assert sum(m.startswith("RuntimeError: rank ") and "stopped before any computation" in m and
-               "prefix_activations='recompute'" in m for m in keep) == 1
+    assert (
+        sum(
+            m.startswith("RuntimeError: rank ") and "stopped before any computation" in m and "prefix_activations='recompute'" in m
+            for m in keep
+        )
+        == 1
+    )
     # forward-only sp.logprobs: rank 1 refuses after a pass's forward; both raise, and the next call is unchanged
     msg = "rank 1 refused a pass after its forward"
     assert r1["lp_message"] == f"ValueError: {msg}"

@@ -28,8 +28,7 @@ def _launch(kind, tmp_path):
 def reference():
     groups, model = groups_of(), model_of("lfm2")
     W = weights(groups)
-    return grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W[:, : max(c.numel() for g in groups
-                                                                                    for c in g.completions)]).sum())
+    return grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W[:, : max(c.numel() for g in groups for c in g.completions)]).sum())
 
 
 def test_the_shards_differ_and_the_budget_splits_a_group():

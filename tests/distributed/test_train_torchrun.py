@@ -10,16 +10,46 @@ from safetensors.torch import load_file
 from sharedprefix.cli.main import main
 from sharedprefix.recipes.grpo.loop import read_metrics
 
-ARGS = ["train", "--steps", "4", "--records", "8", "--prompts-per-step", "4", "--group-size", "4", "--warmup-steps", "2",
-        "--no-bench", "--no-resume", "--threads", "1"]
+ARGS = [
+    "train",
+    "--steps",
+    "4",
+    "--records",
+    "8",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--warmup-steps",
+    "2",
+    "--no-bench",
+    "--no-resume",
+    "--threads",
+    "1",
+]
 
 
 def test_two_processes_match_one(tmp_path):
     assert main([*ARGS, "--output", str(tmp_path / "one")]) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                           "sharedprefix.cli.main", *ARGS, "--output", str(tmp_path / "two")],
-                          capture_output=True, text=True, timeout=150, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "sharedprefix.cli.main",
+            *ARGS,
+            "--output",
+            str(tmp_path / "two"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = read_metrics(tmp_path / "one" / "metrics.jsonl")
     two = read_metrics(tmp_path / "two" / "metrics.jsonl")

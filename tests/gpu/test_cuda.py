@@ -76,11 +76,11 @@ def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
     k = torch.randn(sum(lk), hkv, d, device="cuda", generator=g, dtype=torch.float64)
     v = torch.randn(sum(lk), hkv, dv, device="cuda", generator=g, dtype=torch.float64)
     q16, k16, v16 = (x.bfloat16().requires_grad_(True) for x in (q, k, v))
-    scale = d ** -0.5
-    ref, ref_lse = kernels.Reference.forward(q16.double(), k16.double(), v16.double(), _cu(lq), _cu(lk), max(lq),
-                                             max(lk), causal, window, scale)
-    out, lse, *aux = impl.forward(q16.detach(), k16.detach(), v16.detach(), _cu(lq), _cu(lk), max(lq), max(lk),
-                                  causal, window, scale)
+    scale = d**-0.5
+    ref, ref_lse = kernels.Reference.forward(
+        q16.double(), k16.double(), v16.double(), _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale
+    )
+    out, lse, *aux = impl.forward(q16.detach(), k16.detach(), v16.detach(), _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
     plain = _math_entries(q16, k16, v16, lq, lk, causal, window, scale)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (sum(lq), 8)
     assert out.shape == (sum(lq), 8, dv)
@@ -88,10 +88,25 @@ def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
     assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
     dout = torch.randn(out.shape, device="cuda", generator=g, dtype=torch.float64).bfloat16()
     plain.backward(dout)
-    rq, rk, rv = kernels.Reference.backward(dout.double(), q16.double(), k16.double(), v16.double(), ref, ref_lse,
-                                            _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
-    got = impl.backward(dout, q16.detach(), k16.detach(), v16.detach(), out, lse, _cu(lq), _cu(lk), max(lq), max(lk),
-                        causal, window, scale, aux=aux[0] if aux else None)
+    rq, rk, rv = kernels.Reference.backward(
+        dout.double(), q16.double(), k16.double(), v16.double(), ref, ref_lse, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale
+    )
+    got = impl.backward(
+        dout,
+        q16.detach(),
+        k16.detach(),
+        v16.detach(),
+        out,
+        lse,
+        _cu(lq),
+        _cu(lk),
+        max(lq),
+        max(lk),
+        causal,
+        window,
+        scale,
+        aux=aux[0] if aux else None,
+    )
     for mine, pl, r in zip(got, (q16.grad, k16.grad, v16.grad), (rq, rk, rv)):
         assert (mine.double() - r).abs().max() <= 2 * (pl.double() - r).abs().max() + 1e-6
 
@@ -105,7 +120,7 @@ def test_cuda_head_padding_changes_nothing():
     g = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (torch.randn(sum(n), h, d, device="cuda", generator=g).bfloat16() for n, h in ((lq, 8), (lk, 2), (lk, 2)))
     dout = torch.randn(sum(lq), 8, d, device="cuda", generator=g).bfloat16()
-    args = (_cu(lq), _cu(lk), max(lq), max(lk), causal, window, d ** -0.5)
+    args = (_cu(lq), _cu(lk), max(lq), max(lk), causal, window, d**-0.5)
     runs = []
     for pad in (0, 16 - d):
         x = [F.pad(t, (0, pad)) for t in (q, k, v, dout)]
@@ -123,7 +138,7 @@ def test_cuda_primitive_rows_without_keys(name):
     if name == "flash_attn":
         pytest.importorskip("flash_attn")
     impl = kernels.select(name, torch.device("cuda"))
-    lq, lk, scale = [6, 3, 5], [3, 0, 9], 64 ** -0.5
+    lq, lk, scale = [6, 3, 5], [3, 0, 9], 64**-0.5
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(n, h, 64, device="cuda", generator=g).bfloat16() for n, h in ((14, 8), (12, 2), (12, 2)))
     args = (_cu(lq), _cu(lk), max(lq), max(lk), True, None, scale)
@@ -137,17 +152,20 @@ def test_cuda_primitive_rows_without_keys(name):
     dout = torch.randn(out.shape, device="cuda", generator=g).bfloat16()
     got = impl.backward(dout, q, k, v, out, lse, *args, aux=aux[0] if aux else None)
     # the float64 reference with +inf where no key (exp(S - lse) = 0 there; -inf would give NaN in its formula)
-    want = kernels.Reference.backward(dout.double(), q.double(), k.double(), v.double(), ref,
-                                      ref_lse.masked_fill(none, float("inf")), *args)
+    want = kernels.Reference.backward(
+        dout.double(), q.double(), k.double(), v.double(), ref, ref_lse.masked_fill(none, float("inf")), *args
+    )
     for mine, r in zip(got, want):
         assert mine.shape == r.shape and bool(torch.isfinite(mine).all())
         assert (mine.double() - r).abs().max() <= 0.05 * r.abs().max() + 1e-3
     assert bool((got[0][none.all(1)] == 0).all())
 
 
-@pytest.mark.parametrize("window, chunk, blocks", [(None, None, False), (3, None, False), (None, 8, False),
-                                                   (None, None, True), (3, None, True)],
-                         ids=["full", "window", "chunked", "blocks", "blocks_window"])
+@pytest.mark.parametrize(
+    "window, chunk, blocks",
+    [(None, None, False), (3, None, False), (None, 8, False), (None, None, True), (3, None, True)],
+    ids=["full", "window", "chunked", "blocks", "blocks_window"],
+)
 def test_cuda_cascade_matches_cpu_cascade(window, chunk, blocks):
     """The same cascade (chains, several groups, cached prompts; chunked attention; Gemma 3's bidirectional blocks)
     on CUDA bf16 vs the CPU float64 run. (Not yet run on a GPU for the chunked and block cases.)"""
@@ -228,8 +246,7 @@ def test_backward_gradients_bf16_within_twice_plain_error(mode):
 
 
 # qwen3 with head_dim 12 (padded to 16 for flash) and with head_dim 128 (real models'); mistral with a window
-MODELS = {"qwen3": ("qwen3", {}), "qwen3_d128": ("qwen3", {"head_dim": 128}),
-          "mistral_window": ("mistral", {"sliding_window": 64})}
+MODELS = {"qwen3": ("qwen3", {}), "qwen3_d128": ("qwen3", {"head_dim": 128}), "mistral_window": ("mistral", {"sliding_window": 64})}
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

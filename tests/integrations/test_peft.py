@@ -11,8 +11,10 @@ peft = pytest.importorskip("peft")
 
 def test_lora_model_float64_exact_with_budget():
     base = tiny_model("llama")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                      lora_dropout=0.0, init_lora_weights=False))
+    model = peft.get_peft_model(
+        base,
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0, init_lora_weights=False),
+    )
     model.double()
     groups = random_groups(0, 2, [14, 5], [[3, 4, 2], [6, 1]])
     W = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

@@ -20,9 +20,19 @@ TASK = KeyValueTask(records=6)
 
 
 def _model(tok):
-    cfg = tf.Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = tf.Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return tf.Qwen3ForCausalLM(cfg)
@@ -41,10 +51,24 @@ def _dataset():
 
 
 def _train(cls, cfg_cls, model, tok, tmp_path, **kw):
-    args = cfg_cls(output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=8,
-                   gradient_accumulation_steps=1, max_steps=2, max_completion_length=3, learning_rate=0.5,
-                   optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no",
-                   seed=0, use_cpu=True, temperature=1.0, **{"bf16": False, **kw})
+    args = cfg_cls(
+        output_dir=str(tmp_path),
+        num_generations=4,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        max_steps=2,
+        max_completion_length=3,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        temperature=1.0,
+        **{"bf16": False, **kw},
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = cls(model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(), processing_class=tok)
@@ -59,10 +83,10 @@ def test_same_parameters_as_grpo_trainer(tmp_path, loss_type, beta):
     init = {n: p.detach().clone() for n, p in base.named_parameters()}
     # from a saved folder, so that TRL can load its reference model (beta > 0) the same way for both trainers
     base.save_pretrained(tmp_path / "init")
-    plain = _train(GRPOTrainer, GRPOConfig, str(tmp_path / "init"), tok, tmp_path / "plain", loss_type=loss_type,
-                   beta=beta)
-    ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, str(tmp_path / "init"), tok, tmp_path / "sp",
-                  loss_type=loss_type, beta=beta)
+    plain = _train(GRPOTrainer, GRPOConfig, str(tmp_path / "init"), tok, tmp_path / "plain", loss_type=loss_type, beta=beta)
+    ours = _train(
+        SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, str(tmp_path / "init"), tok, tmp_path / "sp", loss_type=loss_type, beta=beta
+    )
     delta_plain = torch.cat([(p.detach() - init[n]).flatten() for n, p in plain.model.named_parameters()])
     delta_ours = torch.cat([(p.detach() - init[n]).flatten() for n, p in ours.model.named_parameters()])
     scale = float(delta_plain.abs().max())
@@ -81,8 +105,16 @@ def test_budget_schedule_matches_unscheduled(tmp_path):
     _model(tok).save_pretrained(tmp_path / "init")
     init = str(tmp_path / "init")
     a = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "a", beta=0.1)
-    b = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "b", beta=0.1,
-               sharedprefix_max_tokens=32, sharedprefix_prefix_activations="recompute")
+    b = _train(
+        SharedPrefixGRPOTrainer,
+        SharedPrefixGRPOConfig,
+        init,
+        tok,
+        tmp_path / "b",
+        beta=0.1,
+        sharedprefix_max_tokens=32,
+        sharedprefix_prefix_activations="recompute",
+    )
     init_state = tf.Qwen3ForCausalLM.from_pretrained(init).state_dict()
     da = torch.cat([(p.detach() - init_state[n]).flatten() for n, p in a.model.named_parameters()])
     db = torch.cat([(p.detach() - init_state[n]).flatten() for n, p in b.model.named_parameters()])
@@ -107,8 +139,7 @@ def test_unsupported_options_raise(tmp_path):
     with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True is not supported"):
         _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, _model(tok), tok, tmp_path, cast_lm_head_to_fp32=True)
     with pytest.raises(ValueError, match="sharedprefix_prefix_activations='nope'"):
-        _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, _model(tok), tok, tmp_path,
-               sharedprefix_prefix_activations="nope")
+        _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, _model(tok), tok, tmp_path, sharedprefix_prefix_activations="nope")
 
 
 def test_lora_trainer_matches_grpo_trainer(tmp_path):
@@ -119,14 +150,33 @@ def test_lora_trainer_matches_grpo_trainer(tmp_path):
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
     runs = []
     for cls, cfg_cls, name in [(GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp")]:
-        args = cfg_cls(output_dir=str(tmp_path / name), num_generations=4, per_device_train_batch_size=8, max_steps=2,
-                       max_completion_length=3, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant",
-                       report_to=[], save_strategy="no", seed=0, use_cpu=True, bf16=False, beta=0.1)
+        args = cfg_cls(
+            output_dir=str(tmp_path / name),
+            num_generations=4,
+            per_device_train_batch_size=8,
+            max_steps=2,
+            max_completion_length=3,
+            learning_rate=0.5,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            report_to=[],
+            save_strategy="no",
+            seed=0,
+            use_cpu=True,
+            bf16=False,
+            beta=0.1,
+        )
         assert args.gradient_checkpointing
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            t = cls(model=str(tmp_path / "init"), reward_funcs=_reward, args=args, train_dataset=_dataset(),
-                    processing_class=tok, peft_config=peft.LoraConfig(**lora))
+            t = cls(
+                model=str(tmp_path / "init"),
+                reward_funcs=_reward,
+                args=args,
+                train_dataset=_dataset(),
+                processing_class=tok,
+                peft_config=peft.LoraConfig(**lora),
+            )
             t.train()
         runs.append({n: p.detach().clone() for n, p in t.model.named_parameters() if "lora_" in n})
     plain, ours = runs
@@ -164,8 +214,7 @@ def test_multi_turn_tool_mask_trains_as_grpo_trainer(tmp_path):
         return torch.cat([(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters()])
 
     plain = delta(_train(_with_tool_mask(GRPOTrainer), GRPOConfig, init, tok, tmp_path / "plain", beta=0.1))
-    ours = delta(_train(_with_tool_mask(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, tok, tmp_path / "sp",
-                        beta=0.1))
+    ours = delta(_train(_with_tool_mask(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1))
     unmasked = delta(_train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "unmasked", beta=0.1))
     scale = float(plain.abs().max())
     assert float((plain - unmasked).abs().max()) > 0.05 * scale  # the tool mask changes the update
@@ -174,10 +223,21 @@ def test_multi_turn_tool_mask_trains_as_grpo_trainer(tmp_path):
 
 def _lfm2(tok):
     """A tiny LFM2 (short convolutions beside attention): the hybrid path, which takes groups of one prompt."""
-    cfg = tf.Lfm2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"],
-                        conv_L_cache=3, block_auto_adjust_ff_dim=False, max_position_embeddings=128,
-                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = tf.Lfm2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return tf.Lfm2ForCausalLM(cfg)
@@ -195,8 +255,17 @@ def test_hybrid_model_trains_as_grpo_trainer(tmp_path, monkeypatch):
     monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: calls.append(source) or logprobs(model, source, **kw))
     # (gradient checkpointing off: transformers turns the cache off under it, which the hybrid path refuses)
     plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1, gradient_checkpointing=False)
-    ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1,
-                  sharedprefix_max_tokens=24, sharedprefix_prefix_activations="recompute", gradient_checkpointing=False)
+    ours = _train(
+        SharedPrefixGRPOTrainer,
+        SharedPrefixGRPOConfig,
+        init,
+        tok,
+        tmp_path / "sp",
+        beta=0.1,
+        sharedprefix_max_tokens=24,
+        sharedprefix_prefix_activations="recompute",
+        gradient_checkpointing=False,
+    )
     assert calls and all(isinstance(s, list) and sp.plan(s, 24).splits for s in calls)  # groups, split by the budget
     dp = torch.cat([(p.detach() - init_state[n]).flatten() for n, p in plain.model.named_parameters()])
     do = torch.cat([(p.detach() - init_state[n]).flatten() for n, p in ours.model.named_parameters()])
@@ -214,8 +283,10 @@ def test_bf16_mixed_precision_trains_as_grpo_trainer(tmp_path):
     base = _model(tok)
     init = {n: p.detach().clone() for n, p in base.named_parameters()}
     base.save_pretrained(tmp_path / "init")
-    runs = [_train(cls, cfg, str(tmp_path / "init"), tok, tmp_path / name, bf16=True)
-            for cls, cfg, name in ((GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp"))]
+    runs = [
+        _train(cls, cfg, str(tmp_path / "init"), tok, tmp_path / name, bf16=True)
+        for cls, cfg, name in ((GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp"))
+    ]
     plain, ours = (torch.cat([(p.detach() - init[n]).flatten() for n, p in r.model.named_parameters()]) for r in runs)
     assert next(runs[1].model.parameters()).dtype == torch.float32
     scale = float(plain.abs().max())

@@ -46,8 +46,9 @@ def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
             tokens = [torch.cat([torch.tensor([V_START]), torch.full((16,), IMAGE), torch.tensor([V_END])]) for _ in grids]
             pix = torch.randn(len(grids), 3, 8, 8, generator=g, dtype=torch.float64)
         else:
-            tokens = [torch.cat([torch.tensor([V_START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([V_END])])
-                      for t, h, w in grids]
+            tokens = [
+                torch.cat([torch.tensor([V_START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([V_END])]) for t, h, w in grids
+            ]
             pix = torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g, dtype=torch.float64)
         ids = torch.cat([text[:1], *tokens, text[1:]])
         prompts.append((ids, pix, torch.tensor(grids)))
@@ -57,8 +58,7 @@ def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
         for _ in range(G):
             t = int(torch.randint(1, C + 1, (1,), generator=g))
             comp = torch.randint(0, 90, (t,), generator=g)
-            rows.append(torch.cat([torch.zeros(P - p.numel(), dtype=torch.long), p, comp,
-                                   torch.zeros(C - t, dtype=torch.long)]))
+            rows.append(torch.cat([torch.zeros(P - p.numel(), dtype=torch.long), p, comp, torch.zeros(C - t, dtype=torch.long)]))
             masks.append(torch.cat([torch.zeros(P - p.numel()), torch.ones(p.numel() + t), torch.zeros(C - t)]))
             num_images.append(0 if px is None else len(grid))
             if px is not None:
@@ -68,21 +68,39 @@ def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
     if kind == "llava":
         return input_ids, attention_mask, C, dict(pixel_values=torch.cat(pix), num_images=num_images)
     if kind == "gemma3":  # as TRL extends the processor's token_type_ids: zeros over padding and completions
-        return input_ids, attention_mask, C, dict(pixel_values=torch.cat(pix), num_images=num_images,
-                                                  token_type_ids=(input_ids == IMAGE).long() * attention_mask)
-    extra = dict(pixel_values=torch.cat(pix), image_grid_thw=torch.cat(grids), num_images=num_images,
-                 mm_token_type_ids=(input_ids == IMAGE).int() * attention_mask)
+        return (
+            input_ids,
+            attention_mask,
+            C,
+            dict(pixel_values=torch.cat(pix), num_images=num_images, token_type_ids=(input_ids == IMAGE).long() * attention_mask),
+        )
+    extra = dict(
+        pixel_values=torch.cat(pix),
+        image_grid_thw=torch.cat(grids),
+        num_images=num_images,
+        mm_token_type_ids=(input_ids == IMAGE).int() * attention_mask,
+    )
     return input_ids, attention_mask, C, extra
 
 
 def _stub(budget=None, mode="keep"):
     accelerator = types.SimpleNamespace(autocast=contextlib.nullcontext, is_main_process=True)
-    return types.SimpleNamespace(temperature=0.8, accelerator=accelerator,
-                                 _sp_budget=budget, _sp_mode=mode)
+    return types.SimpleNamespace(temperature=0.8, accelerator=accelerator, _sp_budget=budget, _sp_mode=mode)
 
 
-def _plain_hook(stub, model, input_ids, attention_mask, C, compute_entropy, pixel_values, num_images,
-                image_grid_thw=None, mm_token_type_ids=None, token_type_ids=None):
+def _plain_hook(
+    stub,
+    model,
+    input_ids,
+    attention_mask,
+    C,
+    compute_entropy,
+    pixel_values,
+    num_images,
+    image_grid_thw=None,
+    mm_token_type_ids=None,
+    token_type_ids=None,
+):
     """The reference: one forward per row, unpadded, with that row's images; float64 log-softmax."""
     first = [0, *torch.tensor(num_images).cumsum(0).tolist()]
     # row b's pixel_values entries: its images' patches (Qwen) or its images (Llava)
@@ -94,8 +112,7 @@ def _plain_hook(stub, model, input_ids, attention_mask, C, compute_entropy, pixe
         if num_images[b]:
             kw = dict(pixel_values=pixel_values[entry0[first[b]] : entry0[first[b + 1]]])
             if image_grid_thw is not None:
-                kw.update(image_grid_thw=image_grid_thw[first[b] : first[b + 1]],
-                          mm_token_type_ids=mm_token_type_ids[b][keep][None])
+                kw.update(image_grid_thw=image_grid_thw[first[b] : first[b + 1]], mm_token_type_ids=mm_token_type_ids[b][keep][None])
         if token_type_ids is not None:
             kw.update(token_type_ids=token_type_ids[b][keep][None])
         ids = input_ids[b][keep]
@@ -118,9 +135,17 @@ def _run(hook, stub, model, batch):
     return lp.detach().masked_fill(~mask, 0), ent.detach().masked_fill(~mask, 0), grads
 
 
-@pytest.mark.parametrize("kind, budget, mode", [("qwen2_vl", None, "keep"), ("qwen2_vl", 14, "recompute"),
-                                              ("llava", None, "keep"), ("llava", 14, "offload"),
-                                              ("gemma3", None, "keep"), ("gemma3", 44, "recompute")])
+@pytest.mark.parametrize(
+    "kind, budget, mode",
+    [
+        ("qwen2_vl", None, "keep"),
+        ("qwen2_vl", 14, "recompute"),
+        ("llava", None, "keep"),
+        ("llava", 14, "offload"),
+        ("gemma3", None, "keep"),
+        ("gemma3", 44, "recompute"),
+    ],
+)
 def test_image_rows_match_grpo_trainer(kind, budget, mode):
     model = {"llava": _llava, "gemma3": lambda: _gemma3(4)}.get(kind, lambda: _model(kind))()
     add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
@@ -142,21 +167,21 @@ def test_image_rows_match_grpo_trainer(kind, budget, mode):
 def test_group_shuffle_keeps_each_rows_images():
     """The whole-group shuffle moves each row's patches and grid with it (TRL splits them per row first)."""
     input_ids, attention_mask, C, extra = _batch(seed=1)
-    batch = {"prompt_ids": input_ids[:, :-C], "prompt_mask": attention_mask[:, :-C], "completion_ids": input_ids[:, -C:],
-             **extra}
+    batch = {"prompt_ids": input_ids[:, :-C], "prompt_mask": attention_mask[:, :-C], "completion_ids": input_ids[:, -C:], **extra}
     torch.manual_seed(3)
     out = unsplit_pixel_values_by_grid(_group_preserving_shuffle(split_pixel_values_by_grid(batch)))
     first = [0, *torch.tensor(extra["num_images"]).cumsum(0).tolist()]
     patch0 = [0, *extra["image_grid_thw"].prod(-1).cumsum(0).tolist()]
-    by_row = {tuple(input_ids[b].tolist()): extra["pixel_values"][patch0[first[b]]:patch0[first[b + 1]]]
-              for b in range(input_ids.shape[0])}
+    by_row = {
+        tuple(input_ids[b].tolist()): extra["pixel_values"][patch0[first[b]] : patch0[first[b + 1]]] for b in range(input_ids.shape[0])
+    }
     f2 = [0, *torch.tensor(out["num_images"]).cumsum(0).tolist()]
     p2 = [0, *out["image_grid_thw"].prod(-1).cumsum(0).tolist()]
     moved = False
     for b in range(input_ids.shape[0]):
         row = tuple(torch.cat([out["prompt_ids"][b], out["completion_ids"][b]]).tolist())
         moved |= row != tuple(input_ids[b].tolist())
-        assert torch.equal(out["pixel_values"][p2[f2[b]]:p2[f2[b + 1]]], by_row[row])
+        assert torch.equal(out["pixel_values"][p2[f2[b]] : p2[f2[b + 1]]], by_row[row])
     assert moved
 
 
@@ -168,8 +193,9 @@ def test_other_image_layouts_are_refused_with_what_is_supported():
         hook(_stub(), _llava(), input_ids, attention_mask, C, **tiles)
     with pytest.raises(ValueError, match=r"multimodal inputs \['image_sizes', 'num_images', 'pixel_values'\]"):
         hook(_stub(), _llava(), input_ids, attention_mask, C, **extra, image_sizes=torch.ones(8, 2, dtype=torch.long))
-    per_row = dict(pixel_values=torch.zeros(input_ids.shape[0], 2, 3, 8, 8, dtype=torch.float64),
-                   num_images=extra["num_images"])  # Idefics-style: padded to one entry per row
+    per_row = dict(
+        pixel_values=torch.zeros(input_ids.shape[0], 2, 3, 8, 8, dtype=torch.float64), num_images=extra["num_images"]
+    )  # Idefics-style: padded to one entry per row
     with pytest.raises(ValueError, match=r"shape \(12, 2, 3, 8, 8\) for 12 images .*one \(channels, height, width\) entry per"):
         hook(_stub(), _llava(), input_ids, attention_mask, C, **per_row)
 

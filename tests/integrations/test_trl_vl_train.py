@@ -40,8 +40,10 @@ SPECIAL = {IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>", V_START: "<|vision_st
 LLAVA_SPECIAL = {IMAGE: "<image>"}
 GEMMA3_SPECIAL = {IMAGE: "<image_soft_token>", V_START: "<start_of_image>", V_END: "<end_of_image>"}
 # one user turn: its images then its text; a generation prompt is empty
-TEMPLATE = ("<bos>{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE"
-            "{% else %} {{ p['text'] }}{% endif %}{% endfor %}{% endfor %}")
+TEMPLATE = (
+    "<bos>{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}IMAGE"
+    "{% else %} {{ p['text'] }}{% endif %}{% endfor %}{% endfor %}"
+)
 TEXT_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
@@ -59,29 +61,49 @@ def _tokenizer(special, **extra):
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(list(special.values()))  # "<|image_pad|><|image_pad|>..." splits into tokens
-    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                      unk_token="<unk>", padding_side="left", **extra)
+    return tf.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left", **extra
+    )
 
 
 def _processor(kind):
     """Qwen2-VL: 8x8 pixel images become (1, 4, 4) patch grids (4 image tokens), 8x16 ones (1, 4, 8) grids (8 image
     tokens). Llava: every image is resized and cropped to 8x8, 4x4 patches: 4 image tokens."""
     if kind == "gemma3":  # every image resized to 8x8: 4 image tokens between begin and end of image
-        tok = _tokenizer(GEMMA3_SPECIAL, extra_special_tokens={"boi_token": GEMMA3_SPECIAL[V_START],
-                                                               "eoi_token": GEMMA3_SPECIAL[V_END],
-                                                               "image_token": GEMMA3_SPECIAL[IMAGE]})
+        tok = _tokenizer(
+            GEMMA3_SPECIAL,
+            extra_special_tokens={
+                "boi_token": GEMMA3_SPECIAL[V_START],
+                "eoi_token": GEMMA3_SPECIAL[V_END],
+                "image_token": GEMMA3_SPECIAL[IMAGE],
+            },
+        )
         images = Gemma3ImageProcessorPil(size={"height": 8, "width": 8})
-        return tf.Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4,
-                                  chat_template=TEMPLATE.replace("IMAGE", GEMMA3_SPECIAL[V_START]))
+        return tf.Gemma3Processor(
+            image_processor=images, tokenizer=tok, image_seq_length=4, chat_template=TEMPLATE.replace("IMAGE", GEMMA3_SPECIAL[V_START])
+        )
     if kind == "llava":
         images = CLIPImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
-        return tf.LlavaProcessor(image_processor=images, tokenizer=_tokenizer(LLAVA_SPECIAL), patch_size=4,
-                                 vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                                 chat_template=TEMPLATE.replace("IMAGE", "<image>"))
-    images = Qwen2VLImageProcessorPil(patch_size=VISION["patch_size"], merge_size=VISION["spatial_merge_size"],
-                                      temporal_patch_size=VISION["temporal_patch_size"], min_pixels=16, max_pixels=256)
-    return ImageOnlyQwen2VLProcessor(image_processor=images, tokenizer=_tokenizer(SPECIAL),
-                                     chat_template=TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"))
+        return tf.LlavaProcessor(
+            image_processor=images,
+            tokenizer=_tokenizer(LLAVA_SPECIAL),
+            patch_size=4,
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,
+            chat_template=TEMPLATE.replace("IMAGE", "<image>"),
+        )
+    images = Qwen2VLImageProcessorPil(
+        patch_size=VISION["patch_size"],
+        merge_size=VISION["spatial_merge_size"],
+        temporal_patch_size=VISION["temporal_patch_size"],
+        min_pixels=16,
+        max_pixels=256,
+    )
+    return ImageOnlyQwen2VLProcessor(
+        image_processor=images,
+        tokenizer=_tokenizer(SPECIAL),
+        chat_template=TEMPLATE.replace("IMAGE", "<|vision_start|><|image_pad|><|vision_end|>"),
+    )
 
 
 def _model(kind):
@@ -91,9 +113,14 @@ def _model(kind):
     if kind == "gemma3":
         # images of 4 tokens, attending to each other bidirectionally, under a window of 3
         return tf.Gemma3ForConditionalGeneration(gemma3_config(3, patch=4, **TEXT_IDS))
-    cfg = tf.Qwen2VLConfig(text_config=dict(TEXT, **TEXT_IDS), vision_config=dict(VISION, embed_dim=16, mlp_ratio=2),
-                           image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START,
-                           vision_end_token_id=V_END)
+    cfg = tf.Qwen2VLConfig(
+        text_config=dict(TEXT, **TEXT_IDS),
+        vision_config=dict(VISION, embed_dim=16, mlp_ratio=2),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=V_START,
+        vision_end_token_id=V_END,
+    )
     cfg._attn_implementation = "sdpa"
     return tf.Qwen2VLForConditionalGeneration(cfg)
 
@@ -116,14 +143,29 @@ def _reward(completions, **kw):
 
 
 def _train(cls, cfg_cls, init, kind, tmp_path, **kw):
-    args = cfg_cls(output_dir=str(tmp_path), num_generations=3, per_device_train_batch_size=9,
-                   gradient_accumulation_steps=1, max_steps=2, max_completion_length=4, learning_rate=0.5,
-                   optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no",
-                   seed=0, use_cpu=True, bf16=False, temperature=1.0, beta=0.1, **kw)
+    args = cfg_cls(
+        output_dir=str(tmp_path),
+        num_generations=3,
+        per_device_train_batch_size=9,
+        gradient_accumulation_steps=1,
+        max_steps=2,
+        max_completion_length=4,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        temperature=1.0,
+        beta=0.1,
+        **kw,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = cls(model=init, reward_funcs=_reward, args=args, train_dataset=_dataset(),
-                      processing_class=_processor(kind))
+        trainer = cls(model=init, reward_funcs=_reward, args=args, train_dataset=_dataset(), processing_class=_processor(kind))
         trainer.train()
     return trainer
 
@@ -133,22 +175,34 @@ def _swap_images(cls):
     each other's image before the log-prob hook (the negative control: the comparison must catch this)."""
 
     class SwapImages(cls):
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args,
-                                               pixel_values=None, image_grid_thw=None, num_images=None, **kw):
+        def _get_per_token_logps_and_entropies(
+            self, model, input_ids, attention_mask, logits_to_keep, *args, pixel_values=None, image_grid_thw=None, num_images=None, **kw
+        ):
             P = input_ids.shape[1] - logits_to_keep
             per_image = torch.ones(sum(num_images), dtype=torch.long) if image_grid_thw is None else image_grid_thw.prod(-1)
             per_row = [int(n.sum()) for n in per_image.split(num_images)]  # pixel_values entries of each row
             first = [0, *torch.tensor(per_row).cumsum(0).tolist()]  # row b's: first[b] to first[b + 1]
-            rows = [(input_ids[b, :P][attention_mask[b, :P].bool()].tolist(), pixel_values[first[b] : first[b + 1]])
-                    for b in range(input_ids.shape[0])]
-            pairs = [(a, b) for b in range(len(rows)) for a in range(b)
-                     if rows[a][0] == rows[b][0] and not torch.equal(rows[a][1], rows[b][1])]
+            rows = [
+                (input_ids[b, :P][attention_mask[b, :P].bool()].tolist(), pixel_values[first[b] : first[b + 1]])
+                for b in range(input_ids.shape[0])
+            ]
+            pairs = [
+                (a, b) for b in range(len(rows)) for a in range(b) if rows[a][0] == rows[b][0] and not torch.equal(rows[a][1], rows[b][1])
+            ]
             if pairs:
                 (a, b), pixel_values = pairs[0], pixel_values.clone()
                 pixel_values[first[a] : first[a + 1]], pixel_values[first[b] : first[b + 1]] = rows[b][1], rows[a][1]
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, *args, pixel_values=pixel_values,
-                image_grid_thw=image_grid_thw, num_images=num_images, **kw)
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                *args,
+                pixel_values=pixel_values,
+                image_grid_thw=image_grid_thw,
+                num_images=num_images,
+                **kw,
+            )
 
     return SwapImages
 
@@ -168,8 +222,7 @@ def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budge
     init_state = type(_model(kind)).from_pretrained(init).state_dict()
 
     def delta(trainer, only=""):
-        return torch.cat([(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters()
-                          if only in n])
+        return torch.cat([(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters() if only in n])
 
     # the budget holds one prompt (up to 14 tokens for Qwen2-VL, 12 for Llava) and a few of its completions:
     # groups are split
@@ -187,9 +240,12 @@ def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budge
         assert {(1, 4, 4), (1, 4, 8), (1, 8, 4, 1, 4, 4)} <= grids, grids
     else:
         assert {g.prompt_inputs["pixel_values"].shape[0] for groups, _ in calls for g in groups} == {1, 2}
-    assert any(torch.equal(a.prompt, b.prompt) and not torch.equal(a.prompt_inputs["pixel_values"],
-                                                                   b.prompt_inputs["pixel_values"])
-               for groups, _ in calls for i, a in enumerate(groups) for b in groups[:i])
+    assert any(
+        torch.equal(a.prompt, b.prompt) and not torch.equal(a.prompt_inputs["pixel_values"], b.prompt_inputs["pixel_values"])
+        for groups, _ in calls
+        for i, a in enumerate(groups)
+        for b in groups[:i]
+    )
     scale = float(plain.abs().max())
     assert scale > 1e-3 and float(vision.abs().max()) > 1e-2 * scale  # language model and vision tower both moved
     # float32: the two runs compute the same sums in other orders (one packed prompt per group, completions in
@@ -198,6 +254,5 @@ def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budge
     # give (below: 1.4e-2 of it for both).
     err = float((ours - plain).abs().max())
     assert err <= 1e-4 * scale, (err, scale)
-    swapped = delta(_train(_swap_images(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, kind, tmp_path / "swap",
-                           **budget))
+    swapped = delta(_train(_swap_images(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, kind, tmp_path / "swap", **budget))
     assert float((swapped - plain).abs().max()) > 1e-3 * scale

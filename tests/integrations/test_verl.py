@@ -75,7 +75,10 @@ def path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engines(process_group, path, ):
+def engines(
+    process_group,
+    path,
+):
     return build(FSDPEngineWithLMHead, path), build(SharedPrefixFSDPEngine, path)
 
 
@@ -85,7 +88,7 @@ def _batch(dynamic, spec=SPEC, **kw):
 
 
 def _resp(td):
-    return td["attention_mask"][:, -td["responses"].shape[1]:].bool()
+    return td["attention_mask"][:, -td["responses"].shape[1] :].bool()
 
 
 def _check_values(theirs, ours, td, path):
@@ -278,8 +281,12 @@ def test_registered_through_verl_external_modules():
         "assert all(R.get_engine_cls('language_model', b) is S for b in ('fsdp', 'fsdp2')), R._engines\n"
         "print('registered')\n"
     )
-    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="verl_cpu,sharedprefix.integrations.verl",
-               VERL_ENGINE_DEVICE="cuda", PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        VERL_USE_EXTERNAL_MODULES="verl_cpu,sharedprefix.integrations.verl",
+        VERL_ENGINE_DEVICE="cuda",
+        PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]),
+    )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "registered" in out.stdout, out.stderr[-3000:]
 
@@ -288,8 +295,16 @@ def test_two_processes_torchrun(tmp_path):
     """2 gloo processes: each rank holds whole groups (verl's uid-level balancing); same gradients as verl's engine."""
     result = tmp_path / "result.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, "verl_worker.py"), str(tmp_path), str(result)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.join(HERE, "verl_worker.py"),
+        str(tmp_path),
+        str(result),
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-5000:]
     res = json.loads(result.read_text())

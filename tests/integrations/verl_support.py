@@ -27,9 +27,18 @@ VOCAB = 96
 
 def save_model(path: str) -> str:
     """A tiny random Qwen3 (2 layers, GQA) saved with save_pretrained; verl builds its engines from the folder."""
-    cfg = tf.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-                         architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False)
+    cfg = tf.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        architectures=["Qwen3ForCausalLM"],
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = tf.Qwen3ForCausalLM(cfg)
     with torch.no_grad():  # a less uniform distribution than the tiny init gives, so that clipping and KL bite
@@ -39,10 +48,20 @@ def save_model(path: str) -> str:
 
 
 def configs(path: str, **engine):
-    model = HFModelConfig(path=path, load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
-                          use_remove_padding=True, enable_gradient_checkpointing=True)
-    fields = dict(strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, forward_only=False,
-                  mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
+    model = HFModelConfig(
+        path=path,
+        load_tokenizer=False,
+        override_config={"attn_implementation": "sdpa"},
+        use_remove_padding=True,
+        enable_gradient_checkpointing=True,
+    )
+    fields = dict(
+        strategy="fsdp2",
+        model_dtype="fp32",
+        use_torch_compile=False,
+        forward_only=False,
+        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+    )
     fields.update(engine)
     return model, FSDPEngineConfig(**fields), FSDPOptimizerConfig(lr=1e-3, total_training_steps=10), CheckpointConfig()
 
@@ -83,8 +102,8 @@ def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=
     responses = torch.zeros(B, R, dtype=torch.long)
     attn = torch.zeros(B, P + R, dtype=torch.long)
     for i, (p, r) in enumerate(rows):
-        prompts[i, P - len(p):] = p
-        attn[i, P - len(p):P] = 1
+        prompts[i, P - len(p) :] = p
+        attn[i, P - len(p) : P] = 1
         responses[i, : len(r)] = r
         attn[i, P : P + len(r)] = 1
     mask = attn[:, P:].clone()
@@ -92,28 +111,52 @@ def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=
         a, b = spec.tool_span
         long = mask.sum(1) > b
         mask[long, a:b] = 0
-    td = TensorDict({
-        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-        "attention_mask": attn, "position_ids": (attn.cumsum(1) - 1).clamp(min=0), "response_mask": mask,
-        # old / reference log-probs near the model's (about -4.5 nats per token here), spread so that ratios clip
-        "old_log_probs": -4.5 + 0.6 * torch.randn(B, R, generator=g),
-        "ref_log_prob": -4.5 + 0.6 * torch.randn(B, R, generator=g),
-        "advantages": torch.randn(B, 1, generator=g).expand(B, R).contiguous(),
-    }, batch_size=[B])
+    td = TensorDict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attn,
+            "position_ids": (attn.cumsum(1) - 1).clamp(min=0),
+            "response_mask": mask,
+            # old / reference log-probs near the model's (about -4.5 nats per token here), spread so that ratios clip
+            "old_log_probs": -4.5 + 0.6 * torch.randn(B, R, generator=g),
+            "ref_log_prob": -4.5 + 0.6 * torch.randn(B, R, generator=g),
+            "advantages": torch.randn(B, 1, generator=g).expand(B, R).contiguous(),
+        },
+        batch_size=[B],
+    )
     td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=dynamic, temperature=temperature,
-                         calculate_entropy=entropy, use_fused_kernels=False, global_batch_size=B,
-                         micro_batch_size_per_gpu=micro or B, max_token_len_per_gpu=max_tokens or 4096, **spec.extra)
+    tu.assign_non_tensor(
+        td,
+        use_remove_padding=True,
+        use_dynamic_bsz=dynamic,
+        temperature=temperature,
+        calculate_entropy=entropy,
+        use_fused_kernels=False,
+        global_batch_size=B,
+        micro_batch_size_per_gpu=micro or B,
+        max_token_len_per_gpu=max_tokens or 4096,
+        **spec.extra,
+    )
     return td
 
 
 LOSSES = {
     # clipping + KL (k3 "low_var_kl") + entropy bonus, token-mean over the global batch
-    "clip_kl_entropy": dict(loss_agg_mode="token-mean", use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01,
-                            clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28),
+    "clip_kl_entropy": dict(
+        loss_agg_mode="token-mean",
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        entropy_coeff=0.01,
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+    ),
     "seq_mean_token_mean": dict(loss_agg_mode="seq-mean-token-mean", clip_ratio=0.2),
-    "gspo_seq_sum_norm": dict(loss_agg_mode="seq-mean-token-sum-norm", policy_loss={"loss_mode": "gspo"},
-                              clip_ratio_low=3e-4, clip_ratio_high=4e-4),
+    "gspo_seq_sum_norm": dict(
+        loss_agg_mode="seq-mean-token-sum-norm", policy_loss={"loss_mode": "gspo"}, clip_ratio_low=3e-4, clip_ratio_high=4e-4
+    ),
 }
 
 
@@ -123,8 +166,7 @@ def loss_fn(name: str, rows: int):
         from verl.workers.config import PolicyLossConfig
 
         kw["policy_loss"] = PolicyLossConfig(**kw["policy_loss"])
-    cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=rows, ppo_micro_batch_size_per_gpu=rows,
-                          **kw)
+    cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=rows, ppo_micro_batch_size_per_gpu=rows, **kw)
     return partial(ppo_loss, config=cfg)
 
 
@@ -170,8 +212,10 @@ def reference(path: str, td, loss=None, temperature=1.0):
         lps.append(logp.gather(1, nxt[:, None])[:, 0])
         ents.append(-(logp.exp() * logp).sum(-1))
     offsets = ids.offsets()
-    out = {"log_probs": torch.nested.nested_tensor_from_jagged(torch.cat(lps), offsets),
-           "entropy": torch.nested.nested_tensor_from_jagged(torch.cat(ents), offsets)}
+    out = {
+        "log_probs": torch.nested.nested_tensor_from_jagged(torch.cat(lps), offsets),
+        "entropy": torch.nested.nested_tensor_from_jagged(torch.cat(ents), offsets),
+    }
     grads = None
     if loss is not None:
         tu.assign_non_tensor(td, batch_num_tokens=int(td["loss_mask"].sum()), dp_size=1)
@@ -184,8 +228,7 @@ def reference(path: str, td, loss=None, temperature=1.0):
 
 def rel(a: dict, b: dict) -> float:
     """Largest per-parameter max |a - b| / max |b| over the parameters."""
-    return max(float((a[n].double() - b[n].double()).abs().max() / b[n].double().abs().max().clamp(min=1e-30))
-               for n in b)
+    return max(float((a[n].double() - b[n].double()).abs().max() / b[n].double().abs().max().clamp(min=1e-30)) for n in b)
 
 
 def masked_rel(a, b, mask) -> float:
@@ -197,5 +240,20 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-__all__ = ["FSDPEngineWithLMHead", "LOSSES", "Spec", "build", "configs", "infer", "loss_fn", "masked_rel", "reference",
-           "rel", "responses_of", "rl_batch", "save_model", "train", "world"]
+__all__ = [
+    "FSDPEngineWithLMHead",
+    "LOSSES",
+    "Spec",
+    "build",
+    "configs",
+    "infer",
+    "loss_fn",
+    "masked_rel",
+    "reference",
+    "rel",
+    "responses_of",
+    "rl_batch",
+    "save_model",
+    "train",
+    "world",
+]

@@ -42,19 +42,21 @@ def main(workdir: str, result: str) -> None:
     ev, es = build(FSDPEngineWithLMHead, path), build(SharedPrefixFSDPEngine, path)
     budget = build(SharedPrefixFSDPEngine, path)
     budget.sp_max_tokens = 24  # rank 0's groups split (30 and 41 tokens), rank 1's fit one pass (21 and 18)
-    spec = (Spec(prompts=[14, 20], responses=[[5, 8, 3, 6], [7, 2, 8, 4]], seed=1) if rank == 0
-            else Spec(prompts=[9, 6], responses=[[6, 1, 2, 3], [3, 2, 4, 3]], seed=2))
+    spec = (
+        Spec(prompts=[14, 20], responses=[[5, 8, 3, 6], [7, 2, 8, 4]], seed=1)
+        if rank == 0
+        else Spec(prompts=[9, 6], responses=[[6, 1, 2, 3], [3, 2, 4, 3]], seed=2)
+    )
     rows = 8 * size  # the global mini-batch
     out = {}
     for case, engine, dynamic in (("static", es, False), ("dynamic", es, True), ("budget", budget, False)):
         make = lambda dynamic=dynamic: rl_batch(spec, temperature=0.7, dynamic=dynamic, micro=4, max_tokens=128)  # noqa: E731
         theirs, ours = infer(ev, make()), infer(engine, make())
         td = make()
-        resp = td["attention_mask"][:, -td["responses"].shape[1]:].bool()
+        resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
         errs = {}
         for key in ("log_probs", "entropy"):
-            errs[key] = masked_rel(responses_of(ours["model_output"][key], td),
-                                   responses_of(theirs["model_output"][key], td), resp)
+            errs[key] = masked_rel(responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), resp)
         lf = loss_fn("clip_kl_entropy", rows)
         (o_v, g_v), (o_s, g_s) = train(ev, make(), lf), train(engine, make(), lf)
         errs["grads"] = rel(g_s, g_v)

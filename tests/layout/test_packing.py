@@ -1,4 +1,3 @@
-
 import sharedprefix as sp
 from sharedprefix.layout import SegmentTree, pack_row
 
@@ -11,7 +10,11 @@ def test_tree_positions_continue_from_parent():
     tree = _tree()
     segs = tree.segments
     assert [(s.parent, s.start, s.length, s.completion) for s in segs] == [
-        (None, 0, 3, None), (0, 3, 2, 0), (0, 3, 1, 1), (None, 0, 1, None), (3, 1, 3, 2),
+        (None, 0, 3, None),
+        (0, 3, 2, 0),
+        (0, 3, 1, 1),
+        (None, 0, 1, None),
+        (3, 1, 3, 2),
     ]
     assert tree.plain_tokens() == (3 + 2) + (3 + 1) + (1 + 3)
 
@@ -25,8 +28,18 @@ def test_prompt_chain_and_ancestors():
 
 
 def _calls(row, window=None):
-    return [(c.q_start, c.q_end, [(k.seg, k.start, k.end) for k in c.keys], c.cu_seqlens_q.tolist(),
-             c.cu_seqlens_k.tolist(), c.causal, c.window) for c in row.cascade(window).calls]
+    return [
+        (
+            c.q_start,
+            c.q_end,
+            [(k.seg, k.start, k.end) for k in c.keys],
+            c.cu_seqlens_q.tolist(),
+            c.cu_seqlens_k.tolist(),
+            c.causal,
+            c.window,
+        )
+        for c in row.cascade(window).calls
+    ]
 
 
 def test_row_is_laid_out_level_by_level_without_padding():
@@ -72,8 +85,7 @@ def test_cached_ancestors_are_key_sources():
     tree = SegmentTree([sp.Group(list(range(6)), [[1], [2, 3]])], prompt_chunk=3)
     row = pack_row(tree, [tree.completion_ids[0], tree.completion_ids[1]], cached={0, 1})
     calls = _calls(row)
-    assert calls[1:] == [(0, 3, [(0, 0, 0)], [0, 3], [0, 3], False, None),
-                         (0, 3, [(1, 0, 0)], [0, 3], [0, 3], False, None)]
+    assert calls[1:] == [(0, 3, [(0, 0, 0)], [0, 3], [0, 3], False, None), (0, 3, [(1, 0, 0)], [0, 3], [0, 3], False, None)]
     assert row.cached_reads == [0, 1] and row.h_sources == [1]
     assert row.pred_index.tolist() == [3, 3, 1]  # index 3 = L: the cached last hidden state of segment 1
 

@@ -61,8 +61,9 @@ def _direct(lp, old, ref, mask, adv, loss_type, eps_lo, eps_hi, beta, max_len=No
 def test_policy_loss_matches_direct_formula(loss_type, beta):
     lp, old, ref, mask, adv = _data()
     norm = losses.normalizer(loss_type, mask, max_completion_length=7)
-    loss, metrics = losses.policy_loss(lp, old, adv, mask, norm, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28,
-                                       beta=beta, ref_logprobs=ref)
+    loss, metrics = losses.policy_loss(
+        lp, old, adv, mask, norm, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta, ref_logprobs=ref
+    )
     want = _direct(lp, old, ref, mask, adv, loss_type, 0.2, 0.28, beta, max_len=7)
     assert abs(float(loss) - want) <= 1e-12 * max(1.0, abs(want))
     assert metrics["tokens"] == float(mask.sum())
@@ -74,8 +75,10 @@ def test_losses_are_additive_over_completions(loss_type):
     norm = losses.normalizer(loss_type, mask, max_completion_length=5)
     kw = dict(norm=norm, loss_type=loss_type, beta=0.1)
     whole, _ = losses.policy_loss(lp, old, adv, mask, ref_logprobs=ref, **kw)
-    parts = sum(float(losses.policy_loss(lp[s], old[s], adv[s], mask[s], ref_logprobs=ref[s], **kw)[0])
-                for s in (slice(0, 2), slice(2, 3), slice(3, 6)))
+    parts = sum(
+        float(losses.policy_loss(lp[s], old[s], adv[s], mask[s], ref_logprobs=ref[s], **kw)[0])
+        for s in (slice(0, 2), slice(2, 3), slice(3, 6))
+    )
     assert abs(float(whole) - parts) <= 1e-12
 
 
@@ -109,9 +112,13 @@ def test_sp_backward_with_each_loss_equals_dense_loss(loss_type):
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     model.zero_grad(set_to_none=True)
-    res = sp.backward(model, groups, lambda b: losses.policy_loss(
-        b.logprobs, old[b.index], adv[b.index], b.mask, norm, ref_logprobs=ref[b.index], **kw)[0],
-        max_tokens=12, prefix_activations="recompute")
+    res = sp.backward(
+        model,
+        groups,
+        lambda b: losses.policy_loss(b.logprobs, old[b.index], adv[b.index], b.mask, norm, ref_logprobs=ref[b.index], **kw)[0],
+        max_tokens=12,
+        prefix_activations="recompute",
+    )
     assert res.loss_calls > 2  # the budget really split the batch
     assert math.isclose(res.loss, float(dense.detach()), rel_tol=1e-9)
     for n, p in model.named_parameters():

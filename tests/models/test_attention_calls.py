@@ -15,8 +15,15 @@ GROUPS = lambda: random_groups(0, 3, [9, 5, 7], [[4, 1, 6], [3, 2], [5]])  # noq
 
 
 def _diffllama():
-    cfg = tf.DiffLlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = tf.DiffLlamaConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return float64_faithful(tf.DiffLlamaForCausalLM(cfg).double().eval())
@@ -47,10 +54,7 @@ def test_one_cached_kv_per_layer_would_be_wrong(monkeypatch):
     from sharedprefix.schedule.cache import PrefixCache
 
     write, read = PrefixCache.write_kv, PrefixCache.read_kv
-    monkeypatch.setattr(PrefixCache, "write_kv", lambda self, m, s, k, v: write(self, m[0] if isinstance(m, tuple) else m,
-                                                                                s, k, v))
+    monkeypatch.setattr(PrefixCache, "write_kv", lambda self, m, s, k, v: write(self, m[0] if isinstance(m, tuple) else m, s, k, v))
     monkeypatch.setattr(PrefixCache, "read_kv", lambda self, m, s: read(self, m[0] if isinstance(m, tuple) else m, s))
     with Float64Inside(), pytest.raises(AssertionError):
         assert_matches_plain_rows(_diffllama(), GROUPS(), 12, "keep")
-
-

@@ -34,9 +34,20 @@ def _rotary64(xq, xk, freqs_cis):
 def model(monkeypatch):
     monkeypatch.setattr(modeling_llama4, "apply_rotary_emb", _rotary64)
     cfg = tf.Llama4TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-        attention_chunk_size=CHUNK, attn_temperature_tuning=True, floor_scale=4, use_qk_norm=False, moe_layers=[],
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        intermediate_size_mlp=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        attention_chunk_size=CHUNK,
+        attn_temperature_tuning=True,
+        floor_scale=4,
+        use_qk_norm=False,
+        moe_layers=[],
         no_rope_layers=[1, 1, 1, 0],  # layers 0-2 chunked with RoPE, layer 3 full attention without
     )
     cfg._attn_implementation = "sdpa"

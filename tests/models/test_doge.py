@@ -10,9 +10,17 @@ from sharedprefix.attention import dynamic_mask
 
 
 def _doge(window=None, keep=2048):
-    cfg = tf.DogeConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=512, sliding_window=window,
-                        keep_window_size=keep)
+    cfg = tf.DogeConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=window,
+        keep_window_size=keep,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = tf.DogeForCausalLM(cfg).double().eval()
@@ -25,8 +33,7 @@ def _doge(window=None, keep=2048):
 GROUPS = lambda: random_groups(0, 3, [9, 5, 7], [[4, 1, 6], [3, 2], [5]])  # noqa: E731
 
 
-@pytest.mark.parametrize("window, budget, mode", [(None, None, None), (None, 12, "keep"), (None, 12, "recompute"),
-                                                  (4, 12, "offload")])
+@pytest.mark.parametrize("window, budget, mode", [(None, None, None), (None, 12, "keep"), (None, 12, "recompute"), (4, 12, "offload")])
 def test_dynamic_mask_matches_plain_rows(window, budget, mode):
     assert_matches_plain_rows(_doge(window), GROUPS(), budget, mode)
 

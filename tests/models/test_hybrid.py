@@ -18,20 +18,55 @@ from sharedprefix.tools.reference import Float64Inside, plain_logprobs
 from sharedprefix.tools.zoo.configs import _float64_norms
 
 # initializer_range 0.2 (not 0.02): states that matter, so that a completion started from a wrong one is caught
-COMMON = dict(initializer_range=0.2, vocab_size=61, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(
+    initializer_range=0.2,
+    vocab_size=61,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 CONFIGS = {
-    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM",
-             dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3,
-                  block_auto_adjust_ff_dim=False)),
-    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",
-                  dict(num_hidden_layers=2, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
-                       mamba_d_state=8, mamba_chunk_size=4, mamba_n_groups=1)),
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
-                   dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], head_dim=8,
-                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-                        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                        shared_expert_intermediate_size=16)),
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, block_auto_adjust_ff_dim=False),
+    ),
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            head_dim=8,
+            mamba_d_ssm=32,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_d_state=8,
+            mamba_chunk_size=4,
+            mamba_n_groups=1,
+        ),
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            head_dim=8,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=16,
+        ),
+    ),
 }
 TOL = {"lfm2": (1e-9, 1e-9), "falcon_h1": (1e-6, 1e-5), "qwen3_next": (1e-6, 1e-5)}
 _MODELS = {}
@@ -53,8 +88,7 @@ def model_of(family):
 def groups_of(seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(3, COMMON["vocab_size"], (n,), generator=g)  # noqa: E731
-    return [sp.Group(ids(9), [ids(5), ids(3), ids(6), ids(1)]), sp.Group(ids(1), [ids(4), ids(2)]),
-            sp.Group(ids(5), [ids(3)])]
+    return [sp.Group(ids(9), [ids(5), ids(3), ids(6), ids(1)]), sp.Group(ids(1), [ids(4), ids(2)]), sp.Group(ids(5), [ids(3)])]
 
 
 @pytest.fixture
@@ -137,14 +171,14 @@ def test_logprobs_and_gradients_match_the_plain_forward(request, family):
     runs = [("keep", 6), ("offload", None), ("recompute", 6)] if family == "lfm2" else [("keep", 6)]
     for mode, max_tokens in runs:
         model.zero_grad(set_to_none=True)
-        res = sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens,
-                          prefix_activations=mode)
+        res = sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens, prefix_activations=mode)
         got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
         assert _grad_error(got, want) <= grad_tol, (mode, max_tokens, _grad_error(got, want))
         assert abs(res.loss - float((ref * w).sum())) <= 1e-9 * max(1.0, abs(res.loss))
         assert res.tokens_computed < res.tokens_plain and res.tokens_plain == sum(
-            (g.prompt.numel() + c.numel()) for g in gs for c in g.completions)
+            (g.prompt.numel() + c.numel()) for g in gs for c in g.completions
+        )
 
 
 @pytest.mark.parametrize("family", sorted(FLOAT32_INSIDE))
@@ -172,8 +206,11 @@ def test_a_completion_that_does_not_start_from_the_prompts_state_is_caught(monke
     model, gs = model_of(family), groups_of()
     ref = reference(family, model, gs)[0]
     read = hybrid._read  # (the model's own float32 layers: their rounding is far below what is asserted here)
-    monkeypatch.setattr(hybrid, "_read", lambda cache, slots: [
-        torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))])
+    monkeypatch.setattr(
+        hybrid,
+        "_read",
+        lambda cache, slots: [torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))],
+    )
     with torch.no_grad():
         out = sp.logprobs(model, gs)
     assert float((out.logprobs - ref).abs().max()) > 1e-6
@@ -222,8 +259,11 @@ def test_mamba1_families_stay_refused_because_their_scan_ignores_the_prompts_sta
     model = zoo_model(entry)
     assert model.config.model_type in modeling.HYBRID_REFUSED and model.config.model_type not in HYBRID_MODEL_TYPES
     gs = groups_of()
-    with pytest.raises(ValueError, match=r"mix tokens outside attention.*Mamba \(v1\) selective scan starts every "
-                                         r"multi-token forward from a zero state"):
+    with pytest.raises(
+        ValueError,
+        match=r"mix tokens outside attention.*Mamba \(v1\) selective scan starts every "
+        r"multi-token forward from a zero state",
+    ):
         sp.logprobs(model, gs)
     monkeypatch.setattr(modeling, "HYBRID_MODEL_TYPES", HYBRID_MODEL_TYPES | {model.config.model_type})
     with torch.no_grad():
@@ -237,8 +277,9 @@ def test_recurrent_gemma_stays_refused_with_its_reason(monkeypatch):
     from sharedprefix.model import support as modeling
 
     model = zoo_model("recurrent_gemma")
-    with pytest.raises(ValueError, match="mix tokens outside attention.*keeps its convolution and recurrent states on "
-                                         "its own modules, not in the cache"):
+    with pytest.raises(
+        ValueError, match="mix tokens outside attention.*keeps its convolution and recurrent states on its own modules, not in the cache"
+    ):
         sp.logprobs(model, groups_of())
     monkeypatch.setattr(modeling, "HYBRID_MODEL_TYPES", HYBRID_MODEL_TYPES | {"recurrent_gemma"})
     with pytest.raises(ValueError, match=r"cache layers \[0\] hold no state"):
@@ -282,8 +323,23 @@ def zoo_model(entry):
     return model
 
 
-ZOO_HYBRIDS = ["lfm2_moe", "zamba2", "olmo_hybrid", "qwen3_5_text", "kimi_linear", "bailing_hybrid", "nemotron_h",
-               "mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text", "zaya", "lara_mini"]
+ZOO_HYBRIDS = [
+    "lfm2_moe",
+    "zamba2",
+    "olmo_hybrid",
+    "qwen3_5_text",
+    "kimi_linear",
+    "bailing_hybrid",
+    "nemotron_h",
+    "mamba2",
+    "bamba",
+    "granitemoehybrid",
+    "lfm3",
+    "minimax",
+    "qwen3_5_moe_text",
+    "zaya",
+    "lara_mini",
+]
 # sp.backward in the three prefix modes (the others: "keep", the modes being the same code for every family)
 ALL_MODES = {"mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text", "zaya", "lara_mini"}
 
@@ -296,6 +352,7 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
     state the cache carries (K/V where the model has attention layers, conv, recurrent) matters: zeroed, the
     log-probs move far beyond the tolerance."""
     from sharedprefix.model.adapter import ATTENTION_LAYER_TYPES
+
     model = zoo_model(entry)
     assert model.config.model_type in HYBRID_MODEL_TYPES
     gs = groups_of()
@@ -307,8 +364,7 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
             assert float((sp.logprobs(model, gs, max_tokens=6).logprobs - ref).abs().max()) <= 1e-9
         runs = [("keep", 6), ("offload", None), ("recompute", 6)] if entry in ALL_MODES else [("keep", 6)]
         for mode, max_tokens in runs:
-            sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens,
-                        prefix_activations=mode)
+            sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens, prefix_activations=mode)
             got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)
             assert _grad_error(got, want) <= 1e-9, (mode, max_tokens, _grad_error(got, want))
@@ -320,7 +376,8 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
         assert "keys" in kinds or not set(types) & ATTENTION_LAYER_TYPES, kinds
         for slot in kinds:
             zeroed = lambda cache, slots, slot=slot: [  # noqa: E731
-                torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))]
+                torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))
+            ]
             hybrid._read = zeroed
             try:
                 with torch.no_grad():

@@ -20,17 +20,28 @@ PAD = 0
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = tf.RobertaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, max_position_embeddings=64, pad_token_id=PAD, is_decoder=True,
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = tf.RobertaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        is_decoder=True,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return tf.RobertaForCausalLM(cfg).to(torch.float64).eval()
 
 
 def _groups():
-    return [sp.Group([5, 6, PAD, 7, 8, 9, 10, 11, 12], [[13, PAD, 14, 15, 16], [17, 18, 19], [20, 21, 22, 23, 24, 25]]),
-            sp.Group([30, 31, 32, 33], [[PAD, 34, 35, 36]])]
+    return [
+        sp.Group([5, 6, PAD, 7, 8, 9, 10, 11, 12], [[13, PAD, 14, 15, 16], [17, 18, 19], [20, 21, 22, 23, 24, 25]]),
+        sp.Group([30, 31, 32, 33], [[PAD, 34, 35, 36]]),
+    ]
 
 
 @pytest.mark.parametrize("budget", [None, 12])

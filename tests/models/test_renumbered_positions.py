@@ -16,10 +16,24 @@ import sharedprefix as sp
 from helpers import VOCAB, assert_matches_plain_rows, plain_logprobs
 from sharedprefix.model import positions
 
-_SIZES = dict(vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=48,
-              encoder_layers=1, encoder_attention_heads=4, encoder_ffn_dim=48, max_position_embeddings=64,
-              dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2, decoder_start_token_id=2)
+_SIZES = dict(
+    vocab_size=VOCAB,
+    d_model=32,
+    decoder_layers=2,
+    decoder_attention_heads=4,
+    decoder_ffn_dim=48,
+    encoder_layers=1,
+    encoder_attention_heads=4,
+    encoder_ffn_dim=48,
+    max_position_embeddings=64,
+    dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    decoder_start_token_id=2,
+)
 MODELS = {
     "bart": (tf.BartConfig, tf.BartForCausalLM),  # learned, offset 2, (1, L, d)
     "mbart": (tf.MBartConfig, tf.MBartForCausalLM),
@@ -44,8 +58,10 @@ def model(request):
 
 def _groups():
     # positions reach 9 + 6 = 15 in the first group; the second group's prompt is one token
-    return [sp.Group([5, 6, 7, 8, 9, 10, 11, 12, 13], [[14, 15, 16, 17, 18], [19, 20, 21], [22, 23, 24, 25, 26, 27]]),
-            sp.Group([30], [[31, 32, 33, 34]])]
+    return [
+        sp.Group([5, 6, 7, 8, 9, 10, 11, 12, 13], [[14, 15, 16, 17, 18], [19, 20, 21], [22, 23, 24, 25, 26, 27]]),
+        sp.Group([30], [[31, 32, 33, 34]]),
+    ]
 
 
 @pytest.mark.parametrize("budget", [None, 12])
@@ -88,8 +104,11 @@ def test_a_renumbering_off_by_one_is_refused(monkeypatch):
 
 def test_a_position_module_that_ignores_position_ids_is_refused(monkeypatch):
     own = tf.models.bart.modeling_bart.BartLearnedPositionalEmbedding.forward
-    monkeypatch.setattr(tf.models.bart.modeling_bart.BartLearnedPositionalEmbedding, "forward",
-                        lambda self, input_ids, cache_length=0, position_ids=None: own(self, input_ids, cache_length))
+    monkeypatch.setattr(
+        tf.models.bart.modeling_bart.BartLearnedPositionalEmbedding,
+        "forward",
+        lambda self, input_ids, cache_length=0, position_ids=None: own(self, input_ids, cache_length),
+    )
     with pytest.raises(ValueError, match="takes no position_ids: it numbers .* does not return what it returns"):
         sp.logprobs(_model("bart"), _groups())
 

@@ -41,8 +41,7 @@ def test_aux_loss_and_its_gradient_match_one_plain_forward_of_all_rows(model, bu
     assert (out.logprobs - plain_logprobs(model, groups)[0]).abs().max() <= 1e-9
     w = torch.randn(out.logprobs.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * w).sum() + 3.0 * plain_aux_loss(model, groups))
-    got = grads_of(model, lambda: (lambda o: (o.logprobs * w).sum() + 3.0 * o.aux_loss)(
-        sp.logprobs(model, groups, max_tokens=budget)))
+    got = grads_of(model, lambda: (lambda o: (o.logprobs * w).sum() + 3.0 * o.aux_loss)(sp.logprobs(model, groups, max_tokens=budget)))
     assert any("gate" in n for n in got)  # the router is trained through the loss
     assert_grads_close(got, want, 1e-5)
 
@@ -67,8 +66,11 @@ def test_multiplicities_of_a_tree_count_the_rows_through_each_segment(model):
 
 
 def test_backward_refuses_the_aux_loss_with_the_fix(model):
-    with pytest.raises(ValueError, match=r"output_router_logits=True, and sharedprefix.backward takes its loss per pass"
-                                         r".*product of two means.*\.aux_loss"):
+    with pytest.raises(
+        ValueError,
+        match=r"output_router_logits=True, and sharedprefix.backward takes its loss per pass"
+        r".*product of two means.*\.aux_loss",
+    ):
         sp.backward(model, _groups(), lambda b: b.logprobs.sum())
     with pytest.raises(ValueError, match=r"logprobs defers its backward .*defer=True"):
         sp.logprobs(model, _groups(), defer=True)

@@ -34,9 +34,19 @@ def _eager64(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
 @pytest.fixture
 def model(monkeypatch):
     monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", _eager64)
-    cfg = tf.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-                          sliding_window=4, attn_logit_softcapping=CAP, final_logit_softcapping=30.0)
+    cfg = tf.Gemma2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        sliding_window=4,
+        attn_logit_softcapping=CAP,
+        final_logit_softcapping=30.0,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     return float64_faithful(tf.Gemma2ForCausalLM(cfg).to(torch.float64).eval())

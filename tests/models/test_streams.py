@@ -40,8 +40,11 @@ def _model(entry="musicgen", pad_in_vocab=False, seed=0, **settings):
     return cls(cfg).to(torch.float64).eval()
 
 
-@pytest.fixture(scope="module", params=[("musicgen", False), ("musicgen", True), ("musicgen_melody", False)],
-                ids=["musicgen", "musicgen-pad-in-vocab", "musicgen_melody"])
+@pytest.fixture(
+    scope="module",
+    params=[("musicgen", False), ("musicgen", True), ("musicgen_melody", False)],
+    ids=["musicgen", "musicgen-pad-in-vocab", "musicgen_melody"],
+)
 def model(request):
     return _model(*request.param)
 
@@ -110,8 +113,15 @@ def test_entropy_and_temperature(model):
     assert (out.logprobs - _plain(model, groups)).abs().max() > 1e-3  # the temperature does act
     w = torch.randn(lp.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     want = grads_of(model, lambda: ((_plain(model, groups, 0.7) + _plain(model, groups, 0.7, True)) * w).sum())
-    got = grads_of(model, lambda: sp.backward(model, groups, lambda b: ((b.logprobs + b.entropy) * w[b.index]).sum(),
-                                             max_tokens=12, temperature=0.7, entropy=True) and None)
+    got = grads_of(
+        model,
+        lambda: (
+            sp.backward(
+                model, groups, lambda b: ((b.logprobs + b.entropy) * w[b.index]).sum(), max_tokens=12, temperature=0.7, entropy=True
+            )
+            and None
+        ),
+    )
     for n in want:
         assert (got[n] - want[n]).abs().max() <= 1e-9 * want[n].abs().max().clamp_min(1e-12), n
 
@@ -132,6 +142,7 @@ def test_no_hook_stays_on_the_model(model):
 
 
 # controls: each breaks one part of the mechanism, and the comparison catches it
+
 
 def _mismatch(model, groups, budget=12) -> float:
     with torch.no_grad():
@@ -189,6 +200,7 @@ def test_control_pads_not_excluded(monkeypatch):
 
 
 # refusals: before any computation (no decoder call, no gradient)
+
 
 def _refused(model, source, match):
     calls = []

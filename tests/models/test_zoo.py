@@ -45,22 +45,33 @@ def test_the_features_this_zoo_exists_for_are_exercised():
     """Windows, sinks, latent attention, chunks and MoE really occur among the exact entries (a config change that
     quietly turned them off would leave their tests vacuous)."""
     feats = {f for e in zoo.entries() for f in _result(e).features}
-    assert {"sliding window", "attention sinks", "chunked attention", "MoE", "MoE load-balancing loss",
-            "attention-score soft-capping", "latent attention (value head dim != query head dim)"} <= feats
+    assert {
+        "sliding window",
+        "attention sinks",
+        "chunked attention",
+        "MoE",
+        "MoE load-balancing loss",
+        "attention-score soft-capping",
+        "latent attention (value head dim != query head dim)",
+    } <= feats
     assert {"gpt_oss", "deepseek_v3", "phimoe", "exaone4", "gemma3_text", "llama4_text+chunk_4"} <= {
-        e for e in zoo.entries() if _result(e).status == "exact"}
+        e for e in zoo.entries() if _result(e).status == "exact"
+    }
 
 
-@pytest.mark.parametrize("entry, category", [
-    ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
-    ("bloom", "attention outside transformers' attention interface"),  # ALiBi in its own attention; was "positions"
-    ("rwkv", "token mixing outside attention"),  # a recurrence; was "positions numbered by the model itself"
-    ("mamba", "token mixing outside attention"),
-    ("deepseek_v4", "token mixing outside attention"),  # its compressors pool blocks of the row into keys
-    ("qwen4_exp_text", "token mixing outside attention"),  # linear-attention layers (next to its indexed ones)
-    ("blt", "token mixing outside attention"),  # bytes pooled into patches; was "attention masks"
-    ("reformer", "attention outside transformers' attention interface"),  # LSH attention; was "fails on a probe row"
-])
+@pytest.mark.parametrize(
+    "entry, category",
+    [
+        ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
+        ("bloom", "attention outside transformers' attention interface"),  # ALiBi in its own attention; was "positions"
+        ("rwkv", "token mixing outside attention"),  # a recurrence; was "positions numbered by the model itself"
+        ("mamba", "token mixing outside attention"),
+        ("deepseek_v4", "token mixing outside attention"),  # its compressors pool blocks of the row into keys
+        ("qwen4_exp_text", "token mixing outside attention"),  # linear-attention layers (next to its indexed ones)
+        ("blt", "token mixing outside attention"),  # bytes pooled into patches; was "attention masks"
+        ("reformer", "attention outside transformers' attention interface"),  # LSH attention; was "fails on a probe row"
+    ],
+)
 def test_refusals_name_the_feature(entry, category):
     r = _result(entry)
     assert r.status == "refused" and r.category.startswith(category), (r.status, r.category, r.detail)
@@ -86,8 +97,7 @@ DSA_ENTRIES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text"
 def test_deepseek_sparse_attention_is_exact_also_when_split():
     for entry in DSA_ENTRIES:
         r = _result(entry)
-        assert r.status == "exact" and "keys selected by an indexer (DeepSeek sparse attention)" in r.features, (
-            entry, r.status, r.detail)
+        assert r.status == "exact" and "keys selected by an indexer (DeepSeek sparse attention)" in r.features, (entry, r.status, r.detail)
         assert not r.split_refusal and r.grad_err is not None, (entry, r.split_refusal)
 
 
@@ -97,8 +107,11 @@ def test_zoo_catches_an_ignored_indexer_selection(entry, monkeypatch):
     from sharedprefix.attention import indexed
 
     orig = indexed.sparse_attention
-    monkeypatch.setattr(indexed, "sparse_attention", lambda q, k, v, vis, idx, *a: orig(
-        q, k, v, vis, torch.arange(q.shape[2])[None, None].expand(1, q.shape[2], -1), *a))
+    monkeypatch.setattr(
+        indexed,
+        "sparse_attention",
+        lambda q, k, v, vis, idx, *a: orig(q, k, v, vis, torch.arange(q.shape[2])[None, None].expand(1, q.shape[2], -1), *a),
+    )
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 

@@ -51,8 +51,7 @@ def test_budgets_and_modes_match_plain_float64(arch, mode, kernel_path):
         res, got = _run(model, groups, _weighted_loss(W), max_tokens=budget, prefix_activations=mode)
         assert math.isclose(res.loss, want_loss, rel_tol=1e-9), (budget, res.loss, want_loss)
         assert_grads_close(got, want, 1e-9)
-        assert res.tokens_plain == sum(g.prompt.numel() * g.group_size + sum(c.numel() for c in g.completions)
-                                       for g in groups)
+        assert res.tokens_plain == sum(g.prompt.numel() * g.group_size + sum(c.numel() for c in g.completions) for g in groups)
         if mode == "offload" and budget is not None and budget < 35:
             assert res.offloaded_bytes > 0  # the saved-tensor hooks really moved the prompt's activations
         if mode == "recompute" and budget is not None and budget < 35:
@@ -64,12 +63,12 @@ def test_prompt_split_into_four_chunks_runs_reverse_backward():
     p = sp.plan(groups, 7)
     chain = p.tree.prompt_chain[2]
     assert len(chain) == 4  # prompt of 28 tokens under a 7-token budget
-    back = [i for i, s in enumerate(p.steps) if isinstance(s, sp.schedule.PrefixBackward)
-            and set(s.segments) <= set(chain)]
+    back = [i for i, s in enumerate(p.steps) if isinstance(s, sp.schedule.PrefixBackward) and set(s.segments) <= set(chain)]
     # one backward per chunk, innermost first, each after every pass of its subtree
     assert [p.steps[i].segments[0] for i in back] == chain[::-1]
-    last = max(i for i, s in enumerate(p.steps) if isinstance(s, sp.schedule.Pass)
-               and any(p.tree.segments[x].group == 2 for x in s.segments))
+    last = max(
+        i for i, s in enumerate(p.steps) if isinstance(s, sp.schedule.Pass) and any(p.tree.segments[x].group == 2 for x in s.segments)
+    )
     assert back[0] > last and back == list(range(back[0], back[0] + 4))
 
 
@@ -111,8 +110,7 @@ def test_float32_schedule_within_twice_plain_error():
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    spec=st.lists(st.tuples(st.integers(1, 14), st.lists(st.integers(1, 6), min_size=1, max_size=5)), min_size=1,
-                  max_size=3),
+    spec=st.lists(st.tuples(st.integers(1, 14), st.lists(st.integers(1, 6), min_size=1, max_size=5)), min_size=1, max_size=3),
     budget=st.integers(6, 40),
     mode=st.sampled_from(MODES),
     seed=st.integers(0, 1000),
@@ -187,6 +185,7 @@ def test_gradient_checkpointing_model_is_exact(reentrant):
 
 
 # ---- errors -------------------------------------------------------------------------------------------------
+
 
 def test_loss_fn_errors():
     model = tiny_model("llama")

@@ -40,7 +40,8 @@ def _masks(rows, spec):
 
 ROW_SPEC = st.lists(
     st.tuples(st.integers(0, 8), st.integers(0, 14), st.lists(st.integers(0, 5), max_size=6), st.integers(0, 5)),
-    min_size=1, max_size=7,
+    min_size=1,
+    max_size=7,
 )
 
 
@@ -68,6 +69,7 @@ def _check(rows, trained, budgets=(None,), modes=("keep",)):
         got = grads_of(model, lambda budget=budget: (sp.logprobs(model, tree, max_tokens=budget).logprobs * w).sum())
         _assert_grads(got, want)
         for mode in modes:
+
             def loss(b):
                 assert b.logprobs.shape[1] == ref.shape[1] and torch.equal(b.mask, want_mask[b.index.cpu()])
                 return (b.logprobs * w[b.index]).sum()

@@ -32,8 +32,19 @@ class _Merged(torch.autograd.Function):
         outs, lses, auxes = [], [], []
         for i, c in enumerate(calls):
             cu_q, cu_k, _ = c.on(device)
-            o, m, *aux = impl.forward(q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], cu_q, cu_k, c.max_seqlen_q,
-                                      c.max_seqlen_k, c.causal, c.window, scale, **_cap(softcap))
+            o, m, *aux = impl.forward(
+                q[c.q_start : c.q_end],
+                kv[2 * i],
+                kv[2 * i + 1],
+                cu_q,
+                cu_k,
+                c.max_seqlen_q,
+                c.max_seqlen_k,
+                c.causal,
+                c.window,
+                scale,
+                **_cap(softcap),
+            )
             outs.append(o)
             lses.append(m.to(acc))
             auxes.append(aux[0] if aux else None)
@@ -64,9 +75,23 @@ class _Merged(torch.autograd.Function):
         for i, c in enumerate(ctx.calls):
             cu_q, cu_k, _ = c.on(ctx.device)
             s = slice(c.q_start, c.q_end)
-            gq, gk, gv = ctx.impl.backward(dout[s], q[s], kv[2 * i], kv[2 * i + 1], out[s], lse[s], cu_q, cu_k,
-                                           c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ctx.scale,
-                                           aux=ctx.auxes[i], **_cap(ctx.softcap))
+            gq, gk, gv = ctx.impl.backward(
+                dout[s],
+                q[s],
+                kv[2 * i],
+                kv[2 * i + 1],
+                out[s],
+                lse[s],
+                cu_q,
+                cu_k,
+                c.max_seqlen_q,
+                c.max_seqlen_k,
+                c.causal,
+                c.window,
+                ctx.scale,
+                aux=ctx.auxes[i],
+                **_cap(ctx.softcap),
+            )
             dq[s] += gq
             grads += [gk, gv]
         dsinks = None
@@ -101,8 +126,9 @@ def _keys(call, k: torch.Tensor, v: torch.Tensor, read_kv):
     return kk, vv
 
 
-def cascade_attention(impl, cascade: Cascade, query, key, value, read_kv, scale: float, sinks=None,
-                      softcap: float | None = None) -> torch.Tensor:
+def cascade_attention(
+    impl, cascade: Cascade, query, key, value, read_kv, scale: float, sinks=None, softcap: float | None = None
+) -> torch.Tensor:
     """Shared-prefix attention of a packed row.
 
     Args:

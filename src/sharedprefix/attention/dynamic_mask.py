@@ -34,13 +34,18 @@ def fold_key_bias(module, query, key, value, mask: torch.Tensor, scale: float):
     name = type(module).__name__
     H, L = query.shape[1], query.shape[2]
     if tuple(mask.shape) != (1, H, L, L) or not mask.is_floating_point():
-        raise ValueError(f"{name} passed a dynamic mask of shape {tuple(mask.shape)} ({mask.dtype}); sharedprefix "
-                         f"expects a float (1, {H}, {L}, {L}) bias broadcast over queries, and refuses other masks.")
+        raise ValueError(
+            f"{name} passed a dynamic mask of shape {tuple(mask.shape)} ({mask.dtype}); sharedprefix "
+            f"expects a float (1, {H}, {L}, {L}) bias broadcast over queries, and refuses other masks."
+        )
     bias = mask[0, :, 0, :]  # (H, L)
-    if not (torch.equal(mask[0, :, -1, :], bias) and bool(torch.isfinite(bias).all())
-            and bool((bias > torch.finfo(bias.dtype).min / 2).all())):
-        raise ValueError(f"{name} passed a dynamic mask that is not one finite bias per key for every query; "
-                         "sharedprefix refuses it rather than guess which keys it masks.")
+    if not (
+        torch.equal(mask[0, :, -1, :], bias) and bool(torch.isfinite(bias).all()) and bool((bias > torch.finfo(bias.dtype).min / 2).all())
+    ):
+        raise ValueError(
+            f"{name} passed a dynamic mask that is not one finite bias per key for every query; "
+            "sharedprefix refuses it rather than guess which keys it masks."
+        )
     n = H // key.shape[1]
     key, value = key.repeat_interleave(n, 1), value.repeat_interleave(n, 1)
     one = torch.ones_like(query[..., :1])

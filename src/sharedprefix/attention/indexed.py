@@ -185,8 +185,13 @@ def visible_mask(layout: RowLayout, device) -> torch.Tensor:
 
 
 def sparse_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, indices: torch.Tensor,
-    scale: float, sinks: torch.Tensor | None = None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each query over its visible keys that the indexer selected.
 

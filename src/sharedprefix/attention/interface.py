@@ -35,8 +35,18 @@ NAME = "sharedprefix"
 
 # Keyword arguments transformers attention modules pass that do not change the attention result.
 _NEUTRAL_KWARGS = {
-    "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
-    "layer_idx", "is_causal", "sliding_window", "dropout", "scaling", "softcap",
+    "position_ids",
+    "cache_position",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "layer_idx",
+    "is_causal",
+    "sliding_window",
+    "dropout",
+    "scaling",
+    "softcap",
 }
 
 
@@ -204,9 +214,16 @@ def _check_indexed(module, indices, state: PassState, window, chunk, softcap, ca
             "mask from sharedprefix (its mask does not come from transformers' masking utilities), so the "
             "selection cannot match the plain run. This model is not supported."
         )
-    odd = [x for x, on in (("a sliding window", window is not None), ("attention chunks", chunk is not None),
-                           ("attention-score soft-capping", softcap is not None),
-                           (f"{calls} attention calls per forward", calls > 1)) if on]
+    odd = [
+        x
+        for x, on in (
+            ("a sliding window", window is not None),
+            ("attention chunks", chunk is not None),
+            ("attention-score soft-capping", softcap is not None),
+            (f"{calls} attention calls per forward", calls > 1),
+        )
+        if on
+    ]
     if odd:
         raise ValueError(
             f"{name} attends over indexer-selected keys (DeepSeek sparse attention) with {', '.join(odd)}; "

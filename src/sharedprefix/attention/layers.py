@@ -54,8 +54,11 @@ def layer_window(module, passed: int | None) -> int | None:
     types = getattr(cfg, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
     kind = str(types[idx]) if types is not None and isinstance(idx, int) and idx < len(types) else None
-    desc = {"full": "causal without a window", "sliding": f"a sliding window of {pat.size} tokens",
-            "chunked": f"chunks of {pat.size} positions"}[pat.kind]
+    desc = {
+        "full": "causal without a window",
+        "sliding": f"a sliding window of {pat.size} tokens",
+        "chunked": f"chunks of {pat.size} positions",
+    }[pat.kind]
     said = f"config.layer_types says {kind!r} and " if kind is not None else ""
     expected = {"sliding_attention": "sliding", "chunked_attention": "chunked"}.get(kind)
     if expected is not None and pat.kind != expected:

@@ -62,7 +62,7 @@ OWN_ATTENTION = {
     "bloom": "its own attention code adds ALiBi biases (a per-head slope times the key's position) to the scores",
     "mpt": "its own attention code adds ALiBi biases (a per-head slope times the key's position) to the scores",
     "xlnet": "its own two-stream relative-position attention (content and query streams), over the whole row in both "
-             "directions unless config.attn_type='uni'",
+    "directions unless config.attn_type='uni'",
 }
 _PATTERNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> LayerPattern
 _BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> attention modules probed
@@ -83,8 +83,12 @@ def _record(module, query, key, value, attention_mask, **kwargs):
             # module's attribute) is False
             causal = kwargs.get("is_causal")
             causal = getattr(module, "is_causal", True) if causal is None else causal
-            _LOG[-1][module] = [attention_mask if causal or attention_mask is not None else "bidirectional",
-                                key.shape[-2], 1, kwargs.get("indices") is not None]
+            _LOG[-1][module] = [
+                attention_mask if causal or attention_mask is not None else "bidirectional",
+                key.shape[-2],
+                1,
+                kwargs.get("indices") is not None,
+            ]
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
     return out, None
 
@@ -175,8 +179,7 @@ def probe(model, decoder, expected_layers: int) -> dict:
     try:
         with _probing(configs, settings), torch.no_grad():
             numbered = "position_ids" in inspect.signature(decoder.forward).parameters  # else it numbers 0..n-1 itself
-            decoder(input_ids=ids, use_cache=False,
-                    **({"position_ids": torch.arange(n, device=device)[None]} if numbered else {}))
+            decoder(input_ids=ids, use_cache=False, **({"position_ids": torch.arange(n, device=device)[None]} if numbered else {}))
         log = _LOG[-1]
     except Exception as e:  # noqa: BLE001  (the model's own code: refused, with its error, never passed over)
         if not _LOG[-1] and not _uses_interface(model):
@@ -193,8 +196,13 @@ def probe(model, decoder, expected_layers: int) -> dict:
     finally:
         _LOG.pop()
     if sum(c for _, _, c, _ in log.values()) < expected_layers:
-        own = sorted({type(m).__name__ for m in decoder.modules() if "Attention" in type(m).__name__ and m not in log
-                      and not any(m in c.modules() for c in log)})
+        own = sorted(
+            {
+                type(m).__name__
+                for m in decoder.modules()
+                if "Attention" in type(m).__name__ and m not in log and not any(m in c.modules() for c in log)
+            }
+        )
         what = OWN_ATTENTION.get(getattr(model.config.get_text_config(), "model_type", None))
         detail = (" (" + ", ".join(own) + ")" if own else "") + (": " + what if what else "")
         raise ValueError(

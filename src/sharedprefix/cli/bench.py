@@ -43,15 +43,30 @@ def _out(line):
 
 
 def add_arguments(p):
-    p.add_argument("--memory", action="store_true", help="run the memory benchmark of the cross-microbatch schedule "
-                   "(with --tree: peak memory against the number of prompts sharing the system prompt)")
-    p.add_argument("--tree", action="store_true", help="agentic shape: a system prompt shared by 8 prompts (trees vs "
-                   "per-group sharing; --max-tokens is the budget, default 8192 here; --plain adds the plain run)")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="run the memory benchmark of the cross-microbatch schedule "
+        "(with --tree: peak memory against the number of prompts sharing the system prompt)",
+    )
+    p.add_argument(
+        "--tree",
+        action="store_true",
+        help="agentic shape: a system prompt shared by 8 prompts (trees vs "
+        "per-group sharing; --max-tokens is the budget, default 8192 here; --plain adds the plain run)",
+    )
     p.add_argument("--plain", action="store_true", help="with --tree: also time the plain run (slow on CPU)")
-    p.add_argument("--hybrid", action="store_true", help="a hybrid model (LFM2: short convolutions beside attention) "
-                   "on the speed benchmark's group, through the hybrid path")
-    p.add_argument("--vision", action="store_true", help="vision-language shape: 1024 visual + 256 text prompt tokens, "
-                   "G=8 x 256, Qwen2-VL architecture (plain rows with their images vs sharedprefix)")
+    p.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="a hybrid model (LFM2: short convolutions beside attention) on the speed benchmark's group, through the hybrid path",
+    )
+    p.add_argument(
+        "--vision",
+        action="store_true",
+        help="vision-language shape: 1024 visual + 256 text prompt tokens, "
+        "G=8 x 256, Qwen2-VL architecture (plain rows with their images vs sharedprefix)",
+    )
     p.add_argument("--prompt", type=int, default=None, help="prompt length (default 2048, or 4096 with --memory)")
     p.add_argument("--completion", type=int, default=None, help="completion length (default 128, or 256)")
     p.add_argument("--G", type=int, nargs="+", default=None, help="group size(s) (default 8, or 4 8 16 32)")
@@ -69,8 +84,7 @@ def run(args):
     if args.memory and args.tree:
         from sharedprefix.tools import bench_tree
 
-        bench_tree.memory(args.max_tokens or 8192, args.layers, device=args.device,
-                          report=lambda line: print(line, flush=True))
+        bench_tree.memory(args.max_tokens or 8192, args.layers, device=args.device, report=lambda line: print(line, flush=True))
         return 0
     if args.memory:
         args.max_tokens = args.max_tokens or 6144
@@ -103,18 +117,24 @@ def _gpu(args):
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     name = torch.cuda.get_device_name()
-    print(f"model: Qwen3-4B layer shapes (hidden 2560, 32/8 heads, head_dim 128, intermediate 9728), {args.layers} "
-          f"layers, vocab 151936, bf16, {name}; forward+backward, best of {args.repeats}; peak = allocator peak over "
-          "the level before the step")
-    print(f"{'P':>5} {'T':>5} {'G':>3} | {'plain s':>8} {'PG s':>8} {'ours s':>8} | {'x plain':>7} {'x PG':>6} "
-          f"{'FLOP x':>6} {'0.8 FLOP':>8} | {'mem plain':>9} {'mem PG':>7} {'mem ours':>8} {'ours/plain':>10}",
-          flush=True)
+    print(
+        f"model: Qwen3-4B layer shapes (hidden 2560, 32/8 heads, head_dim 128, intermediate 9728), {args.layers} "
+        f"layers, vocab 151936, bf16, {name}; forward+backward, best of {args.repeats}; peak = allocator peak over "
+        "the level before the step"
+    )
+    print(
+        f"{'P':>5} {'T':>5} {'G':>3} | {'plain s':>8} {'PG s':>8} {'ours s':>8} | {'x plain':>7} {'x PG':>6} "
+        f"{'FLOP x':>6} {'0.8 FLOP':>8} | {'mem plain':>9} {'mem PG':>7} {'mem ours':>8} {'ours/plain':>10}",
+        flush=True,
+    )
     grid = [(P, T, G) for P in (4096, 8192) for T in (512, 1024) for G in (8, 16)]
     for P, T, G in grid:
         groups = [bench.make_groups(1, P, T, G, vocab=151936)[0]]
         plain_rows = {"n": G}  # rows per plain microbatch: the whole group, halved while it does not fit the GPU
-        runs = {"plain": lambda groups=groups, n=plain_rows, row=P + T: bench.plain_step(model, groups, n["n"] * row),
-                "ours": lambda groups=groups: bench.shared_step(model, groups)}
+        runs = {
+            "plain": lambda groups=groups, n=plain_rows, row=P + T: bench.plain_step(model, groups, n["n"] * row),
+            "ours": lambda groups=groups: bench.shared_step(model, groups),
+        }
 
         def pg(groups=groups):
             with bench.repeated_prefix():
@@ -134,12 +154,14 @@ def _gpu(args):
                         plain_rows["n"] //= 2
                 torch.cuda.empty_cache()
         fr = bench.flops(model.config, groups, False) / bench.flops(model.config, groups, True)
-        print(f"{P:>5} {T:>5} {G:>3} | {t['plain']:>8.3f} {t['pg']:>8.3f} {t['ours']:>8.3f} | "
-              f"{t['plain'] / t['ours']:>6.2f}x {t['pg'] / t['ours']:>5.2f}x {fr:>5.2f}x "
-              f"{'yes' if t['plain'] / t['ours'] >= 0.8 * fr else 'NO':>8} | {m['plain'] / MB:>9.0f} {m['pg'] / MB:>7.0f} "
-              f"{m['ours'] / MB:>8.0f} {m['ours'] / m['plain']:>10.3f}"
-              + (f"  (plain in microbatches of {plain_rows['n']} rows: {G} did not fit)" if plain_rows["n"] < G else ""),
-              flush=True)
+        print(
+            f"{P:>5} {T:>5} {G:>3} | {t['plain']:>8.3f} {t['pg']:>8.3f} {t['ours']:>8.3f} | "
+            f"{t['plain'] / t['ours']:>6.2f}x {t['pg'] / t['ours']:>5.2f}x {fr:>5.2f}x "
+            f"{'yes' if t['plain'] / t['ours'] >= 0.8 * fr else 'NO':>8} | {m['plain'] / MB:>9.0f} {m['pg'] / MB:>7.0f} "
+            f"{m['ours'] / MB:>8.0f} {m['ours'] / m['plain']:>10.3f}"
+            + (f"  (plain in microbatches of {plain_rows['n']} rows: {G} did not fit)" if plain_rows["n"] < G else ""),
+            flush=True,
+        )
     _gpu_modes(model, args.repeats)
     return 0
 
@@ -153,8 +175,12 @@ def _gpu_modes(model, repeats, P=8192, T=1024, G=16):
     print(f"{'mode':>10} | {'s':>7} {'x one pass':>10} | {'peak MiB':>8} {'x one pass':>10}", flush=True)
     base = None
     for mode, mt in (("one pass", None), ("keep", budget), ("offload", budget), ("recompute", budget)):
-        fn = lambda mode=mode, mt=mt: bench.shared_step(model, groups, max_tokens=mt,  # noqa: E731
-                                                        mode="keep" if mt is None else mode)
+        fn = lambda mode=mode, mt=mt: bench.shared_step(  # noqa: E731
+            model,
+            groups,
+            max_tokens=mt,
+            mode="keep" if mt is None else mode,
+        )
         t, m = bench.best_time(fn, repeats), bench.cuda_peak(fn)[1]
         torch.cuda.empty_cache()
         base = base or (t, m)
@@ -193,27 +219,37 @@ def _speed(args):
     print(f"plain run (SDPA rows, logits_to_keep): {t_plain:8.3f} s   peak memory +{m_plain / MB:8.1f} MiB")
     print(f"prompt K/V repeated per completion (PG): {t_pg:8.3f} s")
     print(f"sharedprefix                          : {t_shared:8.3f} s   peak memory +{m_shared / MB:8.1f} MiB")
-    print(f"speed-up {t_plain / t_shared:.2f}x | FLOP ratio {fr:.2f}x (with LM head), {fr_layers:.2f}x (layers only)"
-          f" | peak memory ratio {m_shared / max(1, m_plain):.3f}")
+    print(
+        f"speed-up {t_plain / t_shared:.2f}x | FLOP ratio {fr:.2f}x (with LM head), {fr_layers:.2f}x (layers only)"
+        f" | peak memory ratio {m_shared / max(1, m_plain):.3f}"
+    )
     return 0
 
 
 def _memory(args):
     P, T = args.prompt or 4096, args.completion or 256
     Gs = args.G or [4, 8, 16, 32]
-    print(f"prompt {P}, completions {T}, budget {args.max_tokens} tokens, {args.layers} layers, {args.device}; one "
-          "step (forward+backward) per configuration, each in a fresh process")
+    print(
+        f"prompt {P}, completions {T}, budget {args.max_tokens} tokens, {args.layers} layers, {args.device}; one "
+        "step (forward+backward) per configuration, each in a fresh process"
+    )
     print(f"{'G':>3} {'config':<10} {'tokens':>8} {'time s':>8} {'ms/compl.tok':>12} {'peak MiB':>9}", flush=True)
     bar = _progress(len(Gs) * len(args.modes), "bench --memory")
     for G in Gs:
-        spec = dict(n_groups=1, prompt=P, completion=T, G=G, max_tokens=args.max_tokens,
-                    model=dict(num_hidden_layers=args.layers), device=args.device)
+        spec = dict(
+            n_groups=1,
+            prompt=P,
+            completion=T,
+            G=G,
+            max_tokens=args.max_tokens,
+            model=dict(num_hidden_layers=args.layers),
+            device=args.device,
+        )
         for kind in args.modes:
             bar.set_description(f"bench --memory: G={G} {kind} (subprocess)")
             r = bench.measure_in_subprocess(kind, spec)
             per_tok = 1000 * r["time_s"] / (G * T)
-            _out(f"{G:>3} {kind:<10} {r['tokens']:>8} {r['time_s']:>8.2f} {per_tok:>12.3f} "
-                 f"{r['peak_bytes'] / MB:>9.1f}")
+            _out(f"{G:>3} {kind:<10} {r['tokens']:>8} {r['time_s']:>8.2f} {per_tok:>12.3f} {r['peak_bytes'] / MB:>9.1f}")
             bar.update()
     bar.close()
     return 0

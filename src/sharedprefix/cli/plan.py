@@ -22,7 +22,8 @@ def run(args):
     import sharedprefix as sp
 
     prompts = args.prompt * args.groups if len(args.prompt) == 1 else args.prompt
-    groups = [sp.Group(torch.zeros(p, dtype=torch.long), [torch.zeros(args.completion, dtype=torch.long)] * args.group_size)
-              for p in prompts]
+    groups = [
+        sp.Group(torch.zeros(p, dtype=torch.long), [torch.zeros(args.completion, dtype=torch.long)] * args.group_size) for p in prompts
+    ]
     print(sp.plan(groups, args.max_tokens).describe())
     return 0

@@ -82,4 +82,3 @@ def run(args):
     except ValueError as e:
         print(f"sharedprefix train: error: {e}", file=sys.stderr)
         return 2
-

@@ -54,8 +54,10 @@ def _own_model(args) -> int:
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
-        print(f"speed of the check's forward: plain {times[0] * 1e3:.1f} ms, sharedprefix {times[1] * 1e3:.1f} ms "
-              f"({times[0] / times[1]:.2f}x; tiny groups, not a benchmark)")
+        print(
+            f"speed of the check's forward: plain {times[0] * 1e3:.1f} ms, sharedprefix {times[1] * 1e3:.1f} ms "
+            f"({times[0] / times[1]:.2f}x; tiny groups, not a benchmark)"
+        )
     return 0 if report.ok else 1
 
 
@@ -71,11 +73,25 @@ def run(args):
 
     checks = [(None, "keep"), (60, "offload"), (20, "recompute")]
     # progress on stderr, only when stderr is a terminal (tqdm's disable=None); results on stdout via tqdm.write
-    bar = tqdm(total=1 + len(checks) + (4 if args.speed else 0), desc="verify: plain reference", leave=False,
-               disable=None, dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=1 + len(checks) + (4 if args.speed else 0),
+        desc="verify: plain reference",
+        leave=False,
+        disable=None,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
     torch.manual_seed(args.seed)
-    model = bench.bench_model(dtype=torch.float64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=500)
+    model = bench.bench_model(
+        dtype=torch.float64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=500,
+    )
     dtype_faithful_norms(model)
     groups = bench.make_groups(3, 40, 9, 5, vocab=500, seed=args.seed)
     model.zero_grad(set_to_none=True)
@@ -86,25 +102,35 @@ def run(args):
     worst_lp = worst_grad = 0.0
     for budget, mode in checks:
         bar.set_description(f"verify: budget={budget} prefix={mode}")
-        res = sp.backward(model, groups, lambda b: (b.logprobs * b.mask).sum(), max_tokens=budget,
-                          prefix_activations=mode)
+        res = sp.backward(model, groups, lambda b: (b.logprobs * b.mask).sum(), max_tokens=budget, prefix_activations=mode)
         got = _grads(model)
         with torch.no_grad():
             lp = sp.logprobs(model, groups, max_tokens=budget).logprobs
         worst_lp = max(worst_lp, float((lp - ref.detach()).abs().max()))
-        worst_grad = max(worst_grad, max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-300))
-                                         for n in want))
-        tqdm.write(f"budget={budget!s:>4} prefix={mode:<9} passes={res.passes} tokens {res.tokens_computed} vs plain "
-                   f"{res.tokens_plain}", file=sys.stdout)
+        worst_grad = max(worst_grad, max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-300)) for n in want))
+        tqdm.write(
+            f"budget={budget!s:>4} prefix={mode:<9} passes={res.passes} tokens {res.tokens_computed} vs plain {res.tokens_plain}",
+            file=sys.stdout,
+        )
         bar.update()
     ok = worst_lp <= 1e-9 and worst_grad <= 1e-9
-    tqdm.write(f"exactness (float64): max |delta logprob| = {worst_lp:.2e}, max relative grad error = {worst_grad:.2e} "
-               f"-> {'OK' if ok else 'FAILED'}", file=sys.stdout)
+    tqdm.write(
+        f"exactness (float64): max |delta logprob| = {worst_lp:.2e}, max relative grad error = {worst_grad:.2e} "
+        f"-> {'OK' if ok else 'FAILED'}",
+        file=sys.stdout,
+    )
     if not args.speed:
         bar.close()
         return 0 if ok else 1
-    m32 = bench.bench_model(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=64, vocab_size=8000)
+    m32 = bench.bench_model(
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=8000,
+    )
     g32 = bench.make_groups(1, 1024, 64, 8, vocab=8000)
     bar.set_description("verify: speed, plain run")
     t_plain = bench.best_time(lambda: (m32.zero_grad(), bench.plain_step(m32, g32)), 1, bar)
@@ -112,6 +138,8 @@ def run(args):
     t_shared = bench.best_time(lambda: (m32.zero_grad(), bench.shared_step(m32, g32)), 1, bar)
     bar.close()
     fr = bench.flops(m32.config, g32, shared=False) / bench.flops(m32.config, g32, shared=True)
-    print(f"speed (prompt 1024, G=8 x 64, fwd+bwd, float32, CPU): plain {t_plain:.2f}s, sharedprefix "
-          f"{t_shared:.2f}s -> {t_plain / t_shared:.2f}x faster (FLOP ratio {fr:.2f}x)")
+    print(
+        f"speed (prompt 1024, G=8 x 64, fwd+bwd, float32, CPU): plain {t_plain:.2f}s, sharedprefix "
+        f"{t_shared:.2f}s -> {t_plain / t_shared:.2f}x faster (FLOP ratio {fr:.2f}x)"
+    )
     return 0 if ok else 1

@@ -88,8 +88,9 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
 
     # -- log-probs ---------------------------------------------------------------------------------------------
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **extra):
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, compute_aux_loss=False, **extra
+    ):
         images = check_image_inputs(extra)
         if compute_aux_loss:
             raise ValueError("MoE auxiliary losses are not supported by SharedPrefixGRPOTrainer.")
@@ -110,9 +111,16 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         # budget when TRL backpropagates its loss (exact by the chain rule). Gradient checkpointing defers too.
         defer = True if (torch.is_grad_enabled() and self._sp_budget is not None) else None
         with self.accelerator.autocast():  # as TRL's own forward
-            out = sp.logprobs(model, source, temperature=self.temperature, entropy=compute_entropy,
-                              max_tokens=self._sp_budget, defer=defer, prefix_activations=self._sp_mode,
-                              grad_reduction="mean")  # TRL's losses are per-rank means, averaged as DDP does
+            out = sp.logprobs(
+                model,
+                source,
+                temperature=self.temperature,
+                entropy=compute_entropy,
+                max_tokens=self._sp_budget,
+                defer=defer,
+                prefix_activations=self._sp_mode,
+                grad_reduction="mean",
+            )  # TRL's losses are per-rank means, averaged as DDP does
         if grouped:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
             order = torch.tensor([b for m in members for b in m], device=input_ids.device)
             pad = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1]))  # noqa: E731
@@ -144,8 +152,10 @@ def _group_preserving_shuffle(batch: dict) -> dict:
     perm = torch.randperm(n)  # the same draw as trl's shuffle_sequence_dict, so RNG streams stay aligned
     prompt_ids, prompt_mask = batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu().bool()
     pix = batch.get("pixel_values")  # after split_pixel_values_by_grid: a list, row i's images at i
-    keys = [(tuple(prompt_ids[i][prompt_mask[i]].tolist()),
-             pix[i].detach().cpu().numpy().tobytes() if isinstance(pix, list) else None) for i in range(n)]
+    keys = [
+        (tuple(prompt_ids[i][prompt_mask[i]].tolist()), pix[i].detach().cpu().numpy().tobytes() if isinstance(pix, list) else None)
+        for i in range(n)
+    ]
     members: dict[tuple, list[int]] = {}
     for i in range(n):
         members.setdefault(keys[i], []).append(i)

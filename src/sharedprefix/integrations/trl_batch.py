@@ -27,15 +27,27 @@ import torch
 
 import sharedprefix as sp
 
-MULTIMODAL = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-              "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+MULTIMODAL = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 _LAYOUTS = {  # required keys -> keys allowed beside them
     "grid": ({"pixel_values", "image_grid_thw", "num_images"}, {"mm_token_type_ids"}),
     "per image": ({"pixel_values", "num_images"}, {"mm_token_type_ids", "token_type_ids"}),
 }
-_SUPPORTED = ("images of Qwen-style vision-language models (pixel_values with image_grid_thw: Qwen2-VL, Qwen2.5-VL, "
-              "Qwen3-VL), images of Llava-style ones and Gemma 3 (pixel_values with one (channels, height, width) "
-              "entry per image; Gemma 3's token_type_ids) and text")
+_SUPPORTED = (
+    "images of Qwen-style vision-language models (pixel_values with image_grid_thw: Qwen2-VL, Qwen2.5-VL, "
+    "Qwen3-VL), images of Llava-style ones and Gemma 3 (pixel_values with one (channels, height, width) "
+    "entry per image; Gemma 3's token_type_ids) and text"
+)
 
 
 def check_image_inputs(extra: dict) -> bool:
@@ -117,14 +129,22 @@ def _row_images(pixel_values: torch.Tensor, num_images: list[int], image_grid_th
     first_patch = [0, *image_grid_thw.prod(-1).cpu().cumsum(0).tolist()]
     if first_patch[-1] != pixel_values.shape[0]:
         raise ValueError(f"image_grid_thw gives {first_patch[-1]} patches, pixel_values has {pixel_values.shape[0]} rows.")
-    return lambda b: (pixel_values[first_patch[first_image[b]] : first_patch[first_image[b + 1]]],
-                      image_grid_thw[first_image[b] : first_image[b + 1]])
+    return lambda b: (
+        pixel_values[first_patch[first_image[b]] : first_patch[first_image[b + 1]]],
+        image_grid_thw[first_image[b] : first_image[b + 1]],
+    )
 
 
-def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                 pixel_values: torch.Tensor | None = None, num_images: list[int] | None = None,
-                 image_grid_thw: torch.Tensor | None = None, mm_token_type_ids: torch.Tensor | None = None,
-                 token_type_ids: torch.Tensor | None = None):
+def image_groups(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    pixel_values: torch.Tensor | None = None,
+    num_images: list[int] | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
+    token_type_ids: torch.Tensor | None = None,
+):
     """TRL's (B, L) rows with their images (a layout of the module docstring), or text rows (``pixel_values`` None:
     hybrid models, which take groups, not trees) -> (groups, members).
 
@@ -139,8 +159,7 @@ def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
     if len(num_images) != B:
         raise ValueError(f"num_images has {len(num_images)} entries for {B} rows; expected one per row.")
     empty = torch.zeros(0)
-    images_of = _row_images(pixel_values, num_images, image_grid_thw) if pixel_values is not None else (
-        lambda b: (empty, None))
+    images_of = _row_images(pixel_values, num_images, image_grid_thw) if pixel_values is not None else (lambda b: (empty, None))
     ids, att = input_ids.cpu(), attention_mask.cpu().bool()
     keys: dict[tuple, int] = {}
     prompts, completions, members = [], [], []
@@ -160,8 +179,13 @@ def image_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_t
                     "in a prompt without images; expected 1 only on the image tokens of a prompt (as Gemma 3's "
                     "processor marks them)."
                 )
-        key = (tuple(prompt.tolist()), tuple(pix.shape), pix.detach().cpu().numpy().tobytes(),
-               None if grid is None else tuple(grid.flatten().tolist()), None if types is None else tuple(types.tolist()))
+        key = (
+            tuple(prompt.tolist()),
+            tuple(pix.shape),
+            pix.detach().cpu().numpy().tobytes(),
+            None if grid is None else tuple(grid.flatten().tolist()),
+            None if types is None else tuple(types.tolist()),
+        )
         if key in keys:
             completions[keys[key]].append(completion)
             members[keys[key]].append(b)

@@ -117,8 +117,7 @@ def check_config(model_config, engine_config) -> None:
     mp = getattr(engine_config, "mixed_precision", None) or {}
     if str(mp.get("param_dtype", "bf16")) in ("fp16", "float16"):
         raise ValueError(
-            "mixed_precision.param_dtype=fp16: fp16 loss scaling is not supported by sharedprefix's verl engine. Use "
-            "bf16 or fp32."
+            "mixed_precision.param_dtype=fp16: fp16 loss scaling is not supported by sharedprefix's verl engine. Use bf16 or fp32."
         )
     if getattr(engine_config, "pad_to_length", False):
         raise ValueError(
@@ -280,14 +279,16 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
                 with torch.no_grad():
                     res = sp.logprobs(self.module, rows.tree, entropy=entropy, **kw)
                     outs = model_output(res.logprobs, res.entropy)
-                    loss, metrics = (loss_function(model_output=outs, data=mb, dp_group=dp_group)
-                                     if loss_function is not None else (torch.tensor(1.0), {}))
+                    loss, metrics = (
+                        loss_function(model_output=outs, data=mb, dp_group=dp_group)
+                        if loss_function is not None
+                        else (torch.tensor(1.0), {})
+                    )
                 computed = plan.tokens_computed
             elif self._passes_agreed(len(plan.passes)) == 1:
                 loss, metrics, outs, computed = self._one_pass(rows, mb, loss_function, model_output, entropy, sync, kw)
             else:
-                loss, metrics, outs, computed = self._chain_rule(rows, mb, loss_function, model_output, entropy, sync,
-                                                                 kw)
+                loss, metrics, outs, computed = self._chain_rule(rows, mb, loss_function, model_output, entropy, sync, kw)
         metrics = dict(metrics)
         metrics["sharedprefix/tokens_computed"] = float(computed)
         metrics["sharedprefix/tokens_plain"] = float(plan.plain_tokens)
@@ -333,15 +334,15 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             if batch.index.numel() != B:
                 raise RuntimeError(f"expected one pass with all {B} rows, got {batch.index.numel()} (internal error).")
             lp = batch.logprobs.new_zeros(B, batch.logprobs.shape[1]).index_copy(0, batch.index, batch.logprobs)
-            ent = (batch.entropy.new_zeros(B, batch.entropy.shape[1]).index_copy(0, batch.index, batch.entropy)
-                   if entropy else None)
+            ent = batch.entropy.new_zeros(B, batch.entropy.shape[1]).index_copy(0, batch.index, batch.entropy) if entropy else None
             outs = model_output(lp, ent)
             loss, metrics = loss_function(model_output=outs, data=mb, dp_group=self.get_data_parallel_group())
             seen.update(loss=loss.detach(), metrics=metrics, outs=detach_tree(outs))
             return loss
 
-        res = sp.backward(self.module, rows.tree, loss_fn, entropy=entropy, prefix_activations="recompute", sync=sync,
-                          grad_reduction="mean", **kw)
+        res = sp.backward(
+            self.module, rows.tree, loss_fn, entropy=entropy, prefix_activations="recompute", sync=sync, grad_reduction="mean", **kw
+        )
         return seen["loss"], seen["metrics"], seen["outs"], res.tokens_computed
 
     def _chain_rule(self, rows, mb, loss_function, model_output, entropy, sync, kw):
@@ -363,8 +364,16 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
                 total = total + (batch.entropy * g_ent[batch.index].to(batch.entropy.dtype)).sum()
             return total
 
-        back = sp.backward(self.module, rows.tree, linear, entropy=g_ent is not None, prefix_activations="recompute",
-                           sync=sync, grad_reduction="mean", **kw)
+        back = sp.backward(
+            self.module,
+            rows.tree,
+            linear,
+            entropy=g_ent is not None,
+            prefix_activations="recompute",
+            sync=sync,
+            grad_reduction="mean",
+            **kw,
+        )
         computed = sp.plan(rows.tree, kw["max_tokens"]).tokens_computed + back.tokens_computed
         return loss.detach(), metrics, outs, computed
 
@@ -381,17 +390,23 @@ def _chunks(n: int, sizes: list[int]) -> list[list[int]]:
 
 def _split_message(n: int, dynamic: bool, data) -> str:
     if dynamic:
-        fix = ("with dynamic batch sizes the engine sets force_group_size to the group size, which needs every group "
-               "of this rank to have the same number of rows: keep groups whole on one rank (set "
-               "actor_rollout_ref.actor.use_prefix_grouper=True for uid-level balancing, or trainer.balance_batch="
-               "False) and do not filter rows out of groups")
+        fix = (
+            "with dynamic batch sizes the engine sets force_group_size to the group size, which needs every group "
+            "of this rank to have the same number of rows: keep groups whole on one rank (set "
+            "actor_rollout_ref.actor.use_prefix_grouper=True for uid-level balancing, or trainer.balance_batch="
+            "False) and do not filter rows out of groups"
+        )
     else:
         mbs = tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None)
-        fix = (f"static micro-batches of {mbs} rows split the groups: set ppo_micro_batch_size_per_gpu and the "
-               "log_prob_micro_batch_size_per_gpu settings to multiples of rollout.n, and keep groups whole on one rank "
-               "(actor_rollout_ref.actor.use_prefix_grouper=True)")
-    return (f"{n} prompt group(s) of this rank are split across micro-batches, so sharedprefix would compute their "
-            f"prompts more than once; {fix}.")
+        fix = (
+            f"static micro-batches of {mbs} rows split the groups: set ppo_micro_batch_size_per_gpu and the "
+            "log_prob_micro_batch_size_per_gpu settings to multiples of rollout.n, and keep groups whole on one rank "
+            "(actor_rollout_ref.actor.use_prefix_grouper=True)"
+        )
+    return (
+        f"{n} prompt group(s) of this rank are split across micro-batches, so sharedprefix would compute their "
+        f"prompts more than once; {fix}."
+    )
 
 
 # -- registration -----------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def response_lengths(responses: torch.Tensor, attention_mask: torch.Tensor | Non
             "the micro-batch has padded 'responses' but no padded 'attention_mask'; expected verl's RL batch layout "
             "(left_right_2_no_padding keeps attention_mask), from which the response lengths are read."
         )
-    return attention_mask[:, -responses.shape[1]:].sum(dim=1).cpu().to(torch.int64)
+    return attention_mask[:, -responses.shape[1] :].sum(dim=1).cpu().to(torch.int64)
 
 
 def rows_of(input_ids: torch.Tensor, resp_lengths: torch.Tensor) -> Rows:

@@ -140,16 +140,16 @@ def _upper(blocks: list[tuple[int, int]]) -> Call:
     q1, k1 = q0 + cu_q[-1], k0 + cu_k[-1]
     lq = [cu_q[j + 1] - cu_q[j] for j in range(len(cu_q) - 1)]
     lk = [cu_k[j + 1] - cu_k[j] for j in range(len(cu_k) - 1)]
-    return Call(q0, q1, [KeySource(start=k0, end=k1)], None, _cu(lq), _cu(lk), max(lq), max(lk), causal=False,
-                window=0)
+    return Call(q0, q1, [KeySource(start=k0, end=k1)], None, _cu(lq), _cu(lk), max(lq), max(lk), causal=False, window=0)
 
 
 def _causal_cascade(layout, window: int | None, repeat_prefix: bool, chunk: int | None) -> Cascade:
     if window is not None and window < 1:
         raise ValueError(f"sliding window {window}: expected a positive number of tokens or None.")
     if chunk is not None and (chunk < 1 or window is not None):
-        raise ValueError(f"attention chunk {chunk} with window {window}: expected a positive chunk size and no "
-                         "window (no model combines the two).")
+        raise ValueError(
+            f"attention chunk {chunk} with window {window}: expected a positive chunk size and no window (no model combines the two)."
+        )
     segs = layout.tree.segments
     order = layout.segments
     if chunk is not None and max(segs[s].end for s in order) > chunk:  # else every position is in chunk 0
@@ -161,8 +161,7 @@ def _causal_cascade(layout, window: int | None, repeat_prefix: bool, chunk: int 
     if window is not None:
         return _windowed(layout, window)
     lens = [segs[s].length for s in order]
-    own = Call(0, layout.length, [KeySource(start=0, end=layout.length)], None, _cu(lens), _cu(lens), max(lens),
-               max(lens), causal=True)
+    own = Call(0, layout.length, [KeySource(start=0, end=layout.length)], None, _cu(lens), _cu(lens), max(lens), max(lens), causal=True)
     calls = [own]
     depths = sorted({layout.depth[s] for s in order})
     for d in depths:
@@ -246,8 +245,7 @@ def _windowed(layout, window: int) -> Cascade:
         nq.append(seg.length)
     k_index = torch.cat(index)
     full = window > max(segs[s].end for s in layout.segments)
-    call = Call(0, layout.length, keys, k_index, _cu(nq), _cu(nk), max(nq), max(nk), causal=True,
-                window=None if full else window - 1)
+    call = Call(0, layout.length, keys, k_index, _cu(nq), _cu(nk), max(nq), max(nk), causal=True, window=None if full else window - 1)
     return Cascade([call], copied_keys=int(k_index.numel()))
 
 

@@ -81,8 +81,7 @@ class RowLayout:
         return self._cascades[window, chunk]
 
 
-def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: list[int] = (),
-             rows: list[int] = ()) -> RowLayout:
+def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: list[int] = (), rows: list[int] = ()) -> RowLayout:
     """Lay out ``segments`` as one row, level by level; ancestors outside it must be in ``cached``.
 
     ``rows``: the output rows this pass reports; their segments must be in the row or cached.
@@ -97,8 +96,7 @@ def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: l
         for a in anc:
             if a not in inrow and a not in cached:
                 raise ValueError(
-                    f"segment {s} needs its ancestor {a}, which is neither in the row nor cached; "
-                    "the plan must compute ancestors first."
+                    f"segment {s} needs its ancestor {a}, which is neither in the row nor cached; the plan must compute ancestors first."
                 )
         depth[s] = len(anc)
     # segment ids number the tree in preorder, so (depth, id) keeps every level in tree order
@@ -189,8 +187,10 @@ def _row_index(tree: SegmentTree, rows: list[int], slot: dict, m: int, cached: s
                     off += seg.n_computed
                 base = v_at[s]
             else:
-                raise ValueError(f"output row {r} needs segment {s}, which is neither in the pass nor cached; "
-                                 "the plan must report a row only once all of its segments ran.")
+                raise ValueError(
+                    f"output row {r} needs segment {s}, which is neither in the pass nor cached; "
+                    "the plan must report a row only once all of its segments ran."
+                )
             keep = seg.computed.clone()
             if out.trained is not None:
                 keep &= out.trained[seg.start : seg.end]

@@ -44,16 +44,15 @@ class Tree:
 
     def subset(self, rows: list[int]) -> Tree:
         """The tree of the rows at positions ``rows`` (in that order); ``.index`` maps back to the original rows."""
-        return Tree(tuple(self.rows[i] for i in rows), tuple(self.trained[i] for i in rows),
-                    tuple(self.index[i] for i in rows))
+        return Tree(tuple(self.rows[i] for i in rows), tuple(self.trained[i] for i in rows), tuple(self.index[i] for i in rows))
 
     @classmethod
     def from_rows(cls, rows, trained=None) -> Tree:
         """Args:
-            rows: N >= 1 token sequences (lists of ints or 1-D integer tensors), each of length >= 1.
-            trained: None (every token t >= 1 is trained) or N bool sequences of the rows' lengths:
-                which tokens are trained (e.g. assistant turns yes, tool results no). Token 0 of a row
-                has no prediction; its flag is ignored.
+        rows: N >= 1 token sequences (lists of ints or 1-D integer tensors), each of length >= 1.
+        trained: None (every token t >= 1 is trained) or N bool sequences of the rows' lengths:
+            which tokens are trained (e.g. assistant turns yes, tool results no). Token 0 of a row
+            has no prediction; its flag is ignored.
         """
         if isinstance(rows, torch.Tensor) or not isinstance(rows, Sequence) or isinstance(rows, (str, bytes)):
             raise TypeError(f"rows is a {type(rows).__name__}; expected a list of token sequences (one per row).")

@@ -97,15 +97,21 @@ class SegmentTree:
             ns = []
             for c in g.completions:
                 n = len(self.completion_ids)
-                (sid,) = self.add(chain[-1], c, computed=torch.ones(c.numel(), dtype=torch.bool), group=gi,
-                                  completion=n)
+                (sid,) = self.add(chain[-1], c, computed=torch.ones(c.numel(), dtype=torch.bool), group=gi, completion=n)
                 self.completion_ids.append(sid)
                 self.rows.append(OutRow(sid, int(g.prompt.numel())))
                 ns.append(n)
             self.group_completions.append(ns)
 
-    def add(self, parent: int | None, tokens: torch.Tensor, computed: torch.Tensor | None = None, group: int = 0,
-            completion: int | None = None, chunk: int | None = None) -> list[int]:
+    def add(
+        self,
+        parent: int | None,
+        tokens: torch.Tensor,
+        computed: torch.Tensor | None = None,
+        group: int = 0,
+        completion: int | None = None,
+        chunk: int | None = None,
+    ) -> list[int]:
         """Append ``tokens`` below ``parent`` (as a chain of pieces of at most ``chunk`` tokens); returns their ids."""
         start = 0 if parent is None else self.segments[parent].end
         step = chunk or max(1, tokens.numel())
@@ -115,8 +121,11 @@ class SegmentTree:
             sid = len(self.segments)
             if parent is not None and self._subtree_end(parent) != sid:
                 raise ValueError("segments must be added in preorder (a subtree contiguous); this is a bug.")
-            self.segments.append(Segment(sid, tokens[a : a + step], parent, start, group, completion,
-                                         part if part is not None and bool(part.any()) else None))
+            self.segments.append(
+                Segment(
+                    sid, tokens[a : a + step], parent, start, group, completion, part if part is not None and bool(part.any()) else None
+                )
+            )
             self.children.append([])
             if parent is not None:
                 self.children[parent].append(sid)
@@ -236,8 +245,7 @@ def _compressed_trie(rows: list[torch.Tensor]) -> list[dict]:
             stack.pop()
         if stack and nodes[stack[-1]]["end"] > lcp:  # split the node at lcp
             top = nodes[stack[-1]]
-            low = dict(row=top["row"], start=lcp, end=top["end"], parent=stack[-1], children=top["children"],
-                       ends=top["ends"])
+            low = dict(row=top["row"], start=lcp, end=top["end"], parent=stack[-1], children=top["children"], ends=top["ends"])
             nodes.append(low)
             li = len(nodes) - 1
             for ch in low["children"]:

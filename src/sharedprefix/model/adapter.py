@@ -56,8 +56,7 @@ def decoder(model: PreTrainedModel) -> torch.nn.Module:
     The first of ``get_decoder()``, ``base_model`` and ``model.model`` that is not the causal LM itself and
     takes ``input_ids`` (``get_decoder()`` guesses by attribute name, and some heads are called ``decoder``).
     """
-    cands = [model.get_decoder() if hasattr(model, "get_decoder") else None, model.base_model,
-             getattr(model, "model", None)]
+    cands = [model.get_decoder() if hasattr(model, "get_decoder") else None, model.base_model, getattr(model, "model", None)]
     for dec in cands:
         if isinstance(dec, torch.nn.Module) and dec is not model and "input_ids" in _params(dec.forward):
             return dec
@@ -148,6 +147,7 @@ def _modules_after_decoder(model: PreTrainedModel) -> list[torch.nn.Module]:
     """The causal LM's own children with parameters, other than (a parent of) the decoder, in order."""
     dec = decoder(model)
     return [
-        child for _, child in model.named_children()
+        child
+        for _, child in model.named_children()
         if not any(m is dec for m in child.modules()) and next(child.parameters(), None) is not None
     ]

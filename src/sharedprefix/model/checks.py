@@ -38,8 +38,11 @@ def verify_head(model: PreTrainedModel, forward=None, hybrid: bool = False) -> N
     if (model.training, hybrid) in modes:
         return
     device = streams.head_device(model)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad(), \
-            streams.framed(model, decoder(model)):  # a K-stream model reads these ids as frames of one code
+    with (
+        torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
+        torch.no_grad(),
+        streams.framed(model, decoder(model)),
+    ):  # a K-stream model reads these ids as frames of one code
         _verify(model, device, model if forward is None else forward, hybrid)
     modes.add((model.training, hybrid))
 
@@ -107,8 +110,9 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
         if isinstance(mod, torch.nn.Conv1d) and any(mod is m for m in dec.modules())
     ]
     try:
-        numbered = dec(input_ids=ids, **positions.decoder_kwargs(dec, torch.arange(ids.shape[1], device=ids.device)[None]),
-                       use_cache=False).last_hidden_state[0]
+        numbered = dec(
+            input_ids=ids, **positions.decoder_kwargs(dec, torch.arange(ids.shape[1], device=ids.device)[None]), use_cache=False
+        ).last_hidden_state[0]
     finally:
         for h in hooks:
             h.remove()
@@ -169,5 +173,5 @@ def decoder_position_ids(model: PreTrainedModel, layout) -> torch.Tensor:
     segs, out = layout.tree.segments, []
     for s in layout.segments:
         path = torch.cat([segs[a].tokens for a in layout.tree.ancestors(s)] + [segs[s].tokens])
-        out.append(padding_numbered(path, pad)[-segs[s].length:])
+        out.append(padding_numbered(path, pad)[-segs[s].length :])
     return torch.cat(out)[None]

@@ -30,8 +30,16 @@ import inspect
 import torch
 
 # inputs concatenated over the prompts of a row (first dimension), as the processor batches them
-_CAT_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts",
-             "image_sizes", "pixel_attention_mask", "image_grid_hws")
+_CAT_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "image_sizes",
+    "pixel_attention_mask",
+    "image_grid_hws",
+)
 # used for positions or the attention's blocks only (the pass hands positions and blocks themselves)
 _POSITION_ONLY = ("mm_token_type_ids", "token_type_ids")
 
@@ -87,8 +95,7 @@ class Multimodal:
                     )
                 dev = next(model.parameters()).device
                 with torch.no_grad():
-                    pos, delta = self.module.get_rope_index(input_ids=g.prompt[None].to(dev),
-                                                            **{k: v.to(dev) for k, v in kw.items()})
+                    pos, delta = self.module.get_rope_index(input_ids=g.prompt[None].to(dev), **{k: v.to(dev) for k, v in kw.items()})
                 self.prompt_pos[gi] = pos[:, 0].cpu()  # (3, P)
                 self.delta[gi] = int(delta.reshape(-1)[0])
 

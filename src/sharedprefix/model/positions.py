@@ -69,8 +69,11 @@ def candidates(dec: torch.nn.Module) -> list[torch.nn.Module]:
 
 def counting(dec: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder's own modules whose ``forward`` takes a cache length (``COUNT_ARGS``) and no ``position_ids``."""
-    return [m for m in dec.modules() if m is not dec and "position_ids" not in _params(m.forward)
-            and any(a in _params(m.forward) for a in COUNT_ARGS)]
+    return [
+        m
+        for m in dec.modules()
+        if m is not dec and "position_ids" not in _params(m.forward) and any(a in _params(m.forward) for a in COUNT_ARGS)
+    ]
 
 
 def _windowed(module: torch.nn.Module, dim: int, position_ids: torch.Tensor):
@@ -115,8 +118,11 @@ def _hooked(modules: dict, position_ids: torch.Tensor | None):
     try:
         for m, dim in modules.items() if position_ids is not None else ():
             if dim is None:
-                hooks.append(m.register_forward_pre_hook(
-                    lambda mod, args, kwargs: _with_positions(mod, args, kwargs, position_ids), with_kwargs=True))
+                hooks.append(
+                    m.register_forward_pre_hook(
+                        lambda mod, args, kwargs: _with_positions(mod, args, kwargs, position_ids), with_kwargs=True
+                    )
+                )
             else:
                 hooks.append(m.register_forward_hook(_windowed(m, dim, position_ids), with_kwargs=True))
         yield
@@ -189,8 +195,7 @@ def verify(model, dec: torch.nn.Module, ids: torch.Tensor) -> None:
     if not mods:
         mods = dict.fromkeys(counting(dec), 0)  # sequence dimensions found below
     if not mods:
-        refuse(name, "and none of its modules takes position_ids or a cache length, so sharedprefix has no call to "
-                     "renumber")
+        refuse(name, "and none of its modules takes position_ids or a cache length, so sharedprefix has no call to renumber")
     n, s = ids.shape[1], SHIFT
     longer = torch.cat([ids[:, :s], ids], 1)
     own_hidden, short = _outputs(dec, mods, ids)
@@ -202,27 +207,34 @@ def verify(model, dec: torch.nn.Module, ids: torch.Tensor) -> None:
         if d is not None:  # the one dimension of its output that grew by s with the row
             dims = [_grown(a, b, s) for a, b in zip(own[m], short[m])]
             if len(set(dims)) != 1 or dims[0] is None or len(own[m]) != len(short[m]):
-                refuse(name, f"and its position module {type(m).__name__} (which takes a cache length) returns no "
-                              f"tensor with one dimension that grows with the row")
+                refuse(
+                    name,
+                    f"and its position module {type(m).__name__} (which takes a cache length) returns no "
+                    f"tensor with one dimension that grows with the row",
+                )
             mods[m] = dims[0]
     device = ids.device
     try:
         same_hidden, _ = _outputs(dec, mods, ids, torch.arange(n, device=device))
         _, ours = _outputs(dec, mods, ids, torch.arange(s, s + n, device=device))
     except (TypeError, RuntimeError, IndexError) as e:  # the model's own code on the numbers it was given: refused
-        refuse(name, f"and it fails when its position modules ({_names(mods)}) are given position_ids "
-                     f"({type(e).__name__}: {e})")
+        refuse(name, f"and it fails when its position modules ({_names(mods)}) are given position_ids ({type(e).__name__}: {e})")
     close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))  # noqa: E731
     if not close(same_hidden, own_hidden):
-        refuse(name, f"and giving its position modules ({_names(mods)}) the row's own positions 0..{n - 1} changes "
-                      "its output, so they do not take the numbers sharedprefix would give them")
+        refuse(
+            name,
+            f"and giving its position modules ({_names(mods)}) the row's own positions 0..{n - 1} changes "
+            "its output, so they do not take the numbers sharedprefix would give them",
+        )
     for m in mods:
         pairs = list(zip(own[m], ours[m]))
-        tails = [_tail(a, b, s) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else None
-                 for a, b in pairs]
+        tails = [_tail(a, b, s) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else None for a, b in pairs]
         if len(own[m]) != len(ours[m]) or any(t is None or not close(b, t) for t, (_, b) in zip(tails, pairs)):
-            refuse(name, f"and its position module {type(m).__name__}, given positions {s}..{s + n - 1}, does not "
-                          f"return what it returns for the last {n} tokens of a plain row of {s + n}")
+            refuse(
+                name,
+                f"and its position module {type(m).__name__}, given positions {s}..{s + n - 1}, does not "
+                f"return what it returns for the last {n} tokens of a plain row of {s + n}",
+            )
     _MODULES[model] = mods
 
 

@@ -55,8 +55,9 @@ def multiplicity(layout) -> torch.Tensor:
     for r in tree.rows:
         for s in tree.path(r.end):
             count[s] += 1
-    return torch.cat([torch.full((layout.row_end[s] - layout.row_start[s],), float(count[s]), dtype=torch.float64)
-                      for s in layout.segments])
+    return torch.cat(
+        [torch.full((layout.row_end[s] - layout.row_start[s],), float(count[s]), dtype=torch.float64) for s in layout.segments]
+    )
 
 
 def aux_loss(model, records: list[tuple[tuple, torch.Tensor]]) -> torch.Tensor:
@@ -79,8 +80,7 @@ def _parts(model):
     name = type(model).__name__
     fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
     cfg = model.config.get_text_config()
-    num_experts = getattr(model, "num_experts", None) or getattr(cfg, "num_experts", None) or getattr(
-        cfg, "num_local_experts", None)
+    num_experts = getattr(model, "num_experts", None) or getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
     top_k = getattr(model, "num_experts_per_tok", None) or getattr(cfg, "num_experts_per_tok", None)
     if fn is None or not num_experts or not top_k:
         raise ValueError(
@@ -116,8 +116,11 @@ def _verify(model, decoder, device):
     logits = getattr(out, "router_logits", None)
     weights = torch.tensor([[3.0] * 5, [1.0, 1.0, 1.0, 0.0, 0.0]], dtype=torch.float64, device=device)
     got = fn(logits, num_experts, top_k, weights) if logits else None
-    if not isinstance(want, torch.Tensor) or not isinstance(got, torch.Tensor) or not torch.allclose(
-            got.double(), want.double(), rtol=1e-5, atol=1e-7):
+    if (
+        not isinstance(want, torch.Tensor)
+        or not isinstance(got, torch.Tensor)
+        or not torch.allclose(got.double(), want.double(), rtol=1e-5, atol=1e-7)
+    ):
         raise ValueError(
             f"{name} has output_router_logits=True, but its load-balancing loss is not what sharedprefix reproduces "
             f"(the model's aux_loss {_num(want)} on rows [A, A, A, B], load_balancing_loss_func of its module with "

@@ -39,11 +39,14 @@ def num_streams(model) -> int:
     lists = [isinstance(m, torch.nn.ModuleList) for m in (emb, out)]
     if not any(lists):
         return 1
-    ok = all(lists) and len(emb) == len(out) > 0 and all(isinstance(e, torch.nn.Embedding) for e in emb) and all(
-        isinstance(h, torch.nn.Linear) for h in out)
+    ok = (
+        all(lists)
+        and len(emb) == len(out) > 0
+        and all(isinstance(e, torch.nn.Embedding) for e in emb)
+        and all(isinstance(h, torch.nn.Linear) for h in out)
+    )
     if not ok:
-        what = lambda m: f"{len(m)} {sorted({type(x).__name__ for x in m})}" if isinstance(m, torch.nn.ModuleList) \
-            else type(m).__name__  # noqa: E731
+        what = lambda m: f"{len(m)} {sorted({type(x).__name__ for x in m})}" if isinstance(m, torch.nn.ModuleList) else type(m).__name__  # noqa: E731
         raise ValueError(
             f"{type(model).__name__} has input embeddings {what(emb)} and output embeddings {what(out)}; sharedprefix "
             "takes several token streams per position only as one nn.Embedding and one nn.Linear head per stream, "
@@ -99,8 +102,10 @@ def encode(model, source):
                 f"and each completion as ({k}, T): the codes after the model's delay pattern."
             )
         if g.prompt_inputs:
-            raise ValueError(f"groups[{gi}] carries prompt_inputs {sorted(g.prompt_inputs)}; {name} reads frames "
-                             "of codes only, and sharedprefix takes no other inputs for it.")
+            raise ValueError(
+                f"groups[{gi}] carries prompt_inputs {sorted(g.prompt_inputs)}; {name} reads frames "
+                "of codes only, and sharedprefix takes no other inputs for it."
+            )
         _check_codes(g.prompt, e, None, f"groups[{gi}].prompt", "input embedding", e)
         for i, c in enumerate(g.completions):
             _check_codes(c, v, pad, f"groups[{gi}].completions[{i}]", "heads' vocabulary", e)

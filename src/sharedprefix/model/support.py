@@ -24,9 +24,26 @@ COMPRESSED_ATTENTION_LAYER_TYPES = {  # DeepSeek-V4: attention over keys pooled 
 # Hybrid model types (layers that mix tokens outside attention) whose own cache-aware forward continues a prompt's
 # layer state exactly (tests/models/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
 # refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
-HYBRID_MODEL_TYPES = {"lfm2", "lfm2_moe", "falcon_h1", "qwen3_next", "qwen3_5_text", "zamba2", "olmo_hybrid",
-                      "kimi_linear", "bailing_hybrid", "nemotron_h", "mamba2", "bamba", "granitemoehybrid", "lfm3",
-                      "minimax", "qwen3_5_moe_text", "zaya", "lara_mini"}
+HYBRID_MODEL_TYPES = {
+    "lfm2",
+    "lfm2_moe",
+    "falcon_h1",
+    "qwen3_next",
+    "qwen3_5_text",
+    "zamba2",
+    "olmo_hybrid",
+    "kimi_linear",
+    "bailing_hybrid",
+    "nemotron_h",
+    "mamba2",
+    "bamba",
+    "granitemoehybrid",
+    "lfm3",
+    "minimax",
+    "qwen3_5_moe_text",
+    "zaya",
+    "lara_mini",
+}
 # Hybrid model types that stay refused because their own forward cannot continue a prompt's layer state: why.
 _MAMBA1 = (
     "its Mamba (v1) selective scan starts every multi-token forward from a zero state (transformers' torch scan and "
@@ -35,7 +52,10 @@ _MAMBA1 = (
     "which autograd cannot differentiate through"
 )
 HYBRID_REFUSED = {
-    "mamba": _MAMBA1, "falcon_mamba": _MAMBA1, "jamba": _MAMBA1, "zamba": _MAMBA1,
+    "mamba": _MAMBA1,
+    "falcon_mamba": _MAMBA1,
+    "jamba": _MAMBA1,
+    "zamba": _MAMBA1,
     "recurrent_gemma": (
         "it keeps its convolution and recurrent states on its own modules, not in the cache, and its multi-token "
         "forward restarts the convolution from zero inputs (only the single-token decode reads the previous ones), so a "
@@ -111,8 +131,8 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
 # Models whose decoder pools tokens into larger units before attention runs over those units.
 POOLING_MODEL_TYPES = {
     "blt": "the Byte Latent Transformer pools bytes into patches whose boundaries depend on the bytes (an entropy "
-           "model), and its local layers cross-attend between bytes and patches: its layers mix tokens outside "
-           "attention (pooling), which sharedprefix's packed rows cannot reproduce",
+    "model), and its local layers cross-attend between bytes and patches: its layers mix tokens outside "
+    "attention (pooling), which sharedprefix's packed rows cannot reproduce",
 }
 
 

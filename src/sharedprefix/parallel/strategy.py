@@ -151,8 +151,7 @@ class Parallel:
                 return found
             time.sleep(0.05)
 
-    def agree_on_error(self, error: BaseException | None, where: str = "before any computation of",
-                       counts: list[int] = ()) -> list[int]:
+    def agree_on_error(self, error: BaseException | None, where: str = "before any computation of", counts: list[int] = ()) -> list[int]:
         """Under DDP / FSDP2, every rank learns whether any rank failed before the next collective (the call's first,
         or DDP's gradient all-reduce at its end), and all raise together (the failing rank its own error, the others
         one naming it) instead of waiting in a collective the failed rank never joins. ``counts`` ride along in the

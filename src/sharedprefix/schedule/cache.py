@@ -118,8 +118,7 @@ class PrefixCache:
         return total
 
     def release(self, seg: int) -> None:
-        for d in (self.graph_kv, self.graph_h, self.read_kv_, self.read_h, self.graph_vals, self.read_vals, self.states,
-                  self.index_keys):
+        for d in (self.graph_kv, self.graph_h, self.read_kv_, self.read_h, self.graph_vals, self.read_vals, self.states, self.index_keys):
             d.pop(seg, None)
 
 

@@ -32,24 +32,39 @@ class _Deferred(torch.autograd.Function):
             return loss
 
         with torch.enable_grad(), torch.autocast(**spec["autocast"]):
-            spec["backward"](spec["model"], spec["groups"], loss_fn, max_tokens=spec["max_tokens"], temperature=spec["temperature"],
-                     entropy=w_ent is not None, backend=spec["backend"], prefix_activations=spec["mode"],
-                     grad_reduction=spec["reduction"])
+            spec["backward"](
+                spec["model"],
+                spec["groups"],
+                loss_fn,
+                max_tokens=spec["max_tokens"],
+                temperature=spec["temperature"],
+                entropy=w_ent is not None,
+                backend=spec["backend"],
+                prefix_activations=spec["mode"],
+                grad_reduction=spec["reduction"],
+            )
         return None, None, None, None
 
 
-def defer_logprobs(backward, model, groups, out: LogProbs, temperature, max_tokens, backend, mode,
-                   reduction) -> LogProbs:
+def defer_logprobs(backward, model, groups, out: LogProbs, temperature, max_tokens, backend, mode, reduction) -> LogProbs:
     """``out``'s values, computed without a graph, as outputs whose backward runs ``backward`` (``sp.backward``,
     passed in by the public call) under the budget with the incoming per-token gradients as a linear loss (exact by
     the chain rule)."""
     if mode not in PREFIX_MODES:
         raise ValueError(f"prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
     dev = out.logprobs.device.type
-    spec = dict(backward=backward, model=model, groups=groups, temperature=temperature, max_tokens=max_tokens, backend=backend, mode=mode,
-                reduction=reduction,
-                entropy=out.entropy is not None,
-                autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)))
+    spec = dict(
+        backward=backward,
+        model=model,
+        groups=groups,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        backend=backend,
+        mode=mode,
+        reduction=reduction,
+        entropy=out.entropy is not None,
+        autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)),
+    )
     ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
     lp, ent = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, spec)
     return LogProbs(lp, out.mask, ent if out.entropy is not None else None)

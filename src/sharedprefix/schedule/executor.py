@@ -128,20 +128,31 @@ class Executor:
         layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record, step.rows)
         if self.mm is not None and tree is self.plan.tree:
             layout.blocks = self.mm.row_blocks(layout)
-        state = PassState(layout, self.backend, self.cache.read_kv, self.cache.write_kv,
-                          read_index=self.cache.read_index, write_index=self.cache.write_index)
+        state = PassState(
+            layout,
+            self.backend,
+            self.cache.read_kv,
+            self.cache.write_kv,
+            read_index=self.cache.read_index,
+            write_index=self.cache.write_index,
+        )
 
         def fn():
             with pass_state(state):
                 if self.mm is not None and tree is self.plan.tree:  # the vision tower runs for this row's prompts
                     extra = {k: v.to(self.device) for k, v in self.mm.inputs(layout, self.source).items()}
-                    out = self.mm.module(input_ids=layout.input_ids.to(self.device),
-                                         position_ids=self.mm.positions(layout).to(self.device), use_cache=False,
-                                         **extra)
+                    out = self.mm.module(
+                        input_ids=layout.input_ids.to(self.device),
+                        position_ids=self.mm.positions(layout).to(self.device),
+                        use_cache=False,
+                        **extra,
+                    )
                 else:
                     dec = decoder(self.model)
-                    with renumbered(self.model, dec, decoder_position_ids(self.model, layout).to(self.device)) as kw, \
-                            streams.framed(self.model, dec, self.frames):
+                    with (
+                        renumbered(self.model, dec, decoder_position_ids(self.model, layout).to(self.device)) as kw,
+                        streams.framed(self.model, dec, self.frames),
+                    ):
                         out = dec(input_ids=layout.input_ids.to(self.device), use_cache=False, **kw)
             hidden = out.last_hidden_state[0]  # (L, d)
             if self.router_logits is not None and tree is self.plan.tree:
@@ -151,13 +162,13 @@ class Executor:
             lp = ent = None
             if layout.targets.numel():
                 sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
-                pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(
-                    0, layout.pred_index.to(hidden.device))
+                pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(0, layout.pred_index.to(hidden.device))
                 targets = layout.targets.to(hidden.device)
                 if self.frames is not None:  # (M,) frame ids -> (M, K) codes, one per head; pads add nothing
                     targets = self.frames.codes(targets)
-                lp, ent = token_logprobs(self.model, pred, targets, self.temperature, self.entropy,
-                                         ignore=streams.pad_id(self.model) if self.frames else None)
+                lp, ent = token_logprobs(
+                    self.model, pred, targets, self.temperature, self.entropy, ignore=streams.pad_id(self.model) if self.frames else None
+                )
                 for s in layout.record:
                     if s in layout.value_slot:
                         a, b = layout.value_slot[s]
@@ -175,8 +186,7 @@ class Executor:
             if not layout.rows:
                 return None
             dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-            return (self._gather(layout, lp, 0, dtype, hidden),
-                    self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None)
+            return (self._gather(layout, lp, 0, dtype, hidden), self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None)
 
         result = self.par.call(fn)
         self.last = (state, result)

@@ -49,6 +49,7 @@ MIN_WIDTH = 2  # a batch of width 1 would take the models' in-place single-token
 
 # -- one group ----------------------------------------------------------------------------------------------------
 
+
 class HybridRun:
     """One call's state on the hybrid path: the model, the groups, the budget and the statistics."""
 
@@ -101,8 +102,7 @@ class HybridRun:
         self.W = max(c.numel() for g in self.groups for c in g.completions)
         self.tokens = 0
         self.passes = 0
-        self.plain_tokens = sum(g.prompt.numel() * len(g.completions) + sum(c.numel() for c in g.completions)
-                                for g in self.groups)
+        self.plain_tokens = sum(g.prompt.numel() * len(g.completions) + sum(c.numel() for c in g.completions) for g in self.groups)
         verify_head(model, hybrid=True)
 
     def batches(self, g) -> list[list[int]]:
@@ -126,8 +126,12 @@ class HybridRun:
         cache = _new_cache(self.model)
         ids = g.prompt.to(self.device)[None]
         for a, b in prompt_chunks(ids.shape[1], self.max_tokens):
-            out = self.dec(input_ids=ids[:, a:b], use_cache=True, **self._positions(torch.arange(a, b, device=self.device)[None]),
-                           **{self.cache_arg: cache})
+            out = self.dec(
+                input_ids=ids[:, a:b],
+                use_cache=True,
+                **self._positions(torch.arange(a, b, device=self.device)[None]),
+                **{self.cache_arg: cache},
+            )
             self.tokens += b - a
             self.passes += 1
         slots = _slots(cache)
@@ -168,12 +172,11 @@ class HybridRun:
         mask = torch.zeros(n, t, dtype=torch.bool)
         for r, c in enumerate(cs):  # right padding: after a row's last token, it never reaches the row's tokens
             ids[r, : c.numel()] = c
-            ids[r, c.numel():] = c[-1]
+            ids[r, c.numel() :] = c[-1]
             mask[r, : c.numel()] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (P + torch.arange(t, device=self.device))[None].expand(n, t)
-        out = self.dec(input_ids=ids, use_cache=True, **self._positions(pos),
-                       **{self.cache_arg: _repeated(cache, slots, tensors, n)})
+        out = self.dec(input_ids=ids, use_cache=True, **self._positions(pos), **{self.cache_arg: _repeated(cache, slots, tensors, n)})
         self.tokens += n * t
         self.passes += 1
         hidden = out.last_hidden_state  # (n, t, d)
@@ -244,8 +247,12 @@ def backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature
             leaves = [x.detach().requires_grad_() for x in outs]
             for rows in run.batches(g):
                 lp, ent = run.completions(g, rows, cache, slots, leaves[:-1], leaves[-1])
-                batch = Batch(logprobs=lp, mask=run.mask(g, rows), entropy=ent if entropy else None,
-                              index=torch.tensor([first + i for i in rows], dtype=torch.int64, device=run.device))
+                batch = Batch(
+                    logprobs=lp,
+                    mask=run.mask(g, rows),
+                    entropy=ent if entropy else None,
+                    index=torch.tensor([first + i for i in rows], dtype=torch.int64, device=run.device),
+                )
                 loss = check_loss(loss_fn(batch), calls)
                 calls += 1
                 loss.backward()
@@ -263,7 +270,11 @@ def backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature
         raise
     tx.commit(synced=True)
     return BackwardResult(
-        loss=total, tokens_computed=run.tokens, tokens_plain=run.plain_tokens, passes=run.passes, loss_calls=calls,
+        loss=total,
+        tokens_computed=run.tokens,
+        tokens_plain=run.plain_tokens,
+        passes=run.passes,
+        loss_calls=calls,
         peak_memory_bytes=int(torch.cuda.max_memory_allocated(run.device)) if run.device.type == "cuda" else None,
         offloaded_bytes=hooks.bytes_moved if hooks else 0,
     )

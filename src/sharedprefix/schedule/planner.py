@@ -62,8 +62,9 @@ class Plan:
     def fsdp_rounds(self) -> tuple[int, int]:
         """(forward-only rounds, forward+backward rounds) this plan runs under FSDP2."""
         n_f = sum(isinstance(s, Pass) and bool(s.record) for s in self.steps)
-        n_fb = sum(1 if isinstance(s, Pass) and not s.record else len(s.segments) if isinstance(s, PrefixBackward)
-                   else 0 for s in self.steps)
+        n_fb = sum(
+            1 if isinstance(s, Pass) and not s.record else len(s.segments) if isinstance(s, PrefixBackward) else 0 for s in self.steps
+        )
         return n_f, n_fb
 
     def for_fsdp(self, forward_rounds: int, backward_rounds: int) -> Plan:
@@ -101,8 +102,7 @@ class Plan:
                 kinds = []
                 for s in step.segments:
                     seg = segs[s]
-                    kind = (f"c{seg.completion}" if seg.completion is not None
-                            else "prompt" if self.tree.groups else f"s{s}")
+                    kind = f"c{seg.completion}" if seg.completion is not None else "prompt" if self.tree.groups else f"s{s}"
                     kinds.append(f"g{seg.group}:{kind}[{seg.length}]")
                 rec = f" (cache {len(step.record)} segment(s))" if step.record else ""
                 rows = f", {len(step.rows)} row(s) reported" if step.rows else ""
@@ -115,9 +115,7 @@ class Plan:
                 what = "prompt" if self.tree.groups else "prefix"
                 lines.append(f"  step {i}: {what} backward of group {g} (segment(s) {list(step.segments)})")
         ratio = self.plain_tokens / max(1, self.tokens_computed)
-        lines.append(
-            f"tokens computed {self.tokens_computed}, plain run {self.plain_tokens} ({ratio:.2f}x fewer)"
-        )
+        lines.append(f"tokens computed {self.tokens_computed}, plain run {self.plain_tokens} ({ratio:.2f}x fewer)")
         return "\n".join(lines)
 
 

@@ -65,8 +65,7 @@ def forward(run, entropy: bool) -> LogProbs:
     return LogProbs(lp, mask, ent, aux)
 
 
-def backward(run, loss_fn, entropy: bool, prefix_activations: str, offload_device, sync: bool,
-             grad_reduction: str) -> BackwardResult:
+def backward(run, loss_fn, entropy: bool, prefix_activations: str, offload_device, sync: bool, grad_reduction: str) -> BackwardResult:
     """``sp.backward`` over ``run``: its plan as rounds (FSDP2: reordered and padded to the agreed counts), inside a
     gradient transaction and, under DDP, one synchronisation at the end."""
     par = run.par
@@ -83,8 +82,9 @@ def backward(run, loss_fn, entropy: bool, prefix_activations: str, offload_devic
     last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
     scale = par.loss_scale() if grad_reduction == "sum" else 1.0
-    total, calls = synced(par, run.model, sync, grad_reduction,
-                          lambda: run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb))
+    total, calls = synced(
+        par, run.model, sync, grad_reduction, lambda: run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
+    )
     peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
     return BackwardResult(
         loss=total,

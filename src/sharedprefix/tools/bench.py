@@ -26,8 +26,14 @@ import torch
 import sharedprefix as sp
 
 BENCH_MODEL = dict(
-    hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-    intermediate_size=1536, vocab_size=32000, max_position_embeddings=16384,
+    hidden_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=32000,
+    max_position_embeddings=16384,
 )
 
 
@@ -43,8 +49,10 @@ def bench_model(dtype=torch.float32, seed=0, **overrides):
 def make_groups(n_groups, prompt_len, completion_len, group_size, vocab=32000, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [
-        sp.Group(torch.randint(0, vocab, (prompt_len,), generator=g),
-                 [torch.randint(0, vocab, (completion_len,), generator=g) for _ in range(group_size)])
+        sp.Group(
+            torch.randint(0, vocab, (prompt_len,), generator=g),
+            [torch.randint(0, vocab, (completion_len,), generator=g) for _ in range(group_size)],
+        )
         for _ in range(n_groups)
     ]
 
@@ -120,8 +128,7 @@ def plain_step(model, groups, max_tokens=None):
     total = 0.0
     for g in groups:
         items = [(g.prompt, c) for c in g.completions]
-        per = len(items) if max_tokens is None else max(1, max_tokens // (g.prompt.numel() + max(
-            c.numel() for c in g.completions)))
+        per = len(items) if max_tokens is None else max(1, max_tokens // (g.prompt.numel() + max(c.numel() for c in g.completions)))
         for s in range(0, len(items), per):
             total += _plain_rows_step(model, items[s : s + per])
     return total
@@ -195,8 +202,16 @@ def repeated_prefix():
 
 
 # Qwen3-4B's layer shapes (the anchors' model), 4 layers, bf16: the GPU benchmark's model.
-GPU_MODEL = dict(hidden_size=2560, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9728,
-                 num_hidden_layers=4, vocab_size=151936, max_position_embeddings=40960)
+GPU_MODEL = dict(
+    hidden_size=2560,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=9728,
+    num_hidden_layers=4,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+)
 
 
 def cuda_peak(fn) -> tuple[float, int]:
@@ -244,8 +259,7 @@ def measure_in_subprocess(kind: str, spec: dict) -> dict:
     # A fixed mmap threshold makes glibc return every large freed block to the OS at once; with its default
     # dynamic threshold, freed tensors stay in the heap and the peak RSS measures fragmentation, not tensors.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(kind), json.dumps(spec)], capture_output=True,
-                         text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(kind), json.dumps(spec)], capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"benchmark child for {kind!r} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

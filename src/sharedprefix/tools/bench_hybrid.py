@@ -20,9 +20,17 @@ def hybrid_model(layers=4, dtype=torch.float32, seed=0):
     import transformers as tf
 
     types = ["conv", "full_attention"] * (layers // 2) + ["conv"] * (layers % 2)
-    cfg = tf.Lfm2Config(hidden_size=512, num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
-                        intermediate_size=1536, block_auto_adjust_ff_dim=False, vocab_size=32000,
-                        max_position_embeddings=16384, layer_types=types)
+    cfg = tf.Lfm2Config(
+        hidden_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=1536,
+        block_auto_adjust_ff_dim=False,
+        vocab_size=32000,
+        max_position_embeddings=16384,
+        layer_types=types,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return tf.Lfm2ForCausalLM(cfg).to(dtype).eval()
@@ -39,8 +47,7 @@ def run(layers=4, repeats=2, prompt=2048, completion=128, G=8) -> list[str]:
     t_ours = bench.best_time(step(bench.shared_step), repeats)
     plain_tokens, ours_tokens = G * (prompt + completion), prompt + G * completion
     return [
-        f"model: LFM2 hidden 512, {layers} layers ({', '.join(model.config.layer_types)}), 8/4 heads, vocab 32000, "
-        "float32, cpu",
+        f"model: LFM2 hidden 512, {layers} layers ({', '.join(model.config.layer_types)}), 8/4 heads, vocab 32000, float32, cpu",
         f"group: prompt {prompt}, G={G} completions of {completion} tokens; forward+backward, best of {repeats}",
         f"plain run (rows in one batch, logits_to_keep): {t_plain:8.3f} s   tokens {plain_tokens}",
         f"sharedprefix (hybrid path)             : {t_ours:8.3f} s   tokens {ours_tokens}",

@@ -55,9 +55,11 @@ def run(max_tokens=8192, layers=4, plain=False, device="cpu", **shape) -> list[s
     tree = sp.Tree.from_rows(rows, trained)
     p_groups, p_tree = sp.plan(groups, max_tokens), sp.plan(tree, max_tokens)
     plain_tokens = sum(r.numel() for r in rows)
-    out = [f"agentic shape {shape or 'default'}: system 4096 shared by 8 prompts of 512, G=8 x 256; budget "
-           f"{max_tokens}; Qwen3 hidden 512, {layers} layers, vocab 32000, float32, {device}; after a warm-up, "
-           "best of 2 runs each in the order tree, per-group, per-group, tree"]
+    out = [
+        f"agentic shape {shape or 'default'}: system 4096 shared by 8 prompts of 512, G=8 x 256; budget "
+        f"{max_tokens}; Qwen3 hidden 512, {layers} layers, vocab 32000, float32, {device}; after a warm-up, "
+        "best of 2 runs each in the order tree, per-group, per-group, tree"
+    ]
     small_g, small_rows, small_t = agentic(system=64, prompts=2, prompt_len=16, G=2, completion=8)
     for src in (small_g, sp.Tree.from_rows(small_rows, small_t)):  # warm-up: first-call costs out of the timings
         sp.backward(model, src, _loss, max_tokens=max_tokens)
@@ -79,21 +81,26 @@ def run(max_tokens=8192, layers=4, plain=False, device="cpu", **shape) -> list[s
     out.append(f"plain run would compute {plain_tokens} tokens")
     sp_ratio = res["per-group"][0] / res["tree"][0]
     fr = fl["per-group"] / fl["tree"]
-    out.append(f"tree vs per-group: speed-up {sp_ratio:.2f}x, FLOP ratio {fr:.2f}x ({sp_ratio / fr:.2f} of it); "
-               f"tokens {res['per-group'][1] / res['tree'][1]:.2f}x fewer")
+    out.append(
+        f"tree vs per-group: speed-up {sp_ratio:.2f}x, FLOP ratio {fr:.2f}x ({sp_ratio / fr:.2f} of it); "
+        f"tokens {res['per-group'][1] / res['tree'][1]:.2f}x fewer"
+    )
     return out
 
 
-def memory(max_tokens=8192, layers=2, prompts=(2, 4, 8, 16), modes=("keep", "recompute"), device="cpu", G=4,
-           completion=128, report=print) -> list[str]:
+def memory(
+    max_tokens=8192, layers=2, prompts=(2, 4, 8, 16), modes=("keep", "recompute"), device="cpu", G=4, completion=128, report=print
+) -> list[str]:
     """Peak memory against the number of prompts sharing the 4096-token system prompt, under one budget.
 
     One fresh process per (prompts, mode), as ``sharedprefix bench --memory``: the peak is the growth of the
     peak RSS (CPU) or of the allocator's peak (CUDA) over the level after set-up. ``report`` gets each line
     as its run finishes.
     """
-    head = (f"agentic shape: system 4096 shared by n prompts of 512, G={G} x {completion}; budget {max_tokens}; "
-            f"Qwen3 hidden 512, {layers} layers, float32, {device}; one fresh process per row")
+    head = (
+        f"agentic shape: system 4096 shared by n prompts of 512, G={G} x {completion}; budget {max_tokens}; "
+        f"Qwen3 hidden 512, {layers} layers, float32, {device}; one fresh process per row"
+    )
     lines = [head, f"{'prompts':>7} {'mode':>9} {'tokens':>7} {'passes':>6} {'time s':>7} {'peak MiB':>9}"]
     for line in lines:
         report(line)
@@ -103,7 +110,6 @@ def memory(max_tokens=8192, layers=2, prompts=(2, 4, 8, 16), modes=("keep", "rec
         for mode in modes:
             spec = dict(tree=shape, max_tokens=max_tokens, model=dict(num_hidden_layers=layers), device=device)
             r = bench.measure_in_subprocess(mode, spec)
-            lines.append(f"{n:>7} {mode:>9} {r['tokens']:>7} {passes:>6} {r['time_s']:>7.2f} "
-                         f"{r['peak_bytes'] / 2**20:>9.1f}")
+            lines.append(f"{n:>7} {mode:>9} {r['tokens']:>7} {passes:>6} {r['time_s']:>7.2f} {r['peak_bytes'] / 2**20:>9.1f}")
             report(lines[-1])
     return lines

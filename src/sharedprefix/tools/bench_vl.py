@@ -25,13 +25,34 @@ def vl_model(layers=4):
     import transformers as tf
 
     cfg = tf.Qwen2VLConfig(
-        text_config=dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=layers,
-                         bos_token_id=None, eos_token_id=None,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=8192,
-                         rope_scaling={"type": "mrope", "mrope_section": [16, 8, 8]}),
-        vision_config=dict(depth=2, embed_dim=512, hidden_size=512, num_heads=8, mlp_ratio=2, in_channels=3, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=IMAGE, video_token_id=31993, vision_start_token_id=V_START, vision_end_token_id=V_END)
+        text_config=dict(
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=layers,
+            bos_token_id=None,
+            eos_token_id=None,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=8192,
+            rope_scaling={"type": "mrope", "mrope_section": [16, 8, 8]},
+        ),
+        vision_config=dict(
+            depth=2,
+            embed_dim=512,
+            hidden_size=512,
+            num_heads=8,
+            mlp_ratio=2,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=IMAGE,
+        video_token_id=31993,
+        vision_start_token_id=V_START,
+        vision_end_token_id=V_END,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return tf.Qwen2VLForConditionalGeneration(cfg).eval()
@@ -40,10 +61,14 @@ def vl_model(layers=4):
 def vl_group(visual=1024, text=256, G=8, completion=256, seed=0) -> sp.Group:
     g = torch.Generator().manual_seed(seed)
     side = int((visual * 4) ** 0.5)  # patches per side before the 2 x 2 merge
-    prompt = torch.cat([torch.tensor([V_START]), torch.full((visual,), IMAGE), torch.tensor([V_END]),
-                        torch.randint(0, 31000, (text - 2,), generator=g)])
-    inputs = {"pixel_values": torch.randn(side * side, 3 * 2 * 14 * 14, generator=g),
-              "image_grid_thw": torch.tensor([[1, side, side]]), "mm_token_type_ids": (prompt == IMAGE).int()}
+    prompt = torch.cat(
+        [torch.tensor([V_START]), torch.full((visual,), IMAGE), torch.tensor([V_END]), torch.randint(0, 31000, (text - 2,), generator=g)]
+    )
+    inputs = {
+        "pixel_values": torch.randn(side * side, 3 * 2 * 14 * 14, generator=g),
+        "image_grid_thw": torch.tensor([[1, side, side]]),
+        "mm_token_type_ids": (prompt == IMAGE).int(),
+    }
     comps = [torch.randint(0, 31000, (completion,), generator=g) for _ in range(G)]
     return sp.Group(prompt, comps, prompt_inputs=inputs)
 
@@ -54,9 +79,14 @@ def _plain(model, group):
     for c in group.completions:
         ids = torch.cat([group.prompt, c])[None]
         mm = torch.cat([group.prompt_inputs["mm_token_type_ids"], torch.zeros(c.numel(), dtype=torch.int32)])[None]
-        out = model(input_ids=ids, pixel_values=group.prompt_inputs["pixel_values"],
-                    image_grid_thw=group.prompt_inputs["image_grid_thw"], mm_token_type_ids=mm, use_cache=False,
-                    logits_to_keep=c.numel() + 1)
+        out = model(
+            input_ids=ids,
+            pixel_values=group.prompt_inputs["pixel_values"],
+            image_grid_thw=group.prompt_inputs["image_grid_thw"],
+            mm_token_type_ids=mm,
+            use_cache=False,
+            logits_to_keep=c.numel() + 1,
+        )
         logits = out.logits[0, -c.numel() - 1 : -1]
         (-torch.log_softmax(logits.float(), -1).gather(-1, c[:, None]).sum()).backward()
     return P
@@ -100,8 +130,11 @@ def run(layers=4, **shape) -> list[str]:
     sp.backward(model, [small], lambda b: -(b.logprobs * b.mask).sum())
     times = {"ours": [], "plain": [], "vision": []}
     for _ in range(2):  # best of 2, interleaved
-        for name, fn in (("ours", lambda: sp.backward(model, [group], lambda b: -(b.logprobs * b.mask).sum())),
-                         ("plain", lambda: _plain(model, group)), ("vision", lambda: _vision(model, group))):
+        for name, fn in (
+            ("ours", lambda: sp.backward(model, [group], lambda b: -(b.logprobs * b.mask).sum())),
+            ("plain", lambda: _plain(model, group)),
+            ("vision", lambda: _vision(model, group)),
+        ):
             model.zero_grad(set_to_none=True)
             times[name].append(_timed(fn))
     t_ours, t_plain, t_vis = (min(times[k]) for k in ("ours", "plain", "vision"))

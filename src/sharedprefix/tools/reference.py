@@ -72,8 +72,11 @@ def dtype_faithful_norms(model):
     installed; nothing else of the model changes.
     """
     for name, mod in model.named_modules():
-        if (isinstance(mod, torch.nn.LayerNorm) or not type(mod).__name__.endswith("Norm")
-                or not isinstance(getattr(mod, "weight", None), torch.Tensor)):  # a norm without a weight stays as it is
+        if (
+            isinstance(mod, torch.nn.LayerNorm)
+            or not type(mod).__name__.endswith("Norm")
+            or not isinstance(getattr(mod, "weight", None), torch.Tensor)
+        ):  # a norm without a weight stays as it is
             continue
         with torch.no_grad():
             x = torch.randn(3, mod.weight.shape[0], dtype=mod.weight.dtype, device=mod.weight.device)

@@ -53,29 +53,38 @@ class VerifyReport:
     def __str__(self) -> str:
         if self.refusal:
             return f"refused: {self.refusal}"
-        lines = [f"max_tokens={b!s:>5}: sharedprefix error {ours:.2e}, plain error {plain:.2e} "
-                 f"({'OK' if ours <= 2 * plain + 1e-12 else 'MISMATCH'})" for b, ours, plain in self.checks]
+        lines = [
+            f"max_tokens={b!s:>5}: sharedprefix error {ours:.2e}, plain error {plain:.2e} "
+            f"({'OK' if ours <= 2 * plain + 1e-12 else 'MISMATCH'})"
+            for b, ours, plain in self.checks
+        ]
         if self.split_refusal:
             lines.append(f"max_tokens={self.split!s:>5}: refused ({self.split_refusal})")
-        verdict = "exact by the 2x rule" + (" in one pass; a budget that splits a group is refused" if self.split_refusal
-                                            else "")
+        verdict = "exact by the 2x rule" + (" in one pass; a budget that splits a group is refused" if self.split_refusal else "")
         if self.float64 is not None:
             lines.append(
                 f"the model makes discrete choices per token ({self.choices}), which flip at near-ties between two "
                 "roundings (the plain run's against float64 too) and move that token's log-prob by more than "
                 f"rounding: {self.beyond} token(s) beyond twice the plain error (at most {FLIPPED_SHARE:.0%} may be), "
-                + (f"{self.untied} of them where the plain run's own top-k choice is not within {TIE_MARGIN} of a tie "
-                   "(none may be); " if self.untied is not None else "")
+                + (
+                    f"{self.untied} of them where the plain run's own top-k choice is not within {TIE_MARGIN} of a tie (none may be); "
+                    if self.untied is not None
+                    else ""
+                )
                 + f"on the float64 copy sharedprefix's error is "
-                f"{self.float64:.2e} (at most {FLOAT64_TOL:.0e})")
-            verdict = ("exact on the float64 copy; in low precision the few tokens beyond the 2x rule sit where the "
-                       "plain run's own discrete choice nearly ties, as flipped choices do")
+                f"{self.float64:.2e} (at most {FLOAT64_TOL:.0e})"
+            )
+            verdict = (
+                "exact on the float64 copy; in low precision the few tokens beyond the 2x rule sit where the "
+                "plain run's own discrete choice nearly ties, as flipped choices do"
+            )
             if not self.ok and "indexer" in (self.choices or ""):
                 lines.append(
                     "an indexer scores keys in float32 even on the float64 copy, and keys whose index scores tie "
                     "exactly at its top-k boundary (e.g. clipped to 0 by its ReLU for every head) are picked by "
                     "torch.topk in an unspecified order that depends on the row's layout, in the plain run as here: "
-                    "a mismatch confined to a few tokens can be such a tie (README: DeepSeek sparse attention)")
+                    "a mismatch confined to a few tokens can be such a tie (README: DeepSeek sparse attention)"
+                )
         return "\n".join(lines + [f"-> {verdict if self.ok else 'NOT EXACT'}"])
 
 
@@ -89,8 +98,12 @@ def _random_groups(vocab: int, seed: int, streams: int = 1):
     # 183 completion tokens: with 27 (before), the largest error exceeded twice the plain run's on an exact dense
     # model under bfloat16 autocast for 1 seed in 5 (VaultGemma, 2.25x); with these, OPT, Llama, Gemma 2 and
     # VaultGemma in bfloat16 or under autocast stayed at or below 1.43x over 8 seeds each
-    return [Group(ids(40), [ids(16), ids(24), ids(1), ids(9)]), Group(ids(7), [ids(12), ids(12), ids(20)]),
-            Group(ids(24), [ids(30), ids(5)]), Group(ids(2), [ids(18), ids(18), ids(18)])]
+    return [
+        Group(ids(40), [ids(16), ids(24), ids(1), ids(9)]),
+        Group(ids(7), [ids(12), ids(12), ids(20)]),
+        Group(ids(24), [ids(30), ids(5)]),
+        Group(ids(2), [ids(18), ids(18), ids(18)]),
+    ]
 
 
 def default_groups(model, seed: int = 0):
@@ -108,8 +121,9 @@ def _plain(model, groups) -> torch.Tensor:
         return plain_logprobs(unwrap(model), groups)[0].double().cpu()
 
 
-def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
-           reference_device: str | torch.device | None = None) -> VerifyReport:
+def verify(
+    model, groups=None, max_tokens: int | None = None, seed: int = 0, reference_device: str | torch.device | None = None
+) -> VerifyReport:
     """Check sharedprefix against the plain forward on ``model`` (see the module docstring).
 
     Args:
@@ -150,8 +164,9 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
     choices, float64, beyond, untied = (discrete_choices(base) if not ok and low else None), None, None, None
     if choices:  # a second opinion: the same algorithm on the float64 copy, where near-ties do not flip
         with torch.no_grad():
-            float64 = max(float((sp.logprobs(ref_model, groups, max_tokens=b).logprobs.double().cpu() - exact)
-                                .abs().max()) for b, _ in outs)
+            float64 = max(
+                float((sp.logprobs(ref_model, groups, max_tokens=b).logprobs.double().cpu() - exact).abs().max()) for b, _ in outs
+            )
         off = [((o - exact).abs() > 2 * plain_err + 1e-12).nonzero().tolist() for _, o in outs]
         beyond = max(len(x) for x in off)
         tokens = sum(int(c.shape[-1]) for g in groups for c in g.completions)
@@ -165,8 +180,9 @@ def verify(model, groups=None, max_tokens: int | None = None, seed: int = 0,
             untied = len({(r, t) for x in off for r, t in x if not float(margins[r][prompt[r] + t - 1]) < TIE_MARGIN})
             ok = untied == 0
     del ref_model
-    return VerifyReport(ok, checks=checks, split_refusal=split_refusal, split=split, choices=choices,
-                        float64=float64, beyond=beyond, untied=untied)
+    return VerifyReport(
+        ok, checks=checks, split_refusal=split_refusal, split=split, choices=choices, float64=float64, beyond=beyond, untied=untied
+    )
 
 
 FLOAT64_TOL = 1e-5  # |delta log-prob| of the float64 copy (routers and indexers score in float32 even there)

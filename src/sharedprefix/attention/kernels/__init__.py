@@ -42,7 +42,6 @@ log-sum-exp, which the CPU flash op cannot do), ``cuda`` (torch's own varlen fla
 CPU tests cover all the logic around them.
 """
 
-
 from __future__ import annotations
 
 from typing import Protocol
@@ -53,8 +52,7 @@ from sharedprefix.attention.kernels.cpu import CPU
 from sharedprefix.attention.kernels.cuda import CUDA, FlashAttn
 from sharedprefix.attention.kernels.reference import Reference
 
-__all__ = ["ALIASES", "CPU", "CUDA", "IMPLEMENTATIONS", "AttentionKernel", "FlashAttn", "Reference",
-           "missing_cuda_ops", "select"]
+__all__ = ["ALIASES", "CPU", "CUDA", "IMPLEMENTATIONS", "AttentionKernel", "FlashAttn", "Reference", "missing_cuda_ops", "select"]
 
 
 class AttentionKernel(Protocol):
@@ -65,15 +63,36 @@ class AttentionKernel(Protocol):
     SOFTCAP: bool
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, window: int | None,
-                scale: float) -> tuple: ...
+    def forward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        window: int | None,
+        scale: float,
+    ) -> tuple: ...
 
     @staticmethod
-    def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                 max_seqlen_k: int, causal: bool, window: int | None, scale: float,
-                 aux: object = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def backward(
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool,
+        window: int | None,
+        scale: float,
+        aux: object = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 IMPLEMENTATIONS: dict[str, type[AttentionKernel]] = {c.name: c for c in (Reference, CPU, CUDA, FlashAttn)}

@@ -59,8 +59,21 @@ class CUDA:
         wl, wr = _flash_window(causal, window, max_seqlen_k)
         dv_, d = v.shape[-1], _flash_dim(q, v)
         q, k, v = (_pad_last(x, d).contiguous() for x in (q, k, v))
-        res = torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, False,
-                                                      scale=scale, window_size_left=wl, window_size_right=wr)
+        res = torch.ops.aten._flash_attention_forward(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            0.0,
+            causal,
+            False,
+            scale=scale,
+            window_size_left=wl,
+            window_size_right=wr,
+        )
         # (output, softmax_logsumexp (H, Tq), rng_state, unused, debug_attn_mask); the RNG state for the backward
         return _cut_last(res[0], dv_), _lse_from_flash(res[1]), (res[2], res[3])
 
@@ -73,8 +86,24 @@ class CUDA:
         dh, dvh, d = q.shape[-1], v.shape[-1], _flash_dim(q, v)
         q, k, v, dout, out = (_pad_last(x, d).contiguous() for x in (q, k, v, dout, out))
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            dout, q, k, v, out, _lse_to_flash(lse), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, causal, rng, unused,
-            scale=scale, window_size_left=wl, window_size_right=wr)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            _lse_to_flash(lse),
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            0.0,
+            causal,
+            rng,
+            unused,
+            scale=scale,
+            window_size_left=wl,
+            window_size_right=wr,
+        )
         return _cut_last(dq, dh), _cut_last(dk, dh), _cut_last(dv, dvh)
 
 
@@ -85,8 +114,10 @@ def _flash_attn_interface():
 
     version = tuple(int(x) for x in flash_attn.__version__.split(".")[:2] if x.isdigit())
     if version < (2, 7):
-        raise ValueError(f"attention backend 'flash_attn' needs flash-attn>=2.7, found {flash_attn.__version__}; "
-                         "upgrade it, or use backend='cuda' (torch's own flash kernels).")
+        raise ValueError(
+            f"attention backend 'flash_attn' needs flash-attn>=2.7, found {flash_attn.__version__}; "
+            "upgrade it, or use backend='cuda' (torch's own flash kernels)."
+        )
     return flash_attn_interface
 
 
@@ -102,19 +133,54 @@ class FlashAttn:
         wl, wr = _flash_window(causal, window, max_seqlen_k)
         dv_, d = v.shape[-1], _flash_dim(q, v)
         q, k, v = (_pad_last(x, d).contiguous() for x in (q, k, v))
-        out, lse, _, _ = fa._flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, scale, causal=causal,
-                                                       window_size_left=wl, window_size_right=wr,
-                                                       softcap=float(softcap or 0.0))
+        out, lse, _, _ = fa._flash_attn_varlen_forward(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            0.0,
+            scale,
+            causal=causal,
+            window_size_left=wl,
+            window_size_right=wr,
+            softcap=float(softcap or 0.0),
+        )
         return _cut_last(out, dv_), _lse_from_flash(lse)  # (out, softmax_lse (H, Tq), S_dmask, rng_state)
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, aux=None, softcap=None):
+    def backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, aux=None, softcap=None
+    ):
         fa = _flash_attn_interface()
         wl, wr = _flash_window(causal, window, max_seqlen_k)
         dh, dvh, d = q.shape[-1], v.shape[-1], _flash_dim(q, v)
         q, k, v, dout, out = (_pad_last(x, d).contiguous() for x in (q, k, v, dout, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # positional after the scale: causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic
-        fa._flash_attn_varlen_backward(dout, q, k, v, out, _lse_to_flash(lse), dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                       0.0, scale, causal, wl, wr, float(softcap or 0.0), None, False)
+        fa._flash_attn_varlen_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            _lse_to_flash(lse),
+            dq,
+            dk,
+            dv,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            0.0,
+            scale,
+            causal,
+            wl,
+            wr,
+            float(softcap or 0.0),
+            None,
+            False,
+        )
         return _cut_last(dq, dh), _cut_last(dk, dh), _cut_last(dv, dvh)

@@ -178,6 +178,8 @@ def load_trainer_state(path: str) -> dict:
     try:
         return torch.load(file, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{file!r} cannot be read with torch.load(weights_only=True): it holds more than tensors and "
-                         f"plain values ({str(e).splitlines()[0][:200]}), so sharedprefix train did not write it as "
-                         "it is. It is not loaded; remove the checkpoint, or pass --no-resume to start over.") from None
+        raise ValueError(
+            f"{file!r} cannot be read with torch.load(weights_only=True): it holds more than tensors and "
+            f"plain values ({str(e).splitlines()[0][:200]}), so sharedprefix train did not write it as "
+            "it is. It is not loaded; remove the checkpoint, or pass --no-resume to start over."
+        ) from None

@@ -29,8 +29,7 @@ from sharedprefix import losses
 from sharedprefix.recipes.grpo import checkpoint
 from sharedprefix.recipes.grpo.config import TrainConfig
 
-__all__ = ["TrainConfig", "Trainer", "check_rewards", "encode_prompt", "read_metrics", "sample_completions",
-           "write_metrics"]
+__all__ = ["TrainConfig", "Trainer", "check_rewards", "encode_prompt", "read_metrics", "sample_completions", "write_metrics"]
 
 
 def check_rewards(values, n: int) -> list[float]:
@@ -52,16 +51,25 @@ def encode_prompt(tokenizer, text: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_completions(model, tokenizer, prompt_ids: torch.Tensor, n: int, max_new_tokens: int, temperature: float,
-                       seed: int) -> list[torch.Tensor]:
+def sample_completions(
+    model, tokenizer, prompt_ids: torch.Tensor, n: int, max_new_tokens: int, temperature: float, seed: int
+) -> list[torch.Tensor]:
     """n sampled completions of one prompt; each ends at its first EOS (kept) or at max_new_tokens."""
     torch.manual_seed(seed)
     ids = prompt_ids[None].repeat(n, 1)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
-                         top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     comps = []
-    for row in out[:, prompt_ids.numel():]:
+    for row in out[:, prompt_ids.numel() :]:
         row = row.tolist()
         if tokenizer.eos_token_id in row:
             row = row[: row.index(tokenizer.eos_token_id) + 1]
@@ -92,8 +100,7 @@ class Trainer:
         opt = torch.optim.AdamW(self.params, lr=cfg.warmup_lr, weight_decay=0.0)
         rng = random.Random(cfg.seed + 17)
         # progress on stderr, only on a terminal (tqdm's disable=None) and only on rank 0
-        for _ in tqdm(range(cfg.warmup_steps), desc="warm-up", disable=None if self.ctx.is_main else True,
-                      leave=False, dynamic_ncols=True):
+        for _ in tqdm(range(cfg.warmup_steps), desc="warm-up", disable=None if self.ctx.is_main else True, leave=False, dynamic_ncols=True):
             groups = []
             for s in [self.task.sample(rng) for _ in range(cfg.prompts_per_step)]:
                 target = self.tok(self.task.warmup_target(rng), add_special_tokens=False)["input_ids"]
@@ -118,8 +125,9 @@ class Trainer:
         for i in mine:
             s = samples[i]
             p = encode_prompt(self.tok, s.prompt)
-            comps = sample_completions(self.model, self.tok, p, cfg.group_size, cfg.max_new_tokens, cfg.temperature,
-                                       seed=cfg.seed * 7_919 + step * 1_009 + i)
+            comps = sample_completions(
+                self.model, self.tok, p, cfg.group_size, cfg.max_new_tokens, cfg.temperature, seed=cfg.seed * 7_919 + step * 1_009 + i
+            )
             groups.append(sp.Group(p, comps))
             texts += [self.tok.decode(c.tolist(), skip_special_tokens=False) for c in comps]
             answers += [s.answer] * len(comps)
@@ -137,30 +145,38 @@ class Trainer:
         stats = {"clipped": 0.0, "tokens": 0.0}
 
         def loss_fn(b):
-            loss, m = losses.policy_loss(b.logprobs, b.logprobs.detach(), adv[b.index], b.mask, norm,
-                                         loss_type=cfg.loss_type, epsilon=cfg.epsilon)
+            loss, m = losses.policy_loss(
+                b.logprobs, b.logprobs.detach(), adv[b.index], b.mask, norm, loss_type=cfg.loss_type, epsilon=cfg.epsilon
+            )
             for k in stats:
                 stats[k] += m[k]
             return loss
 
-        res = sp.backward(self.model, groups, loss_fn, max_tokens=cfg.max_tokens,
-                          prefix_activations=cfg.prefix_activations)
+        res = sp.backward(self.model, groups, loss_fn, max_tokens=cfg.max_tokens, prefix_activations=cfg.prefix_activations)
         self.ctx.sync(self.model)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         self.step += 1
         correct, loss, computed, plain = self.ctx.all_sum(
-            [float((rewards >= 1.0).sum()), res.loss, float(res.tokens_computed), float(res.tokens_plain)])
-        return {"step": step, "reward": reward_sum / n_all, "accuracy": correct / n_all, "loss": loss,
-                "step_time_s": dt, "tokens_computed": int(computed), "tokens_plain": int(plain), "passes": res.passes,
-                "tokens_per_s": plain / dt}
+            [float((rewards >= 1.0).sum()), res.loss, float(res.tokens_computed), float(res.tokens_plain)]
+        )
+        return {
+            "step": step,
+            "reward": reward_sum / n_all,
+            "accuracy": correct / n_all,
+            "loss": loss,
+            "step_time_s": dt,
+            "tokens_computed": int(computed),
+            "tokens_plain": int(plain),
+            "passes": res.passes,
+            "tokens_per_s": plain / dt,
+        }
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     def save(self, folder: str, base_model: str | None = None):
         """Replace the checkpoint ``folder`` atomically (``checkpoint.save_checkpoint``)."""
-        state = {"optimizer": self.opt.state_dict(), "step": self.step, "warm_done": self.warm_done,
-                 "config": asdict(self.cfg)}
+        state = {"optimizer": self.opt.state_dict(), "step": self.step, "warm_done": self.warm_done, "config": asdict(self.cfg)}
         checkpoint.save_checkpoint(folder, self.model, self.tok, state, base_model)
 
     def load_state(self, state: dict):

@@ -42,8 +42,10 @@ def summarize(rows: list[dict]) -> str:
         return "no steps run"
     first, last = fifths(rows)
     t = sum(r["step_time_s"] for r in rows)
-    return (f"{len(rows)} GRPO steps in {t:.1f}s; mean reward first 20% of steps {first:.3f} -> last 20% {last:.3f}; "
-            f"tokens computed {sum(r['tokens_computed'] for r in rows)} vs plain {sum(r['tokens_plain'] for r in rows)}")
+    return (
+        f"{len(rows)} GRPO steps in {t:.1f}s; mean reward first 20% of steps {first:.3f} -> last 20% {last:.3f}; "
+        f"tokens computed {sum(r['tokens_computed'] for r in rows)} vs plain {sum(r['tokens_plain'] for r in rows)}"
+    )
 
 
 def speed_comparison(trainer) -> str:
@@ -67,11 +69,12 @@ def speed_comparison(trainer) -> str:
     bar = tqdm(total=8, desc="speed comparison: plain run", leave=False, disable=None, dynamic_ncols=True)
     t_plain = bench.best_time(lambda: bench.plain_step(model, groups), 3, bar)
     bar.set_description("speed comparison: sharedprefix")
-    t_shared = bench.best_time(lambda: bench.shared_step(model, groups, cfg.max_tokens, cfg.prefix_activations), 3,
-                               bar)
+    t_shared = bench.best_time(lambda: bench.shared_step(model, groups, cfg.max_tokens, cfg.prefix_activations), 3, bar)
     bar.close()
     model.zero_grad(set_to_none=True)
     p = len(groups[0].prompt)
-    return (f"speed on this step's shape ({cfg.prompts_per_step} prompts of {p} tokens, G={cfg.group_size}, "
-            f"{cfg.max_new_tokens} new tokens; forward+backward): plain {t_plain * 1e3:.1f} ms, sharedprefix "
-            f"{t_shared * 1e3:.1f} ms -> {t_plain / t_shared:.2f}x")
+    return (
+        f"speed on this step's shape ({cfg.prompts_per_step} prompts of {p} tokens, G={cfg.group_size}, "
+        f"{cfg.max_new_tokens} new tokens; forward+backward): plain {t_plain * 1e3:.1f} ms, sharedprefix "
+        f"{t_shared * 1e3:.1f} ms -> {t_plain / t_shared:.2f}x"
+    )

@@ -38,15 +38,19 @@ def load_model(cfg: TrainConfig, tokenizer):
     if cfg.model is None:
         spec = json.loads(resources.files("sharedprefix").joinpath("data/default_model.json").read_text())
         spec.pop("model_type")
-        config = tf.Qwen3Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **spec)
+        config = tf.Qwen3Config(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **spec,
+        )
         config._attn_implementation = "sdpa"
         torch.manual_seed(cfg.seed)
         return tf.Qwen3ForCausalLM(config)
     load_config(cfg.model)
     with checkpoint.transformers_progress_on_terminal_only():
-        return tf.AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, attn_implementation="sdpa",
-                                                       dtype=torch.float32)
+        return tf.AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, attn_implementation="sdpa", dtype=torch.float32)
 
 
 def build_model(cfg: TrainConfig, base, resume_from: str | None):
@@ -59,8 +63,7 @@ def build_model(cfg: TrainConfig, base, resume_from: str | None):
         if folder is None:
             return base
         with checkpoint.transformers_progress_on_terminal_only():
-            return tf.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa",
-                                                           dtype=torch.float32)
+            return tf.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa", dtype=torch.float32)
     from peft import LoraConfig, PeftModel, get_peft_model
 
     with warnings.catch_warnings(), checkpoint.transformers_progress_on_terminal_only():
@@ -69,8 +72,9 @@ def build_model(cfg: TrainConfig, base, resume_from: str | None):
         if folder is not None:
             return PeftModel.from_pretrained(base, folder, is_trainable=True)
         torch.manual_seed(cfg.seed)
-        return get_peft_model(base, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                                               target_modules="all-linear", task_type="CAUSAL_LM"))
+        return get_peft_model(
+            base, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        )
 
 
 def find_checkpoint(cfg: TrainConfig, folder: str) -> tuple[str | None, dict | None]:
@@ -81,9 +85,11 @@ def find_checkpoint(cfg: TrainConfig, folder: str) -> tuple[str | None, dict | N
     path = checkpoint.latest(folder)
     if path is None:
         if os.path.exists(folder):
-            raise ValueError(f"{folder!r} holds no whole checkpoint (no {checkpoint.MARKER!r} marker; a checkpoint "
-                             "written by an earlier version of sharedprefix?); it cannot be resumed. Remove it, or pass "
-                             "--no-resume to start over (the first new checkpoint replaces it).")
+            raise ValueError(
+                f"{folder!r} holds no whole checkpoint (no {checkpoint.MARKER!r} marker; a checkpoint "
+                "written by an earlier version of sharedprefix?); it cannot be resumed. Remove it, or pass "
+                "--no-resume to start over (the first new checkpoint replaces it)."
+            )
         return None, None
     state = checkpoint.load_trainer_state(path)
     saved = state["config"]
@@ -94,9 +100,11 @@ def find_checkpoint(cfg: TrainConfig, folder: str) -> tuple[str | None, dict | N
     if diff:
         got = ", ".join(f"{k}={getattr(cfg, k)!r}" for k in diff)
         was = ", ".join(f"{k}={saved.get(k)!r}" for k in diff)
-        raise ValueError(f"this run has {got} but the checkpoint in {path!r} was written with {was}; its weights "
-                         "cannot continue this run. Pass the checkpoint's options, or --no-resume to start over, or "
-                         "another --output.")
+        raise ValueError(
+            f"this run has {got} but the checkpoint in {path!r} was written with {was}; its weights "
+            "cannot continue this run. Pass the checkpoint's options, or --no-resume to start over, or "
+            "another --output."
+        )
     return path, state
 
 
@@ -110,15 +118,18 @@ def load_config(path: str):
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {path!r} holds no readable transformers config ({str(e)[:200]}).") from None
     if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ValueError(f"--model {path!r} is a {config.model_type!r} model, which is not a causal LM; "
-                         "sharedprefix trains causal language models.")
+        raise ValueError(
+            f"--model {path!r} is a {config.model_type!r} model, which is not a causal LM; sharedprefix trains causal language models."
+        )
     return config
 
 
 def check_model_folder(path: str) -> None:
     if not os.path.isdir(path):
-        raise ValueError(f"--model {path!r} is not a folder; expected a local transformers checkpoint folder "
-                         "(with config.json and weights). Models are not downloaded.")
+        raise ValueError(
+            f"--model {path!r} is not a folder; expected a local transformers checkpoint folder "
+            "(with config.json and weights). Models are not downloaded."
+        )
 
 
 def load_tokenizer(cfg: TrainConfig):
@@ -149,8 +160,9 @@ def check_config(cfg: TrainConfig):
     if not cfg.temperature > 0:
         raise ValueError(f"temperature={cfg.temperature}; expected > 0.")
     if cfg.lora_r is not None and (cfg.lora_r < 1 or cfg.lora_alpha < 1):
-        raise ValueError(f"lora_r={cfg.lora_r}, lora_alpha={cfg.lora_alpha}; expected positive integers (or no "
-                         "lora_r, to train all weights).")
+        raise ValueError(
+            f"lora_r={cfg.lora_r}, lora_alpha={cfg.lora_alpha}; expected positive integers (or no lora_r, to train all weights)."
+        )
     needed = [("matplotlib", "plot", "the reward plot")] + ([("peft", "trl", "LoRA")] if cfg.lora_r is not None else [])
     for module, extra, what in needed:
         if importlib.util.find_spec(module) is None:
@@ -177,8 +189,10 @@ def train(cfg: TrainConfig) -> int:
     ctx = dist.setup()
     if cfg.prompts_per_step < ctx.world_size:
         ctx.close()
-        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} is smaller than the {ctx.world_size} ranks; every "
-                         "rank needs at least one prompt (whole groups per rank). Raise prompts_per_step.")
+        raise ValueError(
+            f"prompts_per_step={cfg.prompts_per_step} is smaller than the {ctx.world_size} ranks; every "
+            "rank needs at least one prompt (whole groups per rank). Raise prompts_per_step."
+        )
     if ctx.is_main:
         os.makedirs(cfg.output, exist_ok=True)
     base = load_model(cfg, tokenizer) if cfg.lora_r is not None or found is None else None
@@ -201,15 +215,13 @@ def train(cfg: TrainConfig) -> int:
         if ctx.is_main:
             print(f"warm-up: {cfg.warmup_steps} supervised steps on the answer format in {time.perf_counter() - t0:.1f}s")
     # progress on stderr, only on a terminal (tqdm's disable=None) and only on rank 0
-    bar = tqdm(total=cfg.steps, initial=trainer.step, disable=None if ctx.is_main else True, desc="GRPO",
-               dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=trainer.step, disable=None if ctx.is_main else True, desc="GRPO", dynamic_ncols=True)
     while trainer.step < cfg.steps:
         row = trainer.train_step()
         if ctx.is_main:
             rows.append(row)
             write_metrics(metrics_path, rows)
-            bar.set_postfix(reward=f"{row['reward']:.2f}", loss=f"{row['loss']:+.3f}",
-                            tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.set_postfix(reward=f"{row['reward']:.2f}", loss=f"{row['loss']:+.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
             bar.update(1)
         if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
             if ctx.is_main:

@@ -10,5 +10,16 @@ nothing in the library imports it.
 from sharedprefix.tools.zoo.checks import EXPECTED_NOT_BUILDABLE, REFUSALS, Result, check, run
 from sharedprefix.tools.zoo.configs import NotBuildable, architectures, build, entries, groups, tiny_config
 
-__all__ = ["EXPECTED_NOT_BUILDABLE", "NotBuildable", "REFUSALS", "Result", "architectures", "build", "check", "entries",
-           "groups", "run", "tiny_config"]
+__all__ = [
+    "EXPECTED_NOT_BUILDABLE",
+    "NotBuildable",
+    "REFUSALS",
+    "Result",
+    "architectures",
+    "build",
+    "check",
+    "entries",
+    "groups",
+    "run",
+    "tiny_config",
+]

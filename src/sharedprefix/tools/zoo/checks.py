@@ -49,17 +49,20 @@ EXPECTED_NOT_BUILDABLE = {
 # Refusal categories: (README label, pattern its message must match). A refusal that fits none fails the
 # zoo, so every refusal names its feature and why.
 REFUSALS: list[tuple[str, str]] = [
-    ("token mixing outside attention (state-space, linear attention, recurrence, convolution)",
-     r"mix tokens outside attention|convolution over tokens"),
+    (
+        "token mixing outside attention (state-space, linear attention, recurrence, convolution)",
+        r"mix tokens outside attention|convolution over tokens",
+    ),
     ("attention outside transformers' attention interface", r"bypasses transformers' attention interface"),
-    ("positions numbered by the model itself (no position_ids input, or a numbering other than RoBERTa's)",
-     r"takes no position_ids|numbers the positions of a row differently"),
+    (
+        "positions numbered by the model itself (no position_ids input, or a numbering other than RoBERTa's)",
+        r"takes no position_ids|numbers the positions of a row differently",
+    ),
     ("attention masks other than causal, sliding-window or chunked", r"neither causal nor a causal sliding window"),
     ("attention-score soft-capping on a backend without it (torch's CUDA flash ops)", r"attention-score soft-capping"),
     ("query scaling by the token's index in the row (Llama 4 attn_temperature_tuning)", r"attn_temperature_tuning"),
     ("several attention calls per layer, split across passes", r"runs its attention \d+ times in one forward"),
-    ("keys selected by an indexer (DeepSeek sparse attention), split across passes",
-     r"selects the keys of each query with an indexer"),
+    ("keys selected by an indexer (DeepSeek sparse attention), split across passes", r"selects the keys of each query with an indexer"),
     ("keys beyond the row (memory, compressed keys)", r"attends over \d+ keys for a row"),
     ("an LM head sharedprefix cannot reproduce", r"turns hidden states into logits"),
     ("RoPE scaling that depends on the longest position", r"RoPE scaling, whose frequencies"),
@@ -269,8 +272,9 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
             split_out = sp.logprobs(model, gs, max_tokens=BUDGET)
             split = split_out.logprobs
         if not _aux_error(split_out.aux_loss, want_aux) <= AUX_TOL:
-            res.detail = (f"silent mismatch of the load-balancing loss under max_tokens={BUDGET}: "
-                          f"{split_out.aux_loss} against the plain {want_aux}")
+            res.detail = (
+                f"silent mismatch of the load-balancing loss under max_tokens={BUDGET}: {split_out.aux_loss} against the plain {want_aux}"
+            )
             return
     except ValueError as e:  # exact in one pass, refused when split: fine if the refusal says why
         res.split_refusal = str(e)
@@ -307,12 +311,13 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
             plain_err, ours_err = _grad_error_at_scale(want, truth), _grad_error_at_scale(got, truth)
             if ours_err <= 2 * plain_err:
                 res.grad_err = _grad_error(got, truth)
-                res.float32_rule = (f"gradients {ours_err:.2g} from float64 at the largest gradient's scale, the plain "
-                                    f"run's {plain_err:.2g}")
+                res.float32_rule = f"gradients {ours_err:.2g} from float64 at the largest gradient's scale, the plain run's {plain_err:.2g}"
             else:
-                res.detail = (f"gradient mismatch: relative error {res.grad_err:.3g} > {gtol} against the plain run, "
-                              f"and {ours_err:.3g} > twice the plain run's {plain_err:.3g} against float64 (at the "
-                              "largest gradient's scale)")
+                res.detail = (
+                    f"gradient mismatch: relative error {res.grad_err:.3g} > {gtol} against the plain run, "
+                    f"and {ours_err:.3g} > twice the plain run's {plain_err:.3g} against float64 (at the "
+                    "largest gradient's scale)"
+                )
                 return
         elif not res.grad_err <= gtol:
             res.detail = f"gradient mismatch: relative error {res.grad_err:.3g} > {gtol}"

@@ -65,7 +65,8 @@ def render(results: list[Result], transformers_version: str) -> str:
         lines[-1] = lines[-1][:-2] + (
             f"; gradients of {_names(rule)} beyond {_e(GRAD_TOL_FLOAT32_INSIDE)}, within twice the plain forward's own "
             "error against the same model computing those parts in float64 (errors at the scale of the largest "
-            "gradient) |")
+            "gradient) |"
+        )
     for label, pat in REFUSALS:  # one line per reason a split is refused
         hit = [r for r in one_pass if re.search(pat, r.split_refusal, re.S)]
         if hit:
@@ -83,10 +84,12 @@ def render(results: list[Result], transformers_version: str) -> str:
         for f in r.features:
             feats[f].append(r)
     if feats:
-        lines += ["", "Features the exact entries exercise: " + "; ".join(
-            f"{f} ({len(rs)} entries)" if f == "MoE" else f"{f} ({len(rs)}: {_names(rs)})"
-            for f, rs in sorted(feats.items())
-        ) + "."]
+        lines += [
+            "",
+            "Features the exact entries exercise: "
+            + "; ".join(f"{f} ({len(rs)} entries)" if f == "MoE" else f"{f} ({len(rs)}: {_names(rs)})" for f, rs in sorted(feats.items()))
+            + ".",
+        ]
     lines.append(END)
     return "\n".join(lines)
 
