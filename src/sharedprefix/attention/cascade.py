@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from sharedprefix.attention.kernels.dense import dense_for
 from sharedprefix.layout.cascade import Cascade
 
 
@@ -27,27 +28,14 @@ class _Merged(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, impl, calls, device, scale, softcap, sinks, q, *kv):
+    def forward(ctx, impl, dense, calls, device, scale, softcap, sinks, q, *kv):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         outs, lses, auxes = [], [], []
         for i, c in enumerate(calls):
-            cu_q, cu_k, _ = c.on(device)
-            o, m, *aux = impl.forward(
-                q[c.q_start : c.q_end],
-                kv[2 * i],
-                kv[2 * i + 1],
-                cu_q,
-                cu_k,
-                c.max_seqlen_q,
-                c.max_seqlen_k,
-                c.causal,
-                c.window,
-                scale,
-                **_cap(softcap),
-            )
+            o, m, aux = _call_forward(impl, dense, c, q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], device, scale, softcap)
             outs.append(o)
             lses.append(m.to(acc))
-            auxes.append(aux[0] if aux else None)
+            auxes.append(aux)
         if len(calls) == 1:
             out, lse = outs[0], lses[0]
         else:
@@ -64,7 +52,7 @@ class _Merged(torch.autograd.Function):
             out = (torch.exp(lse - lse_s).nan_to_num_(0.0)[..., None] * out.to(acc)).to(q.dtype)
             lse = lse_s
         ctx.save_for_backward(q, out, lse, sinks, *kv)
-        ctx.impl, ctx.calls, ctx.device, ctx.scale, ctx.auxes, ctx.softcap = impl, calls, device, scale, auxes, softcap
+        ctx.impl, ctx.dense, ctx.calls, ctx.device, ctx.scale, ctx.auxes, ctx.softcap = impl, dense, calls, device, scale, auxes, softcap
         return out
 
     @staticmethod
@@ -73,33 +61,81 @@ class _Merged(torch.autograd.Function):
         dq = torch.zeros_like(q)
         grads = []
         for i, c in enumerate(ctx.calls):
-            cu_q, cu_k, _ = c.on(ctx.device)
             s = slice(c.q_start, c.q_end)
-            gq, gk, gv = ctx.impl.backward(
-                dout[s],
-                q[s],
-                kv[2 * i],
-                kv[2 * i + 1],
-                out[s],
-                lse[s],
-                cu_q,
-                cu_k,
-                c.max_seqlen_q,
-                c.max_seqlen_k,
-                c.causal,
-                c.window,
-                ctx.scale,
-                aux=ctx.auxes[i],
-                **_cap(ctx.softcap),
-            )
+            gq, gk, gv = _call_backward(ctx, c, ctx.auxes[i], dout[s], q[s], kv[2 * i], kv[2 * i + 1], out[s], lse[s])
             dq[s] += gq
             grads += [gk, gv]
         dsinks = None
-        if sinks is not None and ctx.needs_input_grad[5]:
+        if sinks is not None and ctx.needs_input_grad[6]:
             acc = lse.dtype
             delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (L, H)
             dsinks = -(torch.exp(sinks.to(acc)[None, :] - lse) * delta).sum(0).to(sinks.dtype)
-        return (None, None, None, None, None, dsinks, dq, *grads)
+        return (None, None, None, None, None, None, dsinks, dq, *grads)
+
+
+def _call_forward(impl, dense, c, q, k, v, device, scale, softcap):
+    """One call's (out, lse, aux): the varlen primitive, or, where ``dense`` is a kernel and the call splits into
+    dense pieces (``layout.dense``), each piece on its kernel, concatenated along the queries."""
+    parts = c.pieces(device) if dense is not None else None
+    if parts is None:
+        cu_q, cu_k, _ = c.on(device)
+        o, m, *aux = impl.forward(q, k, v, cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, scale, **_cap(softcap))
+        return o, m, aux[0] if aux else None
+    outs, lses, auxes = [], [], []
+    for p, (cu_q, cu_k), pad in parts:
+        qp, kp, vp = q[p.q0 : p.q1], k[p.k0 : p.k1], v[p.k0 : p.k1]
+        if p.shape is None:
+            o, m, *aux = impl.forward(qp, kp, vp, cu_q, cu_k, p.max_q, p.max_k, c.causal, None, scale)
+            aux = aux[0] if aux else None
+        else:
+            bq, bk = (p.batch, p.shape[0]), (p.batch, p.shape[1])
+            if pad is not None:
+                qp, kp, vp = (_padded(x, pad, p.batch * p.shape[0]) for x in (qp, kp, vp))
+            o, m, aux = dense.forward(
+                qp.view(*bq, *qp.shape[1:]), kp.view(*bk, *kp.shape[1:]), vp.view(*bk, *vp.shape[1:]), c.causal, scale
+            )
+            o, m = o.reshape(-1, *o.shape[2:]), m.reshape(-1, m.shape[-1])  # (B * Lq, H, Dv), (B * Lq, H)
+            if pad is not None:
+                o, m = o.index_select(0, pad), m.index_select(0, pad)
+        outs.append(o)
+        lses.append(m)
+        auxes.append(aux)
+    return torch.cat(outs), torch.cat(lses), auxes
+
+
+def _call_backward(ctx, c, aux, dout, q, k, v, out, lse):
+    """One call's share (dq, dk, dv) of the merged attention's gradient, piece by piece as it ran forward. A padded
+    piece's pad rows get zero queries, zero dout, zero out and lse = 0: their probabilities are finite (exp(0 - 0)
+    over visible keys) and their dS = P * (dO V^T - rowsum(dO * out)) is exactly 0, so they add nothing."""
+    parts = c.pieces(ctx.device) if ctx.dense is not None else None
+    if parts is None:
+        cu_q, cu_k, _ = c.on(ctx.device)
+        args = (cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ctx.scale)
+        return ctx.impl.backward(dout, q, k, v, out, lse, *args, aux=aux, **_cap(ctx.softcap))
+    dqs, dks, dvs = [], [], []
+    for (p, (cu_q, cu_k), pad), a in zip(parts, aux):
+        rq, rk = slice(p.q0, p.q1), slice(p.k0, p.k1)
+        xs = [dout[rq], q[rq], k[rk], v[rk], out[rq], lse[rq]]
+        if p.shape is None:
+            gq, gk, gv = ctx.impl.backward(*xs, cu_q, cu_k, p.max_q, p.max_k, c.causal, None, ctx.scale, aux=a)
+        else:
+            if pad is not None:
+                xs = [_padded(x, pad, p.batch * p.shape[0]) for x in xs]
+            lq, lk = p.shape
+            b = p.batch
+            d_o, qq, kk, vv, oo, mm = (x.view(b, lk if i in (2, 3) else lq, *x.shape[1:]) for i, x in enumerate(xs))
+            gq, gk, gv = (g.reshape(-1, *g.shape[2:]) for g in ctx.dense.backward(d_o, qq, kk, vv, oo, mm, c.causal, ctx.scale, a))
+            if pad is not None:
+                gq, gk, gv = (g.index_select(0, pad) for g in (gq, gk, gv))
+        dqs.append(gq)
+        dks.append(gk)
+        dvs.append(gv)
+    return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
+
+
+def _padded(x: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """(n, ...) real rows -> (rows, ...) with them at ``index`` and zeros elsewhere (a right-padded batch)."""
+    return x.new_zeros(rows, *x.shape[1:]).index_copy_(0, index, x)
 
 
 def _cap(softcap) -> dict:
@@ -147,5 +183,6 @@ def cascade_attention(
     kv = []
     for c in cascade.calls:
         kv += _keys(c, k, v, read_kv)
-    out = _Merged.apply(impl, cascade.calls, q.device, scale, softcap, sinks, q, *kv)
+    dense = None if softcap is not None else dense_for(impl, q.device, q.dtype, max(q.shape[-1], v.shape[-1]))
+    out = _Merged.apply(impl, dense, cascade.calls, q.device, scale, softcap, sinks, q, *kv)
     return out[None]

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sharedprefix.layout.dense import pieces as dense_pieces
+
 
 @dataclass(frozen=True)
 class KeySource:
@@ -78,6 +80,16 @@ class Call:
         if key not in self._on:
             ki = None if self.k_index is None else self.k_index.to(device)
             self._on[key] = (self.cu_seqlens_q.to(device), self.cu_seqlens_k.to(device), ki)
+        return self._on[key]
+
+    def pieces(self, device) -> list | None:
+        """The call's dense split (``layout.dense.pieces``), None where it stays one varlen call; each piece with
+        its index tensors on ``device``: (piece, (cu_q, cu_k) of a varlen piece, pad index of a padded piece)."""
+        key = ("pieces", str(device))
+        if key not in self._on:
+            ps = dense_pieces(self)
+            on = lambda t: None if t is None else t.to(device)  # noqa: E731
+            self._on[key] = None if ps is None else [(p, (on(p.cu_q), on(p.cu_k)), p.lens and on(p.pad_index())) for p in ps]
         return self._on[key]
 
 
