@@ -2,8 +2,11 @@
 
 ``token_logprobs`` applies the model's head (``model.adapter.head_logits``: its output embedding and post-processing,
 verified once per model) to (M, d) hidden states in chunks of about 4M logits, so that no (M, V) matrix exists at
-once, with a custom backward that recomputes each chunk's logits instead of keeping them. On CUDA a chunk holds at
-least 1024 rows (smaller chunks made the head memory-bound on the GPU).
+once. Under grad the chunks' logits are kept for the backward, as the plain run keeps them, when all of them fit
+under a cap (``logit_cap``: a quarter of the free device memory on CUDA, ``CPU_KEEP_BYTES`` on the CPU); otherwise each
+chunk is recomputed in the backward (``torch.utils.checkpoint``), so that only a few chunks' logits are ever held.
+``SHAREDPREFIX_KEEP_LOGITS`` (``auto``, ``always``, ``never``) or ``with keep_logits(...)`` forces either way; both are
+exact. On CUDA a chunk holds at least 1024 rows (smaller chunks made the head memory-bound on the GPU).
 
 A model with K token streams per position (``streams``: MusicGen) takes (M, K) code targets: each head's log-prob
 of its code, summed over the codebooks whose code is not ``ignore`` (the delay pattern's pad), and likewise the
@@ -14,12 +17,61 @@ Notation: M = predicted tokens, d = hidden size, V = vocabulary, K = streams.
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from sharedprefix.model.adapter import head_logits
 from sharedprefix.model.streams import head_vocab
+
+KEEP_MODES = ("auto", "always", "never")
+_KEEP = {"mode": os.environ.get("SHAREDPREFIX_KEEP_LOGITS", "auto")}
+# The CPU default: logits of up to 256 MiB are kept (a host's memory is large next to it; keeping them saves one head
+# matmul per chunk in the backward, about a third of the head's time); larger ones are recomputed chunk by chunk.
+CPU_KEEP_BYTES = 256 * 2**20
+# On CUDA: a quarter of the free device memory (the driver's free memory plus what the caching allocator holds
+# unused); the backward forms one chunk's softmax beside the kept logits.
+CUDA_KEEP_FRACTION = 0.25
+
+
+def _check_mode(mode) -> str:
+    if mode not in KEEP_MODES:
+        raise ValueError(
+            f"keep_logits mode {mode!r} (or SHAREDPREFIX_KEEP_LOGITS) is unknown; expected one of {KEEP_MODES}: 'auto' "
+            "keeps the completion tokens' logits for the backward when they fit under head.logit_cap, 'always' keeps "
+            "them, 'never' recomputes them chunk by chunk in the backward."
+        )
+    return mode
+
+
+@contextmanager
+def keep_logits(mode: str):
+    """Inside the block the head keeps its logits for the backward per ``mode`` ("auto", "always", "never")."""
+    before = _KEEP["mode"]
+    _KEEP["mode"] = _check_mode(mode)
+    try:
+        yield
+    finally:
+        _KEEP["mode"] = before
+
+
+def logit_cap(device: torch.device) -> int:
+    """Bytes of logits the head keeps for the backward under "auto" on ``device``."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int((free + unused) * CUDA_KEEP_FRACTION)
+    return CPU_KEEP_BYTES
+
+
+def _keeps(hidden: torch.Tensor, logits_per_row: int, out_dtype: torch.dtype) -> bool:
+    mode = _check_mode(_KEEP["mode"])
+    if mode != "auto":
+        return mode == "always"
+    return hidden.shape[0] * logits_per_row * out_dtype.itemsize <= logit_cap(hidden.device)
 
 
 class _TokenLogprob(torch.autograd.Function):
@@ -90,16 +142,16 @@ def token_logprobs(
         ignore: with (M, K) targets, the code that contributes nothing (the delay pattern's pad).
         temperature: logits are divided by it before the softmax (as TRL does).
         chunk_tokens: rows of the head computed at once (default: 4M logits per chunk, but never fewer
-            than 256 rows, 1024 on a GPU); under grad each chunk is recomputed in backward, so only a
-            few (chunk_tokens, V) matrices are ever held.
+            than 256 rows, 1024 on a GPU); under grad, where the logits are not kept (module docstring), each
+            chunk is recomputed in backward, so only a few (chunk_tokens, V) matrices are ever held.
 
     Returns:
         (M,) natural-log probabilities and (M,) entropies in nats (or None), float32, or
         float64 for a float64 model.
     """
     out_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    vocab = head_vocab(model) * (targets.shape[1] if targets.dim() == 2 else 1)  # logits per row of a chunk
     if chunk_tokens is None:
-        vocab = head_vocab(model) * (targets.shape[1] if targets.dim() == 2 else 1)  # logits per row of a chunk
         # at least 256 rows: on two CPU cores, chunks of 131 rows (32K vocabulary) made the head's forward and
         # backward 1.3x slower than with 256 to 1024 (the head weight is streamed once per chunk and pass)
         chunk_tokens = max(256, 2**22 // vocab)
@@ -113,10 +165,11 @@ def token_logprobs(
     toks, ents = [], []
     head_params = model.get_output_embeddings().parameters()  # (a ModuleList's: every head's)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head_params))
+    recompute = grad and not _keeps(hidden, vocab, out_dtype)
     for s in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens]
         args = (model, h, t, temperature, entropy, out_dtype, ignore)
-        if grad:
+        if recompute:
             tok, ent = checkpoint(_logprob_chunk, *args, use_reentrant=False)
         else:
             tok, ent = _logprob_chunk(*args)
