@@ -162,6 +162,8 @@ def _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls) -> fl
         else:
             state = run.cache.states[x]
             sur = run.cache.surrogate(x)
+            if hooks is not None:  # start bringing the offloaded activations back before the backward needs them
+                hooks.prefetch()
         if sur is not None:
             with pass_state(state):
                 par.backward(sur)
