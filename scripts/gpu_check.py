@@ -2,12 +2,25 @@
 
 Runs from the source tree (PYTHONPATH=src) with the machine's own python3 and packages (torch, transformers,
 pytest): the `gpu` tests (the varlen flash primitive and the cascade in bf16, sp.logprobs / sp.backward by the
-2x rule), then the GPU benchmark (`sharedprefix bench --device cuda`). Writes benchmarks/gpu_<device>.txt.
+2x rule), the GPU benchmark (`sharedprefix bench --device cuda`, with its dense-dispatch ablation), the long-prompt
+table (`bench --device cuda --long --no-capacity`) and the capacity line (`--long --capacity-only`), each under its
+own timeout (together under 8 minutes), so that a hang still leaves a report. Writes benchmarks/gpu_<device>.txt,
+whose last line is machine-readable (``summary_line``):
+
+    gpu-summary gpu_tests=pass|fail flop_eff_8192_512_16=F flop_eff_min=F long_vs_inpass_min=F
+                long_peak_vs_plain_max=F capacity_vs_plain=F offload_vs_recompute_max=F
+
+flop_eff: the speed-up over the plain rows divided by the FLOP ratio (at P=8192, T=512, G=16; the smallest over the
+table); long_vs_inpass_min: in-pass sharing's time over ours (keep), the smallest over the long shapes;
+long_peak_vs_plain_max: our peak (recompute) over the plain rows', the largest; capacity_vs_plain: our longest prompt
+over the plain rows'; offload_vs_recompute_max: offload's time over recompute's, the largest. "nan" where a step did
+not report the figure (it failed, timed out or ran out of memory).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import subprocess
@@ -41,6 +54,70 @@ def _run(cmd, env, timeout, keep=None, log=None):
     return rc, out + (stderr.strip().splitlines()[-20:] if rc != 0 else [])
 
 
+TIMEOUTS = {"tests": 60, "bench": 140, "long": 120, "capacity": 150}  # seconds; 470 in all
+_NUM = r"(nan|inf|[0-9.]+)"
+
+
+def parse_flop_eff(lines) -> dict:
+    """{(P, T, G): speed-up over plain / FLOP ratio} from the GPU benchmark's table rows."""
+    row = re.compile(rf"^\s*(\d+)\s+(\d+)\s+(\d+) \|\s+{_NUM}\s+{_NUM}\s+{_NUM} \|\s+{_NUM}x\s+{_NUM}x\s+{_NUM}x")
+    out = {}
+    for line in lines:
+        if m := row.match(line):
+            P, T, G = (int(x) for x in m.groups()[:3])
+            out[P, T, G] = float(m.group(7)) / float(m.group(9))
+    return out
+
+
+def parse_long(lines) -> dict:
+    """{(P, T, G): {run: (seconds, peak MiB)}} from the long-prompt table (``tools.bench_long.run``)."""
+    row = re.compile(rf"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(plain|in_pass|keep|offload|recompute)\s+{_NUM}\s+(-|{_NUM[1:-1]})\s")
+    out: dict = {}
+    for line in lines:
+        if m := row.match(line + " "):
+            P, T, G = (int(x) for x in m.groups()[:3])
+            peak = float("nan") if m.group(6) == "-" else float(m.group(6))
+            out.setdefault((P, T, G), {})[m.group(4)] = (float(m.group(5)), peak)
+    return out
+
+
+def parse_capacity(lines) -> dict:
+    """{run: longest prompt} from the capacity line (``tools.bench_long.capacity``)."""
+    for line in lines:
+        if line.startswith("capacity ") and (m := re.search(r": plain (\d+).*\| in_pass (\d+).*\| ours (\d+)", line)):
+            return dict(zip(("plain", "in_pass", "ours"), (int(x) for x in m.groups())))
+    return {}
+
+
+def _ratio(a: float, b: float) -> float:
+    if math.isnan(a) or math.isnan(b):
+        return float("nan")
+    return a / b if b else float("inf")
+
+
+def _pick(values, how) -> float:
+    vals = [v for v in values if not math.isnan(v)]
+    return how(vals) if vals and len(vals) == len(list(values)) else float("nan")
+
+
+def summary_line(tests_ok: bool, bench_lines, long_lines, capacity_lines) -> str:
+    """The machine-readable last line of benchmarks/gpu_<device>.txt (the module docstring defines each figure)."""
+    eff = parse_flop_eff(bench_lines)
+    long = parse_long(long_lines)
+    cap = parse_capacity(capacity_lines)
+    nan = float("nan")
+    get = lambda r, k, i: r.get(k, (nan, nan))[i]  # noqa: E731
+    figures = {
+        "flop_eff_8192_512_16": eff.get((8192, 512, 16), nan),
+        "flop_eff_min": _pick(list(eff.values()), min),
+        "long_vs_inpass_min": _pick([_ratio(get(r, "in_pass", 0), get(r, "keep", 0)) for r in long.values()], min),
+        "long_peak_vs_plain_max": _pick([_ratio(get(r, "recompute", 1), get(r, "plain", 1)) for r in long.values()], max),
+        "capacity_vs_plain": _ratio(float(cap.get("ours", nan)), float(cap.get("plain", nan))),
+        "offload_vs_recompute_max": _pick([_ratio(get(r, "offload", 0), get(r, "recompute", 0)) for r in long.values()], max),
+    }
+    return "gpu-summary gpu_tests=" + ("pass" if tests_ok else "fail") + "".join(f" {k}={v:.3f}" for k, v in figures.items())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="the gpu tests and the GPU benchmark, in one command")
     ap.add_argument("--log-dir", default=None, help="also write the whole output of each step into this folder")
@@ -62,18 +139,29 @@ def main() -> int:
     rc_tests, out = _run(
         [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider", "-rfE", "--tb=short"],
         env,
-        180,
+        TIMEOUTS["tests"],
         keep=25,
         log=log("gpu_tests.log"),
     )
     lines += ["", f"gpu tests (exit {rc_tests}, {time.time() - t0:.0f} s):", *out]
     print("\n".join(lines[-len(out) - 2 :]), flush=True)
-    t0 = time.time()
-    rc_bench, out = _run(
-        [sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda", "--repeats", "2"], env, 270, log=log("gpu_bench.log")
-    )
-    lines += ["", f"benchmark: sharedprefix bench --device cuda (exit {rc_bench}, {time.time() - t0:.0f} s)", *out]
-    print("\n".join(lines[-len(out) - 2 :]), flush=True)
+    outs = {}
+    bench = [sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda"]
+    steps = [
+        ("bench", "sharedprefix bench --device cuda", [*bench, "--repeats", "2"]),
+        ("long", "sharedprefix bench --device cuda --long --no-capacity", [*bench, "--long", "--no-capacity", "--repeats", "1"]),
+        ("capacity", "sharedprefix bench --device cuda --long --capacity-only", [*bench, "--long", "--capacity-only"]),
+    ]
+    rcs = [rc_tests]
+    for key, title, cmd in steps:
+        t0 = time.time()
+        rc, out = _run(cmd, env, TIMEOUTS[key], log=log(f"gpu_{key}.log"))
+        rcs.append(rc)
+        outs[key] = out
+        lines += ["", f"{title} (exit {rc}, {time.time() - t0:.0f} s)", *out]
+        print("\n".join(lines[-len(out) - 2 :]), flush=True)
+    lines += ["", summary_line(rc_tests == 0, outs["bench"], outs["long"], outs["capacity"])]
+    print(lines[-1], flush=True)
     path = f"benchmarks/gpu_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.txt"
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -81,7 +169,7 @@ def main() -> int:
     if args.log_dir:
         with open(os.path.join(args.log_dir, os.path.basename(path)), "w") as f:
             f.write("\n".join(lines) + "\n")
-    return rc_tests or rc_bench
+    return next((rc for rc in rcs if rc), 0)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,20 @@ def add_arguments(p):
     p.add_argument("--G", type=int, nargs="+", default=None, help="group size(s) (default 8, or 4 8 16 32)")
     p.add_argument("--max-tokens", type=int, default=None, help="token budget (default 6144 with --memory, 8192 with --tree)")
     p.add_argument("--repeats", type=int, default=2, help="timed repeats after a warm-up (speed benchmark)")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers of the benchmark model")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers of the benchmark model (default 4; 2 with --long)")
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help="the long-prompt regime (tools/bench_long.py): Llama-3-8B layer shapes, P 16384 and 32768, T 1024, G 8 and "
+        "16, one budget (--max-tokens, default 16384) for plain rows, in-pass sharing and ours in each mode; then the "
+        "capacity line (--capacity-layers). --prompt, --completion, --G and --tiny shrink it (the CPU test)",
+    )
+    p.add_argument("--tiny", action="store_true", help="with --long: tiny model shapes (for a run on the CPU)")
+    p.add_argument("--capacity-layers", type=int, default=8, help="with --long: decoder layers of the capacity line")
+    p.add_argument("--capacity-start", type=int, default=16384, help="with --long: the capacity line's first prompt")
+    p.add_argument("--capacity-limit", type=int, default=262144, help="with --long: the capacity line's longest prompt")
+    p.add_argument("--no-capacity", action="store_true", help="with --long: skip the capacity line")
+    p.add_argument("--capacity-only", action="store_true", help="with --long: only the capacity line")
     p.add_argument("--modes", nargs="+", default=["plain", "in_pass", "keep", "offload", "recompute"])
     p.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
 
@@ -81,6 +94,10 @@ def run(args):
     _import_heavy()
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.layers is None:
+        args.layers = 2 if args.long else 4
+    if args.long:
+        return _long(args)
     if args.memory and args.tree:
         from sharedprefix.tools import bench_tree
 
@@ -162,7 +179,45 @@ def _gpu(args):
             + (f"  (plain in microbatches of {plain_rows['n']} rows: {G} did not fit)" if plain_rows["n"] < G else ""),
             flush=True,
         )
+    _gpu_dense_ablation(model, args.repeats)
     _gpu_modes(model, args.repeats)
+    return 0
+
+
+def _gpu_dense_ablation(model, repeats, P=8192, T=512, G=16):
+    """Ours with dense dispatch on and off (every cascade call varlen) at one shape, and the dense kernel chosen."""
+    from sharedprefix.attention.kernels.dense import cuda_dense, dense_dispatch
+
+    groups = [bench.make_groups(1, P, T, G, vocab=151936)[0]]
+    kernel = cuda_dense(next(model.parameters()).device, torch.bfloat16).name
+    t_on = bench.best_time(lambda: bench.shared_step(model, groups), repeats)
+    with dense_dispatch(False):
+        t_off = bench.best_time(lambda: bench.shared_step(model, groups), repeats)
+    print(
+        f"\ndense dispatch at P={P}, T={T}, G={G} (dense kernel: {kernel}): on {t_on:.3f} s, off (SHAREDPREFIX_DENSE=0, "
+        f"every call varlen) {t_off:.3f} s, off / on {t_off / t_on:.2f}x",
+        flush=True,
+    )
+
+
+def _long(args):
+    """The long-prompt table and the capacity line (``tools.bench_long``)."""
+    from sharedprefix.tools import bench_long
+
+    cuda = str(args.device).startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tiny = bench_long.TINY_MODEL if args.tiny else {}
+    T = args.completion or 1024
+    budget = args.max_tokens or 16384
+    report = lambda line: print(line, flush=True)  # noqa: E731
+    if not args.capacity_only:
+        shapes = [(P, T, G) for P in ([args.prompt] if args.prompt else [16384, 32768]) for G in (args.G or [8, 16])]
+        model_kw = {**tiny, "num_hidden_layers": args.layers}
+        bench_long.run(args.device, shapes, budget, args.repeats, report, model_kw, dtype)
+    if not args.no_capacity:
+        model_kw = {**tiny, "num_hidden_layers": args.capacity_layers}
+        G = (args.G or [16])[-1]
+        bench_long.capacity(args.device, args.capacity_start, T, G, args.capacity_limit, budget, report, model_kw, dtype)
     return 0
 
 

@@ -1,0 +1,123 @@
+"""CPU tests of what gpu-check runs and parses, so that a GPU session's single run cannot fail on a formatting bug:
+the summary line assembled from recorded benchmark output, and the long-prompt benchmark's code path on tiny shapes
+(not timed: it only has to run and report in the format that gpu-check reads)."""
+
+import importlib.util
+import math
+import pathlib
+
+import pytest
+import torch
+
+from helpers import float64_faithful
+from sharedprefix.cli.main import main as cli_main
+from sharedprefix.tools import bench_long
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+BENCH = """\
+model: Qwen3-4B layer shapes (hidden 2560, 32/8 heads, head_dim 128, intermediate 9728), 4 layers, vocab 151936, bf16
+    P     T   G |  plain s     PG s   ours s | x plain   x PG FLOP x 0.8 FLOP | mem plain  mem PG mem ours ours/plain
+ 4096   512   8 |    0.289    0.121    0.120 |   2.40x  1.01x  3.34x       NO |     32822    8231     7722      0.235
+ 8192   512  16 |    1.190    0.279    0.270 |   4.41x  1.03x  6.02x       NO |    109175   15713    13206      0.121
+ 8192  1024  16 |    1.322    0.463    0.455 |   2.91x  1.02x  4.00x       NO |     65640   20793    18730      0.285  (plain: 8 rows)
+
+dense dispatch at P=8192, T=512, G=16 (dense kernel: cudnn): on 0.270 s, off (SHAREDPREFIX_DENSE=0, every call varlen) 0.301 s
+      mode |       s x one pass | peak MiB x one pass
+  one pass |   0.458       1.00 |    18732      1.000
+""".splitlines()
+
+LONG = """\
+long prompts: Llama layer shapes (hidden 4096, 32/8 heads, head_dim 128, intermediate 14336, vocab 128256), 2 layers
+     P     T   G run               s  peak MiB  x keep
+ 16384  1024   8 plain         4.000     20000   2.00x
+ 16384  1024   8 in_pass       5.000     21000   2.50x
+ 16384  1024   8 keep          2.000     19000   1.00x
+ 16384  1024   8 offload       2.200      8000   1.10x
+ 16384  1024   8 recompute     2.100      8000   1.05x
+ 32768  1024  16 plain        20.000     40000   4.00x
+ 32768  1024  16 in_pass       9.000     41000   1.80x
+ 32768  1024  16 keep          5.000     39000   1.00x
+ 32768  1024  16 offload       6.000     12000   1.20x
+ 32768  1024  16 recompute     5.000     10000   1.00x
+""".splitlines()
+
+CAPACITY = ["capacity (longest prompt that trains; G=16, T=1024, 8 layers, doubling from 16384 up to 262144): plain 65536 | "
+            "in_pass 32768 | ours 262144 (the search's limit)"]  # fmt: skip
+
+
+def test_summary_line_from_recorded_output():
+    line = _gpu_check().summary_line(True, BENCH, LONG, CAPACITY)
+    assert line == (
+        "gpu-summary gpu_tests=pass flop_eff_8192_512_16=0.733 flop_eff_min=0.719 long_vs_inpass_min=1.800 "
+        "long_peak_vs_plain_max=0.400 capacity_vs_plain=4.000 offload_vs_recompute_max=1.200"
+    )
+
+
+def test_summary_line_says_nan_for_what_a_failed_step_did_not_report():
+    line = _gpu_check().summary_line(False, BENCH[:3], LONG[:5], [])
+    figures = dict(kv.split("=") for kv in line.split()[1:])
+    assert figures["gpu_tests"] == "fail" and figures["flop_eff_min"] == "0.719"
+    assert figures["flop_eff_8192_512_16"] == figures["capacity_vs_plain"] == "nan"
+    assert figures["long_vs_inpass_min"] == "2.500"  # the one shape with both runs
+    assert figures["long_peak_vs_plain_max"] == figures["offload_vs_recompute_max"] == "nan"  # recompute never ran
+
+
+def test_longest_doubles_until_it_does_not_fit():
+    assert bench_long.longest(lambda P: P <= 70000, 16384, 262144) == 65536
+    assert bench_long.longest(lambda P: True, 16384, 262144) == 262144
+    assert bench_long.longest(lambda P: False, 16384, 262144) == 0
+
+
+def test_long_benchmark_runs_on_cpu_and_gpu_check_reads_it(capsys):
+    """The CLI path of ``bench --long`` on tiny shapes: a prompt longer than the budget (a chain), every run and the
+    capacity line reported in the format gpu-check parses."""
+    args = ["bench", "--long", "--tiny", "--device", "cpu", "--prompt", "40", "--completion", "6", "--G", "3"]
+    args += ["--max-tokens", "32", "--repeats", "1", "--capacity-start", "16", "--capacity-limit", "32", "--capacity-layers", "1"]
+    assert cli_main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    gc = _gpu_check()
+    table = gc.parse_long(lines)
+    assert set(table) == {(40, 6, 3)} and set(table[40, 6, 3]) == set(bench_long.RUNS)
+    assert all(t > 0 and math.isnan(peak) for t, peak in table[40, 6, 3].values())  # no peak on the CPU
+    assert gc.parse_capacity(lines) == {"plain": 32, "in_pass": 32, "ours": 32}
+
+
+def test_long_runs_agree_on_the_gradient():
+    """Every run of the long table computes the same step (float64, tiny shapes, a prompt chained by the budget):
+    in-pass sharing and our three modes to a relative 1e-9; the plain rows to 1e-6, as the benchmark's plain loss
+    takes log_softmax of float32 logits (``tools.bench``, made for bf16 models)."""
+    model = bench_long.long_model("cpu", torch.float64, **bench_long.TINY_MODEL)
+    float64_faithful(model)  # Llama's RMSNorm computes in float32 otherwise
+    groups = bench_long.bench.make_groups(1, 40, 6, 3, vocab=model.config.vocab_size)
+    grads = {}
+    for kind in bench_long.RUNS:
+        model.zero_grad(set_to_none=True)
+        bench_long.step(kind, model, groups, 32)
+        grads[kind] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    for kind, g in grads.items():
+        err = ((g - grads["keep"]).abs().max() / grads["keep"].abs().max()).item()
+        assert err <= (1e-6 if kind == "plain" else 1e-9), (kind, err)
+
+
+@pytest.mark.parametrize("figure", ["flop_eff_8192_512_16", "capacity_vs_plain"])
+def test_summary_figures_are_named_as_the_issue_specifies(figure):
+    keys = [kv.split("=")[0] for kv in _gpu_check().summary_line(True, BENCH, LONG, CAPACITY).split()[1:]]
+    assert keys == [
+        "gpu_tests",
+        "flop_eff_8192_512_16",
+        "flop_eff_min",
+        "long_vs_inpass_min",
+        "long_peak_vs_plain_max",
+        "capacity_vs_plain",
+        "offload_vs_recompute_max",
+    ]
+    assert figure in keys
