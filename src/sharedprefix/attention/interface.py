@@ -28,6 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from sharedprefix.attention import dynamic_mask, indexed, kernels, probe
 from sharedprefix.attention.cascade import cascade_attention
+from sharedprefix.attention.kernels import flex
 from sharedprefix.attention.layers import index_to_position_temperature, layer_chunk, layer_window, softcap_refusal
 from sharedprefix.layout.packing import RowLayout
 
@@ -122,12 +123,15 @@ def shared_prefix_attention(
         dt = torch.get_autocast_dtype(amp)
         query, key, value = (t if t.dtype == torch.float64 else t.to(dt) for t in (query, key, value))
     impl = kernels.select(state.backend, query.device, query.dtype)
+    use_flex = False  # soft-capping on a backend without it: FlexAttention where it runs (``kernels.flex``)
     if softcap is not None:
         softcap = float(softcap)
         if not softcap > 0:
             _refuse(f"{name} passed softcap={softcap}; expected a positive attention-score soft-cap or None.")
         if not getattr(impl, "SOFTCAP", False):
-            _refuse(softcap_refusal(name, softcap, impl.name))
+            if (why := flex.unavailable(query)) is not None:
+                _refuse(softcap_refusal(name, softcap, impl.name) + f" (FlexAttention is no way out here: {why}.)")
+            use_flex = True
     indices = kwargs.pop("indices", None)
     sinks = kwargs.pop("s_aux", None)
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
@@ -184,6 +188,11 @@ def shared_prefix_attention(
         return indexed.sparse_attention(query, key, value, state.visible, indices, scale, sinks), None
 
     read = (lambda seg: state.read_kv(slot, seg)) if state.read_kv else None
+    if use_flex:
+        if sinks is not None:
+            _refuse(f"{name} combines attention sinks with soft-capping; the FlexAttention path takes no sinks.")
+        with torch.autocast(amp, enabled=False) if amp is not None else nullcontext():
+            return flex.flex_row_attention(layout, query, key, value, read, scale, softcap, sliding_window, chunk), None
     casc = layout.cascade(sliding_window, chunk)
     with torch.autocast(amp, enabled=False) if amp is not None else nullcontext():  # merges stay float32
         return cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap), None
