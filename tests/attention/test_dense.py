@@ -201,3 +201,21 @@ def test_logprobs_and_backward_match_plain_rows_dense_on_and_off(monkeypatch, on
         assert dense.dense_enabled() is on
         assert_matches_plain_rows(model, groups, budget=budget, mode=mode)
     assert (count.forward > 0 and count.backward > 0) if on else count.forward == count.backward == 0
+
+
+def test_dense_calls_per_layer(monkeypatch):
+    """One group of 16 completions: per layer the prompt's causal call (one entry), the 16 completions' own causal call
+    as one padded batch, and all completions against their prompt as one rectangular entry; no varlen call."""
+    seen, varlen = [], []
+    fwd, vfwd = DenseCPU.forward, kernels.CPU.forward
+    monkeypatch.setattr(
+        DenseCPU,
+        "forward",
+        staticmethod(lambda q, k, v, causal, scale: seen.append((*q.shape[:2], k.shape[1], causal)) or fwd(q, k, v, causal, scale)),
+    )
+    monkeypatch.setattr(kernels.CPU, "forward", staticmethod(lambda *a: varlen.append(a) or vfwd(*a)))
+    model = tiny_model("llama")
+    with torch.no_grad():
+        sp.logprobs(model, random_groups(0, 1, [50], [[4] * 15 + [3]]))
+    assert seen == [(1, 50, 50, True), (16, 4, 4, True), (1, 63, 50, False)] * model.config.num_hidden_layers
+    assert varlen == []

@@ -93,9 +93,12 @@ def test_several_groups_one_row_single_attention_call_per_layer(monkeypatch):
 
 
 def _spy_calls(monkeypatch):
-    """Record (queries, keys, entries, causal, window, keys are a view of the row's) of every primitive call."""
+    """Record (queries, keys, entries, causal, window, keys are a view of the row's) of every primitive call, with
+    dense dispatch off (these are the varlen cascade's calls; tests/attention/test_dense.py counts the dense ones)."""
     from sharedprefix.attention import kernels
+    from sharedprefix.attention.kernels import dense
 
+    monkeypatch.setitem(dense._STATE, "enabled", False)
     seen = []
     orig = kernels.CPU.forward
 
