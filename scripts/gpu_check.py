@@ -54,7 +54,7 @@ def _run(cmd, env, timeout, keep=None, log=None):
     return rc, out + (stderr.strip().splitlines()[-20:] if rc != 0 else [])
 
 
-TIMEOUTS = {"tests": 80, "bench": 140, "long": 120, "capacity": 130}  # seconds; 470 in all
+TIMEOUTS = {"tests": 120, "bench": 130, "long": 110, "capacity": 110}  # seconds; 470 in all
 _NUM = r"(nan|inf|[0-9.]+)"
 
 

@@ -50,15 +50,15 @@ long prompts: Llama layer shapes (hidden 4096, 32/8 heads, head_dim 128, interme
  32768  1024  16 recompute     5.000     10000   1.00x
 """.splitlines()
 
-CAPACITY = ["capacity (longest prompt that trains; G=16, T=1024, 8 layers, doubling from 16384 up to 262144): plain 65536 | "
-            "in_pass 32768 | ours 262144 (the search's limit)"]  # fmt: skip
+CAPACITY = ["capacity (longest prompt that trains; G=16, T=1024, 8 layers, doubling from 16384 up to 131072): plain 65536 | "
+            "in_pass 32768 | ours 131072 (the search's limit)"]  # fmt: skip
 
 
 def test_summary_line_from_recorded_output():
     line = _gpu_check().summary_line(True, BENCH, LONG, CAPACITY)
     assert line == (
         "gpu-summary gpu_tests=pass flop_eff_8192_512_16=0.733 flop_eff_min=0.719 long_vs_inpass_min=1.800 "
-        "long_peak_vs_plain_max=0.400 capacity_vs_plain=4.000 offload_vs_recompute_max=1.200"
+        "long_peak_vs_plain_max=0.400 capacity_vs_plain=2.000 offload_vs_recompute_max=1.200"
     )
 
 

@@ -83,7 +83,7 @@ def add_arguments(p):
     p.add_argument("--tiny", action="store_true", help="with --long: tiny model shapes (for a run on the CPU)")
     p.add_argument("--capacity-layers", type=int, default=8, help="with --long: decoder layers of the capacity line")
     p.add_argument("--capacity-start", type=int, default=16384, help="with --long: the capacity line's first prompt")
-    p.add_argument("--capacity-limit", type=int, default=262144, help="with --long: the capacity line's longest prompt")
+    p.add_argument("--capacity-limit", type=int, default=131072, help="with --long: the capacity line's longest prompt")
     p.add_argument("--no-capacity", action="store_true", help="with --long: skip the capacity line")
     p.add_argument("--capacity-only", action="store_true", help="with --long: only the capacity line")
     p.add_argument("--modes", nargs="+", default=["plain", "in_pass", "keep", "offload", "recompute"])

@@ -14,8 +14,9 @@ level before the step:
   prompt longer than the budget is a chain of segments).
 
 Then the capacity line: the longest prompt (doubling from ``start``, G = 16, T = 1024) whose step trains without
-running out of device memory, for the plain rows (one row per microbatch), in-pass sharing (one group per pass) and
-ours (the budget, ``recompute``, long prompts as chains), searched up to ``limit`` tokens.
+running out of device memory, for the plain rows (one row per microbatch: one row is run, as every microbatch is
+the same), in-pass sharing (one group per pass) and ours (the budget, ``recompute``, long prompts as chains),
+searched up to ``limit`` tokens (131072 by default: with 8 layers the plain row runs out below it on an H200).
 
 On the CPU the same code runs with tiny shapes (``TINY_MODEL``, the options of ``run`` and ``capacity``), so that
 a test keeps it from rotting; nothing runs out of memory there and peaks are not measured ("-").
@@ -26,6 +27,7 @@ Notation: P = prompt length, T = completion length, G = group size.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -79,14 +81,26 @@ def step(kind: str, model, groups, budget: int):
 
 
 def _measure(fn, device, repeats: int) -> tuple[float, float]:
-    """(best seconds, peak bytes over the level before; NaN on the CPU) of ``fn``; (NaN, NaN) when it runs out of
-    device memory."""
+    """(best seconds of ``repeats`` calls after a warm-up, allocator peak over the level before them; NaN on the CPU)
+    of ``fn``; (NaN, NaN) when it runs out of device memory."""
+    cuda = device.type == "cuda"
     try:
-        t = bench.best_time(fn, repeats)
-        peak = bench.cuda_peak(fn)[1] if device.type == "cuda" else float("nan")
+        fn()  # warm-up
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        t, peak = min(ts), (torch.cuda.max_memory_allocated() - base if cuda else float("nan"))
     except torch.OutOfMemoryError:
         t = peak = float("nan")
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.empty_cache()
     return t, peak
 
@@ -124,20 +138,21 @@ def longest(fits, start: int, limit: int) -> int:
     return best
 
 
-def capacity(device, start: int = 16384, T: int = 1024, G: int = 16, limit: int = 262144, budget: int = 16384, report=print,
+def capacity(device, start: int = 16384, T: int = 1024, G: int = 16, limit: int = 131072, budget: int = 16384, report=print,
              model_kw=None, dtype=torch.bfloat16) -> dict:  # fmt: skip
     """The capacity line: {run: longest prompt that trains} for plain rows (one per microbatch), in-pass sharing (one
     group per pass) and ours (``recompute`` under ``budget``). ``model_kw`` overrides LONG_MODEL."""
     device = torch.device(device)
     model = long_model(device, dtype, **(model_kw or {}))
-    runs = {
-        "plain": lambda groups: bench.plain_step(model, groups, 1),
-        "in_pass": lambda groups: bench.shared_step(model, groups),
-        "ours": lambda groups: bench.shared_step(model, groups, budget, "recompute"),
+    runs = {  # run -> (step, completions per group)
+        "plain": (lambda groups: bench.plain_step(model, groups, 1), 1),
+        "in_pass": (lambda groups: bench.shared_step(model, groups), G),
+        "ours": (lambda groups: bench.shared_step(model, groups, budget, "recompute"), G),
     }
 
-    def fits(fn, P) -> bool:
-        groups = bench.make_groups(1, P, T, G, vocab=model.config.vocab_size)
+    def fits(run, P) -> bool:
+        fn, n = run
+        groups = bench.make_groups(1, P, T, n, vocab=model.config.vocab_size)
         try:
             fn(groups)
             ok = True
@@ -148,7 +163,7 @@ def capacity(device, start: int = 16384, T: int = 1024, G: int = 16, limit: int 
             torch.cuda.empty_cache()
         return ok
 
-    best = {kind: longest(lambda P, fn=fn: fits(fn, P), start, limit) for kind, fn in runs.items()}
+    best = {kind: longest(lambda P, run=run: fits(run, P), start, limit) for kind, run in runs.items()}
     ends = {k: " (the search's limit)" if v * 2 > limit else "" for k, v in best.items()}
     report(
         f"capacity (longest prompt that trains; G={G}, T={T}, {model.config.num_hidden_layers} layers, doubling from "

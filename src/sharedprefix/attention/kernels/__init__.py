@@ -40,6 +40,10 @@ non-square causal entry needs one; with a softcap, explicit math over query tile
 log-sum-exp, which the CPU flash op cannot do), ``cuda`` (torch's own varlen flash ops, no extra dependency),
 ``flash_attn`` (the flash-attn package, when installed). The two GPU wrappers are kept thin: the
 CPU tests cover all the logic around them.
+
+Beside them: ``dense`` (the dense batched kernels that run a call's equal-shape entries as one call: the CPU flash
+op, cuDNN, dense flash; ``SHAREDPREFIX_DENSE=0`` turns that dispatch off) and ``flex`` (attention-score soft-capping
+on CUDA through FlexAttention, where the flash ops cannot soft-cap).
 """
 
 from __future__ import annotations
