@@ -16,6 +16,9 @@ from sharedprefix.attention import interface
 from sharedprefix.tools import zoo
 from sharedprefix.tools.zoo import readme
 
+pytestmark = pytest.mark.slow  # every architecture transformers registers
+
+
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 _RESULTS: dict = {}
 
