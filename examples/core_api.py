@@ -3,7 +3,8 @@
     python examples/core_api.py                          # a tiny random-weight Qwen3 (no download), on CPU
     python examples/core_api.py --model Qwen/Qwen3-0.6B  # the README's model, loaded with from_pretrained
 
-With ``--model`` the code is the README's line for line. Without it, the model is a two-layer Qwen3 built from a
+With ``--model`` this is the README's quickstart (``tests/test_examples.py`` checks that the two make the same
+calls). Without it, the model is a two-layer Qwen3 built from a
 config with random weights and the tokenizer is the package's word-level one (words ``k0..k63``, ``v0..v15``), so
 that the script runs anywhere in seconds; the calls into sharedprefix are the same.
 """

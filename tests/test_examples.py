@@ -35,6 +35,23 @@ def test_agentic_tree_matches_plain_rows_and_splits_the_tree(monkeypatch, capsys
     assert passes > 1 and computed < plain, out
 
 
+def test_readme_quickstart_is_valid_python_and_makes_the_calls_of_core_api():
+    with open(os.path.join(EXAMPLES, "..", "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    code = re.search(r"## Quickstart\n\n```python\n(.*?)```", readme, re.S).group(1)
+    compile(code, "README quickstart", "exec")
+    with open(os.path.join(EXAMPLES, "core_api.py"), encoding="utf-8") as f:
+        example = f.read()
+    calls = [
+        line.split("  #")[0].strip()
+        for line in code.splitlines()
+        if re.match(r"\s*(\w+ = )?(sp|torch\.optim)\.|\s*(old|advantages|norm|res|loss, _) = |\s*optimizer\.step", line)
+    ]
+    assert len(calls) >= 8, calls
+    missing = [c for c in calls if c not in example]
+    assert not missing, f"README quickstart lines not in examples/core_api.py: {missing}"
+
+
 @pytest.mark.skipif(not os.path.exists("/bin/bash"), reason="needs bash")
 def test_verl_example_is_valid_shell_and_sets_the_engine():
     path = os.path.join(EXAMPLES, "verl_grpo.sh")
