@@ -42,6 +42,7 @@ def test_verify_and_the_self_check_catch_a_silent_mismatch(monkeypatch):
     assert out.logprobs.shape == (2, 2)
 
 
+@pytest.mark.slow  # sharedprefix verify on a saved checkpoint, end to end
 def test_cli_verify_own_model(tmp_path):
     import subprocess
     import sys

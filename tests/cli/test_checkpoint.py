@@ -164,6 +164,7 @@ def _same_run(a, b):
     assert sorted(os.listdir(b)) == ["checkpoint", "metrics.jsonl", "model", "reward.png"]
 
 
+@pytest.mark.slow  # sharedprefix train, killed and resumed at every step
 def test_train_killed_at_every_step_of_every_write_resumes_to_the_same_weights(tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         calls = instrument(m)
@@ -193,6 +194,7 @@ def test_train_killed_at_every_step_of_every_write_resumes_to_the_same_weights(t
         _same_run(tmp_path / "ref", out)
 
 
+@pytest.mark.slow  # sharedprefix train in a subprocess, killed with SIGKILL
 def test_train_kill_9_between_the_renames(tmp_path):
     """A real SIGKILL right after the old checkpoint was renamed aside: only checkpoint.tmp and checkpoint.old
     exist, and the resume takes checkpoint.tmp."""

@@ -1,5 +1,5 @@
 """The trained model `sharedprefix train` writes to OUTPUT/model/: a save_pretrained folder with its tokenizer that
-transformers loads (a PEFT adapter for a LoRA run), and the README's loading code runs as written."""
+transformers loads (a PEFT adapter for a LoRA run), and the loading code of docs/train.md runs as written."""
 
 import json
 import random
@@ -31,14 +31,15 @@ RUN = [
     "--threads",
     "1",
 ]
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "train.md"
 
 
-def readme_code():
-    """The python blocks of the README's section on loading the trained model."""
-    text = README.read_text()
-    section = text[text.index("### Loading the trained model") :]
-    section = section[: section.index("\n## ")]
+def docs_code():
+    """The python blocks of docs/train.md's section on loading the trained model."""
+    text = PAGE.read_text()
+    section = text[text.index("## Loading the trained model") :]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
@@ -46,7 +47,7 @@ def _initial_weights():
     return load_model(TrainConfig(), build_tokenizer()).state_dict()
 
 
-def test_model_loads_with_auto_classes_and_samples_as_the_readme_shows(tmp_path, capsys):
+def test_model_loads_with_auto_classes_and_samples_as_the_docs_show(tmp_path, capsys):
     out = tmp_path / "r"
     assert main([*RUN, "--output", str(out)]) == 0
     model = tf.AutoModelForCausalLM.from_pretrained(out / "model")
@@ -62,9 +63,9 @@ def test_model_loads_with_auto_classes_and_samples_as_the_readme_shows(tmp_path,
     prompt = KeyValueTask(records=8).sample(random.Random(0)).prompt
     assert tok(prompt, add_special_tokens=False)["input_ids"] == ref(prompt, add_special_tokens=False)["input_ids"]
     assert (tok.eos_token_id, tok.pad_token_id) == (ref.eos_token_id, ref.pad_token_id)
-    # the README's code, on this output folder
+    # the page's code, on this output folder
     capsys.readouterr()
-    exec(readme_code()[0].replace("runs/default", str(out)), {})
+    exec(docs_code()[0].replace("runs/default", str(out)), {})
     answer = capsys.readouterr().out.strip().split()
     assert 1 <= len(answer) <= 3 and all(w in ref.get_vocab() for w in answer)
 
@@ -81,9 +82,9 @@ def test_lora_run_writes_a_peft_adapter_of_its_base(tmp_path):
     base = tf.AutoModelForCausalLM.from_pretrained(out / "base_model")
     init = _initial_weights()
     assert all(torch.equal(v, init[k]) for k, v in base.state_dict().items())
-    # the README's code loads base and adapter; the trained adapter changes the outputs
+    # the page's code loads base and adapter; the trained adapter changes the outputs
     ns = {}
-    exec(readme_code()[1].replace("runs/lora", str(out)), ns)
+    exec(docs_code()[1].replace("runs/lora", str(out)), ns)
     merged = ns["model"]
     assert type(merged) is type(base)
     ids = torch.tensor([build_tokenizer()(KeyValueTask(records=8).sample(random.Random(1)).prompt, add_special_tokens=False)["input_ids"]])

@@ -11,6 +11,9 @@ from distributed.worker import BUDGET, groups_and_weights, tree_and_weights
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
 
+pytestmark = pytest.mark.slow  # torchrun, 2 processes
+
+
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 
 

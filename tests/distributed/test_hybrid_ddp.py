@@ -12,6 +12,9 @@ from models.test_hybrid import groups_of, model_of
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
 
+pytestmark = pytest.mark.slow  # torchrun, 2 processes
+
+
 WORKER = os.path.join(os.path.dirname(__file__), "hybrid_worker.py")
 
 

@@ -4,11 +4,15 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from sharedprefix.cli.main import main
 from sharedprefix.recipes.grpo.loop import read_metrics
+
+pytestmark = pytest.mark.slow  # torchrun, 2 processes
+
 
 ARGS = [
     "train",

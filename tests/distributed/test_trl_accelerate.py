@@ -8,6 +8,9 @@ import pytest
 
 pytest.importorskip("trl")
 
+pytestmark = pytest.mark.slow  # accelerate launch, 2 processes
+
+
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "trl_grpo.py")
 
 

@@ -50,7 +50,7 @@ def test_ids_outside_vocabulary_name_group_and_value():
         sp.logprobs(model, [sp.Group([1, -1], [[3]])])
 
 
-def test_groups_container_errors():
+def test_groups_that_are_not_a_list_of_groups_are_refused():
     model = tiny_model("llama")
     with pytest.raises(TypeError, match="single Group"):
         sp.logprobs(model, sp.Group([1], [[2]]))

@@ -82,7 +82,7 @@ def test_losses_are_additive_over_completions(loss_type):
     assert abs(float(whole) - parts) <= 1e-12
 
 
-def test_loss_errors():
+def test_unknown_loss_type_and_missing_inputs_are_refused():
     lp, old, ref, mask, adv = _data()
     with pytest.raises(ValueError, match="loss_type='ppo'"):
         losses.policy_loss(lp, old, adv, mask, 1.0, loss_type="ppo")

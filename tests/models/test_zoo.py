@@ -1,8 +1,8 @@
 """The model zoo: every causal LM transformers registers is exact against its own plain forward, or refused with
 its reason before any computation, or not buildable for a reason written down here; never silently wrong.
 
-Each entry is built and checked once per session (``_result``); the README's table must be what these results
-render to. The coverage tests break sharedprefix on purpose (a window dropped, a window applied to every layer,
+Each entry is built and checked once per test process (``_result``); the table of ``docs/models.md`` must be what
+these results render to. The coverage tests break sharedprefix on purpose (a window dropped, a window applied to every layer,
 sinks ignored) and require the zoo to report it, so that a silent mismatch of these kinds cannot pass.
 """
 
@@ -16,7 +16,10 @@ from sharedprefix.attention import interface
 from sharedprefix.tools import zoo
 from sharedprefix.tools.zoo import readme
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+pytestmark = pytest.mark.slow  # every architecture transformers registers
+
+
+PAGE = os.path.join(os.path.dirname(__file__), "..", "..", readme.PAGE)
 _RESULTS: dict = {}
 
 
@@ -116,14 +119,14 @@ def test_zoo_catches_an_ignored_indexer_selection(entry, monkeypatch):
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 
 
-def test_readme_table_is_the_zoo_results():
-    with open(README, encoding="utf-8") as f:
+def test_docs_table_is_the_zoo_results():
+    with open(PAGE, encoding="utf-8") as f:
         current = readme.current_block(f.read())
-    assert current is not None, "README.md lost its zoo block markers"
+    assert current is not None, f"{readme.PAGE} lost its zoo block markers"
     if f"transformers {transformers.__version__} registers" not in current:
-        pytest.skip(f"README's zoo table was generated with another transformers than {transformers.__version__}")
+        pytest.skip(f"the zoo table of {readme.PAGE} was generated with another transformers than {transformers.__version__}")
     block = readme.render([_result(e) for e in zoo.entries()], transformers.__version__)
-    assert current == block, "README's zoo table is stale: run python -m sharedprefix.tools.zoo --write-readme"
+    assert current == block, f"the zoo table of {readme.PAGE} is stale: run python -m sharedprefix.tools.zoo --write-docs"
 
 
 @pytest.mark.parametrize("entry", ["phimoe", "mistral", "exaone4", "gemma3_text", "gpt_oss"])

@@ -1,11 +1,7 @@
 """sp.backward: the accumulated gradient equals the gradient of the loss over all completions at once."""
 
-import math
-
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
@@ -38,26 +34,6 @@ def _run(model, groups, loss_fn, **kw):
 BUDGETS = [None, 80, 20, 7]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gpt2"])
-@pytest.mark.parametrize("mode", MODES)
-def test_budgets_and_modes_match_plain_float64(arch, mode, kernel_path):
-    model = tiny_model(arch)
-    groups = random_groups(1, 3, *SPEC) if arch != "gpt2" else random_groups(1, 2, [12, 20], [[3, 4, 1, 5], [6, 2, 7]])
-    n = sum(g.group_size for g in groups)
-    W = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    want, want_loss = _reference(model, groups, W)
-    budgets = BUDGETS if arch == "qwen3" else [None, 20, 7]
-    for budget in budgets:
-        res, got = _run(model, groups, _weighted_loss(W), max_tokens=budget, prefix_activations=mode)
-        assert math.isclose(res.loss, want_loss, rel_tol=1e-9), (budget, res.loss, want_loss)
-        assert_grads_close(got, want, 1e-9)
-        assert res.tokens_plain == sum(g.prompt.numel() * g.group_size + sum(c.numel() for c in g.completions) for g in groups)
-        if mode == "offload" and budget is not None and budget < 35:
-            assert res.offloaded_bytes > 0  # the saved-tensor hooks really moved the prompt's activations
-        if mode == "recompute" and budget is not None and budget < 35:
-            assert res.tokens_computed > sp.plan(groups, budget).tokens_computed  # prompts ran twice
-
-
 def test_prompt_split_into_four_chunks_runs_reverse_backward():
     groups = random_groups(1, 3, *SPEC)
     p = sp.plan(groups, 7)
@@ -72,25 +48,11 @@ def test_prompt_split_into_four_chunks_runs_reverse_backward():
     assert back[0] > last and back == list(range(back[0], back[0] + 4))
 
 
-def test_one_completion_per_pass():
+def test_a_budget_of_one_completion_gives_one_pass_per_completion():
     groups = random_groups(1, 1, [9], [[4, 4, 4]])
     p = sp.plan(groups, 4)
     comp_passes = [s for s in p.passes if not s.record]
     assert [len(s.segments) for s in comp_passes] == [1, 1, 1]
-
-
-def test_invariance_to_group_order_and_budget():
-    model = tiny_model("qwen3")
-    groups = random_groups(7, 3, *SPEC)
-    n = sum(g.group_size for g in groups)
-    W = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    _, base = _run(model, groups, _weighted_loss(W), max_tokens=None)
-    perm = [2, 0, 1]
-    offsets = [0, 4, 5, 10]
-    Wp = torch.cat([W[offsets[i] : offsets[i + 1]] for i in perm])
-    for budget in (33, 8):
-        _, got = _run(model, [groups[i] for i in perm], _weighted_loss(Wp), max_tokens=budget, prefix_activations="recompute")
-        assert_grads_close(got, base, 1e-9)
 
 
 def test_float32_schedule_within_twice_plain_error():
@@ -106,28 +68,6 @@ def test_float32_schedule_within_twice_plain_error():
         plain_err = (plain32[name].double() - exact[name]).abs().max()
         our_err = (ours[name].double() - exact[name]).abs().max()
         assert our_err <= 2 * plain_err + 1e-6 * exact[name].abs().max(), name
-
-
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    spec=st.lists(st.tuples(st.integers(1, 14), st.lists(st.integers(1, 6), min_size=1, max_size=5)), min_size=1, max_size=3),
-    budget=st.integers(6, 40),
-    mode=st.sampled_from(MODES),
-    seed=st.integers(0, 1000),
-)
-def test_random_layouts_and_budgets(spec, budget, mode, seed):
-    model = _MODEL
-    groups = random_groups(seed, len(spec), [s[0] for s in spec], [s[1] for s in spec])
-    n = sum(len(s[1]) for s in spec)
-    W = torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-    W = W[:, : max(max(s[1]) for s in spec)]
-    want, want_loss = _reference(model, groups, W)
-    res, got = _run(model, groups, _weighted_loss(W), max_tokens=budget, prefix_activations=mode)
-    assert math.isclose(res.loss, want_loss, rel_tol=1e-9, abs_tol=1e-12)
-    assert_grads_close(got, want, 1e-9)
-
-
-_MODEL = tiny_model("qwen2", seed=3)
 
 
 @pytest.mark.parametrize("budget", [None, 20, 7])
@@ -187,7 +127,7 @@ def test_gradient_checkpointing_model_is_exact(reentrant):
 # ---- errors -------------------------------------------------------------------------------------------------
 
 
-def test_loss_fn_errors():
+def test_bad_loss_fn_results_are_refused_naming_the_call():
     model = tiny_model("llama")
     groups = random_groups(0, 1, [5], [[2, 3]])
     with pytest.raises(ValueError, match=r"shape \(3,\) on call 0; expected a scalar"):
@@ -202,7 +142,7 @@ def test_loss_fn_errors():
         sp.backward(model, groups, 3)
 
 
-def test_budget_and_mode_errors():
+def test_bad_budgets_and_modes_are_refused_with_the_fix():
     model = tiny_model("llama")
     groups = random_groups(0, 1, [5], [[2, 3, 9]])
     with pytest.raises(ValueError, match=r"completions\[2\] has 9 tokens but max_tokens=4.*Set max_tokens >= 9"):

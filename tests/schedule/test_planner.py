@@ -28,12 +28,12 @@ def test_every_completion_computed_exactly_once():
         assert all(budget is None or p.pass_tokens(st) <= budget for st in p.passes)
 
 
-def test_no_budget_is_one_pass():
+def test_no_budget_plans_one_pass():
     groups = random_groups(0, 2, [3, 5], [[2], [1, 1]])
     assert len(sp.plan(groups).passes) == 1
 
 
-def test_plan_errors():
+def test_a_completion_over_the_budget_is_refused_with_the_budget_to_set():
     groups = random_groups(0, 1, [3], [[9]])
     with pytest.raises(ValueError, match="Set max_tokens >= 9"):
         sp.plan(groups, 8)

@@ -88,7 +88,7 @@ def split_refusal(name: str) -> str:
 def indexers(model: torch.nn.Module) -> dict[torch.nn.Module, tuple[str, int]]:
     """The indexer modules of ``model`` (``module.indexer`` of any module) that take a cache argument -> (that
     argument's name, its positional index)."""
-    out = {}
+    out: dict[torch.nn.Module, tuple[str, int]] = {}
     for m in model.modules():
         ix = getattr(m, "indexer", None)
         if isinstance(ix, torch.nn.Module) and ix not in out:

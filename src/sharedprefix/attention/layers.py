@@ -60,7 +60,7 @@ def layer_window(module, passed: int | None) -> int | None:
         "chunked": f"chunks of {pat.size} positions",
     }[pat.kind]
     said = f"config.layer_types says {kind!r} and " if kind is not None else ""
-    expected = {"sliding_attention": "sliding", "chunked_attention": "chunked"}.get(kind)
+    expected = {"sliding_attention": "sliding", "chunked_attention": "chunked"}.get(kind or "")
     if expected is not None and pat.kind != expected:
         raise ValueError(
             f"{name} (layer {idx}): config.layer_types says {kind!r}, but the plain forward's mask for this layer is "

@@ -24,6 +24,7 @@ import re
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
@@ -58,7 +59,7 @@ class LayerPattern:
 
 
 # What the model's own attention code does, for the refusal of models whose attention bypasses the interface.
-OWN_ATTENTION = {
+OWN_ATTENTION: dict[str | None, str] = {
     "bloom": "its own attention code adds ALiBi biases (a per-head slope times the key's position) to the scores",
     "mpt": "its own attention code adds ALiBi biases (a per-head slope times the key's position) to the scores",
     "xlnet": "its own two-stream relative-position attention (content and query streams), over the whole row in both "
@@ -165,7 +166,7 @@ def probe(model, decoder, expected_layers: int) -> dict:
     """
     name = type(model).__name__
     configs = _configs(model)
-    settings = []
+    settings: list[tuple] = []
     for cfg in configs:
         for k, v in sorted(vars(cfg).items()):  # the instance's own values (per-layer configs refuse getattr)
             if _SETTING.search(k) and isinstance(v, int) and not isinstance(v, bool) and v > 0:
@@ -228,7 +229,8 @@ def probe(model, decoder, expected_layers: int) -> dict:
         size, setting = None, ""
         if kind != "full":
             # the setting whose small value explains the band/chunk (a band may be one wider or narrower)
-            hit = next(((d, smalls[seen - d]) for d in (0, 1, -1) if seen - d in smalls), None)
+            seen_n = cast(int, seen)  # a band or chunk has a size
+            hit = next(((d, smalls[seen_n - d]) for d in (0, 1, -1) if seen_n - d in smalls), None)
             if hit is None:
                 raise ValueError(
                     f"{mod} (in {name}) applies a {kind} attention of {seen} tokens in the plain forward that no window "

@@ -13,6 +13,7 @@ cross-microbatch schedule in each prefix_activations mode.
 
 from __future__ import annotations
 
+import os
 import sys
 
 HELP = "speed and memory of sharedprefix against the plain run"
@@ -88,9 +89,12 @@ def add_arguments(p):
     p.add_argument("--capacity-only", action="store_true", help="with --long: only the capacity line")
     p.add_argument("--modes", nargs="+", default=["plain", "in_pass", "keep", "offload", "recompute"])
     p.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
+    p.add_argument("--plot", action="store_true", help="only draw docs/img/*.png from the result files in benchmarks/ (runs nothing)")
 
 
 def run(args):
+    if args.plot:
+        return _plot()
     _import_heavy()
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -307,4 +311,13 @@ def _memory(args):
             _out(f"{G:>3} {kind:<10} {r['tokens']:>8} {r['time_s']:>8.2f} {per_tok:>12.3f} {r['peak_bytes'] / MB:>9.1f}")
             bar.update()
     bar.close()
+    return 0
+
+
+def _plot():
+    """``--plot``: the figures of docs/benchmarks.md from the result files (``tools/plots.py``), nothing measured."""
+    from sharedprefix.tools import plots
+
+    for path in plots.draw("benchmarks", os.path.join("docs", "img")):
+        print(f"wrote {path}")
     return 0

@@ -189,7 +189,7 @@ def _causal_cascade(layout, window: int | None, repeat_prefix: bool, chunk: int 
 def _dense(layout, xs: list[int], a: int, q0: int, q1: int) -> Call:
     """Depth-d queries ``xs`` (row order) against their level-a ancestors' keys, one entry per ancestor."""
     segs, tree = layout.tree.segments, layout.tree
-    ys, nq = [], []  # entries: level-a segment, number of queries
+    ys, nq = list[int](), list[int]()  # entries: level-a segment, number of queries
     for x in xs:
         y = tree.ancestors(x)[a]
         if ys and ys[-1] == y:

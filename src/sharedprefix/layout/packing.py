@@ -14,7 +14,9 @@ the row reads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -81,7 +83,7 @@ class RowLayout:
         return self._cascades[window, chunk]
 
 
-def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: list[int] = (), rows: list[int] = ()) -> RowLayout:
+def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: Sequence[int] = (), rows: Sequence[int] = ()) -> RowLayout:
     """Lay out ``segments`` as one row, level by level; ancestors outside it must be in ``cached``.
 
     ``rows``: the output rows this pass reports; their segments must be in the row or cached.
@@ -118,7 +120,8 @@ def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: l
 
     # Token values: token j of a segment is predicted by token j - 1, token 0 by the parent's last token.
     L = off
-    h_sources, pred, tgt, slot, m = [], [], [], {}, 0
+    h_sources: list[int] = []  # ids of cached parents whose last hidden state predicts a token 0
+    pred, tgt, slot, m = [], [], {}, 0
     for s in segments:
         seg = segs[s]
         if seg.computed is None:
@@ -130,9 +133,10 @@ def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: l
             if seg.parent in row_start:
                 first = row_end_of(row_start, segs, seg.parent) - 1
             else:
-                if seg.parent not in h_sources:
-                    h_sources.append(seg.parent)
-                first = L + h_sources.index(seg.parent)
+                parent = cast(int, seg.parent)  # a token 0 with a prediction has a parent
+                if parent not in h_sources:
+                    h_sources.append(parent)
+                first = L + h_sources.index(parent)
             at = torch.where(j == 0, first, at)
         pred.append(at)
         tgt.append(seg.tokens[j])

@@ -37,7 +37,7 @@ class Tree:
     the rows: ``[i, t] = log p(row_i[t] | row_i[:t])`` where row i trains token t and t >= 1, else 0.
     """
 
-    def __init__(self, rows: tuple[torch.Tensor, ...], trained: tuple[torch.Tensor, ...], index: tuple[int, ...] = None):
+    def __init__(self, rows: tuple[torch.Tensor, ...], trained: tuple[torch.Tensor, ...], index: tuple[int, ...] | None = None):
         self.rows = rows
         self.trained = trained
         self.index = tuple(range(len(rows))) if index is None else index  # rows' positions in the tree sharded from

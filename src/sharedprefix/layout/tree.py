@@ -21,6 +21,7 @@ Notation: S = segments, N = output rows, W = output width (longest row in column
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,7 +81,7 @@ class OutRow:
 class SegmentTree:
     """Segments and output rows; ``SegmentTree(groups, prompt_chunk)`` for groups, ``from_trie`` for rows."""
 
-    def __init__(self, groups: list[Group] = (), prompt_chunk: int | None = None):
+    def __init__(self, groups: Sequence[Group] = (), prompt_chunk: int | None = None):
         if prompt_chunk is not None and prompt_chunk < 1:
             raise ValueError(f"prompt_chunk={prompt_chunk}; expected a positive number of tokens or None.")
         self.chunk = prompt_chunk
@@ -192,7 +193,7 @@ class SegmentTree:
         nodes = _compressed_trie(rows)
         end_node = {r: n for n, node in enumerate(nodes) for r in node["ends"]}
         tree = cls(prompt_chunk=chunk)
-        computed = {}
+        computed: dict[int, torch.Tensor] = {}
         for i in range(len(rows)):
             n = end_node[i]
             while n is not None:
@@ -203,7 +204,7 @@ class SegmentTree:
         last = {}  # trie node -> id of its last segment
         roots = [n for n, node in enumerate(nodes) if node["parent"] is None]
         for top, root in enumerate(roots):
-            todo = [(root, None)]
+            todo: list[tuple[int, int | None]] = [(root, None)]
             while todo:  # preorder, children in trie order
                 n, parent = todo.pop()
                 node = nodes[n]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -24,12 +25,14 @@ from sharedprefix.attention import probe
 # Layer types that attend (config.layer_types / layers_block_type); ``support`` classifies the others.
 # (indexed_attention: DeepSeek sparse attention, attention over indexer-selected keys, ``attention.indexed``)
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention"}
-_HEADS = weakref.WeakKeyDictionary()  # model -> modules after its decoder that form its head (``checks.verify_head``)
+_HEADS: weakref.WeakKeyDictionary = (
+    weakref.WeakKeyDictionary()
+)  # model -> modules after its decoder that form its head (``checks.verify_head``)
 
 
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
     """The transformers causal LM inside DDP / PEFT / accelerate wrappers."""
-    m = model
+    m: Any = model  # walked through wrappers of any type
     for _ in range(8):
         if isinstance(m, PreTrainedModel):
             return m

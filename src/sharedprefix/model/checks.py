@@ -21,8 +21,8 @@ from sharedprefix.model import positions, streams
 from sharedprefix.model.adapter import _HEADS, _config_attention_layers, _modules_after_decoder, decoder, head_logits, text_config
 from sharedprefix.model.support import HYBRID_MODEL_TYPES
 
-_VERIFIED = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
-_PADDING_NUMBERED = weakref.WeakKeyDictionary()  # model -> padding index of its RoBERTa-style position numbering
+_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
+_PADDING_NUMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> padding index of its RoBERTa-style position numbering
 
 
 def verify_head(model: PreTrainedModel, forward=None, hybrid: bool = False) -> None:
@@ -88,7 +88,7 @@ def _check_deterministic(model, dec, ids) -> None:
     before = torch.random.get_rng_state(), torch.cuda.get_rng_state(ids.device) if cuda else None
     dec(input_ids=ids, use_cache=False)
     after = torch.random.get_rng_state(), torch.cuda.get_rng_state(ids.device) if cuda else None
-    if not all(a is None or torch.equal(a, b) for a, b in zip(before, after)):
+    if not all(a is None or (b is not None and torch.equal(a, b)) for a, b in zip(before, after)):
         raise ValueError(
             f"{type(model).__name__}'s forward in training mode draws random numbers (dropout, router jitter or "
             "sampled expert routing, such as Phi-MoE's): a prompt shared by G completions would share one random "

@@ -114,7 +114,8 @@ def _logprob_chunk(model, hidden, targets, temperature: float, want_entropy: boo
         logits = logits / temperature
     if targets.dim() == 1:
         return _TokenLogprob.apply(logits, targets, want_entropy)
-    tok = ent = 0.0
+    tok: torch.Tensor | float = 0.0
+    ent: torch.Tensor | float = 0.0
     for k in range(targets.shape[1]):  # one head per stream; a pad target adds exactly nothing
         t = targets[:, k]
         keep = t.ne(ignore) if ignore is not None else torch.ones_like(t, dtype=torch.bool)

@@ -36,10 +36,11 @@ import bisect
 import inspect
 import weakref
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 
-_MODULES = weakref.WeakKeyDictionary()  # model -> {position module verified to take the packed row's numbers:
+_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {position module verified to take the packed row's numbers:
 #   None (its position_ids are replaced) or its output's sequence dimension (renumbered by cache-length windows)}
 SHIFT = 2  # s: the verification row's positions start here
 COUNT_ARGS = ("cache_length", "past_key_values_length")  # a module numbering its input from this offset itself
@@ -81,7 +82,7 @@ def _windowed(module: torch.nn.Module, dim: int, position_ids: torch.Tensor):
     consecutive positions (``cache_length`` = each window's start), gathered along ``dim``."""
     arg = next(a for a in COUNT_ARGS if a in _params(module.forward))
     pos = [int(p) for p in position_ids.tolist()]
-    n, starts = len(pos), []
+    n, starts = len(pos), list[int]()
     for p in sorted(set(pos)):
         if not starts or p > starts[-1] + n - 1:
             starts.append(p)
@@ -124,7 +125,7 @@ def _hooked(modules: dict, position_ids: torch.Tensor | None):
                     )
                 )
             else:
-                hooks.append(m.register_forward_hook(_windowed(m, dim, position_ids), with_kwargs=True))
+                hooks.append(m.register_forward_hook(_windowed(m, dim, cast(torch.Tensor, position_ids)), with_kwargs=True))
         yield
     finally:
         for h in hooks:
@@ -152,7 +153,7 @@ def renumbered(model, dec: torch.nn.Module, position_ids: torch.Tensor):
 
 def _outputs(dec, modules: dict, ids, position_ids=None):
     """(decoder output, {module: [outputs of its calls]}) of ``dec`` on ``ids``, renumbered when given positions."""
-    seen = {m: [] for m in modules}
+    seen: dict = {m: [] for m in modules}
     with _hooked(modules, position_ids):  # recorded after the renumbering hooks: what the decoder receives
         hooks = [m.register_forward_hook(lambda mod, _a, out: seen[mod].append(out)) for m in modules]
         try:

@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-_VERIFIED = weakref.WeakKeyDictionary()  # model -> (function, num_experts, top_k)
+_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (function, num_experts, top_k)
 
 
 def enabled(model) -> bool:

@@ -24,6 +24,7 @@ vocabulary per stream, L = frames of a row, M = predicted frames.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -61,14 +62,16 @@ def _first(m):
 
 def embedding_size(model) -> int:
     """E: the entries of the (smallest) input embedding."""
-    emb = model.get_input_embeddings()
-    return min(int(e.num_embeddings) for e in (emb if isinstance(emb, torch.nn.ModuleList) else [emb]))
+    emb: Any = model.get_input_embeddings()
+    embs: list[Any] = list(emb) if isinstance(emb, torch.nn.ModuleList) else [emb]
+    return min(int(e.num_embeddings) for e in embs)
 
 
 def head_vocab(model) -> int:
     """V: the rows of the (smallest) output embedding."""
-    out = model.get_output_embeddings()
-    return min(int(h.weight.shape[0]) for h in (out if isinstance(out, torch.nn.ModuleList) else [out]))
+    out: Any = model.get_output_embeddings()
+    heads: list[Any] = list(out) if isinstance(out, torch.nn.ModuleList) else [out]
+    return min(int(h.weight.shape[0]) for h in heads)
 
 
 def head_device(model) -> torch.device:

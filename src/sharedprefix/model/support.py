@@ -137,7 +137,7 @@ POOLING_MODEL_TYPES = {
 
 
 def _check_layer_types(name: str, cfg) -> None:
-    recurrence = RECURRENT_MODEL_TYPES.get(getattr(cfg, "model_type", None))
+    recurrence = RECURRENT_MODEL_TYPES.get(getattr(cfg, "model_type", None) or "")
     if recurrence is not None:
         raise ValueError(
             f"{name}'s layers mix tokens outside attention: {recurrence}, carried from token to token, where "

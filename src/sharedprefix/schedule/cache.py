@@ -87,7 +87,7 @@ class PrefixCache:
             if seg in self.graph_vals:
                 self.read_vals[seg] = self.graph_vals.pop(seg)
             return
-        leaf = lambda t: None if t is None else t.detach().requires_grad_(True)  # noqa: E731
+        leaf = _leaf
         self.read_kv_[seg] = {m: (leaf(k), leaf(v)) for m, (k, v) in self.graph_kv[seg].items()}
         self.read_h[seg] = leaf(self.graph_h[seg])
         if seg in self.graph_vals:
@@ -225,3 +225,8 @@ class OffloadHooks:
 
     def __call__(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def _leaf(t):
+    """A detached copy of ``t`` that requires grad (a leaf of the passes that read it); None stays None."""
+    return None if t is None else t.detach().requires_grad_(True)

@@ -153,8 +153,8 @@ def plan(source, max_tokens: int | None = None) -> Plan:
                     )
     tree = segment_tree(source, max_tokens)
     ends: dict[int, list[int]] = {}
-    for i, r in enumerate(tree.rows):
-        ends.setdefault(r.end, []).append(i)
+    for i, row in enumerate(tree.rows):
+        ends.setdefault(row.end, []).append(i)
     nseg = len(tree.segments)
     if max_tokens is None:
         return Plan(tree, [Pass(tuple(range(nseg)), rows=tuple(range(tree.num_rows)))], None)

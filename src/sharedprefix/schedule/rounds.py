@@ -101,7 +101,7 @@ def backward(run, loss_fn, entropy: bool, prefix_activations: str, offload_devic
 def rounds_of(p: Plan) -> list[tuple[str, object]]:
     """The plan's steps as rounds, in order: F (record a segment), FB (rows, loss, backward), PB (a cached segment's
     deferred backward), REL (release it), DF / DFB (dummy rounds of an FSDP2 plan, see ``Plan.for_fsdp``)."""
-    out = []
+    out: list[tuple[str, object]] = []
     for step in p.steps:
         if isinstance(step, PrefixBackward):
             out += [("PB", s) for s in reversed(step.segments)] + [("REL", step.segments)]

@@ -83,7 +83,7 @@ class VerifyReport:
                     "an indexer scores keys in float32 even on the float64 copy, and keys whose index scores tie "
                     "exactly at its top-k boundary (e.g. clipped to 0 by its ReLU for every head) are picked by "
                     "torch.topk in an unspecified order that depends on the row's layout, in the plain run as here: "
-                    "a mismatch confined to a few tokens can be such a tie (README: DeepSeek sparse attention)"
+                    "a mismatch confined to a few tokens can be such a tie (docs/models.md: DeepSeek sparse attention)"
                 )
         return "\n".join(lines + [f"-> {verdict if self.ok else 'NOT EXACT'}"])
 

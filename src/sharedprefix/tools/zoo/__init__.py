@@ -2,8 +2,8 @@
 
 ``configs`` builds each architecture tiny (float64, random weights), ``checks`` requires each to be exact
 against the plain forward, refused before any computation with its reason, or not buildable with its
-reason, and ``readme`` turns the results into the README's table (``python -m sharedprefix.tools.zoo
---write-readme``), so that the table cannot drift from what the zoo checks. A tool beside the library:
+reason, and ``readme`` turns the results into the table of ``docs/models.md`` (``python -m sharedprefix.tools.zoo
+--write-docs``), so that the table cannot drift from what the zoo checks. A tool beside the library:
 nothing in the library imports it.
 """
 

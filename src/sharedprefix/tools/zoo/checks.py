@@ -46,7 +46,7 @@ EXPECTED_NOT_BUILDABLE = {
     "xglm": "its own forward fails in float64 (it fills a float32 tensor with float64's minimum)",
 }
 
-# Refusal categories: (README label, pattern its message must match). A refusal that fits none fails the
+# Refusal categories: (docs label, pattern its message must match). A refusal that fits none fails the
 # zoo, so every refusal names its feature and why.
 REFUSALS: list[tuple[str, str]] = [
     (
@@ -79,7 +79,7 @@ class Result:
     Attributes:
         status: "exact", "refused", "not buildable" or "failed".
         detail: the refusal message, the reason it is not buildable, or what failed.
-        category: the README label of a refusal.
+        category: the docs label of a refusal (docs/models.md).
         logprob_err: max |sp - plain| log-prob (nats), None when not compared.
         grad_err: max relative gradient error, None when not compared.
         float32_inside: the ops the plain float64 forward runs in float32 (outside rotary embeddings), which
@@ -327,7 +327,7 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
 
 
 def features(model) -> list[str]:
-    """The attention features a probed model exercises, as the README names them."""
+    """The attention features a probed model exercises, as docs/models.md names them."""
     from sharedprefix.attention import probe
 
     pats = [p for p in map(probe.pattern, model.modules()) if p is not None]
