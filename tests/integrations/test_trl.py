@@ -134,14 +134,6 @@ def test_tree_rows_keep_every_completion_and_share_every_prefix():
         tree_rows(ids, torch.tensor([[1, 1, 1, 0, 1]] * 5), 2)
 
 
-def test_unsupported_options_raise(tmp_path):
-    tok = build_tokenizer()
-    with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True is not supported"):
-        _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, _model(tok), tok, tmp_path, cast_lm_head_to_fp32=True)
-    with pytest.raises(ValueError, match="sharedprefix_prefix_activations='nope'"):
-        _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, _model(tok), tok, tmp_path, sharedprefix_prefix_activations="nope")
-
-
 def test_lora_trainer_matches_grpo_trainer(tmp_path):
     """PEFT/LoRA (and TRL's default gradient checkpointing, on in all these runs) give the same update."""
     peft = pytest.importorskip("peft")

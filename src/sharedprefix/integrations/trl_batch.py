@@ -83,19 +83,18 @@ class TreeRows:
 
 
 def tree_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> TreeRows:
-    """(B, L) rows ``[left-padded prompt | right-padded completion]`` -> a Tree of [prompt + completion] rows.
+    """(B, L) rows ``[left-padded prompt | right-padded completion]`` -> a Tree of every [prompt + completion] row.
 
-    Completion tokens are trained. Rows whose completion holds no token have no log-prob to compute and
-    get zeros (TRL masks them).
+    Completion tokens are trained. A row whose completion holds no token (TRL masks it: truncated with
+    ``mask_truncated_completions``) stays in the tree as its prompt alone, nothing trained: its log-probs are zeros
+    that still belong to the graph (so a microbatch with no trained token gives a zero loss whose backward runs,
+    as GRPOTrainer's does), and its prompt tokens count in the MoE load-balancing loss, as in TRL's forward.
     """
     P = input_ids.shape[1] - logits_to_keep
     ids, att = input_ids.cpu(), attention_mask.cpu().bool()
     rows, trained, row_of, plen, lens = [], [], [], [], []
     for b in range(input_ids.shape[0]):
-        parts = _row(ids, att, b, P)
-        if parts is None:
-            continue
-        prompt, completion = parts
+        prompt, completion = _row(ids, att, b, P)
         rows.append(torch.cat([prompt, completion]))
         trained.append(torch.arange(rows[-1].numel()) >= prompt.numel())
         row_of.append(b)
@@ -106,11 +105,9 @@ def tree_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
 
 def _row(ids: torch.Tensor, att: torch.Tensor, b: int, P: int):
     """Row ``b`` of TRL's (B, L) layout [left-padded prompt | right-padded completion] as (prompt, completion)
-    without padding, or None when its completion holds no token (TRL masks it)."""
+    without padding; the completion is empty when its mask holds no token (TRL masks the row)."""
     prompt, cmask = ids[b, :P][att[b, :P]], att[b, P:]
     t = int(cmask.sum())
-    if t == 0:
-        return None
     if not bool(cmask[:t].all()):
         raise ValueError(
             f"row {b} has a completion mask with holes ({cmask.int().tolist()}); sharedprefix expects each "
@@ -164,10 +161,9 @@ def image_groups(
     keys: dict[tuple, int] = {}
     prompts, completions, members = [], [], []
     for b in range(B):
-        parts = _row(ids, att, b, P)
-        if parts is None:
+        prompt, completion = _row(ids, att, b, P)
+        if not completion.numel():  # nothing to compute for this row (TRL masks it); a group needs a completion
             continue
-        prompt, completion = parts
         pix, grid = images_of(b)
         types = None
         if token_type_ids is not None:
