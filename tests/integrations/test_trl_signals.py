@@ -35,12 +35,13 @@ def _delta(trainer, init):
 
 @pytest.mark.slow
 def test_all_completions_masked_is_a_zero_loss_that_moves_nothing(tmp_path):
-    """mask_truncated_completions=True with 3-token completions: every completion is truncated, so every token is
-    masked. GRPOTrainer's loss is a zero connected to the graph; ours crashed in backward ("element 0 of tensors does
-    not require grad"). Both now train two steps and leave every parameter exactly where it was (plain SGD)."""
+    """mask_truncated_completions=True with EOS suppressed: every completion is truncated, so every token is masked.
+    GRPOTrainer's loss is a zero connected to the graph; ours crashed in backward ("element 0 of tensors does not
+    require grad"). Both now train two steps and leave every parameter exactly where it was (plain SGD)."""
     tok, init, state = _saved(tmp_path)
+    no_eos = {"suppress_tokens": [tok.eos_token_id]}
     for cls, cfg, name in ((GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp")):
-        t = _train(cls, cfg, init, tok, tmp_path / name, beta=0.1, mask_truncated_completions=True)
+        t = _train(cls, cfg, init, tok, tmp_path / name, beta=0.1, mask_truncated_completions=True, generation_kwargs=no_eos)
         assert t.state.global_step == 2
         assert float(_delta(t, state).abs().max()) == 0.0, name
         assert all(h["loss"] == 0.0 for h in t.state.log_history if "loss" in h)
