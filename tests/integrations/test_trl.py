@@ -57,7 +57,6 @@ def _train(cls, cfg_cls, model, tok, tmp_path, **kw):
         per_device_train_batch_size=8,
         gradient_accumulation_steps=1,
         max_steps=2,
-        max_completion_length=3,
         learning_rate=0.5,
         optim="sgd",
         lr_scheduler_type="constant",
@@ -67,7 +66,7 @@ def _train(cls, cfg_cls, model, tok, tmp_path, **kw):
         seed=0,
         use_cpu=True,
         temperature=1.0,
-        **{"bf16": False, **kw},
+        **{"bf16": False, "max_completion_length": 3, **kw},
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

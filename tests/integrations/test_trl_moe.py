@@ -9,6 +9,8 @@ after two steps: float32, within 1e-5 of the largest update (the runs agree to f
 import pytest
 import torch
 
+import sharedprefix as sp
+
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
@@ -44,12 +46,15 @@ def _delta(trainer, init):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(MODELS))
-def test_moe_aux_loss_trains_as_grpo_trainer_with_and_without_a_budget(tmp_path, kind):
+def test_moe_aux_loss_trains_as_grpo_trainer_with_and_without_a_budget(tmp_path, kind, monkeypatch):
     tok = build_tokenizer()
     init, state = _moe(tmp_path, tok, kind)
     plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1)
     assert plain.aux_loss_enabled
     ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1)
+    calls = []
+    logprobs = sp.logprobs
+    monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: calls.append((source, kw)) or logprobs(model, source, **kw))
     budget = _train(
         SharedPrefixGRPOTrainer,
         SharedPrefixGRPOConfig,
@@ -60,6 +65,10 @@ def test_moe_aux_loss_trains_as_grpo_trainer_with_and_without_a_budget(tmp_path,
         sharedprefix_max_tokens=32,
         sharedprefix_prefix_activations="keep",
     )
+    monkeypatch.undo()
+    # the policy passes asked for the aux loss, and the budget split their groups (prompts cached, backward later)
+    policy = [(src, kw) for src, kw in calls if kw.get("aux_loss")]
+    assert policy and all(sp.plan(src, 32).splits for src, _ in policy)
     no_aux = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "no_aux", beta=0.1, router_aux_loss_coef=0.0)
     dp = _delta(plain, state)
     scale = float(dp.abs().max())
