@@ -20,6 +20,12 @@ Images (Qwen-style ``pixel_values`` with ``image_grid_thw``, or Llava-style ``pi
 vision tower and prompt run once. Hybrid models (``schedule.hybrid``, which takes groups, not trees): the rows
 are regrouped by prompt the same way.
 
+What TRL's loss asks of the hook, as GRPOTrainer computes it: the MoE load-balancing loss of the microbatch's rows
+(``compute_aux_loss``: ``sp.logprobs(aux_loss=True)``, exact under a budget, see ``model.router``); rows whose
+completion is all masked stay in the tree with nothing trained, so an all-masked microbatch gives a zero loss with
+a graph; entropies keep a graph only when the entropy bonus uses them; ``cast_lm_head_to_fp32`` runs the head in
+float32 outside autocast. What cannot be computed exactly is refused when the trainer is built.
+
 Notation: B = rows of a microbatch, C = completion columns (``logits_to_keep``), N = non-empty rows,
 L = longest [prompt + completion] row.
 """
@@ -34,6 +40,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 import sharedprefix as sp
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
+from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
 from sharedprefix.model.support import check_supported, is_hybrid
 from sharedprefix.schedule.results import PREFIX_MODES
@@ -95,7 +102,9 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
                 "sharedprefix carries each prompt's convolution and recurrent state to its completions through that "
                 "cache. Set gradient_checkpointing=False in the config (sharedprefix_max_tokens bounds the memory)."
             )
-        if getattr(self, "aux_loss_enabled", False) and (hybrid or inner.config.get_text_config() is not inner.config):
+        if not getattr(self, "aux_loss_enabled", False):
+            return
+        if hybrid or inner.config.get_text_config() is not inner.config:
             kind = "a hybrid model" if hybrid else "a vision-language model"
             raise ValueError(
                 f"{name} is {kind} with an MoE load-balancing loss (router_aux_loss_coef="
@@ -103,6 +112,7 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
                 "reads each pass's router logits, so this trainer would train on another loss than GRPOTrainer. Set "
                 "router_aux_loss_coef=0.0 in the config (routing itself stays exact)."
             )
+        router.check_available(inner)  # the model's module has a load-balancing loss to reproduce
 
     # -- log-probs ---------------------------------------------------------------------------------------------
 
@@ -146,17 +156,10 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
             pad = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1]))  # noqa: E731
             lp = zeros.index_copy(0, order, pad(out.logprobs).to(dtype))
             ent = zeros.clone().index_copy(0, order, pad(out.entropy).to(dtype)) if compute_entropy else None
-            return lp, self._entropy_graph(ent), aux
+            return lp, _entropy_graph(self, ent), aux
         lp = to_rows(out.logprobs, tr, B, C)
         ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
-        return lp, self._entropy_graph(ent), aux
-
-    def _entropy_graph(self, ent):
-        """Entropies keep their graph only when a loss uses them (TRL's entropy bonus, static or adaptive); else
-        they are detached, so the entropy branch of the graph is freed at once and its backward never runs."""
-        if ent is None or getattr(self, "_entropy_bonus_enabled", True):
-            return ent
-        return ent.detach()
+        return lp, _entropy_graph(self, ent), aux
 
     # -- whole groups per microbatch ----------------------------------------------------------------------------
 
@@ -170,6 +173,14 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
             batches = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+
+def _entropy_graph(trainer, ent):
+    """Entropies keep their graph only when a loss uses them (TRL's entropy bonus, static or adaptive); else they
+    are detached, so the entropy branch of the graph is freed at once and its backward never runs."""
+    if ent is None or getattr(trainer, "_entropy_bonus_enabled", True):
+        return ent
+    return ent.detach()
 
 
 def _group_preserving_shuffle(batch: dict) -> dict:

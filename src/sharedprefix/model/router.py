@@ -160,12 +160,18 @@ def _parts(model):
     top_k = getattr(model, "num_experts_per_tok", None) or getattr(cfg, "num_experts_per_tok", None)
     if fn is None or not num_experts or not top_k:
         raise ValueError(
-            f"{name} has output_router_logits=True, but sharedprefix finds no load_balancing_loss_func in its module "
+            f"{name}'s MoE load-balancing loss is asked for (output_router_logits=True, aux_loss=True, or TRL's "
+            f"router_aux_loss_coef != 0), but sharedprefix finds no load_balancing_loss_func in its module "
             f"{type(model).__module__} (or no expert count / top-k: {num_experts}, {top_k}), so it cannot compute its "
-            "load-balancing loss as the plain run does. Set config.output_router_logits=False (routing itself is "
-            "per token and stays exact)."
+            "load-balancing loss as the plain run does. Leave the loss out: config.output_router_logits=False "
+            "(TRL: router_aux_loss_coef=0.0); routing itself is per token and stays exact."
         )
     return fn, int(num_experts), int(top_k)
+
+
+def check_available(model) -> None:
+    """Raise now, before any forward, when the model's module has no load-balancing loss sharedprefix can call."""
+    _parts(model)
 
 
 def verify(model, decoder, device) -> None:
