@@ -116,11 +116,12 @@ class Executor:
         self.aux_term = None  # the aux loss's linear term of the latest pass that computed one under grad
         record = aux is True or (aux is None and router.enabled(self.model))
         self.router_logits = [] if record else None  # per pass: (router logits, multiplicities, spans)
-        if (record or self.aux_grads is not None) and self.par.fsdp:
+        if self.aux_grads is not None and self.par.fsdp:
             raise ValueError(
                 f"{type(self.model).__name__}'s MoE load-balancing loss with an FSDP2 model: sharedprefix adds its "
-                "per-pass linear term outside FSDP2's hooks, which it does not support. Use DDP or one process, or leave "
-                "the load-balancing loss out (router_aux_loss_coef=0 / output_router_logits=False)."
+                "per-pass linear term to a tensor that is not among the outputs FSDP2 registers its pre-backward hooks "
+                "on, which it does not support. Use DDP or one process, or leave the loss out (aux_loss_coef=0.0; TRL: "
+                "router_aux_loss_coef=0.0)."
             )
         if (record or self.aux_grads is not None) and self.mm is not None:
             raise ValueError(
