@@ -58,6 +58,7 @@ def logprobs(
     defer: bool | None = None,
     prefix_activations: str = "recompute",
     grad_reduction: str = "sum",
+    aux_loss: bool | None = None,
 ) -> LogProbs:
     """Log-probs of every completion token, each prompt computed once.
 
@@ -80,20 +81,31 @@ def logprobs(
             to the model's parameters only. (Under FSDP2, grad-enabled logprobs are refused; use
             ``sp.backward``.)
         prefix_activations / grad_reduction: the ``sp.backward`` settings a deferred backward uses.
+        aux_loss: the MoE load-balancing loss of all rows (``LogProbs.aux_loss``, see ``model.router``). None: when
+            the config has ``output_router_logits=True``; True: also when it has not (TRL asks for it so); False:
+            never. A deferred call carries its gradient exactly (a linear term per pass).
 
     Returns:
         ``LogProbs`` with (N, W) tensors, float32 (float64 for a float64 model), with grad when
         grad is enabled.
     """
     _check_modes(prefix_activations, grad_reduction)
+    if aux_loss not in (None, True, False):
+        raise TypeError(f"aux_loss={aux_loss!r}; expected None (as the config says), True or False.")
     if is_hybrid(unwrap(model)):
+        if aux_loss:
+            router.refuse_hybrid(unwrap(model))
         return _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction)
+    _run_call_checks(model, groups)
     if torch.is_grad_enabled() and _defers(model, defer):
         with torch.no_grad():
-            out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
-        return defer_logprobs(backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
-    _run_call_checks(model, groups)
-    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
+            run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False, aux=aux_loss)
+            out = rounds.forward(run, entropy)
+            grads = router.segment_grads(run.model, run.router_logits) if run.router_logits else None
+        return defer_logprobs(
+            _deferred_backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction, grads
+        )
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False, aux=aux_loss)
     return rounds.forward(run, entropy)
 
 
@@ -109,6 +121,7 @@ def backward(
     offload_device: str | torch.device = "cpu",
     sync: bool = True,
     grad_reduction: str = "sum",
+    aux_loss_coef: float | None = None,
 ) -> BackwardResult:
     """Accumulate into ``.grad`` the exact gradient of ``sum over passes of loss_fn(batch)``.
 
@@ -130,6 +143,15 @@ def backward(
             its end). Pass False for all but the last call of an optimizer step to accumulate.
         grad_reduction: "sum" (default: each rank's loss uses global normalisers, so the global
             loss is the sum over ranks) or "mean" (the average over ranks, DDP's convention).
+        aux_loss_coef: an MoE model's load-balancing loss, added as ``aux_loss_coef * aux_loss`` where ``aux_loss``
+            is the plain forward's over all rows (each prompt token once per completion; ``model.router``). It is
+            exact under any budget: one no-grad forward of every row first gives each token's gradient d aux / d
+            router logits, whose linear term joins each pass's backward. Required (a number, 0.0 to leave the loss
+            out) when the config has ``output_router_logits=True``; allowed on any MoE model with the loss.
+
+    A batch whose rows hold no trained token (a ``Tree`` row with ``trained`` all False) is no error: its log-probs
+    are zeros that belong to the graph, so ``loss_fn`` gets them as usual and every parameter the pass reached gets a
+    zero ``.grad`` (created if it was None), as a plain backward of such a loss gives.
 
     Failures under DDP / FSDP2: an error on one rank ends the call on every rank within seconds, the others
     raising a RuntimeError that names the failing rank and its message, and no rank keeps the call's gradient.
@@ -143,15 +165,51 @@ def backward(
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
-    router.refuse_per_pass(unwrap(model), "sharedprefix.backward takes its loss per pass")
+    coef = router.check_coef(unwrap(model), aux_loss_coef)
+    kw = dict(max_tokens=max_tokens, prefix_activations=prefix_activations, temperature=temperature, entropy=entropy)
+    kw.update(backend=backend, offload_device=offload_device, sync=sync, grad_reduction=grad_reduction)
     if is_hybrid(unwrap(model)):
-        return _hybrid_backward(
-            model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend, offload_device, sync, grad_reduction
-        )
+        if coef:
+            router.refuse_hybrid(unwrap(model))
+        return _hybrid_backward(model, groups, loss_fn, **kw)
     _run_call_checks(model, groups)
+    aux = None
+    if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
+        with torch.no_grad():
+            first = Executor(model, groups, max_tokens, backend, temperature, False, leaves=False, aux=True)
+            rounds.forward(first, False)
+        aux = router.scaled_grads(first.model, first.router_logits, coef)
+    return _packed_backward(model, groups, loss_fn, aux=aux, aux_coef=coef, **kw)
+
+
+def _packed_backward(
+    model,
+    groups,
+    loss_fn,
+    max_tokens,
+    prefix_activations,
+    temperature,
+    entropy,
+    backend,
+    offload_device="cpu",
+    sync=True,
+    grad_reduction="sum",
+    aux=None,
+    aux_coef=0.0,
+) -> BackwardResult:
+    """``aux``: (per-segment aux gradients scaled by ``aux_coef``, the aux loss's value or None), or None."""
+    grads, value = aux if aux is not None else (False, None)
     # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
-    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True, prefix_activations=prefix_activations)
-    return rounds.backward(run, loss_fn, entropy, prefix_activations, offload_device, sync, grad_reduction)
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, True, prefix_activations, aux=grads)
+    return rounds.backward(run, loss_fn, entropy, prefix_activations, offload_device, sync, grad_reduction, value, aux_coef)
+
+
+def _deferred_backward(model, groups, loss_fn, aux_grads=None, **kw) -> BackwardResult:
+    """The backward of deferred log-probs (``schedule.deferred``): ``sp.backward``'s packed path, with the aux loss's
+    per-token gradients (already scaled by the gradient that reached it) from the deferred call's own forward."""
+    if is_hybrid(unwrap(model)):
+        return backward(model, groups, loss_fn, **kw)
+    return _packed_backward(model, groups, loss_fn, aux=None if aux_grads is None else (aux_grads, None), **kw)
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------
@@ -192,7 +250,6 @@ def _defers(model, defer: bool | None) -> bool:
             "gradients). Leave defer=None."
         )
     if defer or (defer is None and needs):
-        router.refuse_per_pass(inner, f"logprobs defers its backward to sharedprefix.backward ({needs or 'defer=True'})")
         return True
     return False
 
@@ -220,7 +277,7 @@ def _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, d
     if kind == "ddp":
         detect(model, unwrap(model)).agree_on_error(error)
     if deferred:
-        return defer_logprobs(backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
+        return defer_logprobs(_deferred_backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
     return out
 
 

@@ -86,14 +86,15 @@ def test_attention_softcapping_refused_on_a_backend_without_it(monkeypatch):
     assert not kernels.CUDA.SOFTCAP and kernels.FlashAttn.SOFTCAP
 
 
-def test_moe_router_loss_is_refused_per_pass_and_returned_by_logprobs():
-    """A product of two batch means: sp.backward (loss per pass) refuses it; sp.logprobs returns it whole
-    (tests/models/test_router_aux.py holds it to the plain run)."""
+def test_moe_router_loss_needs_its_coefficient_in_backward_and_is_returned_by_logprobs():
+    """sp.backward asks for aux_loss_coef when the config turns the loss on (and runs once given it); sp.logprobs
+    returns the loss whole (tests/models/test_router_aux.py holds both to the plain run)."""
     model = _tiny(
         tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True
     )
-    with pytest.raises(ValueError, match="output_router_logits=True, and sharedprefix.backward takes its loss per pass"):
+    with pytest.raises(ValueError, match="output_router_logits=True, so its forward returns an MoE load-balancing loss"):
         sp.backward(model, GROUPS, lambda b: b.logprobs.sum())
+    assert sp.backward(model, GROUPS, lambda b: b.logprobs.sum(), aux_loss_coef=0.01).aux_loss > 0
     assert sp.logprobs(model, GROUPS).aux_loss.requires_grad
 
 

@@ -57,7 +57,6 @@ def _train(cls, cfg_cls, model, tok, tmp_path, **kw):
         per_device_train_batch_size=8,
         gradient_accumulation_steps=1,
         max_steps=2,
-        max_completion_length=3,
         learning_rate=0.5,
         optim="sgd",
         lr_scheduler_type="constant",
@@ -67,7 +66,7 @@ def _train(cls, cfg_cls, model, tok, tmp_path, **kw):
         seed=0,
         use_cpu=True,
         temperature=1.0,
-        **{"bf16": False, **kw},
+        **{"bf16": False, "max_completion_length": 3, **kw},
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -126,20 +125,13 @@ def test_tree_rows_keep_every_completion_and_share_every_prefix():
     ids = torch.tensor([[0, 5, 6, 9, 2], [0, 5, 6, 8, 0], [7, 7, 7, 9, 9], [0, 5, 7, 1, 2], [0, 5, 6, 0, 0]])
     att = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1], [0, 1, 1, 0, 0]])
     tr = tree_rows(ids, att, 2)
-    assert tr.row_of == [0, 1, 2, 3] and tr.prompt_len == [2, 2, 3, 2] and tr.lengths == [2, 1, 2, 2]
-    assert [r.tolist() for r in tr.tree.rows] == [[5, 6, 9, 2], [5, 6, 8], [7, 7, 7, 9, 9], [5, 7, 1, 2]]
-    # prompts [5, 6] and [5, 7] share the token 5: the trie computes it once
+    # row 4's completion is masked: it stays as its prompt alone, nothing trained (TRL's forward counts its prompt)
+    assert tr.row_of == [0, 1, 2, 3, 4] and tr.prompt_len == [2, 2, 3, 2, 2] and tr.lengths == [2, 1, 2, 2, 0]
+    assert [r.tolist() for r in tr.tree.rows] == [[5, 6, 9, 2], [5, 6, 8], [7, 7, 7, 9, 9], [5, 7, 1, 2], [5, 6]]
+    # prompts [5, 6] and [5, 7] share the token 5: the trie computes it once; row 4 adds no token
     assert sp.plan(tr.tree).tokens_computed == 1 + 1 + 2 + 1 + 5 + 3
     with pytest.raises(ValueError, match="mask with holes"):
         tree_rows(ids, torch.tensor([[1, 1, 1, 0, 1]] * 5), 2)
-
-
-def test_unsupported_options_raise(tmp_path):
-    tok = build_tokenizer()
-    with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True is not supported"):
-        _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, _model(tok), tok, tmp_path, cast_lm_head_to_fp32=True)
-    with pytest.raises(ValueError, match="sharedprefix_prefix_activations='nope'"):
-        _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, _model(tok), tok, tmp_path, sharedprefix_prefix_activations="nope")
 
 
 def test_lora_trainer_matches_grpo_trainer(tmp_path):

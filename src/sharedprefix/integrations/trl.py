@@ -20,6 +20,12 @@ Images (Qwen-style ``pixel_values`` with ``image_grid_thw``, or Llava-style ``pi
 vision tower and prompt run once. Hybrid models (``schedule.hybrid``, which takes groups, not trees): the rows
 are regrouped by prompt the same way.
 
+What TRL's loss asks of the hook, as GRPOTrainer computes it: the MoE load-balancing loss of the microbatch's rows
+(``compute_aux_loss``: ``sp.logprobs(aux_loss=True)``, exact under a budget, see ``model.router``); rows whose
+completion is all masked stay in the tree with nothing trained, so an all-masked microbatch gives a zero loss with
+a graph; entropies keep a graph only when the entropy bonus uses them; ``cast_lm_head_to_fp32`` runs the head in
+float32 outside autocast. What cannot be computed exactly is refused when the trainer is built.
+
 Notation: B = rows of a microbatch, C = completion columns (``logits_to_keep``), N = non-empty rows,
 L = longest [prompt + completion] row.
 """
@@ -34,8 +40,9 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 import sharedprefix as sp
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
-from sharedprefix.model.adapter import unwrap
-from sharedprefix.model.support import is_hybrid
+from sharedprefix.model import router
+from sharedprefix.model.adapter import mark_float32_head, unwrap
+from sharedprefix.model.support import check_supported, is_hybrid
 from sharedprefix.schedule.results import PREFIX_MODES
 
 __all__ = ["SharedPrefixGRPOConfig", "SharedPrefixGRPOTrainer", "tree_rows"]
@@ -70,21 +77,42 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"sharedprefix_max_tokens={budget!r}; expected a positive int or None.")
         self._sp_budget, self._sp_mode = budget, mode
-        if getattr(a, "cast_lm_head_to_fp32", False):
-            raise ValueError(
-                "cast_lm_head_to_fp32=True is not supported by SharedPrefixGRPOTrainer: sharedprefix runs the LM head "
-                "in the model's dtype and would give different log-probs. Set cast_lm_head_to_fp32=False."
-            )
-        if getattr(self, "aux_loss_enabled", False):
-            raise ValueError(
-                "the model's MoE load-balancing loss is enabled (output_router_logits=True): TRL adds the loss of each "
-                "of its own microbatches of rows, a product of two means over that microbatch's tokens, while this "
-                "trainer runs sharedprefix's own passes under a token budget, which cannot form those products. Set "
-                "model.config.output_router_logits=False (routing itself stays exact), or use sharedprefix.logprobs, "
-                "whose .aux_loss is that loss over all rows of the call."
-            )
         if getattr(a, "fp16", False):
-            raise ValueError("fp16 mixed precision (loss scaling) is not supported; use bf16=True or float32.")
+            raise ValueError(
+                "fp16=True (float16 mixed precision with loss scaling) is not supported by SharedPrefixGRPOTrainer: "
+                "its deferred backward runs inside sharedprefix, outside the gradient scaler. Use bf16=True (or "
+                "float32) instead."
+            )
+        self._refuse_at_construction()
+        if getattr(a, "cast_lm_head_to_fp32", False):  # TRL cast the heads; sharedprefix runs them outside autocast
+            for m in (self.model, getattr(self, "ref_model", None)):
+                if m is not None:
+                    mark_float32_head(unwrap(m))
+
+    def _refuse_at_construction(self):
+        """What the log-prob hook could not compute, refused now, each with the setting that removes it."""
+        inner = unwrap(self.model)
+        hybrid = is_hybrid(inner)
+        check_supported(inner, hybrid=hybrid)
+        name = type(inner).__name__
+        if hybrid and self.args.gradient_checkpointing:
+            raise ValueError(
+                f"{name} is a hybrid model (layers that mix tokens outside attention) and gradient_checkpointing=True "
+                "(TRL's default): transformers turns the model's cache off under gradient checkpointing, and "
+                "sharedprefix carries each prompt's convolution and recurrent state to its completions through that "
+                "cache. Set gradient_checkpointing=False in the config (sharedprefix_max_tokens bounds the memory)."
+            )
+        if not getattr(self, "aux_loss_enabled", False):
+            return
+        if hybrid or inner.config.get_text_config() is not inner.config:
+            kind = "a hybrid model" if hybrid else "a vision-language model"
+            raise ValueError(
+                f"{name} is {kind} with an MoE load-balancing loss (router_aux_loss_coef="
+                f"{self.router_aux_loss_coef}): sharedprefix reproduces that loss on the text path only, where it "
+                "reads each pass's router logits, so this trainer would train on another loss than GRPOTrainer. Set "
+                "router_aux_loss_coef=0.0 in the config (routing itself stays exact)."
+            )
+        router.check_available(inner)  # the model's module has a load-balancing loss to reproduce
 
     # -- log-probs ---------------------------------------------------------------------------------------------
 
@@ -92,8 +120,6 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, compute_aux_loss=False, **extra
     ):
         images = check_image_inputs(extra)
-        if compute_aux_loss:
-            raise ValueError("MoE auxiliary losses are not supported by SharedPrefixGRPOTrainer.")
         B, C = input_ids.shape[0], logits_to_keep
         grouped = images or is_hybrid(unwrap(model))  # the hybrid path takes groups of one prompt, not trees
         if grouped:
@@ -105,8 +131,10 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
             source = tr.tree
         dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
         zeros = torch.zeros(B, C, dtype=dtype, device=input_ids.device)
-        if not source:
-            return zeros, (zeros.clone() if compute_entropy else None), None
+        if not source:  # image or hybrid rows, every completion masked: a zero connected to the graph, as in TRL
+            anchor = sum(p.reshape(-1)[:1].sum() for p in model.parameters() if p.requires_grad) if torch.is_grad_enabled() else 0.0
+            zeros = zeros + 0.0 * anchor
+            return zeros, (zeros.detach().clone() if compute_entropy else None), None
         # With a budget, the policy pass is deferred: values without a graph now, sp.backward under the
         # budget when TRL backpropagates its loss (exact by the chain rule). Gradient checkpointing defers too.
         defer = True if (torch.is_grad_enabled() and self._sp_budget is not None) else None
@@ -120,16 +148,18 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
                 defer=defer,
                 prefix_activations=self._sp_mode,
                 grad_reduction="mean",
+                aux_loss=bool(compute_aux_loss) and not grouped,  # refused at construction where grouped
             )  # TRL's losses are per-rank means, averaged as DDP does
+        aux = out.aux_loss if compute_aux_loss else None  # TRL's: the loss of this microbatch's rows
         if grouped:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
             order = torch.tensor([b for m in members for b in m], device=input_ids.device)
             pad = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1]))  # noqa: E731
             lp = zeros.index_copy(0, order, pad(out.logprobs).to(dtype))
             ent = zeros.clone().index_copy(0, order, pad(out.entropy).to(dtype)) if compute_entropy else None
-            return lp, ent, None
+            return lp, _entropy_graph(self, ent), aux
         lp = to_rows(out.logprobs, tr, B, C)
         ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
-        return lp, ent, None
+        return lp, _entropy_graph(self, ent), aux
 
     # -- whole groups per microbatch ----------------------------------------------------------------------------
 
@@ -143,6 +173,14 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
             batches = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+
+def _entropy_graph(trainer, ent):
+    """Entropies keep their graph only when a loss uses them (TRL's entropy bonus, static or adaptive); else they
+    are detached, so the entropy branch of the graph is freed at once and its backward never runs."""
+    if ent is None or getattr(trainer, "_entropy_bonus_enabled", True):
+        return ent
+    return ent.detach()
 
 
 def _group_preserving_shuffle(batch: dict) -> dict:

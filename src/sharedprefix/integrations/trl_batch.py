@@ -10,11 +10,12 @@ several layouts. The layouts taken here, the ones sharedprefix computes exactly 
   3-D positions.
 - per image (Llava; Gemma 3 with ``token_type_ids`` (B, L), 1 on image tokens, whose image tokens attend to
   each other bidirectionally): ``pixel_values`` (images, channels, height, width), one entry per image in row
-  order.
+  order; LLaVA-NeXT's any-resolution tiles: ``pixel_values`` (images, tiles, channels, height, width) with
+  ``image_sizes`` (images, 2), each image's (height, width), which the group's ``prompt_inputs`` carry too.
 
 Both come with ``num_images`` (B,): images of each row. Other layouts (tiles with ``num_tiles`` or
-``spatial_shapes``, ``image_sizes``, ``image_position_ids``, pixel values padded to one entry per row) are
-refused by ``check_image_inputs``; so are ``token_type_ids`` with a 1 outside a row's prompt.
+``spatial_shapes``, ``image_position_ids``, pixel values padded to one entry per row) are refused by
+``check_image_inputs``; so are ``token_type_ids`` with a 1 outside a row's prompt.
 
 Notation: B = rows of a microbatch, C = completion columns, P = L - C prompt columns, N = non-empty rows.
 """
@@ -41,12 +42,13 @@ MULTIMODAL = (
 )
 _LAYOUTS = {  # required keys -> keys allowed beside them
     "grid": ({"pixel_values", "image_grid_thw", "num_images"}, {"mm_token_type_ids"}),
-    "per image": ({"pixel_values", "num_images"}, {"mm_token_type_ids", "token_type_ids"}),
+    "per image": ({"pixel_values", "num_images"}, {"mm_token_type_ids", "token_type_ids", "image_sizes"}),
 }
 _SUPPORTED = (
     "images of Qwen-style vision-language models (pixel_values with image_grid_thw: Qwen2-VL, Qwen2.5-VL, "
     "Qwen3-VL), images of Llava-style ones and Gemma 3 (pixel_values with one (channels, height, width) "
-    "entry per image; Gemma 3's token_type_ids) and text"
+    "entry per image; Gemma 3's token_type_ids), LLaVA-NeXT's tiles (one (tiles, channels, height, width) entry "
+    "per image with image_sizes) and text"
 )
 
 
@@ -61,13 +63,20 @@ def check_image_inputs(extra: dict) -> bool:
     for required, allowed in _LAYOUTS.values():
         if required <= used <= required | allowed:
             shape, n = tuple(extra["pixel_values"].shape), sum(extra["num_images"])
-            if "image_grid_thw" in used or (len(shape) == 4 and shape[0] == n):
+            tiles = "image_sizes" in used  # LLaVA-NeXT: (images, tiles, channels, height, width), (images, 2) sizes
+            if "image_grid_thw" in used or (len(shape) == 4 + tiles and shape[0] == n):
+                if tiles and tuple(extra["image_sizes"].shape) != (n, 2):
+                    raise ValueError(
+                        f"image_sizes of shape {tuple(extra['image_sizes'].shape)} for {n} images; expected ({n}, 2), one "
+                        "(height, width) per image, as LLaVA-NeXT's processor gives them."
+                    )
                 return True
             raise ValueError(
                 f"pixel_values of shape {shape} for {n} images (num_images={list(extra['num_images'])}): without "
                 "image_grid_thw, SharedPrefixGRPOTrainer expects one (channels, height, width) entry per image, "
-                f"(images, channels, height, width); other layouts (e.g. padded to one entry per row, Idefics-style) "
-                f"are not supported. It takes {_SUPPORTED}."
+                "(images, channels, height, width), or with image_sizes one (tiles, channels, height, width) entry per "
+                "image; other layouts (e.g. padded to one entry per row, Idefics-style) are not supported. It takes "
+                f"{_SUPPORTED}."
             )
     raise ValueError(f"multimodal inputs {sorted(used)} are not supported by SharedPrefixGRPOTrainer: it takes {_SUPPORTED}.")
 
@@ -83,19 +92,18 @@ class TreeRows:
 
 
 def tree_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> TreeRows:
-    """(B, L) rows ``[left-padded prompt | right-padded completion]`` -> a Tree of [prompt + completion] rows.
+    """(B, L) rows ``[left-padded prompt | right-padded completion]`` -> a Tree of every [prompt + completion] row.
 
-    Completion tokens are trained. Rows whose completion holds no token have no log-prob to compute and
-    get zeros (TRL masks them).
+    Completion tokens are trained. A row whose completion holds no token (TRL masks it: truncated with
+    ``mask_truncated_completions``) stays in the tree as its prompt alone, nothing trained: its log-probs are zeros
+    that still belong to the graph (so a microbatch with no trained token gives a zero loss whose backward runs,
+    as GRPOTrainer's does), and its prompt tokens count in the MoE load-balancing loss, as in TRL's forward.
     """
     P = input_ids.shape[1] - logits_to_keep
     ids, att = input_ids.cpu(), attention_mask.cpu().bool()
     rows, trained, row_of, plen, lens = [], [], [], [], []
     for b in range(input_ids.shape[0]):
-        parts = _row(ids, att, b, P)
-        if parts is None:
-            continue
-        prompt, completion = parts
+        prompt, completion = _row(ids, att, b, P)
         rows.append(torch.cat([prompt, completion]))
         trained.append(torch.arange(rows[-1].numel()) >= prompt.numel())
         row_of.append(b)
@@ -106,11 +114,9 @@ def tree_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_k
 
 def _row(ids: torch.Tensor, att: torch.Tensor, b: int, P: int):
     """Row ``b`` of TRL's (B, L) layout [left-padded prompt | right-padded completion] as (prompt, completion)
-    without padding, or None when its completion holds no token (TRL masks it)."""
+    without padding; the completion is empty when its mask holds no token (TRL masks the row)."""
     prompt, cmask = ids[b, :P][att[b, :P]], att[b, P:]
     t = int(cmask.sum())
-    if t == 0:
-        return None
     if not bool(cmask[:t].all()):
         raise ValueError(
             f"row {b} has a completion mask with holes ({cmask.int().tolist()}); sharedprefix expects each "
@@ -144,6 +150,7 @@ def image_groups(
     image_grid_thw: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
     token_type_ids: torch.Tensor | None = None,
+    image_sizes: torch.Tensor | None = None,
 ):
     """TRL's (B, L) rows with their images (a layout of the module docstring), or text rows (``pixel_values`` None:
     hybrid models, which take groups, not trees) -> (groups, members).
@@ -161,13 +168,13 @@ def image_groups(
     empty = torch.zeros(0)
     images_of = _row_images(pixel_values, num_images, image_grid_thw) if pixel_values is not None else (lambda b: (empty, None))
     ids, att = input_ids.cpu(), attention_mask.cpu().bool()
+    first_image = [0, *torch.tensor(num_images, dtype=torch.long).cumsum(0).tolist()]
     keys: dict[tuple, int] = {}
     prompts, completions, members = [], [], []
     for b in range(B):
-        parts = _row(ids, att, b, P)
-        if parts is None:
+        prompt, completion = _row(ids, att, b, P)
+        if not completion.numel():  # nothing to compute for this row (TRL masks it); a group needs a completion
             continue
-        prompt, completion = parts
         pix, grid = images_of(b)
         types = None
         if token_type_ids is not None:
@@ -179,12 +186,14 @@ def image_groups(
                     "in a prompt without images; expected 1 only on the image tokens of a prompt (as Gemma 3's "
                     "processor marks them)."
                 )
+        sizes = None if image_sizes is None else image_sizes[first_image[b] : first_image[b + 1]]
         key = (
             tuple(prompt.tolist()),
             tuple(pix.shape),
             pix.detach().cpu().numpy().tobytes(),
             None if grid is None else tuple(grid.flatten().tolist()),
             None if types is None else tuple(types.tolist()),
+            None if sizes is None else tuple(sizes.flatten().tolist()),
         )
         if key in keys:
             completions[keys[key]].append(completion)
@@ -193,6 +202,8 @@ def image_groups(
         inputs = None
         if num_images[b]:
             inputs = {"pixel_values": pix} if grid is None else {"pixel_values": pix, "image_grid_thw": grid}
+            if sizes is not None:
+                inputs["image_sizes"] = sizes
             if mm_token_type_ids is not None:
                 inputs["mm_token_type_ids"] = mm_token_type_ids[b, :P][att[b, :P].to(mm_token_type_ids.device)]
             if types is not None:

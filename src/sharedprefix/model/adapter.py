@@ -131,8 +131,31 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     out = model.get_output_embeddings()
     if isinstance(out, torch.nn.ModuleList):  # one head per stream; a single stream is an ordinary head
         logits = torch.stack([h(hidden) for h in out]) if len(out) > 1 else out[0](hidden)
+    elif getattr(out, _FLOAT32_HEAD, False):  # float32 outside autocast, as TRL's cast_lm_head_to_fp32 runs it
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if out.bias is None else out.bias.float()
+            return _post_process(model, torch.nn.functional.linear(hidden.float(), out.weight.float(), bias))
     else:
         logits = out(hidden)
+    return _post_process(model, logits)
+
+
+_FLOAT32_HEAD = "_sharedprefix_float32_head"
+
+
+def mark_float32_head(model: PreTrainedModel) -> None:
+    """Run ``model``'s linear LM head (and the logits' post-processing) in float32 outside autocast, as TRL's
+    ``cast_lm_head_to_fp32=True`` does: ``head_logits`` then casts the hidden states and the weight to float32."""
+    out = model.get_output_embeddings()
+    if not isinstance(out, torch.nn.Linear):
+        raise ValueError(
+            f"{type(model).__name__}'s output head is a {type(out).__name__}; a float32 head (cast_lm_head_to_fp32) "
+            "is supported for a linear head only. Set cast_lm_head_to_fp32=False."
+        )
+    setattr(out, _FLOAT32_HEAD, True)
+
+
+def _post_process(model: PreTrainedModel, logits: torch.Tensor) -> torch.Tensor:
     cfg = text_config(model)
     cap = getattr(cfg, "final_logit_softcapping", None)
     scaling = getattr(cfg, "logits_scaling", None)

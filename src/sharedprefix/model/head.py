@@ -79,11 +79,13 @@ class _TokenLogprob(torch.autograd.Function):
 
     Saves the logits and the (M,) log-sum-exp only; the backward forms
     d/dz [g_tok * log p_t + g_ent * H] = g_tok * (onehot_t - p) - g_ent * p * (log p + H)
-    directly instead of going through log_softmax and a scattered zero matrix.
+    directly instead of going through log_softmax and a scattered zero matrix. An output no loss uses gets no
+    gradient (None, not a zero matrix): entropies computed for logging cost no (M, V) term in the backward.
     """
 
     @staticmethod
     def forward(ctx, z, targets, want_entropy):
+        ctx.set_materialize_grads(False)
         lse = torch.logsumexp(z, dim=-1)
         tok = z.gather(-1, targets[:, None])[:, 0] - lse
         if want_entropy:
@@ -98,13 +100,16 @@ class _TokenLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_tok, g_ent):
         z, targets, lse, ent = ctx.saved_tensors
+        if g_tok is None and (g_ent is None or not ctx.want_entropy):
+            return None, None, None
         p = (z - lse[:, None]).exp_()  # softmax; at most two (M, V) temporaries live below
         if ctx.want_entropy and g_ent is not None:
             e = (z - lse[:, None]).add_(ent[:, None]).mul_(p).mul_(g_ent[:, None])  # g_ent * p * (log p + H)
-            grad = p.mul_(-g_tok[:, None]).sub_(e)
+            grad = p.mul_(-g_tok[:, None]).sub_(e) if g_tok is not None else e.neg_()
         else:
             grad = p.mul_(-g_tok[:, None])
-        grad.scatter_add_(-1, targets[:, None], g_tok[:, None])
+        if g_tok is not None:
+            grad.scatter_add_(-1, targets[:, None], g_tok[:, None])
         return grad, None, None
 
 

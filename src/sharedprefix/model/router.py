@@ -9,9 +9,14 @@ that contain it (the G completions of a group count its prompt tokens G times, e
 sharedprefix calls the model module's own ``load_balancing_loss_func`` with those multiplicities as the attention
 mask. The plain run this reproduces is one forward of all the rows of the call, padding masked out.
 
-The loss is a product of two means over all tokens, not a sum over completions: it exists only once every row
-ran, so ``sp.logprobs`` returns it (``LogProbs.aux_loss``, with grad when grad is enabled, add
-``router_aux_loss_coef * aux_loss`` to the loss), and ``sp.backward``, which takes its loss per pass, refuses it.
+The loss is a product of two means over all tokens, not a sum over completions, but its gradient is additive: with
+the routing counts f_e fixed (they have no gradient), d aux / d theta = sum over tokens of g_t . d z_t / d theta, where
+z_t is token t's (E,) router logits and g_t = d aux / d z_t at the forward's values (each shared token's g_t already
+carries its multiplicity). So a call that runs its backward per pass (``sp.backward``, deferred log-probs) first runs a
+no-grad forward of every row (``segment_grads``: g_t from the model's own function, by autograd on its inputs, per
+segment of the plan), then adds the linear term sum_t g_t . z_t of the tokens each pass computes with grad
+(``linear_term``) to that pass's loss: exact by the chain rule, under any budget. ``sp.logprobs`` with grad and no
+deferral keeps the loss itself, with its graph (``LogProbs.aux_loss``).
 
 ``verify`` checks the reproduction once per model against the model's own forward: rows [A, A, A, B] (B padded)
 against this function on [A, B] with multiplicities 3 and 1. Like the model's, the loss is float32 (its sums are).
@@ -21,6 +26,8 @@ Notation: L = row length, E = experts, k = experts per token.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import sys
 import weakref
 
@@ -30,22 +37,91 @@ _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (
 
 
 def enabled(model) -> bool:
-    """True when the model returns a load-balancing loss (``config.output_router_logits``)."""
+    """True when the model returns a load-balancing loss by default (``config.output_router_logits``); a call can
+    also ask for it (``sp.logprobs(aux_loss=True)``, ``sp.backward(aux_loss_coef=...)``), as TRL does."""
     return bool(getattr(model.config.get_text_config(), "output_router_logits", False))
 
 
-def refuse_per_pass(model, where: str) -> None:
-    """Raise the refusal for a call that cannot form the loss of all rows at once (``where`` says which)."""
-    if enabled(model):
-        raise ValueError(
-            f"{type(model).__name__} has output_router_logits=True, and {where}: its MoE load-balancing loss "
-            "E * sum_e f_e * P_e is a product of two means over every token of the batch (f_e: share of the top-k "
-            "choices that go to expert e, P_e: mean router probability), not a sum over completions, so it cannot be "
-            "taken per pass. Call sharedprefix.logprobs(model, groups) with grad enabled and no gradient "
-            "checkpointing or DDP: its .aux_loss is the plain forward's aux_loss over all rows of the call (each "
-            "prompt token counted once per completion), to add as router_aux_loss_coef * aux_loss to the loss "
-            "before .backward(); or set config.output_router_logits=False (routing itself stays exact)."
-        )
+@contextlib.contextmanager
+def recording(model, on: bool):
+    """With ``on``, the decoder returns its router logits for the duration (``config.output_router_logits`` set
+    True, then restored): a call can ask for the loss where the config does not (TRL does). The config, not a
+    keyword, because transformers passes the keyword on to every layer's attention."""
+    cfg = model.config.get_text_config()
+    before = getattr(cfg, "output_router_logits", None)
+    if not on or before:
+        yield
+        return
+    cfg.output_router_logits = True
+    try:
+        yield
+    finally:
+        cfg.output_router_logits = before
+
+
+def check_coef(model, coef) -> float:
+    """``sp.backward``'s ``aux_loss_coef`` as a float (0.0: no aux loss); refuses a missing one where the config
+    turns the loss on, and a non-number."""
+    if coef is None:
+        if enabled(model):
+            raise ValueError(
+                f"{type(model).__name__} has output_router_logits=True, so its forward returns an MoE load-balancing "
+                "loss, and aux_loss_coef is None. Pass aux_loss_coef=model.config.router_aux_loss_coef to add "
+                "coef * aux_loss (the plain forward's, over all rows; exact under any budget), or aux_loss_coef=0.0 to "
+                "leave it out."
+            )
+        return 0.0
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
+        raise TypeError(f"aux_loss_coef={coef!r}; expected a finite number (e.g. config.router_aux_loss_coef) or None.")
+    return float(coef)
+
+
+def refuse_hybrid(model) -> None:
+    raise ValueError(
+        f"{type(model).__name__} is a hybrid model (layers that mix tokens outside attention), whose path runs the "
+        "model's own cache-aware forward, which sharedprefix does not read router logits from: its MoE load-balancing "
+        "loss is not reproduced. Leave it out (aux_loss=None / aux_loss_coef=0.0; TRL: router_aux_loss_coef=0.0); "
+        "routing itself stays exact."
+    )
+
+
+def scaled_grads(model, records, coef: float):
+    """(``segment_grads`` times ``coef``, the loss's value as a float) from a no-grad forward's records."""
+    grads = {s: [g * coef for g in gs] for s, gs in segment_grads(model, records).items()}
+    return grads, float(aux_loss(model, records))
+
+
+def spans(layout) -> list[tuple[int, int, int]]:
+    """(segment, start, end) of each segment the packed row computes, in row order."""
+    return [(s, layout.row_start[s], layout.row_end[s]) for s in layout.segments]
+
+
+def segment_grads(model, records) -> dict[int, list[torch.Tensor]]:
+    """From a no-grad forward's records: segment -> per MoE layer the (len, E) gradient d aux / d router logits of
+    its tokens, where aux is ``aux_loss(model, records)`` (the model's own function, differentiated by autograd)."""
+    fn, num_experts, top_k = _VERIFIED[model]
+    layers = len(records[0][0])
+    leaves = [[r[i].detach().requires_grad_(True) for i in range(layers)] for r, _, _ in records]
+    with torch.enable_grad():
+        logits = tuple(torch.cat([leaf[i] for leaf in leaves]) for i in range(layers))
+        weights = torch.cat([w.to(logits[0].device) for _, w, _ in records])[None]
+        grads = torch.autograd.grad(fn(logits, num_experts, top_k, weights), [t for leaf in leaves for t in leaf], allow_unused=True)
+    out: dict[int, list[torch.Tensor]] = {}
+    for k, (_, _, sp_) in enumerate(records):
+        per_layer = [g if g is not None else torch.zeros_like(leaves[k][i]) for i, g in enumerate(grads[k * layers : (k + 1) * layers])]
+        for seg, a, b in sp_:
+            out[seg] = [g[a:b] for g in per_layer]
+    return out
+
+
+def linear_term(router_logits, row_spans, grads: dict[int, list[torch.Tensor]], scale: float) -> torch.Tensor | None:
+    """``scale * sum_t g_t . z_t`` over the tokens of ``row_spans`` (see ``spans``) of one pass; None without any."""
+    total = None
+    for seg, a, b in row_spans:
+        for z, g in zip(router_logits, grads[seg]):
+            term = (z[a:b] * g.to(z.device, z.dtype)).sum()
+            total = term if total is None else total + term
+    return None if total is None else total * scale
 
 
 def multiplicity(layout) -> torch.Tensor:
@@ -61,17 +137,17 @@ def multiplicity(layout) -> torch.Tensor:
 
 
 def aux_loss(model, records: list[tuple[tuple, torch.Tensor]]) -> torch.Tensor:
-    """The plain run's load-balancing loss from each pass's ``(router_logits, weights)``.
+    """The plain run's load-balancing loss from each pass's ``(router_logits, weights, spans)``.
 
     ``router_logits``: one (L, E) tensor per MoE layer, as the decoder returns them; ``weights``: (L,) from
-    ``multiplicity``. The rows of every pass are concatenated (the loss sums over tokens; order is irrelevant).
+    ``multiplicity``; ``spans``: from ``spans``. The rows of every pass are concatenated (the loss sums over tokens; order is irrelevant).
     """
     fn, num_experts, top_k = _VERIFIED[model]
     layers = len(records[0][0])
-    if any(len(r) != layers for r, _ in records):
+    if any(len(r) != layers for r, _, _ in records):
         raise RuntimeError("the passes of one call returned router logits of different numbers of layers.")
-    logits = tuple(torch.cat([r[i] for r, _ in records]) for i in range(layers))
-    weights = torch.cat([w.to(logits[0].device) for _, w in records])[None]
+    logits = tuple(torch.cat([r[i] for r, _, _ in records]) for i in range(layers))
+    weights = torch.cat([w.to(logits[0].device) for _, w, _ in records])[None]
     return fn(logits, num_experts, top_k, weights)
 
 
@@ -84,17 +160,23 @@ def _parts(model):
     top_k = getattr(model, "num_experts_per_tok", None) or getattr(cfg, "num_experts_per_tok", None)
     if fn is None or not num_experts or not top_k:
         raise ValueError(
-            f"{name} has output_router_logits=True, but sharedprefix finds no load_balancing_loss_func in its module "
+            f"{name}'s MoE load-balancing loss is asked for (output_router_logits=True, aux_loss=True, or TRL's "
+            f"router_aux_loss_coef != 0), but sharedprefix finds no load_balancing_loss_func in its module "
             f"{type(model).__module__} (or no expert count / top-k: {num_experts}, {top_k}), so it cannot compute its "
-            "load-balancing loss as the plain run does. Set config.output_router_logits=False (routing itself is "
-            "per token and stays exact)."
+            "load-balancing loss as the plain run does. Leave the loss out: config.output_router_logits=False "
+            "(TRL: router_aux_loss_coef=0.0); routing itself is per token and stays exact."
         )
     return fn, int(num_experts), int(top_k)
 
 
+def check_available(model) -> None:
+    """Raise now, before any forward, when the model's module has no load-balancing loss sharedprefix can call."""
+    _parts(model)
+
+
 def verify(model, decoder, device) -> None:
     """Once per model: the model's own aux_loss over rows [A, A, A, B] equals ``aux_loss`` on [A, B] weighted 3, 1."""
-    if model in _VERIFIED or not enabled(model):
+    if model in _VERIFIED:
         return
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
         _VERIFIED[model] = _verify(model, decoder, device)
@@ -111,8 +193,9 @@ def _verify(model, decoder, device):
     mask = torch.ones_like(rows)
     mask[3, 3:] = 0
     forward = getattr(model, "_sharedprefix_own_forward", model)
-    want = getattr(forward(input_ids=rows, attention_mask=mask, use_cache=False), "aux_loss", None)
-    out = decoder(input_ids=rows[2:], attention_mask=mask[2:], use_cache=False)
+    with recording(model, True):
+        want = getattr(forward(input_ids=rows, attention_mask=mask, use_cache=False), "aux_loss", None)
+        out = decoder(input_ids=rows[2:], attention_mask=mask[2:], use_cache=False)
     logits = getattr(out, "router_logits", None)
     weights = torch.tensor([[3.0] * 5, [1.0, 1.0, 1.0, 0.0, 0.0]], dtype=torch.float64, device=device)
     got = fn(logits, num_experts, top_k, weights) if logits else None

@@ -79,6 +79,13 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
     the hybrid path (``schedule.hybrid``), which carries layer states that mix tokens outside attention."""
     cfg = text_config(model)
     name = type(model).__name__
+    if not hybrid and getattr(cfg, "model_type", None) in HYBRID_MODEL_TYPES:  # a wrapper around a hybrid text model
+        raise ValueError(
+            f"{name} (model type {getattr(model.config, 'model_type', None)!r}) is a multimodal wrapper around a "
+            f"hybrid text model (model type {cfg.model_type!r}, whose layers mix tokens outside attention): "
+            "sharedprefix runs hybrid models on its hybrid path, which takes the text model alone, without images. "
+            f"Load the text model ({cfg.model_type!r}, e.g. AutoModelForCausalLM with the text config) to train on text."
+        )
     if not hybrid:
         _check_layer_types(name, cfg)
     decoder(model)  # a decoder without position_ids is renumbered or refused in verify_head (positions.verify)

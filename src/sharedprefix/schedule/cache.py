@@ -33,6 +33,7 @@ class PrefixCache:
         # seg -> indexer module -> its keys (1, len, D) (DeepSeek sparse attention, ``attention.indexed``): detached,
         # the indexer runs without autograd (in the plain run too), so they need no gradient and no sealing
         self.index_keys: dict[int, dict] = {}
+        self.terms: dict[int, torch.Tensor] = {}  # seg -> a scalar of its recorded graph its backward adds (MoE aux)
 
     def __contains__(self, seg: int) -> bool:
         return seg in self.read_kv_
@@ -57,6 +58,10 @@ class PrefixCache:
 
     def write_h(self, seg: int, h: torch.Tensor) -> None:
         self.graph_h[seg] = h
+
+    def add_term(self, seg: int, term: torch.Tensor) -> None:
+        """A scalar of ``seg``'s recorded graph that its deferred backward adds to the surrogate."""
+        self.terms[seg] = term if seg not in self.terms else self.terms[seg] + term
 
     def write_values(self, seg: int, lp: torch.Tensor, ent: torch.Tensor | None) -> None:
         self.graph_vals[seg] = (lp, ent)
@@ -117,10 +122,22 @@ class PrefixCache:
             if leaf.grad is not None and t.requires_grad:
                 term = (t * leaf.grad).sum()
                 total = term if total is None else total + term
+        if seg in self.terms:
+            total = self.terms[seg] if total is None else total + self.terms[seg]
         return total
 
     def release(self, seg: int) -> None:
-        for d in (self.graph_kv, self.graph_h, self.read_kv_, self.read_h, self.graph_vals, self.read_vals, self.states, self.index_keys):
+        for d in (
+            self.graph_kv,
+            self.graph_h,
+            self.read_kv_,
+            self.read_h,
+            self.graph_vals,
+            self.read_vals,
+            self.states,
+            self.index_keys,
+            self.terms,
+        ):
             d.pop(seg, None)
 
 

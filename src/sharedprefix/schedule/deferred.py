@@ -16,17 +16,22 @@ class _Deferred(torch.autograd.Function):
     """Values computed without a graph; their backward runs ``backward`` with the incoming gradients."""
 
     @staticmethod
-    def forward(ctx, anchor, lp, ent, spec):
+    def forward(ctx, anchor, lp, ent, aux, spec):
+        ctx.set_materialize_grads(False)  # an output no loss uses gets None: no work for it in the backward
         ctx.spec = spec
-        return lp.clone(), ent.clone()
+        return lp.clone(), ent.clone(), aux.clone()
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent):
+    def backward(ctx, g_lp, g_ent, g_aux):
         spec = ctx.spec
         w_ent = g_ent if spec["entropy"] else None
+        grads = spec["aux_grads"]
+        aux = {s: [g * g_aux.to(g.dtype) for g in gs] for s, gs in grads.items()} if grads and g_aux is not None else None
+        if g_lp is None and w_ent is None and aux is None:
+            return None, None, None, None, None
 
         def loss_fn(b):
-            loss = (b.logprobs * g_lp[b.index].to(b.logprobs.dtype)).sum()
+            loss = (b.logprobs * g_lp[b.index].to(b.logprobs.dtype)).sum() if g_lp is not None else (b.logprobs * 0.0).sum()
             if w_ent is not None:
                 loss = loss + (b.entropy * w_ent[b.index].to(b.entropy.dtype)).sum()
             return loss
@@ -42,14 +47,17 @@ class _Deferred(torch.autograd.Function):
                 backend=spec["backend"],
                 prefix_activations=spec["mode"],
                 grad_reduction=spec["reduction"],
+                aux_grads=aux,
             )
-        return None, None, None, None
+        return None, None, None, None, None
 
 
-def defer_logprobs(backward, model, groups, out: LogProbs, temperature, max_tokens, backend, mode, reduction) -> LogProbs:
-    """``out``'s values, computed without a graph, as outputs whose backward runs ``backward`` (``sp.backward``,
-    passed in by the public call) under the budget with the incoming per-token gradients as a linear loss (exact by
-    the chain rule)."""
+def defer_logprobs(backward, model, groups, out: LogProbs, temperature, max_tokens, backend, mode, reduction, aux_grads=None) -> LogProbs:
+    """``out``'s values, computed without a graph, as outputs whose backward runs ``backward`` (``sp.backward``'s
+    packed path, passed in by the public call) under the budget with the incoming per-token gradients as a linear
+    loss (exact by the chain rule). ``aux_grads``: with ``out.aux_loss``, each segment's per-layer gradient of it
+    with respect to the router logits (``model.router.segment_grads``), scaled in the backward by the gradient that
+    reaches ``aux_loss``."""
     if mode not in PREFIX_MODES:
         raise ValueError(f"prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
     dev = out.logprobs.device.type
@@ -63,8 +71,10 @@ def defer_logprobs(backward, model, groups, out: LogProbs, temperature, max_toke
         mode=mode,
         reduction=reduction,
         entropy=out.entropy is not None,
+        aux_grads=aux_grads,
         autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)),
     )
     ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
-    lp, ent = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, spec)
-    return LogProbs(lp, out.mask, ent if out.entropy is not None else None)
+    aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=out.logprobs.device)
+    lp, ent, aux = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, aux, spec)
+    return LogProbs(lp, out.mask, ent if out.entropy is not None else None, aux if out.aux_loss is not None else None)

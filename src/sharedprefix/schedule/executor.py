@@ -34,14 +34,18 @@ from sharedprefix.schedule.planner import Pass, Plan, plan
 
 
 class Executor:
-    def __init__(self, model, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations=None):
+    """``aux``: the MoE load-balancing loss. True: record each pass's router logits (``router.aux_loss``); a dict
+    ``{segment: per-layer (len, E) gradients}`` (``router.segment_grads``, scaled): add their linear term to what
+    each pass backpropagates; None: as the config says (``output_router_logits``)."""
+
+    def __init__(self, model, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations=None, aux=None):
         self.model = unwrap(model)
         self.par = detect(model, self.model)
         self.par.start()
         self.last = None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
         error = None
         try:
-            self._setup(source, max_tokens, backend, temperature, entropy, leaves, prefix_activations)
+            self._setup(source, max_tokens, backend, temperature, entropy, leaves, prefix_activations, aux)
         except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank, before collectives
             error = e
         # FSDP2: the round counts every rank runs, agreed in the same all-reduce: (forward-only, forward+backward)
@@ -63,10 +67,10 @@ class Executor:
             except ValueError as e:
                 error = e
             self.par.agree_on_error(error)
-        if self.router_logits is not None:
+        if self.router_logits is not None or self.aux_grads is not None:
             self.par.call(lambda: router.verify(self.model, decoder(self.model), self.device), guard=False)
 
-    def _setup(self, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations):
+    def _setup(self, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations, aux):
         check_supported(self.model)
         # a model with K token streams per position (MusicGen): frames checked, then one frame id per position
         self.frames = None
@@ -108,8 +112,18 @@ class Executor:
         self.cache = PrefixCache(leaves=leaves)
         self.T = self.plan.tree.width
         self.tokens = 0
-        self.router_logits = [] if router.enabled(self.model) else None  # per pass: (router logits, multiplicities)
-        if self.router_logits is not None and self.mm is not None:
+        self.aux_grads = aux if isinstance(aux, dict) else None
+        self.aux_term = None  # the aux loss's linear term of the latest pass that computed one under grad
+        record = aux is True or (aux is None and router.enabled(self.model))
+        self.router_logits = [] if record else None  # per pass: (router logits, multiplicities, spans)
+        if self.aux_grads is not None and self.par.fsdp:
+            raise ValueError(
+                f"{type(self.model).__name__}'s MoE load-balancing loss with an FSDP2 model: sharedprefix adds its "
+                "per-pass linear term to a tensor that is not among the outputs FSDP2 registers its pre-backward hooks "
+                "on, which it does not support. Use DDP or one process, or leave the loss out (aux_loss_coef=0.0; TRL: "
+                "router_aux_loss_coef=0.0)."
+            )
+        if (record or self.aux_grads is not None) and self.mm is not None:
             raise ValueError(
                 f"{type(self.model).__name__} has output_router_logits=True and the groups carry prompt_inputs: "
                 "sharedprefix reproduces the load-balancing loss of text rows only. Set "
@@ -152,11 +166,18 @@ class Executor:
                     with (
                         renumbered(self.model, dec, decoder_position_ids(self.model, layout).to(self.device)) as kw,
                         streams.framed(self.model, dec, self.frames),
+                        router.recording(self.model, self.router_logits is not None or self.aux_grads is not None),
                     ):
                         out = dec(input_ids=layout.input_ids.to(self.device), use_cache=False, **kw)
             hidden = out.last_hidden_state[0]  # (L, d)
+            self.aux_term = None
             if self.router_logits is not None and tree is self.plan.tree:
-                self.router_logits.append((out.router_logits, router.multiplicity(layout)))
+                self.router_logits.append((out.router_logits, router.multiplicity(layout), router.spans(layout)))
+            if self.aux_grads is not None and tree is self.plan.tree and torch.is_grad_enabled():
+                self.aux_term = router.linear_term(out.router_logits, router.spans(layout), self.aux_grads, 1.0)
+                if surrogate is None and layout.record:  # a recorded prompt: its term joins its deferred backward
+                    self.cache.add_term(layout.record[0], self.aux_term)
+                    self.aux_term = None
             for s in layout.record:
                 self.cache.write_h(s, hidden[layout.row_end[s] - 1])
             lp = ent = None
@@ -180,6 +201,8 @@ class Executor:
                 hidden = hidden + (head_logits(self.model, hidden[-1:]).sum() * 0.0).to(hidden.dtype)
             if surrogate is not None:
                 sur = self.cache.surrogate(surrogate, through_outputs=self.par.fsdp)
+                if self.aux_term is not None:
+                    sur, self.aux_term = (self.aux_term if sur is None else sur + self.aux_term), None
                 if self.par.fsdp and not layout.targets.numel() and torch.is_grad_enabled():
                     sur = (hidden[-1].sum() * 0.0) + (sur if sur is not None else 0.0)
                 return sur

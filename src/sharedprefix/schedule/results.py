@@ -49,10 +49,11 @@ class Batch:
 
 @dataclass
 class BackwardResult:
-    """``loss``: total loss of this rank (float). Statistics: tokens computed (recomputation
-    included), tokens a plain run computes, passes run, calls of ``loss_fn``, peak accelerator
-    memory in bytes (None on CPU, where no allocator statistic exists), bytes offloaded, and
-    zero-gradient rounds run only to match other FSDP2 ranks' collectives."""
+    """``loss``: total loss of this rank (float; with ``aux_loss_coef``, ``coef * aux_loss`` included). Statistics:
+    tokens computed (recomputation included), tokens a plain run computes, passes run, calls of ``loss_fn``, peak
+    accelerator memory in bytes (None on CPU, where no allocator statistic exists), bytes offloaded, and
+    zero-gradient rounds run only to match other FSDP2 ranks' collectives. ``aux_loss``: the MoE load-balancing
+    loss of all rows (the plain forward's ``aux_loss``, float) when ``aux_loss_coef`` was given, else None."""
 
     loss: float
     tokens_computed: int
@@ -62,3 +63,4 @@ class BackwardResult:
     peak_memory_bytes: int | None
     offloaded_bytes: int = 0
     dummy_rounds: int = 0
+    aux_loss: float | None = None

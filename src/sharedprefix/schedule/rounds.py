@@ -65,9 +65,12 @@ def forward(run, entropy: bool) -> LogProbs:
     return LogProbs(lp, mask, ent, aux)
 
 
-def backward(run, loss_fn, entropy: bool, prefix_activations: str, offload_device, sync: bool, grad_reduction: str) -> BackwardResult:
+def backward(
+    run, loss_fn, entropy: bool, prefix_activations: str, offload_device, sync: bool, grad_reduction: str, aux_loss=None, aux_coef=0.0
+) -> BackwardResult:
     """``sp.backward`` over ``run``: its plan as rounds (FSDP2: reordered and padded to the agreed counts), inside a
-    gradient transaction and, under DDP, one synchronisation at the end."""
+    gradient transaction and, under DDP, one synchronisation at the end. ``aux_loss``: the MoE load-balancing loss's
+    value (float) when ``run`` carries its gradient (``run.aux_grads``, already scaled by ``aux_coef``)."""
     par = run.par
     recompute = prefix_activations == "recompute" or par.fsdp
     cuda = run.device.type == "cuda"
@@ -87,7 +90,8 @@ def backward(run, loss_fn, entropy: bool, prefix_activations: str, offload_devic
     )
     peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
     return BackwardResult(
-        loss=total,
+        loss=total if aux_loss is None else total + aux_coef * aux_loss,
+        aux_loss=aux_loss,
         tokens_computed=run.tokens,
         tokens_plain=run.plan.plain_tokens,
         passes=len(run.plan.passes),
@@ -178,7 +182,11 @@ def _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls) -> fl
             run.cache.seal(s, keep_graph=not recompute)
     else:  # FB
         state, res, layout = run.run_pass(x)
+        aux = run.aux_term  # the MoE aux loss's linear term of this pass's tokens, or None
         if res is None:  # a pass with no rows to report (its values are cached for later rows)
+            if aux is not None:
+                with pass_state(state):
+                    par.backward(aux)
             return None
         batch = Batch(
             logprobs=res[0],
@@ -187,8 +195,9 @@ def _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls) -> fl
             index=torch.tensor(layout.rows, dtype=torch.int64, device=run.device),
         )
         loss = check_loss(loss_fn(batch), calls)
+        total = loss if aux is None else loss + aux
         with pass_state(state):
-            par.backward(loss * scale if scale != 1.0 else loss)
+            par.backward(total * scale if scale != 1.0 else total)
         return float(loss.detach())
     return None
 

@@ -1,0 +1,54 @@
+"""Canary: the TRL code SharedPrefixGRPOTrainer mirrors or relies on is the code it was checked against.
+
+Each entry is the SHA-256 (first 16 hex digits) of ``inspect.getsource`` of one TRL function in the tested release
+(``trl`` extra of pyproject.toml), with what to re-check when it changes. A failure is no bug by itself: re-read the
+new source, re-run tests/integrations/test_trl*.py (slow ones included), then update the hash and the pin.
+"""
+
+import hashlib
+import inspect
+
+import pytest
+
+trl = pytest.importorskip("trl")
+
+from trl import GRPOTrainer  # noqa: E402
+from trl.trainer import utils  # noqa: E402
+
+MIRRORED = {
+    GRPOTrainer._prepare_inputs: (
+        "f824e7fb07147956",
+        "SharedPrefixGRPOTrainer._prepare_inputs copies its buffering and replaces shuffle_sequence_dict by a "
+        "group-preserving shuffle drawing the same permutation",
+    ),
+    GRPOTrainer._compute_loss: (
+        "80295546bbdbf6f7",
+        "how it calls the log-prob hook (compute_entropy, compute_aux_loss, image keys), adds "
+        "router_aux_loss_coef * aux_loss and uses the entropies (bonus on/off): _get_per_token_logps_and_entropies",
+    ),
+    GRPOTrainer._get_per_token_logps_and_entropies: (
+        "ea73c3909275851d",
+        "the hook we override: its signature, the (logps, entropies, aux_loss) it returns, the image layouts it slices",
+    ),
+    utils.shuffle_sequence_dict: ("bab038755e57ed2b", "the single torch.randperm draw _group_preserving_shuffle repeats"),
+    utils.split_pixel_values_by_grid: ("3aca66e33a7978d3", "the per-row image lists _group_preserving_shuffle permutes"),
+    utils.unsplit_pixel_values_by_grid: ("9d31b407fc5f4399", "the inverse, used after the shuffle"),
+    utils.split_tensor_dict: ("b61a5760a03e95db", "the split into steps_per_generation microbatches after the shuffle"),
+}
+
+
+@pytest.mark.parametrize("fn", list(MIRRORED), ids=lambda f: f.__qualname__)
+def test_mirrored_trl_code_is_unchanged(fn):
+    want, recheck = MIRRORED[fn]
+    got = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    assert got == want, (
+        f"TRL {trl.__version__} changed {fn.__module__}.{fn.__qualname__} (source hash {got}, checked: {want}). "
+        f"Re-check {recheck}; then re-run tests/integrations/test_trl*.py and update this hash and the trl pin."
+    )
+
+
+def test_trainer_attributes_we_read_exist():
+    """The GRPOTrainer attributes the trainer reads after TRL's __init__ (their names are not part of TRL's API)."""
+    src = inspect.getsource(GRPOTrainer.__init__)
+    for name in ("self.aux_loss_enabled", "self.router_aux_loss_coef", "self._entropy_bonus_enabled", "self.temperature"):
+        assert f"{name} =" in src, f"GRPOTrainer.__init__ no longer sets {name}; SharedPrefixGRPOTrainer reads it."

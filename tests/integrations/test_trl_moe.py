@@ -1,0 +1,82 @@
+"""SharedPrefixGRPOTrainer with an MoE load-balancing loss, against TRL's GRPOTrainer.
+
+TRL adds ``router_aux_loss_coef * aux_loss`` for each of its microbatches whenever the config has the attribute
+``output_router_logits`` (the tiny configs here have it False, as TRL's fixtures do) and the coefficient is not 0.
+Both trainers run the same tiny local Qwen3-MoE and GPT-OSS, same seed and data, and must reach the same parameters
+after two steps: float32, within 1e-5 of the largest update (the runs agree to float32 rounding of the gradients).
+"""
+
+import pytest
+import torch
+
+import sharedprefix as sp
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+import transformers as tf  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
+from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
+from sharedprefix.tools.zoo.configs import tiny_config  # noqa: E402
+
+from .test_trl import _train  # noqa: E402
+
+MODELS = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "gpt_oss": tf.GptOssForCausalLM}
+
+
+def _moe(tmp_path, tok, kind):
+    cfg = tiny_config(kind)
+    cfg.vocab_size = len(tok)
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    cfg.router_aux_loss_coef = 0.5  # large enough that the aux term moves the update (checked below)
+    cfg.max_position_embeddings = 256
+    assert hasattr(cfg, "output_router_logits") and not cfg.output_router_logits
+    torch.manual_seed(0)
+    impl = "sdpa" if MODELS[kind]._supports_sdpa else "eager"  # GPT-OSS (attention sinks): eager
+    model = MODELS[kind]._from_config(cfg, attn_implementation=impl)
+    model.save_pretrained(tmp_path / "init")
+    return str(tmp_path / "init"), model.state_dict()
+
+
+def _delta(trainer, init):
+    return torch.cat([(p.detach().float() - init[n].float()).flatten() for n, p in trainer.model.named_parameters()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_moe_aux_loss_trains_as_grpo_trainer_with_and_without_a_budget(tmp_path, kind, monkeypatch):
+    tok = build_tokenizer()
+    init, state = _moe(tmp_path, tok, kind)
+    plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1)
+    assert plain.aux_loss_enabled
+    ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1)
+    calls = []
+    logprobs = sp.logprobs
+    monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: calls.append((source, kw)) or logprobs(model, source, **kw))
+    budget = _train(
+        SharedPrefixGRPOTrainer,
+        SharedPrefixGRPOConfig,
+        init,
+        tok,
+        tmp_path / "budget",
+        beta=0.1,
+        sharedprefix_max_tokens=32,
+        sharedprefix_prefix_activations="keep",
+    )
+    monkeypatch.undo()
+    # the policy passes asked for the aux loss, and the budget split their groups (prompts cached, backward later)
+    policy = [(src, kw) for src, kw in calls if kw.get("aux_loss")]
+    assert policy and all(sp.plan(src, 32).splits for src, _ in policy)
+    no_aux = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "no_aux", beta=0.1, router_aux_loss_coef=0.0)
+    dp = _delta(plain, state)
+    scale = float(dp.abs().max())
+    assert scale > 1e-3
+    assert float((_delta(no_aux, state) - dp).abs().max()) > 1e-3 * scale  # the aux loss changes the update
+    for run in (ours, budget):
+        err = float((_delta(run, state) - dp).abs().max())
+        assert err <= 1e-5 * scale, (err, scale)
+    # TRL logs the aux loss of each microbatch: ours reports the same values
+    logged = lambda t: [h["aux_loss"] for h in t.state.log_history if "aux_loss" in h]  # noqa: E731
+    assert logged(plain) and logged(ours) == pytest.approx(logged(plain), rel=1e-5)

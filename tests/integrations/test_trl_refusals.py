@@ -1,0 +1,80 @@
+"""SharedPrefixGRPOTrainer refuses at construction what it cannot compute exactly, and each message's advice, once
+followed, lets the trainer be built."""
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+import transformers as tf  # noqa: E402
+
+from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
+from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
+from sharedprefix.tools.zoo.configs import tiny_config  # noqa: E402
+
+from .test_trl import _dataset, _lfm2, _model, _reward  # noqa: E402
+
+
+def _build(model, tok, tmp_path, **kw):
+    args = SharedPrefixGRPOConfig(
+        output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=8, report_to=[], use_cpu=True, **{"bf16": False, **kw}
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SharedPrefixGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(), processing_class=tok)
+
+
+def test_settings_of_our_own_are_checked_with_the_fix(tmp_path):
+    tok = build_tokenizer()
+    with pytest.raises(ValueError, match="sharedprefix_prefix_activations='nope'; expected one of"):
+        _build(_model(tok), tok, tmp_path, sharedprefix_prefix_activations="nope")
+    with pytest.raises(ValueError, match="sharedprefix_max_tokens=0; expected a positive int"):
+        _build(_model(tok), tok, tmp_path, sharedprefix_max_tokens=0)
+    assert _build(_model(tok), tok, tmp_path, sharedprefix_max_tokens=64, sharedprefix_prefix_activations="recompute")
+
+
+def test_hybrid_model_under_gradient_checkpointing_is_refused_when_built(tmp_path):
+    """TRL turns gradient checkpointing on by default; the hybrid path needs the model's cache, which transformers
+    turns off under it. Refused at construction (it was refused at the first loss step), with the setting to change."""
+    tok = build_tokenizer()
+    with pytest.raises(ValueError, match=r"Lfm2ForCausalLM is a hybrid model .*Set gradient_checkpointing=False"):
+        _build(_lfm2(tok), tok, tmp_path)
+    assert _build(_lfm2(tok), tok, tmp_path, gradient_checkpointing=False)
+
+
+def test_qwen3_5_vision_language_wrapper_is_refused_by_its_text_model_type(tmp_path):
+    """Qwen3.5's vision-language model wraps a hybrid text model: the refusal names both types (it listed its own
+    text type among the supported ones), and its advice, the text model alone, builds."""
+    tok = build_tokenizer()
+    text = tiny_config("qwen3_5_text")
+    text.vocab_size = len(tok)
+    text.bos_token_id, text.eos_token_id, text.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text.hidden_size, patch_size=4)
+    torch.manual_seed(0)
+    vlm = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision))
+    with pytest.raises(ValueError, match=r"model type 'qwen3_5'\) is a multimodal wrapper around a hybrid text model .*'qwen3_5_text'"):
+        _build(vlm, tok, tmp_path, gradient_checkpointing=False)
+    assert _build(tf.Qwen3_5ForCausalLM(text), tok, tmp_path, gradient_checkpointing=False)
+
+
+def test_moe_aux_loss_on_a_hybrid_model_is_refused_when_built(tmp_path):
+    """A hybrid MoE (Qwen3.5-MoE's text model) with router_aux_loss_coef != 0: its path reads no router logits."""
+    tok = build_tokenizer()
+    cfg = tiny_config("qwen3_5_moe_text")
+    cfg.vocab_size = len(tok)
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    torch.manual_seed(0)
+    model = tf.Qwen3_5MoeForCausalLM(cfg)
+    with pytest.raises(ValueError, match=r"hybrid model with an MoE load-balancing loss .*Set router_aux_loss_coef=0.0"):
+        _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.01)
+    assert _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)
+
+
+def test_fp16_is_refused_with_bf16_as_the_fix(tmp_path):
+    tok = build_tokenizer()
+    with pytest.raises(ValueError, match=r"fp16=True .*Use bf16=True"):
+        _build(_model(tok), tok, tmp_path, fp16=True)
+    assert _build(_model(tok), tok, tmp_path, bf16=True)
