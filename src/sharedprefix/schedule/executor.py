@@ -135,6 +135,8 @@ class Executor:
             self.cache.write_kv,
             read_index=self.cache.read_index,
             write_index=self.cache.write_index,
+            read_state=self.cache.read_state,
+            write_state=self.cache.write_state,
         )
 
         def fn():
