@@ -174,9 +174,10 @@ def _conv(own, state, slot, first, x, *args, **kwargs):
     parts = [x.new_zeros(x.shape[0], x.shape[1], 1), x] + [state.read_state(slot, c) for c in idx.cached]
     source = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
     y = own(source.index_select(-1, idx.ext), *args, **kwargs)
+    tails = {s: source.index_select(-1, ix) for s, ix in idx.record.items()}  # also when recomputed: the same ops
     if first:
-        for s, ix in idx.record.items():
-            state.write_state(slot, s, source.index_select(-1, ix))
+        for s, t in tails.items():
+            state.write_state(slot, s, t)
     return y.index_select(-1, idx.out)
 
 
