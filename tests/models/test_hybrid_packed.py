@@ -268,3 +268,47 @@ def test_a_config_without_attention_layers_runs_exactly(family, kind):
     _float64_norms(model)
     with _inside(family):
         _groups_check(model, groups_of(), [(None, "keep"), (6, "keep")])
+
+
+def _qwen3_5_vl():
+    import transformers as tf
+    from multimodal.test_vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION
+
+    from sharedprefix.tools.reference import dtype_faithful_norms
+
+    text = {k: v for k, v in TEXT.items() if k != "rope_scaling"}
+    text.update(
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    )
+    cfg = tf.Qwen3_5Config(
+        text_config=text,
+        vision_config=dict(VISION, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=V_START,
+        vision_end_token_id=V_END,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return dtype_faithful_norms(tf.Qwen3_5ForConditionalGeneration(cfg).double().eval())
+
+
+@pytest.mark.parametrize("budget, mode", [(None, "keep"), (16, "recompute")])
+def test_qwen3_5_with_images(budget, mode):
+    """Qwen3.5 as a vision-language model: ``prompt_inputs`` (images) on the packed path, the vision tower trained
+    through the shared prompt, in one pass and with the first group's prompt cached."""
+    from multimodal.test_vl import GROUPS, plain
+
+    from helpers import assert_matches_plain_rows
+
+    model = _qwen3_5_vl()
+    assert mixers.is_packed(model)
+    with Float64Inside():
+        got = assert_matches_plain_rows(model, GROUPS(), budget, mode, plain=plain)
+    assert any("visual" in n for n in got)

@@ -39,7 +39,8 @@ _INSTALLED: dict = {}  # (modeling module, attribute) -> [the model's own functi
 
 
 def is_packed(model) -> bool:
-    return getattr(model.config, "model_type", None) in PACKED_MODEL_TYPES
+    """Whether ``model``'s language model (a vision-language model's too) is of a type whose mixers run here."""
+    return getattr(model.config.get_text_config(), "model_type", None) in PACKED_MODEL_TYPES
 
 
 def mixer_modules(model) -> list[tuple[torch.nn.Module, tuple[str, ...]]]:
