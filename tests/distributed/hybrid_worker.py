@@ -1,5 +1,5 @@
 """One rank of the hybrid DDP / FSDP2 test (run under torchrun): a tiny LFM2 (short convolutions beside attention, on
-the packed path) wrapped in DDP, or sharded with FSDP2 (``fsdp``: every layer, the embedding, the head and the root),
+the packed path) wrapped in DDP, or sharded with FSDP2 (``fsdp``: every layer, the tied embedding and head as one unit, and the root),
 each rank with its share of the groups.
 
 Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT
@@ -44,8 +44,7 @@ def main(kind, out):
         model = model_of("lfm2")
         for layer in model.model.layers:
             fully_shard(layer)
-        fully_shard(model.model.embed_tokens)
-        fully_shard(model.lm_head)
+        fully_shard([model.model.embed_tokens, model.lm_head])  # (tied weights: one unit)
         model = fully_shard(model)
     else:
         model = torch.nn.parallel.DistributedDataParallel(model_of("lfm2"))
