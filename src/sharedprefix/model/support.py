@@ -161,6 +161,7 @@ def _check_layer_types(name: str, cfg) -> None:
             f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear attention, "
             f"recurrence or convolution), and its model type {model_type!r} is not one whose "
             "cache-aware forward sharedprefix has checked exact for carrying a prompt's layer state to its "
-            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}){why}. It refuses the model rather than give "
+            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}), nor one whose token mixers it drives on the packed "
+            f"path ({', '.join(sorted(mixers.PACKED_MODEL_TYPES))}){why}. It refuses the model rather than give "
             "inexact results."
         )
