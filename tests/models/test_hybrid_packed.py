@@ -312,3 +312,14 @@ def test_qwen3_5_with_images(budget, mode):
     with Float64Inside():
         got = assert_matches_plain_rows(model, GROUPS(), budget, mode, plain=plain)
     assert any("visual" in n for n in got)
+
+
+def test_a_packed_pass_outside_the_mixers_context_is_refused():
+    """A pass run outside ``mixers.active`` (a caller that skips ``schedule.rounds``) would let the model's own
+    convolution read across the row: refused."""
+    from sharedprefix.schedule.executor import Executor
+
+    model = _model("lfm2")
+    run = Executor(model, groups_of(), None, "auto", 1.0, False, leaves=False)
+    with pytest.raises(RuntimeError, match=r"ran outside model\.mixers\.active"):
+        run.run_pass(run.plan.passes[0])

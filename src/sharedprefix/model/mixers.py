@@ -36,6 +36,17 @@ MIXERS = {"GatedDeltaNet": ("conv", "delta"), "ShortConv": ("conv",)}  # class-n
 
 _CURRENT: list[tuple] = []  # (mixer module, its seams' call counts at entry) of the forwards running, innermost last
 _INSTALLED: dict = {}  # (modeling module, attribute) -> [the model's own function, nesting count]
+_ACTIVE: dict[int, int] = {}  # id(model) -> nesting count of ``active`` on it
+
+
+def check_active(model) -> None:
+    """Raise unless ``model``'s mixers are driven from the layout (a packed pass outside ``active`` would mix tokens
+    across the row's segments)."""
+    if is_packed(model) and not _ACTIVE.get(id(model)):
+        raise RuntimeError(
+            f"a packed pass of {type(model).__name__} ran outside model.mixers.active(model): its convolutions and "
+            "recurrences would read across the row's segments. This is a bug in the caller."
+        )
 
 
 def is_packed(model) -> bool:
@@ -87,6 +98,7 @@ def active(model):
     """Wrap the mixers' seams and hook their modules for the duration (see the module docstring)."""
     mods = mixer_modules(model) if is_packed(model) else []
     keys, hooks, depth = [], [], len(_CURRENT)
+    _ACTIVE[id(model)] = _ACTIVE.get(id(model), 0) + 1
     try:
         for m, kinds in mods:
             src = sys.modules[type(m).__module__]
@@ -104,6 +116,9 @@ def active(model):
             hooks.append(m.register_forward_hook(_leave(kinds)))
         yield
     finally:
+        _ACTIVE[id(model)] -= 1
+        if not _ACTIVE[id(model)]:
+            del _ACTIVE[id(model)]
         del _CURRENT[depth:]  # a forward that raised left its entry
         for h in hooks:
             h.remove()
