@@ -1,8 +1,10 @@
-"""One rank of the hybrid DDP test (run under torchrun): a tiny LFM2 (short convolutions beside attention) wrapped in
-DDP, each rank with its share of the groups.
+"""One rank of the hybrid DDP / FSDP2 test (run under torchrun): a tiny LFM2 (short convolutions beside attention, on
+the packed path) wrapped in DDP, or sharded with FSDP2 (``fsdp``: every layer, the tied embedding and head as one unit, and the root),
+each rank with its share of the groups.
 
 Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT
-(KIND: backward | mean | deferred | midfail | refuse_logprobs) Rank 0 writes the gradients (or the messages) to OUT.
+(KIND: backward | mean | deferred | midfail | refuse_logprobs | fsdp) Rank 0 writes the gradients (or the messages)
+to OUT.
 """
 
 import gc
@@ -36,7 +38,16 @@ def main(kind, out):
     torch.set_num_threads(1)
     mine, gidx = shard_of(groups_of(), rank, world)
     W = weights(groups_of())
-    model = torch.nn.parallel.DistributedDataParallel(model_of("lfm2"))
+    if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        model = model_of("lfm2")
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard([model.model.embed_tokens, model.lm_head])  # (tied weights: one unit)
+        model = fully_shard(model)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model_of("lfm2"))
 
     def loss_fn(b):
         return (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()
@@ -54,9 +65,10 @@ def main(kind, out):
         if kind == "deferred":  # grad-enabled log-probs: deferred by default under DDP, synced by their backward
             out_lp = sp.logprobs(model, mine, max_tokens=BUDGET)
             (out_lp.logprobs * W[gidx, : out_lp.logprobs.shape[1]] * out_lp.mask).sum().backward()
-        else:
+        else:  # (FSDP2: "recompute", the mode it runs, chosen by default)
+            mode = None if kind == "fsdp" else "recompute"
             sp.backward(
-                model, mine, loss_fn, max_tokens=BUDGET, prefix_activations="recompute", grad_reduction="mean" if kind == "mean" else "sum"
+                model, mine, loss_fn, max_tokens=BUDGET, prefix_activations=mode, grad_reduction="mean" if kind == "mean" else "sum"
             )
         grads = full_grads(model)
         everyone = [None] * world

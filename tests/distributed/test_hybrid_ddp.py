@@ -1,4 +1,5 @@
-"""Hybrid models under DDP (2 CPU processes, gloo): the gradients of a single-process plain run, on every rank."""
+"""Hybrid models under DDP and FSDP2 (2 CPU processes, gloo): the gradients of a single-process plain run, on every
+rank (LFM2, on the packed path)."""
 
 import os
 import subprocess
@@ -40,7 +41,7 @@ def test_the_shards_differ_and_the_budget_splits_a_group():
     assert any(sp.plan(s, BUDGET).splits for s in shards)
 
 
-@pytest.mark.parametrize("kind, scale", [("backward", 1.0), ("mean", 0.5), ("deferred", 1.0)])
+@pytest.mark.parametrize("kind, scale", [("backward", 1.0), ("mean", 0.5), ("deferred", 1.0), ("fsdp", 1.0)])
 def test_two_process_hybrid_gradients_match_plain_float64(kind, scale, tmp_path, reference):
     got = _launch(kind, tmp_path)
     for grads in got["grads"]:  # both ranks hold the summed (or averaged) gradient

@@ -214,7 +214,7 @@ def test_multi_turn_tool_mask_trains_as_grpo_trainer(tmp_path):
 
 
 def _lfm2(tok):
-    """A tiny LFM2 (short convolutions beside attention): the hybrid path, which takes groups of one prompt."""
+    """A tiny LFM2 (short convolutions beside attention, on the packed path)."""
     cfg = tf.Lfm2Config(
         vocab_size=len(tok),
         hidden_size=32,
@@ -236,8 +236,8 @@ def _lfm2(tok):
 
 
 def test_hybrid_model_trains_as_grpo_trainer(tmp_path, monkeypatch):
-    """A hybrid model (LFM2) through the real train(): TRL's rows regrouped by prompt (the hybrid path takes groups),
-    with a budget that splits groups: the same parameters as GRPOTrainer."""
+    """A hybrid model (LFM2) through the real train(), as TRL runs it by default (gradient checkpointing on), its rows
+    as tree batches, with a budget that splits them: the same parameters as GRPOTrainer."""
     tok = build_tokenizer()
     _lfm2(tok).save_pretrained(tmp_path / "init")
     init = str(tmp_path / "init")
@@ -245,8 +245,7 @@ def test_hybrid_model_trains_as_grpo_trainer(tmp_path, monkeypatch):
     calls = []
     logprobs = sp.logprobs
     monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: calls.append(source) or logprobs(model, source, **kw))
-    # (gradient checkpointing off: transformers turns the cache off under it, which the hybrid path refuses)
-    plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1, gradient_checkpointing=False)
+    plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1, gradient_checkpointing=True)
     ours = _train(
         SharedPrefixGRPOTrainer,
         SharedPrefixGRPOConfig,
@@ -256,9 +255,9 @@ def test_hybrid_model_trains_as_grpo_trainer(tmp_path, monkeypatch):
         beta=0.1,
         sharedprefix_max_tokens=24,
         sharedprefix_prefix_activations="recompute",
-        gradient_checkpointing=False,
+        gradient_checkpointing=True,
     )
-    assert calls and all(isinstance(s, list) and sp.plan(s, 24).splits for s in calls)  # groups, split by the budget
+    assert calls and all(isinstance(s, sp.Tree) and sp.plan(s, 24).splits for s in calls)  # trees, split by the budget
     dp = torch.cat([(p.detach() - init_state[n]).flatten() for n, p in plain.model.named_parameters()])
     do = torch.cat([(p.detach() - init_state[n]).flatten() for n, p in ours.model.named_parameters()])
     scale = float(dp.abs().max())

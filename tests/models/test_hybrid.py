@@ -1,10 +1,11 @@
-"""Hybrid models (short convolutions, Mamba2, gated delta-net beside attention): each prompt once, each completion
-from the prompt's final layer state, against the plain per-row forward in float64.
+"""Hybrid models on the cache-driven path (``schedule.hybrid``: Mamba2 families, Falcon-H1, Zamba2 and others): each
+prompt once, each completion from the prompt's final layer state, against the plain per-row forward in float64.
 
-LFM2 computes in float64 throughout (once its RMSNorms are made dtype-faithful). Falcon-H1's Mamba2 scan and
-Qwen3-Next's gated delta rule cast to float32 even in a float64 model: the exactness test runs both the plain
-forward and sharedprefix with those casts kept float64 (``Float64Inside``, the same code otherwise), and a second
-test holds the models' own float32 layers to the flash-attention rule (at most twice the plain run's error).
+The gated delta-nets and short convolutions (LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid) run on the packed path instead:
+tests/models/test_hybrid_packed.py; ``model_of`` and ``zoo_model`` here build the tiny models of both files.
+Falcon-H1's Mamba2 scan casts to float32 even in a float64 model: the exactness test runs both the plain forward and
+sharedprefix with those casts kept float64 (``Float64Inside``, the same code otherwise), and a second test holds the
+model's own float32 layers to the flash-attention rule (at most twice the plain run's error).
 """
 
 import pytest
@@ -68,7 +69,6 @@ CONFIGS = {
         ),
     ),
 }
-TOL = {"lfm2": (1e-9, 1e-9), "falcon_h1": (1e-6, 1e-5), "qwen3_next": (1e-6, 1e-5)}
 _MODELS = {}
 
 
@@ -143,16 +143,16 @@ def _family(request, family):
     return model_of(family)
 
 
-FAMILIES = ["lfm2", "falcon_h1", "qwen3_next"]
-FLOAT32_INSIDE = {"falcon_h1", "qwen3_next"}  # run under Float64Inside
+FAMILIES = ["falcon_h1"]  # lfm2 and qwen3_next: the packed path (test_hybrid_packed.py)
+FLOAT32_INSIDE = {"falcon_h1"}  # run under Float64Inside
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logprobs_and_gradients_match_the_plain_forward(request, family):
     """Float64 log-probs (and entropies) to 1e-9 in one pass and under a budget that chunks the 9-token prompt and
     splits its 4 completions; gradients of a linear function of the log-probs to a relative 1e-9 through
-    ``logprobs``' graph and ``backward`` (in the three prefix modes, split and whole, on LFM2). Falcon-H1 and Qwen3-Next run
-    float64 throughout (``Float64Inside``)."""
+    ``logprobs``' graph and ``backward`` (in the three prefix modes, split and whole). Falcon-H1 runs float64
+    throughout (``Float64Inside``)."""
     model = _family(request, family)
     gs = groups_of()
     lp_tol = grad_tol = 1e-9
@@ -167,8 +167,7 @@ def test_logprobs_and_gradients_match_the_plain_forward(request, family):
     w = _weights(ref.shape)
     got = _grads(model, lambda: (sp.logprobs(model, gs).logprobs * w).sum())  # one graph, grad enabled
     assert _grad_error(got, want) <= grad_tol
-    # the three modes are the same code for every family: all on LFM2 (the fastest), "keep" split on the others
-    runs = [("keep", 6), ("offload", None), ("recompute", 6)] if family == "lfm2" else [("keep", 6)]
+    runs = [("keep", 6), ("offload", None), ("recompute", 6)]
     for mode, max_tokens in runs:
         model.zero_grad(set_to_none=True)
         res = sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens, prefix_activations=mode)
@@ -183,7 +182,7 @@ def test_logprobs_and_gradients_match_the_plain_forward(request, family):
 
 @pytest.mark.parametrize("family", sorted(FLOAT32_INSIDE))
 def test_own_float32_layers_within_twice_the_plain_error(family):
-    """With the models' own float32 scan / delta rule, a float64 Falcon-H1 or Qwen3-Next is float32-accurate there:
+    """With the model's own float32 scan, a float64 Falcon-H1 is float32-accurate there:
     hold the hybrid path to the flash-attention rule against the float64 result (``Float64Inside``): at most twice
     the plain run's own error, for the log-probs and for the gradients (max relative error over tensors)."""
     model, gs = model_of(family), groups_of()
@@ -198,7 +197,7 @@ def test_own_float32_layers_within_twice_the_plain_error(family):
     assert _grad_error(g_ours, g_truth) <= 2 * _grad_error(g_plain, g_truth)
 
 
-@pytest.mark.parametrize("family, slot", [("lfm2", "conv_states"), ("lfm2", "keys"), ("falcon_h1", "recurrent_states")])
+@pytest.mark.parametrize("family, slot", [("falcon_h1", "conv_states"), ("falcon_h1", "keys"), ("falcon_h1", "recurrent_states")])
 def test_a_completion_that_does_not_start_from_the_prompts_state_is_caught(monkeypatch, family, slot):
     """The exactness test can fail: completions started from a zeroed conv state, zeroed prompt keys or a zeroed
     recurrent state give log-probs far (1000x) beyond the 1e-9 tolerance (random weights of std 0.02 make the
@@ -218,20 +217,21 @@ def test_a_completion_that_does_not_start_from_the_prompts_state_is_caught(monke
 
 def test_gradients_reach_the_prompt_through_its_state(monkeypatch):
     """Detaching the prompt's state (log-probs unchanged) loses the gradient the completions send into the prompt
-    through its conv and attention state: the comparison with the plain gradient catches it."""
-    model, gs = model_of("lfm2"), groups_of()
-    ref, _, want = reference("lfm2", model, gs)
+    through its conv, recurrent and attention state: the comparison with the plain gradient catches it."""
+    model, gs = model_of("falcon_h1"), groups_of()
+    ref, _, want = reference("falcon_h1+float64", model, gs, Float64Inside)
     read = hybrid._read
     monkeypatch.setattr(hybrid, "_read", lambda cache, slots: [t.detach() for t in read(cache, slots)])
     w = _weights(ref.shape)
-    out = sp.logprobs(model, gs)
-    assert float((out.logprobs.detach() - ref).abs().max()) <= 1e-9
-    got = _grads(model, lambda: (sp.logprobs(model, gs).logprobs * w).sum())
+    with Float64Inside():
+        out = sp.logprobs(model, gs)
+        assert float((out.logprobs.detach() - ref).abs().max()) <= 1e-9
+        got = _grads(model, lambda: (sp.logprobs(model, gs).logprobs * w).sum())
     assert _grad_error(got, want) > 1e-6
 
 
 def test_refusals_name_the_value_and_the_fix():
-    model, gs = model_of("lfm2"), groups_of()
+    model, gs = model_of("falcon_h1"), groups_of()
     with pytest.raises(ValueError, match=r"max_tokens=5 is below groups\[0\]'s longest completion \(6 tokens\)"):
         sp.logprobs(model, gs, max_tokens=5)
     with pytest.raises(ValueError, match=r"max_tokens=2; expected None or an int >= 3"):
@@ -286,11 +286,16 @@ def test_recurrent_gemma_stays_refused_with_its_reason(monkeypatch):
         sp.logprobs(model, groups_of())
 
 
-def test_deferred_logprobs_give_the_plain_gradient():
-    """``defer=True``: values without a graph, ``sp.backward`` on the hybrid path when autograd reaches them."""
-    model, gs = model_of("lfm2"), groups_of()
-    ref, _, want = reference("lfm2", model, gs)
-    w = _weights(ref.shape)
+def test_deferred_logprobs_give_the_backward_gradient():
+    """``defer=True``: values without a graph, ``sp.backward`` on the hybrid path when autograd reaches them, with the
+    incoming gradients as its loss: the gradient of ``sp.backward`` itself under the same budget (relative 1e-9; both
+    with Falcon-H1's own float32 scan, since the deferred backward runs where ``Float64Inside`` does not reach; the
+    float32 scan's own accuracy is the 2x test above)."""
+    model, gs = model_of("falcon_h1"), groups_of()
+    w = _weights(reference("falcon_h1+float64", model, gs, Float64Inside)[0].shape)
+    model.zero_grad(set_to_none=True)
+    sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6)
+    want = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     got = _grads(model, lambda: (sp.logprobs(model, gs, max_tokens=6, defer=True).logprobs * w).sum())
     assert _grad_error(got, want) <= 1e-9
 
@@ -323,11 +328,8 @@ def zoo_model(entry):
     return model
 
 
-ZOO_HYBRIDS = [
-    "lfm2_moe",
+ZOO_HYBRIDS = [  # lfm2_moe, olmo_hybrid, qwen3_5_text, qwen3_5_moe_text: the packed path (test_hybrid_packed.py)
     "zamba2",
-    "olmo_hybrid",
-    "qwen3_5_text",
     "kimi_linear",
     "bailing_hybrid",
     "nemotron_h",
@@ -336,12 +338,11 @@ ZOO_HYBRIDS = [
     "granitemoehybrid",
     "lfm3",
     "minimax",
-    "qwen3_5_moe_text",
     "zaya",
     "lara_mini",
 ]
 # sp.backward in the three prefix modes (the others: "keep", the modes being the same code for every family)
-ALL_MODES = {"mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "qwen3_5_moe_text", "zaya", "lara_mini"}
+ALL_MODES = {"mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "zaya", "lara_mini"}
 
 
 @pytest.mark.parametrize("entry", ZOO_HYBRIDS)

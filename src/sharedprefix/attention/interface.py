@@ -65,6 +65,8 @@ class PassState:
         visible: (1, 1, L, C + L) bool visibility mask of the row over the cached segments' and the row's keys,
             built on the first request of a model with indexed layers (``indexed_mask``), else None.
         read_index / write_index: like read_kv / write_kv, for an indexer's keys (1, len, D) (``indexed``).
+        read_state / write_state: like read_kv / write_kv, for a token mixer's state outside attention (a conv tail,
+            a recurrent state; ``model.mixers``), keyed by (mixer module, seam); ``mixed``: (module, seam) -> calls.
 
     """
 
@@ -76,6 +78,9 @@ class PassState:
     visible: torch.Tensor | None = None
     read_index: Callable | None = None
     write_index: Callable | None = None
+    read_state: Callable | None = None
+    write_state: Callable | None = None
+    mixed: dict = field(default_factory=dict)
 
 
 _STACK: list[PassState] = []

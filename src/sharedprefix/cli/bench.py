@@ -60,7 +60,7 @@ def add_arguments(p):
     p.add_argument(
         "--hybrid",
         action="store_true",
-        help="a hybrid model (LFM2: short convolutions beside attention) on the speed benchmark's group, through the hybrid path",
+        help="a Qwen3.5-style hybrid (delta-net:attention 3:1) on the speed benchmark's group: packed, plain rows, cache path",
     )
     p.add_argument(
         "--vision",

@@ -68,6 +68,7 @@ class RowLayout:
     blocks: list[tuple[int, int]] = field(default_factory=list)
 
     _cascades: dict = field(default_factory=dict, repr=False)
+    derived: dict = field(default_factory=dict, repr=False)  # index tensors built once per row (``layout.recurrence``)
 
     @property
     def length(self) -> int:

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from sharedprefix.attention import probe
-from sharedprefix.model import positions, streams
+from sharedprefix.model import mixers, positions, streams
 from sharedprefix.model.adapter import _HEADS, _config_attention_layers, _modules_after_decoder, decoder, head_logits, text_config
 from sharedprefix.model.support import HYBRID_MODEL_TYPES
 
@@ -103,11 +103,11 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
     is probed first (attention outside transformers' interface is the deeper reason to refuse it), then its
     position modules are renumbered (``positions.verify``). Returns True when it probed the model."""
     name = type(model).__name__
-    ran = []
+    ran, packed = [], mixers.conv_modules(model)  # the packed path carries these (``model.mixers``)
     hooks = [
         mod.register_forward_hook(lambda m, *_, n=mod_name: ran.append((n, type(m).__name__)))
         for mod_name, mod in model.named_modules()
-        if isinstance(mod, torch.nn.Conv1d) and any(mod is m for m in dec.modules())
+        if isinstance(mod, torch.nn.Conv1d) and any(mod is m for m in dec.modules()) and id(mod) not in packed
     ]
     try:
         numbered = dec(

@@ -2,8 +2,8 @@
 
 ``check_supported`` raises ValueError, naming the value, the reason and the fix, for every model feature that a
 packed row cannot reproduce (dropout and layerdrop in training mode, RoPE scaling that depends on the batch, layers
-that mix tokens outside attention unless the hybrid path carries them). ``is_hybrid`` says which models take the
-hybrid path (``schedule.hybrid``).
+that mix tokens outside attention unless the packed path (``model.mixers``) or the hybrid path carries them).
+``is_hybrid`` says which models take the cache-driven hybrid path (``schedule.hybrid``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from sharedprefix.model import streams
+from sharedprefix.model import mixers, streams
 from sharedprefix.model.adapter import ATTENTION_LAYER_TYPES, decoder, text_config
 
 # Layer types (config.layer_types / layers_block_type) by what sharedprefix does with them (the attending ones:
@@ -23,15 +23,11 @@ COMPRESSED_ATTENTION_LAYER_TYPES = {  # DeepSeek-V4: attention over keys pooled 
 }
 # Hybrid model types (layers that mix tokens outside attention) whose own cache-aware forward continues a prompt's
 # layer state exactly (tests/models/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
-# refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
+# refused (``_check_layer_types``, ``_check_positions_and_convolutions``). The gated delta-nets and short
+# convolutions (``mixers.PACKED_MODEL_TYPES``: LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid) run on the packed path instead.
 HYBRID_MODEL_TYPES = {
-    "lfm2",
-    "lfm2_moe",
     "falcon_h1",
-    "qwen3_next",
-    "qwen3_5_text",
     "zamba2",
-    "olmo_hybrid",
     "kimi_linear",
     "bailing_hybrid",
     "nemotron_h",
@@ -40,7 +36,6 @@ HYBRID_MODEL_TYPES = {
     "granitemoehybrid",
     "lfm3",
     "minimax",
-    "qwen3_5_moe_text",
     "zaya",
     "lara_mini",
 }
@@ -88,6 +83,8 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
         )
     if not hybrid:
         _check_layer_types(name, cfg)
+        if mixers.is_packed(model):
+            mixers.check_reachable(model)
     decoder(model)  # a decoder without position_ids is renumbered or refused in verify_head (positions.verify)
     for mod_name, mod in model.named_modules():
         if model.training and isinstance(mod, torch.nn.Dropout) and mod.p > 0:
@@ -153,6 +150,8 @@ def _check_layer_types(name: str, cfg) -> None:
         )
     types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
     kinds = {str(t) for t in types or ()}
+    if getattr(cfg, "model_type", None) in mixers.PACKED_MODEL_TYPES:
+        kinds -= mixers.PACKED_LAYER_TYPES  # their mixers run on the packed path (checked in ``check_supported``)
     compressed = sorted(kinds & set(COMPRESSED_ATTENTION_LAYER_TYPES))
     odd = sorted(kinds - ATTENTION_LAYER_TYPES - NON_MIXING_LAYER_TYPES - set(compressed))
     if compressed and not odd:
@@ -169,6 +168,7 @@ def _check_layer_types(name: str, cfg) -> None:
             f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear attention, "
             f"recurrence or convolution), and its model type {model_type!r} is not one whose "
             "cache-aware forward sharedprefix has checked exact for carrying a prompt's layer state to its "
-            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}){why}. It refuses the model rather than give "
+            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}), nor one whose token mixers it drives on the packed "
+            f"path ({', '.join(sorted(mixers.PACKED_MODEL_TYPES))}){why}. It refuses the model rather than give "
             "inexact results."
         )

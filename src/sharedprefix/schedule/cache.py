@@ -2,12 +2,13 @@
 
 A recording pass writes, for each cached segment and attention module, the K/V tensors the
 module produced (post-rotary, before GQA expansion: (1, Hkv, len, D)), the segment's last
-final hidden state (d,), and the log-probs (and entropies) of its computed tokens (k,), which
-the output rows through it read in later passes. ``seal`` then turns them into what later
-passes read:
+final hidden state (d,), the log-probs (and entropies) of its computed tokens (k,), which
+the output rows through it read in later passes, and, for each token mixer outside attention
+(``model.mixers``), its state at the segment's end (a convolution's last inputs (1, C, K), a recurrent
+state (H, Dk, Dv)). ``seal`` then turns them into what later passes read:
 
 - ``leaves=True`` (``sp.backward``): detached leaf tensors that require grad, so the
-  later passes accumulate dK, dV, dh and the values' gradients into ``.grad``; ``backward(seg)`` later pushes
+  later passes accumulate dK, dV, dh, the mixer states' and the values' gradients into ``.grad``; ``backward(seg)`` later pushes
   those gradients through the prompt's own graph (kept, offloaded, or recomputed);
 - ``leaves=False`` (``sp.logprobs``): the tensors themselves, so a grad-enabled forward
   stays one connected graph and a no-grad forward keeps no graph at all.
@@ -29,6 +30,8 @@ class PrefixCache:
         self.read_h: dict[int, torch.Tensor] = {}
         self.graph_vals: dict[int, tuple] = {}  # seg -> (log-probs (k,), entropies (k,) | None)
         self.read_vals: dict[int, tuple] = {}
+        self.graph_mix: dict[int, dict] = {}  # seg -> (mixer module, seam) -> its state at the segment's end
+        self.read_mix: dict[int, dict] = {}
         self.states: dict[int, object] = {}  # seg -> PassState of the recording pass
         # seg -> indexer module -> its keys (1, len, D) (DeepSeek sparse attention, ``attention.indexed``): detached,
         # the indexer runs without autograd (in the plain run too), so they need no gradient and no sealing
@@ -43,6 +46,18 @@ class PrefixCache:
 
     def write_kv(self, module, seg: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.graph_kv.setdefault(seg, {})[module] = (k, v)
+
+    def write_state(self, slot, seg: int, t: torch.Tensor) -> None:
+        self.graph_mix.setdefault(seg, {})[slot] = t
+
+    def read_state(self, slot, seg: int) -> torch.Tensor:
+        try:
+            return self.read_mix[seg][slot]
+        except KeyError:
+            raise RuntimeError(
+                f"no cached {slot[1]} state for segment {seg} in {type(slot[0]).__name__}; the model's token mixers "
+                "differ between passes, which sharedprefix does not support."
+            ) from None
 
     def write_index(self, indexer, seg: int, k: torch.Tensor) -> None:
         self.index_keys.setdefault(seg, {})[indexer] = k.detach()
@@ -84,25 +99,29 @@ class PrefixCache:
 
     def seal(self, seg: int, keep_graph: bool) -> None:
         """Make segment ``seg``'s recorded tensors readable by later passes."""
-        if seg not in self.graph_kv:
-            raise RuntimeError(f"segment {seg} was to be cached but no attention layer recorded it.")
+        if seg not in self.graph_kv and seg not in self.graph_mix:
+            raise RuntimeError(f"segment {seg} was to be cached but no attention layer or token mixer recorded it.")
         if not self.leaves:
-            self.read_kv_[seg] = self.graph_kv.pop(seg)
+            self.read_kv_[seg] = self.graph_kv.pop(seg, {})
+            self.read_mix[seg] = self.graph_mix.pop(seg, {})
             self.read_h[seg] = self.graph_h.pop(seg)
             if seg in self.graph_vals:
                 self.read_vals[seg] = self.graph_vals.pop(seg)
             return
         leaf = _leaf
-        self.read_kv_[seg] = {m: (leaf(k), leaf(v)) for m, (k, v) in self.graph_kv[seg].items()}
+        self.read_kv_[seg] = {m: (leaf(k), leaf(v)) for m, (k, v) in self.graph_kv.get(seg, {}).items()}
+        self.read_mix[seg] = {m: leaf(t) for m, t in self.graph_mix.get(seg, {}).items()}
         self.read_h[seg] = leaf(self.graph_h[seg])
         if seg in self.graph_vals:
             self.read_vals[seg] = tuple(leaf(t) for t in self.graph_vals[seg])
         if not keep_graph:
-            del self.graph_kv[seg], self.graph_h[seg]
+            del self.graph_h[seg]
+            self.graph_kv.pop(seg, None)
+            self.graph_mix.pop(seg, None)
             self.graph_vals.pop(seg, None)
 
     def surrogate(self, seg: int, through_outputs: bool = False) -> torch.Tensor | None:
-        """``sum(dK * K) + sum(dV * V) + sum(dh * h) + sum(dvalues * values)`` over ``seg``'s recorded graph
+        """``sum(dK * K) + sum(dV * V) + sum(dh * h) + sum(dvalues * values) + sum(dstate * state)`` over ``seg``'s recorded graph
         tensors, with the gradients accumulated on its leaves: its backward pushes exactly those gradients
         through the prompt's graph.
 
@@ -114,7 +133,8 @@ class PrefixCache:
         h, lh = self.graph_h[seg], self.read_h[seg]
         if through_outputs and lh.grad is None and h.requires_grad:
             total = (h * 0.0).sum()
-        pairs = [(t, leaf) for m, kv in self.graph_kv[seg].items() for t, leaf in zip(kv, self.read_kv_[seg][m])]
+        pairs = [(t, leaf) for m, kv in self.graph_kv.get(seg, {}).items() for t, leaf in zip(kv, self.read_kv_[seg][m])]
+        pairs += [(t, self.read_mix[seg][m]) for m, t in self.graph_mix.get(seg, {}).items()]
         pairs.append((h, lh))
         if seg in self.graph_vals:
             pairs += [(t, leaf) for t, leaf in zip(self.graph_vals[seg], self.read_vals[seg]) if t is not None]
@@ -137,6 +157,8 @@ class PrefixCache:
             self.states,
             self.index_keys,
             self.terms,
+            self.graph_mix,
+            self.read_mix,
         ):
             d.pop(seg, None)
 

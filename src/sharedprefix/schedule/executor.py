@@ -21,7 +21,7 @@ from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
-from sharedprefix.model import router, streams
+from sharedprefix.model import mixers, router, streams
 from sharedprefix.model.adapter import decoder, head_logits, num_attention_layers, unwrap, uses_checkpointing, uses_reentrant_checkpointing
 from sharedprefix.model.checks import decoder_position_ids, verify_head
 from sharedprefix.model.head import token_logprobs
@@ -138,6 +138,7 @@ class Executor:
         surrogate loss (see ``PrefixCache.surrogate``), computed inside the same call.
         """
         tree = tree or self.plan.tree
+        mixers.check_active(self.model)
         self.last = None
         layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record, step.rows)
         if self.mm is not None and tree is self.plan.tree:
@@ -149,6 +150,8 @@ class Executor:
             self.cache.write_kv,
             read_index=self.cache.read_index,
             write_index=self.cache.write_index,
+            read_state=self.cache.read_state,
+            write_state=self.cache.write_state,
         )
 
         def fn():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from sharedprefix.attention.interface import activated, pass_state
-from sharedprefix.model import router
+from sharedprefix.model import mixers, router
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.grads import synced
 from sharedprefix.schedule.planner import Dummy, Pass, Plan, PrefixBackward
@@ -24,7 +24,7 @@ def forward(run, entropy: bool) -> LogProbs:
     # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agreed before any of them
     pad = run.rounds[0] - len(run.plan.passes) if run.par.fsdp else 0
     error = None  # under FSDP2, an error outside the collectives: the rank runs the rest as dummies, then all raise
-    with activated(run.model):
+    with activated(run.model), mixers.active(run.model):
         for step in run.plan.steps:
             if isinstance(step, PrefixBackward):
                 for s in step.segments:
@@ -127,7 +127,7 @@ def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, las
     """
     par = run.par
     total, calls, error = 0.0, 0, None
-    with activated(run.model):
+    with activated(run.model), mixers.active(run.model):
         for i, (kind, x) in enumerate(rounds):
             if kind in ("FB", "PB", "DFB"):
                 par.set_sync(sync and i == last_fb)

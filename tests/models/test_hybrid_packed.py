@@ -1,0 +1,325 @@
+"""Hybrids on the packed path (``model.mixers``): gated delta-nets and short convolutions driven from the segment tree,
+against one plain forward per row in float64 (log-probs 1e-9, gradients relative 1e-9).
+
+The gated delta rule casts to float32 even in a float64 model: those tests run the plain rows and sharedprefix under
+``Float64Inside`` (the same code, float64 inside); the model's own float32 rule is held to the 2x rule. Controls that
+must fail prove the comparisons catch a zeroed carried state, a convolution reading a sibling's inputs and a detached
+cached state.
+"""
+
+import contextlib
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from models.test_hybrid import groups_of, model_of, zoo_model
+from schedule.test_tree import ROW_SPEC, _masks, _tree_rows, plain_rows
+
+import sharedprefix as sp
+from helpers import assert_grads_close, grads_of, plain_logprobs
+from sharedprefix.model import mixers
+from sharedprefix.model.support import HYBRID_MODEL_TYPES, is_hybrid
+from sharedprefix.schedule.cache import PrefixCache
+from sharedprefix.tools.reference import Float64Inside
+
+DELTA = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"}  # gated delta rule: float32 inside
+FAMILIES = ["lfm2", "qwen3_next", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
+
+
+def _model(family):
+    return model_of(family) if family in ("lfm2", "qwen3_next") else zoo_model(family)
+
+
+def _inside(family):
+    return Float64Inside() if family in DELTA else contextlib.nullcontext()
+
+
+# a system prompt, two prompts below it, completions below those, one completion with a second turn: depth 4
+DEEP_ROWS = [
+    [5, 6, 7, 8, 9, 10, 11, 12] + p + c
+    for p in ([20, 21, 22], [23, 24])
+    for c in ([30, 31], [32, 33, 34], [30, 31, 40, 41, 42], [30, 31, 40, 43])
+]
+
+
+def _groups_check(model, gs, runs):
+    """Log-probs (1e-9) and ``sp.backward``'s gradients (relative 1e-9) for each (budget, mode) of ``runs``, against
+    one plain forward per row computed once."""
+    ref = plain_logprobs(model, gs)[0].detach()
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+    for budget, mode in runs:
+        with torch.no_grad():
+            out = sp.logprobs(model, gs, max_tokens=budget)
+        assert float((out.logprobs - ref).abs().max()) <= 1e-9, (budget, mode)
+        got = grads_of(
+            model,
+            lambda b=budget, m=mode: (
+                sp.backward(model, gs, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b, prefix_activations=m) and None
+            ),
+        )
+        assert_grads_close(got, want, 1e-9)
+
+
+def _tree_check(model, rows, trained, budgets, modes):
+    tree = sp.Tree.from_rows(rows, trained)
+    ref = plain_rows(model, rows, trained).detach()
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(len(rows)))
+    want = grads_of(model, lambda: (plain_rows(model, rows, trained) * w).sum())
+    nothing = all(float(g.abs().max()) == 0 for g in want.values())
+    for budget in budgets:
+        with torch.no_grad():
+            out = sp.logprobs(model, tree, max_tokens=budget)
+        assert float((out.logprobs - ref).abs().max()) <= 1e-9, budget
+        for mode in modes:
+            got = grads_of(
+                model,
+                lambda b=budget, m=mode: (
+                    sp.backward(model, tree, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b, prefix_activations=m) and None
+                ),
+            )
+            if nothing:
+                assert all(float(g.abs().max()) == 0 for g in got.values())
+            else:
+                assert_grads_close(got, want, 1e-9)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_families_match_plain_rows_in_one_pass_and_split(family):
+    """Every family on the packed path (none on the cache path): three groups in one pass, and a budget that cuts the
+    9-token prompt into a chain and splits its completions, in the three prefix modes."""
+    model = _model(family)
+    assert mixers.is_packed(model) and not is_hybrid(model) and model.config.model_type not in HYBRID_MODEL_TYPES
+    gs = groups_of()
+    assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits  # many groups per pass; a split
+    runs = [(None, "keep"), (6, "keep")] + ([(6, "offload"), (6, "recompute")] if family == "lfm2" else [])
+    with _inside(family):
+        _groups_check(model, gs, runs)
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
+def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
+    """A trie of depth 5 (system prompt, prompts, completions, a shared second-turn token, second turns): whole, under
+    a budget that caches some inner segments (5), and one that caches every inner segment of every depth (3), each
+    depth read from the cache by the next, in the three modes."""
+    model = _model(family)
+    tree = sp.Tree.from_rows(DEEP_ROWS)
+    whole = sp.plan(tree, None).tree
+    depth = max(len(whole.ancestors(s.id)) for s in whole.segments) + 1
+    assert depth >= 4
+    p = sp.plan(tree, 3)  # (the 8-token system prompt becomes a chain of three segments)
+    cached = {s for step in p.steps if isinstance(step, sp.schedule.PrefixBackward) for s in step.segments}
+    assert cached == {s.parent for s in p.tree.segments if s.parent is not None}  # every inner segment, every depth
+    assert {len(p.tree.ancestors(s)) for s in cached} == set(range(max(len(p.tree.ancestors(s.id)) for s in p.tree.segments)))
+    trained = [[t >= 8 for t in range(len(r))] for r in DEEP_ROWS]
+    modes = ("keep", "offload", "recompute") if family == "lfm2" else ("keep", "recompute")
+    with _inside(family):
+        _tree_check(model, DEEP_ROWS, trained, (None, 5, 3), modes)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(spec=ROW_SPEC, budget=st.sampled_from([None, 3, 5, 8]), mode=st.sampled_from(["keep", "offload", "recompute"]))
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
+def test_random_tries_match_plain_rows(family, spec, budget, mode):
+    """Hypothesis tries (depth 1 to 4 and more: rows continuing cuts of earlier rows) with short segments, so that a
+    convolution's K past inputs span several ancestors, some of them cached."""
+    rows = _tree_rows(spec)
+    with _inside(family):
+        _tree_check(_model(family), rows, _masks(rows, spec), (budget,), (mode,))
+
+
+def test_gradient_checkpointing_and_defer():
+    """Training mode with non-reentrant gradient checkpointing: ``sp.backward`` split, and grad-enabled ``sp.logprobs``
+    (deferred, as checkpointing needs), give the plain gradient; ``defer=True`` likewise without checkpointing. (LFM2:
+    both recompute forwards inside autograd's backward, where ``Float64Inside`` does not reach; Qwen3-Next's float32
+    delta rule under checkpointing is held to the 2x rule below.)"""
+    model, gs = _model("lfm2"), groups_of()
+    ref = plain_logprobs(model, gs)[0].detach()
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+    got = grads_of(model, lambda: (sp.logprobs(model, gs, max_tokens=6, defer=True).logprobs * w).sum())
+    assert_grads_close(got, want, 1e-9)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        for budget in (None, 6):
+            got = grads_of(model, lambda b=budget: sp.backward(model, gs, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b) and None)
+            assert_grads_close(got, want, 1e-9)
+        got = grads_of(model, lambda: (sp.logprobs(model, gs, max_tokens=6).logprobs * w).sum())
+        assert_grads_close(got, want, 1e-9)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+
+
+def test_own_float32_delta_rule_within_twice_the_plain_error():
+    """Without ``Float64Inside`` the delta rule runs in float32: log-probs and gradients within twice the plain run's
+    own error against the float64-inside result, split into a chain and across passes."""
+    model, gs = _model("qwen3_next"), groups_of()
+    with Float64Inside():
+        truth = plain_logprobs(model, gs)[0].detach()
+        w = torch.randn(truth.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        g_truth = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+    plain = plain_logprobs(model, gs)[0].detach()
+    with torch.no_grad():
+        ours = sp.logprobs(model, gs, max_tokens=6).logprobs
+    assert float((plain - truth).abs().max()) > 0  # the float32 rule really rounds
+    assert float((ours - truth).abs().max()) <= 2 * float((plain - truth).abs().max())
+
+    def err(g):
+        return max(float((g[n] - g_truth[n]).abs().max() / g_truth[n].abs().max().clamp_min(1e-30)) for n in g_truth)
+
+    g_plain = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+    g_ours = grads_of(model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None)
+    assert err(g_ours) <= 2 * err(g_plain)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:  # checkpointed: the delta rule recomputed in backward, split and deferred
+        g_ckpt = grads_of(model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None)
+        g_defer = grads_of(model, lambda: (sp.logprobs(model, gs, max_tokens=6).logprobs * w).sum())
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+    assert err(g_ckpt) <= 2 * err(g_plain) and err(g_defer) <= 2 * err(g_plain)
+
+
+# -- controls that must fail --------------------------------------------------------------------------------------
+
+
+def _logprob_error(model, gs, budget):
+    ref = plain_logprobs(model, gs)[0].detach()
+    with torch.no_grad():
+        return float((sp.logprobs(model, gs, max_tokens=budget).logprobs - ref).abs().max())
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_control_a_zeroed_carried_state_is_caught(monkeypatch, budget):
+    """A delta rule that drops the state it is handed (in the row or from the cache) is 1000x beyond the tolerance."""
+    model, gs = _model("qwen3_next"), groups_of()
+    src = sys.modules[type(mixers.mixer_modules(model)[0][0]).__module__]
+    own = src.torch_chunk_gated_delta_rule
+    monkeypatch.setattr(src, "torch_chunk_gated_delta_rule", lambda *a, initial_state=None, **k: own(*a, initial_state=None, **k))
+    with Float64Inside():
+        assert _logprob_error(model, gs, budget) > 1e-6
+
+
+def test_control_a_convolution_that_reads_a_siblings_inputs_is_caught(monkeypatch):
+    """The model's own convolution over the packed row (each segment after the row's previous tokens, a sibling's or
+    another group's, instead of its path's) is far beyond the tolerance."""
+    model, gs = _model("lfm2"), groups_of()
+    monkeypatch.setattr(mixers, "_conv", lambda own, state, slot, first, x, *a, **k: own(x, *a, **k))
+    assert _logprob_error(model, gs, None) > 1e-6
+
+
+def test_control_a_detached_cached_state_is_caught(monkeypatch):
+    """Cached conv tails and recurrent states read detached: the log-probs stay exact, the gradient that the later
+    passes send into the prompt through them is lost, and the gradient comparison catches it."""
+    model, gs = _model("qwen3_next"), groups_of()
+    read = PrefixCache.read_state
+    monkeypatch.setattr(PrefixCache, "read_state", lambda self, slot, seg: read(self, slot, seg).detach())
+    with Float64Inside():
+        assert _logprob_error(model, gs, 6) <= 1e-9
+        ref = plain_logprobs(model, gs)[0].detach()
+        w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        want = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+        got = grads_of(model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None)
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_grads_close(got, want, 1e-6)
+
+
+# -- what is refused ----------------------------------------------------------------------------------------------
+
+
+def test_a_mixer_whose_seam_is_missing_is_refused(monkeypatch):
+    model = _model("lfm2")
+    src = sys.modules[type(mixers.mixer_modules(model)[0][0]).__module__]
+    monkeypatch.delattr(src, "causal_conv1d_fn")
+    with pytest.raises(ValueError, match=r"Lfm2ForCausalLM: Lfm2ShortConv's modeling module .* has no \['causal_conv1d_fn'\]"):
+        sp.logprobs(model, groups_of())
+
+
+def test_a_mixer_that_bypasses_its_seam_is_refused(monkeypatch):
+    """A mixer forward that never calls the wrapped function (another kernel) is refused, not silently mixed."""
+    model = _model("lfm2")
+    src = sys.modules[type(mixers.mixer_modules(model)[0][0]).__module__]
+    own = src.causal_conv1d_fn
+    monkeypatch.setattr(src, "causal_conv1d_fn", own)  # restored after the test
+    monkeypatch.setattr(mixers, "SEAMS", {**mixers.SEAMS, "conv": "causal_conv1d_update"})  # wrap a function not called
+    with pytest.raises(ValueError, match=r"Lfm2ShortConv ran its forward without calling \['causal_conv1d_update'\]"):
+        sp.logprobs(model, groups_of())
+
+
+@pytest.mark.parametrize("family, kind", [("lfm2", "conv"), ("qwen3_next", "linear_attention")])
+def test_a_config_without_attention_layers_runs_exactly(family, kind):
+    """Every layer recurrent or convolutional (no attention layer: the cache path failed inside transformers with
+    "get_seq_length can only be called on Attention layers"): exact on the packed path, one pass and split."""
+    import transformers
+    from models.test_hybrid import COMMON, CONFIGS
+
+    from sharedprefix.tools.zoo.configs import _float64_norms
+
+    cfg_cls, model_cls, extra = CONFIGS[family]
+    cfg = getattr(transformers, cfg_cls)(**COMMON, **dict(extra, layer_types=[kind] * extra["num_hidden_layers"]))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)._from_config(cfg, attn_implementation="sdpa").to(torch.float64).eval()
+    model.config._experts_implementation = "eager"
+    _float64_norms(model)
+    with _inside(family):
+        _groups_check(model, groups_of(), [(None, "keep"), (6, "keep")])
+
+
+def _qwen3_5_vl():
+    import transformers as tf
+    from multimodal.test_vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION
+
+    from sharedprefix.tools.reference import dtype_faithful_norms
+
+    text = {k: v for k, v in TEXT.items() if k != "rope_scaling"}
+    text.update(
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    )
+    cfg = tf.Qwen3_5Config(
+        text_config=text,
+        vision_config=dict(VISION, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=V_START,
+        vision_end_token_id=V_END,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return dtype_faithful_norms(tf.Qwen3_5ForConditionalGeneration(cfg).double().eval())
+
+
+@pytest.mark.parametrize("budget, mode", [(None, "keep"), (16, "recompute")])
+def test_qwen3_5_with_images(budget, mode):
+    """Qwen3.5 as a vision-language model: ``prompt_inputs`` (images) on the packed path, the vision tower trained
+    through the shared prompt, in one pass and with the first group's prompt cached."""
+    from multimodal.test_vl import GROUPS, plain
+
+    from helpers import assert_matches_plain_rows
+
+    model = _qwen3_5_vl()
+    assert mixers.is_packed(model)
+    with Float64Inside():
+        got = assert_matches_plain_rows(model, GROUPS(), budget, mode, plain=plain)
+    assert any("visual" in n for n in got)
+
+
+def test_a_packed_pass_outside_the_mixers_context_is_refused():
+    """A pass run outside ``mixers.active`` (a caller that skips ``schedule.rounds``) would let the model's own
+    convolution read across the row: refused."""
+    from sharedprefix.schedule.executor import Executor
+
+    model = _model("lfm2")
+    run = Executor(model, groups_of(), None, "auto", 1.0, False, leaves=False)
+    with pytest.raises(RuntimeError, match=r"ran outside model\.mixers\.active"):
+        run.run_pass(run.plan.passes[0])
