@@ -22,6 +22,7 @@ first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) there, so that this module 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,7 @@ from sharedprefix.attention.kernels import select
 from sharedprefix.model import router
 from sharedprefix.model.adapter import unwrap, uses_checkpointing
 from sharedprefix.model.support import is_hybrid
+from sharedprefix.parallel.sequence import check_group, refuse_hybrid
 from sharedprefix.parallel.strategy import detect
 from sharedprefix.schedule import hybrid, rounds
 from sharedprefix.schedule.deferred import defer_logprobs
@@ -58,6 +60,7 @@ def logprobs(
     defer: bool | None = None,
     prefix_activations: str = "recompute",
     grad_reduction: str = "sum",
+    sequence_group=None,
 ) -> LogProbs:
     """Log-probs of every completion token, each prompt computed once.
 
@@ -80,20 +83,27 @@ def logprobs(
             to the model's parameters only. (Under FSDP2, grad-enabled logprobs are refused; use
             ``sp.backward``.)
         prefix_activations / grad_reduction: the ``sp.backward`` settings a deferred backward uses.
+        sequence_group: a ``torch.distributed`` process group for Ulysses sequence parallelism
+            (``parallel.sequence``), or None. Every rank of it passes the same groups; each computes a slice of
+            every row's tokens outside attention and a slice of the heads inside it; the result is whole on
+            every rank. With grad enabled the call defers (its backward is ``sp.backward`` over the group).
 
     Returns:
         ``LogProbs`` with (N, W) tensors, float32 (float64 for a float64 model), with grad when
         grad is enabled.
     """
     _check_modes(prefix_activations, grad_reduction)
+    seq = check_group(sequence_group)
     if is_hybrid(unwrap(model)):
+        refuse_hybrid(type(unwrap(model)).__name__, seq)
         return _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction)
-    if torch.is_grad_enabled() and _defers(model, defer):
+    if torch.is_grad_enabled() and _defers(model, defer, seq):
         with torch.no_grad():
-            out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False)
-        return defer_logprobs(backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
+            out = logprobs(model, groups, temperature, entropy, max_tokens, backend, defer=False, sequence_group=seq)
+        back = functools.partial(backward, sequence_group=seq) if seq is not None else backward
+        return defer_logprobs(back, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
     _run_call_checks(model, groups)
-    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False)
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False, sequence_group=seq)
     return rounds.forward(run, entropy)
 
 
@@ -109,6 +119,7 @@ def backward(
     offload_device: str | torch.device = "cpu",
     sync: bool = True,
     grad_reduction: str = "sum",
+    sequence_group=None,
 ) -> BackwardResult:
     """Accumulate into ``.grad`` the exact gradient of ``sum over passes of loss_fn(batch)``.
 
@@ -130,6 +141,8 @@ def backward(
             its end). Pass False for all but the last call of an optimizer step to accumulate.
         grad_reduction: "sum" (default: each rank's loss uses global normalisers, so the global
             loss is the sum over ranks) or "mean" (the average over ranks, DDP's convention).
+        sequence_group: Ulysses sequence parallelism (see ``logprobs``): every rank of the group passes the same
+            groups and ``loss_fn``; afterwards every rank holds the full gradient (summed over the group).
 
     Failures under DDP / FSDP2: an error on one rank ends the call on every rank within seconds, the others
     raising a RuntimeError that names the failing rank and its message, and no rank keeps the call's gradient.
@@ -144,13 +157,17 @@ def backward(
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     router.refuse_per_pass(unwrap(model), "sharedprefix.backward takes its loss per pass")
+    seq = check_group(sequence_group)
     if is_hybrid(unwrap(model)):
+        refuse_hybrid(type(unwrap(model)).__name__, seq)
         return _hybrid_backward(
             model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend, offload_device, sync, grad_reduction
         )
     _run_call_checks(model, groups)
     # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
-    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=True, prefix_activations=prefix_activations)
+    run = Executor(
+        model, groups, max_tokens, backend, temperature, entropy, leaves=True, prefix_activations=prefix_activations, sequence_group=seq
+    )
     return rounds.backward(run, loss_fn, entropy, prefix_activations, offload_device, sync, grad_reduction)
 
 
@@ -172,10 +189,10 @@ def _run_call_checks(model, groups) -> None:
         check(model, groups)
 
 
-def _defers(model, defer: bool | None) -> bool:
+def _defers(model, defer: bool | None, seq=None) -> bool:
     """Whether a grad-enabled ``logprobs`` on the packed path computes its values now and its backward later,
-    through ``sp.backward``: asked for (``defer=True``), or needed (gradient checkpointing, DDP). Refuses what
-    cannot be exact either way (FSDP2; ``defer=False`` where it is needed)."""
+    through ``sp.backward``: asked for (``defer=True``), or needed (gradient checkpointing, DDP, sequence
+    parallelism). Refuses what cannot be exact either way (FSDP2; ``defer=False`` where it is needed)."""
     inner = unwrap(model)
     kind = detect(model, inner).kind
     if kind == "fsdp":
@@ -185,6 +202,7 @@ def _defers(model, defer: bool | None) -> bool:
             "torch.no_grad() for old-policy and reference log-probs)."
         )
     needs = "a DDP model" if kind == "ddp" else "gradient checkpointing" if uses_checkpointing(inner) else None
+    needs = needs or ("sequence parallelism" if seq is not None else None)
     if defer is False and needs:
         raise ValueError(
             f"defer=False with grad enabled is not possible with {needs}: the backward must run inside "

@@ -64,6 +64,8 @@ class PassState:
         visible: (1, 1, L, C + L) bool visibility mask of the row over the cached segments' and the row's keys,
             built on the first request of a model with indexed layers (``indexed_mask``), else None.
         read_index / write_index: like read_kv / write_kv, for an indexer's keys (1, len, D) (``indexed``).
+        sequence: under sequence parallelism, the row's split (``parallel.sequence.SequenceShard``): the attention
+            receives this rank's tokens for all heads and exchanges them for the whole row of its heads.
 
     """
 
@@ -75,6 +77,7 @@ class PassState:
     visible: torch.Tensor | None = None
     read_index: Callable | None = None
     write_index: Callable | None = None
+    sequence: object = None  # ``parallel.sequence.SequenceShard`` of a sequence-parallel pass, else None
 
 
 _STACK: list[PassState] = []
@@ -153,6 +156,9 @@ def shared_prefix_attention(
             "builds the shared-prefix mask itself and cannot combine it with the model's own mask. "
             "Do not pass attention_mask, and use a model whose masks go through transformers' masking utilities."
         )
+    seq = state.sequence
+    if seq is not None:  # this rank's tokens for all heads -> the whole row for this rank's heads (and back below)
+        query, key, value, sinks = seq.to_heads(name, query, key, value, sinks)
     if query.shape[0] != 1 or query.shape[2] != layout.length:
         raise RuntimeError(
             f"{name} got queries of shape {tuple(query.shape)}, expected (1, H, {layout.length}, D) for the packed "
@@ -186,7 +192,8 @@ def shared_prefix_attention(
     read = (lambda seg: state.read_kv(slot, seg)) if state.read_kv else None
     casc = layout.cascade(sliding_window, chunk)
     with torch.autocast(amp, enabled=False) if amp is not None else nullcontext():  # merges stay float32
-        return cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap), None
+        out = cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap)
+    return (seq.from_heads(out) if seq is not None else out), None
 
 
 def autocast_device(t: torch.Tensor) -> str | None:

@@ -64,6 +64,7 @@ class Parallel:
     world_size: int = 1
     call_id: int = -1  # set by ``start``
     broken: bool = False  # an error left a collective-bearing region: this call's process group is closed
+    sequence: object = None  # the sequence-parallel process group of the call (``parallel.sequence``), or None
 
     @property
     def fsdp(self) -> bool:
@@ -181,7 +182,19 @@ class Parallel:
             self.root.set_requires_gradient_sync(enabled)
 
     def loss_scale(self) -> float:
-        return float(self.world_size) if self.fsdp else 1.0
+        """What each rank's loss is multiplied by before its backward: the world size under FSDP2 (which averages
+        over ranks), divided by the sequence group's size (every rank of it backpropagates the same loss)."""
+        scale = float(self.world_size) if self.fsdp else 1.0
+        return scale / dist.get_world_size(self.sequence) if self.sequence is not None else scale
+
+    def compute_device(self, fallback: torch.device) -> torch.device:
+        """The device the passes run on: FSDP2's compute device (its parameters may be offloaded to host memory,
+        ``CPUOffloadPolicy``, and are brought to it for each forward), else ``fallback`` (the head's device)."""
+        if self.fsdp:
+            device = getattr(self.root._get_fsdp_state(), "_device", None)
+            if isinstance(device, torch.device):
+                return device
+        return fallback
 
     def all_reduce_grads(self, model: torch.nn.Module) -> None:
         """DDP: sum every gradient over ranks, one all-reduce per dtype."""
