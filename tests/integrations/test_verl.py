@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # verl_cpu, verl_support: also imported by name in the subprocesses below
 
 import torch.distributed as dist  # noqa: E402
-import verl_cpu  # noqa: E402,F401  (verl's CPU platform, before verl's engine modules load)
+import verl_cpu  # noqa: E402  (verl's CPU platform, before verl's engine modules load)
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl_support import (  # noqa: E402
     LOSSES,
@@ -53,6 +53,8 @@ from verl_support import (  # noqa: E402
 )
 
 from sharedprefix.integrations.verl import ENV_MAX_TOKENS, SharedPrefixFSDPEngine  # noqa: E402
+
+verl_cpu.allow_cpu_offload()  # verl's CPUOffloadPolicy, unpinned (pinning needs an accelerator)
 
 # 3 prompts (a 4-token system prompt shared by all) x 4 completions of 1 to 8 tokens
 SPEC = Spec(prompts=[14, 20, 9], responses=[[5, 8, 3, 6], [7, 2, 8, 4], [6, 6, 1, 8]])
@@ -213,18 +215,44 @@ def test_unsupported_settings_refused_at_build(path, engine_kw, model_kw, match)
         SharedPrefixFSDPEngine(model_config=model, engine_config=eng, optimizer_config=optim, checkpoint_config=ckpt)
 
 
-def test_qat_and_accelerator_offload_refused(path, monkeypatch):
+def test_qat_refused_and_offloaded_engines_accepted_on_accelerators(path, monkeypatch):
     import sharedprefix.integrations.verl as integration
 
     model, eng, optim, ckpt = configs(path)
     object.__setattr__(eng.qat, "enable", True)
     with pytest.raises(ValueError, match="quantisation-aware training"):
         integration.check_config(model, eng)
-    model, eng, optim, ckpt = configs(path, forward_only=True)  # a reference model: verl offloads it with FSDP2
-    integration.check_config(model, eng)  # on CPU the "offload" is where the parameters live anyway
-    monkeypatch.setattr(integration, "get_device_name", lambda: "cuda")
-    with pytest.raises(ValueError, match="CPU offloading on cuda.*use_kl_loss=False"):
-        integration.check_config(model, eng)
+    monkeypatch.setattr(integration, "get_device_name", lambda: "cuda")  # the passes run on FSDP2's compute device
+    for kw in (dict(forward_only=True), dict(offload_policy=True)):
+        integration.check_config(*configs(path, **kw)[:2])
+
+
+def test_reference_engine_with_cpu_offload_matches_verl(process_group, path, monkeypatch):
+    """A forward-only engine (verl's reference model), which verl shards with FSDP2's CPUOffloadPolicy: its
+    parameters live in host memory and FSDP2 brings them to its compute device for each forward, where
+    sharedprefix's passes run (``Parallel.compute_device``)."""
+    ev, es = build(FSDPEngineWithLMHead, path, forward_only=True), build(SharedPrefixFSDPEngine, path, forward_only=True)
+    assert es._uses_fsdp2_cpu_offload_policy and ev._uses_fsdp2_cpu_offload_policy
+    assert all(p.device.type == "cpu" for p in es.module.parameters())
+    # on CPU compute and host memory are one device: the choice itself, with the compute device moved elsewhere
+    from sharedprefix.parallel.strategy import detect
+
+    monkeypatch.setattr(es.module._get_fsdp_state(), "_device", torch.device("meta"))
+    assert detect(es.module, es.module).compute_device(torch.device("cpu")) == torch.device("meta")
+    monkeypatch.undo()
+    for dynamic in (False, True):
+        make = _batch(dynamic)
+        _check_values(infer(ev, make()), infer(es, make()), make(), path)
+
+
+def test_offload_policy_training_matches_verl(process_group, path):
+    """``offload_policy=True`` on a training engine: gradients (and the loss) as verl's, under CPUOffloadPolicy."""
+    ev, es = build(FSDPEngineWithLMHead, path, offload_policy=True), build(SharedPrefixFSDPEngine, path, offload_policy=True)
+    assert es._uses_fsdp2_cpu_offload_policy
+    make, lf = _batch(False), loss_fn("clip_kl_entropy", ROWS)
+    (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
+    _check_grads(g_v, g_s, path, make(), lf)
+    assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
 
 
 def test_bad_budget_refused(path, monkeypatch):

@@ -106,3 +106,19 @@ class PlatformCPU(PlatformBase):
 if _manager._current_platform is None or _manager._current_platform.device_name != "cpu":
     set_platform(PlatformCPU())
 assert get_platform().device_name == "cpu"
+
+
+def _unpinned_offload(*args, pin_memory=True, **kwargs):
+    """FSDP2's ``CPUOffloadPolicy`` without pinned memory, which needs an accelerator: verl's engine offloads a
+    forward-only (reference) engine, and any engine with ``offload_policy=True``, with ``pin_memory=True``."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(*args, pin_memory=False, **kwargs)
+
+
+def allow_cpu_offload() -> None:
+    """Let verl build CPU-offloaded FSDP2 engines here (its offload policy, unpinned); the engine module is imported
+    only now, after the platform is set."""
+    from verl.workers.engine.fsdp import transformer_impl
+
+    transformer_impl.CPUOffloadPolicy = _unpinned_offload

@@ -33,6 +33,10 @@ Per call (one mini-batch of one data-parallel rank):
    ``verl_layout``), zero at the prompt positions (verl computes those too, but no loss reads
    them); the metrics gain ``sharedprefix/tokens_computed`` and ``sharedprefix/tokens_plain``.
 
+Devices: the passes run on FSDP2's compute device, not on the device of a parameter, so that engines whose
+parameters FSDP2 keeps in host memory (``CPUOffloadPolicy``: a forward-only engine such as the reference model,
+which verl always offloads, and ``offload_policy=True``) compute where verl computes them.
+
 Setting: ``SHAREDPREFIX_MAX_TOKENS`` (environment, read when the engine is built): tokens one
 sharedprefix pass may hold; unset = one pass per micro-batch (whose computed tokens are at most
 the plain count verl bounds).
@@ -131,14 +135,6 @@ def check_config(model_config, engine_config) -> None:
         raise ValueError(
             "enable_activation_offload=True: verl's activation offloading hooks are not tested with sharedprefix. "
             "Set actor_rollout_ref.model.enable_activation_offload=False."
-        )
-    device = get_device_name()
-    if device != "cpu" and (getattr(engine_config, "forward_only", False) or getattr(engine_config, "offload_policy", False)):
-        raise ValueError(
-            f"FSDP2 CPU offloading on {device} (offload_policy=True, or a forward-only engine such as the reference "
-            "model, which verl always offloads): sharedprefix places its inputs on the device of the model's "
-            "sharded embedding, which is host memory under CPUOffloadPolicy. Not supported yet; set offload_policy="
-            "False, and use no separate reference model (use_kl_loss=False, or LoRA, whose reference is the actor)."
         )
 
 
