@@ -63,6 +63,38 @@ def run_case(name, group):
     return dict(logprobs=out.logprobs, entropy=out.entropy, grads=grads, deferred=deferred, loss=res.loss, passes=res.passes)
 
 
+def fsdp_weights(n):
+    return torch.randn(n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+
+
+def run_fsdp():
+    """FSDP2 over every rank x sequence groups of 2 (data-parallel group d: ranks 2d, 2d + 1), whole groups per
+    data-parallel group, a budget that splits one: {full gradients, log-probs of this rank's groups, their global
+    completion indices}."""
+    from distributed.worker import shard_of
+    from torch.distributed.fsdp import fully_shard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups_sp = [dist.new_group([2 * d, 2 * d + 1]) for d in range(world // 2)]
+    d = rank // 2
+    model = tiny_model("qwen3")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    groups = source("groups")
+    mine, gidx = shard_of(groups, d, world // 2)
+    W = fsdp_weights(sum(g.group_size for g in groups))  # over every completion, indexed by its global position
+    with torch.no_grad():
+        lp = sp.logprobs(model, mine, max_tokens=BUDGET, sequence_group=groups_sp[d]).logprobs
+    loss = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]]).sum()  # noqa: E731
+    sp.backward(model, mine, loss, max_tokens=BUDGET, sequence_group=groups_sp[d])
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[n] = g.detach().clone()
+    return dict(grads=grads, logprobs=lp, gidx=gidx, data_group=d)
+
+
 def refusals(group):
     """{case: message} of calls that must be refused under sequence parallelism (missing: not refused)."""
     import transformers as tf
@@ -104,6 +136,7 @@ def main(out):
     group = dist.new_group(list(range(dist.get_world_size())))
     results = {name: run_case(name, group) for name in CASES}
     results["refusals"] = refusals(group)
+    results["fsdp"] = run_fsdp()
     torch.save(results, f"{out}.{dist.get_rank()}")
     dist.destroy_process_group()
 

@@ -81,6 +81,35 @@ def test_what_the_split_does_not_reproduce_is_refused(ranks):
         assert "DDP data parallelism" in msgs["ddp"]
 
 
+@pytest.mark.slow
+def test_fsdp2_data_parallel_times_sequence_parallel(ranks):
+    """FSDP2 over all ranks, sequence groups of 2 (1 x 2 and 2 x 2): every rank's full gradient is the plain
+    gradient of all groups (summed over the data-parallel groups), its log-probs its own groups' plain ones."""
+    n, results = ranks
+    from distributed.sequence_worker import fsdp_weights
+
+    groups = source("groups")
+    model = tiny_model("qwen3")
+    W = fsdp_weights(sum(g.group_size for g in groups))
+    want = grads_of(model, lambda: (lambda lp: (lp * W[:, : lp.shape[1]]).sum())(plain_logprobs(model, groups)[0]))
+    assert sorted({res["fsdp"]["data_group"] for res in results}) == list(range(n // 2))
+    for res in results:
+        got = res["fsdp"]
+        assert_grads_close(got["grads"], want, 1e-9)
+        mine = [groups[i] for i in sorted({_group_of(groups, int(c)) for c in got["gidx"]})]
+        ref = plain_logprobs(model, mine)[0].detach()
+        assert (got["logprobs"] - ref).abs().max() <= 1e-9
+
+
+def _group_of(groups, completion):
+    start = 0
+    for i, g in enumerate(groups):
+        if completion < start + g.group_size:
+            return i
+        start += g.group_size
+    raise IndexError(completion)
+
+
 def test_sequence_group_validated():
     model = tiny_model("qwen3")
     with pytest.raises(ValueError, match="torch.distributed is not initialised"):

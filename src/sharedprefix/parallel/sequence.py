@@ -184,6 +184,25 @@ class SequenceShard:
         return _AllToAll.apply(out, self.group, 1, 2)
 
 
+def fsdp_mesh_refusal(root, group) -> str | None:
+    """Why FSDP2 on ``root`` cannot sum the gradients over the sequence group ``group`` (None: it can). FSDP2's
+    reduce-scatter averages over its mesh; with every rank of the group in that mesh, each rank's 1/S share is
+    summed there (the losses scaled by the mesh size as without sequence parallelism)."""
+    mesh = getattr(getattr(root._get_fsdp_state(), "_fsdp_param_group", None), "mesh_info", None)
+    mesh = getattr(mesh, "mesh", None)
+    if mesh is None:
+        return "its root has no parameter group of its own, whose mesh sharedprefix reads"
+    ranks = set(mesh.mesh.flatten().tolist())
+    missing = sorted(set(dist.get_process_group_ranks(group)) - ranks)
+    if missing or len(ranks) != dist.get_world_size():
+        return (
+            f"its mesh holds ranks {sorted(ranks)} of {dist.get_world_size()}, and the gradient of a sequence-parallel "
+            "call is summed over the group by FSDP2's reduce-scatter, which needs a mesh over every rank (verl's "
+            "FSDP2 mesh is)"
+        )
+    return None
+
+
 def reduce_grads(model: torch.nn.Module, group) -> None:
     """Sum every gradient over the sequence group (one all-reduce per dtype and device)."""
     params = [p for p in model.parameters() if p.requires_grad]

@@ -181,11 +181,15 @@ class Parallel:
         if self.fsdp:
             self.root.set_requires_gradient_sync(enabled)
 
-    def loss_scale(self) -> float:
-        """What each rank's loss is multiplied by before its backward: the world size under FSDP2 (which averages
-        over ranks), divided by the sequence group's size (every rank of it backpropagates the same loss)."""
-        scale = float(self.world_size) if self.fsdp else 1.0
-        return scale / dist.get_world_size(self.sequence) if self.sequence is not None else scale
+    def loss_scale(self, grad_reduction: str = "sum") -> float:
+        """What each rank's loss is multiplied by before its backward. FSDP2 averages over its W ranks: "sum" scales
+        by W / S (S: the sequence group's size, 1 without one; every rank of a sequence group backpropagates the
+        same loss, and FSDP2 sums their shares), "mean" by 1 (the mean over the W / S data-parallel groups).
+        Without FSDP2: 1 / S (the shares are summed over the group at the end of the call)."""
+        size = dist.get_world_size(self.sequence) if self.sequence is not None else 1
+        if self.fsdp:
+            return float(self.world_size) / size if grad_reduction == "sum" else 1.0
+        return 1.0 / size
 
     def compute_device(self, fallback: torch.device) -> torch.device:
         """The device the passes run on: FSDP2's compute device (its parameters may be offloaded to host memory,

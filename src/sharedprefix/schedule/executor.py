@@ -28,7 +28,7 @@ from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.multimodal import Multimodal, check_prompt_fits
 from sharedprefix.model.positions import renumbered, takes_position_ids
 from sharedprefix.model.support import check_supported
-from sharedprefix.parallel.sequence import SequenceShard, refuse_features
+from sharedprefix.parallel.sequence import SequenceShard, fsdp_mesh_refusal, refuse_features
 from sharedprefix.parallel.strategy import detect
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.planner import Pass, Plan, plan
@@ -252,11 +252,10 @@ class Executor:
     def _sequence_refusals(self) -> dict:
         """{feature: reason} of what this call uses that sequence parallelism does not reproduce."""
         out = {}
-        if self.par.kind != "none":
-            out[f"{self.par.kind.upper()} data parallelism"] = (
-                "the gradient of a sequence-parallel call is summed over its group by sharedprefix, which is not "
-                "combined with DDP's or FSDP2's own gradient reduction yet"
-            )
+        if self.par.kind == "ddp":
+            out["DDP data parallelism"] = "DDP's all-reduce is not combined with the sum over the sequence group (use FSDP2)"
+        if self.par.fsdp and (why := fsdp_mesh_refusal(self.model, self.par.sequence)):
+            out["FSDP2"] = why
         if self.mm is not None:
             out["prompt_inputs"] = "the vision tower's features are placed into the whole row's embeddings"
         if self.frames is not None:
