@@ -33,6 +33,12 @@ Per call (one mini-batch of one data-parallel rank):
    ``verl_layout``), zero at the prompt positions (verl computes those too, but no loss reads
    them); the metrics gain ``sharedprefix/tokens_computed`` and ``sharedprefix/tokens_plain``.
 
+Ulysses (``ulysses_sequence_parallel_size > 1``): verl hands every rank of a sequence group the same
+micro-batches; the engine passes verl's own Ulysses group as the core's ``sequence_group``
+(``parallel.sequence``: each rank computes a slice of every packed row outside attention, a slice of the heads
+inside it; log-probs whole on every rank, verl's loss on them, FSDP2 over every rank summing the shares). verl's
+dynamic micro-batch budget is per sequence group (``max_token_len_per_gpu * sp_size``), as in verl's engine.
+
 Devices: the passes run on FSDP2's compute device, not on the device of a parameter, so that engines whose
 parameters FSDP2 keeps in host memory (``CPUOffloadPolicy``: a forward-only engine such as the reference model,
 which verl always offloads, and ``offload_policy=True``) compute where verl computes them.
@@ -87,13 +93,6 @@ def check_config(model_config, engine_config) -> None:
             f"strategy={strategy!r}: sharedprefix's verl engine runs on FSDP2 only, not {what}. Set "
             "actor_rollout_ref.actor.strategy=fsdp2 and actor_rollout_ref.ref.strategy=fsdp2 (or do not import "
             "sharedprefix.integrations.verl)."
-        )
-    sp_size = getattr(engine_config, "ulysses_sequence_parallel_size", 1)
-    if sp_size != 1:
-        raise ValueError(
-            f"ulysses_sequence_parallel_size={sp_size}: Ulysses sequence parallelism splits a packed row over ranks, "
-            "and sharedprefix needs each row (a prompt and its completions) on one rank. Set "
-            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (and ref.ulysses_sequence_parallel_size=1)."
         )
     for owner, name in ((model_config, "use_fused_kernels"), (engine_config, "use_fused_kernels")):
         if getattr(owner, name, False):
@@ -213,7 +212,7 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         _check_batch(data)
-        tu.assign_non_tensor(data, sp_size=1)
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)  # verl's micro-batch budget reads it
         group = self.get_data_parallel_group()
         batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
         dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=group)
@@ -269,7 +268,7 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
 
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
-        kw = dict(temperature=temperature, max_tokens=self.sp_max_tokens)
+        kw = dict(temperature=temperature, max_tokens=self.sp_max_tokens, sequence_group=self._sequence_group())
         with autocast:
             if forward_only:
                 with torch.no_grad():
@@ -293,6 +292,11 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             out["model_output"] = detach_tree(outs)  # training drops it, as verl does (train_batch discards it)
         return out
 
+    def _sequence_group(self):
+        """verl's Ulysses group (``ulysses_sequence_parallel_size > 1``: its ranks hold the same micro-batches),
+        the core's ``sequence_group``; None without Ulysses."""
+        return self.ulysses_parallel_group if self.use_ulysses_sp else None
+
     def _agree_max(self, value: int) -> int:
         """The largest ``value`` over the data-parallel ranks (so that every rank takes the same branch)."""
         t = torch.tensor([value], dtype=torch.int64, device=get_device_id())
@@ -312,6 +316,7 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             plain[k] += n
         largest = self._agree_max(max(plain.values()))
         limit = int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=largest))
+        limit *= self.ulysses_sequence_parallel_size  # verl's budget per sequence group, as prepare_micro_batches
         if largest > limit:
             raise ValueError(
                 f"a prompt group holds {largest} tokens as plain rows, above the dynamic micro-batch budget "
