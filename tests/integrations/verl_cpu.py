@@ -22,7 +22,7 @@ from verl.plugin.platform import platform_manager as _manager
 def _device_module():
     """``torch.cpu`` plus the memory statistics verl reads from a device module (0 on CPU)."""
     mod = types.SimpleNamespace()
-    for name in ("synchronize", "current_device", "device_count", "is_available", "Stream", "stream"):
+    for name in ("synchronize", "current_device", "device_count", "is_available", "Stream", "stream", "current_stream", "Event"):
         if hasattr(torch.cpu, name):
             setattr(mod, name, getattr(torch.cpu, name))
     for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved"):
@@ -117,11 +117,15 @@ def _unpinned_offload(*args, pin_memory=True, **kwargs):
 
 
 def allow_cpu_offload() -> None:
-    """Let verl build CPU-offloaded FSDP2 engines here (its offload policy, unpinned); the engine module is imported
-    only now, after the platform is set."""
+    """Let verl build CPU-offloaded FSDP2 engines and offload activations here (its offload policy and its
+    activation offloader, unpinned); the engine module is imported only now, after the platform is set."""
+    from verl.utils import activation_offload
     from verl.workers.engine.fsdp import transformer_impl
 
     transformer_impl.CPUOffloadPolicy = _unpinned_offload
+    handler = activation_offload.SynchronizedGroupOffloadHandler
+    pinned = handler.__dict__["offload"].__func__
+    handler.offload = staticmethod(lambda src_tensor, pin_memory=True: pinned(src_tensor, pin_memory=False))
 
 
 # -- verl's Ulysses attention on CPU ------------------------------------------------------------------------------

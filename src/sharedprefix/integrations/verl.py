@@ -102,7 +102,9 @@ def check_config(model_config, engine_config) -> None:
             )
     if getattr(model_config, "use_liger", False):
         raise ValueError(
-            "use_liger=True: Liger kernels patch the model's modules and are not tested with sharedprefix. Set "
+            "use_liger=True: verl swaps the model's RMSNorm, rotary embedding and SwiGLU for Liger's Triton kernels, "
+            "which run on GPUs only; sharedprefix's verl engine is checked against verl's own engine on CPU, where "
+            "they cannot run, so the combination has never been compared and is refused rather than trusted. Set "
             "actor_rollout_ref.model.use_liger=False."
         )
     hf_config = getattr(model_config, "hf_config", None)
@@ -132,8 +134,11 @@ def check_config(model_config, engine_config) -> None:
         raise ValueError("qat.enable=True: quantisation-aware training is not supported by sharedprefix's verl engine.")
     if getattr(model_config, "enable_activation_offload", False):
         raise ValueError(
-            "enable_activation_offload=True: verl's activation offloading hooks are not tested with sharedprefix. "
-            "Set actor_rollout_ref.model.enable_activation_offload=False."
+            "enable_activation_offload=True: verl's activation offloader (verl.utils.activation_offload) numbers the "
+            "layers of one forward and expects that forward's backward next, while sharedprefix runs forwards without "
+            "a backward (its head check, a split prompt's no-grad pass, FSDP2's recomputation), after which the "
+            "offloader's layer window fails (KeyError). Set actor_rollout_ref.model.enable_activation_offload=False "
+            "(sharedprefix's passes already hold only their own tokens' activations)."
         )
 
 
