@@ -198,6 +198,8 @@ REFUSED_BUILDS = [
     ({}, dict(use_fused_kernels=True), "fused kernels"),
     ({}, dict(use_liger=True), "Liger.s Triton kernels.*GPUs only"),
     ({}, dict(vision_config=True), "vision-language"),
+    ({}, dict(vision_config=True, model_type="qwen2_vl"), "replaces Qwen2VLAttention.forward"),
+    ({}, dict(model_type_hf="lfm2"), "hybrid model.*FSDP2"),
     ({}, dict(enable_activation_offload=True), "activation offloader.*layer window fails"),
     ({}, dict(model_type="value_model"), "value or reward heads"),
 ]
@@ -209,7 +211,10 @@ def test_unsupported_settings_refused_at_build(path, engine_kw, model_kw, match)
     for k, v in engine_kw.items():
         object.__setattr__(eng, k, v)
     for k, v in model_kw.items():
-        object.__setattr__(model.hf_config if k == "vision_config" else model, k, v)
+        if k == "model_type" and "vision_config" in model_kw or k == "model_type_hf":
+            object.__setattr__(model.hf_config, "model_type", v)
+        else:
+            object.__setattr__(model.hf_config if k == "vision_config" else model, k, v)
     with pytest.raises(ValueError, match=match):
         SharedPrefixFSDPEngine(model_config=model, engine_config=eng, optimizer_config=optim, checkpoint_config=ckpt)
 

@@ -76,6 +76,7 @@ from sharedprefix.integrations.verl_layout import (
     split_groups,
     to_verl,
 )
+from sharedprefix.model.support import HYBRID_MODEL_TYPES
 
 ENV_MAX_TOKENS = "SHAREDPREFIX_MAX_TOKENS"
 __all__ = ["ENV_MAX_TOKENS", "SharedPrefixFSDPEngine", "check_config", "register"]
@@ -108,11 +109,20 @@ def check_config(model_config, engine_config) -> None:
             "actor_rollout_ref.model.use_liger=False."
         )
     hf_config = getattr(model_config, "hf_config", None)
+    model_type = getattr(hf_config, "model_type", None)
     if hf_config is not None and getattr(hf_config, "vision_config", None) is not None:
+        how = _VL_PATCHES.get(model_type, "sharedprefix's verl engine does not build groups with prompt_inputs yet")
         raise ValueError(
-            f"model_type={getattr(hf_config, 'model_type', None)!r} is a vision-language model: multimodal inputs "
-            "are not supported by sharedprefix's verl engine yet. Train a text-only model, or do not import "
-            "sharedprefix.integrations.verl."
+            f"model_type={model_type!r} is a vision-language model: {how}. Train a text-only model with this engine, "
+            "use sharedprefix's TRL trainer or sp.Group(prompt_inputs=...) directly (exact for Qwen2/2.5/3-VL), or do "
+            "not import sharedprefix.integrations.verl."
+        )
+    if model_type in HYBRID_MODEL_TYPES:
+        raise ValueError(
+            f"model_type={model_type!r} is a hybrid model (recurrent, SSM or convolution layers beside attention): "
+            "sharedprefix's hybrid path runs the model's own cache-aware forward, which it does not run inside FSDP2's "
+            "unshard and reshard hooks, and verl's engine is FSDP2. Train it without sharedprefix's verl engine (or "
+            "with sp.backward under DDP)."
         )
     if getattr(model_config, "model_type", "language_model") != "language_model":
         raise ValueError(
@@ -140,6 +150,20 @@ def check_config(model_config, engine_config) -> None:
             "offloader's layer window fails (KeyError). Set actor_rollout_ref.model.enable_activation_offload=False "
             "(sharedprefix's passes already hold only their own tokens' activations)."
         )
+
+
+# vision-language models: why verl's own code path leaves no room for sharedprefix's attention
+_ATTENTION_PATCH = (
+    "with use_remove_padding (the layout this engine reads) verl replaces {cls}.forward with its own "
+    "flash-attention call, which bypasses transformers' attention interface, so sharedprefix's attention would "
+    "never run in this process"
+)
+_VL_PATCHES = {
+    "qwen2_vl": _ATTENTION_PATCH.format(cls="Qwen2VLAttention"),
+    "qwen2_5_vl": _ATTENTION_PATCH.format(cls="Qwen2_5_VLAttention"),
+    "qwen3_vl": "verl replaces Qwen3VLModel.forward with its own (qwen3_vl_base_forward), the module sharedprefix "
+    "runs its multimodal passes through, and that forward was not checked against sharedprefix's positions",
+}
 
 
 def max_tokens_from_env() -> int | None:
