@@ -18,6 +18,11 @@ head's parameters 1/S of theirs on each rank, the others their rank's share. The
 parameter's gradient is therefore the full gradient: all-reduced over the group at the end of the call
 (``reduce_grads``), or, under FSDP2 over a mesh that holds the group, by FSDP2's own reduce-scatter.
 
+Failures: the ranks of a sequence group compute the same rows, so a refusal or a bad input raises on all of them
+together, before any exchange. Under DDP / FSDP2 the existing agreement over the data-parallel ranks applies; a
+sequence group on its own has no such agreement, so an error on one of its ranks alone (not the same input on
+every rank) leaves the others waiting in the next exchange.
+
 Notation: S = ranks of the sequence group, L = packed row length, Lp = L padded to a multiple of S, Ls = Lp / S,
 H / Hkv = query / key-value heads, D / Dv = head dims, d = hidden size.
 """
