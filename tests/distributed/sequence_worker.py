@@ -28,6 +28,7 @@ CASES = {
     "qwen3_budget_recompute": ("qwen3", {}, BUDGET, "recompute", "groups"),
     "gemma_mqa_budget": ("gemma", {}, BUDGET, "keep", "groups"),  # Hkv = 1 < S
     "llama_mha_tree": ("llama", dict(num_key_value_heads=4), BUDGET, "keep", "tree"),
+    "mistral_window_budget": ("mistral", dict(sliding_window=5), BUDGET, "recompute", "groups"),  # a sliding window
 }
 
 
