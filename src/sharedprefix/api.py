@@ -206,8 +206,8 @@ def _defers(model, defer: bool | None, seq=None) -> bool:
     if defer is False and needs:
         raise ValueError(
             f"defer=False with grad enabled is not possible with {needs}: the backward must run inside "
-            "sharedprefix (to recompute checkpointed layers with its attention, or to synchronise DDP "
-            "gradients). Leave defer=None."
+            "sharedprefix (to recompute checkpointed layers with its attention, to synchronise DDP "
+            "gradients, or to sum a sequence group's gradient shares). Leave defer=None."
         )
     if defer or (defer is None and needs):
         router.refuse_per_pass(inner, f"logprobs defers its backward to sharedprefix.backward ({needs or 'defer=True'})")

@@ -119,6 +119,7 @@ def refusals(group):
             tiny_model("qwen3", num_attention_heads=6, num_key_value_heads=3), source("groups"), sequence_group=group
         ),
         "hybrid": lambda: sp.logprobs(hybrid, source("groups"), sequence_group=group),
+        "defer_false": lambda: sp.logprobs(tiny_model("qwen3"), source("groups"), defer=False, sequence_group=group),
         "ddp": lambda: sp.backward(
             DistributedDataParallel(tiny_model("qwen3")), source("groups"), lambda b: b.logprobs.sum(), sequence_group=group
         ),

@@ -79,6 +79,7 @@ def test_what_the_split_does_not_reproduce_is_refused(ranks):
         assert want in msgs["heads"]
         assert "hybrid model" in msgs["hybrid"] and "state of the slices before it" in msgs["hybrid"]
         assert "DDP data parallelism" in msgs["ddp"]
+        assert "defer=False with grad enabled is not possible with sequence parallelism" in msgs["defer_false"]
 
 
 @pytest.mark.slow
