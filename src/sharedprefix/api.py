@@ -5,13 +5,11 @@ must run its backward inside sharedprefix to a deferred backward (``schedule.def
 ``Executor`` driven over its plan by ``schedule.rounds``. Notation: N = output rows (completions in group order,
 or a tree's rows), W = columns, n = rows in one pass.
 
-Hybrid models whose token mixers outside attention sharedprefix reaches (``model.mixers``: the gated delta-nets of
-Qwen3-Next, Qwen3.5 and OLMo-hybrid, LFM2's short convolutions) take the packed path like any other model, each
-segment's scan starting from its parent's state. The other hybrids (``model.support.HYBRID_MODEL_TYPES``: Falcon-H1,
-Zamba2, Mamba2 and others) take ``schedule.hybrid``: each prompt once through the model's own cache-aware forward,
-each completion batch from a copy of the prompt's cache. There ``max_tokens`` bounds every forward (prompt chunks,
-right-padded completion batches); a completion longer than it is refused, and so are ``sp.Tree``, ``prompt_inputs``,
-FSDP2 and gradient checkpointing.
+Hybrid models (``model.support.HYBRID_MODEL_TYPES``: LFM2, Falcon-H1, Qwen3-Next, Zamba2, Mamba2 and others, whose
+layers mix tokens outside attention) take ``schedule.hybrid``: each prompt once through the model's own cache-aware
+forward, each completion batch from a copy of the prompt's cache. There ``max_tokens`` bounds every forward
+(prompt chunks, right-padded completion batches); a completion longer than it is refused, and so are ``sp.Tree``,
+``prompt_inputs``, FSDP2 and gradient checkpointing.
 
 ``backward`` contract: ``loss_fn`` is called once per pass that reports rows, with a ``Batch`` of those rows (each
 whole), and must be *additive over rows*: the loss of a set of rows is the sum of the losses of its parts. Every
@@ -24,14 +22,16 @@ first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) there, so that this module 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 
 from sharedprefix.attention.kernels import select
-from sharedprefix.model import router
+from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap, uses_checkpointing
 from sharedprefix.model.support import is_hybrid
+from sharedprefix.parallel.sequence import check_group, refuse_hybrid
 from sharedprefix.parallel.strategy import detect
 from sharedprefix.schedule import hybrid, rounds
 from sharedprefix.schedule.deferred import defer_logprobs
@@ -61,6 +61,7 @@ def logprobs(
     prefix_activations: str = "recompute",
     grad_reduction: str = "sum",
     aux_loss: bool | None = None,
+    sequence_group=None,
 ) -> LogProbs:
     """Log-probs of every completion token, each prompt computed once.
 
@@ -86,6 +87,10 @@ def logprobs(
         aux_loss: the MoE load-balancing loss of all rows (``LogProbs.aux_loss``, see ``model.router``). None: when
             the config has ``output_router_logits=True``; True: also when it has not (TRL asks for it so); False:
             never. A deferred call carries its gradient exactly (a linear term per pass).
+        sequence_group: a ``torch.distributed`` process group for Ulysses sequence parallelism
+            (``parallel.sequence``), or None. Every rank of it passes the same groups; each computes a slice of
+            every row's tokens outside attention and a slice of the heads inside it; the result is whole on
+            every rank. With grad enabled the call defers (its backward is ``sp.backward`` over the group).
 
     Returns:
         ``LogProbs`` with (N, W) tensors, float32 (float64 for a float64 model), with grad when
@@ -94,20 +99,24 @@ def logprobs(
     _check_modes(prefix_activations, grad_reduction)
     if aux_loss not in (None, True, False):
         raise TypeError(f"aux_loss={aux_loss!r}; expected None (as the config says), True or False.")
+    seq = check_group(sequence_group)
+    if seq is not None and (is_hybrid(unwrap(model)) or mixers.is_packed(unwrap(model))):
+        refuse_hybrid(type(unwrap(model)).__name__, seq)
+    if seq is not None and (aux_loss or (aux_loss is None and router.enabled(unwrap(model)))):
+        _refuse_aux_under_sequence(model)
     if is_hybrid(unwrap(model)):
         if aux_loss:
             router.refuse_hybrid(unwrap(model))
         return _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction)
     _run_call_checks(model, groups)
-    if torch.is_grad_enabled() and _defers(model, defer):
+    if torch.is_grad_enabled() and _defers(model, defer, seq):
         with torch.no_grad():
-            run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False, aux=aux_loss)
+            run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False, aux=aux_loss, sequence_group=seq)
             out = rounds.forward(run, entropy)
             grads = router.segment_grads(run.model, run.router_logits) if run.router_logits else None
-        return defer_logprobs(
-            _deferred_backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction, grads
-        )
-    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False, aux=aux_loss)
+        back = functools.partial(_deferred_backward, sequence_group=seq) if seq is not None else _deferred_backward
+        return defer_logprobs(back, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction, grads)
+    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False, aux=aux_loss, sequence_group=seq)
     return rounds.forward(run, entropy)
 
 
@@ -124,6 +133,7 @@ def backward(
     sync: bool = True,
     grad_reduction: str = "sum",
     aux_loss_coef: float | None = None,
+    sequence_group=None,
 ) -> BackwardResult:
     """Accumulate into ``.grad`` the exact gradient of ``sum over passes of loss_fn(batch)``.
 
@@ -150,6 +160,8 @@ def backward(
             exact under any budget: one no-grad forward of every row first gives each token's gradient d aux / d
             router logits, whose linear term joins each pass's backward. Required (a number, 0.0 to leave the loss
             out) when the config has ``output_router_logits=True``; allowed on any MoE model with the loss.
+        sequence_group: Ulysses sequence parallelism (see ``logprobs``): every rank of the group passes the same
+            groups and ``loss_fn``; afterwards every rank holds the full gradient (summed over the group).
 
     A batch whose rows hold no trained token (a ``Tree`` row with ``trained`` all False) is no error: its log-probs
     are zeros that belong to the graph, so ``loss_fn`` gets them as usual and every parameter the pass reached gets a
@@ -168,6 +180,11 @@ def backward(
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     coef = router.check_coef(unwrap(model), aux_loss_coef)
+    seq = check_group(sequence_group)
+    if seq is not None and (is_hybrid(unwrap(model)) or mixers.is_packed(unwrap(model))):
+        refuse_hybrid(type(unwrap(model)).__name__, seq)
+    if seq is not None and coef:
+        _refuse_aux_under_sequence(model)
     kw = dict(max_tokens=max_tokens, prefix_activations=prefix_activations, temperature=temperature, entropy=entropy)
     kw.update(backend=backend, offload_device=offload_device, sync=sync, grad_reduction=grad_reduction)
     if is_hybrid(unwrap(model)):
@@ -181,7 +198,7 @@ def backward(
             first = Executor(model, groups, max_tokens, backend, temperature, False, leaves=False, aux=True)
             rounds.forward(first, False)
         aux = router.scaled_grads(first.model, first.router_logits, coef)
-    return _packed_backward(model, groups, loss_fn, aux=aux, aux_coef=coef, **kw)
+    return _packed_backward(model, groups, loss_fn, aux=aux, aux_coef=coef, sequence_group=seq, **kw)
 
 
 def _packed_backward(
@@ -198,11 +215,14 @@ def _packed_backward(
     grad_reduction="sum",
     aux=None,
     aux_coef=0.0,
+    sequence_group=None,
 ) -> BackwardResult:
     """``aux``: (per-segment aux gradients scaled by ``aux_coef``, the aux loss's value or None), or None."""
     grads, value = aux if aux is not None else (False, None)
     # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
-    run = Executor(model, groups, max_tokens, backend, temperature, entropy, True, prefix_activations, aux=grads)
+    run = Executor(
+        model, groups, max_tokens, backend, temperature, entropy, True, prefix_activations, aux=grads, sequence_group=sequence_group
+    )
     return rounds.backward(run, loss_fn, entropy, prefix_activations, offload_device, sync, grad_reduction, value, aux_coef)
 
 
@@ -215,6 +235,16 @@ def _deferred_backward(model, groups, loss_fn, aux_grads=None, **kw) -> Backward
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------
+
+
+def _refuse_aux_under_sequence(model) -> None:
+    raise ValueError(
+        f"{type(unwrap(model)).__name__} returns its MoE load-balancing loss (output_router_logits, or aux_loss / "
+        "aux_loss_coef given) and a sequence_group was passed: under sequence parallelism each rank routes only its "
+        "shard of the row's tokens, and sharedprefix does not gather the router logits across the group, so the "
+        "loss would not be the plain run's. Pass aux_loss=False / aux_loss_coef=0.0 (routing itself stays exact), "
+        "or drop sequence_group."
+    )
 
 
 def _check_modes(prefix_activations: str, grad_reduction: str) -> None:
@@ -232,10 +262,10 @@ def _run_call_checks(model, groups) -> None:
         check(model, groups)
 
 
-def _defers(model, defer: bool | None) -> bool:
+def _defers(model, defer: bool | None, seq=None) -> bool:
     """Whether a grad-enabled ``logprobs`` on the packed path computes its values now and its backward later,
-    through ``sp.backward``: asked for (``defer=True``), or needed (gradient checkpointing, DDP). Refuses what
-    cannot be exact either way (FSDP2; ``defer=False`` where it is needed)."""
+    through ``sp.backward``: asked for (``defer=True``), or needed (gradient checkpointing, DDP, sequence
+    parallelism). Refuses what cannot be exact either way (FSDP2; ``defer=False`` where it is needed)."""
     inner = unwrap(model)
     kind = detect(model, inner).kind
     if kind == "fsdp":
@@ -245,11 +275,12 @@ def _defers(model, defer: bool | None) -> bool:
             "torch.no_grad() for old-policy and reference log-probs)."
         )
     needs = "a DDP model" if kind == "ddp" else "gradient checkpointing" if uses_checkpointing(inner) else None
+    needs = needs or ("sequence parallelism" if seq is not None else None)
     if defer is False and needs:
         raise ValueError(
             f"defer=False with grad enabled is not possible with {needs}: the backward must run inside "
-            "sharedprefix (to recompute checkpointed layers with its attention, or to synchronise DDP "
-            "gradients). Leave defer=None."
+            "sharedprefix (to recompute checkpointed layers with its attention, to synchronise DDP "
+            "gradients, or to sum a sequence group's gradient shares). Leave defer=None."
         )
     if defer or (defer is None and needs):
         return True

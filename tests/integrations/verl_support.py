@@ -47,11 +47,11 @@ def save_model(path: str) -> str:
     return path
 
 
-def configs(path: str, **engine):
+def configs(path: str, attn: str = "sdpa", **engine):
     model = HFModelConfig(
         path=path,
         load_tokenizer=False,
-        override_config={"attn_implementation": "sdpa"},
+        override_config={"attn_implementation": attn},
         use_remove_padding=True,
         enable_gradient_checkpointing=True,
     )
@@ -66,8 +66,8 @@ def configs(path: str, **engine):
     return model, FSDPEngineConfig(**fields), FSDPOptimizerConfig(lr=1e-3, total_training_steps=10), CheckpointConfig()
 
 
-def build(cls, path: str, **engine):
-    model, eng, optim, ckpt = configs(path, **engine)
+def build(cls, path: str, attn: str = "sdpa", **engine):
+    model, eng, optim, ckpt = configs(path, attn, **engine)
     e = cls(model_config=model, engine_config=eng, optimizer_config=optim, checkpoint_config=ckpt)
     e.initialize()
     return e

@@ -67,6 +67,8 @@ class PassState:
         read_index / write_index: like read_kv / write_kv, for an indexer's keys (1, len, D) (``indexed``).
         read_state / write_state: like read_kv / write_kv, for a token mixer's state outside attention (a conv tail,
             a recurrent state; ``model.mixers``), keyed by (mixer module, seam); ``mixed``: (module, seam) -> calls.
+        sequence: under sequence parallelism, the row's split (``parallel.sequence.SequenceShard``): the attention
+            receives this rank's tokens for all heads and exchanges them for the whole row of its heads.
 
     """
 
@@ -81,6 +83,7 @@ class PassState:
     read_state: Callable | None = None
     write_state: Callable | None = None
     mixed: dict = field(default_factory=dict)
+    sequence: object = None  # ``parallel.sequence.SequenceShard`` of a sequence-parallel pass, else None
 
 
 _STACK: list[PassState] = []
@@ -162,6 +165,9 @@ def shared_prefix_attention(
             "builds the shared-prefix mask itself and cannot combine it with the model's own mask. "
             "Do not pass attention_mask, and use a model whose masks go through transformers' masking utilities."
         )
+    seq = state.sequence
+    if seq is not None:  # this rank's tokens for all heads -> the whole row for this rank's heads (and back below)
+        query, key, value, sinks = seq.to_heads(name, query, key, value, sinks)
     if query.shape[0] != 1 or query.shape[2] != layout.length:
         raise RuntimeError(
             f"{name} got queries of shape {tuple(query.shape)}, expected (1, H, {layout.length}, D) for the packed "
@@ -200,7 +206,8 @@ def shared_prefix_attention(
             return flex.flex_row_attention(layout, query, key, value, read, scale, softcap, sliding_window, chunk), None
     casc = layout.cascade(sliding_window, chunk)
     with torch.autocast(amp, enabled=False) if amp is not None else nullcontext():  # merges stay float32
-        return cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap), None
+        out = cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap)
+    return (seq.from_heads(out) if seq is not None else out), None
 
 
 def autocast_device(t: torch.Tensor) -> str | None:

@@ -33,6 +33,16 @@ Per call (one mini-batch of one data-parallel rank):
    ``verl_layout``), zero at the prompt positions (verl computes those too, but no loss reads
    them); the metrics gain ``sharedprefix/tokens_computed`` and ``sharedprefix/tokens_plain``.
 
+Ulysses (``ulysses_sequence_parallel_size > 1``): verl hands every rank of a sequence group the same
+micro-batches; the engine passes verl's own Ulysses group as the core's ``sequence_group``
+(``parallel.sequence``: each rank computes a slice of every packed row outside attention, a slice of the heads
+inside it; log-probs whole on every rank, verl's loss on them, FSDP2 over every rank summing the shares). verl's
+dynamic micro-batch budget is per sequence group (``max_token_len_per_gpu * sp_size``), as in verl's engine.
+
+Devices: the passes run on FSDP2's compute device, not on the device of a parameter, so that engines whose
+parameters FSDP2 keeps in host memory (``CPUOffloadPolicy``: a forward-only engine such as the reference model,
+which verl always offloads, and ``offload_policy=True``) compute where verl computes them.
+
 Setting: ``SHAREDPREFIX_MAX_TOKENS`` (environment, read when the engine is built): tokens one
 sharedprefix pass may hold; unset = one pass per micro-batch (whose computed tokens are at most
 the plain count verl bounds).
@@ -66,6 +76,7 @@ from sharedprefix.integrations.verl_layout import (
     split_groups,
     to_verl,
 )
+from sharedprefix.model.support import HYBRID_MODEL_TYPES
 
 ENV_MAX_TOKENS = "SHAREDPREFIX_MAX_TOKENS"
 __all__ = ["ENV_MAX_TOKENS", "SharedPrefixFSDPEngine", "check_config", "register"]
@@ -84,13 +95,6 @@ def check_config(model_config, engine_config) -> None:
             "actor_rollout_ref.actor.strategy=fsdp2 and actor_rollout_ref.ref.strategy=fsdp2 (or do not import "
             "sharedprefix.integrations.verl)."
         )
-    sp_size = getattr(engine_config, "ulysses_sequence_parallel_size", 1)
-    if sp_size != 1:
-        raise ValueError(
-            f"ulysses_sequence_parallel_size={sp_size}: Ulysses sequence parallelism splits a packed row over ranks, "
-            "and sharedprefix needs each row (a prompt and its completions) on one rank. Set "
-            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 (and ref.ulysses_sequence_parallel_size=1)."
-        )
     for owner, name in ((model_config, "use_fused_kernels"), (engine_config, "use_fused_kernels")):
         if getattr(owner, name, False):
             raise ValueError(
@@ -99,15 +103,26 @@ def check_config(model_config, engine_config) -> None:
             )
     if getattr(model_config, "use_liger", False):
         raise ValueError(
-            "use_liger=True: Liger kernels patch the model's modules and are not tested with sharedprefix. Set "
+            "use_liger=True: verl swaps the model's RMSNorm, rotary embedding and SwiGLU for Liger's Triton kernels, "
+            "which run on GPUs only; sharedprefix's verl engine is checked against verl's own engine on CPU, where "
+            "they cannot run, so the combination has never been compared and is refused rather than trusted. Set "
             "actor_rollout_ref.model.use_liger=False."
         )
     hf_config = getattr(model_config, "hf_config", None)
+    model_type = getattr(hf_config, "model_type", None)
     if hf_config is not None and getattr(hf_config, "vision_config", None) is not None:
+        how = _VL_PATCHES.get(model_type, "sharedprefix's verl engine does not build groups with prompt_inputs yet")
         raise ValueError(
-            f"model_type={getattr(hf_config, 'model_type', None)!r} is a vision-language model: multimodal inputs "
-            "are not supported by sharedprefix's verl engine yet. Train a text-only model, or do not import "
-            "sharedprefix.integrations.verl."
+            f"model_type={model_type!r} is a vision-language model: {how}. Train a text-only model with this engine, "
+            "use sharedprefix's TRL trainer or sp.Group(prompt_inputs=...) directly (exact for Qwen2/2.5/3-VL), or do "
+            "not import sharedprefix.integrations.verl."
+        )
+    if model_type in HYBRID_MODEL_TYPES:
+        raise ValueError(
+            f"model_type={model_type!r} is a hybrid model (recurrent, SSM or convolution layers beside attention): "
+            "sharedprefix's hybrid path runs the model's own cache-aware forward, which it does not run inside FSDP2's "
+            "unshard and reshard hooks, and verl's engine is FSDP2. Train it without sharedprefix's verl engine (or "
+            "with sp.backward under DDP)."
         )
     if getattr(model_config, "model_type", "language_model") != "language_model":
         raise ValueError(
@@ -129,17 +144,26 @@ def check_config(model_config, engine_config) -> None:
         raise ValueError("qat.enable=True: quantisation-aware training is not supported by sharedprefix's verl engine.")
     if getattr(model_config, "enable_activation_offload", False):
         raise ValueError(
-            "enable_activation_offload=True: verl's activation offloading hooks are not tested with sharedprefix. "
-            "Set actor_rollout_ref.model.enable_activation_offload=False."
+            "enable_activation_offload=True: verl's activation offloader (verl.utils.activation_offload) numbers the "
+            "layers of one forward and expects that forward's backward next, while sharedprefix runs forwards without "
+            "a backward (its head check, a split prompt's no-grad pass, FSDP2's recomputation), after which the "
+            "offloader's layer window fails (KeyError). Set actor_rollout_ref.model.enable_activation_offload=False "
+            "(sharedprefix's passes already hold only their own tokens' activations)."
         )
-    device = get_device_name()
-    if device != "cpu" and (getattr(engine_config, "forward_only", False) or getattr(engine_config, "offload_policy", False)):
-        raise ValueError(
-            f"FSDP2 CPU offloading on {device} (offload_policy=True, or a forward-only engine such as the reference "
-            "model, which verl always offloads): sharedprefix places its inputs on the device of the model's "
-            "sharded embedding, which is host memory under CPUOffloadPolicy. Not supported yet; set offload_policy="
-            "False, and use no separate reference model (use_kl_loss=False, or LoRA, whose reference is the actor)."
-        )
+
+
+# vision-language models: why verl's own code path leaves no room for sharedprefix's attention
+_ATTENTION_PATCH = (
+    "with use_remove_padding (the layout this engine reads) verl replaces {cls}.forward with its own "
+    "flash-attention call, which bypasses transformers' attention interface, so sharedprefix's attention would "
+    "never run in this process"
+)
+_VL_PATCHES = {
+    "qwen2_vl": _ATTENTION_PATCH.format(cls="Qwen2VLAttention"),
+    "qwen2_5_vl": _ATTENTION_PATCH.format(cls="Qwen2_5_VLAttention"),
+    "qwen3_vl": "verl replaces Qwen3VLModel.forward with its own (qwen3_vl_base_forward), the module sharedprefix "
+    "runs its multimodal passes through, and that forward was not checked against sharedprefix's positions",
+}
 
 
 def max_tokens_from_env() -> int | None:
@@ -217,7 +241,7 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
         _check_batch(data)
-        tu.assign_non_tensor(data, sp_size=1)
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)  # verl's micro-batch budget reads it
         group = self.get_data_parallel_group()
         batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
         dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=group)
@@ -273,7 +297,7 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
 
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
-        kw = dict(temperature=temperature, max_tokens=self.sp_max_tokens)
+        kw = dict(temperature=temperature, max_tokens=self.sp_max_tokens, sequence_group=self._sequence_group())
         with autocast:
             if forward_only:
                 with torch.no_grad():
@@ -297,6 +321,11 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             out["model_output"] = detach_tree(outs)  # training drops it, as verl does (train_batch discards it)
         return out
 
+    def _sequence_group(self):
+        """verl's Ulysses group (``ulysses_sequence_parallel_size > 1``: its ranks hold the same micro-batches),
+        the core's ``sequence_group``; None without Ulysses."""
+        return self.ulysses_parallel_group if self.use_ulysses_sp else None
+
     def _agree_max(self, value: int) -> int:
         """The largest ``value`` over the data-parallel ranks (so that every rank takes the same branch)."""
         t = torch.tensor([value], dtype=torch.int64, device=get_device_id())
@@ -316,6 +345,7 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             plain[k] += n
         largest = self._agree_max(max(plain.values()))
         limit = int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=largest))
+        limit *= self.ulysses_sequence_parallel_size  # verl's budget per sequence group, as prepare_micro_batches
         if largest > limit:
             raise ValueError(
                 f"a prompt group holds {largest} tokens as plain rows, above the dynamic micro-batch budget "

@@ -64,6 +64,7 @@ class Parallel:
     world_size: int = 1
     call_id: int = -1  # set by ``start``
     broken: bool = False  # an error left a collective-bearing region: this call's process group is closed
+    sequence: object = None  # the sequence-parallel process group of the call (``parallel.sequence``), or None
 
     @property
     def fsdp(self) -> bool:
@@ -180,8 +181,24 @@ class Parallel:
         if self.fsdp:
             self.root.set_requires_gradient_sync(enabled)
 
-    def loss_scale(self) -> float:
-        return float(self.world_size) if self.fsdp else 1.0
+    def loss_scale(self, grad_reduction: str = "sum") -> float:
+        """What each rank's loss is multiplied by before its backward. FSDP2 averages over its W ranks: "sum" scales
+        by W / S (S: the sequence group's size, 1 without one; every rank of a sequence group backpropagates the
+        same loss, and FSDP2 sums their shares), "mean" by 1 (the mean over the W / S data-parallel groups).
+        Without FSDP2: 1 / S (the shares are summed over the group at the end of the call)."""
+        size = dist.get_world_size(self.sequence) if self.sequence is not None else 1
+        if self.fsdp:
+            return float(self.world_size) / size if grad_reduction == "sum" else 1.0
+        return 1.0 / size
+
+    def compute_device(self, fallback: torch.device) -> torch.device:
+        """The device the passes run on: FSDP2's compute device (its parameters may be offloaded to host memory,
+        ``CPUOffloadPolicy``, and are brought to it for each forward), else ``fallback`` (the head's device)."""
+        if self.fsdp:
+            device = getattr(self.root._get_fsdp_state(), "_device", None)
+            if isinstance(device, torch.device):
+                return device
+        return fallback
 
     def all_reduce_grads(self, model: torch.nn.Module) -> None:
         """DDP: sum every gradient over ranks, one all-reduce per dtype."""

@@ -26,8 +26,9 @@ from sharedprefix.model.adapter import decoder, head_logits, num_attention_layer
 from sharedprefix.model.checks import decoder_position_ids, verify_head
 from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.multimodal import Multimodal, check_prompt_fits
-from sharedprefix.model.positions import renumbered
+from sharedprefix.model.positions import renumbered, takes_position_ids
 from sharedprefix.model.support import check_supported
+from sharedprefix.parallel.sequence import SequenceShard, fsdp_mesh_refusal, refuse_features
 from sharedprefix.parallel.strategy import detect
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.planner import Pass, Plan, plan
@@ -38,9 +39,12 @@ class Executor:
     ``{segment: per-layer (len, E) gradients}`` (``router.segment_grads``, scaled): add their linear term to what
     each pass backpropagates; None: as the config says (``output_router_logits``)."""
 
-    def __init__(self, model, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations=None, aux=None):
+    def __init__(
+        self, model, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations=None, aux=None, sequence_group=None
+    ):
         self.model = unwrap(model)
         self.par = detect(model, self.model)
+        self.par.sequence = sequence_group
         self.par.start()
         self.last = None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
         error = None
@@ -101,7 +105,7 @@ class Executor:
                 "prompt's deferred backward must run inside the root module's call under FSDP2, which only "
                 "'recompute' does. Use prefix_activations='recompute' (or None, which picks it under FSDP2)."
             )
-        self.device = streams.head_device(self.model)
+        self.device = self.par.compute_device(streams.head_device(self.model))
         impl = select(backend, self.device)  # an unknown or unavailable backend fails before any computation
         cap = getattr(self.model.config.get_text_config(), "attn_logit_softcapping", None)
         if cap is not None and not impl.SOFTCAP:  # refused here, before any pass (the attention would refuse too)
@@ -129,6 +133,8 @@ class Executor:
                 "sharedprefix reproduces the load-balancing loss of text rows only. Set "
                 "config.output_router_logits=False (routing itself stays exact)."
             )
+        if self.par.sequence is not None:
+            refuse_features(type(self.model).__name__, self._sequence_refusals())
 
     def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | None = None):
         """Forward of one row (inside the root module's call under FSDP2).
@@ -152,7 +158,9 @@ class Executor:
             write_index=self.cache.write_index,
             read_state=self.cache.read_state,
             write_state=self.cache.write_state,
+            sequence=SequenceShard(self.par.sequence, layout.length) if self.par.sequence is not None else None,
         )
+        shard = state.sequence.shard if state.sequence is not None else (lambda t: t)  # (..., L) -> this rank's
 
         def fn():
             with pass_state(state):
@@ -167,12 +175,14 @@ class Executor:
                 else:
                     dec = decoder(self.model)
                     with (
-                        renumbered(self.model, dec, decoder_position_ids(self.model, layout).to(self.device)) as kw,
+                        renumbered(self.model, dec, shard(decoder_position_ids(self.model, layout)).to(self.device)) as kw,
                         streams.framed(self.model, dec, self.frames),
                         router.recording(self.model, self.router_logits is not None or self.aux_grads is not None),
                     ):
-                        out = dec(input_ids=layout.input_ids.to(self.device), use_cache=False, **kw)
-            hidden = out.last_hidden_state[0]  # (L, d)
+                        out = dec(input_ids=shard(layout.input_ids).to(self.device), use_cache=False, **kw)
+            hidden = out.last_hidden_state[0]  # (L, d), or (Ls, d) of this rank's tokens
+            if state.sequence is not None:
+                hidden = state.sequence.gather(hidden)
             self.aux_term = None
             if self.router_logits is not None and tree is self.plan.tree:
                 self.router_logits.append((out.router_logits, router.multiplicity(layout), router.spans(layout)))
@@ -266,6 +276,25 @@ class Executor:
             if grad:
                 with pass_state(state):
                     self.par.backward(res[0].sum() * 0.0)
+
+    def _sequence_refusals(self) -> dict:
+        """{feature: reason} of what this call uses that sequence parallelism does not reproduce."""
+        out = {}
+        if self.par.kind == "ddp":
+            out["DDP data parallelism"] = "DDP's all-reduce is not combined with the sum over the sequence group (use FSDP2)"
+        if self.par.fsdp and (why := fsdp_mesh_refusal(self.model, self.par.sequence)):
+            out["FSDP2"] = why
+        if self.mm is not None:
+            out["prompt_inputs"] = "the vision tower's features are placed into the whole row's embeddings"
+        if self.frames is not None:
+            out["several token streams"] = "the frames are encoded per row"
+        if self.router_logits is not None:
+            out["output_router_logits=True"] = "the load-balancing loss counts the routing of the whole row"
+        if implementation(self.model) == indexed.NAME or any(has_dynamic_mask(m) for m in self.model.modules()):
+            out["an indexer or a dynamic mask"] = "their key selection reads the whole row's visibility mask"
+        if not takes_position_ids(decoder(self.model)):
+            out["a decoder that takes no position_ids"] = "its positions are renumbered by hooks over the whole row"
+        return out
 
     def _check_after_probe(self, calls: int, keep: int | None) -> None:
         """Refusals that need the probe's view of the layers (``calls``: the most attention calls of a module per

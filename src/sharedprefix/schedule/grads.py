@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from sharedprefix.parallel.sequence import reduce_grads
+
 _SYNCED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP: model -> {param: grad set aside}
 
 
@@ -81,6 +83,8 @@ def synced(par, model, sync: bool, grad_reduction: str, fn):
             if not ddp:
                 raise
             error = e
+        if par.sequence is not None and not par.fsdp:  # this call's share of each rank, summed over the group
+            reduce_grads(model, par.sequence)
         if ddp:
             par.agree_on_error(error, where="during")
             par.all_reduce_grads(model)

@@ -84,7 +84,7 @@ def backward(
     dummies = sum(k in ("DF", "DFB") for k, _ in rounds)
     last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
-    scale = par.loss_scale() if grad_reduction == "sum" else 1.0
+    scale = par.loss_scale(grad_reduction)
     total, calls = synced(
         par, run.model, sync, grad_reduction, lambda: run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
     )

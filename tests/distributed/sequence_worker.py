@@ -1,0 +1,147 @@
+"""One rank of the sequence-parallel tests (run under torchrun): sp.logprobs / sp.backward with sequence_group.
+
+Usage: torchrun --nproc_per_node=S sequence_worker.py OUT
+Every rank runs every case of ``CASES`` on the same groups over the whole world as its sequence group, and writes
+its own results to OUT.<rank> (log-probs, entropies, full gradients, refusal messages); the test compares each
+rank's with the plain run.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import sharedprefix as sp  # noqa: E402
+from helpers import random_groups, tiny_model  # noqa: E402
+
+# a group larger than the budget (prompt 30: chunks of 16 + 14; completions in 2 passes) and two small ones;
+# row lengths that are not multiples of 4, so that rows are padded for the split
+SPEC = ([30, 5, 7], [[6, 5, 6, 3], [2, 3], [3, 1, 4]])
+BUDGET = 16
+# name -> (arch, config overrides, budget, prefix_activations, source): H = 4 query heads everywhere
+CASES = {
+    "qwen3_gqa": ("qwen3", {}, None, None, "groups"),  # Hkv = 2: Hkv/S heads for S = 2, replicated for S = 4
+    "qwen3_budget_keep": ("qwen3", {}, BUDGET, "keep", "groups"),
+    "qwen3_budget_recompute": ("qwen3", {}, BUDGET, "recompute", "groups"),
+    "gemma_mqa_budget": ("gemma", {}, BUDGET, "keep", "groups"),  # Hkv = 1 < S
+    "llama_mha_tree": ("llama", dict(num_key_value_heads=4), BUDGET, "keep", "tree"),
+    "mistral_window_budget": ("mistral", dict(sliding_window=5), BUDGET, "recompute", "groups"),  # a sliding window
+}
+
+
+def source(kind):
+    groups = random_groups(11, 3, *SPEC)
+    if kind == "groups":
+        return groups
+    rows = [torch.cat([g.prompt, c]).tolist() for g in groups for c in g.completions]
+    rows.append(rows[0][:12] + [5, 6, 7])  # a row that shares only part of the first prompt
+    return sp.Tree.from_rows(rows)
+
+
+def weights(n, w):
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(n, w, dtype=torch.float64, generator=g), torch.randn(n, w, dtype=torch.float64, generator=g)
+
+
+def run_case(name, group):
+    arch, over, budget, mode, kind = CASES[name]
+    model = tiny_model(arch, **over)
+    src = source(kind)
+    with torch.no_grad():
+        out = sp.logprobs(model, src, entropy=True, max_tokens=budget, sequence_group=group)
+    W, V = weights(*out.logprobs.shape)
+    model.zero_grad(set_to_none=True)
+    loss = lambda b: (b.logprobs * W[b.index]).sum() + 0.1 * (b.entropy * V[b.index]).sum()  # noqa: E731
+    res = sp.backward(model, src, loss, max_tokens=budget, prefix_activations=mode, entropy=True, sequence_group=group)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    lp = sp.logprobs(model, src, max_tokens=budget, sequence_group=group)  # grad enabled: deferred
+    (lp.logprobs * W).sum().backward()
+    deferred = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return dict(logprobs=out.logprobs, entropy=out.entropy, grads=grads, deferred=deferred, loss=res.loss, passes=res.passes)
+
+
+def fsdp_weights(n):
+    return torch.randn(n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+
+
+def run_fsdp():
+    """FSDP2 over every rank x sequence groups of 2 (data-parallel group d: ranks 2d, 2d + 1), whole groups per
+    data-parallel group, a budget that splits one: {full gradients, log-probs of this rank's groups, their global
+    completion indices}."""
+    from distributed.worker import shard_of
+    from torch.distributed.fsdp import fully_shard
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups_sp = [dist.new_group([2 * d, 2 * d + 1]) for d in range(world // 2)]
+    d = rank // 2
+    model = tiny_model("qwen3")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    groups = source("groups")
+    mine, gidx = shard_of(groups, d, world // 2)
+    W = fsdp_weights(sum(g.group_size for g in groups))  # over every completion, indexed by its global position
+    with torch.no_grad():
+        lp = sp.logprobs(model, mine, max_tokens=BUDGET, sequence_group=groups_sp[d]).logprobs
+    loss = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]]).sum()  # noqa: E731
+    sp.backward(model, mine, loss, max_tokens=BUDGET, sequence_group=groups_sp[d])
+    grads = {}
+    for n, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[n] = g.detach().clone()
+    return dict(grads=grads, logprobs=lp, gidx=gidx, data_group=d)
+
+
+def refusals(group):
+    """{case: message} of calls that must be refused under sequence parallelism (missing: not refused)."""
+    import transformers as tf
+    from torch.nn.parallel import DistributedDataParallel
+
+    hybrid = tf.Lfm2ForCausalLM(
+        tf.Lfm2Config(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=48,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=3,
+            layer_types=["conv", "full_attention", "conv"],
+            conv_L_cache=3,
+            block_auto_adjust_ff_dim=False,
+        )
+    )
+    calls = {
+        "heads": lambda: sp.logprobs(
+            tiny_model("qwen3", num_attention_heads=6, num_key_value_heads=3), source("groups"), sequence_group=group
+        ),
+        "hybrid": lambda: sp.logprobs(hybrid, source("groups"), sequence_group=group),
+        "defer_false": lambda: sp.logprobs(tiny_model("qwen3"), source("groups"), defer=False, sequence_group=group),
+        "ddp": lambda: sp.backward(
+            DistributedDataParallel(tiny_model("qwen3")), source("groups"), lambda b: b.logprobs.sum(), sequence_group=group
+        ),
+    }
+    msgs = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as e:
+            msgs[name] = str(e)
+    return msgs
+
+
+def main(out):
+    dist.init_process_group("gloo")
+    group = dist.new_group(list(range(dist.get_world_size())))
+    results = {name: run_case(name, group) for name in CASES}
+    results["refusals"] = refusals(group)
+    results["fsdp"] = run_fsdp()
+    torch.save(results, f"{out}.{dist.get_rank()}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,117 @@
+"""Ulysses sequence parallelism (``sequence_group``) on 2 and 4 CPU processes (gloo): every rank's log-probs,
+entropies and gradients equal one plain transformers forward per row in float64 (1e-9), for GQA (Hkv/S heads per
+rank), Hkv < S (replicated key/value heads), MQA and MHA, under a budget that splits a group (prompt K/V cached per
+head shard, "keep" and "recompute"), for groups and a prefix tree; grad-enabled logprobs (deferred) too."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed.sequence_worker import BUDGET, CASES, source, weights
+
+import sharedprefix as sp
+from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
+
+WORKER = os.path.join(os.path.dirname(__file__), "sequence_worker.py")
+
+
+def _launch(n, tmp_path):
+    out = tmp_path / "seq"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", WORKER, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(n)]
+
+
+def _plain(model, src):
+    """(N, W) log-probs and entropies of one plain forward per row, aligned with sp.logprobs' output."""
+    if isinstance(src, sp.Tree):
+        from schedule.test_tree import plain_rows
+
+        rows = [r.tolist() for r in src.rows]
+        return plain_rows(model, rows, [[bool(x) for x in m] for m in src.trained]), None
+    lp, ent = plain_logprobs(model, src, entropy=True)[:2]
+    return lp, ent
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["sp2", "sp4"])
+def ranks(request, tmp_path_factory):
+    return request.param, _launch(request.param, tmp_path_factory.mktemp(f"sp{request.param}"))
+
+
+def test_plan_splits_a_group_and_rows_need_padding():
+    plan = sp.plan(source("groups"), BUDGET)
+    assert any(isinstance(s, sp.schedule.PrefixBackward) for s in plan.steps)
+    assert any(plan.pass_tokens(p) % 4 for p in plan.passes)  # some rows are padded to a multiple of S
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_sequence_parallel_matches_plain_rows_float64(ranks, name):
+    n, results = ranks
+    arch, over, budget, mode, kind = CASES[name]
+    model = tiny_model(arch, **over)
+    src = source(kind)
+    ref_lp, ref_ent = _plain(model, src)
+    ref_lp = ref_lp.detach()
+    W, V = weights(*results[0][name]["logprobs"].shape)
+    if ref_ent is not None:
+        want = grads_of(model, lambda: (lambda lp, ent: (lp * W).sum() + 0.1 * (ent * V).sum())(*_plain(model, src)))
+    want_lp = grads_of(model, lambda: (_plain(model, src)[0] * W).sum())
+    for r, res in enumerate(results):
+        got = res[name]
+        assert got["passes"] > (1 if budget else 0)
+        assert (got["logprobs"] - ref_lp).abs().max() <= 1e-9, (r, name)
+        if ref_ent is not None:
+            assert (got["entropy"] - ref_ent.detach()).abs().max() <= 1e-9, (r, name)
+            assert_grads_close(got["grads"], want, 1e-9)
+        assert_grads_close(got["deferred"], want_lp, 1e-9)
+
+
+@pytest.mark.slow
+def test_what_the_split_does_not_reproduce_is_refused(ranks):
+    n, results = ranks
+    for msgs in (res["refusals"] for res in results):
+        want = "6 query heads, not a multiple" if n == 4 else "3 key/value heads and the sequence group 2 ranks"
+        assert want in msgs["heads"]
+        assert "hybrid model" in msgs["hybrid"] and "state of the slices before it" in msgs["hybrid"]
+        assert "DDP data parallelism" in msgs["ddp"]
+        assert "defer=False with grad enabled is not possible with sequence parallelism" in msgs["defer_false"]
+
+
+@pytest.mark.slow
+def test_fsdp2_data_parallel_times_sequence_parallel(ranks):
+    """FSDP2 over all ranks, sequence groups of 2 (1 x 2 and 2 x 2): every rank's full gradient is the plain
+    gradient of all groups (summed over the data-parallel groups), its log-probs its own groups' plain ones."""
+    n, results = ranks
+    from distributed.sequence_worker import fsdp_weights
+
+    groups = source("groups")
+    model = tiny_model("qwen3")
+    W = fsdp_weights(sum(g.group_size for g in groups))
+    want = grads_of(model, lambda: (lambda lp: (lp * W[:, : lp.shape[1]]).sum())(plain_logprobs(model, groups)[0]))
+    assert sorted({res["fsdp"]["data_group"] for res in results}) == list(range(n // 2))
+    for res in results:
+        got = res["fsdp"]
+        assert_grads_close(got["grads"], want, 1e-9)
+        mine = [groups[i] for i in sorted({_group_of(groups, int(c)) for c in got["gidx"]})]
+        ref = plain_logprobs(model, mine)[0].detach()
+        assert (got["logprobs"] - ref).abs().max() <= 1e-9
+
+
+def _group_of(groups, completion):
+    start = 0
+    for i, g in enumerate(groups):
+        if completion < start + g.group_size:
+            return i
+        start += g.group_size
+    raise IndexError(completion)
+
+
+def test_sequence_group_validated():
+    model = tiny_model("qwen3")
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        sp.logprobs(model, source("groups"), sequence_group=object())
