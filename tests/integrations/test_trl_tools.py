@@ -1,4 +1,5 @@
-"""TRL's own tool loop (``GRPOTrainer(tools=[...])``) with SharedPrefixGRPOTrainer, a dense and an MoE model.
+"""TRL's own tool loop (``GRPOTrainer(tools=[...])`` and ``environment_factory=``) with SharedPrefixGRPOTrainer, a
+dense and an MoE model.
 
 A byte-level tokenizer carries TRL's Qwen3 chat template, which TRL recognises and parses tool calls with. A tiny
 random model never writes a valid tool call, so the first assistant turn of every completion is parsed as a call
@@ -44,6 +45,27 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+class MultiplyEnv:
+    """An environment as TRL's environment_factory takes it: reset, and its public methods as tools."""
+
+    def reset(self, **kwargs):
+        self.calls = 0
+
+    def multiply(self, a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+
+        Returns:
+            The product of the two integers.
+        """
+        self.calls += 1
+        return a * b
+
+
 def _tokenizer():
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tk = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -80,7 +102,7 @@ def _first_turn_calls_the_tool(tok):
     return parse
 
 
-def _train(cls, cfg_cls, init, tok, out):
+def _train(cls, cfg_cls, init, tok, out, source):
     args = cfg_cls(
         output_dir=str(out),
         num_generations=4,
@@ -106,7 +128,7 @@ def _train(cls, cfg_cls, init, tok, out):
             args=args,
             train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
             processing_class=tok,
-            tools=[multiply],
+            **({"tools": [multiply]} if source == "tools" else {"environment_factory": MultiplyEnv}),
         )
         trainer.train()
     return trainer
@@ -114,15 +136,16 @@ def _train(cls, cfg_cls, init, tok, out):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
-def test_trl_tool_loop_trains_as_grpo_trainer(tmp_path, monkeypatch, kind):
+@pytest.mark.parametrize("source", ["tools", "environment_factory"])
+def test_trl_tool_loop_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, source):
     tok = _tokenizer()
     init, state = _model(tmp_path, tok, kind)
     monkeypatch.setattr(grpo, "parse_response", _first_turn_calls_the_tool(tok))
     trees = []
     logprobs = sp.logprobs
     monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: trees.append(source) or logprobs(model, source, **kw))
-    plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain")
-    ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp")
+    plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", source)
+    ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", source)
     calls = [h["tools/call_frequency"] for h in plain.state.log_history if "tools/call_frequency" in h]
     assert calls and min(calls) > 0  # the rollouts really are two turns
     assert plain.aux_loss_enabled == (kind == "qwen3_moe")
