@@ -89,7 +89,8 @@ def _tree_check(model, rows, trained, budgets, modes):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_families_match_plain_rows_in_one_pass_and_split(family):
     """Every family on the packed path (none on the cache path): three groups in one pass, and a budget that cuts the
-    9-token prompt into a chain and splits its completions, in the three prefix modes."""
+    9-token prompt into a chain and splits its completions ("keep"; LFM2 also "offload" and "recompute", the modes being
+    the same code for every family and run on Qwen3-Next by the tree tests)."""
     model = _model(family)
     assert mixers.is_packed(model) and not is_hybrid(model) and model.config.model_type not in HYBRID_MODEL_TYPES
     gs = groups_of()
