@@ -56,6 +56,7 @@ class Piece:
 
     def pad_index(self) -> torch.Tensor:
         """(sum lens,) int64: where each real row of a padded piece sits among its B * W padded rows."""
+        assert self.shape is not None and self.lens is not None, "pad_index of a piece that is not padded"
         w = self.shape[0]
         return torch.cat([torch.arange(n) + b * w for b, n in enumerate(self.lens)])
 
@@ -81,7 +82,7 @@ def pieces(call) -> list[Piece] | None:
 
 def _piece(e0: int, e1: int, cq: list[int], ck: list[int], shapes: list, pad: bool = False) -> Piece:
     run = shapes[e0:e1]
-    span = dict(e0=e0, e1=e1, q0=cq[e0], q1=cq[e1], k0=ck[e0], k1=ck[e1])
+    span: dict = dict(e0=e0, e1=e1, q0=cq[e0], q1=cq[e1], k0=ck[e0], k1=ck[e1])
     if all(s == run[0] for s in run):
         return Piece(**span, shape=run[0])
     w, lens = max(lq for lq, _ in run), tuple(lq for lq, _ in run)

@@ -70,7 +70,9 @@ def conv_index(layout: RowLayout, K: int) -> ConvIndex:
                 return 1 + inrow[a] + p - segs[a].start
         raise RuntimeError(f"position {p} is on no segment of the path {path}; a bug.")
 
-    ext, out, e = [], [], 0
+    ext: list = []
+    out: list = []
+    e = 0
     for s in layout.segments:  # row order
         seg, path = segs[s], layout.tree.ancestors(s)
         ext += [locate(path, seg.start - K + t) for t in range(K)]
@@ -92,7 +94,7 @@ def level_index(layout: RowLayout) -> list[Level]:
         ids = by_depth[d]
         T = max(segs[s].length for s in ids)
         gather = torch.full((len(ids), T), L, dtype=torch.int64)
-        valid = []
+        valid: list = []
         for b, s in enumerate(ids):
             n, r = segs[s].length, layout.row_start[s]
             gather[b, :n] = torch.arange(r, r + n)

@@ -169,7 +169,7 @@ def _wrapper(kind: str, own):
         state.mixed[(module, kind)] = state.mixed.get((module, kind), 0) + 1
         return packed(own, state, (module, kind), first, *args, **kwargs)
 
-    seam.__wrapped__ = own
+    seam.__wrapped__ = own  # type: ignore[attr-defined]
     return seam
 
 
@@ -214,7 +214,8 @@ def _delta(own, state, slot, first, query, key, value, g=None, beta=None, initia
     segs = layout.tree.segments
     levels = _memo(layout, ("levels", query.device), lambda: [_level_to(lv, query.device) for lv in level_index(layout)])
     padded = [torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in (query, key, value, g, beta)]  # (L + 1, ...)
-    final, outs = {}, []
+    final: dict = {}
+    outs: list = []
     for lv in levels:
         q, k, v, gg, bb = (t[lv.gather] for t in padded)  # (B, T, ...)
         parents = [segs[s].parent for s in lv.segments]

@@ -136,7 +136,7 @@ def multiplicity(layout) -> torch.Tensor:
     )
 
 
-def aux_loss(model, records: list[tuple[tuple, torch.Tensor]]) -> torch.Tensor:
+def aux_loss(model, records: list[tuple[tuple, torch.Tensor, object]]) -> torch.Tensor:
     """The plain run's load-balancing loss from each pass's ``(router_logits, weights, spans)``.
 
     ``router_logits``: one (L, E) tensor per MoE layer, as the decoder returns them; ``weights``: (L,) from

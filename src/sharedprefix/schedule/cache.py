@@ -257,6 +257,7 @@ class OffloadHooks:
         if x.ready is not None:
             cur = torch.cuda.current_stream(x.device)
             cur.wait_event(x.ready)
+            assert t is not None  # the copy this event orders
             t.record_stream(cur)
             x.ready = None
         self.prefetch()
