@@ -309,6 +309,7 @@ def _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, d
         error = e
     if kind == "ddp":
         detect(model, unwrap(model)).agree_on_error(error)
+    assert out is not None  # an error was raised above, on every rank
     if deferred:
         return defer_logprobs(_deferred_backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
     return out

@@ -21,15 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 
-from sharedprefix.attention import dynamic_mask, indexed, kernels, probe
+from sharedprefix.attention import dynamic_mask, indexed, kernels
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.attention.kernels import flex
-from sharedprefix.attention.layers import index_to_position_temperature, layer_chunk, layer_window, softcap_refusal
+from sharedprefix.attention.layers import index_to_position_temperature, layer_chunk, layer_pattern, layer_window, softcap_refusal
 from sharedprefix.layout.packing import RowLayout
 
 NAME = "sharedprefix"
@@ -83,7 +84,7 @@ class PassState:
     read_state: Callable | None = None
     write_state: Callable | None = None
     mixed: dict = field(default_factory=dict)
-    sequence: object = None  # ``parallel.sequence.SequenceShard`` of a sequence-parallel pass, else None
+    sequence: Any = None  # ``parallel.sequence.SequenceShard`` of a sequence-parallel pass, else None
 
 
 _STACK: list[PassState] = []
@@ -178,8 +179,9 @@ def shared_prefix_attention(
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         query = index_to_position_temperature(module, query, layout.position_ids)
 
-    calls = probe.pattern(module).calls
-    is_indexed = indices is not None or probe.pattern(module).indexed
+    pat = layer_pattern(module)
+    calls = pat.calls
+    is_indexed = indices is not None or pat.indexed
     if is_indexed:
         _check_indexed(module, indices, state, sliding_window, chunk, softcap, calls)
     # A module that runs its attention several times per forward (looped layers, differential attention) caches
@@ -188,17 +190,20 @@ def shared_prefix_attention(
     state.seen[module] = idx + 1
     slot = module if calls == 1 else (module, idx % calls)
     if idx < calls and layout.record:
+        assert state.write_kv is not None, "a pass that records segments has a cache to write to"
         for s in layout.record:
             r0, r1 = layout.row_start[s], layout.row_end[s]
             state.write_kv(slot, s, key[:, :, r0:r1], value[:, :, r0:r1])
     if is_indexed:  # over the cached segments' keys, then the row's (the indexer's indices number them so)
         if layout.cached_reads:
+            assert state.read_kv is not None, "a pass that reads cached segments has a cache to read from"
             kv = [state.read_kv(slot, a) for a in layout.cached_reads]
             key = torch.cat([k for k, _ in kv] + [key], dim=2)
             value = torch.cat([v for _, v in kv] + [value], dim=2)
         return indexed.sparse_attention(query, key, value, state.visible, indices, scale, sinks), None
 
-    read = (lambda seg: state.read_kv(slot, seg)) if state.read_kv else None
+    read_kv = state.read_kv
+    read = (lambda seg: read_kv(slot, seg)) if read_kv is not None else None
     if use_flex:
         if sinks is not None:
             _refuse(f"{name} combines attention sinks with soft-capping; the FlexAttention path takes no sinks.")
@@ -223,7 +228,7 @@ def _check_indexed(module, indices, state: PassState, window, chunk, softcap, ca
     """Refuse what ``indexed.sparse_attention`` does not reproduce; the probe and this call must agree that the layer
     attends over indexer-selected keys."""
     name = type(module).__name__
-    if indices is None or not probe.pattern(module).indexed:
+    if indices is None or not layer_pattern(module).indexed:
         raise ValueError(
             f"{name} passed indexer indices to attention {'only now' if indices is not None else 'in the probe only'}; "
             "sharedprefix reads which layers attend over indexer-selected keys from the probe and refuses a layer "

@@ -49,7 +49,7 @@ def layer_window(module, passed: int | None) -> int | None:
     it.
     """
     name = type(module).__name__
-    pat = _pattern(module)
+    pat = layer_pattern(module)
     cfg = getattr(module, "config", None)
     types = getattr(cfg, "layer_types", None)
     idx = getattr(module, "layer_idx", None)
@@ -80,11 +80,11 @@ def layer_chunk(module) -> int | None:
     """The attention chunk (positions) of this layer, None when it has none: a query at position p sees the keys
     at positions floor(p / chunk) * chunk .. p (Llama 4). The chunk boundaries are positions, so a completion
     continues its prompt's chunk (``layout.cascade``)."""
-    pat = _pattern(module)
+    pat = layer_pattern(module)
     return pat.size if pat.kind == "chunked" else None
 
 
-def _pattern(module) -> probe.LayerPattern:
+def layer_pattern(module) -> probe.LayerPattern:
     pat = probe.pattern(module)
     if pat is None:
         raise RuntimeError(

@@ -26,6 +26,7 @@ Notation: L = row length, P = prompt length.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 
@@ -56,7 +57,7 @@ class Multimodal:
 
     def __init__(self, model, groups):
         name = type(model).__name__
-        self.module = getattr(model, "model", None)
+        self.module: Any = getattr(model, "model", None)
         cfg = model.config
         if self.module is None or not hasattr(self.module, "get_input_embeddings"):
             raise ValueError(f"{name} has no multimodal base module (model.model); prompt_inputs are not supported.")

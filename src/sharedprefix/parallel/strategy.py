@@ -37,7 +37,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,11 +62,11 @@ class Parallel:
     """How one call runs over the ranks; created for the call and dropped with it (nothing is set on the model)."""
 
     kind: str = "none"  # "none" | "ddp" | "fsdp"
-    root: torch.nn.Module | None = None
+    root: Any = None  # the FSDP2 root module (its private state is read: docs/internals.md), or the DDP module
     world_size: int = 1
     call_id: int = -1  # set by ``start``
     broken: bool = False  # an error left a collective-bearing region: this call's process group is closed
-    sequence: object = None  # the sequence-parallel process group of the call (``parallel.sequence``), or None
+    sequence: Any = None  # the sequence-parallel process group of the call (``parallel.sequence``), or None
 
     @property
     def fsdp(self) -> bool:
@@ -152,7 +154,9 @@ class Parallel:
                 return found
             time.sleep(0.05)
 
-    def agree_on_error(self, error: BaseException | None, where: str = "before any computation of", counts: list[int] = ()) -> list[int]:
+    def agree_on_error(
+        self, error: BaseException | None, where: str = "before any computation of", counts: Sequence[int] = ()
+    ) -> list[int]:
         """Under DDP / FSDP2, every rank learns whether any rank failed before the next collective (the call's first,
         or DDP's gradient all-reduce at its end), and all raise together (the failing rank its own error, the others
         one naming it) instead of waiting in a collective the failed rank never joins. ``counts`` ride along in the
@@ -176,6 +180,7 @@ class Parallel:
                 f"rank {r} stopped {where} this sharedprefix call ({m}); every rank stops with it instead of waiting "
                 "in a collective that rank would never join."
             )
+        raise RuntimeError(f"a rank flagged an error {where} this sharedprefix call but none reported it; a bug.")
 
     def set_sync(self, enabled: bool) -> None:
         if self.fsdp:

@@ -61,8 +61,9 @@ class Executor:
         # the same model on every rank: a refusal here is raised by every rank together (no guard needed)
         own = self.model.forward if self.par.fsdp else None
         self.par.call(lambda: verify_head(self.model, own), guard=False)
-        mods = [m for m in self.model.modules() if probe.pattern(m) is not None]
-        calls = max((probe.pattern(m).calls for m in mods), default=1)
+        pats = {m: p for m in self.model.modules() if (p := probe.pattern(m)) is not None}
+        mods = list(pats)
+        calls = max((p.calls for p in pats.values()), default=1)
         keep = min((m.keep_window_size for m in mods if has_dynamic_mask(m)), default=None)
         if keep is not None or (calls > 1 and uses_checkpointing(self.model)):  # the same on every rank
             error = None
@@ -84,7 +85,7 @@ class Executor:
         self.source = validate_source(source, vocab)
         if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
-        self.mm = None
+        self.mm: Multimodal | None = None
         if not isinstance(self.source, Tree) and any(g.prompt_inputs for g in self.source):
             check_prompt_fits(self.source, max_tokens)
             self.mm = Multimodal(self.model, self.source)
@@ -119,7 +120,7 @@ class Executor:
         self.aux_grads = aux if isinstance(aux, dict) else None
         self.aux_term = None  # the aux loss's linear term of the latest pass that computed one under grad
         record = aux is True or (aux is None and router.enabled(self.model))
-        self.router_logits = [] if record else None  # per pass: (router logits, multiplicities, spans)
+        self.router_logits: list | None = [] if record else None  # per pass: (router logits, multiplicities, spans)
         if self.aux_grads is not None and self.par.fsdp:
             raise ValueError(
                 f"{type(self.model).__name__}'s MoE load-balancing loss with an FSDP2 model: sharedprefix adds its "

@@ -109,7 +109,9 @@ class HybridRun:
 
     def batches(self, g) -> list[list[int]]:
         """The completions of ``g`` in batches (in order) whose padded size n * t fits the budget."""
-        out, cur, width = [], [], 0
+        out: list[list[int]] = []
+        cur: list[int] = []
+        width = 0
         for i, c in enumerate(g.completions):
             w = max(width, c.numel(), MIN_WIDTH)
             if cur and self.max_tokens is not None and (len(cur) + 1) * w > self.max_tokens:

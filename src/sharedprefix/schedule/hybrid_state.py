@@ -70,7 +70,7 @@ def _slots(cache) -> list[tuple[int, str, int | None]]:
     """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
     from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-    out = []
+    out: list[tuple[int, str, int | None]] = []
     for i, layer in enumerate(cache.layers):
         known = set()
         if isinstance(layer, DummyLayer):
