@@ -6,7 +6,7 @@ must run its backward inside sharedprefix to a deferred backward (``schedule.def
 or a tree's rows), W = columns, n = rows in one pass.
 
 Hybrid models (``model.support.HYBRID_MODEL_TYPES``: LFM2, Falcon-H1, Qwen3-Next, Zamba2, Mamba2 and others, whose
-layers mix tokens outside attention) take ``schedule.hybrid``: each prompt once through the model's own cache-aware
+layers mix tokens outside attention) take ``schedule.hybrid`` (through ``schedule.hybrid_calls``): each prompt once through the model's own cache-aware
 forward, each completion batch from a copy of the prompt's cache. There ``max_tokens`` bounds every forward
 (prompt chunks, right-padded completion batches); a completion longer than it is refused, and so are ``sp.Tree``,
 ``prompt_inputs``, FSDP2 and gradient checkpointing.
@@ -21,22 +21,19 @@ first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) there, so that this module 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 
 import torch
 
-from sharedprefix.attention.kernels import select
 from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap, uses_checkpointing
 from sharedprefix.model.support import is_hybrid
-from sharedprefix.parallel.sequence import check_group, refuse_hybrid
+from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
 from sharedprefix.parallel.strategy import detect
-from sharedprefix.schedule import hybrid, rounds
+from sharedprefix.schedule import hybrid_calls, rounds
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.executor import Executor
-from sharedprefix.schedule.grads import synced
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
 
 __all__ = ["PREFIX_MODES", "REDUCTIONS", "BackwardResult", "Batch", "LogProbs", "backward", "logprobs", "register_call_check"]
@@ -103,11 +100,13 @@ def logprobs(
     if seq is not None and (is_hybrid(unwrap(model)) or mixers.is_packed(unwrap(model))):
         refuse_hybrid(type(unwrap(model)).__name__, seq)
     if seq is not None and (aux_loss or (aux_loss is None and router.enabled(unwrap(model)))):
-        _refuse_aux_under_sequence(model)
+        refuse_aux(type(unwrap(model)).__name__)
     if is_hybrid(unwrap(model)):
         if aux_loss:
             router.refuse_hybrid(unwrap(model))
-        return _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction)
+        return hybrid_calls.hybrid_logprobs(
+            model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction, _deferred_backward
+        )
     _run_call_checks(model, groups)
     if torch.is_grad_enabled() and _defers(model, defer, seq):
         with torch.no_grad():
@@ -184,13 +183,13 @@ def backward(
     if seq is not None and (is_hybrid(unwrap(model)) or mixers.is_packed(unwrap(model))):
         refuse_hybrid(type(unwrap(model)).__name__, seq)
     if seq is not None and coef:
-        _refuse_aux_under_sequence(model)
+        refuse_aux(type(unwrap(model)).__name__)
     kw = dict(max_tokens=max_tokens, prefix_activations=prefix_activations, temperature=temperature, entropy=entropy)
     kw.update(backend=backend, offload_device=offload_device, sync=sync, grad_reduction=grad_reduction)
     if is_hybrid(unwrap(model)):
         if coef:
             router.refuse_hybrid(unwrap(model))
-        return _hybrid_backward(model, groups, loss_fn, **kw)
+        return hybrid_calls.hybrid_backward(model, groups, loss_fn, **kw)
     _run_call_checks(model, groups)
     aux = None
     if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
@@ -237,16 +236,6 @@ def _deferred_backward(model, groups, loss_fn, aux_grads=None, **kw) -> Backward
 # -- validation and the deferral decision --------------------------------------------------------------------------
 
 
-def _refuse_aux_under_sequence(model) -> None:
-    raise ValueError(
-        f"{type(unwrap(model)).__name__} returns its MoE load-balancing loss (output_router_logits, or aux_loss / "
-        "aux_loss_coef given) and a sequence_group was passed: under sequence parallelism each rank routes only its "
-        "shard of the row's tokens, and sharedprefix does not gather the router logits across the group, so the "
-        "loss would not be the plain run's. Pass aux_loss=False / aux_loss_coef=0.0 (routing itself stays exact), "
-        "or drop sequence_group."
-    )
-
-
 def _check_modes(prefix_activations: str, grad_reduction: str) -> None:
     if prefix_activations not in PREFIX_MODES:
         raise ValueError(
@@ -285,58 +274,3 @@ def _defers(model, defer: bool | None, seq=None) -> bool:
     if defer or (defer is None and needs):
         return True
     return False
-
-
-# -- hybrid models -------------------------------------------------------------------------------------------------
-
-
-def _hybrid_logprobs(model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction) -> LogProbs:
-    kind = _check_hybrid(model, backend)
-    if torch.is_grad_enabled() and kind == "ddp" and defer is False:
-        raise ValueError(
-            "sharedprefix.logprobs with grad enabled and defer=False on a DDP model: the hybrid path runs the "
-            "wrapped module, so only a deferred backward (defer=None or True) synchronises the gradients over "
-            "the ranks. Leave defer=None."
-        )
-    deferred = torch.is_grad_enabled() and (defer or kind == "ddp")  # no graph now, hybrid.backward later
-    error, out = None, None
-    try:
-        with torch.no_grad() if deferred else contextlib.nullcontext():
-            out = hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
-    except (ValueError, TypeError) as e:  # DDP: every rank stops, none waits in a later collective
-        if kind != "ddp":
-            raise
-        error = e
-    if kind == "ddp":
-        detect(model, unwrap(model)).agree_on_error(error)
-    assert out is not None  # an error was raised above, on every rank
-    if deferred:
-        return defer_logprobs(_deferred_backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
-    return out
-
-
-def _hybrid_backward(
-    model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend, offload_device, sync, grad_reduction
-) -> BackwardResult:
-    inner = unwrap(model)
-
-    def run():
-        return hybrid.backward(inner, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, offload_device)
-
-    if _check_hybrid(model, backend) != "ddp":
-        return run()
-    return synced(detect(model, inner), inner, sync, grad_reduction, run)  # the module, then one sync
-
-
-def _check_hybrid(model, backend: str) -> str:
-    """A hybrid model runs its own attention (``schedule.hybrid``): the backend name is checked, not used; FSDP2 is
-    refused. Returns the data-parallel kind ("none" or "ddp")."""
-    select(backend, unwrap(model).get_input_embeddings().weight.device)
-    kind = detect(model, unwrap(model)).kind
-    if kind == "fsdp":
-        raise ValueError(
-            f"{type(unwrap(model)).__name__} is a hybrid model (layers that mix tokens outside attention) sharded with "
-            "FSDP2; sharedprefix's hybrid path runs the model's own cache-aware forward, which it does not run inside "
-            "FSDP2's unshard and reshard hooks. Use DDP (supported) or a single process."
-        )
-    return kind

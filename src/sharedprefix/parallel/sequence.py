@@ -110,6 +110,17 @@ def refuse_hybrid(name: str, group) -> None:
         )
 
 
+def refuse_aux(name: str) -> None:
+    """The MoE load-balancing loss under sequence parallelism: refused, with the reason."""
+    raise ValueError(
+        f"{name} returns its MoE load-balancing loss (output_router_logits, or aux_loss / "
+        "aux_loss_coef given) and a sequence_group was passed: under sequence parallelism each rank routes only its "
+        "shard of the row's tokens, and sharedprefix does not gather the router logits across the group, so the "
+        "loss would not be the plain run's. Pass aux_loss=False / aux_loss_coef=0.0 (routing itself stays exact), "
+        "or drop sequence_group."
+    )
+
+
 def refuse_features(name: str, features: dict) -> None:
     """Refuse, under sequence parallelism, what the split does not reproduce; ``features``: {what: reason} of the
     ones the call uses (the executor finds them)."""

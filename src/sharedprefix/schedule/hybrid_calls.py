@@ -1,0 +1,75 @@
+"""The public calls' branch for hybrid models on the cache path (``schedule.hybrid``): the data-parallel checks,
+DDP's error agreement and the deferral decision around ``hybrid.logprobs`` / ``hybrid.backward``.
+
+Notation: N = completions, W = the longest completion.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from sharedprefix.attention.kernels import select
+from sharedprefix.model.adapter import unwrap
+from sharedprefix.parallel.strategy import detect
+from sharedprefix.schedule import hybrid
+from sharedprefix.schedule.deferred import defer_logprobs
+from sharedprefix.schedule.grads import synced
+from sharedprefix.schedule.results import BackwardResult, LogProbs
+
+
+def hybrid_logprobs(
+    model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction, deferred_backward
+) -> LogProbs:
+    """``sp.logprobs`` of a model on the cache path; ``deferred_backward``: what a deferred call's backward runs
+    (``api._deferred_backward``)."""
+    kind = check_hybrid(model, backend)
+    if torch.is_grad_enabled() and kind == "ddp" and defer is False:
+        raise ValueError(
+            "sharedprefix.logprobs with grad enabled and defer=False on a DDP model: the hybrid path runs the "
+            "wrapped module, so only a deferred backward (defer=None or True) synchronises the gradients over "
+            "the ranks. Leave defer=None."
+        )
+    deferred = torch.is_grad_enabled() and (defer or kind == "ddp")  # no graph now, hybrid.backward later
+    error, out = None, None
+    try:
+        with torch.no_grad() if deferred else contextlib.nullcontext():
+            out = hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
+    except (ValueError, TypeError) as e:  # DDP: every rank stops, none waits in a later collective
+        if kind != "ddp":
+            raise
+        error = e
+    if kind == "ddp":
+        detect(model, unwrap(model)).agree_on_error(error)
+    assert out is not None  # an error was raised above, on every rank
+    if deferred:
+        return defer_logprobs(deferred_backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
+    return out
+
+
+def hybrid_backward(
+    model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend, offload_device, sync, grad_reduction
+) -> BackwardResult:
+    inner = unwrap(model)
+
+    def run():
+        return hybrid.backward(inner, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, offload_device)
+
+    if check_hybrid(model, backend) != "ddp":
+        return run()
+    return synced(detect(model, inner), inner, sync, grad_reduction, run)  # the module, then one sync
+
+
+def check_hybrid(model, backend: str) -> str:
+    """A hybrid model runs its own attention (``schedule.hybrid``): the backend name is checked, not used; FSDP2 is
+    refused. Returns the data-parallel kind ("none" or "ddp")."""
+    select(backend, unwrap(model).get_input_embeddings().weight.device)
+    kind = detect(model, unwrap(model)).kind
+    if kind == "fsdp":
+        raise ValueError(
+            f"{type(unwrap(model)).__name__} is a hybrid model (layers that mix tokens outside attention) sharded with "
+            "FSDP2; sharedprefix's hybrid path runs the model's own cache-aware forward, which it does not run inside "
+            "FSDP2's unshard and reshard hooks. Use DDP (supported) or a single process."
+        )
+    return kind
