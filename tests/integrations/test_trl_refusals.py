@@ -36,18 +36,28 @@ def test_settings_of_our_own_are_checked_with_the_fix(tmp_path):
     assert _build(_model(tok), tok, tmp_path, sharedprefix_max_tokens=64, sharedprefix_prefix_activations="recompute")
 
 
-def test_hybrid_model_under_gradient_checkpointing_is_refused_when_built(tmp_path):
-    """TRL turns gradient checkpointing on by default; the hybrid path needs the model's cache, which transformers
-    turns off under it. Refused at construction (it was refused at the first loss step), with the setting to change."""
+def _tiny(model_type: str, tok, cls):
+    cfg = tiny_config(model_type)
+    cfg.vocab_size = len(tok)
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    torch.manual_seed(0)
+    return cls(cfg)
+
+
+def test_cache_path_hybrid_under_gradient_checkpointing_is_refused_when_built(tmp_path):
+    """TRL turns gradient checkpointing on by default; a hybrid on the cache path (Falcon-H1's Mamba2 layers) needs
+    the model's cache, which transformers turns off under it. Refused at construction, with the setting to change; a
+    hybrid on the packed path (LFM2's short convolutions) is built with checkpointing on."""
     tok = build_tokenizer()
-    with pytest.raises(ValueError, match=r"Lfm2ForCausalLM is a hybrid model .*Set gradient_checkpointing=False"):
-        _build(_lfm2(tok), tok, tmp_path)
-    assert _build(_lfm2(tok), tok, tmp_path, gradient_checkpointing=False)
+    with pytest.raises(ValueError, match=r"FalconH1ForCausalLM is a hybrid model .*Set gradient_checkpointing=False"):
+        _build(_tiny("falcon_h1", tok, tf.FalconH1ForCausalLM), tok, tmp_path)
+    assert _build(_tiny("falcon_h1", tok, tf.FalconH1ForCausalLM), tok, tmp_path, gradient_checkpointing=False)
+    assert _build(_lfm2(tok), tok, tmp_path)
 
 
-def test_qwen3_5_vision_language_wrapper_is_refused_by_its_text_model_type(tmp_path):
-    """Qwen3.5's vision-language model wraps a hybrid text model: the refusal names both types (it listed its own
-    text type among the supported ones), and its advice, the text model alone, builds."""
+def test_qwen3_5_vision_language_model_is_built_on_the_packed_path(tmp_path):
+    """Qwen3.5's vision-language model wraps a hybrid text model whose gated delta-nets run on the packed path: the
+    trainer is built for it, with TRL's default gradient checkpointing (it was refused by its wrapper's type)."""
     tok = build_tokenizer()
     text = tiny_config("qwen3_5_text")
     text.vocab_size = len(tok)
@@ -55,19 +65,14 @@ def test_qwen3_5_vision_language_wrapper_is_refused_by_its_text_model_type(tmp_p
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text.hidden_size, patch_size=4)
     torch.manual_seed(0)
     vlm = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision))
-    with pytest.raises(ValueError, match=r"model type 'qwen3_5'\) is a multimodal wrapper around a hybrid text model .*'qwen3_5_text'"):
-        _build(vlm, tok, tmp_path, gradient_checkpointing=False)
-    assert _build(tf.Qwen3_5ForCausalLM(text), tok, tmp_path, gradient_checkpointing=False)
+    assert _build(vlm, tok, tmp_path)
 
 
-def test_moe_aux_loss_on_a_hybrid_model_is_refused_when_built(tmp_path):
-    """A hybrid MoE (Qwen3.5-MoE's text model) with router_aux_loss_coef != 0: its path reads no router logits."""
+def test_moe_aux_loss_on_a_cache_path_hybrid_is_refused_when_built(tmp_path):
+    """A hybrid MoE on the cache path (Granite-4's Mamba2 layers) with router_aux_loss_coef != 0: that path reads no
+    router logits. Refused when built, with the setting to change."""
     tok = build_tokenizer()
-    cfg = tiny_config("qwen3_5_moe_text")
-    cfg.vocab_size = len(tok)
-    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
-    torch.manual_seed(0)
-    model = tf.Qwen3_5MoeForCausalLM(cfg)
+    model = _tiny("granitemoehybrid", tok, tf.GraniteMoeHybridForCausalLM)
     with pytest.raises(ValueError, match=r"hybrid model with an MoE load-balancing loss .*Set router_aux_loss_coef=0.0"):
         _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.01)
     assert _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)

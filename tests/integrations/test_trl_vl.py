@@ -191,7 +191,8 @@ def test_other_image_layouts_are_refused_with_what_is_supported():
     tiles = dict(extra, num_tiles=[2] * len(extra["num_images"]))
     with pytest.raises(ValueError, match=r"multimodal inputs \['num_images', 'num_tiles', 'pixel_values'\].*Llava"):
         hook(_stub(), _llava(), input_ids, attention_mask, C, **tiles)
-    with pytest.raises(ValueError, match=r"multimodal inputs \['image_sizes', 'num_images', 'pixel_values'\]"):
+    # image_sizes asks for LLaVA-NeXT's tiles: one (tiles, channels, height, width) entry per image, not these
+    with pytest.raises(ValueError, match=r"shape \(12, 3, 8, 8\) for 12 images .*with image_sizes one \(tiles, channels"):
         hook(_stub(), _llava(), input_ids, attention_mask, C, **extra, image_sizes=torch.ones(8, 2, dtype=torch.long))
     per_row = dict(
         pixel_values=torch.zeros(input_ids.shape[0], 2, 3, 8, 8, dtype=torch.float64), num_images=extra["num_images"]
