@@ -5,11 +5,13 @@ must run its backward inside sharedprefix to a deferred backward (``schedule.def
 ``Executor`` driven over its plan by ``schedule.rounds``. Notation: N = output rows (completions in group order,
 or a tree's rows), W = columns, n = rows in one pass.
 
-Hybrid models (``model.support.HYBRID_MODEL_TYPES``: LFM2, Falcon-H1, Qwen3-Next, Zamba2, Mamba2 and others, whose
-layers mix tokens outside attention) take ``schedule.hybrid`` (through ``schedule.hybrid_calls``): each prompt once through the model's own cache-aware
-forward, each completion batch from a copy of the prompt's cache. There ``max_tokens`` bounds every forward
-(prompt chunks, right-padded completion batches); a completion longer than it is refused, and so are ``sp.Tree``,
-``prompt_inputs``, FSDP2 and gradient checkpointing.
+Hybrid models whose token mixers outside attention sharedprefix reaches (``model.mixers``: the gated delta-nets of
+Qwen3-Next, Qwen3.5 and OLMo-hybrid, LFM2's short convolutions) take the packed path like any other model, each
+segment's scan starting from its parent's state. The other hybrids (``model.support.HYBRID_MODEL_TYPES``: Falcon-H1,
+Zamba2, Mamba2 and others) take ``schedule.hybrid`` through ``schedule.hybrid_calls``: each prompt once through the
+model's own cache-aware forward, each completion batch from a copy of the prompt's cache. There ``max_tokens``
+bounds every forward (prompt chunks, right-padded completion batches); a completion longer than it is refused, and
+so are ``sp.Tree``, ``prompt_inputs``, FSDP2 and gradient checkpointing.
 
 ``backward`` contract: ``loss_fn`` is called once per pass that reports rows, with a ``Batch`` of those rows (each
 whole), and must be *additive over rows*: the loss of a set of rows is the sum of the losses of its parts. Every
