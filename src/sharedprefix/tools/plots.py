@@ -95,32 +95,25 @@ def draw(results: str = "benchmarks", out: str = "docs/img") -> list[str]:
     paths.append(_save(fig, plt, os.path.join(out, FIGURES[0])))
 
     mem = read_memory(os.path.join(results, "memory_cpu.txt"))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for config, pts in mem.items():
-        ax.plot([g for g, _ in pts], [m for _, m in pts], marker="o", label=config)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(
-        sorted({g for pts in mem.values() for g, _ in pts}), [str(g) for g in sorted({g for pts in mem.values() for g, _ in pts})]
+    paths.append(
+        _log2_lines(
+            plt,
+            mem,
+            "group size G (plain: whole rows microbatched under the budget)",
+            "prompt 4096, completions 256, budget 6144 (CPU)",
+            os.path.join(out, FIGURES[1]),
+        )
     )
-    ax.set_xlabel("group size G (plain: whole rows microbatched under the budget)")
-    ax.set_ylabel("peak MiB")
-    ax.set_title("prompt 4096, completions 256, budget 6144 (CPU)")
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, plt, os.path.join(out, FIGURES[1])))
-
     tree = read_tree_memory(os.path.join(results, "tree_memory_cpu.txt"))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, pts in tree.items():
-        ax.plot([n for n, _ in pts], [m for _, m in pts], marker="o", label=mode)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(
-        sorted({n for pts in tree.values() for n, _ in pts}), [str(n) for n in sorted({n for pts in tree.values() for n, _ in pts})]
+    paths.append(
+        _log2_lines(
+            plt,
+            tree,
+            "prompts sharing one 4096-token system prompt",
+            "prefix tree under a budget of 8192 tokens (CPU)",
+            os.path.join(out, FIGURES[2]),
+        )
     )
-    ax.set_xlabel("prompts sharing one 4096-token system prompt")
-    ax.set_ylabel("peak MiB")
-    ax.set_title("prefix tree under a budget of 8192 tokens (CPU)")
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, plt, os.path.join(out, FIGURES[2])))
     return paths
 
 
@@ -129,3 +122,18 @@ def _save(fig, plt, path: str) -> str:
     fig.savefig(path, dpi=110, metadata={"Software": None})  # no version stamp, so a redraw of the same data is the same file
     plt.close(fig)
     return path
+
+
+def _log2_lines(plt, series: dict, xlabel: str, title: str, path: str) -> str:
+    """One line of (x, peak MiB) points per series, x on a base-2 log axis labelled with its values; saved."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, pts in series.items():
+        ax.plot([x for x, _ in pts], [m for _, m in pts], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({x for pts in series.values() for x, _ in pts})
+    ax.set_xticks(ticks, [str(x) for x in ticks])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("peak MiB")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _save(fig, plt, path)
