@@ -220,7 +220,8 @@ def fsdp_mesh_refusal(root, group) -> str | None:
 
 
 def reduce_grads(model: torch.nn.Module, group) -> None:
-    """Sum every gradient over the sequence group (one all-reduce per dtype and device)."""
+    """Sum every gradient over ``group`` (a sequence group; None: every rank, DDP), one all-reduce per dtype and
+    device; a parameter without a gradient gets zeros first, so that every rank joins the same all-reduces."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         if p.grad is None:

@@ -44,6 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sharedprefix.parallel.sequence import reduce_grads
+
 _CALLS = itertools.count()  # the n-th sharedprefix call of this process: the same n on every rank (keys errors)
 _ERROR_KEY = "sharedprefix/error/{call}/{rank}"
 _STORES: list = []  # stores an error was published in, kept alive for the other ranks to read it
@@ -209,20 +211,7 @@ class Parallel:
         """DDP: sum every gradient over ranks, one all-reduce per dtype."""
         if self.kind != "ddp" or self.world_size == 1:
             return
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict = {}
-        for p in params:
-            by_dtype.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            off = 0
-            for g in grads:
-                g.copy_(flat[off : off + g.numel()].view_as(g))
-                off += g.numel()
+        reduce_grads(model, None)  # the default group: every rank
 
 
 def _comm_device():
