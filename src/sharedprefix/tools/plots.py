@@ -47,26 +47,24 @@ def read_gpu_grid(path: str) -> list[dict]:
 def read_memory(path: str) -> dict[str, list[tuple[int, float]]]:
     """config -> [(G, peak MiB)] from the schedule memory benchmark's table."""
     row = re.compile(rf"^\s*(\d+) (\w+)\s+\d+\s+{_NUM}\s+{_NUM}\s+({_NUM})\s*$")
-    out: dict[str, list[tuple[int, float]]] = {}
-    for line in _lines(path):
-        m = row.match(line)
-        if m:
-            out.setdefault(m.group(2), []).append((int(m.group(1)), float(m.group(3))))
-    if not out:
-        raise ValueError(f"{path}: no row 'G config tokens time s ms/compl.tok peak MiB' found.")
-    return out
+    return _series(path, row, "G config tokens time s ms/compl.tok peak MiB")
 
 
 def read_tree_memory(path: str) -> dict[str, list[tuple[int, float]]]:
     """mode -> [(prompts sharing the system prompt, peak MiB)] from the tree memory benchmark's table."""
     row = re.compile(rf"^\s*(\d+)\s+(keep|offload|recompute)\s+\d+\s+\d+\s+{_NUM}\s+({_NUM})\s*$")
+    return _series(path, row, "prompts mode tokens passes time s peak MiB")
+
+
+def _series(path: str, row: re.Pattern, header: str) -> dict[str, list[tuple[int, float]]]:
+    """name -> [(x, peak MiB)] from the lines of ``path`` that ``row`` matches (groups: x, name, peak)."""
     out: dict[str, list[tuple[int, float]]] = {}
     for line in _lines(path):
         m = row.match(line)
         if m:
             out.setdefault(m.group(2), []).append((int(m.group(1)), float(m.group(3))))
     if not out:
-        raise ValueError(f"{path}: no row 'prompts mode tokens passes time s peak MiB' found.")
+        raise ValueError(f"{path}: no row '{header}' found.")
     return out
 
 
