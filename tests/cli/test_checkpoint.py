@@ -14,27 +14,11 @@ import torch
 from sharedprefix.cli.main import main
 from sharedprefix.recipes.grpo import checkpoint
 from sharedprefix.recipes.grpo.loop import read_metrics
+from tests.cli.runs import train_args
 from tests.cli.weights import assert_same_weights
 
 PRIMITIVES = ["_write", "_mark_whole", "_rename", "_unmark", "_rmtree"]
-RUN = [
-    "train",
-    "--steps",
-    "2",
-    "--checkpoint-every",
-    "1",
-    "--records",
-    "8",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--warmup-steps",
-    "2",
-    "--no-bench",
-    "--threads",
-    "1",
-]
+RUN = train_args(2, "--checkpoint-every", "1")
 
 
 class Killed(BaseException):

@@ -10,6 +10,7 @@ import pytest
 import sharedprefix as sp
 from sharedprefix.cli.main import main
 from sharedprefix.tools import bench
+from tests.cli.runs import train_args
 
 HELP_CHECK = """
 import sys
@@ -67,24 +68,7 @@ def test_verify_shows_progress_on_a_terminal(monkeypatch, capsys):
 
 
 def test_train_progress_on_a_terminal_only(tmp_path, monkeypatch, capsys):
-    args = [
-        "train",
-        "--steps",
-        "2",
-        "--records",
-        "8",
-        "--prompts-per-step",
-        "2",
-        "--group-size",
-        "4",
-        "--warmup-steps",
-        "2",
-        "--no-bench",
-        "--threads",
-        "1",
-        "--checkpoint-every",
-        "1",
-    ]
+    args = train_args(2, "--checkpoint-every", "1")
     assert main([*args, "--output", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err
     assert "warm-up" not in err and "GRPO" not in err and "it/s" not in err and "\r" not in err

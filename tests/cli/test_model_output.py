@@ -13,24 +13,10 @@ from sharedprefix.cli.main import main
 from sharedprefix.recipes.grpo.config import TrainConfig
 from sharedprefix.recipes.grpo.run import load_model
 from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer
+from tests.cli.runs import train_args
 from tests.cli.weights import assert_same_weights
 
-RUN = [
-    "train",
-    "--steps",
-    "2",
-    "--records",
-    "8",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--warmup-steps",
-    "2",
-    "--no-bench",
-    "--threads",
-    "1",
-]
+RUN = train_args(2)
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "train.md"
 
 

@@ -11,27 +11,12 @@ from sharedprefix.cli.main import main
 from sharedprefix.recipes.grpo.loop import TrainConfig, Trainer, check_rewards, encode_prompt, read_metrics
 from sharedprefix.recipes.grpo.run import load_model
 from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer
+from tests.cli.runs import train_args
 from tests.cli.weights import assert_same_weights
-
-SMALL = [
-    "--records",
-    "8",
-    "--prompts-per-step",
-    "2",
-    "--group-size",
-    "4",
-    "--warmup-steps",
-    "2",
-    "--no-bench",
-    "--checkpoint-every",
-    "2",
-    "--threads",
-    "1",
-]
 
 
 def _run(out, steps, *extra):
-    return main(["train", "--output", str(out), "--steps", str(steps), *SMALL, *extra])
+    return main(train_args(steps, "--checkpoint-every", "2", "--output", str(out), *extra))
 
 
 def test_short_run_writes_metrics_plot_and_checkpoint(tmp_path, capsys):
