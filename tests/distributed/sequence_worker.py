@@ -15,7 +15,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sharedprefix as sp  # noqa: E402
-from helpers import random_groups, tiny_model  # noqa: E402
+from helpers import float64_faithful, random_groups, tiny_model  # noqa: E402
 
 # a group larger than the budget (prompt 30: chunks of 16 + 14; completions in 2 passes) and two small ones;
 # row lengths that are not multiples of 4, so that rows are padded for the split
@@ -29,7 +29,20 @@ CASES = {
     "gemma_mqa_budget": ("gemma", {}, BUDGET, "keep", "groups"),  # Hkv = 1 < S
     "llama_mha_tree": ("llama", dict(num_key_value_heads=4), BUDGET, "keep", "tree"),
     "mistral_window_budget": ("mistral", dict(sliding_window=5), BUDGET, "recompute", "groups"),  # a sliding window
+    # attention sinks (one logit per head: each rank takes its heads' slice), a window, MoE; and score soft-capping
+    "gpt_oss_sinks_budget": ("zoo:gpt_oss", {}, BUDGET, "keep", "groups"),
+    "gemma2_softcap_budget": ("zoo:gemma2", {}, BUDGET, "recompute", "groups"),
 }
+
+
+def build_model(arch, over):
+    """A case's float64 model: ``zoo:<entry>`` is the zoo's tiny build of that entry with its norms in float64 (they
+    cast to float32 otherwise), anything else ``tiny_model``."""
+    if arch.startswith("zoo:"):
+        from sharedprefix.tools.zoo.configs import build
+
+        return float64_faithful(build(arch[4:])[0])
+    return tiny_model(arch, **over)
 
 
 def source(kind):
@@ -48,7 +61,7 @@ def weights(n, w):
 
 def run_case(name, group):
     arch, over, budget, mode, kind = CASES[name]
-    model = tiny_model(arch, **over)
+    model = build_model(arch, over)
     src = source(kind)
     with torch.no_grad():
         out = sp.logprobs(model, src, entropy=True, max_tokens=budget, sequence_group=group)

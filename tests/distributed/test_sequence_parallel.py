@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism (``sequence_group``) on 2 and 4 CPU processes (gloo): every rank's log-probs,
 entropies and gradients equal one plain transformers forward per row in float64 (1e-9), for GQA (Hkv/S heads per
 rank), Hkv < S (replicated key/value heads), MQA and MHA, under a budget that splits a group (prompt K/V cached per
-head shard, "keep" and "recompute"), for groups and a prefix tree; grad-enabled logprobs (deferred) too."""
+head shard, "keep" and "recompute"), for groups and a prefix tree, with attention sinks (GPT-OSS) and score
+soft-capping (Gemma 2); grad-enabled logprobs (deferred) too."""
 
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from distributed.sequence_worker import BUDGET, CASES, source, weights
+from distributed.sequence_worker import BUDGET, CASES, build_model, source, weights
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
@@ -50,10 +51,15 @@ def test_plan_splits_a_group_and_rows_need_padding():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_sequence_parallel_matches_plain_rows_float64(ranks, name):
+def test_sequence_parallel_matches_plain_rows_float64(ranks, name, monkeypatch):
     n, results = ranks
     arch, over, budget, mode, kind = CASES[name]
-    model = tiny_model(arch, **over)
+    model = build_model(arch, over)
+    if arch == "zoo:gemma2":  # the plain forward's eager softmax runs in float32: the float64 one for the reference
+        from models.test_softcap import _eager64
+        from transformers.models.gemma2 import modeling_gemma2
+
+        monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", _eager64)
     src = source(kind)
     ref_lp, ref_ent = _plain(model, src)
     ref_lp = ref_lp.detach()
