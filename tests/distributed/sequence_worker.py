@@ -136,14 +136,28 @@ def refusals(group):
         "ddp": lambda: sp.backward(
             DistributedDataParallel(tiny_model("qwen3")), source("groups"), lambda b: b.logprobs.sum(), sequence_group=group
         ),
+        # ranks that disagree: other groups on the last rank; a bad temperature on the last rank only
+        "mismatch": lambda: sp.logprobs(tiny_model("qwen3"), _rank_source(group), sequence_group=group),
+        "one_rank_bad": lambda: sp.logprobs(
+            tiny_model("qwen3"), source("groups"), temperature=_rank_temperature(group), sequence_group=group
+        ),
     }
     msgs = {}
     for name, call in calls.items():
         try:
             call()
-        except ValueError as e:
-            msgs[name] = str(e)
+        except (ValueError, RuntimeError) as e:
+            msgs[name] = f"{type(e).__name__}: {e}"
     return msgs
+
+
+def _rank_source(group):
+    last = dist.get_rank(group) == dist.get_world_size(group) - 1
+    return random_groups(12, 3, *SPEC) if last else source("groups")
+
+
+def _rank_temperature(group):
+    return -1.0 if dist.get_rank(group) == dist.get_world_size(group) - 1 else 1.0
 
 
 def main(out):

@@ -86,6 +86,15 @@ def test_what_the_split_does_not_reproduce_is_refused(ranks):
         assert "hybrid model" in msgs["hybrid"] and "state of the slices before it" in msgs["hybrid"]
         assert "DDP data parallelism" in msgs["ddp"]
         assert "defer=False with grad enabled is not possible with sequence parallelism" in msgs["defer_false"]
+        assert msgs["mismatch"].startswith(f"ValueError: the {n} ranks of sequence_group passed different inputs")
+        assert f"rank(s) [{n - 1}] would compute other rows" in msgs["mismatch"]
+    for r, res in enumerate(results):  # the last rank's own error; the others name it instead of waiting for it
+        got = res["refusals"]["one_rank_bad"]
+        if r == n - 1:
+            assert got.startswith("ValueError: temperature=-1.0; expected a finite number > 0"), got
+        else:
+            assert got.startswith(f"RuntimeError: rank {n - 1} of the sequence group stopped before any computation")
+            assert "temperature=-1.0" in got
 
 
 @pytest.mark.slow

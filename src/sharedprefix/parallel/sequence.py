@@ -18,10 +18,12 @@ head's parameters 1/S of theirs on each rank, the others their rank's share. The
 parameter's gradient is therefore the full gradient: all-reduced over the group at the end of the call
 (``reduce_grads``), or, under FSDP2 over a mesh that holds the group, by FSDP2's own reduce-scatter.
 
-Failures: the ranks of a sequence group compute the same rows, so a refusal or a bad input raises on all of them
-together, before any exchange. Under DDP / FSDP2 the existing agreement over the data-parallel ranks applies; a
-sequence group on its own has no such agreement, so an error on one of its ranks alone (not the same input on
-every rank) leaves the others waiting in the next exchange.
+Agreement: before any exchange, the ranks of a sequence group all-gather whether each set up its call and a digest
+of what it will compute (every segment's tokens, parent and trained tokens, the budget and the call's settings:
+``digest``). A rank that failed makes every rank raise (itself its own error, the others one naming it), and
+digests that differ (ranks that passed different groups) make every rank raise one ValueError, instead of the ranks
+waiting in an exchange or computing rows that do not belong together (``agree``). Under DDP / FSDP2 the agreement
+over the data-parallel ranks follows it, so ranks of other sequence groups stop too.
 
 Notation: S = ranks of the sequence group, L = packed row length, Lp = L padded to a multiple of S, Ls = Lp / S,
 H / Hkv = query / key-value heads, D / Dv = head dims, d = hidden size.
@@ -29,6 +31,7 @@ H / Hkv = query / key-value heads, D / Dv = head dims, d = hidden size.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +80,49 @@ class _Gather(torch.autograd.Function):
         dist.all_reduce(g, group=ctx.group)
         size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
         return g.chunk(size)[rank], None
+
+
+def digest(plan, *settings) -> int:
+    """A 62-bit digest of what a call computes: the plan's segments (tokens, parent, trained tokens), its budget and
+    step count, and ``settings`` (temperature, entropy, ...; their ``repr``)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr((plan.max_tokens, len(plan.steps), settings)).encode())
+    for s in plan.tree.segments:
+        h.update(repr((s.parent, s.start, s.group, s.completion)).encode())
+        h.update(s.tokens.cpu().numpy().tobytes())
+        if s.computed is not None:
+            h.update(s.computed.cpu().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
+def agree(group, error: BaseException | None, key: int | None) -> BaseException | None:
+    """The error this rank must raise (see the module docstring), or None: its own ``error``; one naming the first
+    rank of ``group`` that failed; or a ValueError when the ranks' digests ``key`` differ. One small all-gather."""
+    size = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([0 if error is None else 1, 0 if key is None else key], dtype=torch.int64, device=device)
+    got = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(got, mine, group=group)
+    flags, keys = [int(t[0]) for t in got], [int(t[1]) for t in got]
+    if any(flags):
+        msgs: list = [None] * size
+        dist.all_gather_object(msgs, None if error is None else f"{type(error).__name__}: {error}", group=group)
+        if error is not None:
+            return error
+        r = flags.index(1)
+        return RuntimeError(
+            f"rank {r} of the sequence group stopped before any computation of this sharedprefix call ({msgs[r]}); "
+            "every rank of the group stops with it instead of waiting in an exchange that rank would never join."
+        )
+    if len(set(keys)) > 1:
+        differ = [r for r in range(size) if keys[r] != keys[0]]
+        return ValueError(
+            f"the {size} ranks of sequence_group passed different inputs: rank(s) {differ} would compute other rows "
+            "(groups, token ids, trained tokens, max_tokens, temperature, entropy or prefix_activations) than rank 0 "
+            "(group rank). The ranks of a sequence group compute one row together, so each must pass the same "
+            "arguments; split the data over the data-parallel ranks instead (the other dimension of the mesh)."
+        )
+    return None
 
 
 def check_group(pg):

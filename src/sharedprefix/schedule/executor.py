@@ -28,6 +28,7 @@ from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.multimodal import Multimodal, check_prompt_fits
 from sharedprefix.model.positions import renumbered, takes_position_ids
 from sharedprefix.model.support import check_supported
+from sharedprefix.parallel import sequence
 from sharedprefix.parallel.sequence import SequenceShard, fsdp_mesh_refusal, refuse_features
 from sharedprefix.parallel.strategy import detect
 from sharedprefix.schedule.cache import PrefixCache
@@ -52,6 +53,9 @@ class Executor:
             self._setup(source, max_tokens, backend, temperature, entropy, leaves, prefix_activations, aux)
         except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank, before collectives
             error = e
+        if sequence_group is not None:  # the ranks of a sequence group: the same rows, or all of them raise
+            key = None if error is not None else sequence.digest(self.plan, temperature, entropy, leaves, prefix_activations)
+            error = sequence.agree(sequence_group, error, key)
         # FSDP2: the round counts every rank runs, agreed in the same all-reduce: (forward-only, forward+backward)
         # rounds for sp.backward, passes for sp.logprobs
         counts = [] if not self.par.fsdp else [0, 0] if leaves else [0]
