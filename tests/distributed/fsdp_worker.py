@@ -166,26 +166,26 @@ def failing(rank, world, out, kind):
 
 def forward_only_failure(model, mine, rank):
     """Forward-only sp.logprobs: rank 1 refuses after its second pass's forward; then the same call succeeds."""
-    from sharedprefix.schedule.executor import Executor
+    from sharedprefix.schedule import refusals
 
     with torch.no_grad():
         before = sp.logprobs(model, mine, max_tokens=BUDGET).logprobs
-        own, checks = Executor._check_calls, []
+        own, checks = refusals.check_calls, []
 
-        def refusing(self, state):
+        def refusing(run, state):
             checks.append(1)
             if rank == 1 and len(checks) == 2:
                 raise ValueError("rank 1 refused a pass after its forward")
-            return own(self, state)
+            return own(run, state)
 
-        Executor._check_calls = refusing
+        refusals.check_calls = refusing
         try:
             sp.logprobs(model, mine, max_tokens=BUDGET)
             msg = "no error"
         except (ValueError, RuntimeError) as e:
             msg = f"{type(e).__name__}: {e}"
         finally:
-            Executor._check_calls = own
+            refusals.check_calls = own
         again = sp.logprobs(model, mine, max_tokens=BUDGET).logprobs
     return {"lp_message": msg, "lp_same_after": bool(torch.equal(before, again))}
 

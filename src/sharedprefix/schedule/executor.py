@@ -17,20 +17,21 @@ from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.interface import PassState, implementation, pass_state
 from sharedprefix.attention.kernels import select
 from sharedprefix.attention.layers import softcap_refusal
-from sharedprefix.layout.groups import Group, validate_groups
+from sharedprefix.layout.groups import Group
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.model import mixers, router, streams
-from sharedprefix.model.adapter import decoder, head_logits, num_attention_layers, unwrap, uses_checkpointing, uses_reentrant_checkpointing
+from sharedprefix.model.adapter import decoder, head_logits, unwrap, uses_checkpointing, uses_reentrant_checkpointing
 from sharedprefix.model.checks import decoder_position_ids, verify_head
 from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.multimodal import Multimodal, check_prompt_fits
-from sharedprefix.model.positions import renumbered, takes_position_ids
+from sharedprefix.model.positions import renumbered
 from sharedprefix.model.support import check_supported
 from sharedprefix.parallel import sequence
-from sharedprefix.parallel.sequence import SequenceShard, fsdp_mesh_refusal, refuse_features
+from sharedprefix.parallel.sequence import SequenceShard, refuse_features
 from sharedprefix.parallel.strategy import detect
+from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.planner import Pass, Plan, plan
 
@@ -48,7 +49,7 @@ class Executor:
         self.par.sequence = sequence_group
         self.par.start()
         self.last = None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
-        error = None
+        error: BaseException | None = None
         try:
             self._setup(source, max_tokens, backend, temperature, entropy, leaves, prefix_activations, aux)
         except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank, before collectives
@@ -72,7 +73,7 @@ class Executor:
         if keep is not None or (calls > 1 and uses_checkpointing(self.model)):  # the same on every rank
             error = None
             try:  # these depend on each rank's groups: agreed, so that a refusal on one rank stops every rank
-                self._check_after_probe(calls, keep)
+                refusals.check_after_probe(self, calls, keep)
             except ValueError as e:
                 error = e
             self.par.agree_on_error(error)
@@ -86,7 +87,7 @@ class Executor:
         if streams.num_streams(self.model) > 1:
             source, self.frames = streams.encode(self.model, source)
         vocab = None if self.frames else min(streams.embedding_size(self.model), streams.head_vocab(self.model))
-        self.source = validate_source(source, vocab)
+        self.source = refusals.validate_source(source, vocab)
         if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
         self.mm: Multimodal | None = None
@@ -139,7 +140,7 @@ class Executor:
                 "config.output_router_logits=False (routing itself stays exact)."
             )
         if self.par.sequence is not None:
-            refuse_features(type(self.model).__name__, self._sequence_refusals())
+            refuse_features(type(self.model).__name__, refusals.sequence_refusals(self))
 
     def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | None = None):
         """Forward of one row (inside the root module's call under FSDP2).
@@ -231,7 +232,7 @@ class Executor:
 
         result = self.par.call(fn)
         self.last = (state, result)
-        self._check_calls(state)
+        refusals.check_calls(self, state)
         self.tokens += layout.length if tree is self.plan.tree else 0
         for s in layout.record:
             self.cache.states[s] = state
@@ -281,69 +282,3 @@ class Executor:
             if grad:
                 with pass_state(state):
                     self.par.backward(res[0].sum() * 0.0)
-
-    def _sequence_refusals(self) -> dict:
-        """{feature: reason} of what this call uses that sequence parallelism does not reproduce."""
-        out = {}
-        if self.par.kind == "ddp":
-            out["DDP data parallelism"] = "DDP's all-reduce is not combined with the sum over the sequence group (use FSDP2)"
-        if self.par.fsdp and (why := fsdp_mesh_refusal(self.model, self.par.sequence)):
-            out["FSDP2"] = why
-        if self.mm is not None:
-            out["prompt_inputs"] = "the vision tower's features are placed into the whole row's embeddings"
-        if self.frames is not None:
-            out["several token streams"] = "the frames are encoded per row"
-        if self.router_logits is not None:
-            out["output_router_logits=True"] = "the load-balancing loss counts the routing of the whole row"
-        if implementation(self.model) == indexed.NAME or any(has_dynamic_mask(m) for m in self.model.modules()):
-            out["an indexer or a dynamic mask"] = "their key selection reads the whole row's visibility mask"
-        if not takes_position_ids(decoder(self.model)):
-            out["a decoder that takes no position_ids"] = "its positions are renumbered by hooks over the whole row"
-        return out
-
-    def _check_after_probe(self, calls: int, keep: int | None) -> None:
-        """Refusals that need the probe's view of the layers (``calls``: the most attention calls of a module per
-        forward; ``keep``: Doge's keep_window_size, or None), before any pass."""
-        name = type(self.model).__name__
-        if calls > 1 and self.plan.splits and uses_checkpointing(self.model):
-            raise ValueError(
-                f"{name} runs an attention module {calls} times per forward (looped layers or differential attention) "
-                "and gradient checkpointing is on, with a budget that splits a group: the prompt cache holds one K/V "
-                "per call in forward order, but a model that checkpoints each call separately recomputes them in "
-                "reverse, so sharedprefix refuses the combination. Turn gradient checkpointing off, or raise "
-                "max_tokens so that every group fits one pass."
-            )
-        if keep is None:
-            return
-        longest, widest = self.plan.tree.longest_row(), max((self.plan.pass_tokens(p) for p in self.plan.passes), default=0)
-        if longest > keep:
-            raise ValueError(
-                f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once a row is "
-                f"longer than that, and the longest [prompt + completion] row here has {longest} tokens: its selection "
-                f"(over the plain row's keys) is not reproduced. Use rows of at most {keep} tokens with this model."
-            )
-        if widest > keep:
-            raise ValueError(
-                f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once the keys "
-                f"of a forward outnumber it, and a pass here packs {widest} tokens, which would make it select over "
-                f"the packed row. Use max_tokens <= {keep}."
-            )
-
-    def _check_calls(self, state: PassState) -> None:
-        want = num_attention_layers(self.model)
-        got = len(state.seen)
-        if got != want:
-            raise ValueError(
-                f"{type(self.model).__name__}: the sharedprefix attention ran in {got} of {want} layers; the model's "
-                "attention bypasses transformers' attention interface, so prompt sharing cannot be applied exactly. "
-                "This model is not supported."
-            )
-
-
-def validate_source(source, vocab_size: int | None = None):
-    """A ``Tree`` (token ids checked) or a validated list of groups."""
-    if isinstance(source, Tree):
-        if vocab_size is not None:
-            source.check_vocab(vocab_size)
-        return source
-    return validate_groups(source, vocab_size)

@@ -1,0 +1,85 @@
+"""Refusals of one call that need the executor's view of it (its plan, strategy and probe): what sequence parallelism
+does not reproduce, what the probe of the layers rules out, a pass in which some attention bypassed sharedprefix.
+``validate_source`` checks the groups or tree a call was given. Each function takes the call's ``Executor`` (``run``).
+"""
+
+from __future__ import annotations
+
+from sharedprefix.attention import indexed
+from sharedprefix.attention.dynamic_mask import has_dynamic_mask
+from sharedprefix.attention.interface import PassState, implementation
+from sharedprefix.layout.groups import validate_groups
+from sharedprefix.layout.rows import Tree
+from sharedprefix.model.adapter import decoder, num_attention_layers, uses_checkpointing
+from sharedprefix.model.positions import takes_position_ids
+from sharedprefix.parallel.sequence import fsdp_mesh_refusal
+
+
+def sequence_refusals(run) -> dict:
+    """{feature: reason} of what this call uses that sequence parallelism does not reproduce."""
+    out = {}
+    if run.par.kind == "ddp":
+        out["DDP data parallelism"] = "DDP's all-reduce is not combined with the sum over the sequence group (use FSDP2)"
+    if run.par.fsdp and (why := fsdp_mesh_refusal(run.model, run.par.sequence)):
+        out["FSDP2"] = why
+    if run.mm is not None:
+        out["prompt_inputs"] = "the vision tower's features are placed into the whole row's embeddings"
+    if run.frames is not None:
+        out["several token streams"] = "the frames are encoded per row"
+    if run.router_logits is not None:
+        out["output_router_logits=True"] = "the load-balancing loss counts the routing of the whole row"
+    if implementation(run.model) == indexed.NAME or any(has_dynamic_mask(m) for m in run.model.modules()):
+        out["an indexer or a dynamic mask"] = "their key selection reads the whole row's visibility mask"
+    if not takes_position_ids(decoder(run.model)):
+        out["a decoder that takes no position_ids"] = "its positions are renumbered by hooks over the whole row"
+    return out
+
+
+def check_after_probe(run, calls: int, keep: int | None) -> None:
+    """Refusals that need the probe's view of the layers (``calls``: the most attention calls of a module per
+    forward; ``keep``: Doge's keep_window_size, or None), before any pass."""
+    name = type(run.model).__name__
+    if calls > 1 and run.plan.splits and uses_checkpointing(run.model):
+        raise ValueError(
+            f"{name} runs an attention module {calls} times per forward (looped layers or differential attention) "
+            "and gradient checkpointing is on, with a budget that splits a group: the prompt cache holds one K/V "
+            "per call in forward order, but a model that checkpoints each call separately recomputes them in "
+            "reverse, so sharedprefix refuses the combination. Turn gradient checkpointing off, or raise "
+            "max_tokens so that every group fits one pass."
+        )
+    if keep is None:
+        return
+    longest, widest = run.plan.tree.longest_row(), max((run.plan.pass_tokens(p) for p in run.plan.passes), default=0)
+    if longest > keep:
+        raise ValueError(
+            f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once a row is "
+            f"longer than that, and the longest [prompt + completion] row here has {longest} tokens: its selection "
+            f"(over the plain row's keys) is not reproduced. Use rows of at most {keep} tokens with this model."
+        )
+    if widest > keep:
+        raise ValueError(
+            f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once the keys "
+            f"of a forward outnumber it, and a pass here packs {widest} tokens, which would make it select over "
+            f"the packed row. Use max_tokens <= {keep}."
+        )
+
+
+def check_calls(run, state: PassState) -> None:
+    """Refuse a pass in which the sharedprefix attention did not run in every attention layer."""
+    want = num_attention_layers(run.model)
+    got = len(state.seen)
+    if got != want:
+        raise ValueError(
+            f"{type(run.model).__name__}: the sharedprefix attention ran in {got} of {want} layers; the model's "
+            "attention bypasses transformers' attention interface, so prompt sharing cannot be applied exactly. "
+            "This model is not supported."
+        )
+
+
+def validate_source(source, vocab_size: int | None = None):
+    """A ``Tree`` (token ids checked) or a validated list of groups."""
+    if isinstance(source, Tree):
+        if vocab_size is not None:
+            source.check_vocab(vocab_size)
+        return source
+    return validate_groups(source, vocab_size)
