@@ -6,11 +6,13 @@ Notation: B = rows of a batch, P = prompt columns (left-padded), R = response co
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import transformers as tf
 from tensordict import TensorDict
 from verl.trainer.config import CheckpointConfig
@@ -240,12 +242,62 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+# -- torchrun workers -------------------------------------------------------------------------------------------------
+
+
+def start_worker(workdir: str, before_model=None) -> tuple[int, int, str]:
+    """A worker's set-up: the gloo process group, one thread, ``before_model()`` (if given), rank 0 saves the
+    model under ``workdir`` while the others wait. Returns (rank, world size, model path)."""
+    rank, size = world()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    if before_model is not None:
+        before_model()
+    path = os.path.join(workdir, "model")
+    if rank == 0:
+        save_model(path)
+    dist.barrier()
+    return rank, size, path
+
+
+def case_errors(ev, engine, make, lf, wrap_ours=None, grad_scale=False) -> dict:
+    """One case of a worker: ``engine`` against verl's ``ev`` on this rank's batch ``make()`` (inference, then
+    training with the loss ``lf``); the relative errors, the largest over the ranks. ``wrap_ours(run)``, if given,
+    wraps our inference call (``run``: a function returning its output). ``grad_scale``: add the largest |gradient|
+    of verl's engine (a test checks it is not zero)."""
+    theirs = infer(ev, make())
+    ours = wrap_ours(lambda: infer(engine, make())) if wrap_ours is not None else infer(engine, make())
+    td = make()
+    resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
+    errs = {}
+    for key in ("log_probs", "entropy"):
+        errs[key] = masked_rel(responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), resp)
+    (o_v, g_v), (o_s, g_s) = train(ev, make(), lf), train(engine, make(), lf)
+    errs["grads"] = rel(g_s, g_v)
+    errs["loss"] = abs(sum(o_s["loss"]) - sum(o_v["loss"])) / abs(sum(o_v["loss"]))
+    if grad_scale:
+        errs["grad_scale"] = max(float(g.abs().max()) for g in g_v.values())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errs)
+    return {k: max(e[k] for e in gathered) for k in errs}
+
+
+def finish_worker(result: str, out: dict) -> None:
+    """Rank 0 writes ``out`` (case -> errors) to ``result`` as JSON; every rank leaves the process group."""
+    if dist.get_rank() == 0:
+        with open(result, "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
 __all__ = [
     "FSDPEngineWithLMHead",
     "LOSSES",
     "Spec",
     "build",
+    "case_errors",
     "configs",
+    "finish_worker",
     "infer",
     "loss_fn",
     "masked_rel",
@@ -254,6 +306,7 @@ __all__ = [
     "responses_of",
     "rl_batch",
     "save_model",
+    "start_worker",
     "train",
     "world",
 ]
