@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -49,12 +50,12 @@ def save_model(path: str) -> str:
     return path
 
 
-def configs(path: str, attn: str = "sdpa", **engine):
+def configs(path: str, attn: str = "sdpa", remove_padding: bool = True, **engine):
     model = HFModelConfig(
         path=path,
         load_tokenizer=False,
         override_config={"attn_implementation": attn},
-        use_remove_padding=True,
+        use_remove_padding=remove_padding,
         enable_gradient_checkpointing=True,
     )
     fields = dict(
@@ -68,8 +69,8 @@ def configs(path: str, attn: str = "sdpa", **engine):
     return model, FSDPEngineConfig(**fields), FSDPOptimizerConfig(lr=1e-3, total_training_steps=10), CheckpointConfig()
 
 
-def build(cls, path: str, attn: str = "sdpa", **engine):
-    model, eng, optim, ckpt = configs(path, attn, **engine)
+def build(cls, path: str, attn: str = "sdpa", remove_padding: bool = True, **engine):
+    model, eng, optim, ckpt = configs(path, attn, remove_padding, **engine)
     e = cls(model_config=model, engine_config=eng, optimizer_config=optim, checkpoint_config=ckpt)
     e.initialize()
     return e
@@ -292,6 +293,7 @@ def finish_worker(result: str, out: dict) -> None:
 
 __all__ = [
     "FSDPEngineWithLMHead",
+    "IMAGE",
     "LOSSES",
     "Spec",
     "build",
@@ -306,7 +308,163 @@ __all__ = [
     "responses_of",
     "rl_batch",
     "save_model",
+    "save_vl_model",
+    "verl_attention_unpatched",
+    "vl_batch",
+    "VLSpec",
     "start_worker",
     "train",
     "world",
 ]
+
+
+# -- vision-language rows (Qwen2-VL) -----------------------------------------------------------------------------------
+
+IMAGE, VIDEO, V_START, V_END = 100, 101, 102, 103
+VL_VOCAB = 120
+
+
+def save_vl_model(path: str) -> str:
+    """A tiny random Qwen2-VL (2 text layers, GQA, M-RoPE; a 1-block vision tower) saved with save_pretrained."""
+    cfg = tf.Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=VL_VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
+        ),
+        vision_config=dict(
+            depth=1,
+            embed_dim=16,
+            mlp_ratio=2,
+            hidden_size=32,
+            num_heads=2,
+            in_channels=3,
+            patch_size=2,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=V_START,
+        vision_end_token_id=V_END,
+        architectures=["Qwen2VLForConditionalGeneration"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = tf.Qwen2VLForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(path)
+    return path
+
+
+@dataclass
+class VLSpec:
+    """Groups of a VL batch: per group (image grid (t, h, w) or None for a text prompt, text before, text after) and
+    its G response lengths."""
+
+    prompts: list[tuple]
+    responses: list[list[int]]
+    seed: int = 0
+
+
+def vl_batch(
+    path: str, spec: VLSpec, *, remove_padding=True, temperature=1.0, entropy=True, dynamic=False, micro=None, max_tokens=None, order=None
+):
+    """A verl RL mini-batch with images, as verl's agent loop builds it: per-row ``multi_modal_inputs``
+    (pixel_values, image_grid_thw, images_seqlens) and (B, 4, L) position ids (text positions, then the model's
+    get_rope_index positions, verl's ``_compute_position_ids``)."""
+    g = torch.Generator().manual_seed(spec.seed)
+    base = tf.Qwen2VLForConditionalGeneration.from_pretrained(path).model
+    rows = []
+    for (grid, before, after), lens in zip(spec.prompts, spec.responses):
+        parts, inputs = [torch.randint(1, 90, (before,), generator=g)], None
+        if grid is not None:
+            t, h, w = grid
+            parts += [torch.tensor([V_START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([V_END])]
+            grid_t = torch.tensor([grid])
+            inputs = {
+                "pixel_values": torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=g),
+                "image_grid_thw": grid_t,
+                "images_seqlens": torch.repeat_interleave(grid_t[:, 1] * grid_t[:, 2], grid_t[:, 0]),
+            }
+        parts.append(torch.randint(1, 90, (after,), generator=g))
+        prompt = torch.cat(parts)
+        for r in lens:
+            rows.append((prompt, torch.randint(1, 90, (r,), generator=g), inputs))
+    if order is not None:
+        rows = [rows[i] for i in order]
+    B, P, R = len(rows), max(len(p) for p, _, _ in rows), max(len(r) for _, r, _ in rows)
+    prompts = torch.zeros(B, P, dtype=torch.long)
+    responses = torch.zeros(B, R, dtype=torch.long)
+    attn = torch.zeros(B, P + R, dtype=torch.long)
+    pos = torch.zeros(B, 4, P + R, dtype=torch.long)
+    for i, (p, r, inputs) in enumerate(rows):
+        prompts[i, P - len(p) :] = p
+        attn[i, P - len(p) : P] = 1
+        responses[i, : len(r)] = r
+        attn[i, P : P + len(r)] = 1
+        full = torch.cat([p, r])
+        valid = attn[i].bool()
+        kw = {}
+        if inputs is not None:
+            kw = dict(image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=(full == IMAGE).int()[None])
+        else:
+            kw = dict(mm_token_type_ids=torch.zeros(1, len(full), dtype=torch.int))
+        with torch.no_grad():
+            vision, _ = base.get_rope_index(input_ids=full[None], **kw)  # (3, 1, len)
+        pos[i, 0, valid] = torch.arange(len(full))
+        pos[i, 1:, valid] = vision[:, 0]
+    mask = attn[:, P:].clone()
+    td = TensorDict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attn,
+            "position_ids": pos,
+            "response_mask": mask,
+            "old_log_probs": -4.5 + 0.6 * torch.randn(B, R, generator=g),
+            "ref_log_prob": -4.5 + 0.6 * torch.randn(B, R, generator=g),
+            "advantages": torch.randn(B, 1, generator=g).expand(B, R).contiguous(),
+        },
+        batch_size=[B],
+    )
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor_stack(td, "multi_modal_inputs", [inputs for _, _, inputs in rows])
+    tu.assign_non_tensor(
+        td,
+        use_remove_padding=remove_padding,
+        use_dynamic_bsz=dynamic,
+        temperature=temperature,
+        calculate_entropy=entropy,
+        use_fused_kernels=False,
+        global_batch_size=B,
+        micro_batch_size_per_gpu=micro or B,
+        max_token_len_per_gpu=max_tokens or 4096,
+    )
+    return td
+
+
+@contextmanager
+def verl_attention_unpatched():
+    """verl's engine as it runs with ``use_remove_padding=False`` (verl then leaves the VL attention classes alone):
+    the transformers attention forwards back for the duration, although an engine built in this process with
+    ``use_remove_padding=True`` replaced them process-wide. verl's other patches (model forwards) stay."""
+    from sharedprefix.integrations.verl_vl import ORIGINALS
+
+    swapped = []
+    for (cls, attr), fn in ORIGINALS.items():
+        if cls.__name__.endswith("Attention") and attr == "forward" and cls.__dict__.get(attr) is not fn:
+            swapped.append((cls, cls.__dict__[attr]))
+            cls.forward = fn
+    try:
+        yield
+    finally:
+        for cls, current in swapped:
+            cls.forward = current
