@@ -1,5 +1,5 @@
 """Vision-language rows (verl's ``multi_modal_inputs``) through sharedprefix's verl engine, against verl's own engine
-on a tiny Qwen2-VL (CPU, float32).
+on tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL models (CPU, float32).
 
 verl's own engine cannot run a Qwen2-VL with ``use_remove_padding=True`` on CPU: verl then replaces
 ``Qwen2VLAttention.forward`` with ``verl.models.transformers.qwen2_vl.qwen2_vl_attn_forward``, which reads
@@ -11,8 +11,11 @@ its 3-D position ids, on padded rows with transformers' SDPA attention. Ours is 
 (the setting verl users run), so verl has patched the attention process-wide, and the engine undoes every verl
 patch for the duration of its passes (``verl_vl.own_forward``).
 
-Measured (ours vs verl, relative to the largest value): log-probs 8.9e-8, entropy 7.5e-7 (inference); gradients in
-``test_vl_gradients_match_verl``. Batches mix image groups and a text group in one micro-batch (verl's padded
+Qwen2.5-VL shares Qwen2-VL's attention replacement (the same reference). Qwen3-VL's attention verl leaves alone (it
+replaces its model forwards), and verl's engine runs it with ``use_remove_padding=True`` here: that is its reference
+(it agrees with verl's padded path to 1.0e-7 on log-probs). Measured (temperature 0.7, ours vs verl, relative to the largest value):
+log-probs 2.0e-7 / 1.5e-7 / 1.0e-7, entropy 1.5e-6 / 1.5e-6 / 1.3e-6, gradients 9.6e-7 / 6.3e-7 / 9.9e-7 for
+Qwen2-VL / Qwen2.5-VL / Qwen3-VL. Batches mix image groups and a text group in one micro-batch (verl's padded
 path fails on a micro-batch without images under transformers 5: its dummy vision call takes ``.mean()`` of the
 vision tower's output object).
 """
@@ -67,12 +70,20 @@ SPEC = VLSpec(
 ROWS = 12
 
 
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
 @pytest.fixture(scope="module")
-def path():
+def process_group():
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    yield save_vl_model(tempfile.mkdtemp())
+    yield
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def path(process_group):
+    return save_vl_model(tempfile.mkdtemp())
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +91,21 @@ def engines(path):
     return build(FSDPEngineWithLMHead, path, remove_padding=False), build(SharedPrefixFSDPEngine, path)
 
 
-def _batches(path, **kw):
+@pytest.fixture(scope="module", params=KINDS)
+def any_vl(request, process_group):
+    """(path, verl's engine, ours, verl's use_remove_padding) for each model type; Qwen2-VL's are the module's own.
+    Qwen3-VL: verl's engine with use_remove_padding=True (verl leaves its attention alone, and it runs here)."""
+    if request.param == "qwen2_vl":
+        p = request.getfixturevalue("path")
+        return (p, *request.getfixturevalue("engines"), False)
+    p = save_vl_model(tempfile.mkdtemp(), request.param)
+    remove_padding = request.param == "qwen3_vl"
+    return p, build(FSDPEngineWithLMHead, p, remove_padding=remove_padding), build(SharedPrefixFSDPEngine, p), remove_padding
+
+
+def _batches(path, verl_remove_padding=False, **kw):
     ours = lambda: vl_batch(path, SPEC, temperature=TEMPERATURE, micro=6, **kw)  # noqa: E731
-    theirs = lambda: vl_batch(path, SPEC, temperature=TEMPERATURE, micro=6, remove_padding=False, **kw)  # noqa: E731
+    theirs = lambda: vl_batch(path, SPEC, temperature=TEMPERATURE, micro=6, remove_padding=verl_remove_padding, **kw)  # noqa: E731
     return ours, theirs
 
 
@@ -98,9 +121,9 @@ def test_verl_patched_the_attention(engines):
     assert m.Qwen2VLModel.forward.__module__.startswith("verl.")
 
 
-def test_vl_logprobs_match_verl(engines, path):
-    ev, es = engines
-    ours_td, theirs_td = _batches(path)
+def test_vl_logprobs_match_verl(any_vl):
+    path, ev, es, verl_remove_padding = any_vl
+    ours_td, theirs_td = _batches(path, verl_remove_padding)
     with verl_attention_unpatched():
         theirs = infer(ev, theirs_td())
     ours = infer(es, ours_td())
@@ -113,9 +136,9 @@ def test_vl_logprobs_match_verl(engines, path):
     assert all(c < p for c, p in zip(computed, plain))
 
 
-def test_vl_gradients_match_verl(engines, path):
-    ev, es = engines
-    ours_td, theirs_td = _batches(path)
+def test_vl_gradients_match_verl(any_vl):
+    path, ev, es, verl_remove_padding = any_vl
+    ours_td, theirs_td = _batches(path, verl_remove_padding)
     lf = loss_fn("clip_kl_entropy", ROWS)
     with verl_attention_unpatched():
         out_v, g_v = train(ev, theirs_td(), lf)

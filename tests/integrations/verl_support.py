@@ -324,39 +324,39 @@ IMAGE, VIDEO, V_START, V_END = 100, 101, 102, 103
 VL_VOCAB = 120
 
 
-def save_vl_model(path: str) -> str:
-    """A tiny random Qwen2-VL (2 text layers, GQA, M-RoPE; a 1-block vision tower) saved with save_pretrained."""
-    cfg = tf.Qwen2VLConfig(
-        text_config=dict(
-            vocab_size=VL_VOCAB,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
-        ),
-        vision_config=dict(
-            depth=1,
-            embed_dim=16,
-            mlp_ratio=2,
-            hidden_size=32,
-            num_heads=2,
-            in_channels=3,
-            patch_size=2,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-        ),
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=V_START,
-        vision_end_token_id=V_END,
-        architectures=["Qwen2VLForConditionalGeneration"],
-        tie_word_embeddings=False,
-    )
+_VL_TEXT = dict(
+    vocab_size=VL_VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+_VL_VISION = dict(depth=1, hidden_size=32, num_heads=2, in_channels=3, patch_size=2, spatial_merge_size=2, temporal_patch_size=2)
+_VL_TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START, vision_end_token_id=V_END)
+
+
+def save_vl_model(path: str, kind: str = "qwen2_vl") -> str:
+    """A tiny random Qwen2-VL, Qwen2.5-VL or Qwen3-VL (2 text layers, GQA, M-RoPE; a 1-block vision tower) saved
+    with save_pretrained."""
+    mrope = dict(rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+    if kind == "qwen2_vl":
+        cfg = tf.Qwen2VLConfig(text_config=dict(_VL_TEXT, **mrope), vision_config=dict(_VL_VISION, embed_dim=16, mlp_ratio=2), **_VL_TOKENS)
+        cls = tf.Qwen2VLForConditionalGeneration
+    elif kind == "qwen2_5_vl":
+        vision = dict(_VL_VISION, intermediate_size=24, out_hidden_size=32, fullatt_block_indexes=[0], window_size=8)
+        cfg = tf.Qwen2_5_VLConfig(text_config=dict(_VL_TEXT, **mrope), vision_config=vision, **_VL_TOKENS)
+        cls = tf.Qwen2_5_VLForConditionalGeneration
+    else:
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+        vision = dict(_VL_VISION, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        cfg = tf.Qwen3VLConfig(text_config=dict(_VL_TEXT, head_dim=8, rope_parameters=rope), vision_config=vision, **_VL_TOKENS)
+        cls = tf.Qwen3VLForConditionalGeneration
+    cfg.architectures = [cls.__name__]
+    cfg.tie_word_embeddings = False
     torch.manual_seed(0)
-    model = tf.Qwen2VLForConditionalGeneration(cfg)
+    model = cls(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
     model.save_pretrained(path)
@@ -380,7 +380,7 @@ def vl_batch(
     (pixel_values, image_grid_thw, images_seqlens) and (B, 4, L) position ids (text positions, then the model's
     get_rope_index positions, verl's ``_compute_position_ids``)."""
     g = torch.Generator().manual_seed(spec.seed)
-    base = tf.Qwen2VLForConditionalGeneration.from_pretrained(path).model
+    base = tf.AutoModelForImageTextToText.from_pretrained(path).model
     rows = []
     for (grid, before, after), lens in zip(spec.prompts, spec.responses):
         parts, inputs = [torch.randint(1, 90, (before,), generator=g)], None
