@@ -149,6 +149,26 @@ def test_vl_gradients_match_verl(any_vl):
     assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
 
 
+def test_vl_same_prompt_tokens_other_images_scattered_dynamic(engines, path):
+    """Two groups with the same prompt tokens but different images are two groups (their rows interleaved in the
+    batch, regrouped and returned in verl's order), under dynamic micro-batches."""
+    ev, es = engines
+    spec = VLSpec(prompts=[((1, 4, 4), 2, 3), ((1, 4, 4), 2, 3), (None, 5, 0)], responses=[[3, 1], [2, 5], [4, 2]], same_text=(1,))
+    order = [0, 2, 4, 1, 3, 5]
+    kw = dict(temperature=TEMPERATURE, dynamic=True, max_tokens=4096, order=order)
+    ours_td = lambda: vl_batch(path, spec, **kw)  # noqa: E731
+    td = ours_td()
+    rows = td["input_ids"].unbind()
+    p = int(td["input_ids"].offsets().diff()[0]) - 3  # row 0: group 0's prompt, then its 3-token response
+    assert torch.equal(rows[0][:p], rows[1][:p])  # row 1 (group 1): the same prompt tokens
+    with verl_attention_unpatched():
+        theirs = infer(ev, vl_batch(path, spec, remove_padding=False, **kw))
+    ours = infer(es, ours_td())
+    for key in ("log_probs", "entropy"):
+        err = masked_rel(responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), _resp(td))
+        assert err <= AGREE, (key, err)
+
+
 def test_vl_budget_that_splits_groups(path, monkeypatch):
     """SHAREDPREFIX_MAX_TOKENS below a micro-batch's tokens: several passes (an image prompt stays in one)."""
     monkeypatch.setenv("SHAREDPREFIX_MAX_TOKENS", "20")

@@ -366,11 +366,12 @@ def save_vl_model(path: str, kind: str = "qwen2_vl") -> str:
 @dataclass
 class VLSpec:
     """Groups of a VL batch: per group (image grid (t, h, w) or None for a text prompt, text before, text after) and
-    its G response lengths."""
+    its G response lengths. ``same_text``: groups whose prompt tokens are group 0's (their images differ)."""
 
     prompts: list[tuple]
     responses: list[list[int]]
     seed: int = 0
+    same_text: tuple[int, ...] = ()
 
 
 def vl_batch(
@@ -382,8 +383,9 @@ def vl_batch(
     g = torch.Generator().manual_seed(spec.seed)
     base = tf.AutoModelForImageTextToText.from_pretrained(path).model
     rows = []
-    for (grid, before, after), lens in zip(spec.prompts, spec.responses):
-        parts, inputs = [torch.randint(1, 90, (before,), generator=g)], None
+    for gi, ((grid, before, after), lens) in enumerate(zip(spec.prompts, spec.responses)):
+        text = torch.Generator().manual_seed(1000 * spec.seed + (0 if gi in spec.same_text else gi))
+        parts, inputs = [torch.randint(1, 90, (before,), generator=text)], None
         if grid is not None:
             t, h, w = grid
             parts += [torch.tensor([V_START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([V_END])]
@@ -393,7 +395,7 @@ def vl_batch(
                 "image_grid_thw": grid_t,
                 "images_seqlens": torch.repeat_interleave(grid_t[:, 1] * grid_t[:, 2], grid_t[:, 0]),
             }
-        parts.append(torch.randint(1, 90, (after,), generator=g))
+        parts.append(torch.randint(1, 90, (after,), generator=text))
         prompt = torch.cat(parts)
         for r in lens:
             rows.append((prompt, torch.randint(1, 90, (r,), generator=g), inputs))
