@@ -132,9 +132,15 @@ def image_keys(inputs: list[dict | None]) -> list[bytes]:
     """One hashable key per row's inputs (identical images give identical keys)."""
     keys = []
     for x in inputs:
-        parts = [] if not x else [(k, tuple(v.shape), v.detach().cpu().contiguous().numpy().tobytes()) for k, v in sorted(x.items())]
+        parts = [] if not x else [(k, str(v.dtype), tuple(v.shape), _bytes(v)) for k, v in sorted(x.items())]
         keys.append(repr(parts).encode())
     return keys
+
+
+def _bytes(v: torch.Tensor) -> bytes:
+    """The tensor's raw bytes (any dtype, bfloat16 included)."""
+    flat = v.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
 def vl_groups(input_ids, plen, inputs, config) -> tuple[list[sp.Group], list[list[int]]]:
