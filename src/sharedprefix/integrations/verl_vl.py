@@ -105,10 +105,9 @@ def check_vl_config(hf_config, ulysses: int) -> None:
         raise ValueError(f"model_type={model_type!r}: {MISSING[model_type]}.")
     if ulysses > 1:
         raise ValueError(
-            f"ulysses_sequence_parallel_size={ulysses} with the vision-language model {model_type!r}: verl slices a "
-            "VL model's inputs embeddings per rank inside its patched text-model forward "
-            "(patch_vlm_for_ulysses_input_slicing), while sharedprefix's sequence-parallel path slices the packed row "
-            "itself; the two have not been reconciled, so the combination is refused. Set "
+            f"ulysses_sequence_parallel_size={ulysses} with the vision-language model {model_type!r}: sharedprefix's "
+            "sequence-parallel path refuses prompt_inputs, because the vision tower's features are placed into the "
+            "whole packed row's embeddings while each rank computes only its slice of the row. Set "
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 for vision-language models."
         )
 
