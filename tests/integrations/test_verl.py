@@ -198,8 +198,13 @@ REFUSED_BUILDS = [
     ({}, dict(use_fused_kernels=True), "fused kernels"),
     ({}, dict(use_liger=True), "Liger.s Triton kernels.*GPUs only"),
     ({}, dict(vision_config=True), "vision-language"),
-    ({}, dict(vision_config=True, model_type="qwen2_vl"), "replaces Qwen2VLAttention.forward"),
-    ({}, dict(model_type_hf="falcon_h1"), "hybrid model.*FSDP2"),  # a cache-path hybrid (LFM2 is packed now)
+    ({}, dict(vision_config=True, model_type="llava"), "turns verl's multi_modal_inputs into prompt_inputs for"),
+    (
+        dict(ulysses_sequence_parallel_size=2),
+        dict(vision_config=True, model_type="qwen2_vl"),
+        "ulysses_sequence_parallel_size=2 with the vision-language",
+    ),
+    ({}, dict(model_type_hf="falcon_h1"), "hybrid model.*cache path.*FSDP2"),  # a cache-path hybrid
     ({}, dict(enable_activation_offload=True), "activation offloader.*layer window fails"),
     ({}, dict(model_type="value_model"), "value or reward heads"),
 ]
@@ -217,6 +222,29 @@ def test_unsupported_settings_refused_at_build(path, engine_kw, model_kw, match)
             object.__setattr__(model.hf_config if k == "vision_config" else model, k, v)
     with pytest.raises(ValueError, match=match):
         SharedPrefixFSDPEngine(model_config=model, engine_config=eng, optimizer_config=optim, checkpoint_config=ckpt)
+
+
+def test_packed_hybrid_refused_when_built(process_group, tmp_path):
+    """LFM2 (a packed-path hybrid in the core): in verl's transformers (5.10) its short convolution calls the
+    causal_conv1d package's function, None without it, and otherwise runs its Conv1d directly, so the seam the
+    core's packed path wraps does not exist; the engine refuses the model once verl has built it."""
+    import transformers as tf
+
+    cfg = tf.Lfm2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+        architectures=["Lfm2ForCausalLM"],
+    )
+    tf.Lfm2ForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"Lfm2ShortConv.*has no \['causal_conv1d_fn'\].*refuses it when the engine is built"):
+        build(SharedPrefixFSDPEngine, str(tmp_path))
 
 
 def test_qat_refused_and_offloaded_engines_accepted_on_accelerators(path, monkeypatch):
@@ -311,7 +339,10 @@ REFUSED_BATCHES = [
     (_routed_experts, "routed_experts"),
     (lambda td: tu.assign_non_tensor(td, distillation_use_topk=True), "distillation_use_topk"),
     (lambda td: tu.assign_non_tensor(td, calculate_sum_pi_squared=True), "calculate_sum_pi_squared"),
-    (lambda td: tu.assign_non_tensor(td, multi_modal_inputs=[{"pixel_values": torch.zeros(1)}] * len(td)), "multimodal"),
+    (
+        lambda td: tu.assign_non_tensor_stack(td, "multi_modal_inputs", [{"pixel_values": torch.zeros(1)}] * len(td)),
+        "multi_modal_inputs but the model is not a vision-language model",
+    ),
     (_sft, "RL batches"),
 ]
 

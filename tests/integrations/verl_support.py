@@ -6,11 +6,14 @@ Notation: B = rows of a batch, P = prompt columns (left-padded), R = response co
 
 from __future__ import annotations
 
+import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import transformers as tf
 from tensordict import TensorDict
 from verl.trainer.config import CheckpointConfig
@@ -47,12 +50,12 @@ def save_model(path: str) -> str:
     return path
 
 
-def configs(path: str, attn: str = "sdpa", **engine):
+def configs(path: str, attn: str = "sdpa", remove_padding: bool = True, **engine):
     model = HFModelConfig(
         path=path,
         load_tokenizer=False,
         override_config={"attn_implementation": attn},
-        use_remove_padding=True,
+        use_remove_padding=remove_padding,
         enable_gradient_checkpointing=True,
     )
     fields = dict(
@@ -66,8 +69,8 @@ def configs(path: str, attn: str = "sdpa", **engine):
     return model, FSDPEngineConfig(**fields), FSDPOptimizerConfig(lr=1e-3, total_training_steps=10), CheckpointConfig()
 
 
-def build(cls, path: str, attn: str = "sdpa", **engine):
-    model, eng, optim, ckpt = configs(path, attn, **engine)
+def build(cls, path: str, attn: str = "sdpa", remove_padding: bool = True, **engine):
+    model, eng, optim, ckpt = configs(path, attn, remove_padding, **engine)
     e = cls(model_config=model, engine_config=eng, optimizer_config=optim, checkpoint_config=ckpt)
     e.initialize()
     return e
@@ -240,12 +243,63 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+# -- torchrun workers -------------------------------------------------------------------------------------------------
+
+
+def start_worker(workdir: str, before_model=None) -> tuple[int, int, str]:
+    """A worker's set-up: the gloo process group, one thread, ``before_model()`` (if given), rank 0 saves the
+    model under ``workdir`` while the others wait. Returns (rank, world size, model path)."""
+    rank, size = world()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    if before_model is not None:
+        before_model()
+    path = os.path.join(workdir, "model")
+    if rank == 0:
+        save_model(path)
+    dist.barrier()
+    return rank, size, path
+
+
+def case_errors(ev, engine, make, lf, wrap_ours=None, grad_scale=False) -> dict:
+    """One case of a worker: ``engine`` against verl's ``ev`` on this rank's batch ``make()`` (inference, then
+    training with the loss ``lf``); the relative errors, the largest over the ranks. ``wrap_ours(run)``, if given,
+    wraps our inference call (``run``: a function returning its output). ``grad_scale``: add the largest |gradient|
+    of verl's engine (a test checks it is not zero)."""
+    theirs = infer(ev, make())
+    ours = wrap_ours(lambda: infer(engine, make())) if wrap_ours is not None else infer(engine, make())
+    td = make()
+    resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
+    errs = {}
+    for key in ("log_probs", "entropy"):
+        errs[key] = masked_rel(responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), resp)
+    (o_v, g_v), (o_s, g_s) = train(ev, make(), lf), train(engine, make(), lf)
+    errs["grads"] = rel(g_s, g_v)
+    errs["loss"] = abs(sum(o_s["loss"]) - sum(o_v["loss"])) / abs(sum(o_v["loss"]))
+    if grad_scale:
+        errs["grad_scale"] = max(float(g.abs().max()) for g in g_v.values())
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errs)
+    return {k: max(e[k] for e in gathered) for k in errs}
+
+
+def finish_worker(result: str, out: dict) -> None:
+    """Rank 0 writes ``out`` (case -> errors) to ``result`` as JSON; every rank leaves the process group."""
+    if dist.get_rank() == 0:
+        with open(result, "w") as f:
+            json.dump(out, f)
+    dist.destroy_process_group()
+
+
 __all__ = [
     "FSDPEngineWithLMHead",
+    "IMAGE",
     "LOSSES",
     "Spec",
     "build",
+    "case_errors",
     "configs",
+    "finish_worker",
     "infer",
     "loss_fn",
     "masked_rel",
@@ -254,6 +308,165 @@ __all__ = [
     "responses_of",
     "rl_batch",
     "save_model",
+    "save_vl_model",
+    "verl_attention_unpatched",
+    "vl_batch",
+    "VLSpec",
+    "start_worker",
     "train",
     "world",
 ]
+
+
+# -- vision-language rows (Qwen2-VL) -----------------------------------------------------------------------------------
+
+IMAGE, VIDEO, V_START, V_END = 100, 101, 102, 103
+VL_VOCAB = 120
+
+
+_VL_TEXT = dict(
+    vocab_size=VL_VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+_VL_VISION = dict(depth=1, hidden_size=32, num_heads=2, in_channels=3, patch_size=2, spatial_merge_size=2, temporal_patch_size=2)
+_VL_TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START, vision_end_token_id=V_END)
+
+
+def save_vl_model(path: str, kind: str = "qwen2_vl") -> str:
+    """A tiny random Qwen2-VL, Qwen2.5-VL or Qwen3-VL (2 text layers, GQA, M-RoPE; a 1-block vision tower) saved
+    with save_pretrained."""
+    mrope = dict(rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
+    if kind == "qwen2_vl":
+        cfg = tf.Qwen2VLConfig(text_config=dict(_VL_TEXT, **mrope), vision_config=dict(_VL_VISION, embed_dim=16, mlp_ratio=2), **_VL_TOKENS)
+        cls = tf.Qwen2VLForConditionalGeneration
+    elif kind == "qwen2_5_vl":
+        vision = dict(_VL_VISION, intermediate_size=24, out_hidden_size=32, fullatt_block_indexes=[0], window_size=8)
+        cfg = tf.Qwen2_5_VLConfig(text_config=dict(_VL_TEXT, **mrope), vision_config=vision, **_VL_TOKENS)
+        cls = tf.Qwen2_5_VLForConditionalGeneration
+    else:
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+        vision = dict(_VL_VISION, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0])
+        cfg = tf.Qwen3VLConfig(text_config=dict(_VL_TEXT, head_dim=8, rope_parameters=rope), vision_config=vision, **_VL_TOKENS)
+        cls = tf.Qwen3VLForConditionalGeneration
+    cfg.architectures = [cls.__name__]
+    cfg.tie_word_embeddings = False
+    torch.manual_seed(0)
+    model = cls(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(path)
+    return path
+
+
+@dataclass
+class VLSpec:
+    """Groups of a VL batch: per group (image grid (t, h, w) or None for a text prompt, text before, text after) and
+    its G response lengths. ``same_text``: groups whose prompt tokens are group 0's (their images differ)."""
+
+    prompts: list[tuple]
+    responses: list[list[int]]
+    seed: int = 0
+    same_text: tuple[int, ...] = ()
+
+
+def vl_batch(
+    path: str, spec: VLSpec, *, remove_padding=True, temperature=1.0, entropy=True, dynamic=False, micro=None, max_tokens=None, order=None
+):
+    """A verl RL mini-batch with images, as verl's agent loop builds it: per-row ``multi_modal_inputs``
+    (pixel_values, image_grid_thw, images_seqlens) and (B, 4, L) position ids (text positions, then the model's
+    get_rope_index positions, verl's ``_compute_position_ids``)."""
+    g = torch.Generator().manual_seed(spec.seed)
+    base = tf.AutoModelForImageTextToText.from_pretrained(path).model
+    rows = []
+    for gi, ((grid, before, after), lens) in enumerate(zip(spec.prompts, spec.responses)):
+        text = torch.Generator().manual_seed(1000 * spec.seed + (0 if gi in spec.same_text else gi))
+        parts, inputs = [torch.randint(1, 90, (before,), generator=text)], None
+        if grid is not None:
+            t, h, w = grid
+            parts += [torch.tensor([V_START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([V_END])]
+            grid_t = torch.tensor([grid])
+            inputs = {
+                "pixel_values": torch.randn(t * h * w, 3 * 2 * 2 * 2, generator=g),
+                "image_grid_thw": grid_t,
+                "images_seqlens": torch.repeat_interleave(grid_t[:, 1] * grid_t[:, 2], grid_t[:, 0]),
+            }
+        parts.append(torch.randint(1, 90, (after,), generator=text))
+        prompt = torch.cat(parts)
+        for r in lens:
+            rows.append((prompt, torch.randint(1, 90, (r,), generator=g), inputs))
+    if order is not None:
+        rows = [rows[i] for i in order]
+    B, P, R = len(rows), max(len(p) for p, _, _ in rows), max(len(r) for _, r, _ in rows)
+    prompts = torch.zeros(B, P, dtype=torch.long)
+    responses = torch.zeros(B, R, dtype=torch.long)
+    attn = torch.zeros(B, P + R, dtype=torch.long)
+    pos = torch.zeros(B, 4, P + R, dtype=torch.long)
+    for i, (p, r, inputs) in enumerate(rows):
+        prompts[i, P - len(p) :] = p
+        attn[i, P - len(p) : P] = 1
+        responses[i, : len(r)] = r
+        attn[i, P : P + len(r)] = 1
+        full = torch.cat([p, r])
+        valid = attn[i].bool()
+        kw = {}
+        if inputs is not None:
+            kw = dict(image_grid_thw=inputs["image_grid_thw"], mm_token_type_ids=(full == IMAGE).int()[None])
+        else:
+            kw = dict(mm_token_type_ids=torch.zeros(1, len(full), dtype=torch.int))
+        with torch.no_grad():
+            vision, _ = base.get_rope_index(input_ids=full[None], **kw)  # (3, 1, len)
+        pos[i, 0, valid] = torch.arange(len(full))
+        pos[i, 1:, valid] = vision[:, 0]
+    mask = attn[:, P:].clone()
+    td = TensorDict(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], 1),
+            "attention_mask": attn,
+            "position_ids": pos,
+            "response_mask": mask,
+            "old_log_probs": -4.5 + 0.6 * torch.randn(B, R, generator=g),
+            "ref_log_prob": -4.5 + 0.6 * torch.randn(B, R, generator=g),
+            "advantages": torch.randn(B, 1, generator=g).expand(B, R).contiguous(),
+        },
+        batch_size=[B],
+    )
+    td = left_right_2_no_padding(td)
+    tu.assign_non_tensor_stack(td, "multi_modal_inputs", [inputs for _, _, inputs in rows])
+    tu.assign_non_tensor(
+        td,
+        use_remove_padding=remove_padding,
+        use_dynamic_bsz=dynamic,
+        temperature=temperature,
+        calculate_entropy=entropy,
+        use_fused_kernels=False,
+        global_batch_size=B,
+        micro_batch_size_per_gpu=micro or B,
+        max_token_len_per_gpu=max_tokens or 4096,
+    )
+    return td
+
+
+@contextmanager
+def verl_attention_unpatched():
+    """verl's engine as it runs with ``use_remove_padding=False`` (verl then leaves the VL attention classes alone):
+    the transformers attention forwards back for the duration, although an engine built in this process with
+    ``use_remove_padding=True`` replaced them process-wide. verl's other patches (model forwards) stay."""
+    from sharedprefix.integrations.verl_vl import ORIGINALS
+
+    swapped = []
+    for (cls, attr), fn in ORIGINALS.items():
+        if cls.__name__.endswith("Attention") and attr == "forward" and cls.__dict__.get(attr) is not fn:
+            swapped.append((cls, cls.__dict__[attr]))
+            cls.forward = fn
+    try:
+        yield
+    finally:
+        for cls, current in swapped:
+            cls.forward = current

@@ -6,27 +6,10 @@ Data-parallel group d = ranks d*SP .. d*SP + SP - 1 (verl's (dp, sp) mesh); its 
 verl dispatches them. Rank 0 writes {case: {what: relative error}} (ours vs verl, the largest over the ranks).
 """
 
-import json
-import os
 import sys
 
-import torch
-import torch.distributed as dist
 import verl_cpu  # (before verl's engine modules)
-from verl_support import (
-    FSDPEngineWithLMHead,
-    Spec,
-    build,
-    infer,
-    loss_fn,
-    masked_rel,
-    rel,
-    responses_of,
-    rl_batch,
-    save_model,
-    train,
-    world,
-)
+from verl_support import FSDPEngineWithLMHead, Spec, build, case_errors, finish_worker, loss_fn, rl_batch, start_worker
 
 from sharedprefix.integrations.verl import SharedPrefixFSDPEngine
 from sharedprefix.parallel.sequence import SequenceShard
@@ -42,6 +25,14 @@ def _counted(fn):
     return wrapped
 
 
+def _exchanged(run):
+    """Our inference call, which must run the core's sequence-parallel path."""
+    before = EXCHANGES[0]
+    ours = run()
+    assert EXCHANGES[0] > before
+    return ours
+
+
 SPECS = [
     Spec(prompts=[14, 20], responses=[[5, 8, 3, 6], [7, 2, 8, 4]], seed=1),
     Spec(prompts=[9, 6], responses=[[6, 1, 2, 3], [3, 2, 4, 3]], seed=2),
@@ -50,15 +41,8 @@ SPECS = [
 
 def main(workdir: str, result: str, sp_size: str) -> None:
     sp_size = int(sp_size)
-    rank, size = world()
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    verl_cpu.allow_ulysses()
+    rank, size, path = start_worker(workdir, before_model=verl_cpu.allow_ulysses)
     SequenceShard.to_heads = _counted(SequenceShard.to_heads)
-    path = os.path.join(workdir, "model")
-    if rank == 0:
-        save_model(path)
-    dist.barrier()
     kw = dict(attn=verl_cpu.ULYSSES_ATTENTION, ulysses_sequence_parallel_size=sp_size)
     ev, es = build(FSDPEngineWithLMHead, path, **kw), build(SharedPrefixFSDPEngine, path, **kw)
     budget = build(SharedPrefixFSDPEngine, path, **kw)
@@ -69,27 +53,9 @@ def main(workdir: str, result: str, sp_size: str) -> None:
     out = {}
     for case, engine, dynamic in (("static", es, False), ("dynamic", es, True), ("budget", budget, False)):
         make = lambda dynamic=dynamic: rl_batch(spec, temperature=0.7, dynamic=dynamic, micro=4, max_tokens=128)  # noqa: E731
-        theirs = infer(ev, make())
-        before = EXCHANGES[0]
-        ours = infer(engine, make())
-        assert EXCHANGES[0] > before  # our engine ran the core's sequence-parallel path
-        td = make()
-        resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
-        errs = {}
-        for key in ("log_probs", "entropy"):
-            errs[key] = masked_rel(responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), resp)
         lf = loss_fn("clip_kl_entropy", rows)
-        (o_v, g_v), (o_s, g_s) = train(ev, make(), lf), train(engine, make(), lf)
-        errs["grads"] = rel(g_s, g_v)
-        errs["loss"] = abs(sum(o_s["loss"]) - sum(o_v["loss"])) / abs(sum(o_v["loss"]))
-        errs["grad_scale"] = max(float(g.abs().max()) for g in g_v.values())  # not zero: the test checks it
-        gathered = [None] * size
-        dist.all_gather_object(gathered, errs)
-        out[case] = {k: max(e[k] for e in gathered) for k in errs}
-    if rank == 0:
-        with open(result, "w") as f:
-            json.dump(out, f)
-    dist.destroy_process_group()
+        out[case] = case_errors(ev, engine, make, lf, wrap_ours=_exchanged, grad_scale=True)
+    finish_worker(result, out)
 
 
 if __name__ == "__main__":

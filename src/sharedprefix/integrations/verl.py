@@ -5,9 +5,10 @@ verl process when it imports ``verl``; verl's ``actor_rollout_ref.model.external
 too, when a worker builds its model config, before the engine, though that path was not run in
 the tests) replaces the
 engine verl builds for every language-model backend (the policy and the reference model) with
-``SharedPrefixFSDPEngine``, a subclass of verl's ``FSDPEngineWithLMHead`` that overrides only
-``forward_backward_batch``. Model building, FSDP2 sharding, optimizer, checkpoints, weight sync
-and the losses stay verl's own. Anything that is not FSDP2 is refused when the engine is built.
+``SharedPrefixFSDPEngine``, a subclass of verl's ``FSDPEngineWithLMHead`` that overrides
+``forward_backward_batch`` (and ``initialize``, to check the built model). Model building, FSDP2
+sharding, optimizer, checkpoints, weight sync and the losses stay verl's own. Anything that is not
+FSDP2 is refused when the engine is built.
 
 Per call (one mini-batch of one data-parallel rank):
 
@@ -39,6 +40,15 @@ micro-batches; the engine passes verl's own Ulysses group as the core's ``sequen
 inside it; log-probs whole on every rank, verl's loss on them, FSDP2 over every rank summing the shares). verl's
 dynamic micro-batch budget is per sequence group (``max_token_len_per_gpu * sp_size``), as in verl's engine.
 
+Vision-language models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; ``verl_vl``): rows are grouped by prompt tokens and
+identical ``multi_modal_inputs``, each micro-batch becomes ``sp.Group``s with ``prompt_inputs`` (a tree carries
+none), verl's 3-D position ids are checked against the model's own, and verl's process-wide patches of those
+models' classes are undone for the duration of each sharedprefix call (``verl_vl.own_forward``).
+
+Hybrids: the core's cache-path hybrids (``model.support.HYBRID_MODEL_TYPES``) are refused at build (that path does
+not run under FSDP2); the packed-path ones (``model.mixers``) are accepted when the core can reach their token mixers
+in this transformers version (``check_model``, after verl builds the model), refused with the core's reason otherwise.
+
 Devices: the passes run on FSDP2's compute device, not on the device of a parameter, so that engines whose
 parameters FSDP2 keeps in host memory (``CPUOffloadPolicy``: a forward-only engine such as the reference model,
 which verl always offloads, and ``offload_policy=True``) compute where verl computes them.
@@ -58,6 +68,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+import transformers
 from verl.utils import tensordict_utils as tu
 from verl.utils.dataset.dataset_utils import DatasetPadMode
 from verl.utils.device import get_device_id, get_device_name
@@ -76,6 +87,16 @@ from sharedprefix.integrations.verl_layout import (
     split_groups,
     to_verl,
 )
+from sharedprefix.integrations.verl_vl import (
+    check_mrope_positions,
+    check_vl_config,
+    image_keys,
+    own_forward,
+    row_inputs,
+    vl_groups,
+)
+from sharedprefix.integrations.verl_vl import to_rows as vl_to_rows
+from sharedprefix.model import mixers
 from sharedprefix.model.support import HYBRID_MODEL_TYPES
 
 ENV_MAX_TOKENS = "SHAREDPREFIX_MAX_TOKENS"
@@ -111,18 +132,14 @@ def check_config(model_config, engine_config) -> None:
     hf_config = getattr(model_config, "hf_config", None)
     model_type = getattr(hf_config, "model_type", None)
     if hf_config is not None and getattr(hf_config, "vision_config", None) is not None:
-        how = _VL_PATCHES.get(model_type, "sharedprefix's verl engine does not build groups with prompt_inputs yet")
+        check_vl_config(hf_config, int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1))
+    text_type = getattr(hf_config.get_text_config(), "model_type", model_type) if hf_config is not None else None
+    if text_type in HYBRID_MODEL_TYPES:  # the core's cache path for hybrids (its packed ones: check_model)
         raise ValueError(
-            f"model_type={model_type!r} is a vision-language model: {how}. Train a text-only model with this engine, "
-            "use sharedprefix's TRL trainer or sp.Group(prompt_inputs=...) directly (exact for Qwen2/2.5/3-VL), or do "
-            "not import sharedprefix.integrations.verl."
-        )
-    if model_type in HYBRID_MODEL_TYPES:
-        raise ValueError(
-            f"model_type={model_type!r} is a hybrid model (recurrent, SSM or convolution layers beside attention): "
-            "sharedprefix's hybrid path runs the model's own cache-aware forward, which it does not run inside FSDP2's "
-            "unshard and reshard hooks, and verl's engine is FSDP2. Train it without sharedprefix's verl engine (or "
-            "with sp.backward under DDP)."
+            f"model_type={text_type!r} is a hybrid model (recurrent, SSM or convolution layers beside attention) that "
+            "sharedprefix runs on its cache path, which drives the model's own cache-aware forward and does not run "
+            "inside FSDP2's unshard and reshard hooks; verl's engine is FSDP2. Train it without sharedprefix's verl "
+            "engine (or with sp.backward under DDP)."
         )
     if getattr(model_config, "model_type", "language_model") != "language_model":
         raise ValueError(
@@ -152,18 +169,17 @@ def check_config(model_config, engine_config) -> None:
         )
 
 
-# vision-language models: why verl's own code path leaves no room for sharedprefix's attention
-_ATTENTION_PATCH = (
-    "with use_remove_padding (the layout this engine reads) verl replaces {cls}.forward with its own "
-    "flash-attention call, which bypasses transformers' attention interface, so sharedprefix's attention would "
-    "never run in this process"
-)
-_VL_PATCHES = {
-    "qwen2_vl": _ATTENTION_PATCH.format(cls="Qwen2VLAttention"),
-    "qwen2_5_vl": _ATTENTION_PATCH.format(cls="Qwen2_5_VLAttention"),
-    "qwen3_vl": "verl replaces Qwen3VLModel.forward with its own (qwen3_vl_base_forward), the module sharedprefix "
-    "runs its multimodal passes through, and that forward was not checked against sharedprefix's positions",
-}
+def check_model(module) -> None:
+    """Raise ``ValueError``, once verl has built the model, for a hybrid whose token mixers the core's packed path
+    cannot reach in this transformers version (``model.mixers.check_reachable``: the seams it wraps are missing)."""
+    if mixers.is_packed(module):
+        try:
+            mixers.check_reachable(module)
+        except ValueError as e:
+            raise ValueError(
+                f"{e} (transformers {transformers.__version__}.) sharedprefix's verl engine refuses it when the engine is "
+                "built; train it without the engine, or in an environment whose transformers has those functions."
+            ) from e
 
 
 def max_tokens_from_env() -> int | None:
@@ -191,16 +207,18 @@ _REFUSED_FLAGS = {
 }
 
 
-def _check_batch(data) -> None:
+def _check_batch(data, vl: bool) -> None:
+    if not vl and any(row_inputs(data, len(data))):
+        raise ValueError(
+            "the batch has multi_modal_inputs but the model is not a vision-language model; sharedprefix's verl engine "
+            "would ignore them. Train a vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) on image rows."
+        )
     pad_mode = tu.get_non_tensor_data(data=data, key="pad_mode", default=DatasetPadMode.NO_PADDING)
     if pad_mode != DatasetPadMode.NO_PADDING:
         raise ValueError(f"pad_mode={pad_mode!r}; sharedprefix's verl engine reads verl's no-padding layout only.")
     for key, fix in _REFUSED_FLAGS.items():
         if tu.get_non_tensor_data(data=data, key=key, default=False):
             raise ValueError(f"{key}=True is not supported by sharedprefix's verl engine; set {fix}.")
-    mm = tu.get(data, "multi_modal_inputs", None) if "multi_modal_inputs" in data.keys() else None
-    if mm is not None and any(bool(x) for x in mm):
-        raise ValueError("the batch has multi_modal_inputs; multimodal inputs are not supported by sharedprefix yet.")
     for key in ("routed_experts", "teacher_logprobs"):
         if key in data.keys():
             raise ValueError(f"the batch has {key!r}; it is not supported by sharedprefix's verl engine.")
@@ -237,10 +255,16 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
     def __init__(self, model_config, engine_config, optimizer_config, checkpoint_config):
         check_config(model_config, engine_config)
         self.sp_max_tokens = max_tokens_from_env()
+        hf_config = getattr(model_config, "hf_config", None)
+        self.sp_vl = hf_config is not None and getattr(hf_config, "vision_config", None) is not None
         super().__init__(model_config, engine_config, optimizer_config, checkpoint_config)
 
+    def initialize(self):
+        super().initialize()
+        check_model(self.module)
+
     def forward_backward_batch(self, data, loss_function, forward_only=False):
-        _check_batch(data)
+        _check_batch(data, self.sp_vl)
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)  # verl's micro-batch budget reads it
         group = self.get_data_parallel_group()
         batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
@@ -249,6 +273,8 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
 
         resp = response_lengths(data["responses"], data.get("attention_mask", None))
         keys = group_keys(data["input_ids"], data["input_ids"].offsets().diff().cpu() - resp)
+        if self.sp_vl:  # images belong to the prompt: a group is its prompt tokens and its inputs
+            keys = [k + b"|" + m for k, m in zip(keys, image_keys(row_inputs(data, len(keys))))]
         order = grouping_order(keys)
         regrouped = order != list(range(len(order)))
         if regrouped:
@@ -284,24 +310,32 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
         temperature = _temperature(mb)
         entropy = bool(tu.get_non_tensor_data(data=mb, key="calculate_entropy", default=False))
         rows = rows_of(mb["input_ids"], response_lengths(mb["responses"], mb.get("attention_mask", None)))
-        check_positions(mb["position_ids"], rows.lengths)
+        source, align = rows.tree, (lambda values: values)
+        if self.sp_vl:  # groups with prompt_inputs (a tree carries none); their (N, T) values back onto the rows
+            hf_config = self.model_config.hf_config
+            groups, members = vl_groups(mb["input_ids"], rows.prompt_lengths, row_inputs(mb, len(rows.lengths)), hf_config)
+            check_mrope_positions(self.module, mb["position_ids"], groups, members, rows.lengths)
+            source = groups
+            align = lambda values: vl_to_rows(values, groups, members, rows.lengths, rows.prompt_lengths)  # noqa: E731
+        else:
+            check_positions(mb["position_ids"], rows.lengths)
         offsets = mb["input_ids"].offsets()
-        plan = sp.plan(rows.tree, self.sp_max_tokens)
+        plan = sp.plan(source, self.sp_max_tokens)
         dp_group = self.get_data_parallel_group()
 
         def model_output(lp, ent):
-            out = {"log_probs": torch.nested.nested_tensor_from_jagged(to_verl(lp, rows.lengths), offsets)}
+            out = {"log_probs": torch.nested.nested_tensor_from_jagged(to_verl(align(lp), rows.lengths), offsets)}
             if ent is not None:
-                out["entropy"] = torch.nested.nested_tensor_from_jagged(to_verl(ent, rows.lengths), offsets)
+                out["entropy"] = torch.nested.nested_tensor_from_jagged(to_verl(align(ent), rows.lengths), offsets)
             return out
 
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
         kw = dict(temperature=temperature, max_tokens=self.sp_max_tokens, sequence_group=self._sequence_group())
-        with autocast:
+        with autocast, own_forward():  # the model's own class functions during the passes (verl's patches undone)
             if forward_only:
                 with torch.no_grad():
-                    res = sp.logprobs(self.module, rows.tree, entropy=entropy, **kw)
+                    res = sp.logprobs(self.module, source, entropy=entropy, **kw)
                     outs = model_output(res.logprobs, res.entropy)
                     loss, metrics = (
                         loss_function(model_output=outs, data=mb, dp_group=dp_group)
@@ -310,9 +344,9 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
                     )
                 computed = plan.tokens_computed
             elif self._passes_agreed(len(plan.passes)) == 1:
-                loss, metrics, outs, computed = self._one_pass(rows, mb, loss_function, model_output, entropy, sync, kw)
+                loss, metrics, outs, computed = self._one_pass(source, mb, loss_function, model_output, entropy, sync, kw)
             else:
-                loss, metrics, outs, computed = self._chain_rule(rows, mb, loss_function, model_output, entropy, sync, kw)
+                loss, metrics, outs, computed = self._chain_rule(source, mb, loss_function, model_output, entropy, sync, kw)
         metrics = dict(metrics)
         metrics["sharedprefix/tokens_computed"] = float(computed)
         metrics["sharedprefix/tokens_plain"] = float(plan.plain_tokens)
@@ -355,9 +389,9 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
                 f"to at least {largest}; set {ENV_MAX_TOKENS} to bound the tokens of one sharedprefix pass."
             )
 
-    def _one_pass(self, rows, mb, loss_function, model_output, entropy, sync, kw):
+    def _one_pass(self, source, mb, loss_function, model_output, entropy, sync, kw):
         """The micro-batch in one pass: verl's loss on its log-probs, inside ``sp.backward``."""
-        B = len(rows.lengths)
+        B = len(mb)
         seen = {}
 
         def loss_fn(batch):
@@ -371,14 +405,14 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             return loss
 
         res = sp.backward(
-            self.module, rows.tree, loss_fn, entropy=entropy, prefix_activations="recompute", sync=sync, grad_reduction="mean", **kw
+            self.module, source, loss_fn, entropy=entropy, prefix_activations="recompute", sync=sync, grad_reduction="mean", **kw
         )
         return seen["loss"], seen["metrics"], seen["outs"], res.tokens_computed
 
-    def _chain_rule(self, rows, mb, loss_function, model_output, entropy, sync, kw):
+    def _chain_rule(self, source, mb, loss_function, model_output, entropy, sync, kw):
         """Several passes: verl's loss on values computed without a graph, then its gradient through ``sp.backward``."""
         with torch.no_grad():
-            res = sp.logprobs(self.module, rows.tree, entropy=entropy, **kw)
+            res = sp.logprobs(self.module, source, entropy=entropy, **kw)
         lp = res.logprobs.detach().requires_grad_(True)
         ent = res.entropy.detach().requires_grad_(True) if entropy else None
         outs = model_output(lp, ent)
@@ -396,7 +430,7 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
 
         back = sp.backward(
             self.module,
-            rows.tree,
+            source,
             linear,
             entropy=g_ent is not None,
             prefix_activations="recompute",
@@ -404,7 +438,7 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             grad_reduction="mean",
             **kw,
         )
-        computed = sp.plan(rows.tree, kw["max_tokens"]).tokens_computed + back.tokens_computed
+        computed = sp.plan(source, kw["max_tokens"]).tokens_computed + back.tokens_computed
         return loss.detach(), metrics, outs, computed
 
 

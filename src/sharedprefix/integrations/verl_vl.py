@@ -1,0 +1,226 @@
+"""Vision-language rows in verl's engine: ``multi_modal_inputs`` -> ``sp.Group(prompt_inputs=...)``, and the model's
+own forward during sharedprefix's passes.
+
+verl 0.9.1's ``apply_monkey_patch`` (run when an engine builds its model) replaces class attributes of
+transformers' Qwen2-VL, Qwen2.5-VL and Qwen3-VL modules, process-wide: the attention forward of Qwen2/2.5-VL (with
+``use_remove_padding`` or Ulysses: verl's flash-attention call, which bypasses transformers' attention interface,
+so sharedprefix's attention would never run), the multimodal model's and the conditional-generation model's
+forwards (verl's image-text mixing and LM-head wrappers), Qwen3-VL's vision position interpolation, and with Ulysses
+the text models' forwards. sharedprefix computes with the model's own modules, so:
+
+- ``ORIGINALS``: when this module is imported (through ``VERL_USE_EXTERNAL_MODULES`` at ``import verl``, before any
+  engine is built), every function defined on a class of those transformers modules is recorded.
+- ``own_forward()``: for the duration of one sharedprefix call (forward and backward, so that gradient
+  checkpointing recomputes the same way) every recorded attribute that someone replaced is set back to
+  transformers' function, and verl's is put back on exit, also when the call raises.
+
+Rows: verl's ``multi_modal_inputs`` hold one dict per row (``pixel_values`` (patches, dim), ``image_grid_thw``
+(images, 3), ``images_seqlens`` (verl's own bookkeeping, not a model input), videos likewise); images belong to the
+prompt, so rows are grouped by prompt tokens AND identical inputs, and each group's ``prompt_inputs`` are its row's
+inputs plus ``mm_token_type_ids`` of the prompt (1 on image tokens, 2 on video tokens, as verl computes them for
+the positions). verl's 3-D position ids (text row, then the model's M-RoPE rows) must be the model's own:
+``check_mrope_positions`` compares them with the model's ``get_rope_index`` on each row (the core computes the
+same positions itself, from the prompt alone).
+
+Notation: B = rows of a micro-batch, L = longest row, len_i / P_i = row i's length / prompt length.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from contextlib import contextmanager
+
+import torch
+
+import sharedprefix as sp
+
+# transformers modules verl's apply_monkey_patch touches for the vision-language model types sharedprefix supports
+VL_MODULES = {
+    "qwen2_vl": "transformers.models.qwen2_vl.modeling_qwen2_vl",
+    "qwen2_5_vl": "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+    "qwen3_vl": "transformers.models.qwen3_vl.modeling_qwen3_vl",
+}
+_NOT_INPUTS = ("images_seqlens",)  # verl's own bookkeeping in multi_modal_inputs (image sequence lengths)
+
+
+def _record() -> tuple[dict, dict]:
+    """(ORIGINALS: {(class, name): transformers' function}, MISSING: {model_type: why it cannot be restored})."""
+    originals, missing = {}, {}
+    for model_type, name in VL_MODULES.items():
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as e:
+            missing[model_type] = f"this transformers version has no {name} ({e})"
+            continue
+        for cls in vars(mod).values():
+            if not (inspect.isclass(cls) and cls.__module__ == name):
+                continue
+            for attr, fn in vars(cls).items():
+                if inspect.isfunction(fn):
+                    if not fn.__module__.startswith("transformers."):
+                        missing[model_type] = (
+                            f"{cls.__name__}.{attr} was already replaced (by {fn.__module__}) when "
+                            "sharedprefix.integrations.verl was imported, so the model's own function is unknown; import "
+                            "it first, through VERL_USE_EXTERNAL_MODULES=sharedprefix.integrations.verl"
+                        )
+                    originals[(cls, attr)] = fn
+    return originals, missing
+
+
+ORIGINALS, MISSING = _record()
+
+
+@contextmanager
+def own_forward():
+    """Transformers' own class functions for the duration (see the module docstring); the replacements come back on
+    exit, also when the body raises."""
+    swapped = []
+    try:
+        for (cls, attr), fn in ORIGINALS.items():
+            current = cls.__dict__.get(attr)
+            if current is not fn:
+                swapped.append((cls, attr, current))
+                setattr(cls, attr, fn)
+        yield
+    finally:
+        for cls, attr, current in reversed(swapped):
+            if current is None:
+                delattr(cls, attr)
+            else:
+                setattr(cls, attr, current)
+
+
+def check_vl_config(hf_config, ulysses: int) -> None:
+    """Raise ``ValueError`` for a vision-language model this engine does not compute."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in VL_MODULES:
+        raise ValueError(
+            f"model_type={model_type!r} is a vision-language model; sharedprefix's verl engine turns verl's "
+            f"multi_modal_inputs into prompt_inputs for {sorted(VL_MODULES)} (M-RoPE models whose verl patches it undoes "
+            "during its passes) only. Train this model without sharedprefix's verl engine, or use "
+            "sp.Group(prompt_inputs=...) directly."
+        )
+    if model_type in MISSING:
+        raise ValueError(f"model_type={model_type!r}: {MISSING[model_type]}.")
+    if ulysses > 1:
+        raise ValueError(
+            f"ulysses_sequence_parallel_size={ulysses} with the vision-language model {model_type!r}: sharedprefix's "
+            "sequence-parallel path refuses prompt_inputs, because the vision tower's features are placed into the "
+            "whole packed row's embeddings while each rank computes only its slice of the row. Set "
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1 for vision-language models."
+        )
+
+
+def row_inputs(data, B: int) -> list[dict | None]:
+    """verl's per-row ``multi_modal_inputs`` (B dicts or None; None/empty for a text row) as a list."""
+    if "multi_modal_inputs" not in data.keys():
+        return [None] * B
+    raw = data["multi_modal_inputs"]
+    items = raw.tolist() if hasattr(raw, "tolist") else list(raw)
+    out = []
+    for x in items:
+        x = getattr(x, "data", x)
+        out.append({k: v for k, v in x.items() if v is not None and k not in _NOT_INPUTS} if x else None)
+    if len(out) != B:
+        raise ValueError(f"multi_modal_inputs has {len(out)} entries for {B} rows; expected one dict (or None) per row.")
+    return out
+
+
+def image_keys(inputs: list[dict | None]) -> list[bytes]:
+    """One hashable key per row's inputs (identical images give identical keys)."""
+    keys = []
+    for x in inputs:
+        parts = [] if not x else [(k, str(v.dtype), tuple(v.shape), _bytes(v)) for k, v in sorted(x.items())]
+        keys.append(repr(parts).encode())
+    return keys
+
+
+def _bytes(v: torch.Tensor) -> bytes:
+    """The tensor's raw bytes (any dtype, bfloat16 included)."""
+    flat = v.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def vl_groups(input_ids, plen, inputs, config) -> tuple[list[sp.Group], list[list[int]]]:
+    """(B, j) jagged rows, (B,) prompt lengths and per-row inputs -> (groups, members): rows with the same prompt
+    tokens and inputs (contiguous here, the engine regrouped them) form one group; ``members[g]`` its rows."""
+    offsets, values = input_ids.offsets().cpu(), input_ids.values().cpu()
+    media = {getattr(config, "image_token_id", None): 1, getattr(config, "video_token_id", None): 2}
+    media.pop(None, None)
+    groups, members, last = [], [], None
+    for i, x in enumerate(inputs):
+        row = values[int(offsets[i]) : int(offsets[i + 1])]
+        p = int(plen[i])
+        prompt, response = row[:p], row[p:]
+        hits = [t for t in media if bool((response == t).any())]
+        if hits:
+            raise ValueError(
+                f"row {i}'s response holds image/video token ids {hits}; sharedprefix's verl engine puts images in the "
+                "prompt (computed once per group), so multi-turn rows with images after the prompt are not supported."
+            )
+        key = (prompt.numpy().tobytes(), image_keys([x])[0])
+        if key == last:
+            groups[-1][1].append(response)
+            members[-1].append(i)
+            continue
+        pi = None
+        if x:
+            pi = dict(x)
+            types = torch.zeros_like(prompt, dtype=torch.int32)
+            for t, v in media.items():
+                types[prompt == t] = v
+            pi["mm_token_type_ids"] = types
+        groups.append((prompt, [response], pi))
+        members.append([i])
+        last = key
+    return [sp.Group(p, cs, prompt_inputs=pi) for p, cs, pi in groups], members
+
+
+def to_rows(values: torch.Tensor, groups, members, lengths, plen) -> torch.Tensor:
+    """(N, T) completion values in group order -> (B, L) aligned with the rows (``[i, t]`` about token t), zero on
+    prompt tokens. Differentiable."""
+    B, L = len(lengths), int(lengths.max())
+    order = [i for m in members for i in m]
+    dev = values.device
+    T = values.shape[1]
+    cols = torch.arange(L, device=dev)[None] - plen.to(dev)[:, None]  # (B, L): completion column of each token
+    keep = (cols >= 0) & (torch.arange(L, device=dev)[None] < lengths.to(dev)[:, None])
+    by_row = values.new_zeros(B, T).index_copy(0, torch.tensor(order, device=dev), values)
+    picked = by_row.gather(1, cols.clamp(0, T - 1))
+    return torch.where(keep, picked, torch.zeros((), dtype=values.dtype, device=dev))
+
+
+def check_mrope_positions(module, position_ids, groups, members, lengths) -> None:
+    """verl's (B, 4, j) position ids (text positions, then the model's 3-D M-RoPE positions) must be those the model
+    computes for each row (``get_rope_index``), which sharedprefix computes itself; others would be silently
+    ignored."""
+    if position_ids.dim() != 3:
+        raise ValueError(
+            f"position_ids has {position_ids.dim()} dimensions for a vision-language model; expected verl's (B, 4, j) "
+            "layout (text positions, then the M-RoPE temporal, height and width positions)."
+        )
+    base = getattr(module, "model", module)
+    rope_args = set(inspect.signature(base.get_rope_index).parameters)
+    per_row = position_ids.unbind()
+    for g, rows in zip(groups, members):
+        for c, i in zip(g.completions, rows):
+            got = per_row[i].cpu()  # (4, len_i)
+            want_text = torch.arange(int(lengths[i]))
+            full = torch.cat([g.prompt, c])
+            if g.prompt_inputs:
+                kw = {k: v for k, v in g.prompt_inputs.items() if k in rope_args and k != "mm_token_type_ids"}
+                types = torch.cat([g.prompt_inputs["mm_token_type_ids"].cpu(), torch.zeros(c.numel(), dtype=torch.int32)])
+                if "mm_token_type_ids" in rope_args:
+                    kw["mm_token_type_ids"] = types[None]
+                with torch.no_grad():  # a function of the config and the inputs (no parameters): on the host
+                    pos, _ = base.get_rope_index(input_ids=full[None], **{k: v.cpu() for k, v in kw.items()})
+                want = torch.cat([want_text[None], pos[:, 0].cpu()])
+            else:
+                want = want_text[None].expand(4, -1)
+            if got.shape != want.shape or not torch.equal(got.to(want.dtype), want):
+                raise ValueError(
+                    f"position_ids of row {i} are not the model's own (text positions 0..len-1, then the M-RoPE "
+                    f"positions of {type(base).__name__}.get_rope_index for the row); sharedprefix computes each token's "
+                    "position itself, so other position ids would be silently ignored. Use verl's default position ids."
+                )

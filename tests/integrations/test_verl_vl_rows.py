@@ -1,0 +1,92 @@
+"""verl's vision-language rows -> sharedprefix groups, and the undoing of verl's class patches: pure logic, no verl
+import (runs in the main environment; test_verl_vl.py compares whole engines in the verl one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen2_vl import modeling_qwen2_vl as m
+
+from sharedprefix.integrations import verl_vl
+
+IMAGE, VIDEO = 100, 101
+
+
+class _Config:
+    image_token_id = IMAGE
+    video_token_id = VIDEO
+
+
+def _nested(rows):
+    return torch.nested.nested_tensor_from_jagged(torch.cat(rows), torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0)]))
+
+
+def _image(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"pixel_values": torch.randn(16, 24, generator=g), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+
+
+def test_groups_by_prompt_tokens_and_images():
+    prompt = torch.tensor([5, IMAGE, IMAGE, IMAGE, IMAGE, 6])
+    rows = [torch.cat([prompt, torch.tensor(r)]) for r in ([7, 8], [9], [7], [3, 4, 2])]
+    plen = torch.tensor([6, 6, 6, 6])
+    a, b = _image(0), _image(1)
+    inputs = [dict(a, images_seqlens=torch.tensor([16])), dict(a), dict(b), dict(b)]
+    inputs = [{k: v for k, v in x.items() if k not in verl_vl._NOT_INPUTS} for x in inputs]  # as row_inputs drops it
+    groups, members = verl_vl.vl_groups(_nested(rows), plen, inputs, _Config)
+    assert members == [[0, 1], [2, 3]]  # the same tokens, other images: two groups
+    assert [len(g.completions) for g in groups] == [2, 2]
+    assert torch.equal(groups[0].prompt_inputs["pixel_values"], a["pixel_values"])
+    assert torch.equal(groups[1].prompt_inputs["pixel_values"], b["pixel_values"])
+    assert groups[0].prompt_inputs["mm_token_type_ids"].tolist() == [0, 1, 1, 1, 1, 0]
+    # (N, T) completion values in group order back onto (B, L) rows, zero on prompt tokens and past each row
+    values = torch.arange(1.0, 1.0 + 4 * 3).reshape(4, 3)
+    lengths = torch.tensor([len(r) for r in rows])
+    out = verl_vl.to_rows(values, groups, members, lengths, plen)
+    assert out.shape == (4, 9)
+    assert out[0].tolist() == [0, 0, 0, 0, 0, 0, 1, 2, 0]
+    assert out[3].tolist() == [0, 0, 0, 0, 0, 0, 10, 11, 12]
+    assert verl_vl.image_keys([a])[0] != verl_vl.image_keys([b])[0]
+    assert verl_vl.image_keys([a])[0] == verl_vl.image_keys([{k: v.clone() for k, v in a.items()}])[0]
+    bf16 = {"pixel_values": a["pixel_values"].bfloat16()}
+    assert verl_vl.image_keys([bf16])[0] != verl_vl.image_keys([{"pixel_values": b["pixel_values"].bfloat16()}])[0]
+
+
+def test_image_token_in_a_response_refused():
+    rows = [torch.tensor([5, IMAGE, 6, 7, IMAGE])]
+    with pytest.raises(ValueError, match=r"row 0's response holds image/video token ids \[100\]"):
+        verl_vl.vl_groups(_nested(rows), torch.tensor([3]), [_image(0)], _Config)
+
+
+def test_own_forward_undoes_a_patch_and_puts_it_back_also_on_error():
+    own = verl_vl.ORIGINALS[(m.Qwen2VLAttention, "forward")]
+    assert own.__module__ == m.__name__
+
+    def patched(self, *args, **kwargs):  # what verl's apply_monkey_patch does to the class
+        raise AssertionError("verl's forward ran")
+
+    saved = m.Qwen2VLAttention.forward
+    m.Qwen2VLAttention.forward = patched
+    try:
+        with verl_vl.own_forward():
+            assert m.Qwen2VLAttention.forward is own
+        assert m.Qwen2VLAttention.forward is patched
+        with pytest.raises(RuntimeError, match="inside"):
+            with verl_vl.own_forward():
+                assert m.Qwen2VLAttention.forward is own
+                raise RuntimeError("inside")
+        assert m.Qwen2VLAttention.forward is patched
+    finally:
+        m.Qwen2VLAttention.forward = saved
+
+
+def test_vl_config_refusals():
+    class Cfg:
+        model_type = "llava"
+
+    with pytest.raises(ValueError, match="model_type='llava' is a vision-language model.*prompt_inputs for"):
+        verl_vl.check_vl_config(Cfg, 1)
+    Cfg.model_type = "qwen2_vl"
+    verl_vl.check_vl_config(Cfg, 1)
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 with the vision-language model 'qwen2_vl'"):
+        verl_vl.check_vl_config(Cfg, 2)
