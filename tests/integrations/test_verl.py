@@ -199,7 +199,7 @@ REFUSED_BUILDS = [
     ({}, dict(use_liger=True), "Liger.s Triton kernels.*GPUs only"),
     ({}, dict(vision_config=True), "vision-language"),
     ({}, dict(vision_config=True, model_type="qwen2_vl"), "replaces Qwen2VLAttention.forward"),
-    ({}, dict(model_type_hf="falcon_h1"), "hybrid model.*FSDP2"),  # a cache-path hybrid (LFM2 is packed now)
+    ({}, dict(model_type_hf="zaya"), "hybrid model.*FSDP2"),  # a cache-path hybrid (LFM2, Falcon-H1 are packed now)
     ({}, dict(enable_activation_offload=True), "activation offloader.*layer window fails"),
     ({}, dict(model_type="value_model"), "value or reward heads"),
 ]
