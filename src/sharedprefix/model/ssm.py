@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from sharedprefix.layout.recurrence import level_index
 
 SEAM = "mamba2_chunk_scan"
-# class-name suffix of the Mamba2 mixers -> the seams their forward calls (Mamba2Mixer and NemotronHMamba2Mixer,
-# Zamba2MambaMixer, GraniteMoeHybridMambaLayer)
+# class-name suffix of the Mamba2 mixers -> the seams their forward calls: Mamba2Mixer (also NemotronHMamba2Mixer),
+# FalconH1Mixer, MambaMixer (Zamba2MambaMixer), BambaMixer, HybridMambaLayer (GraniteMoeHybridMambaLayer)
 MIXERS = {s: ("conv", "scan") for s in ("Mamba2Mixer", "FalconH1Mixer", "MambaMixer", "BambaMixer", "HybridMambaLayer")}
 MODEL_TYPES = {"mamba2", "nemotron_h", "falcon_h1", "zamba2", "bamba", "granitemoehybrid"}
 UNCHANGED = (float("-inf"), float("inf"))  # a dt_limit whose clamp returns every value as it is
