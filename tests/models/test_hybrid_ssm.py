@@ -212,7 +212,7 @@ def test_control_padding_with_the_raw_step_size_is_caught(monkeypatch):
 def test_control_a_detached_cached_state_is_caught(monkeypatch):
     """Cached conv tails and scan states read detached: the log-probs stay exact, the gradient that later passes
     send into the prompt through them is lost, and the gradient comparison catches it."""
-    model, gs = _model("bamba"), groups_of()
+    model, gs = _model("nemotron_h"), groups_of()
     read = PrefixCache.read_state
     monkeypatch.setattr(PrefixCache, "read_state", lambda self, slot, seg: read(self, slot, seg).detach())
     with Float64Inside():
