@@ -6,12 +6,13 @@ must run its backward inside sharedprefix to a deferred backward (``schedule.def
 or a tree's rows), W = columns, n = rows in one pass.
 
 Hybrid models whose token mixers outside attention sharedprefix reaches (``model.mixers``: the gated delta-nets of
-Qwen3-Next, Qwen3.5 and OLMo-hybrid, LFM2's short convolutions) take the packed path like any other model, each
-segment's scan starting from its parent's state. The other hybrids (``model.support.HYBRID_MODEL_TYPES``: Falcon-H1,
-Zamba2, Mamba2 and others) take ``schedule.hybrid`` through ``schedule.hybrid_calls``: each prompt once through the
-model's own cache-aware forward, each completion batch from a copy of the prompt's cache. There ``max_tokens``
-bounds every forward (prompt chunks, right-padded completion batches); a completion longer than it is refused, and
-so are ``sp.Tree``, ``prompt_inputs``, FSDP2 and gradient checkpointing.
+Qwen3-Next, Qwen3.5 and OLMo-hybrid, LFM2's short convolutions, the Mamba2 families' scans) take the packed path
+like any other model, each segment's scan starting from its parent's state. The other hybrids
+(``model.support.HYBRID_MODEL_TYPES``: LFM3, MiniMax, Zaya and others) take ``schedule.hybrid`` through
+``schedule.hybrid_calls``: each prompt once through the model's own cache-aware forward, each completion batch from
+a copy of the prompt's cache. There ``max_tokens`` bounds every forward (prompt chunks, right-padded completion
+batches); a completion longer than it is refused, and so are ``sp.Tree``, ``prompt_inputs``, FSDP2 and gradient
+checkpointing.
 
 ``backward`` contract: ``loss_fn`` is called once per pass that reports rows, with a ``Batch`` of those rows (each
 whole), and must be *additive over rows*: the loss of a set of rows is the sum of the losses of its parts. Every

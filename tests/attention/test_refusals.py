@@ -51,8 +51,8 @@ def test_hidden_dropout_in_training_refused():
     ids=["mamba"],
 )
 def test_token_mixing_layers_refused(cfg_cls, model_cls, kw, match):
-    """Hybrids outside modeling.HYBRID_MODEL_TYPES (LFM2, Falcon-H1, Qwen3-Next ... run on the hybrid path,
-    tests/models/test_hybrid.py) keep their refusal."""
+    """Hybrids outside the packed path (LFM2, Falcon-H1, Qwen3-Next ...: tests/models/test_hybrid_packed.py,
+    test_hybrid_ssm.py) and the cache path (tests/models/test_hybrid.py) keep their refusal."""
     with pytest.raises(ValueError, match=match):
         sp.logprobs(_tiny(cfg_cls, model_cls, **kw), GROUPS)
 

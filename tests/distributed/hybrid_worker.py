@@ -1,12 +1,15 @@
 """One rank of the hybrid DDP / FSDP2 test (run under torchrun): a tiny LFM2 (short convolutions beside attention, on
 the packed path) wrapped in DDP, or sharded with FSDP2 (``fsdp``: every layer, the tied embedding and head as one unit, and the root),
-each rank with its share of the groups.
+each rank with its share of the groups. FAMILY (default lfm2) picks another packed hybrid of ``models.test_hybrid``
+(falcon_h1: Mamba2 mixers; qwen3_next: gated delta-nets); those compute their scans in float32 inside a float64 model,
+so their ranks run ``sp.backward`` under ``Float64Inside``, as the reference does (kinds backward and fsdp only).
 
-Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT
+Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT [FAMILY]
 (KIND: backward | mean | deferred | midfail | refuse_logprobs | fsdp) Rank 0 writes the gradients (or the messages)
 to OUT.
 """
 
+import contextlib
 import gc
 import os
 import sys
@@ -20,8 +23,10 @@ from distributed.worker import full_grads, nan_on_second_pass, report_outcome, s
 from models.test_hybrid import groups_of, model_of  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
+from sharedprefix.tools.reference import Float64Inside  # noqa: E402
 
 BUDGET = 8  # splits the first group (prompt 9: two chunks; four completions in several batches)
+FLOAT32_INSIDE = {"falcon_h1", "qwen3_next"}  # families whose scans cast to float32: run under Float64Inside
 
 
 def weights(groups):
@@ -29,7 +34,7 @@ def weights(groups):
     return torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
 
 
-def main(kind, out):
+def main(kind, out, family="lfm2"):
     import faulthandler
 
     faulthandler.dump_traceback_later(100, exit=True)
@@ -41,13 +46,13 @@ def main(kind, out):
     if kind == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        model = model_of("lfm2")
+        model = model_of(family)
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard([model.model.embed_tokens, model.lm_head])  # (tied weights: one unit)
         model = fully_shard(model)
     else:
-        model = torch.nn.parallel.DistributedDataParallel(model_of("lfm2"))
+        model = torch.nn.parallel.DistributedDataParallel(model_of(family))
 
     def loss_fn(b):
         return (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()
@@ -67,9 +72,10 @@ def main(kind, out):
             (out_lp.logprobs * W[gidx, : out_lp.logprobs.shape[1]] * out_lp.mask).sum().backward()
         else:  # (FSDP2: "recompute", the mode it runs, chosen by default)
             mode = None if kind == "fsdp" else "recompute"
-            sp.backward(
-                model, mine, loss_fn, max_tokens=BUDGET, prefix_activations=mode, grad_reduction="mean" if kind == "mean" else "sum"
-            )
+            with Float64Inside() if family in FLOAT32_INSIDE else contextlib.nullcontext():
+                sp.backward(
+                    model, mine, loss_fn, max_tokens=BUDGET, prefix_activations=mode, grad_reduction="mean" if kind == "mean" else "sum"
+                )
         grads = full_grads(model)
         everyone = [None] * world
         dist.all_gather_object(everyone, grads)
@@ -82,4 +88,4 @@ def main(kind, out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

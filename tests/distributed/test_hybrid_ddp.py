@@ -1,17 +1,20 @@
 """Hybrid models under DDP and FSDP2 (2 CPU processes, gloo): the gradients of a single-process plain run, on every
-rank (LFM2, on the packed path)."""
+rank (LFM2, on the packed path; Falcon-H1's Mamba2 mixers under DDP and FSDP2, Qwen3-Next's gated delta-nets under
+FSDP2, both with their float32 scans kept float64 by ``Float64Inside`` on every rank and in the reference)."""
 
+import contextlib
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from distributed.hybrid_worker import BUDGET, weights
+from distributed.hybrid_worker import BUDGET, FLOAT32_INSIDE, weights
 from models.test_hybrid import groups_of, model_of
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
+from sharedprefix.tools.reference import Float64Inside
 
 pytestmark = pytest.mark.slow  # torchrun, 2 processes
 
@@ -19,20 +22,25 @@ pytestmark = pytest.mark.slow  # torchrun, 2 processes
 WORKER = os.path.join(os.path.dirname(__file__), "hybrid_worker.py")
 
 
-def _launch(kind, tmp_path):
+def _launch(kind, tmp_path, family="lfm2"):
     out = tmp_path / f"{kind}.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, kind, str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, kind, str(out), family]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
 
+def _reference(family):
+    groups, model = groups_of(), model_of(family)
+    W = weights(groups)[:, : max(c.numel() for g in groups for c in g.completions)]
+    with Float64Inside() if family in FLOAT32_INSIDE else contextlib.nullcontext():
+        return grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
+
+
 @pytest.fixture(scope="module")
 def reference():
-    groups, model = groups_of(), model_of("lfm2")
-    W = weights(groups)
-    return grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W[:, : max(c.numel() for g in groups for c in g.completions)]).sum())
+    return _reference("lfm2")
 
 
 def test_the_shards_differ_and_the_budget_splits_a_group():
@@ -46,6 +54,17 @@ def test_two_process_hybrid_gradients_match_plain_float64(kind, scale, tmp_path,
     got = _launch(kind, tmp_path)
     for grads in got["grads"]:  # both ranks hold the summed (or averaged) gradient
         assert_grads_close({k: v / scale for k, v in grads.items() if v is not None}, reference, 1e-9)
+
+
+@pytest.mark.parametrize("family, kind", [("falcon_h1", "backward"), ("falcon_h1", "fsdp"), ("qwen3_next", "fsdp")])
+def test_two_process_mamba2_and_delta_net_gradients_match_plain_float64(family, kind, tmp_path):
+    """A Mamba2 family (Falcon-H1: attention and Mamba2 in every layer) under DDP ("recompute") and FSDP2 (its default
+    mode), and a gated delta-net family (Qwen3-Next) under FSDP2, with a budget that splits a group: the plain
+    gradient on both ranks."""
+    got = _launch(kind, tmp_path, family)
+    want = _reference(family)
+    for grads in got["grads"]:
+        assert_grads_close({k: v for k, v in grads.items() if v is not None}, want, 1e-9)
 
 
 def test_a_failure_on_one_rank_stops_both_and_leaves_no_gradient(tmp_path):

@@ -45,14 +45,16 @@ def _tiny(model_type: str, tok, cls):
 
 
 def test_cache_path_hybrid_under_gradient_checkpointing_is_refused_when_built(tmp_path):
-    """TRL turns gradient checkpointing on by default; a hybrid on the cache path (Falcon-H1's Mamba2 layers) needs
-    the model's cache, which transformers turns off under it. Refused at construction, with the setting to change; a
-    hybrid on the packed path (LFM2's short convolutions) is built with checkpointing on."""
+    """TRL turns gradient checkpointing on by default; a hybrid on the cache path (Zaya's convolution and recurrent
+    layers) needs the model's cache, which transformers turns off under it. Refused at construction, with the setting
+    to change; hybrids on the packed path (LFM2's short convolutions, Falcon-H1's Mamba2 mixers) are built with
+    checkpointing on."""
     tok = build_tokenizer()
-    with pytest.raises(ValueError, match=r"FalconH1ForCausalLM is a hybrid model .*Set gradient_checkpointing=False"):
-        _build(_tiny("falcon_h1", tok, tf.FalconH1ForCausalLM), tok, tmp_path)
-    assert _build(_tiny("falcon_h1", tok, tf.FalconH1ForCausalLM), tok, tmp_path, gradient_checkpointing=False)
+    with pytest.raises(ValueError, match=r"ZayaForCausalLM is a hybrid model .*Set gradient_checkpointing=False"):
+        _build(_tiny("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path)
+    assert _build(_tiny("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path, gradient_checkpointing=False)
     assert _build(_lfm2(tok), tok, tmp_path)
+    assert _build(_tiny("falcon_h1", tok, tf.FalconH1ForCausalLM), tok, tmp_path)
 
 
 def test_qwen3_5_vision_language_model_is_built_on_the_packed_path(tmp_path):
@@ -69,10 +71,10 @@ def test_qwen3_5_vision_language_model_is_built_on_the_packed_path(tmp_path):
 
 
 def test_moe_aux_loss_on_a_cache_path_hybrid_is_refused_when_built(tmp_path):
-    """A hybrid MoE on the cache path (Granite-4's Mamba2 layers) with router_aux_loss_coef != 0: that path reads no
-    router logits. Refused when built, with the setting to change."""
+    """A hybrid MoE on the cache path (MiniMax's lightning attention layers) with router_aux_loss_coef != 0: that path
+    reads no router logits. Refused when built, with the setting to change."""
     tok = build_tokenizer()
-    model = _tiny("granitemoehybrid", tok, tf.GraniteMoeHybridForCausalLM)
+    model = _tiny("minimax", tok, tf.MiniMaxForCausalLM)
     with pytest.raises(ValueError, match=r"hybrid model with an MoE load-balancing loss .*Set router_aux_loss_coef=0.0"):
         _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.01)
     assert _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)

@@ -204,7 +204,7 @@ REFUSED_BUILDS = [
         dict(vision_config=True, model_type="qwen2_vl"),
         "ulysses_sequence_parallel_size=2 with the vision-language",
     ),
-    ({}, dict(model_type_hf="falcon_h1"), "hybrid model.*cache path.*FSDP2"),  # a cache-path hybrid
+    ({}, dict(model_type_hf="zaya"), "hybrid model.*cache path.*FSDP2"),  # a cache-path hybrid (LFM2, Falcon-H1 are packed)
     ({}, dict(enable_activation_offload=True), "activation offloader.*layer window fails"),
     ({}, dict(model_type="value_model"), "value or reward heads"),
 ]

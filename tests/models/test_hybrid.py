@@ -1,11 +1,12 @@
-"""Hybrid models on the cache-driven path (``schedule.hybrid``: Mamba2 families, Falcon-H1, Zamba2 and others): each
-prompt once, each completion from the prompt's final layer state, against the plain per-row forward in float64.
+"""Hybrid models on the cache-driven path (``schedule.hybrid``: Zaya, LFM3, MiniMax and others): each prompt once,
+each completion from the prompt's final layer state, against the plain per-row forward in float64.
 
-The gated delta-nets and short convolutions (LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid) run on the packed path instead:
-tests/models/test_hybrid_packed.py; ``model_of`` and ``zoo_model`` here build the tiny models of both files.
-Falcon-H1's Mamba2 scan casts to float32 even in a float64 model: the exactness test runs both the plain forward and
-sharedprefix with those casts kept float64 (``Float64Inside``, the same code otherwise), and a second test holds the
-model's own float32 layers to the flash-attention rule (at most twice the plain run's error).
+The gated delta-nets, short convolutions and Mamba2 mixers (LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid, Mamba2,
+Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) run on the packed path instead: tests/models/
+test_hybrid_packed.py and test_hybrid_ssm.py; ``model_of`` and ``zoo_model`` here build the tiny models of all three.
+Zaya (the cache path's example here) computes parts in float32 even in a float64 model: the exactness test runs both
+the plain forward and sharedprefix with those casts kept float64 (``Float64Inside``, the same code otherwise), and a
+second test holds the model's own float32 layers to the flash-attention rule (at most twice the plain run's error).
 """
 
 import pytest
@@ -73,6 +74,8 @@ _MODELS = {}
 
 
 def model_of(family):
+    if family not in _MODELS and family not in CONFIGS:  # a zoo entry (the cache path's example, Zaya)
+        _MODELS[family] = zoo_model(family)
     if family not in _MODELS:
         cfg_cls, model_cls, extra = CONFIGS[family]
         cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
@@ -143,15 +146,15 @@ def _family(request, family):
     return model_of(family)
 
 
-FAMILIES = ["falcon_h1"]  # lfm2 and qwen3_next: the packed path (test_hybrid_packed.py)
-FLOAT32_INSIDE = {"falcon_h1"}  # run under Float64Inside
+FAMILIES = ["zaya"]  # lfm2, qwen3_next, falcon_h1: the packed path (test_hybrid_packed.py, test_hybrid_ssm.py)
+FLOAT32_INSIDE = {"zaya"}  # run under Float64Inside
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logprobs_and_gradients_match_the_plain_forward(request, family):
     """Float64 log-probs (and entropies) to 1e-9 in one pass and under a budget that chunks the 9-token prompt and
     splits its 4 completions; gradients of a linear function of the log-probs to a relative 1e-9 through
-    ``logprobs``' graph and ``backward`` (in the three prefix modes, split and whole). Falcon-H1 runs float64
+    ``logprobs``' graph and ``backward`` (in the three prefix modes, split and whole). Zaya runs float64
     throughout (``Float64Inside``)."""
     model = _family(request, family)
     gs = groups_of()
@@ -182,7 +185,7 @@ def test_logprobs_and_gradients_match_the_plain_forward(request, family):
 
 @pytest.mark.parametrize("family", sorted(FLOAT32_INSIDE))
 def test_own_float32_layers_within_twice_the_plain_error(family):
-    """With the model's own float32 scan, a float64 Falcon-H1 is float32-accurate there:
+    """With the model's own float32 parts, a float64 Zaya is float32-accurate there:
     hold the hybrid path to the flash-attention rule against the float64 result (``Float64Inside``): at most twice
     the plain run's own error, for the log-probs and for the gradients (max relative error over tensors)."""
     model, gs = model_of(family), groups_of()
@@ -197,7 +200,7 @@ def test_own_float32_layers_within_twice_the_plain_error(family):
     assert _grad_error(g_ours, g_truth) <= 2 * _grad_error(g_plain, g_truth)
 
 
-@pytest.mark.parametrize("family, slot", [("falcon_h1", "conv_states"), ("falcon_h1", "keys"), ("falcon_h1", "recurrent_states")])
+@pytest.mark.parametrize("family, slot", [("zaya", "conv_states"), ("zaya", "keys"), ("zaya", "recurrent_states")])
 def test_a_completion_that_does_not_start_from_the_prompts_state_is_caught(monkeypatch, family, slot):
     """The exactness test can fail: completions started from a zeroed conv state, zeroed prompt keys or a zeroed
     recurrent state give log-probs far (1000x) beyond the 1e-9 tolerance (random weights of std 0.02 make the
@@ -218,8 +221,8 @@ def test_a_completion_that_does_not_start_from_the_prompts_state_is_caught(monke
 def test_gradients_reach_the_prompt_through_its_state(monkeypatch):
     """Detaching the prompt's state (log-probs unchanged) loses the gradient the completions send into the prompt
     through its conv, recurrent and attention state: the comparison with the plain gradient catches it."""
-    model, gs = model_of("falcon_h1"), groups_of()
-    ref, _, want = reference("falcon_h1+float64", model, gs, Float64Inside)
+    model, gs = model_of("zaya"), groups_of()
+    ref, _, want = reference("zaya+float64", model, gs, Float64Inside)
     read = hybrid._read
     monkeypatch.setattr(hybrid, "_read", lambda cache, slots: [t.detach() for t in read(cache, slots)])
     w = _weights(ref.shape)
@@ -231,7 +234,7 @@ def test_gradients_reach_the_prompt_through_its_state(monkeypatch):
 
 
 def test_refusals_name_the_value_and_the_fix():
-    model, gs = model_of("falcon_h1"), groups_of()
+    model, gs = model_of("zaya"), groups_of()
     with pytest.raises(ValueError, match=r"max_tokens=5 is below groups\[0\]'s longest completion \(6 tokens\)"):
         sp.logprobs(model, gs, max_tokens=5)
     with pytest.raises(ValueError, match=r"max_tokens=2; expected None or an int >= 3"):
@@ -289,10 +292,10 @@ def test_recurrent_gemma_stays_refused_with_its_reason(monkeypatch):
 def test_deferred_logprobs_give_the_backward_gradient():
     """``defer=True``: values without a graph, ``sp.backward`` on the hybrid path when autograd reaches them, with the
     incoming gradients as its loss: the gradient of ``sp.backward`` itself under the same budget (relative 1e-9; both
-    with Falcon-H1's own float32 scan, since the deferred backward runs where ``Float64Inside`` does not reach; the
+    with Zaya's own float32 parts, since the deferred backward runs where ``Float64Inside`` does not reach; the
     float32 scan's own accuracy is the 2x test above)."""
-    model, gs = model_of("falcon_h1"), groups_of()
-    w = _weights(reference("falcon_h1+float64", model, gs, Float64Inside)[0].shape)
+    model, gs = model_of("zaya"), groups_of()
+    w = _weights(reference("zaya+float64", model, gs, Float64Inside)[0].shape)
     model.zero_grad(set_to_none=True)
     sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6)
     want = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -300,15 +303,17 @@ def test_deferred_logprobs_give_the_backward_gradient():
     assert _grad_error(got, want) <= 1e-9
 
 
-def zoo_model(entry):
+def zoo_model(entry, **config):
     """A zoo entry built as the zoo builds it but with weights of std 0.2 (states that matter; Zaya's key scale, zero at
     init, near 1), float64 norms and
     decay factors (MiniMax's block prefill, all of a plain row, reads decays rounded to float32 at init, and its
     token-by-token continuation, our completions, recomputes them in the model's dtype: 1e-8 apart in a float64 model
-    unless the buffers are float64 too)."""
+    unless the buffers are float64 too). ``config``: settings to change on the zoo's config."""
     from sharedprefix.tools import zoo
 
     cfg = zoo.tiny_config(entry)
+    for k, v in config.items():
+        setattr(cfg, k, v)
     for c in zoo.configs._all_configs(cfg):
         c.initializer_range = 0.2
     torch.manual_seed(0)
@@ -328,21 +333,16 @@ def zoo_model(entry):
     return model
 
 
-ZOO_HYBRIDS = [  # lfm2_moe, olmo_hybrid, qwen3_5_text, qwen3_5_moe_text: the packed path (test_hybrid_packed.py)
-    "zamba2",
+ZOO_HYBRIDS = [  # lfm2_moe, olmo_hybrid, qwen3_5*, and the Mamba2 families: the packed path (test_hybrid_packed.py, _ssm.py)
     "kimi_linear",
     "bailing_hybrid",
-    "nemotron_h",
-    "mamba2",
-    "bamba",
-    "granitemoehybrid",
     "lfm3",
     "minimax",
     "zaya",
     "lara_mini",
 ]
 # sp.backward in the three prefix modes (the others: "keep", the modes being the same code for every family)
-ALL_MODES = {"mamba2", "bamba", "granitemoehybrid", "lfm3", "minimax", "zaya", "lara_mini"}
+ALL_MODES = {"lfm3", "minimax", "zaya", "lara_mini"}
 
 
 @pytest.mark.parametrize("entry", ZOO_HYBRIDS)

@@ -126,7 +126,7 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
         if convolutions_allowed:  # the hybrid path continues the model's own cache, whose length numbers completions
             return False
         probe.probe(model, dec, _config_attention_layers(model))
-        positions.verify(model, dec, ids)
+        positions.verify(model, dec, ids, positionless=mixers.attention_free(model))
         return True
     close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))  # noqa: E731
     if close(numbered, hidden):

@@ -15,6 +15,8 @@ segment from its parent's final state, one call per tree level (segments right-p
 and decay, which leave a delta-rule state unchanged, as the model's own chunk padding does). A recorded segment's
 conv tail (1, C, K) and final recurrent state (H, Dk, Dv) go to the prefix cache like its K/V (``write_state``),
 and later passes read them back (``read_state``). A mixer whose forward ran without reaching its seams is refused.
+The Mamba2 mixers (Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) reach the same convolution and
+``mamba2_chunk_scan``, whose packed form (zero-step padding) is ``model.ssm.scan``; its final state is (H, P, N).
 
 Notation: L = row length, C = conv channels, K = conv kernel - 1, H = value heads, Dk / Dv = key / value head dims.
 """
@@ -27,12 +29,13 @@ from contextlib import contextmanager
 import torch
 
 from sharedprefix.layout.recurrence import conv_index, level_index
+from sharedprefix.model import ssm
 
 # model types whose mixers run here (their old cache-driven path, ``schedule.hybrid``, no longer takes them)
-PACKED_MODEL_TYPES = {"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"}
-PACKED_LAYER_TYPES = {"conv", "linear_attention"}
-SEAMS = {"conv": "causal_conv1d_fn", "delta": "torch_chunk_gated_delta_rule"}
-MIXERS = {"GatedDeltaNet": ("conv", "delta"), "ShortConv": ("conv",)}  # class-name suffix -> the seams it calls
+PACKED_MODEL_TYPES = {"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"} | ssm.MODEL_TYPES
+PACKED_LAYER_TYPES = {"conv", "linear_attention", "hybrid"}  # "hybrid": a Mamba2 mixer beside attention
+SEAMS = {"conv": "causal_conv1d_fn", "delta": "torch_chunk_gated_delta_rule", "scan": ssm.SEAM}
+MIXERS = {"GatedDeltaNet": ("conv", "delta"), "ShortConv": ("conv",), **ssm.MIXERS}  # class-name suffix -> its seams
 
 _CURRENT: list[tuple] = []  # (mixer module, its seams' call counts at entry) of the forwards running, innermost last
 _INSTALLED: dict = {}  # (modeling module, attribute) -> [the model's own function, nesting count]
@@ -54,6 +57,17 @@ def is_packed(model) -> bool:
     return getattr(model.config.get_text_config(), "model_type", None) in PACKED_MODEL_TYPES
 
 
+def attention_free(model) -> bool:
+    """Whether every layer of a packed model is one of its mixers (no attention layer: Mamba2, or all-conv LFM2)."""
+    types = _layer_types(model)
+    return is_packed(model) and bool(types) and all(str(t) in PACKED_LAYER_TYPES - {"hybrid"} for t in types)
+
+
+def _layer_types(model) -> list:
+    cfg = model.config.get_text_config()
+    return list(getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None) or ())
+
+
 def mixer_modules(model) -> list[tuple[torch.nn.Module, tuple[str, ...]]]:
     out = []
     for m in model.modules():
@@ -67,7 +81,7 @@ def check_reachable(model) -> None:
     """Refuse a packed-hybrid model whose mixers or seams cannot be found (a transformers version that renamed them)."""
     name = type(model).__name__
     mods = mixer_modules(model)
-    types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+    types = _layer_types(model)
     want = sum(str(t) in PACKED_LAYER_TYPES for t in types)
     if len(mods) != want:
         raise ValueError(
@@ -158,7 +172,7 @@ def _leave(kinds):
 
 
 def _wrapper(kind: str, own):
-    packed = _conv if kind == "conv" else _delta
+    packed = {"conv": _conv, "delta": _delta, "scan": ssm.scan}[kind]
 
     def seam(*args, **kwargs):
         state = _state()

@@ -188,13 +188,18 @@ def _tail(own: torch.Tensor, ours: torch.Tensor, s: int) -> torch.Tensor | None:
     return None if dim is None else own.narrow(dim, s, ours.shape[dim])
 
 
-def verify(model, dec: torch.nn.Module, ids: torch.Tensor) -> None:
+def verify(model, dec: torch.nn.Module, ids: torch.Tensor, positionless: bool = False) -> None:
     """Find and check the position modules of a decoder without ``position_ids`` (see the module docstring) on
-    (1, n) token ``ids``; raise ValueError when they cannot be renumbered exactly. Idempotent."""
+    (1, n) token ``ids``; raise ValueError when they cannot be renumbered exactly. ``positionless``: the decoder has
+    no attention layer and every token mixer follows the segment tree (``mixers.attention_free``), so a decoder
+    without position modules has nothing to renumber. Idempotent."""
     name = type(model).__name__
     mods = dict.fromkeys(candidates(dec))
     if not mods:
         mods = dict.fromkeys(counting(dec), 0)  # sequence dimensions found below
+    if not mods and positionless:
+        _MODULES[model] = {}
+        return
     if not mods:
         refuse(name, "and none of its modules takes position_ids or a cache length, so sharedprefix has no call to renumber")
     n, s = ids.shape[1], SHIFT

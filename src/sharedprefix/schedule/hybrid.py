@@ -1,7 +1,7 @@
 """Hybrid models: each prompt runs once, and every completion starts from the prompt's final layer state.
 
-A hybrid model mixes tokens outside attention too (short convolutions, Mamba2 state-space layers, gated
-delta-net and lightning linear attention), or only outside it (Mamba2). Their state at the end of a prompt is
+A hybrid model mixes tokens outside attention too (short convolutions, state-space layers, gated delta-net and
+lightning linear attention). Their state at the end of a prompt is
 not a set of per-token K/V that the packed-row cascade could read, so hybrids take a separate, simpler path
 built on the model's own cache-aware forward (its torch code on CPU, its kernels where installed), with no
 change to its code:
@@ -22,8 +22,9 @@ change to its code:
 
 Only model types whose cache-aware forward has been checked exact against the plain forward run here
 (``model.support.HYBRID_MODEL_TYPES``); other hybrids keep their refusal. The gated delta-nets and short
-convolutions (LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid) no longer come here: ``model.mixers`` drives them on the
-packed path, with trees, checkpointing and FSDP2. Every batch is at least 2 tokens wide, so
+convolutions (LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid) and the Mamba2 families (Mamba2, Nemotron-H, Falcon-H1,
+Zamba2, Bamba, Granite-4 hybrid) no longer come here: ``model.mixers`` and ``model.ssm`` drive them on the packed
+path, with trees, checkpointing and FSDP2. Every batch is at least 2 tokens wide, so
 that the models' single-token decode kernels (which update states in place) never run.
 
 Notation: G = completions of a group, P = prompt length, n = rows of one batch, t = its width
