@@ -87,3 +87,18 @@ def test_a_conv1d_that_is_not_causal_depthwise_is_no_seam(model, monkeypatch):
         monkeypatch.setattr(mod.conv, "padding", (0,))
     with pytest.raises(ValueError, match=r"Lfm2ShortConv's modeling module .* has no \['causal_conv1d_fn'\].*nn.Conv1d"):
         sp.logprobs(model, groups_of())
+
+
+def test_the_hook_is_removed_after_a_call_and_after_one_that_raises(model, monkeypatch):
+    """Only the fixture's counting hook stays on the Conv1d after a call, and after one that raises inside the seam."""
+    convs = [mixers_conv.find(mod) for mod, _ in mixers.mixer_modules(model)]
+    sp.logprobs(model, groups_of())
+    assert [len(c._forward_hooks) for c in convs] == [1] * len(convs)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("inside the seam")
+
+    monkeypatch.setattr(mixers, "_conv", boom)
+    with pytest.raises(RuntimeError, match="inside the seam"):
+        sp.logprobs(model, groups_of())
+    assert [len(c._forward_hooks) for c in convs] == [1] * len(convs)

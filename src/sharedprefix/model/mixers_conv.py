@@ -11,7 +11,9 @@ the budgets' keep / offload / recompute carry it) and whose last K columns are z
 The module's own forward still runs first, over the whole packed row, and its output is discarded: one depthwise
 convolution per layer of wasted work, an acceptable price for leaving the model's code unchanged. Outside a pass the
 hook returns nothing and the module's output stands. The hook counts as a call of the seam, so the check that a
-mixer's forward reached its seams (``mixers._leave``) holds for this seam too.
+mixer's forward reached its seams (``mixers._leave``) holds for this seam too. It is installed on every packed
+mixer's qualifying Conv1d, whether or not the module has a ``causal_conv1d_fn``, and acts only when the Conv1d runs:
+5.10's LFM2 runs it on CPU even with the package installed, and 5.24's mixers never call it.
 
 Only a Conv1d that computes a causal depthwise convolution when its last K outputs are dropped qualifies: groups =
 in = out channels, stride 1, dilation 1, zero padding of K = kernel - 1. A mixer whose convolution is none of these
