@@ -224,26 +224,38 @@ def test_unsupported_settings_refused_at_build(path, engine_kw, model_kw, match)
         SharedPrefixFSDPEngine(model_config=model, engine_config=eng, optimizer_config=optim, checkpoint_config=ckpt)
 
 
-def test_packed_hybrid_refused_when_built(process_group, tmp_path):
-    """LFM2 (a packed-path hybrid in the core): in verl's transformers (5.10) its short convolution calls the
-    causal_conv1d package's function, None without it, and otherwise runs its Conv1d directly, so the seam the
-    core's packed path wraps does not exist; the engine refuses the model once verl has built it."""
+def test_instance_bound_delta_rule_refused_when_built(process_group, tmp_path):
+    """Qwen3-Next (a packed-path hybrid in the core): in verl's transformers (5.10) each gated delta-net binds
+    ``torch_chunk_gated_delta_rule`` on itself when built, so the module-level function the core's packed path wraps
+    is never called; the engine refuses the model once verl has built it. (LFM2, whose 5.10 convolution is its
+    Conv1d, runs: test_verl_hybrid.py.)"""
     import transformers as tf
 
-    cfg = tf.Lfm2Config(
+    cfg = tf.Qwen3NextConfig(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=3,
+        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        layer_types=["conv", "full_attention", "conv"],
-        conv_L_cache=3,
-        block_auto_adjust_ff_dim=False,
-        architectures=["Lfm2ForCausalLM"],
+        layer_types=["linear_attention", "full_attention"],
+        head_dim=8,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        architectures=["Qwen3NextForCausalLM"],
     )
-    tf.Lfm2ForCausalLM(cfg).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"Lfm2ShortConv.*has no \['causal_conv1d_fn'\].*refuses it when the engine is built"):
+    tf.Qwen3NextForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"Qwen3NextGatedDeltaNet holds its modeling module's function as the instance attribute "
+        r"'chunk_gated_delta_rule'.*transformers 5\.10.*refuses it when the engine is built",
+    ):
         build(SharedPrefixFSDPEngine, str(tmp_path))
 
 

@@ -89,8 +89,9 @@ class Spec:
     extra: dict = field(default_factory=dict)
 
 
-def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=None, max_tokens=None):
-    """A verl RL mini-batch in no-padding form, as the trainer hands it to ``update_actor`` / ``compute_log_prob``."""
+def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=None, max_tokens=None, remove_padding=True):
+    """A verl RL mini-batch in no-padding form, as the trainer hands it to ``update_actor`` / ``compute_log_prob``
+    (``remove_padding``: the worker's ``use_remove_padding``, which decides how verl's engine lays out the rows)."""
     g = torch.Generator().manual_seed(spec.seed)
     system = torch.randint(1, VOCAB, (spec.shared_system,), generator=g)
     rows = []
@@ -132,7 +133,7 @@ def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=
     td = left_right_2_no_padding(td)
     tu.assign_non_tensor(
         td,
-        use_remove_padding=True,
+        use_remove_padding=remove_padding,
         use_dynamic_bsz=dynamic,
         temperature=temperature,
         calculate_entropy=entropy,

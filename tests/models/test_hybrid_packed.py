@@ -237,6 +237,8 @@ def test_a_mixer_whose_seam_is_missing_is_refused(monkeypatch):
     model = _model("lfm2")
     src = sys.modules[type(mixers.mixer_modules(model)[0][0]).__module__]
     monkeypatch.delattr(src, "causal_conv1d_fn")
+    for m, _ in mixers.mixer_modules(model):  # nor a Conv1d the module seam takes (``model.mixers_conv``)
+        monkeypatch.setattr(m.conv, "padding", (0,))
     with pytest.raises(ValueError, match=r"Lfm2ForCausalLM: Lfm2ShortConv's modeling module .* has no \['causal_conv1d_fn'\]"):
         sp.logprobs(model, groups_of())
 

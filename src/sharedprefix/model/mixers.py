@@ -7,7 +7,8 @@ modeling module by name: ``causal_conv1d_fn(x, weight, bias, activation=...)`` o
 ``active(model)`` (one sharedprefix call; also during its backward, so that gradient checkpointing recomputes the
 same way) those two module attributes are wrapped, and forward hooks on the mixer modules say which layer calls
 them; on exit both are restored. Nothing is set on the model, the mixers' forwards run unchanged, and outside a pass
-the wrappers call the model's own functions.
+the wrappers call the model's own functions. Where there is no ``causal_conv1d_fn`` (LFM2 under transformers 5.10 runs
+its ``nn.Conv1d``), a hook on that Conv1d is the convolution's seam (``model.mixers_conv``).
 
 Inside a pass (``attention.interface.pass_state``) a wrapper computes what the plain row computes for every segment
 (``layout.recurrence``): the convolution reads the last K inputs of the segment's path, the delta rule starts each
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 import torch
 
 from sharedprefix.layout.recurrence import conv_index, level_index
-from sharedprefix.model import ssm
+from sharedprefix.model import mixers_conv, ssm
 
 # model types whose mixers run here (their old cache-driven path, ``schedule.hybrid``, no longer takes them)
 PACKED_MODEL_TYPES = {"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"} | ssm.MODEL_TYPES
@@ -91,12 +92,15 @@ def check_reachable(model) -> None:
         )
     for m, kinds in mods:
         src = sys.modules[type(m).__module__]
-        missing = [SEAMS[k] for k in kinds if not callable(getattr(src, SEAMS[k], None))]
+        missing = [
+            SEAMS[k] for k in kinds if not callable(getattr(src, SEAMS[k], None)) and not (k == "conv" and mixers_conv.find(m) is not None)
+        ]
         if missing:
             raise ValueError(
                 f"{name}: {type(m).__name__}'s modeling module {src.__name__} has no {missing}, the functions "
-                "sharedprefix wraps to carry each segment's convolution inputs and recurrent state, so it refuses "
-                "the model rather than mix tokens across the packed row."
+                "sharedprefix wraps to carry each segment's convolution inputs and recurrent state (nor, for a "
+                "convolution, one causal depthwise nn.Conv1d submodule to hook), so it refuses the model rather than "
+                "mix tokens across the packed row."
             )
 
 
@@ -118,7 +122,7 @@ def active(model):
             src = sys.modules[type(m).__module__]
             for kind in kinds:
                 key = (src, SEAMS[kind])
-                if key in keys:
+                if key in keys or not callable(getattr(src, SEAMS[kind], None)):  # no function: the Conv1d's hook
                     continue
                 if key not in _INSTALLED:
                     own = getattr(src, SEAMS[kind])
@@ -128,6 +132,7 @@ def active(model):
                 keys.append(key)
             hooks.append(m.register_forward_pre_hook(_enter))
             hooks.append(m.register_forward_hook(_leave(kinds)))
+            hooks += mixers_conv.hooks(m, kinds)  # the module seam (``model.mixers_conv``)
         yield
     finally:
         _ACTIVE[id(model)] -= 1
