@@ -24,20 +24,17 @@ COMPRESSED_ATTENTION_LAYER_TYPES = {  # DeepSeek-V4: attention over keys pooled 
 # Hybrid model types (layers that mix tokens outside attention) whose own cache-aware forward continues a prompt's
 # layer state exactly (tests/models/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
 # refused (``_check_layer_types``, ``_check_positions_and_convolutions``). The gated delta-nets and short
-# convolutions (``mixers.PACKED_MODEL_TYPES``: LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid) run on the packed path instead.
+# convolutions and Kimi delta attention (``mixers.PACKED_MODEL_TYPES``: LFM2, LFM3, Qwen3-Next, Qwen3.5, OLMo-hybrid,
+# Lara-mini, Kimi Linear, Bailing-hybrid) run on the packed path instead.
 HYBRID_MODEL_TYPES = {
     "falcon_h1",
     "zamba2",
-    "kimi_linear",
-    "bailing_hybrid",
     "nemotron_h",
     "mamba2",
     "bamba",
     "granitemoehybrid",
-    "lfm3",
     "minimax",
     "zaya",
-    "lara_mini",
 }
 # Hybrid model types that stay refused because their own forward cannot continue a prompt's layer state: why.
 _MAMBA1 = (
