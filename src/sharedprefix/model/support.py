@@ -36,6 +36,28 @@ HYBRID_MODEL_TYPES = {
     "minimax",
     "zaya",
 }
+# Cache-path hybrids whose token mixing has no function the packed path could wrap (``model.mixers``): model type ->
+# (the module that computes it inline, what it computes). Every refusal of the cache path names this reason.
+INLINE_MIXERS = {
+    "minimax": ("MiniMaxLightningAttention", "lightning attention (a block-wise linear attention with decay)"),
+    "zaya": (
+        "ZayaCCAProjection",
+        "token mixing (causal convolutions of queries and keys after an inline padding, values delayed by one token)",
+    ),
+}
+
+
+def inline_mixer_reason(model_type) -> str:
+    """A sentence for the cache path's refusals of a model type in ``INLINE_MIXERS`` (with a leading space), else ""."""
+    if model_type not in INLINE_MIXERS:
+        return ""
+    module, what = INLINE_MIXERS[model_type]
+    return (
+        f" It stays on that path because {module}'s {what} is computed inline in its forward, with no function "
+        "sharedprefix can wrap, so the packed path (trees, gradient checkpointing, FSDP2, prompt_inputs) cannot reach it."
+    )
+
+
 # Hybrid model types that stay refused because their own forward cannot continue a prompt's layer state: why.
 _MAMBA1 = (
     "its Mamba (v1) selective scan starts every multi-token forward from a zero state (transformers' torch scan and "

@@ -42,6 +42,7 @@ from sharedprefix.layout.rows import Tree
 from sharedprefix.model.adapter import decoder, uses_checkpointing
 from sharedprefix.model.checks import verify_head
 from sharedprefix.model.head import token_logprobs
+from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.hybrid_state import _cache_arg, _new_cache, _read, _repeated, _slots, prompt_chunks
 from sharedprefix.schedule.results import Batch
@@ -61,21 +62,27 @@ class HybridRun:
         self.model = model
         name = type(model).__name__
         check_supported(model, hybrid=True)
+        why = inline_mixer_reason(getattr(model.config, "model_type", None))
         if isinstance(groups, Tree):
             raise ValueError(
                 f"{name} is a hybrid model (layers that mix tokens outside attention); sharedprefix runs it group by "
-                "group from each prompt's cached layer state and does not take an sp.Tree. Pass a list of sp.Group."
+                "group from each prompt's cached layer state (its cache path) and does not take an sp.Tree. Pass a "
+                f"list of sp.Group.{why}"
             )
         emb = model.get_input_embeddings()
         vocab = min(emb.num_embeddings, model.get_output_embeddings().weight.shape[0])
         self.groups = validate_groups(groups, vocab)
         if any(g.prompt_inputs for g in self.groups):
-            raise ValueError(f"{name} is a hybrid text model; prompt_inputs (images, videos) are not supported for it.")
+            raise ValueError(
+                f"{name} is a hybrid text model on sharedprefix's cache path; prompt_inputs (images, videos) are not "
+                f"supported for it. Pass groups without prompt_inputs.{why}"
+            )
         if uses_checkpointing(model):
             raise ValueError(
                 f"{name} is a hybrid model in training mode with gradient checkpointing on: transformers turns its "
                 "cache off under gradient checkpointing, and sharedprefix carries each prompt's convolution and "
-                "recurrent state to its completions through that cache. Disable gradient checkpointing for this model."
+                "recurrent state to its completions through that cache (its cache path). Disable gradient checkpointing "
+                f"for this model.{why}"
             )
         if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
