@@ -274,3 +274,19 @@ def test_the_hybrid_tree_benchmark_runs_and_counts_tokens():
     assert "tokens computed      52  passes 4" in text  # 2 * (20 + 2 * 3)
     assert "tokens computed      92  microbatches 2 of 2 row(s) (1 timed, the sum scaled by 2)" in text  # 4 * 23
     assert "ratio of tokens computed 2.56x" in text and "(target >= 0.9)" in text
+
+
+def test_trl_refuses_an_inline_mixer_under_checkpointing_with_the_reason(tmp_path):
+    """The TRL trainer's refusal of gradient checkpointing (TRL's default) for a cache-path hybrid says, for MiniMax,
+    that its lightning attention is computed inline with nothing to wrap; the fix it names lets the trainer be built."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    from integrations.test_trl_refusals import _build, _tiny
+
+    from sharedprefix.recipes.grpo.tasks import build_tokenizer
+
+    tok = build_tokenizer()
+    model = _tiny("minimax", tok, transformers.MiniMaxForCausalLM)
+    with pytest.raises(ValueError, match=r"Set gradient_checkpointing=False.*MiniMaxLightningAttention.*computed inline"):
+        _build(model, tok, tmp_path)
+    assert _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)  # (MiniMax is an MoE)
