@@ -90,6 +90,20 @@ def run(layers=4, repeats=2, prompt=2048, completion=128, G=8) -> list[str]:
     ]
 
 
+def hybrid_flops(model, segments) -> float:
+    """Forward+backward FLOPs (3x forward) of computing ``segments`` ((start, length, predicted) triples; a plain row
+    is one segment from 0): the decoder layers' parameters per computed token, attention per (query, key) pair on the
+    attention layers only, the LM head per predicted token. The delta rule's own scan (a state update per token and
+    head, O(Dk * Dv)) is not counted: an estimate, for the ratio between layouts."""
+    cfg = model.config
+    per_tok = 2 * sum(p.numel() for p in model.model.layers.parameters())
+    attn = sum(t == "full_attention" for t in cfg.layer_types)
+    per_pair = 4 * attn * cfg.num_attention_heads * cfg.head_dim
+    tokens = sum(n for _, n, _ in segments)
+    pairs = sum(((a + n) * (a + n + 1) - a * (a + 1)) // 2 for a, n, _ in segments)  # position p sees p + 1 keys
+    return 3.0 * (tokens * per_tok + pairs * per_pair + sum(k for _, _, k in segments) * 2 * cfg.hidden_size * cfg.vocab_size)
+
+
 def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, **shape) -> list[str]:
     """The agentic tree shape on the hybrid (see the module docstring); ``shape`` overrides ``bench_tree.agentic``'s."""
     import inspect
@@ -139,6 +153,9 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, **s
     rows_len = items[0][0].numel() + items[0][1].numel()
     how = "all timed" if len(timed) == len(batches) else f"{len(timed)} timed, the sum scaled by {len(batches) / len(timed):g}"
     token_ratio = plain_tokens / r_tree.tokens_computed
+    planned = sp.plan(tree_src, max_tokens).tree.segments
+    fl_tree = hybrid_flops(model, [(s.start, s.length, s.n_computed) for s in planned])
+    fl_plain = hybrid_flops(model, [(0, p.numel() + c.numel(), c.numel()) for p, c in items])
     return [
         f"model: Qwen3.5-style, hidden 512, {layers} layers ({', '.join(model.config.layer_types)}), float32, cpu",
         f"agentic shape: system {d['system']} shared by {d['prompts']} prompts of {d['prompt_len']}, G={d['G']} x "
@@ -150,6 +167,9 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, **s
         f"of {per} row(s) ({how})",
         f"packed tree over plain rows {t_plain / t_tree:.2f}x | ratio of tokens computed {token_ratio:.2f}x | "
         f"speed-up / token ratio {(t_plain / t_tree) / token_ratio:.2f} (target >= 0.9)",
+        f"FLOP ratio plain / tree {fl_plain / fl_tree:.2f}x (estimate: layers per token, attention per pair on the "
+        f"attention layers, LM head per predicted token; scans not counted) | speed-up / FLOP ratio "
+        f"{(t_plain / t_tree) / (fl_plain / fl_tree):.2f}",
         f"packed tree over the cache path {t_cache / t_tree:.2f}x | its tokens {r_cache.tokens_computed / r_tree.tokens_computed:.2f}x "
         "fewer (the cache path repeats the system prompt per group)",
     ]
