@@ -23,6 +23,7 @@ Notation: L = row length, C = conv channels, K = conv kernel - 1, H = value head
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -162,7 +163,8 @@ def _leave(kinds):
 
 
 def _wrapper(kind: str, own):
-    packed = {"conv": _conv, "delta": _delta, "kda": packed_kda}[kind]
+    by_kind: dict[str, Callable] = {"conv": _conv, "delta": _delta, "kda": packed_kda}
+    packed = by_kind[kind]
 
     def seam(*args, **kwargs):
         state = _state()
