@@ -56,11 +56,14 @@ def add_arguments(p):
         help="agentic shape: a system prompt shared by 8 prompts (trees vs "
         "per-group sharing; --max-tokens is the budget, default 8192 here; --plain adds the plain run)",
     )
-    p.add_argument("--plain", action="store_true", help="with --tree: also time the plain run (slow on CPU)")
+    p.add_argument(
+        "--plain", action="store_true", help="with --tree: also time the plain run (slow on CPU); with --hybrid --tree: all of it"
+    )
     p.add_argument(
         "--hybrid",
         action="store_true",
-        help="a Qwen3.5-style hybrid (delta-net:attention 3:1) on the speed benchmark's group: packed, plain rows, cache path",
+        help="a Qwen3.5-style hybrid (delta-net:attention 3:1) on the speed benchmark's group: packed, plain rows, cache "
+        "path (with --tree: the agentic shape, the packed tree against plain rows and the cache path)",
     )
     p.add_argument(
         "--vision",
@@ -113,6 +116,10 @@ def run(args):
     if args.hybrid:
         from sharedprefix.tools import bench_hybrid
 
+        if args.tree:  # the agentic shape; --plain times every plain microbatch instead of a sample
+            lines = bench_hybrid.tree(args.layers, args.repeats, args.max_tokens or 8192, None if args.plain else 4)
+            print("\n".join(lines), flush=True)
+            return 0
         print("\n".join(bench_hybrid.run(args.layers, args.repeats)), flush=True)
         return 0
     if args.vision:

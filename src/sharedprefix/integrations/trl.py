@@ -42,7 +42,7 @@ import sharedprefix as sp
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
-from sharedprefix.model.support import check_supported, is_hybrid
+from sharedprefix.model.support import check_supported, inline_mixer_reason, is_hybrid
 from sharedprefix.schedule.results import PREFIX_MODES
 
 __all__ = ["SharedPrefixGRPOConfig", "SharedPrefixGRPOTrainer", "tree_rows"]
@@ -101,6 +101,7 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
                 "(TRL's default): transformers turns the model's cache off under gradient checkpointing, and "
                 "sharedprefix carries each prompt's convolution and recurrent state to its completions through that "
                 "cache. Set gradient_checkpointing=False in the config (sharedprefix_max_tokens bounds the memory)."
+                + inline_mixer_reason(getattr(inner.config, "model_type", None))
             )
         if not getattr(self, "aux_loss_enabled", False):
             return

@@ -1,9 +1,10 @@
 """Token mixers outside attention on the packed path: short convolutions and gated delta rules, driven from the row's
 segment tree at the seams transformers calls for them.
 
-The gated delta-nets (Qwen3-Next, Qwen3.5, OLMo-hybrid) and LFM2's short convolutions call two functions of their
-modeling module by name: ``causal_conv1d_fn(x, weight, bias, activation=...)`` on (1, C, L) inputs and
-``torch_chunk_gated_delta_rule(q, k, v, g=..., beta=..., initial_state=..., ...)`` on (1, L, H, D) ones. Inside
+The gated delta-nets (Qwen3-Next, Qwen3.5, OLMo-hybrid, Lara-mini) and LFM2's and LFM3's short convolutions call
+two functions of their modeling module by name: ``causal_conv1d_fn(x, weight, bias, activation=...)`` on (1, C, L)
+inputs and ``torch_chunk_gated_delta_rule(q, k, v, g=..., beta=..., initial_state=..., ...)`` on (1, L, H, D) ones;
+Kimi delta attention (Kimi Linear, Bailing-hybrid) calls ``chunk_kimi_delta_attention`` (``model.kda``). Inside
 ``active(model)`` (one sharedprefix call; also during its backward, so that gradient checkpointing recomputes the
 same way) those two module attributes are wrapped, and forward hooks on the mixer modules say which layer calls
 them; on exit both are restored. Nothing is set on the model, the mixers' forwards run unchanged, and outside a pass
@@ -25,18 +26,22 @@ Notation: L = row length, C = conv channels, K = conv kernel - 1, H = value head
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
 
 from sharedprefix.layout.recurrence import conv_index, level_index
 from sharedprefix.model import mixers_conv, ssm
+from sharedprefix.model.kda import packed_kda
 
 # model types whose mixers run here (their old cache-driven path, ``schedule.hybrid``, no longer takes them)
 PACKED_MODEL_TYPES = {"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"} | ssm.MODEL_TYPES
+PACKED_MODEL_TYPES |= {"lfm3", "lara_mini", "kimi_linear", "bailing_hybrid"}
 PACKED_LAYER_TYPES = {"conv", "linear_attention", "hybrid"}  # "hybrid": a Mamba2 mixer beside attention
-SEAMS = {"conv": "causal_conv1d_fn", "delta": "torch_chunk_gated_delta_rule", "scan": ssm.SEAM}
+SEAMS = {"conv": "causal_conv1d_fn", "delta": "torch_chunk_gated_delta_rule", "scan": ssm.SEAM, "kda": "chunk_kimi_delta_attention"}
 MIXERS = {"GatedDeltaNet": ("conv", "delta"), "ShortConv": ("conv",), **ssm.MIXERS}  # class-name suffix -> its seams
+MIXERS["DeltaAttention"] = ("conv", "kda")  # Kimi delta attention (``model.kda``)
 
 _CURRENT: list[tuple] = []  # (mixer module, its seams' call counts at entry) of the forwards running, innermost last
 _INSTALLED: dict = {}  # (modeling module, attribute) -> [the model's own function, nesting count]
@@ -177,7 +182,8 @@ def _leave(kinds):
 
 
 def _wrapper(kind: str, own):
-    packed = {"conv": _conv, "delta": _delta, "scan": ssm.scan}[kind]
+    by_kind: dict[str, Callable] = {"conv": _conv, "delta": _delta, "scan": ssm.scan, "kda": packed_kda}
+    packed = by_kind[kind]
 
     def seam(*args, **kwargs):
         state = _state()
@@ -231,7 +237,7 @@ def _delta(own, state, slot, first, query, key, value, g=None, beta=None, initia
             f"of {layout.length} tokens (the model ran with a cache); a bug."
         )
     segs = layout.tree.segments
-    levels = _memo(layout, ("levels", query.device), lambda: [_level_to(lv, query.device) for lv in level_index(layout)])
+    levels = levels_of(layout, query.device)
     padded = [torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in (query, key, value, g, beta)]  # (L + 1, ...)
     final: dict = {}
     outs: list = []
@@ -249,6 +255,11 @@ def _delta(own, state, slot, first, query, key, value, g=None, beta=None, initia
             state.write_state(slot, s, final[s])
     out = torch.cat(outs)[None] if len(outs) > 1 else outs[0][None]
     return out, None
+
+
+def levels_of(layout, device) -> list:
+    """The row's levels (``layout.recurrence.level_index``) on ``device``, built once per layout."""
+    return _memo(layout, ("levels", device), lambda: [_level_to(lv, device) for lv in level_index(layout)])
 
 
 def _level_to(lv, device):

@@ -23,17 +23,36 @@ COMPRESSED_ATTENTION_LAYER_TYPES = {  # DeepSeek-V4: attention over keys pooled 
 }
 # Hybrid model types (layers that mix tokens outside attention) whose own cache-aware forward continues a prompt's
 # layer state exactly (tests/models/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
-# refused (``_check_layer_types``, ``_check_positions_and_convolutions``). The gated delta-nets, short convolutions and
-# Mamba2 mixers (``mixers.PACKED_MODEL_TYPES``: LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid, Mamba2, Nemotron-H, Falcon-H1,
-# Zamba2, Bamba, Granite-4 hybrid) run on the packed path instead.
+# refused (``_check_layer_types``, ``_check_positions_and_convolutions``). The gated delta-nets, short convolutions,
+# Kimi delta attention and Mamba2 mixers (``mixers.PACKED_MODEL_TYPES``: LFM2, LFM3, Qwen3-Next, Qwen3.5, OLMo-hybrid,
+# Lara-mini, Kimi Linear, Bailing-hybrid, Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) run on the
+# packed path instead.
 HYBRID_MODEL_TYPES = {
-    "kimi_linear",
-    "bailing_hybrid",
-    "lfm3",
     "minimax",
     "zaya",
-    "lara_mini",
 }
+# Cache-path hybrids whose token mixing has no function the packed path could wrap (``model.mixers``): model type ->
+# (the module that computes it inline, what it computes). Every refusal of the cache path names this reason.
+INLINE_MIXERS = {
+    "minimax": ("MiniMaxLightningAttention", "lightning attention (a block-wise linear attention with decay)"),
+    "zaya": (
+        "ZayaCCAProjection",
+        "token mixing (causal convolutions of queries and keys after an inline padding, values delayed by one token)",
+    ),
+}
+
+
+def inline_mixer_reason(model_type) -> str:
+    """A sentence for the cache path's refusals of a model type in ``INLINE_MIXERS`` (with a leading space), else ""."""
+    if model_type not in INLINE_MIXERS:
+        return ""
+    module, what = INLINE_MIXERS[model_type]
+    return (
+        f" It stays on that path because {module}'s {what} is computed inline in its forward, with no function "
+        "sharedprefix can wrap, so the packed path (trees, gradient checkpointing, FSDP2, prompt_inputs) cannot reach it."
+    )
+
+
 # Hybrid model types that stay refused because their own forward cannot continue a prompt's layer state: why.
 _MAMBA1 = (
     "its Mamba (v1) selective scan starts every multi-token forward from a zero state (transformers' torch scan and "

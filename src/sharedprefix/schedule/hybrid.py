@@ -21,10 +21,12 @@ change to its code:
    the prompt's own graph (kept, offloaded, or recomputed at the end: ``prefix_activations``).
 
 Only model types whose cache-aware forward has been checked exact against the plain forward run here
-(``model.support.HYBRID_MODEL_TYPES``); other hybrids keep their refusal. The gated delta-nets and short
-convolutions (LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid) and the Mamba2 families (Mamba2, Nemotron-H, Falcon-H1,
-Zamba2, Bamba, Granite-4 hybrid) no longer come here: ``model.mixers`` and ``model.ssm`` drive them on the packed
-path, with trees, checkpointing and FSDP2. Every batch is at least 2 tokens wide, so
+(``model.support.HYBRID_MODEL_TYPES``); other hybrids keep their refusal. The gated delta-nets, short
+convolutions and Kimi delta attention (LFM2, LFM3, Qwen3-Next, Qwen3.5, OLMo-hybrid, Lara-mini, Kimi Linear,
+Bailing-hybrid) and the Mamba2 families (Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) no longer
+come here: ``model.mixers``, ``model.kda`` and ``model.ssm`` drive them on the packed path, with trees, checkpointing
+and FSDP2. MiniMax and Zaya compute their token mixing inline, with no function to wrap, so they stay here, and every
+refusal below says so (``model.support.INLINE_MIXERS``). Every batch is at least 2 tokens wide, so
 that the models' single-token decode kernels (which update states in place) never run.
 
 Notation: G = completions of a group, P = prompt length, n = rows of one batch, t = its width
@@ -43,6 +45,7 @@ from sharedprefix.layout.rows import Tree
 from sharedprefix.model.adapter import decoder, uses_checkpointing
 from sharedprefix.model.checks import verify_head
 from sharedprefix.model.head import token_logprobs
+from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.hybrid_state import _cache_arg, _new_cache, _read, _repeated, _slots, prompt_chunks
 from sharedprefix.schedule.results import Batch
@@ -62,21 +65,27 @@ class HybridRun:
         self.model = model
         name = type(model).__name__
         check_supported(model, hybrid=True)
+        why = inline_mixer_reason(getattr(model.config, "model_type", None))
         if isinstance(groups, Tree):
             raise ValueError(
                 f"{name} is a hybrid model (layers that mix tokens outside attention); sharedprefix runs it group by "
-                "group from each prompt's cached layer state and does not take an sp.Tree. Pass a list of sp.Group."
+                "group from each prompt's cached layer state (its cache path) and does not take an sp.Tree. Pass a "
+                f"list of sp.Group.{why}"
             )
         emb = model.get_input_embeddings()
         vocab = min(emb.num_embeddings, model.get_output_embeddings().weight.shape[0])
         self.groups = validate_groups(groups, vocab)
         if any(g.prompt_inputs for g in self.groups):
-            raise ValueError(f"{name} is a hybrid text model; prompt_inputs (images, videos) are not supported for it.")
+            raise ValueError(
+                f"{name} is a hybrid text model on sharedprefix's cache path; prompt_inputs (images, videos) are not "
+                f"supported for it. Pass groups without prompt_inputs.{why}"
+            )
         if uses_checkpointing(model):
             raise ValueError(
                 f"{name} is a hybrid model in training mode with gradient checkpointing on: transformers turns its "
                 "cache off under gradient checkpointing, and sharedprefix carries each prompt's convolution and "
-                "recurrent state to its completions through that cache. Disable gradient checkpointing for this model."
+                "recurrent state to its completions through that cache (its cache path). Disable gradient checkpointing "
+                f"for this model.{why}"
             )
         if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")

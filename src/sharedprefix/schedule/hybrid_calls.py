@@ -12,6 +12,7 @@ import torch
 
 from sharedprefix.attention.kernels import select
 from sharedprefix.model.adapter import unwrap
+from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.strategy import detect
 from sharedprefix.schedule import hybrid
 from sharedprefix.schedule.deferred import defer_logprobs
@@ -70,6 +71,7 @@ def check_hybrid(model, backend: str) -> str:
         raise ValueError(
             f"{type(unwrap(model)).__name__} is a hybrid model (layers that mix tokens outside attention) sharded with "
             "FSDP2; sharedprefix's hybrid path runs the model's own cache-aware forward, which it does not run inside "
-            "FSDP2's unshard and reshard hooks. Use DDP (supported) or a single process."
+            "FSDP2's unshard and reshard hooks (its cache path). Use DDP (supported) or a single process."
+            + inline_mixer_reason(getattr(unwrap(model).config, "model_type", None))
         )
     return kind

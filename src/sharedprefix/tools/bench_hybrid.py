@@ -13,6 +13,21 @@ vocab 32000), random weights, float32, forward+backward. Three runs in the same 
 
 Reported against the token ratio (tokens a plain run computes / tokens sharedprefix computes), the ratio a run bound
 by its per-token layers would reach.
+
+``sharedprefix bench --hybrid --tree`` (``tree``): the same model on the agentic shape of ``bench --tree`` (a
+4096-token system prompt shared by 8 prompts of 512, G = 8 completions of 256 each), forward+backward under one token
+budget (8192 by default), after a warm-up on a small shape:
+
+- packed tree: ``sp.backward`` on ``sp.Tree.from_rows`` of the 64 rows: the system prompt once for all, each prompt
+  once, every scan from its parent segment's final state (read from the prefix cache across passes);
+- cache path: ``schedule.hybrid.backward`` on the 8 groups: it takes no trees, so it computes each group's prompt,
+  the system prompt included, once per group;
+- plain rows: ``[prompt + completion_i]``, as many whole rows per microbatch as the budget holds (one: 4864 tokens).
+  Every microbatch has the same shape, so by default ``plain_sample`` of them (spread over the groups) are timed and
+  the sum is scaled to all of them (the line says so); ``plain_sample=None`` (``--plain``) times every one.
+
+Reported: seconds, tokens computed and passes of each, the speed-ups, and the packed tree's speed-up over plain rows
+against the ratio of tokens computed (the target: at least 0.9 of it).
 """
 
 from __future__ import annotations
@@ -72,4 +87,89 @@ def run(layers=4, repeats=2, prompt=2048, completion=128, G=8) -> list[str]:
         f"old cache path (schedule.hybrid)            : {t_cache:8.3f} s   tokens {ours_tokens} (completions padded)",
         f"speed-up over plain {t_plain / t_ours:.2f}x | over the cache path {t_cache / t_ours:.2f}x | "
         f"token ratio {plain_tokens / ours_tokens:.2f}x | packed / token ratio {(t_plain / t_ours) / (plain_tokens / ours_tokens):.2f}",
+    ]
+
+
+def hybrid_flops(model, segments) -> float:
+    """Forward+backward FLOPs (3x forward) of computing ``segments`` ((start, length, predicted) triples; a plain row
+    is one segment from 0): the decoder layers' parameters per computed token, attention per (query, key) pair on the
+    attention layers only, the LM head per predicted token. The delta rule's own scan (a state update per token and
+    head, O(Dk * Dv)) is not counted: an estimate, for the ratio between layouts."""
+    cfg = model.config
+    per_tok = 2 * sum(p.numel() for p in model.model.layers.parameters())
+    attn = sum(t == "full_attention" for t in cfg.layer_types)
+    per_pair = 4 * attn * cfg.num_attention_heads * cfg.head_dim
+    tokens = sum(n for _, n, _ in segments)
+    pairs = sum(((a + n) * (a + n + 1) - a * (a + 1)) // 2 for a, n, _ in segments)  # position p sees p + 1 keys
+    return 3.0 * (tokens * per_tok + pairs * per_pair + sum(k for _, _, k in segments) * 2 * cfg.hidden_size * cfg.vocab_size)
+
+
+def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, **shape) -> list[str]:
+    """The agentic tree shape on the hybrid (see the module docstring); ``shape`` overrides ``bench_tree.agentic``'s."""
+    import inspect
+    import time
+
+    import sharedprefix as sp
+    from sharedprefix.schedule import hybrid
+    from sharedprefix.tools.bench_tree import agentic
+
+    model = hybrid_model(layers)
+    d = {k: v.default for k, v in inspect.signature(agentic).parameters.items()} | shape
+    groups, rows, trained = agentic(**shape)
+    tree_src = sp.Tree.from_rows(rows, trained)
+    small_g, small_rows, small_t = agentic(system=64, prompts=2, prompt_len=16, G=2, completion=8)
+
+    def packed(src):
+        return sp.backward(model, src, bench._loss, max_tokens=max_tokens)
+
+    def cache(gs):
+        return hybrid.backward(model, gs, bench._loss, max_tokens, "keep", 1.0, False, "cpu")
+
+    items = [(g.prompt, c) for g in groups for c in g.completions]
+    per = max(1, max_tokens // max(p.numel() + c.numel() for p, c in items))
+    batches = [items[i : i + per] for i in range(0, len(items), per)]
+    timed = batches if plain_sample is None else batches[:: max(1, len(batches) // plain_sample)][:plain_sample]
+    for fn, src in ((packed, sp.Tree.from_rows(small_rows, small_t)), (cache, small_g)):  # warm-ups
+        fn(src)
+    bench._plain_rows_step(model, [(small_g[0].prompt, small_g[0].completions[0])])
+
+    # one thread: the process's CPU time, which other processes on a shared machine do not inflate; else wall time
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+
+    def timed_call(fn):
+        best, res = float("inf"), None
+        for _ in range(repeats):
+            model.zero_grad(set_to_none=True)
+            t0 = clock()
+            res = fn()
+            best = min(best, clock() - t0)
+        return best, res
+
+    t_tree, r_tree = timed_call(lambda: packed(tree_src))
+    t_cache, r_cache = timed_call(lambda: cache(groups))
+    t_some, _ = timed_call(lambda: [bench._plain_rows_step(model, b) for b in timed])
+    t_plain = t_some * len(batches) / len(timed)
+    plain_tokens = sum(r.numel() for r in rows)
+    rows_len = items[0][0].numel() + items[0][1].numel()
+    how = "all timed" if len(timed) == len(batches) else f"{len(timed)} timed, the sum scaled by {len(batches) / len(timed):g}"
+    token_ratio = plain_tokens / r_tree.tokens_computed
+    planned = sp.plan(tree_src, max_tokens).tree.segments
+    fl_tree = hybrid_flops(model, [(s.start, s.length, s.n_computed) for s in planned])
+    fl_plain = hybrid_flops(model, [(0, p.numel() + c.numel(), c.numel()) for p, c in items])
+    return [
+        f"model: Qwen3.5-style, hidden 512, {layers} layers ({', '.join(model.config.layer_types)}), float32, cpu",
+        f"agentic shape: system {d['system']} shared by {d['prompts']} prompts of {d['prompt_len']}, G={d['G']} x "
+        f"{d['completion']} ({len(rows)} rows of {rows_len}); budget {max_tokens}; forward+backward after a warm-up, "
+        f"best of {repeats}; {'CPU seconds of the process (one thread)' if clock is time.process_time else 'wall seconds'}",
+        f"packed tree (sp.Tree)         : {t_tree:8.2f} s   tokens computed {r_tree.tokens_computed:>7}  passes {r_tree.passes}",
+        f"cache path (groups; no trees) : {t_cache:8.2f} s   tokens computed {r_cache.tokens_computed:>7}  passes {r_cache.passes}",
+        f"plain rows                    : {t_plain:8.2f} s   tokens computed {plain_tokens:>7}  microbatches {len(batches)} "
+        f"of {per} row(s) ({how})",
+        f"packed tree over plain rows {t_plain / t_tree:.2f}x | ratio of tokens computed {token_ratio:.2f}x | "
+        f"speed-up / token ratio {(t_plain / t_tree) / token_ratio:.2f} (target >= 0.9)",
+        f"FLOP ratio plain / tree {fl_plain / fl_tree:.2f}x (estimate: layers per token, attention per pair on the "
+        f"attention layers, LM head per predicted token; scans not counted) | speed-up / FLOP ratio "
+        f"{(t_plain / t_tree) / (fl_plain / fl_tree):.2f}",
+        f"packed tree over the cache path {t_cache / t_tree:.2f}x | its tokens {r_cache.tokens_computed / r_tree.tokens_computed:.2f}x "
+        "fewer (the cache path repeats the system prompt per group)",
     ]

@@ -1,0 +1,292 @@
+"""The hybrids that left the cache path for the packed path (LFM3's short convolutions, Lara-mini's gated delta-net,
+Kimi Linear's and Bailing-hybrid's Kimi delta attention, ``model.kda``), and the two that stay on it because their
+token mixing has no seam (MiniMax, Zaya), against one plain forward per row in float64 (log-probs 1e-9, gradients
+relative 1e-9).
+
+The delta rules cast to float32 inside a float64 model: those runs go under ``Float64Inside`` (the same code, float64
+inside). Tiny configs of 3 layers mixing recurrent or convolution layers with attention, weights of std 0.2 (states
+that matter). Controls that must fail: a zeroed carried KDA state, a detached cached KDA state, a pad that is not
+neutral for the model's own KDA function.
+"""
+
+import contextlib
+import sys
+
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from models.test_hybrid import groups_of, zoo_model
+from models.test_hybrid_packed import DEEP_ROWS, _groups_check, _tree_check
+from schedule.test_tree import ROW_SPEC, _masks, _tree_rows
+
+import sharedprefix as sp
+from helpers import assert_grads_close, grads_of, plain_logprobs
+from sharedprefix.model import mixers
+from sharedprefix.model.support import HYBRID_MODEL_TYPES, INLINE_MIXERS, is_hybrid
+from sharedprefix.schedule.cache import PrefixCache
+from sharedprefix.tools.reference import Float64Inside
+from sharedprefix.tools.zoo.configs import _float64_norms
+
+LA, FA, SA = "linear_attention", "full_attention", "sliding_attention"
+SMALL = {  # 3 layers each; the delta nets as small as the attention
+    "lfm3": dict(layer_types=["conv", SA, "conv"], conv_L_cache=3),
+    "lara_mini": dict(
+        layer_types=[LA, SA, LA], linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4
+    ),
+    "kimi_linear": dict(layer_types=[LA, FA, LA], mlp_layer_types=["dense", "sparse", "dense"]),
+    "bailing_hybrid": dict(layer_types=[LA, FA, LA], mlp_layer_types=["dense", "sparse", "sparse"], layer_group_size=3),
+}
+KDA = "kimi_linear"
+SLOW = pytest.mark.slow  # KDA's torch chunk loop and the delta nets' dominate; LFM3 and two KDA checks stay fast
+FAMILIES = ["lfm3"] + [pytest.param(f, marks=SLOW) for f in ("lara_mini", KDA, "bailing_hybrid")]
+_MODELS: dict = {}
+
+
+def _model(family):
+    """The zoo's tiny config of ``family`` cut to 3 layers (``SMALL``), weights of std 0.2, float64 norms."""
+    from sharedprefix.tools import zoo
+
+    if family not in _MODELS:
+        base = zoo.tiny_config(family)
+        kw = {k: v for k, v in base.to_dict().items() if k not in ("model_type", "transformers_version")}
+        kw.update(SMALL[family], num_hidden_layers=3, initializer_range=0.2)
+        cls = getattr(transformers, zoo.entries()[family])
+        torch.manual_seed(0)
+        model = cls._from_config(type(base)(**kw), attn_implementation="sdpa" if cls._supports_sdpa else "eager")
+        model.config._experts_implementation = "eager"
+        model = model.to(torch.float64).eval()
+        _float64_norms(model)
+        _MODELS[family] = model
+    return _MODELS[family]
+
+
+def _inside(family):
+    return contextlib.nullcontext() if family == "lfm3" else Float64Inside()  # LFM3: convolutions only, no casts
+
+
+def _kda_module(model):
+    return sys.modules[type(mixers.mixer_modules(model)[0][0]).__module__]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_moved_families_match_plain_rows_in_one_pass_and_split(family):
+    """Each moved family on the packed path (not on the cache path): three groups in one pass, and a budget that cuts
+    the 9-token prompt into a chain and splits its completions, in the three modes (keep only for the second KDA
+    family, the modes being the same code)."""
+    model = _model(family)
+    assert mixers.is_packed(model) and not is_hybrid(model) and family not in HYBRID_MODEL_TYPES
+    assert {str(t) for t in model.config.layer_types} & mixers.PACKED_LAYER_TYPES and len(model.config.layer_types) == 3
+    gs = groups_of()
+    assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits  # many groups per pass; a split
+    modes = ["keep"] if family == "bailing_hybrid" else ["keep", "offload", "recompute"]
+    with _inside(family):
+        _groups_check(model, gs, [(None, "keep")] + [(6, m) for m in modes])
+
+
+@SLOW
+@pytest.mark.parametrize("family", [KDA, "lfm3"])
+def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
+    """The depth-5 trie of test_hybrid_packed (system prompt, prompts, completions, second turns): whole, under a
+    budget that caches some inner segments (5) and one that caches every inner segment of every depth (3)."""
+    model = _model(family)
+    trained = [[t >= 8 for t in range(len(r))] for r in DEEP_ROWS]
+    modes = ("keep", "offload", "recompute") if family == "lfm3" else ("keep", "recompute")
+    with _inside(family):
+        _tree_check(model, DEEP_ROWS, trained, (None, 5, 3), modes)
+
+
+@SLOW
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(spec=ROW_SPEC, budget=st.sampled_from([None, 3, 5, 8]), mode=st.sampled_from(["keep", "offload", "recompute"]))
+@pytest.mark.parametrize("family", [KDA, "lara_mini"])
+def test_random_tries_match_plain_rows(family, spec, budget, mode):
+    """Hypothesis tries (depth 1 to 4 and more) with short segments: a convolution's K past inputs span several
+    ancestors, some cached, and each scan continues its parent's state from the row or the cache."""
+    rows = _tree_rows(spec)
+    with _inside(family):
+        _tree_check(_model(family), rows, _masks(rows, spec), (budget,), (mode,))
+
+
+@SLOW
+@pytest.mark.parametrize("family", ["lfm3", KDA])
+def test_gradient_checkpointing_and_defer(family):
+    """Non-reentrant gradient checkpointing (split ``sp.backward`` and grad-enabled ``sp.logprobs``) and ``defer=True``
+    give the plain gradient: LFM3 to a relative 1e-9 (its convolutions compute in float64); Kimi Linear, whose KDA runs
+    in float32 where ``Float64Inside`` does not reach (recomputed inside autograd's backward), within twice the plain
+    float32 run's own error against the float64-inside gradient."""
+
+    def err(g, truth):
+        return max(float((g[n] - truth[n]).abs().max() / truth[n].abs().max().clamp_min(1e-30)) for n in truth)
+
+    model, gs = _model(family), groups_of()
+    with _inside(family):
+        ref = plain_logprobs(model, gs)[0].detach()
+        w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        truth = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+    tol = 1e-9 if family == "lfm3" else 2 * err(grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum()), truth)
+    assert tol > 0  # (KDA: the float32 rule really rounds)
+    got = grads_of(model, lambda: (sp.logprobs(model, gs, max_tokens=6, defer=True).logprobs * w).sum())
+    assert err(got, truth) <= tol, ("defer", err(got, truth), tol)
+    runs = {
+        "backward": lambda: sp.backward(model, gs, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=6) and None,
+        "logprobs": lambda: (sp.logprobs(model, gs, max_tokens=6).logprobs * w).sum(),
+    }
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        for name, run in runs.items():
+            got = grads_of(model, run)
+            assert err(got, truth) <= tol, (name, err(got, truth), tol)
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+
+
+# -- KDA: its padding, and controls that must fail ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, pad", [(5, 1), (5, 7), (61, 6)])  # 61 + 6: the pads cross the model's 64-token chunk
+def test_zero_padding_is_neutral_for_the_models_own_kda(n, pad):
+    """The pads the KDA wrapper appends (zero q, k, v, g and beta) leave the model's own function's outputs on the real
+    tokens and its final state as they are without them, from a zero or a given initial state; a pad with a nonzero
+    decay (the control) changes the state."""
+    fn = _kda_module(_model(KDA)).chunk_kimi_delta_attention
+    gen = torch.Generator().manual_seed(n + pad)
+    H, D = 2, 4
+
+    def rnd(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=gen)
+
+    q, k, v = rnd(1, n, H, D), rnd(1, n, H, D), rnd(1, n, H, D)
+    g, beta = -torch.rand(1, n, H, D, dtype=torch.float64, generator=gen), torch.rand(1, n, H, dtype=torch.float64, generator=gen)
+    init = rnd(1, H, D, D)
+
+    def padded(t, value=0.0):
+        return torch.cat([t, torch.full((1, pad) + t.shape[2:], value, dtype=t.dtype)], 1)
+
+    with Float64Inside():
+        for start in (None, init):
+            o, s = fn(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            po, ps = fn(
+                *map(padded, (q, k, v)),
+                g=padded(g),
+                beta=padded(beta),
+                initial_state=start,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+            assert float((po[:, :n] - o).abs().max()) <= 1e-12 and float((ps - s).abs().max()) <= 1e-12
+            _, bad = fn(
+                *map(padded, (q, k, v)),
+                g=padded(g, -1.0),
+                beta=padded(beta),
+                initial_state=start,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+            )
+            assert float((bad - s).abs().max()) > 1e-3 or start is None  # decays a nonzero state; a zero one stays 0
+    assert float(s.abs().max()) > 1e-3  # (the state after a given initial state is not zero)
+
+
+def _logprob_error(model, gs, budget):
+    ref = plain_logprobs(model, gs)[0].detach()
+    with torch.no_grad():
+        return float((sp.logprobs(model, gs, max_tokens=budget).logprobs - ref).abs().max())
+
+
+@pytest.mark.parametrize("budget", [None, pytest.param(6, marks=SLOW)])
+def test_control_a_zeroed_carried_kda_state_is_caught(monkeypatch, budget):
+    """A KDA that drops the state it is handed (the parent's, from the row or the cache) is 1000x beyond tolerance."""
+    model, gs = _model(KDA), groups_of()
+    src = _kda_module(model)
+    own = src.chunk_kimi_delta_attention
+    with Float64Inside():
+        assert _logprob_error(model, gs, budget) <= 1e-9
+    monkeypatch.setattr(src, "chunk_kimi_delta_attention", lambda *a, initial_state=None, **k: own(*a, initial_state=None, **k))
+    with Float64Inside():
+        assert _logprob_error(model, gs, budget) > 1e-6
+
+
+@SLOW
+def test_control_a_detached_cached_kda_state_is_caught(monkeypatch):
+    """Cached KDA states and conv tails read detached: the log-probs stay exact, the gradient the later passes send
+    into the prompt through them is lost, and the gradient comparison catches it."""
+    model, gs = _model(KDA), groups_of()
+    read = PrefixCache.read_state
+    monkeypatch.setattr(PrefixCache, "read_state", lambda self, slot, seg: read(self, slot, seg).detach())
+    with Float64Inside():
+        assert _logprob_error(model, gs, 6) <= 1e-9
+        ref = plain_logprobs(model, gs)[0].detach()
+        w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        want = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+        got = grads_of(model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None)
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_grads_close(got, want, 1e-6)
+
+
+# -- MiniMax and Zaya: no seam, the cache path, and every refusal says why ------------------------------------------
+
+
+@pytest.mark.parametrize("entry", sorted(INLINE_MIXERS))
+def test_inline_mixers_stay_on_the_cache_path_and_every_refusal_says_why(monkeypatch, entry):
+    """MiniMax's lightning attention and Zaya's CCA convolutions are computed inline in their modules' forwards: no
+    function to wrap, so they stay on the cache path, and its refusals of trees, checkpointing, prompt_inputs and
+    FSDP2 each say so (the model, the module, and that the packed path cannot reach it)."""
+    from sharedprefix.schedule import hybrid_calls
+
+    model, gs = zoo_model(entry), groups_of()
+    assert is_hybrid(model) and not mixers.is_packed(model)
+    why = rf"{INLINE_MIXERS[entry][0]}.*computed inline in its forward.*no function sharedprefix can wrap.*packed path.*cannot reach it"
+    with pytest.raises(ValueError, match=r"does not take an sp\.Tree.*" + why):
+        sp.logprobs(model, sp.Tree.from_rows([[3, 4, 5], [3, 4, 6]]))
+    with pytest.raises(ValueError, match=r"prompt_inputs.*" + why):
+        sp.logprobs(model, [sp.Group([3, 4, 5], [[6, 7]], prompt_inputs={"pixel_values": torch.zeros(1, 3)})])
+    model.train()
+    model.gradient_checkpointing_enable()
+    try:
+        with pytest.raises(ValueError, match=r"gradient checkpointing on.*" + why):
+            sp.backward(model, gs, lambda b: b.logprobs.sum())
+    finally:
+        model.gradient_checkpointing_disable()
+        model.eval()
+
+    class FSDP:
+        kind = "fsdp"
+
+    monkeypatch.setattr(hybrid_calls, "detect", lambda *a: FSDP())
+    with pytest.raises(ValueError, match=r"sharded with FSDP2.*" + why):
+        sp.logprobs(model, gs)
+    assert all(p.grad is None for p in model.parameters())
+
+
+@SLOW
+def test_the_hybrid_tree_benchmark_runs_and_counts_tokens():
+    """``sharedprefix bench --hybrid --tree`` on a tiny agentic shape: each run computes the tokens its layout implies
+    (the tree: every segment once; the cache path: each group's prompt, system prompt included; plain: every row)."""
+    from sharedprefix.tools import bench_hybrid
+
+    shape = dict(system=16, prompts=2, prompt_len=4, G=2, completion=3)
+    lines = bench_hybrid.tree(layers=4, max_tokens=64, plain_sample=1, **shape)  # the tree fits one pass
+    text = "\n".join(lines)
+    assert "tokens computed      36  passes 1" in text  # 16 + 2 * 4 + 2 * 2 * 3
+    assert "tokens computed      52  passes 4" in text  # 2 * (20 + 2 * 3)
+    assert "tokens computed      92  microbatches 2 of 2 row(s) (1 timed, the sum scaled by 2)" in text  # 4 * 23
+    assert "ratio of tokens computed 2.56x" in text and "(target >= 0.9)" in text
+
+
+def test_trl_refuses_an_inline_mixer_under_checkpointing_with_the_reason(tmp_path):
+    """The TRL trainer's refusal of gradient checkpointing (TRL's default) for a cache-path hybrid says, for MiniMax,
+    that its lightning attention is computed inline with nothing to wrap; the fix it names lets the trainer be built."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    from integrations.test_trl_refusals import _build, _tiny
+
+    from sharedprefix.recipes.grpo.tasks import build_tokenizer
+
+    tok = build_tokenizer()
+    model = _tiny("minimax", tok, transformers.MiniMaxForCausalLM)
+    with pytest.raises(ValueError, match=r"Set gradient_checkpointing=False.*MiniMaxLightningAttention.*computed inline"):
+        _build(model, tok, tmp_path)
+    assert _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)  # (MiniMax is an MoE)
