@@ -11,6 +11,7 @@ Notation: L = row length.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -18,7 +19,15 @@ from transformers import PreTrainedModel
 
 from sharedprefix.attention import probe
 from sharedprefix.model import mixers, positions, streams
-from sharedprefix.model.adapter import _HEADS, _config_attention_layers, _modules_after_decoder, decoder, head_logits, text_config
+from sharedprefix.model.adapter import (
+    _HEADS,
+    _config_attention_layers,
+    _modules_after_decoder,
+    decoder,
+    has_float32_head,
+    head_logits,
+    text_config,
+)
 from sharedprefix.model.support import HYBRID_MODEL_TYPES
 
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
@@ -38,10 +47,13 @@ def verify_head(model: PreTrainedModel, forward=None, hybrid: bool = False) -> N
     if (model.training, hybrid) in modes:
         return
     device = streams.head_device(model)
+    # a float32 head runs outside autocast, which the model's own forward would run in low precision: check outside it
+    outside = torch.autocast(device.type, enabled=False) if has_float32_head(model) else contextlib.nullcontext()
     with (
         torch.random.fork_rng(devices=[device] if device.type == "cuda" else []),
         torch.no_grad(),
         streams.framed(model, decoder(model)),
+        outside,
     ):  # a K-stream model reads these ids as frames of one code
         _verify(model, device, model if forward is None else forward, hybrid)
     modes.add((model.training, hybrid))
