@@ -201,10 +201,11 @@ def _gemma2(dtype):
 
 
 def test_float32_head_under_autocast_is_checked_against_a_float32_head():
-    """Under bf16 autocast the model's own forward runs TRL's float32 head in bf16 (autocast overrides its cast), so
-    checking our float32 head against it refused such models once their logits are large (Gemma 2 in TRL's suite).
-    The check now runs outside autocast, and the log-probs keep the 2x rule: error against float64 at most twice that
-    of the plain rows computed as TRL's fused head does (bf16 decoder, float32 head and soft-capping)."""
+    """Under bf16 autocast the model's own forward runs TRL's float32 head in bf16 (autocast overrides its cast; so
+    does accelerate's autocast wrapper of the forward), so checking our float32 head against it refused such models
+    once their logits are large (Gemma 2 and Qwen3 in TRL's suite). The check allows that head's bf16 rounding, and
+    the log-probs keep the 2x rule: error against float64 at most twice that of the plain rows computed as TRL's
+    fused head does (bf16 decoder, float32 head and soft-capping)."""
     model = _gemma2(torch.bfloat16)
     head = model.lm_head.float()  # as TRL's cast_lm_head_to_fp32 leaves it: float32 weights, a float32 forward,
     head.forward = lambda h: torch.nn.functional.linear(h.float(), head.weight)
