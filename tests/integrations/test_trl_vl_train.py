@@ -16,7 +16,6 @@ argument, which is how ``ProcessorMixin`` learns a processor's parts. TRL calls 
 """
 
 import random
-import warnings
 
 import pytest
 import torch
@@ -37,6 +36,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
+
+from .trl_helpers import train, two_step_args  # noqa: E402
 
 SPECIAL = {IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>", V_START: "<|vision_start|>", V_END: "<|vision_end|>"}
 LLAVA_SPECIAL = {IMAGE: "<image>"}
@@ -164,31 +165,11 @@ def _reward(completions, **kw):
 
 
 def _train(cls, cfg_cls, init, kind, tmp_path, **kw):
-    args = cfg_cls(
-        output_dir=str(tmp_path),
-        num_generations=3,
-        per_device_train_batch_size=9,
-        gradient_accumulation_steps=1,
-        max_steps=2,
-        max_completion_length=4,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        use_cpu=True,
-        bf16=False,
-        temperature=1.0,
-        beta=0.1,
-        **kw,
+    settings = dict(
+        num_generations=3, per_device_train_batch_size=9, gradient_accumulation_steps=1, max_completion_length=4, temperature=1.0, beta=0.1
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = cls(model=init, reward_funcs=_reward, args=args, train_dataset=_dataset(), processing_class=_processor(kind))
-        trainer.train()
-    return trainer
+    args = two_step_args(cfg_cls, tmp_path, **settings, **kw)
+    return train(cls, args, model=init, reward_funcs=_reward, train_dataset=_dataset(), processing_class=_processor(kind))
 
 
 def _swap_images(cls):
