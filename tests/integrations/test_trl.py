@@ -16,6 +16,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer, tree_rows  # noqa: E402
 from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer  # noqa: E402
 
+from .trl_helpers import train, two_step_args  # noqa: E402
+
 TASK = KeyValueTask(records=6)
 
 
@@ -51,28 +53,11 @@ def _dataset():
 
 
 def _train(cls, cfg_cls, model, tok, tmp_path, **kw):
-    args = cfg_cls(
-        output_dir=str(tmp_path),
-        num_generations=4,
-        per_device_train_batch_size=8,
-        gradient_accumulation_steps=1,
-        max_steps=2,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        use_cpu=True,
-        temperature=1.0,
-        **{"bf16": False, "max_completion_length": 3, **kw},
+    settings = dict(
+        num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=1, temperature=1.0, max_completion_length=3
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = cls(model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(), processing_class=tok)
-        trainer.train()
-    return trainer
+    args = two_step_args(cfg_cls, tmp_path, **{**settings, **kw})
+    return train(cls, args, model=model, reward_funcs=_reward, train_dataset=_dataset(), processing_class=tok)
 
 
 @pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.0), ("grpo", 0.1), ("dapo", 0.1)])

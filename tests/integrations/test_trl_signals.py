@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sharedprefix as sp
-from helpers import tiny_model
+from helpers import float64_faithful, plain_logprobs, tiny_model
 from sharedprefix.model.adapter import mark_float32_head
 from sharedprefix.model.head import token_logprobs
 
@@ -184,3 +184,47 @@ def test_cast_lm_head_to_fp32_trains_as_grpo_trainer(tmp_path):
     scale = float(plain.abs().max())
     assert scale > 1e-3
     assert float((ours - plain).abs().max()) <= 2e-2 * scale
+
+
+def _gemma2(dtype):
+    """A tiny Gemma 2 (final-logit soft-capping at 30) with embeddings scaled up, so that bf16 and float32 logits
+    differ well above the head check's tolerance."""
+    cfg = tf.Gemma2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+    )
+    cfg._attn_implementation = "eager"  # Gemma 2's only one (soft-capped attention scores)
+    torch.manual_seed(0)
+    model = tf.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return float64_faithful(model.double()) if dtype == torch.float64 else model.to(dtype)
+
+
+def test_float32_head_under_autocast_is_checked_against_a_float32_head():
+    """Under bf16 autocast the model's own forward runs TRL's float32 head in bf16 (autocast overrides its cast; so
+    does accelerate's autocast wrapper of the forward), so checking our float32 head against it refused such models
+    once their logits are large (Gemma 2 and Qwen3 in TRL's suite). The check allows that head's bf16 rounding, and
+    the log-probs keep the 2x rule: error against float64 at most twice that of the plain rows computed as TRL's
+    fused head does (bf16 decoder, float32 head and soft-capping)."""
+    model = _gemma2(torch.bfloat16)
+    head = model.lm_head.float()  # as TRL's cast_lm_head_to_fp32 leaves it: float32 weights, a float32 forward,
+    head.forward = lambda h: torch.nn.functional.linear(h.float(), head.weight)
+    model.model.embed_tokens.register_forward_hook(lambda m, a, out: out.to(torch.bfloat16))  # tied: bf16 embeddings
+    mark_float32_head(model)
+    groups = [sp.Group([3, 17, 5, 9, 2, 44], [[5, 9], [6, 2, 8], [1]]), sp.Group([7, 7, 1], [[4, 4, 4], [9]])]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = sp.logprobs(model, groups).logprobs.double()
+        rows = []
+        for g in groups:  # the plain rows, one forward each, the head as TRL's fused one computes it
+            for c in g.completions:
+                ids = torch.cat([g.prompt, c])[None]
+                hidden = model.model(input_ids=ids).last_hidden_state[0, g.prompt.numel() - 1 : -1]
+                with torch.autocast("cpu", enabled=False):
+                    logits = torch.tanh(hidden.float() @ head.weight.T / 30.0) * 30.0
+                rows.append(torch.log_softmax(logits, -1).gather(1, c[:, None])[:, 0].double())
+    with torch.no_grad():
+        want = plain_logprobs(_gemma2(torch.float64), groups)[0]
+    plain = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    err, plain_err = (float((x - want).abs().max()) for x in (ours, plain))  # both zero on padding
+    assert plain_err > 1e-4  # bf16 rounding is visible, so the rule can fail
+    assert err <= 2 * plain_err, (err, plain_err)

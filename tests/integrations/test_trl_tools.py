@@ -10,7 +10,6 @@ than the plain rows.
 """
 
 import importlib.resources
-import warnings
 
 import pytest
 import torch
@@ -27,6 +26,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
 from sharedprefix.tools.zoo.configs import tiny_config  # noqa: E402
+
+from .trl_helpers import train, two_step_args  # noqa: E402
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
 
@@ -103,35 +104,17 @@ def _first_turn_calls_the_tool(tok):
 
 
 def _train(cls, cfg_cls, init, tok, out, source):
-    args = cfg_cls(
-        output_dir=str(out),
-        num_generations=4,
-        per_device_train_batch_size=8,
-        max_steps=2,
-        max_completion_length=24,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        use_cpu=True,
-        bf16=False,
-    )
+    args = two_step_args(cfg_cls, out, num_generations=4, per_device_train_batch_size=8, max_completion_length=24)
     prompts = [[{"role": "user", "content": f"What is {i} times 3?"}] for i in range(4)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = cls(
-            model=init,
-            reward_funcs=lambda completions, completion_ids, **kw: [float(sum(ids) % 7) for ids in completion_ids],
-            args=args,
-            train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
-            processing_class=tok,
-            **({"tools": [multiply]} if source == "tools" else {"environment_factory": MultiplyEnv}),
-        )
-        trainer.train()
-    return trainer
+    return train(
+        cls,
+        args,
+        model=init,
+        reward_funcs=lambda completions, completion_ids, **kw: [float(sum(ids) % 7) for ids in completion_ids],
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        processing_class=tok,
+        **({"tools": [multiply]} if source == "tools" else {"environment_factory": MultiplyEnv}),
+    )
 
 
 @pytest.mark.slow

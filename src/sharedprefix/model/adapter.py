@@ -143,6 +143,11 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
 _FLOAT32_HEAD = "_sharedprefix_float32_head"
 
 
+def has_float32_head(model: PreTrainedModel) -> bool:
+    """True when ``mark_float32_head`` marked the model's head (it then runs in float32 outside autocast)."""
+    return bool(getattr(model.get_output_embeddings(), _FLOAT32_HEAD, False))
+
+
 def mark_float32_head(model: PreTrainedModel) -> None:
     """Run ``model``'s linear LM head (and the logits' post-processing) in float32 outside autocast, as TRL's
     ``cast_lm_head_to_fp32=True`` does: ``head_logits`` then casts the hidden states and the weight to float32."""
