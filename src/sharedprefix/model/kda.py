@@ -22,8 +22,6 @@ dims, g = log decay per key channel (natural log, <= 0), beta = write strength i
 
 from __future__ import annotations
 
-import torch
-
 
 def packed_kda(own, state, slot, first, query, key, value, g=None, beta=None, initial_state=None, output_final_state=False, **kwargs):
     """``chunk_kimi_delta_attention`` over a packed (1, L, H, D) row; returns ((1, L, H, Dv) outputs, None).
@@ -32,7 +30,7 @@ def packed_kda(own, state, slot, first, query, key, value, g=None, beta=None, in
     ``slot``: (mixer module, "kda"), the cache key of this layer's states; ``first``: record the recorded segments'
     final states (False when a checkpointed layer is recomputed in backward).
     """
-    from sharedprefix.model.mixers import levels_of
+    from sharedprefix.model.mixers import by_levels
 
     layout = state.layout
     L = layout.length
@@ -47,20 +45,4 @@ def packed_kda(own, state, slot, first, query, key, value, g=None, beta=None, in
             f"{None if beta is None else tuple(beta.shape)} for keys {tuple(key.shape)}; expected a decay per key "
             "channel (1, L, H, Dk) and a strength per head (1, L, H). This transformers version's KDA differs; a bug."
         )
-    segs = layout.tree.segments
-    padded = [torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in (query, key, value, g, beta)]  # (L + 1, ...)
-    final: dict = {}
-    outs = []
-    for lv in levels_of(layout, query.device):
-        q, k, v, gg, bb = (t[lv.gather] for t in padded)  # (B, T, ...): pads read the zero row L
-        parents = [segs[s].parent for s in lv.segments]
-        init = None
-        if parents[0] is not None:  # a level below the roots: every segment has a parent, here or in the cache
-            init = torch.stack([final[p] if p in final else state.read_state(slot, p) for p in parents])
-        o, fs = own(q, k, v, g=gg, beta=bb, initial_state=init, output_final_state=True, **kwargs)
-        outs.append(o.reshape(-1, *o.shape[2:]).index_select(0, lv.valid))
-        final.update(zip(lv.segments, fs.unbind(0)))
-    if first:
-        for s in layout.record:
-            state.write_state(slot, s, final[s])
-    return torch.cat(outs)[None], None
+    return by_levels(own, state, slot, first, (query, key, value, g, beta), **kwargs)
