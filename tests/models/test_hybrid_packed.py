@@ -214,20 +214,28 @@ def test_control_a_convolution_that_reads_a_siblings_inputs_is_caught(monkeypatc
     assert _logprob_error(model, gs, None) > 1e-6
 
 
+def assert_detached_state_caught(monkeypatch, model, gs, budget=6):
+    """The control that cached states must stay on the graph: with the prefix cache's conv tails and recurrent states
+    read detached, the log-probs stay exact but the gradient later passes send into the prompt through them is lost,
+    and the gradient comparison must catch it."""
+    read = PrefixCache.read_state
+    monkeypatch.setattr(PrefixCache, "read_state", lambda self, slot, seg: read(self, slot, seg).detach())
+    with Float64Inside():
+        assert _logprob_error(model, gs, budget) <= 1e-9
+        ref = plain_logprobs(model, gs)[0].detach()
+        w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        want = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+        loss = lambda b: (b.logprobs * w[b.index]).sum()  # noqa: E731
+        got = grads_of(model, lambda: sp.backward(model, gs, loss, max_tokens=budget) and None)
+    with pytest.raises(AssertionError, match="relative error"):
+        assert_grads_close(got, want, 1e-6)
+
+
 def test_control_a_detached_cached_state_is_caught(monkeypatch):
     """Cached conv tails and recurrent states read detached: the log-probs stay exact, the gradient that the later
     passes send into the prompt through them is lost, and the gradient comparison catches it."""
     model, gs = _model("qwen3_next"), groups_of()
-    read = PrefixCache.read_state
-    monkeypatch.setattr(PrefixCache, "read_state", lambda self, slot, seg: read(self, slot, seg).detach())
-    with Float64Inside():
-        assert _logprob_error(model, gs, 6) <= 1e-9
-        ref = plain_logprobs(model, gs)[0].detach()
-        w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        want = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
-        got = grads_of(model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None)
-    with pytest.raises(AssertionError, match="relative error"):
-        assert_grads_close(got, want, 1e-6)
+    assert_detached_state_caught(monkeypatch, model, gs)
 
 
 # -- what is refused ----------------------------------------------------------------------------------------------

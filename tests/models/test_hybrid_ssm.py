@@ -21,14 +21,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models.test_hybrid import groups_of, zoo_model
-from models.test_hybrid_packed import DEEP_ROWS, _groups_check, _logprob_error, _tree_check
+from models.test_hybrid_packed import DEEP_ROWS, _groups_check, _logprob_error, _tree_check, assert_detached_state_caught
 from schedule.test_tree import ROW_SPEC, _masks, _tree_rows
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.model import mixers, ssm
 from sharedprefix.model.support import HYBRID_MODEL_TYPES, is_hybrid
-from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.tools.reference import Float64Inside
 
 SLOW = pytest.mark.slow
@@ -213,16 +212,7 @@ def test_control_a_detached_cached_state_is_caught(monkeypatch):
     """Cached conv tails and scan states read detached: the log-probs stay exact, the gradient that later passes
     send into the prompt through them is lost, and the gradient comparison catches it."""
     model, gs = _model("nemotron_h"), groups_of()
-    read = PrefixCache.read_state
-    monkeypatch.setattr(PrefixCache, "read_state", lambda self, slot, seg: read(self, slot, seg).detach())
-    with Float64Inside():
-        assert _logprob_error(model, gs, 6) <= 1e-9
-        ref = plain_logprobs(model, gs)[0].detach()
-        w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        want = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
-        got = grads_of(model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None)
-    with pytest.raises(AssertionError, match="relative error"):
-        assert_grads_close(got, want, 1e-6)
+    assert_detached_state_caught(monkeypatch, model, gs)
 
 
 # -- what is refused ----------------------------------------------------------------------------------------------
