@@ -101,6 +101,19 @@ def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=
             rows.append((prompt, torch.randint(1, VOCAB, (r,), generator=g)))
     if spec.order is not None:
         rows = [rows[i] for i in spec.order]
+    prompts, responses, attn = _left_padded([(p, r) for p, r in rows])
+    mask = attn[:, prompts.shape[1] :].clone()
+    if spec.tool_span is not None:
+        a, b = spec.tool_span
+        long = mask.sum(1) > b
+        mask[long, a:b] = 0
+    flags = dict(remove_padding=remove_padding, dynamic=dynamic, temperature=temperature, entropy=entropy)
+    return _tensordict(prompts, responses, attn, (attn.cumsum(1) - 1).clamp(min=0), mask, g, micro, max_tokens, flags, spec.extra)
+
+
+def _left_padded(rows):
+    """(B, P) left-padded prompts, (B, R) right-padded responses and the (B, P + R) attention mask of (prompt,
+    response) rows, as verl lays a batch out before removing its padding."""
     B, P, R = len(rows), max(len(p) for p, _ in rows), max(len(r) for _, r in rows)
     prompts = torch.zeros(B, P, dtype=torch.long)
     responses = torch.zeros(B, R, dtype=torch.long)
@@ -110,20 +123,21 @@ def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=
         attn[i, P - len(p) : P] = 1
         responses[i, : len(r)] = r
         attn[i, P : P + len(r)] = 1
-    mask = attn[:, P:].clone()
-    if spec.tool_span is not None:
-        a, b = spec.tool_span
-        long = mask.sum(1) > b
-        mask[long, a:b] = 0
+    return prompts, responses, attn
+
+
+def _tensordict(prompts, responses, attn, pos, mask, g, micro, max_tokens, flags, extra=None, multi_modal=None):
+    """The batch as verl's engine takes it: padding removed (nested tensors), old / reference log-probs near the
+    model's (about -4.5 nats per token here, spread so that ratios clip), one advantage per row, the engine flags."""
+    B, R = responses.shape
     td = TensorDict(
         {
             "prompts": prompts,
             "responses": responses,
             "input_ids": torch.cat([prompts, responses], 1),
             "attention_mask": attn,
-            "position_ids": (attn.cumsum(1) - 1).clamp(min=0),
+            "position_ids": pos,
             "response_mask": mask,
-            # old / reference log-probs near the model's (about -4.5 nats per token here), spread so that ratios clip
             "old_log_probs": -4.5 + 0.6 * torch.randn(B, R, generator=g),
             "ref_log_prob": -4.5 + 0.6 * torch.randn(B, R, generator=g),
             "advantages": torch.randn(B, 1, generator=g).expand(B, R).contiguous(),
@@ -131,17 +145,19 @@ def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=
         batch_size=[B],
     )
     td = left_right_2_no_padding(td)
+    if multi_modal is not None:
+        tu.assign_non_tensor_stack(td, "multi_modal_inputs", multi_modal)
     tu.assign_non_tensor(
         td,
-        use_remove_padding=remove_padding,
-        use_dynamic_bsz=dynamic,
-        temperature=temperature,
-        calculate_entropy=entropy,
+        use_remove_padding=flags["remove_padding"],
+        use_dynamic_bsz=flags["dynamic"],
+        temperature=flags["temperature"],
+        calculate_entropy=flags["entropy"],
         use_fused_kernels=False,
         global_batch_size=B,
         micro_batch_size_per_gpu=micro or B,
         max_token_len_per_gpu=max_tokens or 4096,
-        **spec.extra,
+        **(extra or {}),
     )
     return td
 
@@ -402,16 +418,10 @@ def vl_batch(
             rows.append((prompt, torch.randint(1, 90, (r,), generator=g), inputs))
     if order is not None:
         rows = [rows[i] for i in order]
-    B, P, R = len(rows), max(len(p) for p, _, _ in rows), max(len(r) for _, r, _ in rows)
-    prompts = torch.zeros(B, P, dtype=torch.long)
-    responses = torch.zeros(B, R, dtype=torch.long)
-    attn = torch.zeros(B, P + R, dtype=torch.long)
+    prompts, responses, attn = _left_padded([(p, r) for p, r, _ in rows])
+    B, P, R = len(rows), prompts.shape[1], responses.shape[1]
     pos = torch.zeros(B, 4, P + R, dtype=torch.long)
     for i, (p, r, inputs) in enumerate(rows):
-        prompts[i, P - len(p) :] = p
-        attn[i, P - len(p) : P] = 1
-        responses[i, : len(r)] = r
-        attn[i, P : P + len(r)] = 1
         full = torch.cat([p, r])
         valid = attn[i].bool()
         kw = {}
@@ -423,35 +433,9 @@ def vl_batch(
             vision, _ = base.get_rope_index(input_ids=full[None], **kw)  # (3, 1, len)
         pos[i, 0, valid] = torch.arange(len(full))
         pos[i, 1:, valid] = vision[:, 0]
-    mask = attn[:, P:].clone()
-    td = TensorDict(
-        {
-            "prompts": prompts,
-            "responses": responses,
-            "input_ids": torch.cat([prompts, responses], 1),
-            "attention_mask": attn,
-            "position_ids": pos,
-            "response_mask": mask,
-            "old_log_probs": -4.5 + 0.6 * torch.randn(B, R, generator=g),
-            "ref_log_prob": -4.5 + 0.6 * torch.randn(B, R, generator=g),
-            "advantages": torch.randn(B, 1, generator=g).expand(B, R).contiguous(),
-        },
-        batch_size=[B],
-    )
-    td = left_right_2_no_padding(td)
-    tu.assign_non_tensor_stack(td, "multi_modal_inputs", [inputs for _, _, inputs in rows])
-    tu.assign_non_tensor(
-        td,
-        use_remove_padding=remove_padding,
-        use_dynamic_bsz=dynamic,
-        temperature=temperature,
-        calculate_entropy=entropy,
-        use_fused_kernels=False,
-        global_batch_size=B,
-        micro_batch_size_per_gpu=micro or B,
-        max_token_len_per_gpu=max_tokens or 4096,
-    )
-    return td
+    flags = dict(remove_padding=remove_padding, dynamic=dynamic, temperature=temperature, entropy=entropy)
+    mm = [inputs for _, _, inputs in rows]
+    return _tensordict(prompts, responses, attn, pos, attn[:, P:].clone(), g, micro, max_tokens, flags, multi_modal=mm)
 
 
 @contextmanager
