@@ -30,7 +30,7 @@ def packed_kda(own, state, slot, first, query, key, value, g=None, beta=None, in
     ``slot``: (mixer module, "kda"), the cache key of this layer's states; ``first``: record the recorded segments'
     final states (False when a checkpointed layer is recomputed in backward).
     """
-    from sharedprefix.model.mixers import by_levels
+    from sharedprefix.model.mixers import delta_by_levels
 
     layout = state.layout
     L = layout.length
@@ -45,4 +45,4 @@ def packed_kda(own, state, slot, first, query, key, value, g=None, beta=None, in
             f"{None if beta is None else tuple(beta.shape)} for keys {tuple(key.shape)}; expected a decay per key "
             "channel (1, L, H, Dk) and a strength per head (1, L, H). This transformers version's KDA differs; a bug."
         )
-    return by_levels(own, state, slot, first, (query, key, value, g, beta), **kwargs)
+    return delta_by_levels(own, state, slot, first, (query, key, value, g, beta), **kwargs)

@@ -236,33 +236,44 @@ def _delta(own, state, slot, first, query, key, value, g=None, beta=None, initia
             f"a gated delta rule got queries {tuple(query.shape)} with an initial state or cu_seqlens on a packed row "
             f"of {layout.length} tokens (the model ran with a cache); a bug."
         )
-    return by_levels(own, state, slot, first, (query, key, value, g, beta), **kwargs)
+    return delta_by_levels(own, state, slot, first, (query, key, value, g, beta), **kwargs)
 
 
-def by_levels(own, state, slot, first, tensors, **kwargs):
-    """A delta rule (``own(q, k, v, g=, beta=, initial_state=, output_final_state=True, **kwargs)``) over a packed row
-    of (1, L, ...) ``tensors`` (q, k, v, g, beta): one call per tree level, its segments a batch right-padded with
-    zeros (neutral for a delta rule: no decay, no write), each started from its parent's final state (this row's
-    previous level, or the prefix cache); records the recorded segments' final states when ``first``. Returns
-    ((1, L, H, Dv) outputs in row order, None)."""
+def by_levels(state, slot, first, tensors, call):
+    """A recurrence over a packed row of (1, L, ...) ``tensors``: one ``call(batch, init) -> (out, final states)``
+    per tree level, ``batch`` the tensors' (B, T, ...) rows of the level's segments right-padded with zeros (the
+    callers make zeros neutral: no decay, no input), ``init`` their parents' stacked final states (this row's
+    previous level, or the prefix cache; None for the roots); records the recorded segments' final states when
+    ``first``. Returns the (1, L, ...) outputs in row order."""
     layout = state.layout
     segs = layout.tree.segments
     padded = [torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in tensors]  # (L + 1, ...): row L is the pad
     final: dict = {}
     outs: list = []
     for lv in levels_of(layout, tensors[0].device):
-        q, k, v, gg, bb = (t[lv.gather] for t in padded)  # (B, T, ...)
         parents = [segs[s].parent for s in lv.segments]
         init = None
         if parents[0] is not None:  # a level below the roots: every segment has a parent, here or in the cache
             init = torch.stack([final[p] if p in final else state.read_state(slot, p) for p in parents])
-        o, fs = own(q, k, v, g=gg, beta=bb, initial_state=init, output_final_state=True, **kwargs)
+        o, fs = call([t[lv.gather] for t in padded], init)
         outs.append(o.reshape(-1, *o.shape[2:]).index_select(0, lv.valid))
         final.update(zip(lv.segments, fs.unbind(0)))
     if first:
         for s in layout.record:
             state.write_state(slot, s, final[s])
-    return torch.cat(outs)[None], None
+    return torch.cat(outs)[None]
+
+
+def delta_by_levels(own, state, slot, first, tensors, **kwargs):
+    """A delta rule ``own(q, k, v, g=, beta=, initial_state=, output_final_state=True, **kwargs)`` over the packed
+    (q, k, v, g, beta) ``tensors`` (``by_levels``; zero pads are neutral for it: no decay, no write). Returns
+    ((1, L, H, Dv) outputs, None), as the function returns without final states."""
+
+    def call(ts, init):
+        q, k, v, g, beta = ts
+        return own(q, k, v, g=g, beta=beta, initial_state=init, output_final_state=True, **kwargs)
+
+    return by_levels(state, slot, first, tensors, call), None
 
 
 def levels_of(layout, device) -> list:

@@ -5,7 +5,7 @@ module-global name, ``causal_conv1d_fn`` (wrapped as LFM2's, ``mixers._conv``) a
 ``mamba2_chunk_scan(x (1, L, H, P), dt (1, L, H), A (H,), B (1, L, G, N), C (1, L, G, N), chunk_size=, D=,
 dt_bias=, dt_softplus=True, dt_limit=, initial_states=, return_final_states=)``. ``scan`` stands in for that call on a
 packed row: one call of the model's own function per tree level, its segments right-padded to the longest, each
-from its parent's final state (``initial_states``), as ``mixers._delta`` does for the delta rule.
+from its parent's final state (``initial_states``), through the level loop the delta rules use (``mixers.by_levels``).
 
 Padding: zero inputs are not neutral for this scan as the mixers call it, since the function turns dt into
 ``clamp(softplus(dt + dt_bias), *dt_limit) > 0`` at every position, which decays the state and adds B x to it.
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from sharedprefix.layout.recurrence import level_index
 
 SEAM = "mamba2_chunk_scan"
 # class-name suffix of the Mamba2 mixers -> the seams their forward calls: Mamba2Mixer (also NemotronHMamba2Mixer),
@@ -54,7 +52,7 @@ def scan(
     dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs,
 ):  # fmt: skip
     """``mamba2_chunk_scan`` over a packed row (see the module): ``(1, L, H, P)`` out, in the function's dtype."""
-    from sharedprefix.model.mixers import _level_to, _memo  # (mixers imports this module)
+    from sharedprefix.model.mixers import by_levels  # (mixers imports this module)
 
     layout = state.layout
     odd = {k: v for k, v in kwargs.items() if v is not None and k != "z"}  # z=None: the torch forward gates outside
@@ -70,22 +68,10 @@ def scan(
             f"{sorted(odd)} on a packed row of {layout.length} tokens (the model ran with a cache or a kernel's "
             "arguments); a bug."
         )
-    segs = layout.tree.segments
-    levels = _memo(layout, ("levels", dt.device), lambda: [_level_to(lv, dt.device) for lv in level_index(layout)])
     dt, neutral = _neutral_padding(dt, dt_bias, dt_softplus, dt_limit)
-    padded = [torch.cat([t[0], t.new_zeros((1,) + t.shape[2:])]) for t in (hidden_states, dt, B, C)]  # (L + 1, ...)
-    final: dict = {}
-    outs: list = []
-    for lv in levels:
-        x, d, b, c = (t[lv.gather] for t in padded)  # (B, T, ...)
-        parents = [segs[s].parent for s in lv.segments]
-        init = None
-        if parents[0] is not None:
-            init = torch.stack([final[p] if p in final else state.read_state(slot, p) for p in parents])
-        o, fs = own(x, d, A, b, c, chunk_size=chunk_size, D=D, initial_states=init, return_final_states=True, **neutral)
-        outs.append(o.reshape(-1, *o.shape[2:]).index_select(0, lv.valid))
-        final.update(zip(lv.segments, fs.unbind(0)))
-    if first:
-        for s in layout.record:
-            state.write_state(slot, s, final[s])
-    return (torch.cat(outs) if len(outs) > 1 else outs[0])[None]
+
+    def call(ts, init):
+        x, d, b, c = ts
+        return own(x, d, A, b, c, chunk_size=chunk_size, D=D, initial_states=init, return_final_states=True, **neutral)
+
+    return by_levels(state, slot, first, (hidden_states, dt, B, C), call)
