@@ -27,6 +27,7 @@ Notation: B = rows of a micro-batch, L = longest row, len_i / P_i = row i's leng
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 from contextlib import contextmanager
@@ -128,18 +129,18 @@ def row_inputs(data, B: int) -> list[dict | None]:
 
 
 def image_keys(inputs: list[dict | None]) -> list[bytes]:
-    """One hashable key per row's inputs (identical images give identical keys)."""
+    """One key per row's inputs: the SHA-256 of every input's name, dtype, shape and raw bytes (identical images give
+    identical keys; different ones collide with probability 2^-256). A text row's key is empty."""
     keys = []
     for x in inputs:
-        parts = [] if not x else [(k, str(v.dtype), tuple(v.shape), _bytes(v)) for k, v in sorted(x.items())]
-        keys.append(repr(parts).encode())
+        h = hashlib.sha256()
+        for k, v in sorted((x or {}).items()):
+            h.update(repr((k, str(v.dtype), tuple(v.shape))).encode())
+            flat = v.detach().cpu().contiguous().reshape(-1)
+            if flat.numel():
+                h.update(flat.view(torch.uint8).numpy().data)  # the raw bytes (any dtype, bfloat16 included)
+        keys.append(h.digest() if x else b"")
     return keys
-
-
-def _bytes(v: torch.Tensor) -> bytes:
-    """The tensor's raw bytes (any dtype, bfloat16 included)."""
-    flat = v.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
 def vl_groups(input_ids, plen, inputs, config) -> tuple[list[sp.Group], list[list[int]]]:
