@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sharedprefix.parallel.sequence import reduce_grads
+from sharedprefix.parallel.sequence import comm_device, reduce_grads
 
 _CALLS = itertools.count()  # the n-th sharedprefix call of this process: the same n on every rank (keys errors)
 _ERROR_KEY = "sharedprefix/error/{call}/{rank}"
@@ -167,7 +167,7 @@ class Parallel:
             if error is not None:
                 raise error
             return list(counts)
-        flag = torch.tensor([0 if error is None else 1, *counts], dtype=torch.int64, device=_comm_device())
+        flag = torch.tensor([0 if error is None else 1, *counts], dtype=torch.int64, device=comm_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # one tiny collective when nothing failed (the common case)
         if not int(flag[0].item()):
             return [int(x) for x in flag[1:].tolist()]
@@ -212,11 +212,6 @@ class Parallel:
         if self.kind != "ddp" or self.world_size == 1:
             return
         reduce_grads(model, None)  # the default group: every rank
-
-
-def _comm_device():
-    backend = dist.get_backend()
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
