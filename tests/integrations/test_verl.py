@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -32,7 +31,6 @@ else:
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # verl_cpu, verl_support: also imported by name in the subprocesses below
 
-import torch.distributed as dist  # noqa: E402
 import verl_cpu  # noqa: E402  (verl's CPU platform, before verl's engine modules load)
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl_support import (  # noqa: E402
@@ -61,14 +59,6 @@ SPEC = Spec(prompts=[14, 20, 9], responses=[[5, 8, 3, 6], [7, 2, 8, 4], [6, 6, 1
 ROWS = 12
 TEMPERATURE = 0.7
 AGREE = 1e-5  # ours vs verl, relative to the largest value (float32 rounding is about 1e-6 here)
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -28,7 +27,6 @@ else:
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch.distributed as dist  # noqa: E402
 import transformers as tf  # noqa: E402
 import verl_cpu  # noqa: E402, F401  (verl's CPU platform, before verl's engine modules load)
 from verl_support import (  # noqa: E402
@@ -77,14 +75,6 @@ def save_lfm2(path: str) -> str:
         model.lm_head.weight.mul_(20.0)
     model.save_pretrained(path)
     return path
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,6 @@ else:
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch.distributed as dist  # noqa: E402
 import verl_cpu  # noqa: E402, F401  (verl's CPU platform, before verl's engine modules load)
 from verl_support import (  # noqa: E402
     IMAGE,
@@ -71,14 +70,6 @@ ROWS = 12
 
 
 KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
