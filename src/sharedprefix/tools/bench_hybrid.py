@@ -7,8 +7,8 @@ vocab 32000), random weights, float32, forward+backward. Three runs in the same 
 - plain: the G rows ``[prompt + completion_i]`` in one batch, logits at completion positions only;
 - packed: ``sp.backward``, the packed path (``model.mixers``): the prompt once, every completion in the same row,
   each from the prompt's final conv inputs and recurrent state;
-- cache path: ``schedule.hybrid.backward`` (the path these models took before, still the one of LFM3,
-  MiniMax and others): the prompt once through the model's own cache-aware forward, the completions as right-padded rows
+- cache path: ``schedule.hybrid.backward`` (the path these models took before, still the one of MiniMax
+  and Zaya): the prompt once through the model's own cache-aware forward, the completions as right-padded rows
   from copies of its cache.
 
 Reported against the token ratio (tokens a plain run computes / tokens sharedprefix computes), the ratio a run bound
