@@ -3,17 +3,21 @@
 Runs from the source tree (PYTHONPATH=src) with the machine's own python3 and packages (torch, transformers,
 pytest): the `gpu` tests (the varlen flash primitive and the cascade in bf16, sp.logprobs / sp.backward by the
 2x rule), the GPU benchmark (`sharedprefix bench --device cuda`, with its dense-dispatch ablation), the long-prompt
-table (`bench --device cuda --long --no-capacity`) and the capacity line (`--long --capacity-only`), each under its
-own timeout (together under 8 minutes), so that a hang still leaves a report. Writes benchmarks/gpu_<device>.txt,
+table (`bench --device cuda --long --no-capacity`), the capacity line (`--long --capacity-only`) and the hybrid tree
+benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 8 --plain`),
+each under its own timeout (together under 10 minutes), so that a hang still leaves a report. Writes benchmarks/gpu_<device>.txt,
 whose last line is machine-readable (``summary_line``):
 
     gpu-summary gpu_tests=pass|fail flop_eff_8192_512_16=F flop_eff_min=F long_vs_inpass_min=F
                 long_peak_vs_plain_max=F capacity_vs_plain=F offload_vs_recompute_max=F
+                hybrid_tree_vs_tokens=F hybrid_tree_vs_flops=F hybrid_tree_ceiling=F
 
 flop_eff: the speed-up over the plain rows divided by the FLOP ratio (at P=8192, T=512, G=16; the smallest over the
 table); long_vs_inpass_min: in-pass sharing's time over ours (keep), the smallest over the long shapes;
 long_peak_vs_plain_max: our peak (recompute) over the plain rows', the largest; capacity_vs_plain: our longest prompt
-over the plain rows'; offload_vs_recompute_max: offload's time over recompute's, the largest. "nan" where a step did
+over the plain rows'; offload_vs_recompute_max: offload's time over recompute's, the largest; hybrid_tree_vs_tokens,
+hybrid_tree_vs_flops: the hybrid packed tree's speed-up over plain rows divided by the ratio of tokens computed, and by
+the FLOP ratio; hybrid_tree_ceiling: the FLOP ratio over the token ratio, the most the first can reach. "nan" where a step did
 not report the figure (it failed, timed out or ran out of memory).
 """
 
@@ -31,6 +35,7 @@ import torch
 import transformers
 
 from sharedprefix.attention.kernels import missing_cuda_ops
+from sharedprefix.tools.bench_hybrid import tree_figures
 
 
 def _run(cmd, env, timeout, keep=None, log=None):
@@ -54,7 +59,7 @@ def _run(cmd, env, timeout, keep=None, log=None):
     return rc, out + (stderr.strip().splitlines()[-20:] if rc != 0 else [])
 
 
-TIMEOUTS = {"tests": 120, "bench": 130, "long": 110, "capacity": 110}  # seconds; 470 in all
+TIMEOUTS = {"tests": 110, "bench": 130, "long": 110, "capacity": 110, "hybrid": 110}  # seconds; 570 in all
 _NUM = r"(nan|inf|[0-9.]+)"
 
 
@@ -100,9 +105,10 @@ def _pick(values, how) -> float:
     return how(vals) if vals and len(vals) == len(list(values)) else float("nan")
 
 
-def summary_line(tests_ok: bool, bench_lines, long_lines, capacity_lines) -> str:
+def summary_line(tests_ok: bool | None, bench_lines, long_lines, capacity_lines, hybrid_lines=()) -> str:
     """The machine-readable last line of benchmarks/gpu_<device>.txt (the module docstring defines each figure)."""
     eff = parse_flop_eff(bench_lines)
+    hyb = tree_figures(hybrid_lines)
     long = parse_long(long_lines)
     cap = parse_capacity(capacity_lines)
     nan = float("nan")
@@ -114,13 +120,16 @@ def summary_line(tests_ok: bool, bench_lines, long_lines, capacity_lines) -> str
         "long_peak_vs_plain_max": _pick([_ratio(get(r, "recompute", 1), get(r, "plain", 1)) for r in long.values()], max),
         "capacity_vs_plain": _ratio(float(cap.get("ours", nan)), float(cap.get("plain", nan))),
         "offload_vs_recompute_max": _pick([_ratio(get(r, "offload", 0), get(r, "recompute", 0)) for r in long.values()], max),
+        **{f"hybrid_tree_{k}": hyb.get(k, nan) for k in ("vs_tokens", "vs_flops", "ceiling")},
     }
-    return "gpu-summary gpu_tests=" + ("pass" if tests_ok else "fail") + "".join(f" {k}={v:.3f}" for k, v in figures.items())
+    tests = "not_run" if tests_ok is None else "pass" if tests_ok else "fail"
+    return "gpu-summary gpu_tests=" + tests + "".join(f" {k}={v:.3f}" for k, v in figures.items())
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description="the gpu tests and the GPU benchmark, in one command")
     ap.add_argument("--log-dir", default=None, help="also write the whole output of each step into this folder")
+    ap.add_argument("--only", nargs="+", choices=list(TIMEOUTS), default=list(TIMEOUTS), help="run only these steps (the others read nan)")
     args = ap.parse_args()
     log = (lambda name: os.path.join(args.log_dir, name)) if args.log_dir else (lambda name: None)  # noqa: E731
     if not torch.cuda.is_available():
@@ -136,33 +145,46 @@ def main() -> int:
     print("\n".join(lines), flush=True)
     env = {**os.environ, "PYTHONPATH": "src" + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.time()
-    rc_tests, out = _run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider", "-rfE", "--tb=short"],
-        env,
-        TIMEOUTS["tests"],
-        keep=25,
-        log=log("gpu_tests.log"),
-    )
+    rc_tests, out = 1, ["(not run: --only)"]
+    if "tests" in args.only:
+        rc_tests, out = _run(
+            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider", "-rfE", "--tb=short"],
+            env,
+            TIMEOUTS["tests"],
+            keep=25,
+            log=log("gpu_tests.log"),
+        )
     lines += ["", f"gpu tests (exit {rc_tests}, {time.time() - t0:.0f} s):", *out]
     print("\n".join(lines[-len(out) - 2 :]), flush=True)
-    outs = {}
+    outs: dict = {key: [] for key in TIMEOUTS}
     bench = [sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda"]
     steps = [
         ("bench", "sharedprefix bench --device cuda", [*bench, "--repeats", "2"]),
         ("long", "sharedprefix bench --device cuda --long --no-capacity", [*bench, "--long", "--no-capacity", "--repeats", "1"]),
         ("capacity", "sharedprefix bench --device cuda --long --capacity-only", [*bench, "--long", "--capacity-only"]),
+        (
+            "hybrid",
+            "sharedprefix bench --device cuda --hybrid --tree --dims qwen3.5 --layers 8 --plain",
+            [*bench, "--hybrid", "--tree", "--dims", "qwen3.5", "--layers", "8", "--plain", "--repeats", "1"],
+        ),
     ]
-    rcs = [rc_tests]
+    rcs = [rc_tests if "tests" in args.only else 0]
     for key, title, cmd in steps:
+        if key not in args.only:
+            continue
         t0 = time.time()
         rc, out = _run(cmd, env, TIMEOUTS[key], log=log(f"gpu_{key}.log"))
         rcs.append(rc)
         outs[key] = out
         lines += ["", f"{title} (exit {rc}, {time.time() - t0:.0f} s)", *out]
         print("\n".join(lines[-len(out) - 2 :]), flush=True)
-    lines += ["", summary_line(rc_tests == 0, outs["bench"], outs["long"], outs["capacity"])]
+    lines += [
+        "",
+        summary_line(rc_tests == 0 if "tests" in args.only else None, outs["bench"], outs["long"], outs["capacity"], outs["hybrid"]),
+    ]
     print(lines[-1], flush=True)
-    path = f"benchmarks/gpu_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}.txt"
+    part = "" if set(args.only) == set(TIMEOUTS) else "_only_" + "_".join(k for k in TIMEOUTS if k in args.only)
+    path = f"benchmarks/gpu_{re.sub(r'[^A-Za-z0-9]+', '_', name).strip('_').lower()}{part}.txt"
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")

@@ -50,22 +50,35 @@ long prompts: Llama layer shapes (hidden 4096, 32/8 heads, head_dim 128, interme
  32768  1024  16 recompute     5.000     10000   1.00x
 """.splitlines()
 
+HYBRID = """\
+model: Qwen3.5-style, hidden 4096, 8 layers (linear_attention, linear_attention, linear_attention, full_attention, \
+linear_attention, linear_attention, linear_attention, full_attention), vocab 248320, bfloat16, NVIDIA H200
+packed tree over plain rows 9.50x | ratio of tokens computed 12.67x | speed-up / token ratio 0.75 (target >= 0.9)
+FLOP ratio plain / tree 10.10x (estimate: layers per token, attention per pair on the attention layers, LM head per \
+predicted token; scans not counted) | speed-up / FLOP ratio 0.94
+FLOP ceiling of speed-up / token ratio: 0.797 for this model (its LM head and attention do not shrink with the tokens); \
+0.906 at transformers' default Qwen3.5 dimensions (Qwen3.5-style, hidden 4096, 32 layers, vocab 248320; no weights built)
+""".splitlines()  # made-up figures in the format of tools.bench_hybrid.tree
+
 CAPACITY = ["capacity (longest prompt that trains; G=16, T=1024, 8 layers, doubling from 16384 up to 131072): plain 65536 | "
             "in_pass 32768 | ours 131072 (the search's limit)"]  # fmt: skip
 
 
 def test_summary_line_from_recorded_output():
-    line = _gpu_check().summary_line(True, BENCH, LONG, CAPACITY)
+    line = _gpu_check().summary_line(True, BENCH, LONG, CAPACITY, HYBRID)
     assert line == (
         "gpu-summary gpu_tests=pass flop_eff_8192_512_16=0.733 flop_eff_min=0.719 long_vs_inpass_min=1.800 "
-        "long_peak_vs_plain_max=0.400 capacity_vs_plain=2.000 offload_vs_recompute_max=1.200"
+        "long_peak_vs_plain_max=0.400 capacity_vs_plain=2.000 offload_vs_recompute_max=1.200 "
+        "hybrid_tree_vs_tokens=0.750 hybrid_tree_vs_flops=0.940 hybrid_tree_ceiling=0.797"
     )
 
 
 def test_summary_line_says_nan_for_what_a_failed_step_did_not_report():
-    line = _gpu_check().summary_line(False, BENCH[:3], LONG[:5], [])
+    line = _gpu_check().summary_line(False, BENCH[:3], LONG[:5], [], HYBRID[:2])
     figures = dict(kv.split("=") for kv in line.split()[1:])
     assert figures["gpu_tests"] == "fail" and figures["flop_eff_min"] == "0.719"
+    assert figures["hybrid_tree_vs_tokens"] == "0.750" and figures["hybrid_tree_ceiling"] == "nan"
+    assert "gpu_tests=not_run " in _gpu_check().summary_line(None, BENCH, LONG, CAPACITY)
     assert figures["flop_eff_8192_512_16"] == figures["capacity_vs_plain"] == "nan"
     assert figures["long_vs_inpass_min"] == "2.500"  # the one shape with both runs
     assert figures["long_peak_vs_plain_max"] == figures["offload_vs_recompute_max"] == "nan"  # recompute never ran
@@ -119,5 +132,8 @@ def test_summary_figures_are_named_as_the_issue_specifies(figure):
         "long_peak_vs_plain_max",
         "capacity_vs_plain",
         "offload_vs_recompute_max",
+        "hybrid_tree_vs_tokens",
+        "hybrid_tree_vs_flops",
+        "hybrid_tree_ceiling",
     ]
     assert figure in keys

@@ -91,6 +91,13 @@ def add_arguments(p):
     p.add_argument("--no-capacity", action="store_true", help="with --long: skip the capacity line")
     p.add_argument("--capacity-only", action="store_true", help="with --long: only the capacity line")
     p.add_argument("--modes", nargs="+", default=["plain", "in_pass", "keep", "offload", "recompute"])
+    p.add_argument(
+        "--dims",
+        default="bench",
+        choices=["bench", "qwen3.5"],
+        help="with --hybrid --tree: the model's dimensions, the benchmark's tiny ones (hidden 512, vocab 32000) or "
+        "transformers' default Qwen3.5 ones (hidden 4096, vocab 248320; for a GPU)",
+    )
     p.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
     p.add_argument("--plot", action="store_true", help="only draw docs/img/*.png from the result files in benchmarks/ (runs nothing)")
 
@@ -117,7 +124,8 @@ def run(args):
         from sharedprefix.tools import bench_hybrid
 
         if args.tree:  # the agentic shape; --plain times every plain microbatch instead of a sample
-            lines = bench_hybrid.tree(args.layers, args.repeats, args.max_tokens or 8192, None if args.plain else 4)
+            sample = None if args.plain else 4
+            lines = bench_hybrid.tree(args.layers, args.repeats, args.max_tokens or 8192, sample, args.device, args.dims)
             print("\n".join(lines), flush=True)
             return 0
         print("\n".join(bench_hybrid.run(args.layers, args.repeats)), flush=True)

@@ -36,29 +36,45 @@ import torch
 
 from sharedprefix.tools import bench
 
+BENCH_DIMS = dict(
+    hidden_size=512,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    intermediate_size=1536,
+    vocab_size=32000,
+)
+DIMS = {"bench": BENCH_DIMS, "qwen3.5": {}}  # "qwen3.5": transformers' own Qwen3_5TextConfig defaults (hidden 4096)
 
-def hybrid_model(layers=4, dtype=torch.float32, seed=0):
+
+def hybrid_config(layers=4, dims="bench"):
+    """A Qwen3.5 text config with ``layers`` decoder layers, delta-net and attention 3:1, of the benchmark's tiny
+    dimensions (``"bench"``) or of transformers' default Qwen3.5 dimensions (``"qwen3.5"``: hidden 4096,
+    16/4 heads of 256, delta-net 16/32 heads of 128, intermediate 12288, vocab 248320)."""
     import transformers as tf
 
+    if dims not in DIMS:
+        raise ValueError(f"dims={dims!r}: expected one of {sorted(DIMS)}")
     types = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4) + ["linear_attention"] * (layers % 4)
-    cfg = tf.Qwen3_5TextConfig(
-        hidden_size=512,
-        num_hidden_layers=layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        intermediate_size=1536,
-        vocab_size=32000,
-        max_position_embeddings=16384,
-        layer_types=types,
-    )
+    cfg = tf.Qwen3_5TextConfig(**DIMS[dims], num_hidden_layers=layers, max_position_embeddings=16384, layer_types=types)
     cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def hybrid_model(layers=4, dtype=torch.float32, seed=0, dims="bench", device="cpu"):
+    import transformers as tf
+
     torch.manual_seed(seed)
-    return tf.Qwen3_5ForCausalLM(cfg).to(dtype).eval()
+    with torch.device(device):
+        return tf.Qwen3_5ForCausalLM(hybrid_config(layers, dims)).to(dtype).eval()
+
+
+def describe(cfg) -> str:
+    return f"Qwen3.5-style, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers ({', '.join(cfg.layer_types)}), vocab {cfg.vocab_size}"
 
 
 def cache_path_step(model, groups):
@@ -80,7 +96,7 @@ def run(layers=4, repeats=2, prompt=2048, completion=128, G=8) -> list[str]:
     t_cache = bench.best_time(step(cache_path_step), repeats)
     plain_tokens, ours_tokens = G * (prompt + completion), prompt + G * completion
     return [
-        f"model: Qwen3.5-style, hidden 512, {layers} layers ({', '.join(model.config.layer_types)}), float32, cpu",
+        f"model: {describe(model.config)}, float32, cpu",
         f"group: prompt {prompt}, G={G} completions of {completion} tokens; forward+backward, best of {repeats}",
         f"plain run (rows in one batch, logits_to_keep): {t_plain:8.3f} s   tokens {plain_tokens}",
         f"sharedprefix, packed path                   : {t_ours:8.3f} s   tokens {ours_tokens}",
@@ -104,8 +120,34 @@ def hybrid_flops(model, segments) -> float:
     return 3.0 * (tokens * per_tok + pairs * per_pair + sum(k for _, _, k in segments) * 2 * cfg.hidden_size * cfg.vocab_size)
 
 
-def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, **shape) -> list[str]:
-    """The agentic tree shape on the hybrid (see the module docstring); ``shape`` overrides ``bench_tree.agentic``'s."""
+_FIGURES = {
+    "vs_tokens": r"speed-up / token ratio (nan|inf|[0-9.]+) ",
+    "vs_flops": r"speed-up / FLOP ratio (nan|inf|[0-9.]+)$",
+    "ceiling": r"FLOP ceiling of speed-up / token ratio: (nan|inf|[0-9.]+) for this model",
+}
+
+
+def tree_figures(lines) -> dict:
+    """{"vs_tokens", "vs_flops", "ceiling"}, those found in ``tree``'s lines (what ``scripts/dev gpu-check`` reads)."""
+    import re
+
+    return {k: float(m.group(1)) for line in lines for k, pat in _FIGURES.items() if (m := re.search(pat, line))}
+
+
+def flop_ceiling(cfg, tree_segments, plain_segments) -> float:
+    """The FLOP ratio plain / tree of a model of config ``cfg`` (built on the meta device: no weights) over the
+    ratio of tokens computed: the most a run bound by its FLOPs can reach of the token ratio."""
+    import transformers as tf
+
+    with torch.device("meta"):
+        model = tf.Qwen3_5ForCausalLM(cfg)
+    tokens = sum(n for _, n, _ in plain_segments) / sum(n for _, n, _ in tree_segments)
+    return hybrid_flops(model, plain_segments) / hybrid_flops(model, tree_segments) / tokens
+
+
+def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, device="cpu", dims="bench", **shape) -> list[str]:
+    """The agentic tree shape on the hybrid (see the module docstring); ``shape`` overrides ``bench_tree.agentic``'s.
+    On CUDA the model is bfloat16 and the times are wall seconds between synchronisations."""
     import inspect
     import time
 
@@ -113,7 +155,9 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, **s
     from sharedprefix.schedule import hybrid
     from sharedprefix.tools.bench_tree import agentic
 
-    model = hybrid_model(layers)
+    cuda = str(device).startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = hybrid_model(layers, dtype, dims=dims, device=device)
     d = {k: v.default for k, v in inspect.signature(agentic).parameters.items()} | shape
     groups, rows, trained = agentic(**shape)
     tree_src = sp.Tree.from_rows(rows, trained)
@@ -133,15 +177,17 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, **s
         fn(src)
     bench._plain_rows_step(model, [(small_g[0].prompt, small_g[0].completions[0])])
 
-    # one thread: the process's CPU time, which other processes on a shared machine do not inflate; else wall time
-    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
+    # one CPU thread: the process's CPU time, which other processes on a shared machine do not inflate; else wall time
+    clock = time.process_time if torch.get_num_threads() == 1 and not cuda else time.perf_counter
 
     def timed_call(fn):
         best, res = float("inf"), None
         for _ in range(repeats):
             model.zero_grad(set_to_none=True)
+            bench._sync()
             t0 = clock()
             res = fn()
+            bench._sync()
             best = min(best, clock() - t0)
         return best, res
 
@@ -154,10 +200,14 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, **s
     how = "all timed" if len(timed) == len(batches) else f"{len(timed)} timed, the sum scaled by {len(batches) / len(timed):g}"
     token_ratio = plain_tokens / r_tree.tokens_computed
     planned = sp.plan(tree_src, max_tokens).tree.segments
-    fl_tree = hybrid_flops(model, [(s.start, s.length, s.n_computed) for s in planned])
-    fl_plain = hybrid_flops(model, [(0, p.numel() + c.numel(), c.numel()) for p, c in items])
+    seg_tree = [(s.start, s.length, s.n_computed) for s in planned]
+    seg_plain = [(0, p.numel() + c.numel(), c.numel()) for p, c in items]
+    fl_ratio = hybrid_flops(model, seg_plain) / hybrid_flops(model, seg_tree)
+    full = hybrid_config(32, "qwen3.5")
+    speedup = t_plain / t_tree
+    where = f"{'bfloat16' if cuda else 'float32'}, {torch.cuda.get_device_name() if cuda else 'cpu'}"
     return [
-        f"model: Qwen3.5-style, hidden 512, {layers} layers ({', '.join(model.config.layer_types)}), float32, cpu",
+        f"model: {describe(model.config)}, {where}",
         f"agentic shape: system {d['system']} shared by {d['prompts']} prompts of {d['prompt_len']}, G={d['G']} x "
         f"{d['completion']} ({len(rows)} rows of {rows_len}); budget {max_tokens}; forward+backward after a warm-up, "
         f"best of {repeats}; {'CPU seconds of the process (one thread)' if clock is time.process_time else 'wall seconds'}",
@@ -165,11 +215,13 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, **s
         f"cache path (groups; no trees) : {t_cache:8.2f} s   tokens computed {r_cache.tokens_computed:>7}  passes {r_cache.passes}",
         f"plain rows                    : {t_plain:8.2f} s   tokens computed {plain_tokens:>7}  microbatches {len(batches)} "
         f"of {per} row(s) ({how})",
-        f"packed tree over plain rows {t_plain / t_tree:.2f}x | ratio of tokens computed {token_ratio:.2f}x | "
-        f"speed-up / token ratio {(t_plain / t_tree) / token_ratio:.2f} (target >= 0.9)",
-        f"FLOP ratio plain / tree {fl_plain / fl_tree:.2f}x (estimate: layers per token, attention per pair on the "
-        f"attention layers, LM head per predicted token; scans not counted) | speed-up / FLOP ratio "
-        f"{(t_plain / t_tree) / (fl_plain / fl_tree):.2f}",
+        f"packed tree over plain rows {speedup:.2f}x | ratio of tokens computed {token_ratio:.2f}x | "
+        f"speed-up / token ratio {speedup / token_ratio:.2f} (target >= 0.9)",
+        f"FLOP ratio plain / tree {fl_ratio:.2f}x (estimate: layers per token, attention per pair on the "
+        f"attention layers, LM head per predicted token; scans not counted) | speed-up / FLOP ratio {speedup / fl_ratio:.2f}",
+        f"FLOP ceiling of speed-up / token ratio: {fl_ratio / token_ratio:.3f} for this model (its LM head and attention "
+        f"do not shrink with the tokens); {flop_ceiling(full, seg_tree, seg_plain):.3f} at transformers' default "
+        f"Qwen3.5 dimensions ({describe(full).split(' (')[0]}, vocab {full.vocab_size}; no weights built)",
         f"packed tree over the cache path {t_cache / t_tree:.2f}x | its tokens {r_cache.tokens_computed / r_tree.tokens_computed:.2f}x "
         "fewer (the cache path repeats the system prompt per group)",
     ]
