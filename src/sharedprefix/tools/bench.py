@@ -57,6 +57,14 @@ def make_groups(n_groups, prompt_len, completion_len, group_size, vocab=32000, s
     ]
 
 
+def segment_counts(segments) -> tuple[int, int, int]:
+    """(tokens, (query, key) pairs, predicted tokens) of computing ``segments``, (start, length, predicted) triples,
+    each at positions start .. start + length - 1 of a causal row (a plain row is one segment from 0)."""
+    tokens = sum(n for _, n, _ in segments)
+    pairs = sum(((a + n) * (a + n + 1) - a * (a + 1)) // 2 for a, n, _ in segments)  # position p sees p + 1 keys
+    return tokens, pairs, sum(k for _, _, k in segments)
+
+
 def text_flops(cfg, tokens: float, pairs: float, predicted: float, head_dim: int | None = None) -> float:
     """Forward+backward FLOPs (3x forward) of a decoder: its linear layers per computed token, attention per
     (query, key) pair, the LM head per predicted token. ``head_dim`` for configs that do not state it."""

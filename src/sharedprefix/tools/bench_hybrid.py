@@ -115,9 +115,8 @@ def hybrid_flops(model, segments) -> float:
     per_tok = 2 * sum(p.numel() for p in model.model.layers.parameters())
     attn = sum(t == "full_attention" for t in cfg.layer_types)
     per_pair = 4 * attn * cfg.num_attention_heads * cfg.head_dim
-    tokens = sum(n for _, n, _ in segments)
-    pairs = sum(((a + n) * (a + n + 1) - a * (a + 1)) // 2 for a, n, _ in segments)  # position p sees p + 1 keys
-    return 3.0 * (tokens * per_tok + pairs * per_pair + sum(k for _, _, k in segments) * 2 * cfg.hidden_size * cfg.vocab_size)
+    tokens, pairs, predicted = bench.segment_counts(segments)
+    return 3.0 * (tokens * per_tok + pairs * per_pair + predicted * 2 * cfg.hidden_size * cfg.vocab_size)
 
 
 _FIGURES = {

@@ -39,10 +39,7 @@ def agentic(system=4096, prompts=8, prompt_len=512, G=8, completion=256, vocab=3
 
 def tree_flops(cfg, tree: SegmentTree) -> float:
     """Forward+backward FLOPs (3x forward) of computing ``tree``: every segment once."""
-    tokens = sum(s.length for s in tree.segments)
-    pairs = sum((s.end * (s.end + 1) - s.start * (s.start + 1)) // 2 for s in tree.segments)  # position p sees p + 1
-    predicted = sum(s.n_computed for s in tree.segments)
-    return bench.text_flops(cfg, tokens, pairs, predicted)
+    return bench.text_flops(cfg, *bench.segment_counts([(s.start, s.length, s.n_computed) for s in tree.segments]))
 
 
 def _loss(b):
