@@ -22,7 +22,7 @@ from sharedprefix.integrations.trl import SharedPrefixGRPOTrainer  # noqa: E402
 from sharedprefix.integrations.trl_batch import image_groups  # noqa: E402
 from sharedprefix.tools.reference import dtype_faithful_norms  # noqa: E402
 
-from .test_trl_vl import _run, _stub  # noqa: E402
+from .test_trl_vl import _run, _stub, padded_rows  # noqa: E402
 
 SIZES = ([8, 16], [16, 8])  # (height, width) of the images: two 8x8 tiles each, plus the 8x8 overview
 
@@ -59,19 +59,10 @@ def _batch(model, G=3, C=4):
             tokens.append(torch.full((n,), IMAGE))
         text = torch.randint(0, 90, (4,), generator=g)
         prompts.append((torch.cat([text[:2], *tokens, text[2:]]), pix, sizes))
-    P = max(p.numel() for p, _, _ in prompts)
-    rows, masks, pix, sizes, num_images = [], [], [], [], []
-    for p, px, sz in prompts:
-        for _ in range(G):
-            t = int(torch.randint(1, C + 1, (1,), generator=g))
-            comp = torch.randint(0, 90, (t,), generator=g)
-            rows.append(torch.cat([torch.zeros(P - p.numel(), dtype=torch.long), p, comp, torch.zeros(C - t, dtype=torch.long)]))
-            masks.append(torch.cat([torch.zeros(P - p.numel()), torch.ones(p.numel() + t), torch.zeros(C - t)]))
-            num_images.append(px.shape[0])
-            pix.append(px)
-            sizes.append(sz)
-    extra = dict(pixel_values=torch.cat(pix), image_sizes=torch.cat(sizes), num_images=num_images)
-    return torch.stack(rows), torch.stack(masks).long(), C, extra
+    input_ids, attention_mask, which = padded_rows([p for p, _, _ in prompts], G, C, g)
+    pix, sizes = torch.cat([prompts[i][1] for i in which]), torch.cat([prompts[i][2] for i in which])
+    extra = dict(pixel_values=pix, image_sizes=sizes, num_images=[prompts[i][1].shape[0] for i in which])
+    return input_ids, attention_mask, C, extra
 
 
 def _plain_hook(stub, model, input_ids, attention_mask, C, compute_entropy, pixel_values, image_sizes, num_images):

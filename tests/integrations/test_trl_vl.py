@@ -28,6 +28,21 @@ from sharedprefix.integrations.trl_batch import image_groups  # noqa: E402
 PATCH_DIM = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
 
 
+def padded_rows(prompts, G, C, g):
+    """TRL's rows for ``prompts`` (1-d token tensors): G rows each, the prompt left-padded to the longest, then a
+    completion of 1 to C random tokens right-padded to C. Returns (input_ids, attention_mask, each row's prompt)."""
+    P = max(p.numel() for p in prompts)
+    rows, masks, which = [], [], []
+    for i, p in enumerate(prompts):
+        for _ in range(G):
+            t = int(torch.randint(1, C + 1, (1,), generator=g))
+            comp = torch.randint(0, 90, (t,), generator=g)
+            rows.append(torch.cat([torch.zeros(P - p.numel(), dtype=torch.long), p, comp, torch.zeros(C - t, dtype=torch.long)]))
+            masks.append(torch.cat([torch.zeros(P - p.numel()), torch.ones(p.numel() + t), torch.zeros(C - t)]))
+            which.append(i)
+    return torch.stack(rows), torch.stack(masks).long(), which
+
+
 def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
     """Four prompts x G rows, as TRL batches them: Qwen2-VL, one image of 4x4 or 2x4 patches, or two images, or
     none; Llava, one or two 8x8 images (4 tokens each), or none."""
@@ -52,19 +67,10 @@ def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
             pix = torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g, dtype=torch.float64)
         ids = torch.cat([text[:1], *tokens, text[1:]])
         prompts.append((ids, pix, torch.tensor(grids)))
-    P = max(p.numel() for p, _, _ in prompts)
-    rows, masks, pix, grids, num_images = [], [], [], [], []
-    for p, px, grid in prompts:
-        for _ in range(G):
-            t = int(torch.randint(1, C + 1, (1,), generator=g))
-            comp = torch.randint(0, 90, (t,), generator=g)
-            rows.append(torch.cat([torch.zeros(P - p.numel(), dtype=torch.long), p, comp, torch.zeros(C - t, dtype=torch.long)]))
-            masks.append(torch.cat([torch.zeros(P - p.numel()), torch.ones(p.numel() + t), torch.zeros(C - t)]))
-            num_images.append(0 if px is None else len(grid))
-            if px is not None:
-                pix.append(px)
-                grids.append(grid)
-    input_ids, attention_mask = torch.stack(rows), torch.stack(masks).long()
+    input_ids, attention_mask, which = padded_rows([p for p, _, _ in prompts], G, C, g)
+    pix = [prompts[i][1] for i in which if prompts[i][1] is not None]
+    grids = [prompts[i][2] for i in which if prompts[i][1] is not None]
+    num_images = [0 if prompts[i][1] is None else len(prompts[i][2]) for i in which]
     if kind == "llava":
         return input_ids, attention_mask, C, dict(pixel_values=torch.cat(pix), num_images=num_images)
     if kind == "gemma3":  # as TRL extends the processor's token_type_ids: zeros over padding and completions
