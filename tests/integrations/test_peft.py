@@ -25,3 +25,27 @@ def test_lora_model_float64_exact_with_budget():
         sp.backward(model, groups, lambda b: (b.logprobs * W[b.index] * b.mask).sum(), max_tokens=budget)
         got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         assert_grads_close(got, want, 1e-9)
+
+
+@pytest.mark.parametrize("family", [pytest.param("qwen3_5_text", marks=pytest.mark.slow), "lfm2"])
+def test_lora_on_a_hybrid_packed_path_float64_exact(family):
+    """LoRA on every linear layer of a hybrid (Qwen3.5's delta-net projections in_proj_qkv/z/a/b, LFM2's conv
+    in_proj; out_proj left out, as PEFT refuses it on Mamba-like models): the PeftModel's packed path, its
+    mixers' seams reached through the wrapper, equals one plain forward per row, whole and under a budget that
+    splits a group."""
+    from models.test_hybrid import groups_of, model_of
+
+    from helpers import assert_matches_plain_rows
+    from sharedprefix.tools.reference import Float64Inside
+
+    base = model_of(family)
+    names = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)} - {"lm_head", "out_proj"}
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=sorted(names), lora_dropout=0.0, init_lora_weights=False)
+    model = peft.get_peft_model(base, cfg).double()
+    try:
+        with Float64Inside():  # Qwen3.5's gated delta rule computes in float32 otherwise
+            for budget in (None, 7):
+                got = assert_matches_plain_rows(model, groups_of(), budget=budget)
+        assert any("lora_" in n and "in_proj" in n for n in got)
+    finally:
+        model.unload()  # the shared tiny model goes back to the other tests as it was
