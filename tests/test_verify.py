@@ -113,6 +113,18 @@ def _perturb_low_precision(monkeypatch, where):
     monkeypatch.setattr(interface, "cascade_attention", moved)
 
 
+def test_verify_builds_its_float64_copy_of_a_grouped_mm_moe_model():
+    """A bfloat16 MoE model whose experts run transformers' grouped_mm (its default in a loaded checkpoint), which has
+    no float64 kernel: verify's float64 copy computes its experts eagerly, and the user's model keeps grouped_mm."""
+    model = _moe(torch.bfloat16)
+    model.config._experts_implementation = "grouped_mm"
+    groups = [sp.Group(list(range(3, 30)), [list(range(5, 20)), [7, 8, 9]]), sp.Group([4, 5], [[6] * 6])]
+    report = sp.verify(model, groups)
+    assert report.refusal is None and len(report.checks) == 2, str(report)
+    assert all(plain > 0 for _, _, plain in report.checks)  # the bf16 run is compared with a real float64 one
+    assert model.config._experts_implementation == "grouped_mm"
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_verify_judges_a_flipped_choice_of_a_moe_model_on_its_float64_copy(monkeypatch, tied):
     """A low-precision MoE model failing the 2x rule at one token per row, exact on its float64 copy: excused where

@@ -153,6 +153,8 @@ def verify(
     plain = _plain(model, groups)
     dev = reference_device or next(base.parameters()).device
     ref_model = copy.deepcopy(base).to(device=dev, dtype=torch.float64)
+    if getattr(ref_model.config, "_experts_implementation", None) not in (None, "eager"):
+        ref_model.config._experts_implementation = "eager"  # the copy's own config: grouped_mm has no float64 kernel
     from sharedprefix.tools.reference import dtype_faithful_norms
 
     dtype_faithful_norms(ref_model)
