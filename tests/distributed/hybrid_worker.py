@@ -8,13 +8,12 @@ float64 model, so those families run ``sp.backward`` under ``Float64Inside``, as
 and fsdp only).
 
 Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT [FAMILIES]
-KIND: backward | mean | deferred | fsdp   the groups under a budget that splits one (DDP; FSDP2 for fsdp)
-      ddp_tree                            a tree (a shared system prompt, branches, second turns) sharded by rows
-      fsdp_tree_ckpt                      the same tree under FSDP2, then the groups with non-reentrant gradient
-                                          checkpointing on (training mode)
+KIND: backward | mean | deferred | fsdp   the groups under a budget that splits one (DDP; FSDP2 for fsdp); for LFM2
+                                          (``TREE_FAMILIES``) backward and fsdp then run a tree (worker.py's: a shared
+                                          system prompt, branches, second turns) sharded by rows, and fsdp the groups
+                                          again with non-reentrant gradient checkpointing on (training mode)
       midfail | refuse_logprobs           a failure on rank 1 (DDP): what every rank raised
-Rank 0 writes to OUT {"results": {(family, run): [each rank's full gradients]}} (run: "groups" or "tree"; and the
-first layer's forward counts of fsdp_tree_ckpt's groups without and with checkpointing), or the messages.
+Rank 0 writes to OUT {"results": {(family, run): [each rank's value]}} (``run``'s), or the messages.
 """
 
 import contextlib
@@ -39,6 +38,7 @@ BUDGET = 8  # splits the first group (prompt 9: two chunks; four completions in 
 VOCAB = COMMON["vocab_size"]  # of every family here (the tree's token ids stay below it)
 # families whose scans cast to float32: run under Float64Inside
 FLOAT32_INSIDE = {"falcon_h1", "qwen3_next", "lara_mini", "kimi_linear"}
+TREE_FAMILIES = {"lfm2"}  # kinds backward and fsdp then run the tree too (fsdp also checkpointing), in the same launch
 
 
 def build(family):
@@ -67,32 +67,21 @@ def wrap(kind, model):
 
 
 def run(kind, family, model, rank, world):
-    """The sharedprefix calls of ``kind`` on this rank's share: {run: this rank's full gradients after it} (and, for
-    the checkpointed run, {"layer0_forwards" and "layer0_forwards_checkpointed": how many forwards the first layer ran in the call without
-    and with checkpointing})."""
+    """The sharedprefix calls of ``kind`` on this rank's share: {run: this rank's full gradients after it}. For a
+    family of ``TREE_FAMILIES``, kinds backward and fsdp then run the tree ("tree"), and fsdp the groups again with
+    checkpointing ("groups_checkpointed"; "layer0_forwards" and "layer0_forwards_checkpointed": how many forwards the
+    first layer ran in the groups' call without and with it)."""
     mine, gidx = shard_of(groups_of(), rank, world)
     W = weights(groups_of())
 
     def loss_fn(b):
         return (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()
 
-    out = {}
-    if kind in ("ddp_tree", "fsdp_tree_ckpt"):  # (a budget of 16 cuts the 20-token system prompt into a chain)
-        run_tree(kind, model, rank, world, vocab=VOCAB)
-        out["tree"] = full_grads(model)
-        if kind == "ddp_tree":
-            return out
-        calls = []  # the first layer's forwards: the checkpointed call runs them again inside autograd's backward
+    calls = []  # the first layer's forwards under FSDP2: a checkpointed call runs them again in autograd's backward
+    if kind == "fsdp":
         model.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
-        for checkpointing in (False, True):
-            model.zero_grad(set_to_none=True)
-            if checkpointing:
-                model.train()  # (HF checkpoints only in training mode; the tiny configs have no dropout)
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            calls.clear()
-            sp.backward(model, mine, loss_fn, max_tokens=BUDGET)  # FSDP2's default mode
-            out["layer0_forwards" + ("_checkpointed" if checkpointing else "")] = len(calls)
-    elif kind == "deferred":  # grad-enabled log-probs: deferred by default under DDP, synced by their backward
+    out = {}
+    if kind == "deferred":  # grad-enabled log-probs: deferred by default under DDP, synced by their backward
         out_lp = sp.logprobs(model, mine, max_tokens=BUDGET)
         (out_lp.logprobs * W[gidx, : out_lp.logprobs.shape[1]] * out_lp.mask).sum().backward()
     else:  # (FSDP2: "recompute", the mode it runs, chosen by default)
@@ -101,7 +90,19 @@ def run(kind, family, model, rank, world):
             sp.backward(
                 model, mine, loss_fn, max_tokens=BUDGET, prefix_activations=mode, grad_reduction="mean" if kind == "mean" else "sum"
             )
-    out["groups"] = full_grads(model)
+    out["groups"], out["layer0_forwards"] = full_grads(model), len(calls)
+    if family not in TREE_FAMILIES or kind not in ("backward", "fsdp"):
+        return out
+    model.zero_grad(set_to_none=True)
+    run_tree(kind, model, rank, world, vocab=VOCAB)  # rows sharded; a budget of 16 chains the 20-token system prompt
+    out["tree"] = full_grads(model)
+    if kind == "fsdp":
+        model.zero_grad(set_to_none=True)
+        model.train()  # (HF checkpoints only in training mode; the tiny configs have no dropout)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        calls.clear()
+        sp.backward(model, mine, loss_fn, max_tokens=BUDGET)  # FSDP2's default mode
+        out["groups_checkpointed"], out["layer0_forwards_checkpointed"] = full_grads(model), len(calls)
     return out
 
 

@@ -34,6 +34,20 @@ def _launch(kind, tmp_path, families="lfm2", timeout=200):
     return torch.load(out, weights_only=False)
 
 
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """``launched(kind, families)``: the results of one launch, shared by the tests that read it (each launch costs
+    10-20 s)."""
+    done = {}
+
+    def get(kind, families="lfm2"):
+        if (kind, families) not in done:
+            done[kind, families] = _launch(kind, tmp_path_factory.mktemp(kind), families)["results"]
+        return done[kind, families]
+
+    return get
+
+
 def _reference(family):
     groups, model = groups_of(), build(family)
     W = weights(groups)[:, : max(c.numel() for g in groups for c in g.completions)]
@@ -63,36 +77,36 @@ def test_the_shards_differ_and_the_budgets_split_a_group_and_the_tree():
 
 
 @pytest.mark.parametrize("kind, scale", [("backward", 1.0), ("mean", 0.5), ("deferred", 1.0), ("fsdp", 1.0)])
-def test_two_process_hybrid_gradients_match_plain_float64(kind, scale, tmp_path, reference):
-    _assert_every_rank(_launch(kind, tmp_path)["results"]["lfm2", "groups"], reference, scale)
+def test_two_process_hybrid_gradients_match_plain_float64(kind, scale, launched, reference):
+    _assert_every_rank(launched(kind)["lfm2", "groups"], reference, scale)
 
 
-@pytest.mark.parametrize("kind", ["ddp_tree", "fsdp_tree_ckpt"])
-def test_two_process_hybrid_tree_and_checkpointing_match_plain_float64(kind, tmp_path, reference):
+@pytest.mark.parametrize("kind", ["backward", "fsdp"])
+def test_two_process_hybrid_tree_and_checkpointing_match_plain_float64(kind, launched, reference):
     """LFM2 on a tree (a system prompt shared by three prompts, their completions, second turns) whose rows are
     sharded across the ranks, under a budget that chains the system prompt and caches segments: the gradient of one
-    plain forward per row weighted per row and token, under DDP and FSDP2. Under FSDP2 the same launch then runs the
-    groups in training mode with non-reentrant gradient checkpointing (the layers recomputed inside autograd's
-    backward, FSDP2 gathering them again there): the plain gradient too."""
+    plain forward per row weighted per row and token, under DDP and FSDP2 (in the launches of the groups' test).
+    Under FSDP2 the groups then run in training mode with non-reentrant gradient checkpointing (the layers run again
+    inside autograd's backward, FSDP2 gathering them there): the plain gradient too."""
     from schedule.test_tree import plain_rows
 
     _, rows, trained, W = tree_and_weights(VOCAB)
     model = build("lfm2")
     want = grads_of(model, lambda: (plain_rows(model, rows, trained) * W).sum())
-    got = _launch(kind, tmp_path)["results"]
+    got = launched(kind)
     _assert_every_rank(got["lfm2", "tree"], want)
-    if kind == "fsdp_tree_ckpt":
-        _assert_every_rank(got["lfm2", "groups"], reference)
+    if kind == "fsdp":
+        _assert_every_rank(got["lfm2", "groups_checkpointed"], reference)
         for plain, checkpointed in zip(got["lfm2", "layer0_forwards"], got["lfm2", "layer0_forwards_checkpointed"]):
             assert checkpointed > plain > 0  # checkpointing was on: the layer ran again in the backward
 
 
 @pytest.mark.parametrize("families, kind", [("falcon_h1", "backward"), ("falcon_h1,qwen3_next", "fsdp")])
-def test_two_process_mamba2_and_delta_net_gradients_match_plain_float64(families, kind, tmp_path):
+def test_two_process_mamba2_and_delta_net_gradients_match_plain_float64(families, kind, launched):
     """A Mamba2 family (Falcon-H1: attention and Mamba2 in every layer) under DDP ("recompute") and FSDP2 (its default
     mode), and a gated delta-net family (Qwen3-Next) under FSDP2, with a budget that splits a group: the plain
     gradient on both ranks."""
-    got = _launch(kind, tmp_path, families)["results"]
+    got = launched(kind, families)
     for family in families.split(","):
         _assert_every_rank(got[family, "groups"], _reference(family))
 
