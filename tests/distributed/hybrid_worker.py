@@ -9,9 +9,10 @@ and fsdp only).
 
 Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT [FAMILIES]
 KIND: backward | mean | deferred | fsdp   the groups under a budget that splits one (DDP; FSDP2 for fsdp); for LFM2
-                                          (``TREE_FAMILIES``) backward and fsdp then run a tree (worker.py's: a shared
-                                          system prompt, branches, second turns) sharded by rows, and fsdp the groups
-                                          again with non-reentrant gradient checkpointing on (training mode)
+                                          and Kimi Linear (``TREE_FAMILIES``) backward and fsdp then run a tree
+                                          (worker.py's: a shared system prompt, branches, second turns) sharded by
+                                          rows, and for LFM2 fsdp the groups again with non-reentrant gradient
+                                          checkpointing on (training mode)
       midfail | refuse_logprobs           a failure on rank 1 (DDP): what every rank raised
 Rank 0 writes to OUT {"results": {(family, run): [each rank's value]}} (``run``'s), or the messages.
 """
@@ -38,7 +39,9 @@ BUDGET = 8  # splits the first group (prompt 9: two chunks; four completions in 
 VOCAB = COMMON["vocab_size"]  # of every family here (the tree's token ids stay below it)
 # families whose scans cast to float32: run under Float64Inside
 FLOAT32_INSIDE = {"falcon_h1", "qwen3_next", "lara_mini", "kimi_linear"}
-TREE_FAMILIES = {"lfm2"}  # kinds backward and fsdp then run the tree too (fsdp also checkpointing), in the same launch
+# kinds backward and fsdp then run the tree too (fsdp also checkpointing, for those without float32 scans) in the same
+# launch: those recompute inside autograd's backward, where Float64Inside does not reach
+TREE_FAMILIES = {"lfm2", "kimi_linear"}
 
 
 def build(family):
@@ -94,9 +97,10 @@ def run(kind, family, model, rank, world):
     if family not in TREE_FAMILIES or kind not in ("backward", "fsdp"):
         return out
     model.zero_grad(set_to_none=True)
-    run_tree(kind, model, rank, world, vocab=VOCAB)  # rows sharded; a budget of 16 chains the 20-token system prompt
+    with inside(family):  # rows sharded; a budget of 16 chains the 20-token system prompt
+        run_tree(kind, model, rank, world, vocab=VOCAB)
     out["tree"] = full_grads(model)
-    if kind == "fsdp":
+    if kind == "fsdp" and family not in FLOAT32_INSIDE:
         model.zero_grad(set_to_none=True)
         model.train()  # (HF checkpoints only in training mode; the tiny configs have no dropout)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -2,8 +2,8 @@
 (relative 1e-9), on every rank. LFM2 (short convolutions, on the packed path) under DDP ("recompute", mean reduction,
 deferred log-probs) and FSDP2; an ``sp.Tree`` sharded by rows under both, and non-reentrant gradient checkpointing
 under FSDP2; Falcon-H1's Mamba2 mixers under DDP and FSDP2; Qwen3-Next's gated delta-nets, Kimi Linear's Kimi delta
-attention, LFM3's convolutions and Lara-mini's gated delta-nets under FSDP2. The float32 scans are kept float64 by
-``Float64Inside`` on every rank and in the reference. Every budget splits a group (or the tree)."""
+attention (the tree too), LFM3's convolutions and Lara-mini's gated delta-nets under FSDP2. The float32 scans are
+kept float64 by ``Float64Inside`` on every rank and in the reference. Every budget splits a group (or the tree)."""
 
 import os
 import subprocess
@@ -81,6 +81,16 @@ def test_two_process_hybrid_gradients_match_plain_float64(kind, scale, launched,
     _assert_every_rank(launched(kind)["lfm2", "groups"], reference, scale)
 
 
+def _tree_reference(family):
+    """The gradient of one plain forward per row of worker.py's tree, weighted per row and token."""
+    from schedule.test_tree import plain_rows
+
+    _, rows, trained, W = tree_and_weights(VOCAB)
+    model = build(family)
+    with inside(family):
+        return grads_of(model, lambda: (plain_rows(model, rows, trained) * W).sum())
+
+
 @pytest.mark.parametrize("kind", ["backward", "fsdp"])
 def test_two_process_hybrid_tree_and_checkpointing_match_plain_float64(kind, launched, reference):
     """LFM2 on a tree (a system prompt shared by three prompts, their completions, second turns) whose rows are
@@ -88,13 +98,8 @@ def test_two_process_hybrid_tree_and_checkpointing_match_plain_float64(kind, lau
     plain forward per row weighted per row and token, under DDP and FSDP2 (in the launches of the groups' test).
     Under FSDP2 the groups then run in training mode with non-reentrant gradient checkpointing (the layers run again
     inside autograd's backward, FSDP2 gathering them there): the plain gradient too."""
-    from schedule.test_tree import plain_rows
-
-    _, rows, trained, W = tree_and_weights(VOCAB)
-    model = build("lfm2")
-    want = grads_of(model, lambda: (plain_rows(model, rows, trained) * W).sum())
     got = launched(kind)
-    _assert_every_rank(got["lfm2", "tree"], want)
+    _assert_every_rank(got["lfm2", "tree"], _tree_reference("lfm2"))
     if kind == "fsdp":
         _assert_every_rank(got["lfm2", "groups_checkpointed"], reference)
         for plain, checkpointed in zip(got["lfm2", "layer0_forwards"], got["lfm2", "layer0_forwards_checkpointed"]):
@@ -114,11 +119,12 @@ def test_two_process_mamba2_and_delta_net_gradients_match_plain_float64(families
 def test_two_process_kda_conv_and_delta_net_families_under_fsdp2(tmp_path):
     """Kimi Linear (Kimi delta attention beside attention, dense and MoE MLPs), LFM3 (convolutions beside sliding
     attention) and Lara-mini (gated delta-nets beside sliding attention), one after another in one FSDP2 launch, a
-    budget that splits a group: the plain gradient on both ranks."""
+    budget that splits a group: the plain gradient on both ranks; and Kimi Linear on the tree sharded by rows."""
     families = ("kimi_linear", "lfm3", "lara_mini")
     got = _launch("fsdp", tmp_path, ",".join(families), timeout=300)["results"]
     for family in families:
         _assert_every_rank(got[family, "groups"], _reference(family))
+    _assert_every_rank(got["kimi_linear", "tree"], _tree_reference("kimi_linear"))  # KDA states along the tree's paths
 
 
 def test_a_failure_on_one_rank_stops_both_and_leaves_no_gradient(tmp_path):
