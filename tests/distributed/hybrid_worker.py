@@ -1,12 +1,20 @@
-"""One rank of the hybrid DDP / FSDP2 test (run under torchrun): a tiny LFM2 (short convolutions beside attention, on
-the packed path) wrapped in DDP, or sharded with FSDP2 (``fsdp``: every layer, the tied embedding and head as one unit, and the root),
-each rank with its share of the groups. FAMILY (default lfm2) picks another packed hybrid of ``models.test_hybrid``
-(falcon_h1: Mamba2 mixers; qwen3_next: gated delta-nets); those compute their scans in float32 inside a float64 model,
-so their ranks run ``sp.backward`` under ``Float64Inside``, as the reference does (kinds backward and fsdp only).
+"""One rank of the hybrid DDP / FSDP2 test (run under torchrun): a tiny hybrid wrapped in DDP, or sharded with FSDP2
+(kinds ``fsdp*``: every layer, the embedding and head as one unit, and the root), each rank with its share of the
+groups. FAMILIES (default lfm2; several, comma-separated, run one after another in one launch) picks the hybrids:
+``models.test_hybrid``'s (lfm2: short convolutions beside attention; falcon_h1: Mamba2 mixers; qwen3_next: gated
+delta-nets) or ``models.test_hybrid_linear``'s 3-layer cuts of the zoo's configs (lfm3: convolutions; lara_mini: gated
+delta-nets; kimi_linear: Kimi delta attention). The delta rules and the Mamba2 scan compute in float32 inside a
+float64 model, so those families run ``sp.backward`` under ``Float64Inside``, as the reference does (kinds backward
+and fsdp only).
 
-Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT [FAMILY]
-(KIND: backward | mean | deferred | midfail | refuse_logprobs | fsdp) Rank 0 writes the gradients (or the messages)
-to OUT.
+Usage: torchrun --nproc_per_node=2 hybrid_worker.py KIND OUT [FAMILIES]
+KIND: backward | mean | deferred | fsdp   the groups under a budget that splits one (DDP; FSDP2 for fsdp); for LFM2
+                                          and Kimi Linear (``TREE_FAMILIES``) backward and fsdp then run a tree
+                                          (worker.py's: a shared system prompt, branches, second turns) sharded by
+                                          rows, and for LFM2 fsdp the groups again with non-reentrant gradient
+                                          checkpointing on (training mode)
+      midfail | refuse_logprobs           a failure on rank 1 (DDP): what every rank raised
+Rank 0 writes to OUT {"results": {(family, run): [each rank's value]}} (``run``'s), or the messages.
 """
 
 import contextlib
@@ -19,14 +27,30 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.worker import full_grads, nan_on_second_pass, report_outcome, shard_of  # noqa: E402
-from models.test_hybrid import groups_of, model_of  # noqa: E402
+from distributed.worker import full_grads, nan_on_second_pass, report_outcome, run_tree, shard_of  # noqa: E402
+from models.test_hybrid import COMMON, groups_of, model_of  # noqa: E402
+from models.test_hybrid_linear import SMALL  # noqa: E402
+from models.test_hybrid_linear import _model as small_model  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from sharedprefix.tools.reference import Float64Inside  # noqa: E402
 
 BUDGET = 8  # splits the first group (prompt 9: two chunks; four completions in several batches)
-FLOAT32_INSIDE = {"falcon_h1", "qwen3_next"}  # families whose scans cast to float32: run under Float64Inside
+VOCAB = COMMON["vocab_size"]  # of every family here (the tree's token ids stay below it)
+# families whose scans cast to float32: run under Float64Inside
+FLOAT32_INSIDE = {"falcon_h1", "qwen3_next", "lara_mini", "kimi_linear"}
+# kinds backward and fsdp then run the tree too (fsdp also checkpointing, for those without float32 scans) in the same
+# launch: those recompute inside autograd's backward, where Float64Inside does not reach
+TREE_FAMILIES = {"lfm2", "kimi_linear"}
+
+
+def build(family):
+    """The tiny float64 model of ``family`` (one per process: wrapping it changes it)."""
+    return small_model(family) if family in SMALL else model_of(family)
+
+
+def inside(family):
+    return Float64Inside() if family in FLOAT32_INSIDE else contextlib.nullcontext()
 
 
 def weights(groups):
@@ -34,25 +58,61 @@ def weights(groups):
     return torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
 
 
-def main(kind, out, family="lfm2"):
-    import faulthandler
+def wrap(kind, model):
+    if not kind.startswith("fsdp"):
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.fsdp import fully_shard
 
-    faulthandler.dump_traceback_later(100, exit=True)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard([model.model.embed_tokens, model.lm_head])  # (tied weights, where they are: one unit)
+    return fully_shard(model)
+
+
+def run(kind, family, model, rank, world):
+    """The sharedprefix calls of ``kind`` on this rank's share: {run: this rank's full gradients after it}. For a
+    family of ``TREE_FAMILIES``, kinds backward and fsdp then run the tree ("tree"), and fsdp the groups again with
+    checkpointing ("groups_checkpointed"; "layer0_forwards" and "layer0_forwards_checkpointed": how many forwards the
+    first layer ran in the groups' call without and with it)."""
     mine, gidx = shard_of(groups_of(), rank, world)
     W = weights(groups_of())
-    if kind == "fsdp":
-        from torch.distributed.fsdp import fully_shard
 
-        model = model_of(family)
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard([model.model.embed_tokens, model.lm_head])  # (tied weights: one unit)
-        model = fully_shard(model)
-    else:
-        model = torch.nn.parallel.DistributedDataParallel(model_of(family))
+    def loss_fn(b):
+        return (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()
+
+    calls = []  # the first layer's forwards under FSDP2: a checkpointed call runs them again in autograd's backward
+    if kind == "fsdp":
+        model.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    out = {}
+    if kind == "deferred":  # grad-enabled log-probs: deferred by default under DDP, synced by their backward
+        out_lp = sp.logprobs(model, mine, max_tokens=BUDGET)
+        (out_lp.logprobs * W[gidx, : out_lp.logprobs.shape[1]] * out_lp.mask).sum().backward()
+    else:  # (FSDP2: "recompute", the mode it runs, chosen by default)
+        mode = None if kind == "fsdp" else "recompute"
+        with inside(family):
+            sp.backward(
+                model, mine, loss_fn, max_tokens=BUDGET, prefix_activations=mode, grad_reduction="mean" if kind == "mean" else "sum"
+            )
+    out["groups"], out["layer0_forwards"] = full_grads(model), len(calls)
+    if family not in TREE_FAMILIES or kind not in ("backward", "fsdp"):
+        return out
+    model.zero_grad(set_to_none=True)
+    with inside(family):  # rows sharded; a budget of 16 chains the 20-token system prompt
+        run_tree(kind, model, rank, world, vocab=VOCAB)
+    out["tree"] = full_grads(model)
+    if kind == "fsdp" and family not in FLOAT32_INSIDE:
+        model.zero_grad(set_to_none=True)
+        model.train()  # (HF checkpoints only in training mode; the tiny configs have no dropout)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        calls.clear()
+        sp.backward(model, mine, loss_fn, max_tokens=BUDGET)  # FSDP2's default mode
+        out["groups_checkpointed"], out["layer0_forwards_checkpointed"] = full_grads(model), len(calls)
+    return out
+
+
+def failure(kind, model, rank, world, out):
+    mine, gidx = shard_of(groups_of(), rank, world)
+    W = weights(groups_of())
 
     def loss_fn(b):
         return (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()
@@ -64,25 +124,31 @@ def main(kind, out, family="lfm2"):
             sp.logprobs(m, bad, max_tokens=BUDGET).logprobs.sum().backward()  # grad-enabled: deferred under DDP
 
         report_outcome(deferred, model, rank, world, out)
-    elif kind == "midfail":  # rank 1's loss is NaN on its second batch: every rank stops, no .grad is left behind
+    else:  # midfail: rank 1's loss is NaN on its second batch: every rank stops, no .grad is left behind
         report_outcome(lambda m: sp.backward(m, mine, nan_on_second_pass(loss_fn, rank), max_tokens=BUDGET), model, rank, world, out)
-    else:
-        if kind == "deferred":  # grad-enabled log-probs: deferred by default under DDP, synced by their backward
-            out_lp = sp.logprobs(model, mine, max_tokens=BUDGET)
-            (out_lp.logprobs * W[gidx, : out_lp.logprobs.shape[1]] * out_lp.mask).sum().backward()
-        else:  # (FSDP2: "recompute", the mode it runs, chosen by default)
-            mode = None if kind == "fsdp" else "recompute"
-            with Float64Inside() if family in FLOAT32_INSIDE else contextlib.nullcontext():
-                sp.backward(
-                    model, mine, loss_fn, max_tokens=BUDGET, prefix_activations=mode, grad_reduction="mean" if kind == "mean" else "sum"
-                )
-        grads = full_grads(model)
-        everyone = [None] * world
-        dist.all_gather_object(everyone, grads)
-        if rank == 0:
-            torch.save({"grads": everyone, "shards": [len(sp.shard_groups(groups_of(), r, world)) for r in range(world)]}, out)
-    del model  # before the process group goes (the caught error's traceback may hold it in a cycle: collected)
-    gc.collect()
+
+
+def main(kind, out, families="lfm2"):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(150, exit=True)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    result = {}
+    for family in families.split(","):
+        model = wrap(kind, build(family))
+        if kind in ("midfail", "refuse_logprobs"):
+            failure(kind, model, rank, world, out)
+        else:
+            for name, value in run(kind, family, model, rank, world).items():
+                everyone = [None] * world
+                dist.all_gather_object(everyone, value)
+                result[family, name] = everyone
+        del model  # before the process group goes (the caught error's traceback may hold it in a cycle: collected)
+        gc.collect()
+    if rank == 0 and result:
+        torch.save({"results": result}, out)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -29,10 +29,11 @@ def groups_and_weights():
     return groups, W
 
 
-def tree_and_weights():
-    """Rows sharing a system prompt, with second turns on top of first ones, and per-row per-token weights."""
+def tree_and_weights(vocab=97):
+    """Rows sharing a system prompt, with second turns on top of first ones, and per-row per-token weights (token ids
+    below ``vocab``)."""
     g = torch.Generator().manual_seed(3)
-    rand = lambda n: torch.randint(0, 97, (n,), generator=g).tolist()  # noqa: E731
+    rand = lambda n: torch.randint(0, vocab, (n,), generator=g).tolist()  # noqa: E731
     system = rand(20)
     rows = []
     for p in range(3):
@@ -47,8 +48,9 @@ def tree_and_weights():
     return sp.Tree.from_rows(rows, trained), rows, trained, W
 
 
-def run_tree(kind, model, rank, world):
-    tree, _, _, W = tree_and_weights()
+def run_tree(kind, model, rank, world, vocab=97):
+    """This rank's rows of ``tree_and_weights(vocab)`` (sharded by rows), under a budget that splits the tree."""
+    tree, _, _, W = tree_and_weights(vocab)
     mine = sp.shard_groups(tree, rank, world)
     glob = torch.tensor(mine.index)
     loss_fn = lambda b: (b.logprobs * W[glob[b.index], : b.logprobs.shape[1]]).sum()  # noqa: E731

@@ -1,5 +1,5 @@
-"""A hybrid model (LFM2: short convolutions beside attention) through sharedprefix's verl engine, against verl's own
-engine (CPU, float32).
+"""Hybrid models (LFM2: short convolutions beside attention; LFM2-MoE: the same with mixtures of experts) through
+sharedprefix's verl engine, against verl's own engine (CPU, float32); every test runs on both.
 
 verl 0.9.1 pins transformers < 5.11; under its 5.10 LFM2 runs its ``nn.Conv1d`` (``causal_conv1d_fn`` is None without
 the causal_conv1d package), which the core's packed path hooks (``model.mixers_conv``).
@@ -54,9 +54,10 @@ SPEC = Spec(prompts=[14, 20, 9], responses=[[5, 8, 3, 6], [7, 2, 8, 4], [6, 6, 1
 ROWS = 12
 
 
-def save_lfm2(path: str) -> str:
-    """A tiny random LFM2 (conv, attention, conv; kernel 3) saved with save_pretrained."""
-    cfg = tf.Lfm2Config(
+def save_lfm2(path: str, family: str = "lfm2") -> str:
+    """A tiny random LFM2 (conv, attention, conv; kernel 3) saved with save_pretrained; ``family="lfm2_moe"``: LFM2-MoE,
+    its first layer's MLP dense and the other two mixtures of 4 experts (top 2, with its expert bias)."""
+    common = dict(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=48,
@@ -65,21 +66,30 @@ def save_lfm2(path: str) -> str:
         num_key_value_heads=2,
         layer_types=["conv", "full_attention", "conv"],
         conv_L_cache=3,
-        block_auto_adjust_ff_dim=False,
         tie_word_embeddings=False,
-        architectures=["Lfm2ForCausalLM"],
     )
+    if family == "lfm2_moe":
+        cfg = tf.Lfm2MoeConfig(
+            **common,
+            num_dense_layers=1,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            architectures=["Lfm2MoeForCausalLM"],
+        )
+    else:
+        cfg = tf.Lfm2Config(**common, block_auto_adjust_ff_dim=False, architectures=["Lfm2ForCausalLM"])
     torch.manual_seed(0)
-    model = tf.Lfm2ForCausalLM(cfg)
+    model = getattr(tf, cfg.architectures[0])(cfg)
     with torch.no_grad():  # a less uniform distribution than the tiny init gives, so that clipping and KL bite
         model.lm_head.weight.mul_(20.0)
     model.save_pretrained(path)
     return path
 
 
-@pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return save_lfm2(str(tmp_path_factory.mktemp("verl_lfm2")))
+@pytest.fixture(scope="module", params=["lfm2", "lfm2_moe"])
+def path(request, tmp_path_factory):
+    return save_lfm2(str(tmp_path_factory.mktemp(f"verl_{request.param}")), request.param)
 
 
 @pytest.fixture(scope="module")

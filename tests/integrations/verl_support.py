@@ -221,6 +221,7 @@ def reference(path: str, td, loss=None, temperature=1.0):
     Returns ((B, R) log-probs, (B, R) entropies, {name: grad} or None).
     """
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+    model.config._experts_implementation = "eager"  # (MoE: torch's grouped_mm, the default on CPU, has no float64)
     dtype_faithful_norms(model)
     model.train(loss is not None)
     ids = td["input_ids"]
