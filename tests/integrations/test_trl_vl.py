@@ -24,6 +24,7 @@ from trl.trainer.utils import add_fused_lm_head, split_pixel_values_by_grid, uns
 import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOTrainer, _group_preserving_shuffle  # noqa: E402
 from sharedprefix.integrations.trl_batch import image_groups  # noqa: E402
+from sharedprefix.tools.reference import Float64Inside  # noqa: E402
 
 PATCH_DIM = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
 
@@ -150,10 +151,49 @@ def _run(hook, stub, model, batch):
         ("llava", 14, "offload"),
         ("gemma3", None, "keep"),
         ("gemma3", 44, "recompute"),
+        ("qwen3_5", None, "keep"),
     ],
 )
 def test_image_rows_match_grpo_trainer(kind, budget, mode):
-    model = {"llava": _llava, "gemma3": lambda: _gemma3(4)}.get(kind, lambda: _model(kind))()
+    """TRL's rows with their images through our hook, TRL's own and one plain forward per row (Qwen3.5: a hybrid,
+    its gated delta-nets on the packed path, their float32 scans kept float64 in all three by ``Float64Inside``)."""
+    with Float64Inside() if kind == "qwen3_5" else contextlib.nullcontext():
+        _check_image_rows(kind, budget, mode)
+
+
+@pytest.mark.parametrize("mode", ["keep", "offload"])
+def test_qwen3_5_image_rows_under_a_splitting_budget_by_the_2x_rule(mode):
+    """Qwen3.5 with images through our hook under a budget that splits groups: the hook's log-probs are deferred
+    (grad-enabled), so the cached prompts are recomputed inside autograd's backward, where ``Float64Inside`` does not
+    reach, and the gated delta rule runs in float32 there (as it does in the model's own plain forward). Log-probs:
+    1e-9 from the float64-inside plain rows; gradients: within twice the plain rows' own float32 error against them,
+    at the scale of the largest gradient."""
+    from models.test_hybrid_packed import _qwen3_5_vl
+
+    model = _qwen3_5_vl()
+    add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
+    batch = _batch(kind="qwen3_5")
+    assert sp.plan(image_groups(*batch[:3], **batch[3])[0], 14).splits
+    with Float64Inside():
+        truth = _run(_plain_hook, _stub(), model, batch)
+        got = _run(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, _stub(14, mode), model, batch)
+    plain = _run(_plain_hook, _stub(), model, batch)  # the model's own float32 delta rule
+    for a, b in zip(got[:2], truth[:2]):
+        assert float((a - b).abs().max()) <= 1e-9
+    scale = max(float(t.abs().max()) for t in truth[2].values())
+
+    def err(g):
+        return max(float((g[n] - t).abs().max()) for n, t in truth[2].items()) / scale
+
+    print(f"qwen3_5 split {mode}: ours {err(got[2]):.2e}, plain float32 {err(plain[2]):.2e}")
+    assert 0 < err(plain[2]) and err(got[2]) <= 2 * err(plain[2]), (err(got[2]), err(plain[2]))
+
+
+def _check_image_rows(kind, budget, mode):
+    from models.test_hybrid_packed import _qwen3_5_vl
+
+    builders = {"llava": _llava, "gemma3": lambda: _gemma3(4), "qwen3_5": _qwen3_5_vl}
+    model = builders.get(kind, lambda: _model(kind))()
     add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
     batch = _batch(kind=kind)
     if budget is not None:  # prompts of 2 to 11 tokens (Gemma 3: up to 41), groups of up to 26: the budget splits groups
