@@ -4,7 +4,7 @@ Runs from the source tree (PYTHONPATH=src) with the machine's own python3 and pa
 pytest): the `gpu` tests (the varlen flash primitive and the cascade in bf16, sp.logprobs / sp.backward by the
 2x rule), the GPU benchmark (`sharedprefix bench --device cuda`, with its dense-dispatch ablation), the long-prompt
 table (`bench --device cuda --long --no-capacity`), the capacity line (`--long --capacity-only`) and the hybrid tree
-benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 8 --plain`),
+benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16`),
 each under its own timeout (together under 10 minutes), so that a hang still leaves a report. Writes benchmarks/gpu_<device>.txt,
 whose last line is machine-readable (``summary_line``):
 
@@ -164,8 +164,8 @@ def main() -> int:
         ("capacity", "sharedprefix bench --device cuda --long --capacity-only", [*bench, "--long", "--capacity-only"]),
         (
             "hybrid",
-            "sharedprefix bench --device cuda --hybrid --tree --dims qwen3.5 --layers 8 --plain",
-            [*bench, "--hybrid", "--tree", "--dims", "qwen3.5", "--layers", "8", "--plain", "--repeats", "1"],
+            "sharedprefix bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16",
+            [*bench, "--hybrid", "--tree", "--dims", "qwen3.5", "--layers", "16", "--repeats", "1"],
         ),
     ]
     rcs = [rc_tests if "tests" in args.only else 0]
