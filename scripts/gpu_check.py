@@ -4,20 +4,20 @@ Runs from the source tree (PYTHONPATH=src) with the machine's own python3 and pa
 pytest): the `gpu` tests (the varlen flash primitive and the cascade in bf16, sp.logprobs / sp.backward by the
 2x rule), the GPU benchmark (`sharedprefix bench --device cuda`, with its dense-dispatch ablation), the long-prompt
 table (`bench --device cuda --long --no-capacity`), the capacity line (`--long --capacity-only`) and the hybrid tree
-benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 8 --plain`),
+benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16`),
 each under its own timeout (together under 10 minutes), so that a hang still leaves a report. Writes benchmarks/gpu_<device>.txt,
 whose last line is machine-readable (``summary_line``):
 
     gpu-summary gpu_tests=pass|fail flop_eff_8192_512_16=F flop_eff_min=F long_vs_inpass_min=F
                 long_peak_vs_plain_max=F capacity_vs_plain=F offload_vs_recompute_max=F
-                hybrid_tree_vs_tokens=F hybrid_tree_vs_flops=F hybrid_tree_ceiling=F
+                hybrid_tree_vs_tokens=F hybrid_tree_vs_flops=F hybrid_tree_flops_vs_tokens=F
 
 flop_eff: the speed-up over the plain rows divided by the FLOP ratio (at P=8192, T=512, G=16; the smallest over the
 table); long_vs_inpass_min: in-pass sharing's time over ours (keep), the smallest over the long shapes;
 long_peak_vs_plain_max: our peak (recompute) over the plain rows', the largest; capacity_vs_plain: our longest prompt
 over the plain rows'; offload_vs_recompute_max: offload's time over recompute's, the largest; hybrid_tree_vs_tokens,
 hybrid_tree_vs_flops: the hybrid packed tree's speed-up over plain rows divided by the ratio of tokens computed, and by
-the FLOP ratio; hybrid_tree_ceiling: the FLOP ratio over the token ratio, the most the first can reach. "nan" where a step did
+the (estimated) FLOP ratio; hybrid_tree_flops_vs_tokens: that FLOP ratio over the token ratio. "nan" where a step did
 not report the figure (it failed, timed out or ran out of memory).
 """
 
@@ -120,7 +120,7 @@ def summary_line(tests_ok: bool | None, bench_lines, long_lines, capacity_lines,
         "long_peak_vs_plain_max": _pick([_ratio(get(r, "recompute", 1), get(r, "plain", 1)) for r in long.values()], max),
         "capacity_vs_plain": _ratio(float(cap.get("ours", nan)), float(cap.get("plain", nan))),
         "offload_vs_recompute_max": _pick([_ratio(get(r, "offload", 0), get(r, "recompute", 0)) for r in long.values()], max),
-        **{f"hybrid_tree_{k}": hyb.get(k, nan) for k in ("vs_tokens", "vs_flops", "ceiling")},
+        **{f"hybrid_tree_{k}": hyb.get(k, nan) for k in ("vs_tokens", "vs_flops", "flops_vs_tokens")},
     }
     tests = "not_run" if tests_ok is None else "pass" if tests_ok else "fail"
     return "gpu-summary gpu_tests=" + tests + "".join(f" {k}={v:.3f}" for k, v in figures.items())
@@ -164,8 +164,8 @@ def main() -> int:
         ("capacity", "sharedprefix bench --device cuda --long --capacity-only", [*bench, "--long", "--capacity-only"]),
         (
             "hybrid",
-            "sharedprefix bench --device cuda --hybrid --tree --dims qwen3.5 --layers 8 --plain",
-            [*bench, "--hybrid", "--tree", "--dims", "qwen3.5", "--layers", "8", "--plain", "--repeats", "1"],
+            "sharedprefix bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16",
+            [*bench, "--hybrid", "--tree", "--dims", "qwen3.5", "--layers", "16", "--repeats", "1"],
         ),
     ]
     rcs = [rc_tests if "tests" in args.only else 0]

@@ -265,8 +265,8 @@ def test_the_hybrid_tree_benchmark_runs_and_counts_tokens():
     assert "tokens computed      92  microbatches 2 of 2 row(s) (1 timed, the sum scaled by 2)" in text  # 4 * 23
     assert "ratio of tokens computed 2.56x" in text and "(target >= 0.9)" in text
     figures = bench_hybrid.tree_figures(lines)  # what gpu-check reads of this benchmark on a GPU
-    assert set(figures) == {"vs_tokens", "vs_flops", "ceiling"}
-    assert 0 < figures["ceiling"] < 1  # the LM head and attention do not shrink with the tokens
+    assert set(figures) == {"vs_tokens", "vs_flops", "flops_vs_tokens"}
+    assert 0 < figures["flops_vs_tokens"] < 1  # the LM head and attention do not shrink with the tokens
 
 
 def test_trl_refuses_an_inline_mixer_under_checkpointing_with_the_reason(tmp_path):
