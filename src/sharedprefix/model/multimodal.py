@@ -40,6 +40,8 @@ _CAT_KEYS = (
     "image_sizes",
     "pixel_attention_mask",
     "image_grid_hws",
+    "spatial_shapes",  # LFM2-VL (Siglip2): (images, 2) patch grids
+    "image_grid_hw",  # Nemotron-H Omni: (images, 2) patch grids
 )
 # used for positions or the attention's blocks only (the pass hands positions and blocks themselves)
 _POSITION_ONLY = ("mm_token_type_ids", "token_type_ids")
@@ -81,6 +83,7 @@ class Multimodal:
                     f"groups[{gi}].prompt_inputs has {extra}, which {type(self.module).__name__}.forward does not take; "
                     f"expected some of {sorted(accepted & set(_CAT_KEYS))} (the processor's outputs for the prompt)."
                 )
+        _check_batchable(groups)
         self.delta: dict[int, int] = {}
         self.prompt_pos: dict[int, torch.Tensor] = {}
         if self.mrope:
@@ -126,6 +129,34 @@ class Multimodal:
                     if k not in _POSITION_ONLY:
                         parts.setdefault(k, []).append(_batched(k, v) if k in _CAT_KEYS else v)
         return {k: torch.cat(v) if k in _CAT_KEYS else v[0] for k, v in parts.items()}
+
+
+def _check_batchable(groups) -> None:
+    """The prompts of a pass are batched by concatenating each of ``_CAT_KEYS`` along its first dimension, which needs
+    the same trailing shape in every group; another input (not per image) can be taken from one group only, so two
+    groups may not both carry it."""
+    seen: dict[str, tuple[int, tuple]] = {}
+    for gi, g in enumerate(groups):
+        for k, v in (g.prompt_inputs or {}).items():
+            if k in _POSITION_ONLY:
+                continue
+            shape = tuple(_batched(k, v).shape[1:]) if isinstance(v, torch.Tensor) else ()
+            if k not in seen:
+                seen[k] = (gi, shape)
+            elif k not in _CAT_KEYS:
+                raise ValueError(
+                    f"groups[{seen[k][0]}] and groups[{gi}] both have prompt_inputs[{k!r}], which sharedprefix does not "
+                    f"know how to batch: the prompts of a pass are batched by concatenating {list(_CAT_KEYS)} image by "
+                    f"image, and {k!r} is none of them, so one pass could not give each prompt its own value. Pass the "
+                    "groups with this input in separate calls."
+                )
+            elif isinstance(v, torch.Tensor) and shape != seen[k][1]:
+                raise ValueError(
+                    f"groups[{gi}].prompt_inputs[{k!r}] has shape {tuple(v.shape)}, groups[{seen[k][0]}]'s has trailing "
+                    f"shape {seen[k][1]}: the prompts of a pass are batched by concatenating it along the first "
+                    "dimension, which needs the same other dimensions. Pad them alike (one processor setting, e.g. the "
+                    "same max_num_patches, for every group)."
+                )
 
 
 def _row_prompts(layout):

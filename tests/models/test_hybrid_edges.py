@@ -1,0 +1,84 @@
+"""Edge cases of the packed hybrid path found by probing beyond the families' own tests: vision-language hybrids other
+than Qwen3.5, and layouts, settings and inputs nobody tried. Each against one plain forward per row in float64
+(log-probs 1e-9, gradients relative 1e-9), or the 2x rule where the model computes in float32 itself.
+"""
+
+import pytest
+import torch
+import transformers as tf
+from models.test_hybrid import COMMON, CONFIGS
+
+import sharedprefix as sp
+from helpers import assert_matches_plain_rows
+from sharedprefix.model import mixers
+from sharedprefix.tools.reference import dtype_faithful_norms
+
+# -- LFM2-VL: Siglip2's images, LFM2's convolutions ----------------------------------------------------------------
+
+LFM2_IMAGE = 60
+_SIGLIP2 = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, patch_size=2, num_patches=16)
+
+
+def _lfm2_vl():
+    """A tiny LFM2-VL. Siglip2 resizes its position embeddings in float32 even in a float64 model, so their gradient
+    is float32-rounded in the plain run as in ours (summed over the rows there, once here): frozen, so that every other
+    gradient is held to 1e-9 (the forward values, float32 part included, are the same ops on the same inputs)."""
+    text = dict(COMMON, **CONFIGS["lfm2"][2], model_type="lfm2")
+    cfg = tf.Lfm2VlConfig(
+        text_config=text, vision_config=dict(_SIGLIP2, vision_use_head=False), image_token_id=LFM2_IMAGE, projector_hidden_size=24
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = dtype_faithful_norms(tf.Lfm2VlForConditionalGeneration(cfg).double().eval())
+    model.model.vision_tower.embeddings.position_embedding.weight.requires_grad_(False)
+    return model
+
+
+def _lfm2_vl_group(seed, hw, before, after, completions, max_patches=16):
+    """A prompt with one image of (h, w) patches (2x2 patches a token), padded as the processor pads, to max_patches."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = hw
+    prompt = torch.cat(
+        [torch.randint(3, 55, (before,), generator=g), torch.full((h * w // 4,), LFM2_IMAGE), torch.randint(3, 55, (after,), generator=g)]
+    )
+    pixels = torch.zeros(1, max_patches, 3 * 2 * 2, dtype=torch.float64)
+    pixels[0, : h * w] = torch.randn(h * w, 12, generator=g, dtype=torch.float64)
+    mask = (torch.arange(max_patches) < h * w)[None]
+    inputs = dict(pixel_values=pixels, spatial_shapes=torch.tensor([[h, w]]), pixel_attention_mask=mask)
+    return sp.Group(prompt, [torch.randint(3, 55, (n,), generator=g) for n in completions], prompt_inputs=inputs)
+
+
+def _lfm2_vl_plain(model, groups):
+    T = max(c.numel() for g in groups for c in g.completions)
+    rows = []
+    for g in groups:
+        for c in g.completions:
+            logits = model(input_ids=torch.cat([g.prompt, c])[None], use_cache=False, **(g.prompt_inputs or {})).logits
+            lp = torch.log_softmax(logits[0, g.prompt.numel() - 1 : -1], -1).gather(-1, c[:, None])[:, 0]
+            rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("budget", [None, pytest.param(12, marks=pytest.mark.slow)])
+def test_lfm2_vl_images_of_different_shapes_in_one_pass(budget):
+    """Two images of different patch grids (4 x 4 and 4 x 2) and a text-only group: in one pass, the prompts'
+    ``spatial_shapes`` are concatenated like their pixels (they were taken from the first group alone, and
+    transformers failed with an IndexError); under a budget, the first group's prompt is cached."""
+    model = _lfm2_vl()
+    assert mixers.is_packed(model)
+    groups = [_lfm2_vl_group(0, (4, 4), 2, 3, [3, 1, 4]), _lfm2_vl_group(1, (4, 2), 1, 0, [2, 5]), sp.Group([5, 6, 7], [[8, 9]])]
+    got = assert_matches_plain_rows(model, groups, budget, "keep", plain=_lfm2_vl_plain)
+    assert any("vision_tower" in n for n in got)
+
+
+def test_prompt_inputs_that_cannot_be_batched_are_refused():
+    """Pixels padded to different sizes cannot be concatenated into one pass, and an input sharedprefix does not batch
+    image by image cannot come from two groups: both refused at the call, naming the groups and the input."""
+    model = _lfm2_vl()
+    a, b = _lfm2_vl_group(0, (4, 4), 2, 3, [3]), _lfm2_vl_group(1, (4, 2), 1, 0, [2], max_patches=8)
+    with pytest.raises(ValueError, match=r"groups\[1\]\.prompt_inputs\['pixel_values'\] has shape \(1, 8, 12\), groups\[0\]'s"):
+        sp.logprobs(model, [a, b])
+    b = _lfm2_vl_group(1, (4, 2), 1, 0, [2])
+    a.prompt_inputs["mm_encoder_outputs"] = b.prompt_inputs["mm_encoder_outputs"] = {}
+    with pytest.raises(ValueError, match=r"groups\[0\] and groups\[1\] both have prompt_inputs\['mm_encoder_outputs'\]"):
+        sp.logprobs(model, [a, b])
