@@ -11,7 +11,7 @@ from models.test_hybrid import COMMON, CONFIGS
 import sharedprefix as sp
 from helpers import assert_matches_plain_rows
 from sharedprefix.model import mixers
-from sharedprefix.tools.reference import dtype_faithful_norms
+from sharedprefix.tools.reference import Float64Inside, dtype_faithful_norms
 
 # -- LFM2-VL: Siglip2's images, LFM2's convolutions ----------------------------------------------------------------
 
@@ -48,7 +48,8 @@ def _lfm2_vl_group(seed, hw, before, after, completions, max_patches=16):
     return sp.Group(prompt, [torch.randint(3, 55, (n,), generator=g) for n in completions], prompt_inputs=inputs)
 
 
-def _lfm2_vl_plain(model, groups):
+def _plain_vl(model, groups):
+    """One plain forward per [prompt + completion] row, with the prompt's inputs."""
     T = max(c.numel() for g in groups for c in g.completions)
     rows = []
     for g in groups:
@@ -67,7 +68,7 @@ def test_lfm2_vl_images_of_different_shapes_in_one_pass(budget):
     model = _lfm2_vl()
     assert mixers.is_packed(model)
     groups = [_lfm2_vl_group(0, (4, 4), 2, 3, [3, 1, 4]), _lfm2_vl_group(1, (4, 2), 1, 0, [2, 5]), sp.Group([5, 6, 7], [[8, 9]])]
-    got = assert_matches_plain_rows(model, groups, budget, "keep", plain=_lfm2_vl_plain)
+    got = assert_matches_plain_rows(model, groups, budget, "keep", plain=_plain_vl)
     assert any("vision_tower" in n for n in got)
 
 
@@ -82,3 +83,61 @@ def test_prompt_inputs_that_cannot_be_batched_are_refused():
     a.prompt_inputs["mm_encoder_outputs"] = b.prompt_inputs["mm_encoder_outputs"] = {}
     with pytest.raises(ValueError, match=r"groups\[0\] and groups\[1\] both have prompt_inputs\['mm_encoder_outputs'\]"):
         sp.logprobs(model, [a, b])
+
+
+# -- LFM3-VL: a vision tower with short convolutions of its own -----------------------------------------------------
+
+
+def _lfm3_vl():
+    """A tiny LFM3-VL: the zoo's LFM3 as its language model, and a vision tower of attention and 2-D ShortConv
+    layers (``Lfm3VlVisionShortConv``, a depthwise convolution over each image's patch grid)."""
+    from sharedprefix.tools import zoo
+
+    text = zoo.tiny_config("lfm3").to_dict()
+    vision = dict(hidden_size=16, intermediate_size=24, patch_size=2, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
+    V = text["vocab_size"]
+    cfg = tf.Lfm3VlConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=V - 4,
+        video_token_id=V - 3,
+        vision_start_token_id=V - 2,
+        vision_end_token_id=V - 1,
+        projector_hidden_size=24,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return dtype_faithful_norms(tf.Lfm3VlForConditionalGeneration(cfg).double().eval())
+
+
+def _lfm3_vl_group(model, seed, hw, before, after, completions):
+    """A prompt with one image of (h, w) patches (2x2 patches a token) between the vision start and end tokens."""
+    cfg, g = model.config, torch.Generator().manual_seed(seed)
+    h, w = hw
+    text = lambda n: torch.randint(3, cfg.image_token_id, (n,), generator=g)  # noqa: E731
+    image = [
+        torch.tensor([cfg.vision_start_token_id]),
+        torch.full((h * w // 4,), cfg.image_token_id),
+        torch.tensor([cfg.vision_end_token_id]),
+    ]
+    inputs = dict(
+        pixel_values=torch.randn(h * w, 3 * 2 * 2 * 2, generator=g, dtype=torch.float64), image_grid_thw=torch.tensor([[1, h, w]])
+    )
+    return sp.Group(torch.cat([text(before), *image, text(after)]), [text(n) for n in completions], prompt_inputs=inputs)
+
+
+def test_lfm3_vl_with_images_matches_plain_rows():
+    """The vision tower's own ShortConv layers are not language-model mixers (they were counted as such, and the model
+    refused as one whose mixers sharedprefix cannot find): only the language model's three are driven from the layout,
+    and images of two grids in one pass, with a text-only group, match the plain rows."""
+    model = _lfm3_vl()
+    assert [type(m).__name__ for m, _ in mixers.mixer_modules(model)] == ["Lfm3ShortConv"] * 3
+    assert any(type(m).__name__ == "Lfm3VlVisionShortConv" for m in model.modules())
+    groups = [
+        _lfm3_vl_group(model, 0, (4, 4), 2, 3, [3, 1, 4]),
+        _lfm3_vl_group(model, 1, (2, 4), 1, 0, [2, 5]),
+        sp.Group([5, 6, 7], [[8, 9]]),
+    ]
+    with Float64Inside():  # the vision tower's attention computes in float32
+        got = assert_matches_plain_rows(model, groups, plain=_plain_vl)
+    assert any("vision_tower" in n for n in got)
