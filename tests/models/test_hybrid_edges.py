@@ -7,11 +7,43 @@ import pytest
 import torch
 import transformers as tf
 from models.test_hybrid import COMMON, CONFIGS
+from models.test_hybrid_packed import _tree_check
 
 import sharedprefix as sp
 from helpers import assert_matches_plain_rows
 from sharedprefix.model import mixers
 from sharedprefix.tools.reference import Float64Inside, dtype_faithful_norms
+from sharedprefix.tools.zoo.configs import _float64_norms
+
+# -- segments shorter than the convolution's window -----------------------------------------------------------------
+
+# a trie of one-token segments four levels deep (and a two-token leaf): a kernel of 4 reads, before a segment, inputs of
+# three ancestors, cached ones under budget 1 and 2 (every inner segment cached, each from a different pass)
+ONE_TOKEN_ROWS = [[5, 6], [5, 7], [5, 6, 8], [5, 6, 9], [5, 6, 8, 10], [5, 6, 8, 11], [5, 6, 8, 10, 12], [5, 6, 8, 10, 13, 14]]
+
+
+def _lfm2(**config):
+    cfg_cls, model_cls, extra = CONFIGS["lfm2"]
+    cfg = getattr(tf, cfg_cls)(**COMMON, **dict(extra, **config))
+    torch.manual_seed(0)
+    model = getattr(tf, model_cls)._from_config(cfg, attn_implementation="sdpa").to(torch.float64).eval()
+    _float64_norms(model)
+    return model
+
+
+@pytest.mark.parametrize("kernel", [4, 1])
+def test_one_token_segments_deeper_than_the_convolution_window(kernel):
+    """Kernel 4: every segment's window spans up to three ancestors, read from the row or from several cached tails,
+    in the three modes. Kernel 1 (no past input; LFM2's ``conv_L_cache=1``): a cached segment's tail is empty (its
+    index was a float tensor, and the convolution failed in torch's index_select under any splitting budget)."""
+    model = _lfm2(conv_L_cache=kernel)
+    assert {m.conv.kernel_size for m, _ in mixers.mixer_modules(model)} == {(kernel,)}
+    trained = [[True] * len(r) for r in ONE_TOKEN_ROWS]
+    p = sp.plan(sp.Tree.from_rows(ONE_TOKEN_ROWS, trained), 1)
+    cached = {s for step in p.steps if isinstance(step, sp.schedule.PrefixBackward) for s in step.segments}
+    assert cached == {s.parent for s in p.tree.segments if s.parent is not None}  # every inner segment, every depth
+    _tree_check(model, ONE_TOKEN_ROWS, trained, (None, 1, 2), ("keep", "offload", "recompute"))
+
 
 # -- LFM2-VL: Siglip2's images, LFM2's convolutions ----------------------------------------------------------------
 
