@@ -173,3 +173,43 @@ def test_lfm3_vl_with_images_matches_plain_rows():
     with Float64Inside():  # the vision tower's attention computes in float32
         got = assert_matches_plain_rows(model, groups, plain=_plain_vl)
     assert any("vision_tower" in n for n in got)
+
+
+# -- MiniCPM-V 4.6: Qwen3.5's gated delta-nets under a NaViT vision tower -------------------------------------------
+
+
+def _minicpm_v():
+    from sharedprefix.tools import zoo
+
+    text = zoo.tiny_config("qwen3_5_text").to_dict()
+    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, patch_size=2, image_size=16)
+    V = text["vocab_size"]
+    cfg = tf.MiniCPMV4_6Config(text_config=text, vision_config=vision, insert_layer_id=0, image_token_id=V - 1, video_token_id=V - 2)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return dtype_faithful_norms(tf.MiniCPMV4_6ForConditionalGeneration(cfg).double().eval())
+
+
+def _minicpm_v_group(model, seed, hw, completions):
+    """One image of (h, w) patches (16 patches a token), its pixels NaViT-packed along the last dimension."""
+    g, (h, w) = torch.Generator().manual_seed(seed), hw
+    text = lambda n: torch.randint(3, model.config.image_token_id - 2, (n,), generator=g)  # noqa: E731
+    prompt = torch.cat([text(2), torch.full((h * w // 16,), model.config.image_token_id), text(3)])
+    inputs = dict(pixel_values=torch.randn(1, 3, 2, h * w * 2, generator=g, dtype=torch.float64), target_sizes=torch.tensor([[h, w]]))
+    return sp.Group(prompt, [text(n) for n in completions], prompt_inputs=inputs)
+
+
+def test_minicpm_v_one_image_per_call_is_exact_and_two_are_refused():
+    """MiniCPM-V 4.6 (a Qwen3.5 language model): an image group beside a text-only one matches the plain rows, in one
+    pass and with the prompt cached. Two image groups are refused, naming ``target_sizes``: its pixels are packed along
+    their last dimension and the model reads ``pixel_values[:1]``, so concatenating them image by image, as for the
+    other models, would drop the second image (transformers then failed on the placeholder count)."""
+    model = _minicpm_v()
+    assert mixers.is_packed(model)
+    text_only = sp.Group([5, 6, 7, 9, 10], [[8, 9], [4]])
+    with Float64Inside():  # the gated delta rule computes in float32
+        got = assert_matches_plain_rows(model, [_minicpm_v_group(model, 0, (8, 8), [3, 1, 4]), text_only], 12, "keep", plain=_plain_vl)
+    assert any("vision_tower" in n for n in got)
+    two = [_minicpm_v_group(model, 0, (8, 8), [3]), _minicpm_v_group(model, 1, (8, 4), [2])]
+    with pytest.raises(ValueError, match=r"groups\[0\] and groups\[1\] both have prompt_inputs\['target_sizes'\]"):
+        sp.logprobs(model, two)
