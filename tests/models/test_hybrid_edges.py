@@ -213,3 +213,52 @@ def test_minicpm_v_one_image_per_call_is_exact_and_two_are_refused():
     two = [_minicpm_v_group(model, 0, (8, 8), [3]), _minicpm_v_group(model, 1, (8, 4), [2])]
     with pytest.raises(ValueError, match=r"groups\[0\] and groups\[1\] both have prompt_inputs\['target_sizes'\]"):
         sp.logprobs(model, two)
+
+
+# -- hybrid MoE with the load-balancing loss -----------------------------------------------------------------------
+
+
+def test_hybrid_moe_aux_loss_under_a_budget():
+    """Qwen3.5-MoE (gated delta-nets and MoE layers) with ``output_router_logits=True``: the loss over packed passes
+    that split the groups is the plain run's (float32, relative 1e-6), and ``sp.backward``'s gradient of log-probs
+    plus 3 x the loss is within twice the plain float32 run's own error against the float64-inside result (the delta
+    rule's float32 dominates both; under ``Float64Inside`` with integer multiplicities it agrees to 1e-13)."""
+    from models.test_hybrid import groups_of, zoo_model
+
+    from helpers import grads_of, plain_logprobs
+    from sharedprefix.tools.zoo.checks import plain_aux_loss
+
+    model = zoo_model("qwen3_5_moe_text")
+    model.config.output_router_logits = True
+    gs = groups_of()
+    assert sp.plan(gs, 6).splits
+    want = plain_aux_loss(model, gs)
+    out = sp.logprobs(model, gs, max_tokens=6)
+    assert float((out.aux_loss.double() - want.double()).abs() / want.double().abs()) <= 1e-6
+    w = torch.randn(out.logprobs.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    plain = lambda: (plain_logprobs(model, gs)[0] * w).sum() + 3.0 * plain_aux_loss(model, gs)  # noqa: E731
+    with Float64Inside():
+        truth = grads_of(model, plain)
+    scale = max(float(g.abs().max()) for g in truth.values())
+
+    def err(got):
+        return max(float((got[n] - truth[n]).abs().max()) for n in truth) / scale
+
+    ours = grads_of(
+        model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6, aux_loss_coef=3.0) and None
+    )
+    assert any("gate" in n for n in ours) and err(ours) <= 2 * err(grads_of(model, plain))
+
+
+def test_lfm2_moe_aux_loss_is_refused_with_its_reason():
+    """LFM2-MoE returns no load-balancing loss (its module has no ``load_balancing_loss_func``): asked for one, the
+    call is refused, naming the model, the missing function and the fix."""
+    from models.test_hybrid import groups_of, zoo_model
+
+    model = zoo_model("lfm2_moe")
+    model.config.output_router_logits = True
+    with pytest.raises(
+        ValueError,
+        match=r"Lfm2MoeForCausalLM's MoE load-balancing loss .* no load_balancing_loss_func .*config\.output_router_logits=False",
+    ):
+        sp.logprobs(model, groups_of())
