@@ -262,3 +262,106 @@ def test_lfm2_moe_aux_loss_is_refused_with_its_reason():
         match=r"Lfm2MoeForCausalLM's MoE load-balancing loss .* no load_balancing_loss_func .*config\.output_router_logits=False",
     ):
         sp.logprobs(model, groups_of())
+
+
+# -- pins of what held (one case each) -----------------------------------------------------------------------------
+
+
+def test_delta_rule_segments_at_and_across_its_64_token_chunks():
+    """Qwen3-Next's delta rule runs in chunks of 64: a 63-token prompt with children of 1, 64 and 65 tokens (so that
+    the level's right-padded batch ends at, and crosses, chunk multiples) and a 64-token prompt whose first child ends
+    one chunk later, whole and under budgets of 64 and 65 tokens (a segment cached exactly at a chunk boundary)."""
+    from models.test_hybrid import model_of
+
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(3, 61, (n,), generator=g).tolist()  # noqa: E731
+    p, q = ids(63), ids(64)
+    rows = [p + ids(1) + ids(3), p + ids(64), p + ids(65), q + ids(64), q + ids(64) + ids(2)]
+    trained = [[t >= 32 for t in range(len(r))] for r in rows]
+    with Float64Inside():
+        _tree_check(model_of("qwen3_next"), rows, trained, (None, 64, 65), ("keep",))
+
+
+def test_temperature_entropy_defer_and_duplicate_rows_on_a_hybrid():
+    """LFM2 under a budget: temperature and entropies against the plain rows; three deferred calls (temperature,
+    entropy, a subset of the groups) before one backward; groups of one completion, two identical completions."""
+    from models.test_hybrid import groups_of, model_of
+
+    from helpers import assert_grads_close, grads_of, plain_logprobs
+
+    model = model_of("lfm2")
+    gs = groups_of() + [sp.Group([4, 5, 6], [[7, 8], [7, 8], [9]])]
+    lp, ent = plain_logprobs(model, gs, temperature=0.7, entropy=True)
+    with torch.no_grad():
+        out = sp.logprobs(model, gs, temperature=0.7, entropy=True, max_tokens=6)
+    assert float((out.logprobs - lp).abs().max()) <= 1e-9 and float(((out.entropy - ent) * out.mask).abs().max()) <= 1e-9
+    w = torch.randn(lp.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def plain():
+        return (
+            (plain_logprobs(model, gs, temperature=0.7)[0] * w).sum()
+            + (plain_logprobs(model, gs, entropy=True)[1] * w).sum()
+            + plain_logprobs(model, gs[:2])[0].sum()
+        )
+
+    def ours():
+        a = sp.logprobs(model, gs, temperature=0.7, max_tokens=6, defer=True)
+        b = sp.logprobs(model, gs, entropy=True, max_tokens=6, defer=True)
+        c = sp.logprobs(model, gs[:2], max_tokens=6, defer=True)
+        return (a.logprobs * w).sum() + (b.entropy * b.mask * w).sum() + (c.logprobs * c.mask).sum()
+
+    assert_grads_close(grads_of(model, ours), grads_of(model, plain), 1e-9)
+
+
+def test_bfloat16_mamba2_tree_within_twice_the_plain_error():
+    """Nemotron-H in bfloat16 on the depth-5 trie, every inner segment cached (budget 3): log-probs and gradients
+    within twice the plain bfloat16 run's own error against the float64-inside result (gradient errors at the scale of
+    the largest gradient)."""
+    import copy
+
+    from models.test_hybrid_packed import DEEP_ROWS
+    from models.test_hybrid_ssm import _model
+    from schedule.test_tree import plain_rows
+
+    from helpers import grads_of
+
+    trained = [[t >= 8 for t in range(len(r))] for r in DEEP_ROWS]
+    tree, m64 = sp.Tree.from_rows(DEEP_ROWS, trained), _model("nemotron_h")
+    with Float64Inside():
+        truth = plain_rows(m64, DEEP_ROWS, trained).detach()
+        w = torch.randn(truth.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        g_truth = grads_of(m64, lambda: (plain_rows(m64, DEEP_ROWS, trained) * w).sum())
+    model = copy.deepcopy(m64).to(torch.bfloat16)
+    g_scale = max(float(g.abs().max()) for g in g_truth.values())
+
+    def g_err(g):
+        return max(float((g[n].double() - g_truth[n]).abs().max()) for n in g_truth) / g_scale
+
+    plain = plain_rows(model, DEEP_ROWS, trained).detach().double()
+    with torch.no_grad():
+        ours = sp.logprobs(model, tree, max_tokens=3).logprobs.double()
+    assert float((plain - truth).abs().max()) > 0  # bfloat16 really rounds
+    assert float((ours - truth).abs().max()) <= 2 * float((plain - truth).abs().max())
+    g_plain = grads_of(model, lambda: (plain_rows(model, DEEP_ROWS, trained).double() * w).sum())
+    loss = lambda b: (b.logprobs.double() * w[b.index]).sum()  # noqa: E731
+    g_ours = grads_of(model, lambda: sp.backward(model, tree, loss, max_tokens=3, prefix_activations="recompute") and None)
+    assert g_err(g_ours) <= 2 * g_err(g_plain)
+
+
+def test_training_mode_and_use_cache_change_nothing():
+    """Nemotron-H in ``train()`` (dropout 0) with ``config.use_cache=True``: the mixers take the same packed seams, and
+    the result is the plain rows' under a budget."""
+    from models.test_hybrid import groups_of
+    from models.test_hybrid_packed import _groups_check
+    from models.test_hybrid_ssm import _model
+
+    model = _model("nemotron_h")
+    before = model.config.use_cache
+    model.train()
+    model.config.use_cache = True
+    try:
+        with Float64Inside():
+            _groups_check(model, groups_of(), [(6, "keep")])
+    finally:
+        model.eval()
+        model.config.use_cache = before
