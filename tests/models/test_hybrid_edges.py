@@ -106,14 +106,18 @@ def test_lfm2_vl_images_of_different_shapes_in_one_pass(budget):
 
 def test_prompt_inputs_that_cannot_be_batched_are_refused():
     """Pixels padded to different sizes cannot be concatenated into one pass, and an input sharedprefix does not batch
-    image by image cannot come from two groups: both refused at the call, naming the groups and the input."""
+    image by image cannot share a pass with another group's inputs (the one value would apply to every image): both
+    refused at the call, naming the groups and the input."""
     model = _lfm2_vl()
     a, b = _lfm2_vl_group(0, (4, 4), 2, 3, [3]), _lfm2_vl_group(1, (4, 2), 1, 0, [2], max_patches=8)
     with pytest.raises(ValueError, match=r"groups\[1\]\.prompt_inputs\['pixel_values'\] has shape \(1, 8, 12\), groups\[0\]'s"):
         sp.logprobs(model, [a, b])
     b = _lfm2_vl_group(1, (4, 2), 1, 0, [2])
-    a.prompt_inputs["mm_encoder_outputs"] = b.prompt_inputs["mm_encoder_outputs"] = {}
-    with pytest.raises(ValueError, match=r"groups\[0\] and groups\[1\] both have prompt_inputs\['mm_encoder_outputs'\]"):
+    a.prompt_inputs["mm_encoder_outputs"] = {}  # (in one group only: still applied to the other's image)
+    with pytest.raises(
+        ValueError,
+        match=r"groups\[0\]\.prompt_inputs has 'mm_encoder_outputs', which sharedprefix does not know how to batch with groups\[1\]'s",
+    ):
         sp.logprobs(model, [a, b])
 
 
@@ -211,7 +215,9 @@ def test_minicpm_v_one_image_per_call_is_exact_and_two_are_refused():
         got = assert_matches_plain_rows(model, [_minicpm_v_group(model, 0, (8, 8), [3, 1, 4]), text_only], 12, "keep", plain=_plain_vl)
     assert any("vision_tower" in n for n in got)
     two = [_minicpm_v_group(model, 0, (8, 8), [3]), _minicpm_v_group(model, 1, (8, 4), [2])]
-    with pytest.raises(ValueError, match=r"groups\[0\] and groups\[1\] both have prompt_inputs\['target_sizes'\]"):
+    with pytest.raises(
+        ValueError, match=r"groups\[0\]\.prompt_inputs has 'target_sizes', which sharedprefix does not know how to batch with groups\[1\]'s"
+    ):
         sp.logprobs(model, two)
 
 

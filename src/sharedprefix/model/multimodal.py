@@ -133,28 +133,33 @@ class Multimodal:
 
 def _check_batchable(groups) -> None:
     """The prompts of a pass are batched by concatenating each of ``_CAT_KEYS`` along its first dimension, which needs
-    the same trailing shape in every group; another input (not per image) can be taken from one group only, so two
-    groups may not both carry it (MiniCPM-V's ``target_sizes``, whose pixels are packed along their last dimension)."""
+    the same trailing shape in every group; another input (not per image) is taken from one group, so it is refused
+    where other groups have inputs too (MiniCPM-V's ``target_sizes``, whose pixels are packed along their last
+    dimension)."""
     having: dict[str, list[int]] = {}
     for gi, g in enumerate(groups):
         for k in g.prompt_inputs or {}:
             if k not in _POSITION_ONLY:
                 having.setdefault(k, []).append(gi)
+    carriers = [gi for gi, g in enumerate(groups) if g.prompt_inputs]
     for k, gis in having.items():
-        if k not in _CAT_KEYS and len(gis) > 1:
+        if k not in _CAT_KEYS and len(carriers) > 1:
+            other = next(gi for gi in carriers if gi != gis[0])
             raise ValueError(
-                f"groups[{gis[0]}] and groups[{gis[1]}] both have prompt_inputs[{k!r}], which sharedprefix does not "
-                f"know how to batch: the prompts of a pass are batched by concatenating {list(_CAT_KEYS)} image by "
-                f"image, and {k!r} is none of them, so one pass could not give each prompt its own value. Pass the "
+                f"groups[{gis[0]}].prompt_inputs has {k!r}, which sharedprefix does not know how to batch with "
+                f"groups[{other}]'s inputs: the prompts of a pass are batched by concatenating {list(_CAT_KEYS)} image "
+                f"by image, and {k!r} is none of them, so one pass could not give each prompt its own value. Pass the "
                 "groups with this input in separate calls."
             )
     for k, gis in having.items():
-        shapes = {gi: tuple(_batched(k, groups[gi].prompt_inputs[k]).shape[1:]) for gi in gis if k in _CAT_KEYS}
+        tensors = {gi: groups[gi].prompt_inputs[k] for gi in gis if k in _CAT_KEYS}
+        shapes = {gi: tuple(_batched(k, v).shape[1:]) for gi, v in tensors.items() if isinstance(v, torch.Tensor)}
+        first = next(iter(shapes), None)
         for gi, shape in shapes.items():
-            if shape != shapes[gis[0]]:
+            if shape != shapes[first]:
                 raise ValueError(
                     f"groups[{gi}].prompt_inputs[{k!r}] has shape {tuple(groups[gi].prompt_inputs[k].shape)}, "
-                    f"groups[{gis[0]}]'s has trailing shape {shapes[gis[0]]}: the prompts of a pass are batched by "
+                    f"groups[{first}]'s has trailing shape {shapes[first]}: the prompts of a pass are batched by "
                     "concatenating it along the first dimension, which needs the same other dimensions. Pad them "
                     "alike (one processor setting, e.g. the same max_num_patches, for every group)."
                 )
