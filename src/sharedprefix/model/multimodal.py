@@ -154,7 +154,7 @@ def _check_batchable(groups) -> None:
     for k, gis in having.items():
         tensors = {gi: groups[gi].prompt_inputs[k] for gi in gis if k in _CAT_KEYS}
         shapes = {gi: tuple(_batched(k, v).shape[1:]) for gi, v in tensors.items() if isinstance(v, torch.Tensor)}
-        first = next(iter(shapes), None)
+        first = min(shapes, default=-1)
         for gi, shape in shapes.items():
             if shape != shapes[first]:
                 raise ValueError(
