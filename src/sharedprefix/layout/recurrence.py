@@ -79,7 +79,9 @@ def conv_index(layout: RowLayout, K: int) -> ConvIndex:
         ext += range(1 + inrow[s], 1 + inrow[s] + seg.length)
         out += range(e + K, e + K + seg.length)
         e += K + seg.length
-    record = {r: torch.tensor([locate(layout.tree.path(r), segs[r].end - K + t) for t in range(K)]) for r in layout.record}
+    record = {  # (int64 also when K = 0: a kernel of 1 has an empty tail)
+        r: torch.tensor([locate(layout.tree.path(r), segs[r].end - K + t) for t in range(K)], dtype=torch.int64) for r in layout.record
+    }
     return ConvIndex(cached, torch.tensor(ext, dtype=torch.int64), torch.tensor(out, dtype=torch.int64), record)
 
 

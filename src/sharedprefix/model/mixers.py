@@ -75,8 +75,12 @@ def _layer_types(model) -> list:
 
 
 def mixer_modules(model) -> list[tuple[torch.nn.Module, tuple[str, ...]]]:
+    """The language model's mixers and their seams. Only the language model's (``get_decoder()``): a vision tower's
+    own mixers (LFM3-VL's 2-D ShortConv over each image's patch grid) see one image at a time, once per prompt as in
+    the plain run, and are none of the row's."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else model
     out = []
-    for m in model.modules():
+    for m in (dec if isinstance(dec, torch.nn.Module) else model).modules():
         for suffix, kinds in MIXERS.items():
             if type(m).__name__.endswith(suffix):
                 out.append((m, kinds))

@@ -40,6 +40,8 @@ _CAT_KEYS = (
     "image_sizes",
     "pixel_attention_mask",
     "image_grid_hws",
+    "spatial_shapes",  # LFM2-VL (Siglip2): (images, 2) patch grids
+    "image_grid_hw",  # Nemotron-H Omni: (images, 2) patch grids
 )
 # used for positions or the attention's blocks only (the pass hands positions and blocks themselves)
 _POSITION_ONLY = ("mm_token_type_ids", "token_type_ids")
@@ -81,6 +83,7 @@ class Multimodal:
                     f"groups[{gi}].prompt_inputs has {extra}, which {type(self.module).__name__}.forward does not take; "
                     f"expected some of {sorted(accepted & set(_CAT_KEYS))} (the processor's outputs for the prompt)."
                 )
+        _check_batchable(groups)
         self.delta: dict[int, int] = {}
         self.prompt_pos: dict[int, torch.Tensor] = {}
         if self.mrope:
@@ -126,6 +129,40 @@ class Multimodal:
                     if k not in _POSITION_ONLY:
                         parts.setdefault(k, []).append(_batched(k, v) if k in _CAT_KEYS else v)
         return {k: torch.cat(v) if k in _CAT_KEYS else v[0] for k, v in parts.items()}
+
+
+def _check_batchable(groups) -> None:
+    """The prompts of a pass are batched by concatenating each of ``_CAT_KEYS`` along its first dimension, which needs
+    the same trailing shape in every group; another input (not per image) is taken from one group, so it is refused
+    where other groups have inputs too (MiniCPM-V's ``target_sizes``, whose pixels are packed along their last
+    dimension)."""
+    having: dict[str, list[int]] = {}
+    for gi, g in enumerate(groups):
+        for k in g.prompt_inputs or {}:
+            if k not in _POSITION_ONLY:
+                having.setdefault(k, []).append(gi)
+    carriers = [gi for gi, g in enumerate(groups) if g.prompt_inputs]
+    for k, gis in having.items():
+        if k not in _CAT_KEYS and len(carriers) > 1:
+            other = next(gi for gi in carriers if gi != gis[0])
+            raise ValueError(
+                f"groups[{gis[0]}].prompt_inputs has {k!r}, which sharedprefix does not know how to batch with "
+                f"groups[{other}]'s inputs: the prompts of a pass are batched by concatenating {list(_CAT_KEYS)} image "
+                f"by image, and {k!r} is none of them, so one pass could not give each prompt its own value. Pass the "
+                "groups with this input in separate calls."
+            )
+    for k, gis in having.items():
+        tensors = {gi: groups[gi].prompt_inputs[k] for gi in gis if k in _CAT_KEYS}
+        shapes = {gi: tuple(_batched(k, v).shape[1:]) for gi, v in tensors.items() if isinstance(v, torch.Tensor)}
+        first = min(shapes, default=-1)
+        for gi, shape in shapes.items():
+            if shape != shapes[first]:
+                raise ValueError(
+                    f"groups[{gi}].prompt_inputs[{k!r}] has shape {tuple(groups[gi].prompt_inputs[k].shape)}, "
+                    f"groups[{first}]'s has trailing shape {shapes[first]}: the prompts of a pass are batched by "
+                    "concatenating it along the first dimension, which needs the same other dimensions. Pad them "
+                    "alike (one processor setting, e.g. the same max_num_patches, for every group)."
+                )
 
 
 def _row_prompts(layout):
