@@ -215,3 +215,12 @@ def _moved_sparse(monkeypatch):
         return out * 1.01 if out.dtype == torch.float32 else out
 
     return moved
+
+
+def test_a_model_without_an_lm_head_is_refused_with_the_class_to_load():
+    """A model with a decoder but no output embeddings (a checkpoint loaded without its language-modeling head, as
+    Nemotron-H Omni's composite class is) is refused before any pass, naming the fix."""
+    model = tiny_model("qwen3")
+    model.get_output_embeddings = lambda: None  # on this instance only
+    with pytest.raises(ValueError, match=r"Qwen3ForCausalLM has no LM head .*AutoModelForCausalLM"):
+        sp.logprobs(model, [sp.Group([1, 2, 3], [[4, 5]])])

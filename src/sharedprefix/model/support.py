@@ -140,7 +140,11 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
                 "model is not supported; set config.attn_temperature_tuning=False only if it was trained without it."
             )
     if model.get_output_embeddings() is None:
-        raise ValueError(f"{name} has no LM head (get_output_embeddings() is None); expected a causal LM.")
+        raise ValueError(
+            f"{name} has no LM head (get_output_embeddings() is None): sharedprefix computes log-probs of tokens, so "
+            "it expects a causal LM. Load the class of this checkpoint that has a language-modeling head (e.g. through "
+            "AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language model), not its base model."
+        )
     streams.num_streams(model)  # several token streams per position: one embedding and one linear head each
     if getattr(model.config, "model_type", None) in POOLING_MODEL_TYPES:
         raise ValueError(f"{name}: {POOLING_MODEL_TYPES[model.config.model_type]}; sharedprefix refuses the model.")
