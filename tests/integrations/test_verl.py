@@ -214,14 +214,15 @@ def test_unsupported_settings_refused_at_build(path, engine_kw, model_kw, match)
         SharedPrefixFSDPEngine(model_config=model, engine_config=eng, optimizer_config=optim, checkpoint_config=ckpt)
 
 
-def test_instance_bound_delta_rule_refused_when_built(process_group, tmp_path):
-    """Qwen3-Next (a packed-path hybrid in the core): in verl's transformers (5.10) each gated delta-net binds
-    ``torch_chunk_gated_delta_rule`` on itself when built, so the module-level function the core's packed path wraps
-    is never called; the engine refuses the model once verl has built it. (LFM2, whose 5.10 convolution is its
-    Conv1d, runs: test_verl_hybrid.py.)"""
+def test_olmo_hybrid_refused_when_built(process_group, tmp_path):
+    """OLMo-hybrid (a packed-path hybrid in the core): in verl's transformers (5.10) its gated delta-net convolves
+    q, k and v with three ``nn.Conv1d`` subclasses of its own forward (activation and cache inside), and its modeling
+    module has no ``causal_conv1d_fn``: no convolution seam the core's packed path can reach, so the engine refuses
+    the model once verl has built it. (Its delta rule, bound on the instance, would be reached, as Qwen3-Next's and
+    Qwen3.5's are: test_verl_hybrid.py.)"""
     import transformers as tf
 
-    cfg = tf.Qwen3NextConfig(
+    cfg = tf.OlmoHybridConfig(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=48,
@@ -229,22 +230,21 @@ def test_instance_bound_delta_rule_refused_when_built(process_group, tmp_path):
         num_attention_heads=4,
         num_key_value_heads=2,
         layer_types=["linear_attention", "full_attention"],
-        head_dim=8,
         linear_key_head_dim=8,
         linear_value_head_dim=8,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        architectures=["Qwen3NextForCausalLM"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        architectures=["OlmoHybridForCausalLM"],
     )
-    tf.Qwen3NextForCausalLM(cfg).save_pretrained(tmp_path)
+    tf.OlmoHybridForCausalLM(cfg).save_pretrained(tmp_path)
     with pytest.raises(
         ValueError,
-        match=r"Qwen3NextGatedDeltaNet holds its modeling module's function as the instance attribute "
-        r"'chunk_gated_delta_rule'.*transformers 5\.10.*refuses it when the engine is built",
+        match=r"OlmoHybridGatedDeltaNet's modeling module \S+ has no \['causal_conv1d_fn'\].*transformers 5\.10.*"
+        r"refuses it when the engine is built",
     ):
         build(SharedPrefixFSDPEngine, str(tmp_path))
 

@@ -48,8 +48,9 @@ models' classes are undone for the duration of each sharedprefix call (``verl_vl
 Hybrids: the core's cache-path hybrids (``model.support.HYBRID_MODEL_TYPES``) are refused at build (that path does
 not run under FSDP2); the packed-path ones (``model.mixers``) are accepted when the core can reach their token mixers
 in this transformers version (``check_model``, after verl builds the model), refused with the core's reason otherwise.
-Under verl's transformers 5.10, LFM2 (its ``nn.Conv1d``: ``model.mixers_conv``) is accepted; the gated delta-nets
-(Qwen3-Next, Qwen3.5, OLMo-hybrid) bind their delta rule on each instance, and are refused.
+Under verl's transformers 5.10, LFM2 (its ``nn.Conv1d``: ``model.mixers_conv``) is accepted, and so are Qwen3-Next
+and Qwen3.5, whose gated delta-nets bind their delta rule on each instance (wrapped there by ``model.mixers``);
+OLMo-hybrid, whose 5.10 convolutions are three ``nn.Conv1d`` subclasses with their own forward, is refused.
 
 Devices: the passes run on FSDP2's compute device, not on the device of a parameter, so that engines whose
 parameters FSDP2 keeps in host memory (``CPUOffloadPolicy``: a forward-only engine such as the reference model,
@@ -65,7 +66,6 @@ Notation: B = rows of a micro-batch, L = longest row, total = its tokens.
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
 from contextlib import nullcontext
 
@@ -174,23 +174,14 @@ def check_config(model_config, engine_config) -> None:
 
 def check_model(module) -> None:
     """Raise ``ValueError``, once verl has built the model, for a hybrid whose token mixers the core's packed path
-    cannot reach in this transformers version: the seams it wraps are missing (``model.mixers.check_reachable``), or
-    a mixer holds a seam function bound on the instance when built (transformers 5.10's gated delta-nets bind
-    ``torch_chunk_gated_delta_rule``), where wrapping the module's function would not reach it."""
+    cannot reach in this transformers version (``model.mixers.check_reachable``: the seams it wraps are missing, as
+    OLMo-hybrid's three convolutions under 5.10, or a mixer holds a kernel package's function where the seam is bound
+    on the instance). 5.10's gated delta-nets that bind the module's own ``torch_chunk_gated_delta_rule`` on the
+    instance are reached (``model.mixers.active`` wraps the instance attribute too)."""
     if not mixers.is_packed(module):
         return
     try:
         mixers.check_reachable(module)
-        for m, kinds in mixers.mixer_modules(module):
-            own = [getattr(sys.modules[type(m).__module__], mixers.SEAMS[k], None) for k in kinds]
-            bound = [a for a, v in vars(m).items() if callable(v) and any(v is f for f in own)]
-            if bound:
-                raise ValueError(
-                    f"{type(module).__name__}: {type(m).__name__} holds its modeling module's function as the instance "
-                    f"attribute {bound[0]!r}, bound when the model is built, so the module-level function sharedprefix "
-                    "wraps to carry each segment's recurrent state is never called and tokens would mix across the "
-                    "packed row."
-                )
     except ValueError as e:
         raise ValueError(
             f"{e} (transformers {transformers.__version__}.) sharedprefix's verl engine refuses it when the engine is "

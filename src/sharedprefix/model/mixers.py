@@ -6,8 +6,12 @@ two functions of their modeling module by name: ``causal_conv1d_fn(x, weight, bi
 inputs and ``torch_chunk_gated_delta_rule(q, k, v, g=..., beta=..., initial_state=..., ...)`` on (1, L, H, D) ones;
 Kimi delta attention (Kimi Linear, Bailing-hybrid) calls ``chunk_kimi_delta_attention`` (``model.kda``). Inside
 ``active(model)`` (one sharedprefix call; also during its backward, so that gradient checkpointing recomputes the
-same way) those two module attributes are wrapped, and forward hooks on the mixer modules say which layer calls
-them; on exit both are restored. Nothing is set on the model, the mixers' forwards run unchanged, and outside a pass
+same way) those module attributes are wrapped, and forward hooks on the mixer modules say which layer calls
+them; on exit all are restored. Where a mixer holds the module's function in its own ``__dict__`` (transformers 5.10's
+gated delta-nets bind ``self.chunk_gated_delta_rule = ... or torch_chunk_gated_delta_rule`` when built, and call
+that), the instance attribute is set to the same wrapper for the same duration and put back on exit (also on error),
+so a checkpointed recompute inside the call's backward reaches it too; a mixer holding another function there (a
+kernel package's) is refused. Nothing else is set on the model, the mixers' forwards run unchanged, and outside a pass
 the wrappers call the model's own functions. Where there is no ``causal_conv1d_fn`` (LFM2 under transformers 5.10 runs
 its ``nn.Conv1d``), a hook on that Conv1d is the convolution's seam (``model.mixers_conv``).
 
@@ -111,6 +115,18 @@ def check_reachable(model) -> None:
                 "convolution, one causal depthwise nn.Conv1d submodule to hook), so it refuses the model rather than "
                 "mix tokens across the packed row."
             )
+        for k in kinds:  # a function bound on the instance when built (5.10) must be the module's, which is wrapped
+            own = _INSTALLED[(src, SEAMS[k])][0] if (src, SEAMS[k]) in _INSTALLED else getattr(src, SEAMS[k], None)
+            for attr, v in vars(m).items():
+                if SEAMS[k].endswith(attr) and callable(v) and v is not own and v is not getattr(src, SEAMS[k], None):
+                    raise ValueError(
+                        f"{name}: {type(m).__name__} holds {attr!r} = {getattr(v, '__module__', '?')}."
+                        f"{getattr(v, '__qualname__', type(v).__name__)}, bound when the model was built, not its "
+                        f"modeling module's {SEAMS[k]} (which sharedprefix wraps to carry each segment's state, also "
+                        "where the instance holds it): its forward would mix tokens across the packed row, so "
+                        "sharedprefix refuses the model. Run without the kernel package that function comes from "
+                        "(transformers then binds its own torch function)."
+                    )
 
 
 def conv_modules(model) -> set[int]:
@@ -124,21 +140,26 @@ def conv_modules(model) -> set[int]:
 def active(model):
     """Wrap the mixers' seams and hook their modules for the duration (see the module docstring)."""
     mods = mixer_modules(model) if is_packed(model) else []
-    keys, hooks, depth = [], [], len(_CURRENT)
+    keys, hooks, bound, depth = [], [], [], len(_CURRENT)
     _ACTIVE[id(model)] = _ACTIVE.get(id(model), 0) + 1
     try:
         for m, kinds in mods:
             src = sys.modules[type(m).__module__]
             for kind in kinds:
                 key = (src, SEAMS[kind])
-                if key in keys or not callable(getattr(src, SEAMS[kind], None)):  # no function: the Conv1d's hook
+                if not callable(getattr(src, SEAMS[kind], None)):  # no function: the Conv1d's hook
                     continue
-                if key not in _INSTALLED:
-                    own = getattr(src, SEAMS[kind])
-                    _INSTALLED[key] = [own, 0]
-                    setattr(src, SEAMS[kind], _wrapper(kind, own))
-                _INSTALLED[key][1] += 1
-                keys.append(key)
+                if key not in keys:
+                    if key not in _INSTALLED:
+                        own = getattr(src, SEAMS[kind])
+                        _INSTALLED[key] = [own, 0, _wrapper(kind, own)]
+                        setattr(src, SEAMS[kind], _INSTALLED[key][2])
+                    _INSTALLED[key][1] += 1
+                    keys.append(key)
+                own, _, seam = _INSTALLED[key]
+                for attr in [a for a, v in vars(m).items() if v is own]:  # bound on the instance when built (5.10)
+                    bound.append((m, attr, own))
+                    vars(m)[attr] = seam
             hooks.append(m.register_forward_pre_hook(_enter))
             hooks.append(m.register_forward_hook(_leave(kinds)))
             hooks += mixers_conv.hooks(m, kinds)  # the module seam (``model.mixers_conv``)
@@ -150,6 +171,8 @@ def active(model):
         del _CURRENT[depth:]  # a forward that raised left its entry
         for h in hooks:
             h.remove()
+        for m, attr, own in reversed(bound):
+            vars(m)[attr] = own
         for key in keys:
             entry = _INSTALLED[key]
             entry[1] -= 1
