@@ -18,7 +18,9 @@ and so is ours.
 
 Refused: prompts that would be cut into a chain (raise ``max_tokens`` to hold the prompt), other
 models that take ``token_type_ids`` (their masks differ: PaliGemma's prefix is bidirectional as a
-whole), models whose multimodal module takes none of the given inputs.
+whole), models whose multimodal module takes none of the given inputs, and inputs that cannot be
+batched over the call's prompts (``_check_batchable``: per-image inputs of different trailing shapes,
+or an input that is not per image, such as MiniCPM-V's ``target_sizes``, beside another group's inputs).
 
 Notation: L = row length, P = prompt length.
 """
