@@ -8,7 +8,7 @@ benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tre
 each under its own timeout (together under 10 minutes), so that a hang still leaves a report. Writes benchmarks/gpu_<device>.txt,
 whose last line is machine-readable (``summary_line``):
 
-    gpu-summary gpu_tests=pass|fail flop_eff_8192_512_16=F flop_eff_min=F long_vs_inpass_min=F
+    gpu-summary gpu_tests=pass|fail|not_run flop_eff_8192_512_16=F flop_eff_min=F long_vs_inpass_min=F
                 long_peak_vs_plain_max=F capacity_vs_plain=F offload_vs_recompute_max=F
                 hybrid_tree_vs_tokens=F hybrid_tree_vs_flops=F hybrid_tree_flops_vs_tokens=F
 
@@ -145,8 +145,9 @@ def main() -> int:
     print("\n".join(lines), flush=True)
     env = {**os.environ, "PYTHONPATH": "src" + os.pathsep + os.environ.get("PYTHONPATH", "")}
     t0 = time.time()
-    rc_tests, out = 1, ["(not run: --only)"]
-    if "tests" in args.only:
+    ran_tests = "tests" in args.only
+    rc_tests, out = 0, []
+    if ran_tests:
         rc_tests, out = _run(
             [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider", "-rfE", "--tb=short"],
             env,
@@ -154,7 +155,7 @@ def main() -> int:
             keep=25,
             log=log("gpu_tests.log"),
         )
-    lines += ["", f"gpu tests (exit {rc_tests}, {time.time() - t0:.0f} s):", *out]
+    lines += ["", f"gpu tests (exit {rc_tests}, {time.time() - t0:.0f} s):" if ran_tests else "gpu tests: not run (--only)", *out]
     print("\n".join(lines[-len(out) - 2 :]), flush=True)
     outs: dict = {key: [] for key in TIMEOUTS}
     bench = [sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda"]
@@ -168,7 +169,7 @@ def main() -> int:
             [*bench, "--hybrid", "--tree", "--dims", "qwen3.5", "--layers", "16", "--repeats", "1"],
         ),
     ]
-    rcs = [rc_tests if "tests" in args.only else 0]
+    rcs = [rc_tests]
     for key, title, cmd in steps:
         if key not in args.only:
             continue
@@ -180,7 +181,7 @@ def main() -> int:
         print("\n".join(lines[-len(out) - 2 :]), flush=True)
     lines += [
         "",
-        summary_line(rc_tests == 0 if "tests" in args.only else None, outs["bench"], outs["long"], outs["capacity"], outs["hybrid"]),
+        summary_line(rc_tests == 0 if ran_tests else None, outs["bench"], outs["long"], outs["capacity"], outs["hybrid"]),
     ]
     print(lines[-1], flush=True)
     part = "" if set(args.only) == set(TIMEOUTS) else "_only_" + "_".join(k for k in TIMEOUTS if k in args.only)

@@ -205,9 +205,10 @@ def _minicpm_v_group(model, seed, hw, completions):
 
 def test_minicpm_v_one_image_per_call_is_exact_and_two_are_refused():
     """MiniCPM-V 4.6 (a Qwen3.5 language model): an image group beside a text-only one matches the plain rows, in one
-    pass and with the prompt cached. Two image groups are refused, naming ``target_sizes``: its pixels are packed along
-    their last dimension and the model reads ``pixel_values[:1]``, so concatenating them image by image, as for the
-    other models, would drop the second image (transformers then failed on the placeholder count)."""
+    pass and with the prompt cached. Two image groups in one pass are refused, naming ``target_sizes``: its pixels are
+    packed along their last dimension and the model reads ``pixel_values[:1]``, so concatenating them image by image,
+    as for the other models, would drop the second image (transformers then failed on the placeholder count); under a
+    budget that computes their prompts in different passes, nothing is batched, and they match the plain rows."""
     model = _minicpm_v()
     assert mixers.is_packed(model)
     text_only = sp.Group([5, 6, 7, 9, 10], [[8, 9], [4]])
@@ -219,6 +220,13 @@ def test_minicpm_v_one_image_per_call_is_exact_and_two_are_refused():
         ValueError, match=r"groups\[0\]\.prompt_inputs has 'target_sizes', which sharedprefix does not know how to batch with groups\[1\]'s"
     ):
         sp.logprobs(model, two)
+    # under a budget that computes the two prompts (9 and 7 tokens) in different passes (splitting the first group),
+    # nothing is batched: exact
+    segs = sp.plan(two, 10).tree.segments
+    prompts = [{segs[s].group for s in q.segments if segs[s].parent is None} for q in sp.plan(two, 10).passes]
+    assert sorted(sorted(gs) for gs in prompts if gs) == [[0], [1]]  # one prompt a pass
+    with Float64Inside():
+        assert_matches_plain_rows(model, two, 10, "keep", plain=_plain_vl)
 
 
 # -- hybrid MoE with the load-balancing loss -----------------------------------------------------------------------

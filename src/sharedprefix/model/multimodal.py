@@ -18,7 +18,10 @@ and so is ours.
 
 Refused: prompts that would be cut into a chain (raise ``max_tokens`` to hold the prompt), other
 models that take ``token_type_ids`` (their masks differ: PaliGemma's prefix is bidirectional as a
-whole), models whose multimodal module takes none of the given inputs.
+whole), models whose multimodal module takes none of the given inputs, and inputs that cannot be
+batched over the prompts of one pass (``check_batchable``: per-image inputs of different trailing
+shapes, or an input that is not per image, such as MiniCPM-V's ``target_sizes``, beside another
+group's inputs in the same pass).
 
 Notation: L = row length, P = prompt length.
 """
@@ -83,7 +86,6 @@ class Multimodal:
                     f"groups[{gi}].prompt_inputs has {extra}, which {type(self.module).__name__}.forward does not take; "
                     f"expected some of {sorted(accepted & set(_CAT_KEYS))} (the processor's outputs for the prompt)."
                 )
-        _check_batchable(groups)
         self.delta: dict[int, int] = {}
         self.prompt_pos: dict[int, torch.Tensor] = {}
         if self.mrope:
@@ -131,25 +133,34 @@ class Multimodal:
         return {k: torch.cat(v) if k in _CAT_KEYS else v[0] for k, v in parts.items()}
 
 
-def _check_batchable(groups) -> None:
-    """The prompts of a pass are batched by concatenating each of ``_CAT_KEYS`` along its first dimension, which needs
-    the same trailing shape in every group; another input (not per image) is taken from one group, so it is refused
-    where other groups have inputs too (MiniCPM-V's ``target_sizes``, whose pixels are packed along their last
-    dimension)."""
+def check_batchable(groups, plan) -> None:
+    """Refuse prompt inputs that one pass of ``plan`` could not batch. A pass batches the prompts it computes (its root
+    segments) by concatenating each of ``_CAT_KEYS`` along its first dimension, which needs the same trailing shape in
+    each of them; another input (not per image) is taken from one group, so it is refused where another group of the
+    same pass has inputs too (MiniCPM-V's ``target_sizes``, whose pixels are packed along their last dimension).
+    Groups whose prompts fall in different passes are never batched together, and are not refused."""
+    segs = plan.tree.segments
+    for p in plan.passes:
+        together = sorted({segs[s].group for s in p.segments if segs[s].parent is None})
+        _check_together(groups, [gi for gi in together if groups[gi].prompt_inputs])
+
+
+def _check_together(groups, carriers: list[int]) -> None:
+    """``check_batchable`` for one pass, whose prompts are those of ``groups[gi]`` for gi in ``carriers``."""
     having: dict[str, list[int]] = {}
-    for gi, g in enumerate(groups):
-        for k in g.prompt_inputs or {}:
+    for gi in carriers:
+        for k in groups[gi].prompt_inputs:
             if k not in _POSITION_ONLY:
                 having.setdefault(k, []).append(gi)
-    carriers = [gi for gi, g in enumerate(groups) if g.prompt_inputs]
     for k, gis in having.items():
         if k not in _CAT_KEYS and len(carriers) > 1:
             other = next(gi for gi in carriers if gi != gis[0])
             raise ValueError(
                 f"groups[{gis[0]}].prompt_inputs has {k!r}, which sharedprefix does not know how to batch with "
-                f"groups[{other}]'s inputs: the prompts of a pass are batched by concatenating {list(_CAT_KEYS)} image "
-                f"by image, and {k!r} is none of them, so one pass could not give each prompt its own value. Pass the "
-                "groups with this input in separate calls."
+                f"groups[{other}]'s inputs in one pass: the prompts of a pass are batched by concatenating "
+                f"{list(_CAT_KEYS)} image by image, and {k!r} is none of them, so one pass could not give each prompt "
+                "its own value. Pass the groups with this input in separate calls (or under a max_tokens that puts "
+                "their prompts in separate passes)."
             )
     for k, gis in having.items():
         tensors = {gi: groups[gi].prompt_inputs[k] for gi in gis if k in _CAT_KEYS}

@@ -25,7 +25,7 @@ from sharedprefix.model import mixers, router, streams
 from sharedprefix.model.adapter import decoder, head_logits, unwrap, uses_checkpointing, uses_reentrant_checkpointing
 from sharedprefix.model.checks import decoder_position_ids, verify_head
 from sharedprefix.model.head import token_logprobs
-from sharedprefix.model.multimodal import Multimodal, check_prompt_fits
+from sharedprefix.model.multimodal import Multimodal, check_batchable, check_prompt_fits
 from sharedprefix.model.positions import renumbered
 from sharedprefix.model.support import check_supported
 from sharedprefix.parallel import sequence
@@ -95,6 +95,8 @@ class Executor:
             check_prompt_fits(self.source, max_tokens)
             self.mm = Multimodal(self.model, self.source)
         self.plan: Plan = plan(self.source, max_tokens)
+        if self.mm is not None:
+            check_batchable(self.source, self.plan)
         if self.plan.splits and torch.is_grad_enabled() and uses_reentrant_checkpointing(self.model):
             raise ValueError(
                 "gradient checkpointing with use_reentrant=True is on, and this plan splits a group across passes: "

@@ -27,7 +27,12 @@ budget (8192 by default), after a warm-up on a small shape:
   the sum is scaled to all of them (the line says so); ``plain_sample=None`` (``--plain``) times every one.
 
 Reported: seconds, tokens computed and passes of each, the speed-ups, and the packed tree's speed-up over plain rows
-against the ratio of tokens computed (the target: at least 0.9 of it).
+against the ratio of tokens computed (the target: at least 0.9 of it) and against an estimated FLOP ratio
+(``hybrid_flops``: the layers' parameters per token, attention per (query, key) pair, the LM head per predicted token;
+the scans are not counted, so it is no bound), with that FLOP ratio over the token ratio for this model and for
+transformers' default Qwen3.5 dimensions (``flops_vs_tokens``, on the meta device). ``dims="qwen3.5"``
+(``--dims qwen3.5``) builds the model itself at those dimensions; on CUDA it runs in bfloat16, timed in wall seconds
+(``scripts/dev gpu-check`` runs it at 16 layers and reads the figures with ``tree_figures``).
 """
 
 from __future__ import annotations
