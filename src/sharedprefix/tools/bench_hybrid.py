@@ -82,11 +82,11 @@ def describe(cfg) -> str:
     return f"Qwen3.5-style, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers ({', '.join(cfg.layer_types)}), vocab {cfg.vocab_size}"
 
 
-def cache_path_step(model, groups):
+def cache_path_step(model, groups, max_tokens=None):
     """The cache-driven path these families took before the packed one (``schedule.hybrid``)."""
     from sharedprefix.schedule import hybrid
 
-    return hybrid.backward(model, groups, bench._loss, None, "keep", 1.0, False, "cpu")
+    return hybrid.backward(model, groups, bench._loss, max_tokens, "keep", 1.0, False, "cpu")
 
 
 def run(layers=4, repeats=2, prompt=2048, completion=128, G=8) -> list[str]:
@@ -158,7 +158,6 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, dev
     import time
 
     import sharedprefix as sp
-    from sharedprefix.schedule import hybrid
     from sharedprefix.tools.bench_tree import agentic
 
     cuda = str(device).startswith("cuda")
@@ -173,7 +172,7 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, dev
         return sp.backward(model, src, bench._loss, max_tokens=max_tokens)
 
     def cache(gs):
-        return hybrid.backward(model, gs, bench._loss, max_tokens, "keep", 1.0, False, "cpu")
+        return cache_path_step(model, gs, max_tokens)
 
     items = [(g.prompt, c) for g in groups for c in g.completions]
     per = max(1, max_tokens // max(p.numel() + c.numel() for p, c in items))
