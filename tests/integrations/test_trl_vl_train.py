@@ -86,19 +86,13 @@ def _processor(kind):
         return tf.Gemma3Processor(
             image_processor=images, tokenizer=tok, image_seq_length=4, chat_template=TEMPLATE.replace("IMAGE", GEMMA3_SPECIAL[V_START])
         )
-    if kind == "llava_next":  # any-resolution: an 8x8 overview plus 8x8 tiles (1 for 8x8, 2 for 8x16 or 16x8 images)
-        images = LlavaNextImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}, image_grid_pinpoints=PINPOINTS)
-        return tf.LlavaNextProcessor(
-            image_processor=images,
-            tokenizer=_tokenizer(LLAVA_SPECIAL),
-            patch_size=4,
-            vision_feature_select_strategy="default",
-            num_additional_image_tokens=1,
-            chat_template=TEMPLATE.replace("IMAGE", "<image>"),
-        )
-    if kind == "llava":
-        images = CLIPImageProcessorPil(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
-        return tf.LlavaProcessor(
+    if kind in ("llava", "llava_next"):  # LLaVA-NeXT: any-resolution, an 8x8 overview plus 8x8 tiles (1 for 8x8, 2 for 8x16 or 16x8)
+        crop = dict(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+        if kind == "llava_next":
+            cls, images = tf.LlavaNextProcessor, LlavaNextImageProcessorPil(**crop, image_grid_pinpoints=PINPOINTS)
+        else:
+            cls, images = tf.LlavaProcessor, CLIPImageProcessorPil(**crop)
+        return cls(
             image_processor=images,
             tokenizer=_tokenizer(LLAVA_SPECIAL),
             patch_size=4,
