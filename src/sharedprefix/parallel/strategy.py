@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sharedprefix.parallel.grad_hooks import DeferredGradHooks
 from sharedprefix.parallel.sequence import comm_device, reduce_grads
 
 _CALLS = itertools.count()  # the n-th sharedprefix call of this process: the same n on every rank (keys errors)
@@ -69,6 +70,7 @@ class Parallel:
     call_id: int = -1  # set by ``start``
     broken: bool = False  # an error left a collective-bearing region: this call's process group is closed
     sequence: Any = None  # the sequence-parallel process group of the call (``parallel.sequence``), or None
+    hooks: DeferredGradHooks | None = None  # the parameters' post-accumulate-grad hooks, fired once per call
 
     @property
     def fsdp(self) -> bool:
@@ -81,6 +83,7 @@ class Parallel:
     def start(self) -> None:
         """Number this call (every rank makes the same calls in the same order, so the numbers agree)."""
         self.call_id = next(_CALLS)
+        self.hooks = DeferredGradHooks(self.root)
 
     def call(self, fn, guard: bool = True):
         """Run ``fn()`` as the FSDP2 root module's forward (directly without FSDP2).
@@ -99,9 +102,15 @@ class Parallel:
             return state._post_forward(self.root, (), fn())
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` (FSDP2's backward all-gathers and reduce-scatters: a guarded region)."""
-        with self.collectives():
+        """``loss.backward()`` (FSDP2's backward all-gathers and reduce-scatters: a guarded region), with the
+        parameters' post-accumulate-grad hooks deferred to ``fire_hooks`` (``parallel.grad_hooks``)."""
+        with self.collectives(), self.hooks.during_backward() if self.hooks else contextlib.nullcontext():
             loss.backward()
+
+    def fire_hooks(self) -> None:
+        """Once the call's gradients are complete: each deferred post-accumulate-grad hook, once."""
+        if self.hooks is not None:
+            self.hooks.fire()
 
     @contextlib.contextmanager
     def collectives(self):

@@ -175,6 +175,14 @@ class _Offloaded:
         self.dev = self.ready = None
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t
+
+
 class OffloadHooks:
     """Saved-tensor hooks that move a pass's saved activations to ``device`` until backward.
 
@@ -191,7 +199,8 @@ class OffloadHooks:
 
     def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu", ahead_bytes: int = 2**29):
         self.device = torch.device(device)
-        self.param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        with torch.no_grad():  # a tensor-parallel parameter (DTensor) is identified by its local shard's storage
+            self.param_storages = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.bytes_moved = 0
         self.ahead_bytes = ahead_bytes
         self.handles: list = []  # weak references to the _Offloaded handles, in packing order
@@ -206,8 +215,8 @@ class OffloadHooks:
         return self._streams[device]
 
     def pack(self, t: torch.Tensor):
-        if t.untyped_storage().data_ptr() in self.param_storages or (t.is_leaf and t.requires_grad):
-            return t
+        if _is_dtensor(t) or t.untyped_storage().data_ptr() in self.param_storages or (t.is_leaf and t.requires_grad):
+            return t  # a DTensor (a tensor-parallel parameter or activation) stays in place: exact, not offloaded
         self.bytes_moved += t.numel() * t.element_size()
         side = t.is_cuda and self.device.type == "cpu"
         if side:

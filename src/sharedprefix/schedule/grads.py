@@ -98,4 +98,5 @@ def synced(par, model, sync: bool, grad_reduction: str, fn):
     finally:
         par.set_sync(True)  # FSDP2's default, whatever happened
     tx.commit(synced=sync)
+    par.fire_hooks()  # the plain run's one backward: each post-accumulate-grad hook once, on the whole gradient
     return out

@@ -46,6 +46,7 @@ from sharedprefix.model.adapter import decoder, uses_checkpointing
 from sharedprefix.model.checks import verify_head
 from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.support import inline_mixer_reason
+from sharedprefix.parallel.grad_hooks import DeferredGradHooks
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.hybrid_state import _cache_arg, _new_cache, _read, _repeated, _slots, prompt_chunks
 from sharedprefix.schedule.results import Batch
@@ -248,6 +249,7 @@ def backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature
     hooks = OffloadHooks(model, offload_device) if prefix_activations == "offload" else None
     recompute = prefix_activations == "recompute"
     tx = GradTransaction(model, ddp=False)
+    deferred = DeferredGradHooks(model)  # post-accumulate-grad hooks once per call, as in one plain backward
     total, calls = 0.0, 0
     try:
         for g, first in zip(run.groups, run.offsets()):
@@ -269,7 +271,8 @@ def backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature
                 )
                 loss = check_loss(loss_fn(batch), calls)
                 calls += 1
-                loss.backward()
+                with deferred.during_backward():
+                    loss.backward()
                 total += float(loss.detach())
             got = [(o, x.grad) for o, x in zip(outs, leaves) if x.grad is not None]
             if not got:
@@ -278,11 +281,13 @@ def backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature
                 cache, slots, tensors, h = run.prompt(g)
                 outs = tensors + [h]
                 got = [(o, x.grad) for o, x in zip(outs, leaves) if x.grad is not None]
-            torch.autograd.backward([o for o, _ in got], [gr for _, gr in got])
+            with deferred.during_backward():
+                torch.autograd.backward([o for o, _ in got], [gr for _, gr in got])
     except BaseException:
         tx.rollback()
         raise
     tx.commit(synced=True)
+    deferred.fire()
     return BackwardResult(
         loss=total,
         tokens_computed=run.tokens,
