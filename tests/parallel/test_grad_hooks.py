@@ -122,7 +122,9 @@ def test_a_failing_call_fires_no_hook():
     calls = []
     hooked(model, lambda p: calls.append(p))
 
-    def failing(b, seen=[]):
+    seen = []
+
+    def failing(b):
         seen.append(1)
         if len(seen) == 2:
             raise ValueError("second pass refused")
