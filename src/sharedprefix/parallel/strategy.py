@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from sharedprefix.parallel.grad_hooks import DeferredGradHooks
 from sharedprefix.parallel.sequence import comm_device, reduce_grads
+from sharedprefix.parallel.tensor import tensor_parallel_size
 
 _CALLS = itertools.count()  # the n-th sharedprefix call of this process: the same n on every rank (keys errors)
 _ERROR_KEY = "sharedprefix/error/{call}/{rank}"
@@ -71,6 +72,7 @@ class Parallel:
     broken: bool = False  # an error left a collective-bearing region: this call's process group is closed
     sequence: Any = None  # the sequence-parallel process group of the call (``parallel.sequence``), or None
     hooks: DeferredGradHooks | None = None  # the parameters' post-accumulate-grad hooks, fired once per call
+    tensor: int = 1  # the tensor-parallel degree (transformers' tp_plan; ``parallel.tensor``)
 
     @property
     def fsdp(self) -> bool:
@@ -224,8 +226,11 @@ class Parallel:
 
 
 def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
-    """How ``model`` (as the user passed it) and its transformers ``root`` are parallelised."""
+    """How ``model`` (as the user passed it) and its transformers ``root`` are parallelised; a layout sharedprefix is
+    not verified exact on raises ``ValueError`` (``parallel.tensor``)."""
     from torch.nn.parallel import DistributedDataParallel
+
+    tp = tensor_parallel_size(root)
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     try:
@@ -249,12 +254,12 @@ def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
                 "runs around each pass (the FSDP2 root's own hooks); use a torch version that has them (torch 2.13, "
                 "which this was tested with, does)."
             )
-        return Parallel("fsdp", root, world)
+        return Parallel("fsdp", root, world, tensor=tp)
     if fsdp_cls is not None and any(isinstance(m, fsdp_cls) for m in root.modules()):
         raise ValueError(
             "the model has fully_shard (FSDP2) submodules but its root is not sharded; apply fully_shard to the "
             "causal LM itself too (after its layers), so that its embedding and LM head are managed by FSDP2."
         )
     if isinstance(model, DistributedDataParallel):
-        return Parallel("ddp", root, world)
-    return Parallel("none", root, world)
+        return Parallel("ddp", root, world, tensor=tp)
+    return Parallel("none", root, world, tensor=tp)

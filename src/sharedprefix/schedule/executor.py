@@ -31,6 +31,7 @@ from sharedprefix.model.support import check_supported
 from sharedprefix.parallel import sequence
 from sharedprefix.parallel.sequence import SequenceShard, refuse_features
 from sharedprefix.parallel.strategy import detect
+from sharedprefix.parallel.tensor import refuse_with_sequence_group
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.planner import Pass, Plan, plan
@@ -46,6 +47,8 @@ class Executor:
     ):
         self.model = unwrap(model)
         self.par = detect(model, self.model)
+        if sequence_group is not None and self.par.tensor > 1:
+            refuse_with_sequence_group(self.par.tensor)
         self.par.sequence = sequence_group
         self.par.start()
         self.last = None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)

@@ -64,9 +64,16 @@ def hybrid_backward(
 
 def check_hybrid(model, backend: str) -> str:
     """A hybrid model runs its own attention (``schedule.hybrid``): the backend name is checked, not used; FSDP2 is
-    refused. Returns the data-parallel kind ("none" or "ddp")."""
+    refused, and so is tensor parallelism. Returns the data-parallel kind ("none" or "ddp")."""
     select(backend, unwrap(model).get_input_embeddings().weight.device)
-    kind = detect(model, unwrap(model)).kind
+    par = detect(model, unwrap(model))
+    kind = par.kind
+    if par.tensor > 1:
+        raise ValueError(
+            f"{type(unwrap(model)).__name__} is a hybrid model on sharedprefix's cache path, loaded with tensor "
+            f"parallelism (tp_size={par.tensor}); that path runs the model's own cache-aware forward and has not been "
+            "verified exact under tensor parallelism. Load it without tp_plan (DDP is supported)."
+        )
     if kind == "fsdp":
         raise ValueError(
             f"{type(unwrap(model)).__name__} is a hybrid model (layers that mix tokens outside attention) sharded with "

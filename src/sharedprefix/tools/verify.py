@@ -152,7 +152,7 @@ def verify(
             split_refusal = str(e)  # the model is exact in one pass only: the split call refuses, never mismatches
     plain = _plain(model, groups)
     dev = reference_device or next(base.parameters()).device
-    ref_model = copy.deepcopy(base).to(device=dev, dtype=torch.float64)
+    ref_model = float64_copy(base, dev)
     if getattr(ref_model.config, "_experts_implementation", None) not in (None, "eager"):
         ref_model.config._experts_implementation = "eager"  # the copy's own config: grouped_mm has no float64 kernel
     from sharedprefix.tools.reference import dtype_faithful_norms
@@ -185,6 +185,22 @@ def verify(
     return VerifyReport(
         ok, checks=checks, split_refusal=split_refusal, split=split, choices=choices, float64=float64, beyond=beyond, untied=untied
     )
+
+
+def float64_copy(base, device) -> torch.nn.Module:
+    """A float64 copy of ``base`` on ``device``, outside any parallelism: a deep copy, or, where parameters are
+    DTensors (tensor parallelism, FSDP2), the same class built from a copy of its config, with every tensor of the
+    state dict gathered whole (``full_tensor``, a collective every rank of the mesh runs in the same order)."""
+    state = base.state_dict()
+    if not any(type(t).__name__ == "DTensor" for t in state.values()):
+        return copy.deepcopy(base).to(device=device, dtype=torch.float64)
+    cfg = copy.deepcopy(base.config)
+    if hasattr(cfg, "distributed_config"):
+        cfg.distributed_config = None  # the copy is built whole on this process
+    whole = {k: t.full_tensor() if type(t).__name__ == "DTensor" else t for k, t in state.items()}
+    ref = type(base)._from_config(cfg, attn_implementation=base.config._attn_implementation)
+    ref.load_state_dict(whole, strict=True)
+    return ref.to(device=device, dtype=torch.float64).eval()
 
 
 FLOAT64_TOL = 1e-5  # |delta log-prob| of the float64 copy (routers and indexers score in float32 even there)

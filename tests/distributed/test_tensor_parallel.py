@@ -1,0 +1,123 @@
+"""Tensor parallelism through transformers' own ``tp_plan="auto"`` on 2 and 4 CPU processes (gloo): every call
+against one process's plain forward of each row, float64, log-probs to 1e-9 and every parameter's whole gradient to
+a relative 1e-9.
+
+The models: Llama (no replicated parameter inside attention), Qwen3 (per-head ``q_norm`` / ``k_norm`` replicated,
+their gradient all-reduced by a post-accumulate-grad hook), Gemma 3 (sliding windows and q/k norms), Qwen3-MoE
+(experts under transformers' packed plan), GPT-OSS (sinks, windows, MoE; only its embedding is sharded) and a
+one-K/V-head Llama (fewer K/V heads than the TP degree). The calls: ``sp.logprobs`` whole and under a budget that
+splits a group, ``sp.backward`` whole and in the three prefix modes under that budget, a tree, ``defer=True`` and
+gradient checkpointing (``tp_worker.calls``).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed.tp_worker import BUILDERS, NEEDS_MODE_IN_BACKWARD, load
+from distributed.worker import groups_and_weights, tree_and_weights
+
+from helpers import assert_grads_close, grads_of, plain_logprobs
+from sharedprefix.tools.reference import Float64Inside
+
+pytestmark = pytest.mark.slow  # torchrun, 2 and 4 processes
+
+WORKER = os.path.join(os.path.dirname(__file__), "tp_worker.py")
+GRADS = ("whole", "keep", "recompute", "offload", "defer", "tree", "checkpointing")
+
+
+def launch(names, world, tmp_path, timeout=600):
+    """Run ``world`` ranks over ``names``; returns ({name: results or refusal}, the folder of the saved models)."""
+    out = tmp_path / f"tp{world}.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", WORKER, ",".join(names), str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{world}-process run did not end in {timeout} s: {str(e.stderr)[-3000:]}") from None
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=False), tmp_path
+
+
+def reference(name, root):
+    """One process, the same checkpoint: plain log-probs of every row, and the gradients each call of the worker
+    must reproduce."""
+    from schedule.test_tree import plain_rows
+
+    with Float64Inside():
+        model = load(name, root)
+        groups, W = groups_and_weights()
+        with torch.no_grad():
+            lp = plain_logprobs(model, groups)[0]
+        grads = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
+        _, rows, trained, TW = tree_and_weights()
+        tree_grads = grads_of(model, lambda: (plain_rows(model, rows, trained) * TW).sum())
+    return lp, grads, tree_grads
+
+
+def check(name, got, root):
+    assert not isinstance(got, str), f"{name}: {got}"
+    lp, grads, tree_grads = reference(name, root)
+    for call in ("logprobs", "logprobs_budget"):
+        err = float((got[call] - lp).abs().max())
+        assert err <= 1e-9, f"{name} {call}: {err:.3g}"
+    for call in GRADS:
+        if call in NEEDS_MODE_IN_BACKWARD.get(name, ()):  # see tp_worker.calls
+            assert call not in got
+            continue
+        try:
+            assert_grads_close({k: v for k, v in got[call].items() if v is not None}, tree_grads if call == "tree" else grads, 1e-9)
+        except AssertionError as e:
+            raise AssertionError(f"{name} {call}: {e}") from None
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return launch([n for n in BUILDERS if n != "qwen3_kv4"], 2, tmp_path_factory.mktemp("tp2"))
+
+
+@pytest.mark.parametrize("name", [n for n in BUILDERS if n not in ("mqa", "qwen3_kv4")])
+def test_two_ranks_exact(two, name):
+    got, root = two
+    check(name, got[name], root)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return launch(["qwen3_kv4", "gpt_oss", "llama"], 4, tmp_path_factory.mktemp("tp4"))
+
+
+@pytest.mark.parametrize("name", ["qwen3_kv4", "gpt_oss"])
+def test_four_ranks_exact(four, name):
+    """One query and one K/V head per rank (Qwen3 with 4 K/V heads), and GPT-OSS, whose 97-token vocabulary
+    splits unevenly over 4 embedding shards."""
+    got, root = four
+    check(name, got[name], root)
+
+
+def test_fewer_kv_heads_than_the_tp_degree_refused(two, four):
+    """One K/V head over 2 ranks, 2 over 4: our refusal names the setting and the fix, before transformers' own
+    attention fails on a reshape of part of a head."""
+    for got, heads, tp in ((two[0]["mqa"], 1, 2), (four[0]["llama"], 2, 4)):
+        assert isinstance(got, str), got
+        assert got.startswith(f"ValueError: num_key_value_heads={heads} is not a multiple of the tensor-parallel degree {tp}")
+        assert "tp_plan" in got
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    return launch(["refusals"], 2, tmp_path_factory.mktemp("tpr"))[0]["refusals"]
+
+
+def test_unverified_layouts_refused_and_verify_runs(refused):
+    """A user's own ``parallelize_module`` plan and tensor parallelism with ``sequence_group=`` are refused at the
+    first call, naming what was found; ``sp.verify`` runs on a tensor-parallel model (its float64 copy gathered
+    whole) and finds it exact."""
+    assert refused["parallelize_module"].startswith(
+        "ValueError: parameter model.layers.0.self_attn.q_proj.weight is a DTensor with placements (Shard(dim=0),)"
+    )
+    assert "neither transformers' tensor parallelism nor FSDP2 placed" in refused["parallelize_module"]
+    assert refused["sequence_group"].startswith("ValueError: sequence_group= was given for a tensor-parallel model (tp_size=2)")
+    assert refused["verify"].endswith("-> exact by the 2x rule"), refused["verify"]

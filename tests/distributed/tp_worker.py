@@ -1,0 +1,167 @@
+"""One rank of the tensor-parallel tests (run under torchrun): a tiny model saved, loaded back with transformers'
+own ``tp_plan="auto"`` (DTensor weights over every rank), and every sharedprefix call on it.
+
+Usage: torchrun --nproc_per_node=W tp_worker.py MODELS OUT  (MODELS: comma-separated builder names, ``BUILDERS``)
+Rank 0 writes {model: {call: log-probs or whole gradients}} to OUT; the test compares them with one process.
+"""
+
+import os
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from distributed.worker import BUDGET, full_grads, groups_and_weights, tree_and_weights  # noqa: E402
+
+import sharedprefix as sp  # noqa: E402
+from helpers import tiny_model  # noqa: E402
+from sharedprefix.tools.reference import Float64Inside  # noqa: E402
+
+
+def _zoo(entry):
+    from sharedprefix.tools.zoo.configs import _float64_norms, build
+
+    model, _ = build(entry)
+    _float64_norms(model)
+    return model
+
+
+# name -> a float64 model with dtype-faithful norms, the same weights on every call (seeded)
+BUILDERS = {
+    "llama": lambda: tiny_model("llama"),
+    "qwen3": lambda: tiny_model("qwen3"),
+    "gemma3": lambda: _zoo("gemma3_text"),  # sliding-window and full layers, q/k norms
+    "qwen3_moe": lambda: _zoo("qwen3_moe"),  # experts under transformers' packed colwise / rowwise plan
+    "gpt_oss": lambda: _zoo("gpt_oss"),  # attention sinks, sliding windows, MoE; only the embedding is sharded
+    "mqa": lambda: tiny_model("llama", num_key_value_heads=1),  # one K/V head: fewer than any TP degree > 1
+    "qwen3_kv4": lambda: tiny_model("qwen3", num_key_value_heads=4),  # 4 K/V heads: one per rank at TP degree 4
+}
+# calls whose backward recomputes a forward, where Float64Inside (a mode autograd's recomputation does not see)
+# cannot keep Qwen3-MoE's float32 router softmax float64: not run on it (GPT-OSS covers MoE there)
+NEEDS_MODE_IN_BACKWARD = {"qwen3_moe": ("defer", "checkpointing")}
+
+
+def faithful_classes(model) -> None:
+    """The dtype-faithful norm forwards of ``model`` (set per instance by ``build``) set on the norm classes, so that
+    a model loaded with ``tp_plan`` gets them under transformers' own TP forward wrappers (which capture the
+    forward when the plan is applied; a forward replaced on the instance afterwards would drop them)."""
+    for mod in model.modules():
+        f = vars(mod).get("forward")
+        if isinstance(f, types.MethodType) and f.__func__.__module__.startswith("sharedprefix"):
+            type(mod).forward = f.__func__
+
+
+def load(name, root, **kw):
+    """``BUILDERS[name]``'s model as saved under ``root`` by ``save``, loaded back (``tp_plan="auto"`` in ``kw``)
+    in float64, with its dtype-faithful norms set on their classes (the test's one-process reference loads the
+    same checkpoint the same way: buffers made at load, such as Gemma 3's float32 embedding scale, agree)."""
+    import transformers as tf
+
+    faithful_classes(BUILDERS[name]())
+    model = tf.AutoModelForCausalLM.from_pretrained(os.path.join(root, name), dtype=torch.float64, **kw)
+    model.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    return model.eval()
+
+
+def save(name, rank, root):
+    if rank == 0:
+        BUILDERS[name]().save_pretrained(os.path.join(root, name))
+    dist.barrier()
+
+
+def calls(model):
+    """Every call of the tests, on the same groups on every rank: {name: log-probs or whole gradients}."""
+    groups, W = groups_and_weights()
+    loss_fn = lambda b: (b.logprobs * W[b.index, : b.logprobs.shape[1]] * b.mask).sum()  # noqa: E731
+    out = {}
+    with torch.no_grad():
+        out["logprobs"] = sp.logprobs(model, groups).logprobs
+        out["logprobs_budget"] = sp.logprobs(model, groups, max_tokens=BUDGET).logprobs
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        fn()
+        g = full_grads(model)
+        model.zero_grad(set_to_none=True)
+        return g
+
+    out["whole"] = grads(lambda: sp.backward(model, groups, loss_fn))
+    for mode in ("keep", "recompute", "offload"):
+        out[mode] = grads(lambda m=mode: sp.backward(model, groups, loss_fn, max_tokens=BUDGET, prefix_activations=m))
+
+    def deferred():
+        lp = sp.logprobs(model, groups, max_tokens=BUDGET, defer=True)
+        (lp.logprobs * W[:, : lp.logprobs.shape[1]] * lp.mask).sum().backward()
+
+    skip = NEEDS_MODE_IN_BACKWARD.get(getattr(model.config, "model_type", ""), ())
+    if "defer" not in skip:
+        out["defer"] = grads(deferred)
+    tree, _, _, TW = tree_and_weights()
+    out["tree"] = grads(
+        lambda: sp.backward(model, tree, lambda b: (b.logprobs * TW[b.index, : b.logprobs.shape[1]]).sum(), max_tokens=BUDGET)
+    )
+    if "checkpointing" in skip:
+        return out
+    model.gradient_checkpointing_enable()
+    model.train()
+    out["checkpointing"] = grads(lambda: sp.backward(model, groups, loss_fn, max_tokens=BUDGET, prefix_activations="recompute"))
+    model.gradient_checkpointing_disable()
+    model.eval()
+    return out
+
+
+def refusals(rank, root):
+    """Layouts refused at the first call (the messages), and ``sp.verify`` on a tensor-parallel Qwen3."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    groups, _ = groups_and_weights()
+    out = {}
+
+    def message(fn):
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    model = load("qwen3", root, tp_plan="auto")
+    out["sequence_group"] = message(lambda: sp.logprobs(model, groups, sequence_group=dist.group.WORLD))
+    out["verify"] = str(sp.verify(model))
+    own = tiny_model("llama")  # a user's own plan over the attention projections, not transformers'
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    parallelize_module(own.model.layers[0].self_attn, mesh, {"q_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+    out["parallelize_module"] = message(lambda: sp.logprobs(own, groups))
+    return out
+
+
+def main(names, out):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(500, exit=True)  # a hang prints where it is and fails instead of blocking CI
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    results = {}
+    for name in names.split(","):
+        if name == "refusals":
+            save("qwen3", rank, os.path.dirname(out))
+            results[name] = refusals(rank, os.path.dirname(out))
+            continue
+        save(name, rank, os.path.dirname(out))
+        try:
+            with Float64Inside():  # routers' float32 softmax kept float64, as in the reference
+                results[name] = calls(load(name, os.path.dirname(out), tp_plan="auto"))
+        except (ValueError, RuntimeError) as e:  # a refusal: the test checks its message
+            results[name] = f"{type(e).__name__}: {e}"
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
