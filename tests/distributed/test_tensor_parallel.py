@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 from distributed.tp_worker import BUILDERS, NEEDS_MODE_IN_BACKWARD, load
-from distributed.worker import groups_and_weights, tree_and_weights
+from distributed.worker import groups_and_weights, shard_of, tree_and_weights
 
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.tools.reference import Float64Inside
@@ -121,3 +121,40 @@ def test_unverified_layouts_refused_and_verify_runs(refused):
     assert "neither transformers' tensor parallelism nor FSDP2 placed" in refused["parallelize_module"]
     assert refused["sequence_group"].startswith("ValueError: sequence_group= was given for a tensor-parallel model (tp_size=2)")
     assert refused["verify"].endswith("-> exact by the 2x rule"), refused["verify"]
+
+
+MESH_2D = ["llama", "qwen3", "gemma3"]
+
+
+@pytest.fixture(scope="module")
+def two_d(tmp_path_factory):
+    return launch([f"{n}@fsdp2xtp" for n in MESH_2D], 4, tmp_path_factory.mktemp("tp2d"))
+
+
+@pytest.mark.parametrize("name", MESH_2D)
+def test_fsdp2_by_tp_on_a_2d_mesh_exact(two_d, name):
+    """transformers' own 2-D layout, ``DistributedConfig(tp_size=2, fsdp_size=2)`` (TP inside, FSDP2 across), the
+    groups sharded over the data dimension only: rank 0's log-probs are its shard's plain ones, and every call's
+    gradient is the one-process gradient of all groups. The Qwen3 and Gemma 3 norms' TP hooks sit on FSDP2's
+    unsharded parameters and run in the call's last backward, before FSDP2 reduce-scatters."""
+    from schedule.test_tree import plain_rows
+
+    got, root = two_d
+    got = got[f"{name}@fsdp2xtp"]
+    assert got["dp_rank"] == 0
+    with Float64Inside():
+        model = load(name, root)
+        groups, W = groups_and_weights()
+        mine, _ = shard_of(groups, 0, 2)
+        with torch.no_grad():
+            lp = plain_logprobs(model, mine)[0]
+        grads = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
+        _, rows, trained, TW = tree_and_weights()
+        tree_grads = grads_of(model, lambda: (plain_rows(model, rows, trained) * TW).sum())
+    for call in ("logprobs", "logprobs_budget"):
+        assert float((got[call] - lp).abs().max()) <= 1e-9, call
+    for call in ("whole", "recompute", "tree", "checkpointing"):
+        try:
+            assert_grads_close({k: v for k, v in got[call].items() if v is not None}, tree_grads if call == "tree" else grads, 1e-9)
+        except AssertionError as e:
+            raise AssertionError(f"{name} {call}: {e}") from None

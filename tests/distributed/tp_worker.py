@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.worker import BUDGET, full_grads, groups_and_weights, tree_and_weights  # noqa: E402
+from distributed.worker import BUDGET, full_grads, groups_and_weights, shard_of, tree_and_weights  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402
@@ -113,6 +113,44 @@ def calls(model):
     return out
 
 
+def calls_2d(model):
+    """FSDP2 x TP (transformers' ``DistributedConfig(tp_size=2, fsdp_size=2)``: a (fsdp, tp) mesh, TP inside): the
+    groups sharded over the data dimension only (``sp.shard_groups`` by the rank's fsdp coordinate); every call's
+    gradient is the sum over the data dimension, whole: {name: this rank's log-probs or the whole gradients}."""
+    dp = model._device_mesh["fsdp"]
+    rank, size = dp.get_local_rank(), dp.size()
+    groups, W = groups_and_weights()
+    mine, gidx = shard_of(groups, rank, size)
+    loss_fn = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]] * b.mask).sum()  # noqa: E731
+    out = {"dp_rank": rank}
+    with torch.no_grad():
+        out["logprobs"] = sp.logprobs(model, mine).logprobs
+        out["logprobs_budget"] = sp.logprobs(model, mine, max_tokens=BUDGET).logprobs
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        fn()
+        g = full_grads(model)
+        model.zero_grad(set_to_none=True)
+        return g
+
+    out["whole"] = grads(lambda: sp.backward(model, mine, loss_fn))
+    out["recompute"] = grads(lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))
+
+    tree, _, _, TW = tree_and_weights()  # (sp.logprobs with grad is refused under FSDP2, deferred or not)
+    tmine = sp.shard_groups(tree, rank, size)
+    glob = torch.tensor(tmine.index)
+    out["tree"] = grads(
+        lambda: sp.backward(model, tmine, lambda b: (b.logprobs * TW[glob[b.index], : b.logprobs.shape[1]]).sum(), max_tokens=BUDGET)
+    )
+    model.gradient_checkpointing_enable()
+    model.train()
+    out["checkpointing"] = grads(lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))
+    model.gradient_checkpointing_disable()
+    model.eval()
+    return out
+
+
 def refusals(rank, root):
     """Layouts refused at the first call (the messages), and ``sp.verify`` on a tensor-parallel Qwen3."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -147,6 +185,15 @@ def main(names, out):
     torch.set_num_threads(1)
     results = {}
     for name in names.split(","):
+        if name.endswith("@fsdp2xtp"):  # 4 ranks: FSDP2 over 2 x TP over 2, transformers' own 2-D layout
+            from transformers.distributed import DistributedConfig
+
+            base = name.split("@")[0]
+            save(base, rank, os.path.dirname(out))
+            with Float64Inside():
+                cfg = DistributedConfig(tp_size=2, fsdp_size=2)
+                results[name] = calls_2d(load(base, os.path.dirname(out), distributed_config=cfg))
+            continue
         if name == "refusals":
             save("qwen3", rank, os.path.dirname(out))
             results[name] = refusals(rank, os.path.dirname(out))

@@ -244,6 +244,7 @@ def test_inline_mixers_stay_on_the_cache_path_and_every_refusal_says_why(monkeyp
 
     class FSDP:
         kind = "fsdp"
+        tensor = 1
 
     monkeypatch.setattr(hybrid_calls, "detect", lambda *a: FSDP())
     with pytest.raises(ValueError, match=r"sharded with FSDP2.*" + why):

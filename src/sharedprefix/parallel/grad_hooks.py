@@ -28,24 +28,44 @@ _KEY = "sharedprefix/deferred"  # our recorder's key in a parameter's hook dict 
 
 
 class DeferredGradHooks:
-    """One call's hooks: ``during_backward()`` around each backward, ``fire()`` once the call's gradients are in."""
+    """One call's hooks: ``during_backward()`` around each backward, ``fire()`` once the call's gradients are in.
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
+    ``fsdp``: the module is FSDP2-sharded. Its hooks sit on FSDP2's unsharded parameters, whose gradient FSDP2
+    reduce-scatters (and frees) inside the last backward, so they cannot run after the call: they run in the call's
+    last backward instead (``during_backward(last=True)``), on the gradient accumulated unhooked over the call, once."""
+
+    def __init__(self, module: torch.nn.Module, fsdp: bool = False):
+        self.module, self.fsdp = module, fsdp
         self.touched: dict[int, torch.Tensor] = {}  # id -> parameter that received a gradient during the call
+        self.hooked_last: dict[int, torch.Tensor] = {}  # FSDP2: parameters whose hooks ran in the last backward
 
     def _params(self) -> list[torch.Tensor]:
-        return [p for p in self.module.parameters() if p.requires_grad]
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.fsdp:  # FSDP2's unsharded parameters (private: docs/internals.md), where modules' forwards hook
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self.module.modules():
+                group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+                for fp in getattr(group, "fsdp_params", ()):
+                    p = getattr(fp, "_unsharded_param", None)
+                    if p is not None and p.requires_grad:
+                        params.append(p)
+        return list({id(p): p for p in params}.values())  # once each (unsharded parameters may be registered too)
 
     @contextlib.contextmanager
-    def during_backward(self):
-        """Run one backward with every parameter's post-accumulate-grad hooks replaced by a recorder."""
+    def during_backward(self, last: bool = False):
+        """Run one backward with every parameter's post-accumulate-grad hooks replaced by a recorder (under FSDP2,
+        in the ``last`` backward of the call, followed by one: they run there, on the call's whole gradient)."""
         held: dict[int, tuple[torch.Tensor, list]] = {}
         sizes: dict[int, int] = {}
+        natural = self.fsdp and last
         for p in self._params():
             hooks = p._post_accumulate_grad_hooks
             sizes[id(p)] = len(hooks) if hooks else 0
-            if hooks:
+            if hooks and natural:
+                held[id(p)] = (p, list(hooks.items()))
+                hooks[_KEY] = self._ran_last
+            elif hooks:
                 held[id(p)] = (p, list(hooks.items()))
                 hooks.clear()
                 hooks[_KEY] = self._recorder
@@ -68,7 +88,8 @@ class DeferredGradHooks:
         for p in self._params():
             hooks = p._post_accumulate_grad_hooks
             if id(p) in held:
-                extra = [(k, h) for k, h in hooks.items() if k != _KEY]
+                own = {k for k, _ in held[id(p)][1]}
+                extra = [(k, h) for k, h in hooks.items() if k != _KEY and k not in own]
                 hooks.clear()
                 hooks.update(held[id(p)][1])
                 hooks.update(extra)
@@ -81,9 +102,25 @@ class DeferredGradHooks:
     def _recorder(self, p: torch.Tensor) -> None:
         self.touched[id(p)] = p
 
+    def _ran_last(self, p: torch.Tensor) -> None:
+        self.hooked_last[id(p)] = p
+
     def fire(self) -> None:
-        """Each hook of each parameter that received a gradient during the call, once, on its complete ``.grad``."""
+        """Each hook of each parameter that received a gradient during the call, once, on its complete ``.grad``
+        (under FSDP2: check that each ran in the last backward)."""
         touched, self.touched = self.touched, {}
+        if self.fsdp:
+            missed = [p for i, p in touched.items() if i not in self.hooked_last and p._post_accumulate_grad_hooks]
+            self.hooked_last = {}
+            if missed:
+                raise RuntimeError(
+                    f"{len(missed)} FSDP2 parameter(s) with a post-accumulate-grad hook (transformers' tensor "
+                    "parallelism hooks replicated parameters such as q_norm) received a gradient in this call but none "
+                    "in its last backward, where their hooks must run before FSDP2 reduce-scatters the gradient; the "
+                    "call is rolled back. Run the call without a budget that splits groups (max_tokens=None), or "
+                    "without FSDP2."
+                )
+            return
         with torch.no_grad():
             for p in self._params():
                 if id(p) in touched and p.grad is not None and p._post_accumulate_grad_hooks:

@@ -73,6 +73,10 @@ class Parallel:
     sequence: Any = None  # the sequence-parallel process group of the call (``parallel.sequence``), or None
     hooks: DeferredGradHooks | None = None  # the parameters' post-accumulate-grad hooks, fired once per call
     tensor: int = 1  # the tensor-parallel degree (transformers' tp_plan; ``parallel.tensor``)
+    data_size: int = 1  # the ranks gradients are summed over: FSDP2's mesh, DDP's process group (not every rank
+    # where tensor parallelism splits the world: FSDP2 x TP on a 2-D mesh)
+    data_group: Any = None  # DDP's process group (None: every rank)
+    _last: bool = False  # the round running is the call's last with a backward (``begin_backward_round``)
 
     @property
     def fsdp(self) -> bool:
@@ -85,7 +89,7 @@ class Parallel:
     def start(self) -> None:
         """Number this call (every rank makes the same calls in the same order, so the numbers agree)."""
         self.call_id = next(_CALLS)
-        self.hooks = DeferredGradHooks(self.root)
+        self.hooks = DeferredGradHooks(self.root, fsdp=self.fsdp)
 
     def call(self, fn, guard: bool = True):
         """Run ``fn()`` as the FSDP2 root module's forward (directly without FSDP2).
@@ -105,8 +109,9 @@ class Parallel:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` (FSDP2's backward all-gathers and reduce-scatters: a guarded region), with the
-        parameters' post-accumulate-grad hooks deferred to ``fire_hooks`` (``parallel.grad_hooks``)."""
-        with self.collectives(), self.hooks.during_backward() if self.hooks else contextlib.nullcontext():
+        parameters' post-accumulate-grad hooks deferred to ``fire_hooks`` (``parallel.grad_hooks``); under FSDP2 they
+        run in the call's last backward instead (``begin_backward_round``), before FSDP2 reduce-scatters."""
+        with self.collectives(), self.hooks.during_backward(self._last) if self.hooks else contextlib.nullcontext():
             loss.backward()
 
     def fire_hooks(self) -> None:
@@ -195,6 +200,12 @@ class Parallel:
             )
         raise RuntimeError(f"a rank flagged an error {where} this sharedprefix call but none reported it; a bug.")
 
+    def begin_backward_round(self, sync: bool, last: bool) -> None:
+        """Before a round with a backward: FSDP2 reduces gradients in it (``sync``); it is the call's ``last``
+        backward (where FSDP2's post-accumulate-grad hooks run, ``backward``)."""
+        self.set_sync(sync)
+        self._last = last
+
     def set_sync(self, enabled: bool) -> None:
         if self.fsdp:
             self.root.set_requires_gradient_sync(enabled)
@@ -206,7 +217,7 @@ class Parallel:
         Without FSDP2: 1 / S (the shares are summed over the group at the end of the call)."""
         size = dist.get_world_size(self.sequence) if self.sequence is not None else 1
         if self.fsdp:
-            return float(self.world_size) / size if grad_reduction == "sum" else 1.0
+            return float(self.data_size) / size if grad_reduction == "sum" else 1.0
         return 1.0 / size
 
     def compute_device(self, fallback: torch.device) -> torch.device:
@@ -219,10 +230,23 @@ class Parallel:
         return fallback
 
     def all_reduce_grads(self, model: torch.nn.Module) -> None:
-        """DDP: sum every gradient over ranks, one all-reduce per dtype."""
-        if self.kind != "ddp" or self.world_size == 1:
+        """DDP: sum every gradient over DDP's process group, one all-reduce per dtype."""
+        if self.kind != "ddp" or self.data_size == 1:
             return
-        reduce_grads(model, None)  # the default group: every rank
+        reduce_grads(model, self.data_group)
+
+
+def _fsdp_data_size(root: torch.nn.Module, world: int) -> int:
+    """The number of ranks FSDP2 averages gradients over: the size of the mesh of an FSDP2 parameter group (its
+    private ``mesh_info``, docs/internals.md); every rank when no group is found (FSDP2 on a 1-D mesh of the world)."""
+    fsdp_cls = _fsdp_module_cls()
+    for m in root.modules():
+        if fsdp_cls is not None and isinstance(m, fsdp_cls):
+            info = getattr(getattr(m._get_fsdp_state(), "_fsdp_param_group", None), "mesh_info", None)
+            mesh = getattr(info, "mesh", None)
+            if mesh is not None:
+                return int(mesh.size())
+    return world
 
 
 def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
@@ -254,12 +278,20 @@ def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
                 "runs around each pass (the FSDP2 root's own hooks); use a torch version that has them (torch 2.13, "
                 "which this was tested with, does)."
             )
-        return Parallel("fsdp", root, world, tensor=tp)
+        return Parallel("fsdp", root, world, tensor=tp, data_size=_fsdp_data_size(root, world))
     if fsdp_cls is not None and any(isinstance(m, fsdp_cls) for m in root.modules()):
         raise ValueError(
             "the model has fully_shard (FSDP2) submodules but its root is not sharded; apply fully_shard to the "
             "causal LM itself too (after its layers), so that its embedding and LM head are managed by FSDP2."
         )
     if isinstance(model, DistributedDataParallel):
-        return Parallel("ddp", root, world, tensor=tp)
+        if tp > 1:
+            raise ValueError(
+                f"the model is wrapped in DistributedDataParallel and tensor-parallel (tp_size={tp}); sharedprefix is "
+                "verified exact with tensor parallelism alone or under FSDP2 over a second mesh dimension (fully_shard, "
+                "or transformers' DistributedConfig(tp_size=..., fsdp_size=...)), not under DDP. Shard the data "
+                "dimension with FSDP2 instead."
+            )
+        group = getattr(model, "process_group", None)
+        return Parallel("ddp", root, world, tensor=tp, data_size=dist.get_world_size(group) if world > 1 else 1, data_group=group)
     return Parallel("none", root, world, tensor=tp)

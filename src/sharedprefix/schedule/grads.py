@@ -91,7 +91,7 @@ def synced(par, model, sync: bool, grad_reduction: str, fn):
             if grad_reduction == "mean":
                 for p in model.parameters():
                     if p.grad is not None:
-                        p.grad.div_(par.world_size)
+                        p.grad.div_(par.data_size)
     except BaseException:
         tx.rollback()  # no partial gradient is left behind
         raise

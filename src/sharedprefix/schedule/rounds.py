@@ -130,7 +130,7 @@ def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, las
     with activated(run.model), mixers.active(run.model):
         for i, (kind, x) in enumerate(rounds):
             if kind in ("FB", "PB", "DFB"):
-                par.set_sync(sync and i == last_fb)
+                par.begin_backward_round(sync=sync and i == last_fb, last=i == last_fb)
             if error is not None:  # this rank failed earlier in the call: it only takes part in the collectives
                 if kind != "REL":
                     run.dummy_round(grad=kind in ("FB", "PB", "DFB"))
