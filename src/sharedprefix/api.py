@@ -33,7 +33,7 @@ from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap, uses_checkpointing
 from sharedprefix.model.support import is_hybrid
 from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
-from sharedprefix.parallel.strategy import detect
+from sharedprefix.parallel.strategy import ddp_sync_enabled, detect
 from sharedprefix.schedule import hybrid_calls, rounds
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.executor import Executor
@@ -154,7 +154,8 @@ def backward(
             "keep", or "recompute" on an FSDP2 model, the only mode FSDP2 can run (a prompt's
             deferred backward must run inside the root module's call).
         sync: under DDP / FSDP2, synchronise the gradients of this call over the ranks (once, at
-            its end). Pass False for all but the last call of an optimizer step to accumulate.
+            its end). Pass False for all but the last call of an optimizer step to accumulate. A call
+            inside DDP's ``no_sync()`` context does not synchronise, as DDP's own backward would not.
         grad_reduction: "sum" (default: each rank's loss uses global normalisers, so the global
             loss is the sum over ranks) or "mean" (the average over ranks, DDP's convention).
         aux_loss_coef: an MoE model's load-balancing loss, added as ``aux_loss_coef * aux_loss`` where ``aux_loss``
@@ -188,6 +189,7 @@ def backward(
     if seq is not None and coef:
         refuse_aux(type(unwrap(model)).__name__)
     kw = dict(max_tokens=max_tokens, prefix_activations=prefix_activations, temperature=temperature, entropy=entropy)
+    sync = sync and ddp_sync_enabled(model)  # inside DDP's no_sync(): accumulate, as DDP's own backward would
     kw.update(backend=backend, offload_device=offload_device, sync=sync, grad_reduction=grad_reduction)
     if is_hybrid(unwrap(model)):
         if coef:

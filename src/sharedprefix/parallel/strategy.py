@@ -236,6 +236,28 @@ class Parallel:
         reduce_grads(model, self.data_group)
 
 
+def ddp_sync_enabled(model: torch.nn.Module) -> bool:
+    """False inside a DDP model's ``no_sync()`` context (DDP's public flag ``require_backward_grad_sync``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return not isinstance(model, DistributedDataParallel) or bool(getattr(model, "require_backward_grad_sync", True))
+
+
+def _outer_fsdp(model: torch.nn.Module, root: torch.nn.Module, fsdp_cls) -> torch.nn.Module | None:
+    """The outermost FSDP2 module among the wrappers between ``model`` and the causal LM ``root`` (PEFT's
+    ``PeftModel`` and its ``LoraModel``), or None (none, or ``root`` itself is the first FSDP2 module)."""
+    if fsdp_cls is None:
+        return None
+    m = model
+    for _ in range(8):
+        if m is root or m is None:
+            return None
+        if isinstance(m, fsdp_cls):
+            return m
+        m = m.get_base_model() if hasattr(m, "get_base_model") else getattr(m, "base_model", None) or getattr(m, "module", None)
+    return None
+
+
 def _fsdp_data_size(root: torch.nn.Module, world: int) -> int:
     """The number of ranks FSDP2 averages gradients over: the size of the mesh of an FSDP2 parameter group (its
     private ``mesh_info``, docs/internals.md); every rank when no group is found (FSDP2 on a 1-D mesh of the world)."""
@@ -254,7 +276,7 @@ def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
     not verified exact on raises ``ValueError`` (``parallel.tensor``)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    tp = tensor_parallel_size(root)
+    tp = tensor_parallel_size(root, model)
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     try:
@@ -270,6 +292,9 @@ def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
             )
         m = getattr(m, "module", None)
     fsdp_cls = _fsdp_module_cls()
+    outer = _outer_fsdp(model, root, fsdp_cls)
+    if outer is not None:  # FSDP2 applied to a wrapper of the causal LM as a whole (a PEFT model): that is the root
+        root = outer
     if fsdp_cls is not None and isinstance(root, fsdp_cls):
         state = root._get_fsdp_state() if hasattr(root, "_get_fsdp_state") else None
         if not (hasattr(state, "_pre_forward") and hasattr(state, "_post_forward")):

@@ -53,11 +53,12 @@ def _fsdp_managed(root: torch.nn.Module) -> set[int]:
     return {id(p) for m in root.modules() if isinstance(m, FSDPModule) for p in m.parameters()}
 
 
-def tensor_parallel_size(root: torch.nn.Module) -> int:
+def tensor_parallel_size(root: torch.nn.Module, model: torch.nn.Module | None = None) -> int:
     """The tensor-parallel degree of ``root`` (1 without tensor parallelism); raises ``ValueError`` for a layout that
-    is not verified exact."""
+    is not verified exact. ``model``: what the user passed, which may hold ``root`` (a PEFT model, FSDP2 applied to
+    it as a whole)."""
     tp = getattr(root, "_tp_size", None) or 1
-    fsdp = _fsdp_managed(root)
+    fsdp = _fsdp_managed(model if model is not None else root)
     for mname, module in root.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             if _is_dtensor(p):

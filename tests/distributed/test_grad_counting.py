@@ -1,0 +1,105 @@
+"""Every data-parallel wrapper's gradient reduction sees the call's total once (2 CPU processes, gloo).
+
+sp.backward runs several backwards per call under a budget that splits a group; each wrapper below reduces
+gradients its own way, and each case checks the result against one process's plain gradient of every row, with a
+control run that reduces not at all or differently, which must fail the same comparison:
+DDP with ``find_unused_parameters`` on and off (Qwen3-MoE, whose experts may go unrouted on a rank), DDP's
+``no_sync()`` accumulation across two calls (one all-reduce, none inside ``no_sync``), FSDP2 with
+``reshard_after_forward=False``, PEFT LoRA under FSDP2 (applied to the PEFT model as a whole), and FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` by the 2x rule against the plain run under the same
+policy.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from distributed.hooks_worker import LORA
+from distributed.worker import groups_and_weights
+
+from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
+from sharedprefix.tools.reference import Float64Inside
+
+pytestmark = pytest.mark.slow  # torchrun, 2 processes
+
+WORKER = os.path.join(os.path.dirname(__file__), "hooks_worker.py")
+
+
+def launch(kind, tmp_path, timeout=300):
+    out = tmp_path / f"{kind}.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, kind, str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"2-process run of {kind!r} did not end in {timeout} s: {str(e.stderr)[-3000:]}") from None
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+def plain(model):
+    groups, W = groups_and_weights()
+    return grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
+
+
+def present(grads):
+    return {k: v for k, v in grads.items() if v is not None}
+
+
+def exact_with_control(got, want, control):
+    assert_grads_close(present(got), want, 1e-9)
+    with pytest.raises(AssertionError):
+        assert_grads_close(present(control), want, 1e-3)
+
+
+def test_ddp_find_unused_parameters_on_and_off(tmp_path):
+    from sharedprefix.tools.zoo.configs import _float64_norms, build
+
+    got = launch("ddp_unused", tmp_path)
+    model, _ = build("qwen3_moe")
+    _float64_norms(model)
+    with Float64Inside():
+        want = plain(model)
+    for unused in (True, False):
+        assert_grads_close(present(got[f"find_unused={unused}"]), want, 1e-9)
+    with pytest.raises(AssertionError):  # the control: not reduced (sync=False)
+        assert_grads_close(present(got["control"]), want, 1e-3)
+
+
+def test_ddp_no_sync_accumulates_then_one_sync(tmp_path):
+    got = launch("ddp_no_sync", tmp_path)
+    assert got["reduces_in_no_sync"] == 0  # inside no_sync(): no gradient all-reduce, as DDP's own backward
+    assert got["reduces"] == 1  # the syncing call: one all-reduce of the accumulated gradients (one dtype)
+    exact_with_control(got["grads"], plain(tiny_model("qwen3")), got["control"])  # control: both calls in no_sync
+
+
+def test_fsdp_without_resharding_after_forward(tmp_path):
+    got = launch("fsdp_noreshard", tmp_path)
+    exact_with_control(got["grads"], plain(tiny_model("qwen3")), got["control"])  # control: sync=False
+
+
+def test_peft_lora_under_fsdp(tmp_path):
+    import peft
+
+    got = launch("fsdp_lora", tmp_path)
+    model = peft.get_peft_model(tiny_model("qwen3"), peft.LoraConfig(**LORA))
+    want = plain(model)
+    assert want and all("lora_" in k for k in want)
+    exact_with_control(got["grads"], want, got["control"])
+
+
+def test_fsdp_mixed_precision_by_the_2x_rule(tmp_path):
+    """bf16 compute, float32 reduction: ours within twice the plain run's error under the same policy, both against
+    the float64 gradient; the control (grad_reduction='mean', half the sum) fails the same rule."""
+    got = launch("fsdp_mixed", tmp_path)
+    want = plain(tiny_model("qwen3"))
+
+    def err(g):
+        return max(float((g[k].double() - want[k]).abs().max() / want[k].abs().max()) for k in want)
+
+    plain_err, ours = err(got["plain"]), err(got["grads"])
+    assert 0 < plain_err < 0.2  # bf16 rounding, not a wrong gradient
+    assert ours <= 2 * plain_err, (ours, plain_err)
+    assert err(got["control"]) > 2 * plain_err
