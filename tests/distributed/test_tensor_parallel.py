@@ -142,6 +142,7 @@ def test_fsdp2_by_tp_on_a_2d_mesh_exact(two_d, name):
     got, root = two_d
     got = got[f"{name}@fsdp2xtp"]
     assert got["dp_rank"] == 0
+    assert got["verify"].endswith("-> exact by the 2x rule"), got["verify"]  # sp.verify runs on the 2-D layout
     with Float64Inside():
         model = load(name, root)
         groups, W = groups_and_weights()

@@ -148,6 +148,7 @@ def calls_2d(model):
     out["checkpointing"] = grads(lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))
     model.gradient_checkpointing_disable()
     model.eval()
+    out["verify"] = str(sp.verify(model))
     return out
 
 

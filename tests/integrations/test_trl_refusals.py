@@ -85,3 +85,14 @@ def test_fp16_is_refused_with_bf16_as_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"fp16=True .*Use bf16=True"):
         _build(_model(tok), tok, tmp_path, fp16=True)
     assert _build(_model(tok), tok, tmp_path, bf16=True)
+
+
+def test_a_tensor_parallel_model_is_refused_with_the_reason(tmp_path):
+    """TRL's GRPOTrainer runs tensor parallelism through accelerate's ParallelismConfig, which refuses CPU processes,
+    so the trainer was never compared with GRPOTrainer under it: a model transformers loaded with a tp_plan (its
+    ``_tp_size``, set here on a built trainer's model, as a 2-process load sets it) is refused, naming the way out."""
+    tok = build_tokenizer()
+    trainer = _build(_model(tok), tok, tmp_path)
+    trainer.model._tp_size = 2
+    with pytest.raises(ValueError, match=r"tensor-parallel \(tp_size=2\).*ParallelismConfig.*MULTI_CPU.*without tp_plan"):
+        trainer._refuse_at_construction()

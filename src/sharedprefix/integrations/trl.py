@@ -92,6 +92,15 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
     def _refuse_at_construction(self):
         """What the log-prob hook could not compute, refused now, each with the setting that removes it."""
         inner = unwrap(self.model)
+        tp = getattr(inner, "_tp_size", None) or 1
+        if tp > 1:
+            raise ValueError(
+                f"the model is tensor-parallel (tp_size={tp}). sharedprefix's own calls are verified exact under "
+                "transformers' tensor parallelism, but TRL's GRPOTrainer with it needs accelerate's ParallelismConfig, "
+                "which refuses CPU processes (DistributedType.MULTI_CPU), so this trainer has never been run against "
+                "GRPOTrainer with tensor parallelism. Load the model without tp_plan, or call sp.logprobs / sp.backward "
+                "in your own loop (docs/distributed.md)."
+            )
         hybrid = is_hybrid(inner)
         check_supported(inner, hybrid=hybrid)
         name = type(inner).__name__
