@@ -8,7 +8,8 @@ with FSDP2 (``fully_shard``) over another mesh dimension. Each rank of a tensor-
 and the gradient of a replicated parameter (``replicated_with_grad_allreduce``) is summed by transformers' own hook,
 which ``parallel.grad_hooks`` runs once per call.
 
-Refused, each with what was found: a DTensor parameter placed by anything else (a user's own ``parallelize_module``
+Refused, each with what was found: a model type not in ``VERIFIED_MODEL_TYPES``, the MoE load-balancing loss, a
+DTensor parameter placed by anything else (a user's own ``parallelize_module``
 plan), a mesh of more than two dimensions, a plan style not in ``VERIFIED_STYLES``, transformers' sequence, expert
 or pipeline parallelism, attention heads or K/V heads that the TP degree does not divide, and tensor parallelism
 together with ``sequence_group=``.
@@ -33,6 +34,16 @@ VERIFIED_STYLES = frozenset(
         "moe_tp_experts",
     }
 )
+# model types whose tensor-parallel runs were compared with one process (tests/distributed/test_tensor_parallel.py, and
+# the held-out sweep tests/distributed/tp_sweep.py): exact. Any other is refused, because transformers' own plan can
+# be wrong for a model (Gemma 3n's plain tensor-parallel forward differs from one process by 2e-2 in float64)
+VERIFIED_MODEL_TYPES = frozenset(
+    {
+        "llama", "qwen3", "gemma3_text", "qwen3_moe", "gpt_oss", "mistral", "qwen2", "gemma2", "cohere", "cohere2",
+        "granite", "starcoder2", "gpt_neox", "gptj", "codegen", "mixtral", "qwen2_moe", "exaone4", "smollm3",
+        "nemotron", "lfm2", "falcon_h1", "qwen3_next", "qwen3_5_text",
+    }
+)  # fmt: skip
 _FIX = (
     "Load the model with transformers' own tensor parallelism (from_pretrained(..., tp_plan='auto') or "
     "distributed_config=DistributedConfig(tp_size=N)), optionally with fully_shard (FSDP2) over a second mesh "
@@ -98,6 +109,22 @@ def _check_transformers_plan(root: torch.nn.Module, tp: int) -> None:
     for size in ("ep_size", "pp_size"):
         if (getattr(dc, size, 1) or 1) > 1:
             raise ValueError(f"the model was loaded with {size}={getattr(dc, size)} beside tp_size={tp}; " + _UNVERIFIED)
+    cfg = root.config.get_text_config() if hasattr(root.config, "get_text_config") else root.config
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in VERIFIED_MODEL_TYPES:
+        raise ValueError(
+            f"{type(root).__name__} (model_type={model_type!r}) is loaded with tensor parallelism (tp_size={tp}), and "
+            "sharedprefix has not compared this model type's tensor-parallel run with one process; transformers' own "
+            "plan is not exact for every model (Gemma 3n's plain tensor-parallel forward differs from one process). "
+            f"Verified: {sorted(VERIFIED_MODEL_TYPES)}. Load it without tp_plan, or add it to the tensor-parallel "
+            "tests (tests/distributed/tp_sweep.py compares a model type in a few minutes)."
+        )
+    if getattr(cfg, "output_router_logits", False):
+        raise ValueError(
+            f"{type(root).__name__} has output_router_logits=True (the MoE load-balancing loss) and is loaded with "
+            f"tensor parallelism (tp_size={tp}); that combination has not been compared with one process. Set "
+            "output_router_logits=False, or load the model without tp_plan."
+        )
     plan = getattr(root, "tp_plan", None) or {}
     odd = sorted({style for style in plan.values() if style not in VERIFIED_STYLES})
     if odd:
@@ -107,7 +134,6 @@ def _check_transformers_plan(root: torch.nn.Module, tp: int) -> None:
             "styles; a new style needs its test in tests/distributed/test_tensor_parallel.py first."
         )
     heads_sharded = any(k.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj") and s == "colwise" for k, s in plan.items())
-    cfg = root.config.get_text_config() if hasattr(root.config, "get_text_config") else root.config
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(cfg, field, None)
         if heads_sharded and isinstance(heads, int) and heads % tp:
