@@ -25,10 +25,12 @@ first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) there, so that this module 
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 
 import torch
 
+from sharedprefix import settings
 from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap, uses_checkpointing
 from sharedprefix.model.support import is_hybrid
@@ -252,6 +254,11 @@ def _check_modes(prefix_activations: str, grad_reduction: str) -> None:
 
 
 def _run_call_checks(model, groups) -> None:
+    """The registered checks, after importing the module of every setting that is on (``settings``: the
+    self-check's module registers itself), whichever way the public functions were imported."""
+    for name, setting in settings.SETTINGS.items():
+        if setting.plugin is not None and settings.read(name) != setting.default:
+            importlib.import_module(setting.plugin)
     for check in _CALL_CHECKS:
         check(model, groups)
 

@@ -65,7 +65,6 @@ Notation: B = rows of a micro-batch, L = longest row, total = its tokens.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from contextlib import nullcontext
 
@@ -81,6 +80,7 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepare_micro_batches
 
 import sharedprefix as sp
+from sharedprefix import settings
 from sharedprefix.integrations.verl_layout import (
     check_positions,
     group_keys,
@@ -191,7 +191,7 @@ def check_model(module) -> None:
 
 
 def max_tokens_from_env() -> int | None:
-    raw = os.environ.get(ENV_MAX_TOKENS, "").strip()
+    raw = settings.read(ENV_MAX_TOKENS).strip()
     if not raw:
         return None
     try:

@@ -17,18 +17,18 @@ Notation: M = predicted tokens, d = hidden size, V = vocabulary, K = streams.
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from sharedprefix import settings
 from sharedprefix.model.adapter import head_logits
 from sharedprefix.model.streams import head_vocab
 
 KEEP_MODES = ("auto", "always", "never")
-_KEEP = {"mode": os.environ.get("SHAREDPREFIX_KEEP_LOGITS", "auto")}
+_KEEP: dict = {"mode": None}  # None: as SHAREDPREFIX_KEEP_LOGITS says now (``settings``); set inside ``keep_logits``
 # The CPU default: logits of up to 256 MiB are kept (a host's memory is large next to it; keeping them saves one head
 # matmul per chunk in the backward, about a third of the head's time); larger ones are recomputed chunk by chunk.
 CPU_KEEP_BYTES = 256 * 2**20
@@ -68,7 +68,7 @@ def logit_cap(device: torch.device) -> int:
 
 
 def _keeps(hidden: torch.Tensor, logits_per_row: int, out_dtype: torch.dtype) -> bool:
-    mode = _check_mode(_KEEP["mode"])
+    mode = _check_mode(_KEEP["mode"] or settings.read("SHAREDPREFIX_KEEP_LOGITS"))
     if mode != "auto":
         return mode == "always"
     return hidden.shape[0] * logits_per_row * out_dtype.itemsize <= logit_cap(hidden.device)

@@ -17,13 +17,13 @@ Notation: N = completions, T = longest completion.
 from __future__ import annotations
 
 import copy
-import os
 import warnings
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
+from sharedprefix import settings
 from sharedprefix.api import register_call_check
 
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -233,7 +233,7 @@ def discrete_choices(model) -> str | None:
 
 def self_check(model, groups) -> None:
     """With ``SHAREDPREFIX_SELF_CHECK=1``: verify once per model on its first real groups; raise on a mismatch."""
-    if os.environ.get("SHAREDPREFIX_SELF_CHECK", "0") in ("", "0") or not isinstance(groups, list):
+    if settings.read("SHAREDPREFIX_SELF_CHECK") == "0" or not isinstance(groups, list):
         return
     from sharedprefix.model.adapter import unwrap
 

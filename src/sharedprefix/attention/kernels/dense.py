@@ -29,16 +29,16 @@ Notation: B = entries, Lq / Lk = queries / keys per entry, H / Hkv = query / key
 
 from __future__ import annotations
 
-import os
 import warnings
 from contextlib import contextmanager
 
 import torch
 
+from sharedprefix import settings
 from sharedprefix.attention.kernels.common import _fold_heads, _pad_last, _repeat_heads
 from sharedprefix.attention.kernels.reference import Reference
 
-_STATE = {"enabled": os.environ.get("SHAREDPREFIX_DENSE", "1") != "0"}
+_STATE: dict = {"enabled": None}  # None: as SHAREDPREFIX_DENSE says now (``settings``); a bool inside ``dense_dispatch``
 _CUDA_CHOICE: dict = {}  # (device, dtype) -> CuDNN or DenseFlash, decided once
 CUDNN_MAX_HEAD_DIM = 128  # larger head dims take DenseFlash (up to 256)
 
@@ -55,13 +55,15 @@ def dense_dispatch(enabled: bool):
 
 
 def dense_enabled() -> bool:
+    if _STATE["enabled"] is None:
+        return settings.read("SHAREDPREFIX_DENSE") == "1"
     return _STATE["enabled"]
 
 
 def dense_for(impl, device: torch.device, dtype: torch.dtype, head_dim: int):
     """The dense kernel paired with the varlen ``impl`` for these tensors, or None (dispatch off, the reference,
     or no dense kernel for the head size)."""
-    if not _STATE["enabled"]:
+    if not dense_enabled():
         return None
     if impl.name == "cpu":
         return DenseCPU
