@@ -23,7 +23,7 @@ from sharedprefix.attention import indexed, interface
 from sharedprefix.layout.packing import pack_row
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.tools.reference import Float64Inside
-from sharedprefix.tools.zoo.configs import _float64_norms, entries, tiny_config
+from sharedprefix.tools.zoo.configs import entries, float64_norms, tiny_config
 
 # three groups in one row; the first prompt sees 7 keys at its end, its completions up to 13
 GROUPS = random_groups(0, 3, [7, 3, 5], [[4, 6, 2], [5], [3, 3]])
@@ -41,7 +41,7 @@ def dsa_model(entry="deepseek_v32", **overrides):
     torch.manual_seed(0)
     model = cls._from_config(cfg, attn_implementation="sdpa" if cls._supports_sdpa else "eager")
     model = model.to(torch.float64).eval()
-    _float64_norms(model)
+    float64_norms(model)
     return model
 
 

@@ -76,11 +76,11 @@ def main(kind, out):
 
     dist.all_reduce = counting
     if kind == "ddp_unused":  # Qwen3-MoE: experts no token of a rank's shard routes to get no gradient there
-        from sharedprefix.tools.zoo.configs import _float64_norms, build
+        from sharedprefix.tools.zoo.configs import build, float64_norms
 
         with Float64Inside():  # its router's float32 softmax kept float64, as in the test's reference
             model, _ = build("qwen3_moe")
-            _float64_norms(model)
+            float64_norms(model)
             for unused in (True, False):
                 ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
                 result[f"find_unused={unused}"] = grads_of(ddp, lambda m=ddp: sp.backward(m, mine, loss_fn, max_tokens=BUDGET))

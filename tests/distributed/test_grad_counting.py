@@ -55,11 +55,11 @@ def exact_with_control(got, want, control):
 
 
 def test_ddp_find_unused_parameters_on_and_off(tmp_path):
-    from sharedprefix.tools.zoo.configs import _float64_norms, build
+    from sharedprefix.tools.zoo.configs import build, float64_norms
 
     got = launch("ddp_unused", tmp_path)
     model, _ = build("qwen3_moe")
-    _float64_norms(model)
+    float64_norms(model)
     with Float64Inside():
         want = plain(model)
     for unused in (True, False):

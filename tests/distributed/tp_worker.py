@@ -22,10 +22,10 @@ from sharedprefix.tools.reference import Float64Inside  # noqa: E402
 
 
 def _zoo(entry):
-    from sharedprefix.tools.zoo.configs import _float64_norms, build
+    from sharedprefix.tools.zoo.configs import build, float64_norms
 
     model, _ = build(entry)
-    _float64_norms(model)
+    float64_norms(model)
     return model
 
 

@@ -17,7 +17,7 @@ import sharedprefix as sp
 from sharedprefix.model.support import HYBRID_MODEL_TYPES
 from sharedprefix.schedule import hybrid
 from sharedprefix.tools.reference import Float64Inside, plain_logprobs
-from sharedprefix.tools.zoo.configs import _float64_norms
+from sharedprefix.tools.zoo.configs import float64_norms
 
 # initializer_range 0.2 (not 0.02): states that matter, so that a completion started from a wrong one is caught
 COMMON = dict(
@@ -83,7 +83,7 @@ def model_of(family):
         model = getattr(transformers, model_cls)._from_config(cfg, attn_implementation="sdpa")
         model.config._experts_implementation = "eager"
         model = model.to(torch.float64).eval()
-        _float64_norms(model)
+        float64_norms(model)
         _MODELS[family] = model
     return _MODELS[family]
 
@@ -207,10 +207,10 @@ def test_a_completion_that_does_not_start_from_the_prompts_state_is_caught(monke
     differences small in absolute terms)."""
     model, gs = model_of(family), groups_of()
     ref = reference(family, model, gs)[0]
-    read = hybrid._read  # (the model's own float32 layers: their rounding is far below what is asserted here)
+    read = hybrid.read_states  # (the model's own float32 layers: their rounding is far below what is asserted here)
     monkeypatch.setattr(
         hybrid,
-        "_read",
+        "read_states",
         lambda cache, slots: [torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))],
     )
     with torch.no_grad():
@@ -223,8 +223,8 @@ def test_gradients_reach_the_prompt_through_its_state(monkeypatch):
     through its conv, recurrent and attention state: the comparison with the plain gradient catches it."""
     model, gs = model_of("zaya"), groups_of()
     ref, _, want = reference("zaya+float64", model, gs, Float64Inside)
-    read = hybrid._read
-    monkeypatch.setattr(hybrid, "_read", lambda cache, slots: [t.detach() for t in read(cache, slots)])
+    read = hybrid.read_states
+    monkeypatch.setattr(hybrid, "read_states", lambda cache, slots: [t.detach() for t in read(cache, slots)])
     w = _weights(ref.shape)
     with Float64Inside():
         out = sp.logprobs(model, gs)
@@ -321,7 +321,7 @@ def zoo_model(entry, **config):
     model = cls._from_config(cfg, attn_implementation="sdpa" if cls._supports_sdpa else "eager")
     model.config._experts_implementation = "eager"
     model = model.to(torch.float64).eval()
-    _float64_norms(model)
+    float64_norms(model)
     with torch.no_grad():  # Zaya scales its keys by a learned factor that starts at zero: keys would not matter
         for name, p in model.named_parameters():
             if name.endswith("qk_norm.temp"):
@@ -365,9 +365,9 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
             got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)
             assert _grad_error(got, want) <= 1e-9, (mode, max_tokens, _grad_error(got, want))
-        read = hybrid._read
+        read = hybrid.read_states
         cache = hybrid.HybridRun(model, gs, None, 1.0, False).prompt(gs[0])[0]
-        kinds = sorted({name for _, name, _ in hybrid._slots(cache)})
+        kinds = sorted({name for _, name, _ in hybrid.state_slots(cache)})
         types = model.config.get_text_config().layer_types
         assert set(kinds) & {"conv_states", "recurrent_states", "linear_cache"}, kinds  # a state beside any K/V
         assert "keys" in kinds or not set(types) & ATTENTION_LAYER_TYPES, kinds
@@ -375,9 +375,9 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
             zeroed = lambda cache, slots, slot=slot: [  # noqa: E731
                 torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))
             ]
-            hybrid._read = zeroed
+            hybrid.read_states = zeroed
             try:
                 with torch.no_grad():
                     assert float((sp.logprobs(model, gs).logprobs - ref).abs().max()) > 1e-6, slot
             finally:
-                hybrid._read = read
+                hybrid.read_states = read

@@ -125,7 +125,7 @@ def test_instance_bound_delta_rule_under_gradient_checkpointing(monkeypatch, fam
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _float64_checkpoints(model)
     seen = []
-    wrapped = mixers._wrapper
+    wrapped = mixers.seam_wrapper
 
     def counting(kind, fn):  # the recomputes pass through the wrapper: mark its calls inside autograd's backward
         seam = wrapped(kind, fn)
@@ -136,7 +136,7 @@ def test_instance_bound_delta_rule_under_gradient_checkpointing(monkeypatch, fam
 
         return call
 
-    monkeypatch.setattr(mixers, "_wrapper", counting)
+    monkeypatch.setattr(mixers, "seam_wrapper", counting)
     with Float64Inside():
         for budget in (None, 6):
             seen.clear()

@@ -13,7 +13,7 @@ import sharedprefix as sp
 from helpers import assert_matches_plain_rows
 from sharedprefix.model import mixers
 from sharedprefix.tools.reference import Float64Inside, dtype_faithful_norms
-from sharedprefix.tools.zoo.configs import _float64_norms
+from sharedprefix.tools.zoo.configs import float64_norms
 
 # -- segments shorter than the convolution's window -----------------------------------------------------------------
 
@@ -27,7 +27,7 @@ def _lfm2(**config):
     cfg = getattr(tf, cfg_cls)(**COMMON, **dict(extra, **config))
     torch.manual_seed(0)
     model = getattr(tf, model_cls)._from_config(cfg, attn_implementation="sdpa").to(torch.float64).eval()
-    _float64_norms(model)
+    float64_norms(model)
     return model
 
 

@@ -26,7 +26,7 @@ from helpers import grads_of, plain_logprobs
 from sharedprefix.model import mixers
 from sharedprefix.model.support import HYBRID_MODEL_TYPES, INLINE_MIXERS, is_hybrid
 from sharedprefix.tools.reference import Float64Inside
-from sharedprefix.tools.zoo.configs import _float64_norms
+from sharedprefix.tools.zoo.configs import float64_norms
 
 LA, FA, SA = "linear_attention", "full_attention", "sliding_attention"
 SMALL = {  # 3 layers each; the delta nets as small as the attention
@@ -56,7 +56,7 @@ def _model(family):
         model = cls._from_config(type(base)(**kw), attn_implementation="sdpa" if cls._supports_sdpa else "eager")
         model.config._experts_implementation = "eager"
         model = model.to(torch.float64).eval()
-        _float64_norms(model)
+        float64_norms(model)
         _MODELS[family] = model
     return _MODELS[family]
 

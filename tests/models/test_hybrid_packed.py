@@ -269,14 +269,14 @@ def test_a_config_without_attention_layers_runs_exactly(family, kind):
     import transformers
     from models.test_hybrid import COMMON, CONFIGS
 
-    from sharedprefix.tools.zoo.configs import _float64_norms
+    from sharedprefix.tools.zoo.configs import float64_norms
 
     cfg_cls, model_cls, extra = CONFIGS[family]
     cfg = getattr(transformers, cfg_cls)(**COMMON, **dict(extra, layer_types=[kind] * extra["num_hidden_layers"]))
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)._from_config(cfg, attn_implementation="sdpa").to(torch.float64).eval()
     model.config._experts_implementation = "eager"
-    _float64_norms(model)
+    float64_norms(model)
     with _inside(family):
         _groups_check(model, groups_of(), [(None, "keep"), (6, "keep")])
 

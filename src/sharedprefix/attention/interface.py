@@ -90,6 +90,11 @@ class PassState:
 _STACK: list[PassState] = []
 
 
+def current_pass() -> PassState | None:
+    """The state of the innermost pass running (None outside sharedprefix's passes)."""
+    return _STACK[-1] if _STACK else None
+
+
 @contextmanager
 def pass_state(state: PassState):
     """Make ``state`` the layout the attention function uses (also during backward)."""
@@ -288,7 +293,7 @@ def _encoder_configs(model: torch.nn.Module) -> set[int]:
     return out
 
 
-def _configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
+def model_configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
     seen, out = _encoder_configs(model), []
     for m in model.modules():
         cfg = getattr(m, "config", None)
@@ -311,17 +316,17 @@ def _configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
 def implementation(model: torch.nn.Module) -> str:
     """The attention implementation ``activated`` switches ``model`` to: ``indexed.NAME`` for a model with indexed
     layers (DeepSeek sparse attention), else ``NAME``."""
-    return indexed.NAME if indexed.is_indexed(_configs(model)) else NAME
+    return indexed.NAME if indexed.is_indexed(model_configs(model)) else NAME
 
 
 @contextmanager
 def activated(model: torch.nn.Module):
     """Switch every config of ``model`` to the sharedprefix attention (``indexed.NAME`` for a model with indexed
     layers, whose indexers also get ``indexed.key_hooks`` for the duration); restore them on exit."""
-    configs = _configs(model)
+    configs = model_configs(model)
     name = implementation(model)
     saved = [cfg._attn_implementation_internal for cfg in configs]
-    hooks = indexed.key_hooks(model, lambda: _STACK[-1] if _STACK else None) if name == indexed.NAME else []
+    hooks = indexed.key_hooks(model, current_pass) if name == indexed.NAME else []
     try:
         for cfg in configs:
             cfg._attn_implementation_internal = name

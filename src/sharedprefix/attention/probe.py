@@ -103,7 +103,7 @@ AttentionInterface.register(NAME, _record)
 AttentionMaskInterface.register(NAME, _mask)
 
 
-def _configs(model) -> list[PreTrainedConfig]:
+def model_configs(model) -> list[PreTrainedConfig]:
     seen, out, stack = set(), [], [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PreTrainedConfig)]
     while stack:
         cfg = stack.pop()
@@ -165,7 +165,7 @@ def probe(model, decoder, expected_layers: int) -> dict:
     Returns {attention module: LayerPattern}, also kept for ``pattern``.
     """
     name = type(model).__name__
-    configs = _configs(model)
+    configs = model_configs(model)
     settings: list[tuple] = []
     for cfg in configs:
         for k, v in sorted(vars(cfg).items()):  # the instance's own values (per-layer configs refuse getattr)

@@ -16,7 +16,7 @@ import torch
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _as_ids(value, what: str) -> torch.Tensor:
+def as_ids(value, what: str) -> torch.Tensor:
     """Convert a list of ints or a 1-D integer tensor into a 1-D int64 CPU tensor, and K lists of ints or a
     (K, length) integer tensor (frames: one code per stream and position) into a (K, length) one."""
     frames = isinstance(value, torch.Tensor) and value.dim() == 2
@@ -27,7 +27,7 @@ def _as_ids(value, what: str) -> torch.Tensor:
         )
     if frames:
         rows = value.unbind(0) if isinstance(value, torch.Tensor) else value
-        out = [_as_ids(r, f"{what}[{k}]") for k, r in enumerate(rows)]
+        out = [as_ids(r, f"{what}[{k}]") for k, r in enumerate(rows)]
         if any(r.dim() != 1 for r in out):
             raise ValueError(f"{what} nests deeper than K lists of codes; expected 1-D token ids or (K, length) frames.")
         lens = sorted({int(r.numel()) for r in out})
@@ -92,7 +92,7 @@ class Group:
     prompt_inputs: dict | None
 
     def __init__(self, prompt, completions, prompt_inputs=None):
-        p = _as_ids(prompt, "prompt")
+        p = as_ids(prompt, "prompt")
         if p.shape[-1] == 0:
             raise ValueError(
                 "prompt is empty; expected at least one token, because the first completion token "
@@ -110,7 +110,7 @@ class Group:
             )
         cs = []
         for i, c in enumerate(completions):
-            t = _as_ids(c, f"completions[{i}]")
+            t = as_ids(c, f"completions[{i}]")
             if t.dim() != p.dim() or t.shape[:-1] != p.shape[:-1]:
                 raise ValueError(
                     f"completions[{i}] has shape {tuple(t.shape)} and the prompt shape {tuple(p.shape)}; expected the "

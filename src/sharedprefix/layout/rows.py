@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sharedprefix.layout.groups import _as_ids, check_in_vocab
+from sharedprefix.layout.groups import as_ids, check_in_vocab
 
 
 def _as_mask(value, n: int, what: str) -> torch.Tensor:
@@ -60,7 +60,7 @@ class Tree:
             raise ValueError("rows is empty; expected at least one row of token ids.")
         ids = []
         for i, r in enumerate(rows):
-            t = _as_ids(r, f"rows[{i}]")
+            t = as_ids(r, f"rows[{i}]")
             if t.numel() == 0:
                 raise ValueError(f"rows[{i}] is empty; expected at least one token. Drop empty rows before the call.")
             ids.append(t)

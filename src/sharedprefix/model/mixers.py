@@ -152,7 +152,7 @@ def active(model):
                 if key not in keys:
                     if key not in _INSTALLED:
                         own = getattr(src, SEAMS[kind])
-                        _INSTALLED[key] = [own, 0, _wrapper(kind, own)]
+                        _INSTALLED[key] = [own, 0, seam_wrapper(kind, own)]
                         setattr(src, SEAMS[kind], _INSTALLED[key][2])
                     _INSTALLED[key][1] += 1
                     keys.append(key)
@@ -184,7 +184,12 @@ def active(model):
 def _state():
     from sharedprefix.attention import interface
 
-    return interface._STACK[-1] if interface._STACK else None
+    return interface.current_pass()
+
+
+def current_mixer():
+    """The mixer module whose forward is running innermost (None outside one)."""
+    return _CURRENT[-1][0] if _CURRENT else None
 
 
 def _enter(module, args):
@@ -208,7 +213,7 @@ def _leave(kinds):
     return hook
 
 
-def _wrapper(kind: str, own):
+def seam_wrapper(kind: str, own):
     by_kind: dict[str, Callable] = {"conv": _conv, "delta": _delta, "scan": ssm.scan, "kda": packed_kda}
     packed = by_kind[kind]
 

@@ -44,6 +44,7 @@ def hooks(mixer: torch.nn.Module, kinds: tuple[str, ...]) -> list:
     conv = find(mixer) if "conv" in kinds else None
     if conv is None:
         return []
+    from sharedprefix.attention import interface
     from sharedprefix.model import mixers
 
     K = conv.padding[0]
@@ -51,11 +52,11 @@ def hooks(mixer: torch.nn.Module, kinds: tuple[str, ...]) -> list:
     def causal(x, weight):  # the model's own convolution, made causal: (1, C, n) -> (1, C, n)
         return F.conv1d(x, weight, conv.bias, padding=K, groups=conv.groups)[..., : x.shape[-1]]
 
-    seam = mixers._wrapper("conv", causal)
+    seam = mixers.seam_wrapper("conv", causal)
 
     def hook(module, args, output):
-        state = mixers._state()
-        if state is None or state.write_state is None or not mixers._CURRENT or mixers._CURRENT[-1][0] is not mixer:
+        state = interface.current_pass()
+        if state is None or state.write_state is None or mixers.current_mixer() is not mixer:
             return None  # outside a pass (or the Conv1d called from elsewhere): the module's own output
         (x,) = args
         if output.shape != (*x.shape[:-1], x.shape[-1] + K):

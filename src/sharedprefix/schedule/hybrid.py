@@ -48,7 +48,7 @@ from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.grad_hooks import DeferredGradHooks
 from sharedprefix.schedule.cache import OffloadHooks
-from sharedprefix.schedule.hybrid_state import _cache_arg, _new_cache, _read, _repeated, _slots, prompt_chunks
+from sharedprefix.schedule.hybrid_state import cache_arg_name, new_cache, prompt_chunks, read_states, repeated_states, state_slots
 from sharedprefix.schedule.results import Batch
 
 MIN_WIDTH = 2  # a batch of width 1 would take the models' in-place single-token decode kernels
@@ -109,7 +109,7 @@ class HybridRun:
         self.entropy = entropy
         self.device = emb.weight.device
         self.dec = decoder(model)
-        self.cache_arg = _cache_arg(self.dec)
+        self.cache_arg = cache_arg_name(self.dec)
         # a decoder without position_ids (a pure state-space model) has no positions to continue
         self.positioned = "position_ids" in inspect.signature(self.dec.forward).parameters
         self.W = max(c.numel() for g in self.groups for c in g.completions)
@@ -138,7 +138,7 @@ class HybridRun:
 
         A prompt longer than the budget runs in consecutive chunks, each continuing the cache of the last.
         """
-        cache = _new_cache(self.model)
+        cache = new_cache(self.model)
         ids = g.prompt.to(self.device)[None]
         for a, b in prompt_chunks(ids.shape[1], self.max_tokens):
             out = self.dec(
@@ -149,9 +149,9 @@ class HybridRun:
             )
             self.tokens += b - a
             self.passes += 1
-        slots = _slots(cache)
+        slots = state_slots(cache)
         self._check_filled(cache, slots, ids.shape[1])
-        return cache, slots, _read(cache, slots), out.last_hidden_state[0, -1]
+        return cache, slots, read_states(cache, slots), out.last_hidden_state[0, -1]
 
     def _check_filled(self, cache, slots, length: int) -> None:
         """Every layer that mixes tokens left its state in the cache (none did silently without one)."""
@@ -166,7 +166,7 @@ class HybridRun:
                 "completions would start from nothing instead of the prompt's state. This model's cache use is not "
                 "supported by sharedprefix's hybrid path."
             )
-        for (i, name, _), t in zip(slots, _read(cache, slots)):
+        for (i, name, _), t in zip(slots, read_states(cache, slots)):
             if name != "keys":
                 continue
             window = cache.layers[i].sliding_window if getattr(cache.layers[i], "is_sliding", False) else None
@@ -191,7 +191,7 @@ class HybridRun:
             mask[r, : c.numel()] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (P + torch.arange(t, device=self.device))[None].expand(n, t)
-        out = self.dec(input_ids=ids, use_cache=True, **self._positions(pos), **{self.cache_arg: _repeated(cache, slots, tensors, n)})
+        out = self.dec(input_ids=ids, use_cache=True, **self._positions(pos), **{self.cache_arg: repeated_states(cache, slots, tensors, n)})
         self.tokens += n * t
         self.passes += 1
         hidden = out.last_hidden_state  # (n, t, d)

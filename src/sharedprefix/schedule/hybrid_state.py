@@ -11,14 +11,14 @@ import copy
 import torch
 
 
-def _cache_arg(dec) -> str:
+def cache_arg_name(dec) -> str:
     import inspect
 
     params = inspect.signature(dec.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _new_cache(model):
+def new_cache(model):
     """An empty cache of the class the model's own forward would create: the cache class its modeling module
     defines where it has one (MiniMax's ``MiniMaxCache``), else ``DynamicCache(config=...)``."""
     import sys
@@ -28,7 +28,7 @@ def _new_cache(model):
 
     mod = sys.modules[type(model).__module__]
     own = [v for v in vars(mod).values() if isinstance(v, type) and issubclass(v, Cache) and v.__module__ == mod.__name__]
-    if len(own) == 1:  # its tensors are checked by _slots like any other cache's
+    if len(own) == 1:  # its tensors are checked by state_slots like any other cache's
         return own[0]()
     return _write_fresh(DynamicCache(config=model.config))
 
@@ -66,7 +66,7 @@ def _fresh_update(layer, name: str, update):
 LINEAR_CACHE = "linear_cache"  # MiniMaxCache: a list with each lightning-attention layer's (K^T V) state, on the cache
 
 
-def _slots(cache) -> list[tuple[int, str, int | None]]:
+def state_slots(cache) -> list[tuple[int, str, int | None]]:
     """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
     from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
@@ -117,7 +117,7 @@ def _holds_tensors(value) -> bool:
     return isinstance(value, (list, tuple)) and any(_holds_tensors(v) for v in value)
 
 
-def _read(cache, slots) -> list[torch.Tensor]:
+def read_states(cache, slots) -> list[torch.Tensor]:
     out = []
     for i, name, s in slots:
         if name == LINEAR_CACHE:
@@ -128,7 +128,7 @@ def _read(cache, slots) -> list[torch.Tensor]:
     return out
 
 
-def _repeated(cache, slots, tensors, n: int):
+def repeated_states(cache, slots, tensors, n: int):
     """A copy of ``cache`` whose tensors are ``tensors`` repeated ``n`` times along the batch (new memory: the
     model updates conv and recurrent states in place; gradients flow back to ``tensors`` through the repeat)."""
     new = copy.copy(cache)

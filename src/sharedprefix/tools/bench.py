@@ -108,7 +108,7 @@ def _rows_batch(rows):
     return ids, att
 
 
-def _plain_rows_step(model, items):
+def plain_rows_step(model, items):
     """items: list of (prompt, completion). Forward+backward of -sum log p, logits only where needed."""
     dev = next(model.parameters()).device
     items = [(p.to(dev), c.to(dev)) for p, c in items]
@@ -138,11 +138,11 @@ def plain_step(model, groups, max_tokens=None):
         items = [(g.prompt, c) for c in g.completions]
         per = len(items) if max_tokens is None else max(1, max_tokens // (g.prompt.numel() + max(c.numel() for c in g.completions)))
         for s in range(0, len(items), per):
-            total += _plain_rows_step(model, items[s : s + per])
+            total += plain_rows_step(model, items[s : s + per])
     return total
 
 
-def _loss(b):
+def bench_loss(b):
     return -(b.logprobs * b.mask).sum()
 
 
@@ -162,16 +162,16 @@ def in_pass_step(model, groups, max_tokens):
             used += c.numel()
         subs.append(chunk)
         for sub in subs:
-            res = sp.backward(model, [sp.Group(g.prompt, sub)], _loss)
+            res = sp.backward(model, [sp.Group(g.prompt, sub)], bench_loss)
             tokens += res.tokens_computed
     return tokens
 
 
 def shared_step(model, groups, max_tokens=None, mode="keep"):
-    return sp.backward(model, groups, _loss, max_tokens=max_tokens, prefix_activations=mode)
+    return sp.backward(model, groups, bench_loss, max_tokens=max_tokens, prefix_activations=mode)
 
 
-def _sync():
+def sync_device():
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -184,10 +184,10 @@ def best_time(fn, repeats, bar=None):
         bar.update()
     ts = []
     for _ in range(repeats):
-        _sync()
+        sync_device()
         t0 = time.perf_counter()
         fn()
-        _sync()
+        sync_device()
         ts.append(time.perf_counter() - t0)
         if bar is not None:
             bar.update()
@@ -224,12 +224,12 @@ GPU_MODEL = dict(
 
 def cuda_peak(fn) -> tuple[float, int]:
     """(seconds, peak bytes over the level before) of one call of ``fn`` on the current CUDA device."""
-    _sync()
+    sync_device()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     fn()
-    _sync()
+    sync_device()
     return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
 
 
@@ -261,8 +261,8 @@ def _peak_rss_bytes() -> int:
 def measure_in_subprocess(kind: str, spec: dict) -> dict:
     """Run one step of ``kind`` in a fresh Python process; returns time, peak memory growth and tokens."""
     code = (
-        "import json,sys; from sharedprefix.tools.bench import _child; "
-        "print(json.dumps(_child(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))"
+        "import json,sys; from sharedprefix.tools.bench import child_run; "
+        "print(json.dumps(child_run(json.loads(sys.argv[1]), json.loads(sys.argv[2]))))"
     )
     # A fixed mmap threshold makes glibc return every large freed block to the OS at once; with its default
     # dynamic threshold, freed tensors stay in the heap and the peak RSS measures fragmentation, not tensors.
@@ -273,7 +273,7 @@ def measure_in_subprocess(kind: str, spec: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _child(kind: str, spec: dict) -> dict:
+def child_run(kind: str, spec: dict) -> dict:
     """One measured step. Peak memory is the growth of the peak RSS over the RSS after set-up (model,
     gradient buffers, inputs); on CUDA the allocator's peak over its set-up level."""
     if spec.get("threads"):

@@ -86,7 +86,7 @@ def cache_path_step(model, groups, max_tokens=None):
     """The cache-driven path these families took before the packed one (``schedule.hybrid``)."""
     from sharedprefix.schedule import hybrid
 
-    return hybrid.backward(model, groups, bench._loss, max_tokens, "keep", 1.0, False, "cpu")
+    return hybrid.backward(model, groups, bench.bench_loss, max_tokens, "keep", 1.0, False, "cpu")
 
 
 def run(layers=4, repeats=2, prompt=2048, completion=128, G=8) -> list[str]:
@@ -169,7 +169,7 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, dev
     small_g, small_rows, small_t = agentic(system=64, prompts=2, prompt_len=16, G=2, completion=8)
 
     def packed(src):
-        return sp.backward(model, src, bench._loss, max_tokens=max_tokens)
+        return sp.backward(model, src, bench.bench_loss, max_tokens=max_tokens)
 
     def cache(gs):
         return cache_path_step(model, gs, max_tokens)
@@ -180,7 +180,7 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, dev
     timed = batches if plain_sample is None else batches[:: max(1, len(batches) // plain_sample)][:plain_sample]
     for fn, src in ((packed, sp.Tree.from_rows(small_rows, small_t)), (cache, small_g)):  # warm-ups
         fn(src)
-    bench._plain_rows_step(model, [(small_g[0].prompt, small_g[0].completions[0])])
+    bench.plain_rows_step(model, [(small_g[0].prompt, small_g[0].completions[0])])
 
     # one CPU thread: the process's CPU time, which other processes on a shared machine do not inflate; else wall time
     clock = time.process_time if torch.get_num_threads() == 1 and not cuda else time.perf_counter
@@ -189,16 +189,16 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, dev
         best, res = float("inf"), None
         for _ in range(repeats):
             model.zero_grad(set_to_none=True)
-            bench._sync()
+            bench.sync_device()
             t0 = clock()
             res = fn()
-            bench._sync()
+            bench.sync_device()
             best = min(best, clock() - t0)
         return best, res
 
     t_tree, r_tree = timed_call(lambda: packed(tree_src))
     t_cache, r_cache = timed_call(lambda: cache(groups))
-    t_some, _ = timed_call(lambda: [bench._plain_rows_step(model, b) for b in timed])
+    t_some, _ = timed_call(lambda: [bench.plain_rows_step(model, b) for b in timed])
     t_plain = t_some * len(batches) / len(timed)
     plain_tokens = sum(r.numel() for r in rows)
     rows_len = items[0][0].numel() + items[0][1].numel()

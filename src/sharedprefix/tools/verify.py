@@ -226,7 +226,7 @@ def discrete_choices(model) -> str | None:
     # the modules of a routed layer (not every class of a MoE family: a tiny config may hold dense layers only)
     if any("experts" in n or "router" in n or n.endswith(("moe", "moeblock", "moelayer")) for n in names):
         out.append("top-k expert routing")
-    if indexed.is_indexed(interface._configs(model)):
+    if indexed.is_indexed(interface.model_configs(model)):
         out.append("an indexer's top-k keys")
     return " and ".join(out) or None
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import torch
 
 
-def _entries(cu_q: torch.Tensor, cu_k: torch.Tensor):
+def entry_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor):
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for b in range(len(cq) - 1):
         yield cq[b], cq[b + 1], ck[b], ck[b + 1]
 
 
-def _key_range(i0: int, i1: int, lq: int, lk: int, causal: bool, window: int | None) -> tuple[int, int]:
+def key_range(i0: int, i1: int, lq: int, lk: int, causal: bool, window: int | None) -> tuple[int, int]:
     """Keys any of the queries i0..i1-1 of an entry may see (bottom-right alignment)."""
     off = lk - lq
     lo = 0 if window is None else max(0, i0 + off - window)
@@ -22,7 +22,7 @@ def _key_range(i0: int, i1: int, lq: int, lk: int, causal: bool, window: int | N
     return lo, max(lo, hi)
 
 
-def _allowed(i0: int, i1: int, k0: int, k1: int, lq: int, lk: int, causal: bool, window: int | None, device):
+def allowed_mask(i0: int, i1: int, k0: int, k1: int, lq: int, lk: int, causal: bool, window: int | None, device):
     """(i1 - i0, k1 - k0) bool: which keys each query of the tile may see."""
     qi = torch.arange(i0, i1, device=device)[:, None] + (lk - lq)
     kj = torch.arange(k0, k1, device=device)[None, :]
@@ -34,15 +34,15 @@ def _allowed(i0: int, i1: int, k0: int, k1: int, lq: int, lk: int, causal: bool,
     return ok
 
 
-def _lse_dtype(x: torch.Tensor) -> torch.dtype:
+def lse_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _repeat_heads(x: torch.Tensor, n: int) -> torch.Tensor:
+def repeat_heads(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if n == 1 else x.repeat_interleave(n, dim=1)
 
 
-def _fold_heads(dx: torch.Tensor, n: int) -> torch.Tensor:
+def fold_heads(dx: torch.Tensor, n: int) -> torch.Tensor:
     """Gradient w.r.t. repeated heads -> gradient w.r.t. the Hkv original heads."""
     if n == 1:
         return dx
@@ -50,7 +50,7 @@ def _fold_heads(dx: torch.Tensor, n: int) -> torch.Tensor:
     return dx.view(t, h // n, n, d).sum(2)
 
 
-def _capped(s: torch.Tensor, softcap: float | None):
+def softcapped(s: torch.Tensor, softcap: float | None):
     """(softcap * tanh(s / softcap), its derivative 1 - tanh^2), or (s, 1) without a softcap."""
     if softcap is None:
         return s, 1.0
@@ -58,5 +58,5 @@ def _capped(s: torch.Tensor, softcap: float | None):
     return t * softcap, 1 - t * t
 
 
-def _pad_last(x: torch.Tensor, d: int) -> torch.Tensor:
+def pad_last(x: torch.Tensor, d: int) -> torch.Tensor:
     return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))

@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 
 from sharedprefix.attention.kernels.common import (
-    _allowed,
-    _capped,
-    _entries,
-    _fold_heads,
-    _key_range,
-    _lse_dtype,
-    _pad_last,
-    _repeat_heads,
+    allowed_mask,
+    entry_bounds,
+    fold_heads,
+    key_range,
+    lse_dtype,
+    pad_last,
+    repeat_heads,
+    softcapped,
 )
 
 TILE = 256  # query rows per CPU kernel call when a local mask is needed
@@ -32,7 +32,7 @@ def _cpu_tiles(lq, lk, causal, window):
         return
     for i0 in range(0, lq, TILE):
         i1 = min(lq, i0 + TILE)
-        k0, k1 = _key_range(i0, i1, lq, lk, causal, window)
+        k0, k1 = key_range(i0, i1, lq, lk, causal, window)
         yield i0, i1, k0, k1, True, False
 
 
@@ -48,7 +48,7 @@ class CPU:
 
     @staticmethod
     def _mask(i0, i1, k0, k1, lq, lk, causal, window, dtype, device):
-        ok = _allowed(i0, i1, k0, k1, lq, lk, causal, window, device)
+        ok = allowed_mask(i0, i1, k0, k1, lq, lk, causal, window, device)
         return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
 
     @staticmethod
@@ -58,17 +58,17 @@ class CPU:
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         n = q.shape[1] // k.shape[1]
         dv_, d = v.shape[-1], max(q.shape[-1], v.shape[-1])
-        q, k, v = _pad_last(q, d), _pad_last(k, d), _pad_last(v, d)
+        q, k, v = pad_last(q, d), pad_last(k, d), pad_last(v, d)
         out = q.new_zeros(q.shape[0], q.shape[1], d)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=_lse_dtype(q), device=q.device)
-        for q0, q1, e0, e1 in _entries(cu_seqlens_q, cu_seqlens_k):
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=lse_dtype(q), device=q.device)
+        for q0, q1, e0, e1 in entry_bounds(cu_seqlens_q, cu_seqlens_k):
             lq, lk = q1 - q0, e1 - e0
             for i0, i1, k0, k1, masked, sq in _cpu_tiles(lq, lk, causal, window):
                 if i1 == i0 or k1 == k0:
                     continue
                 qq = q[q0 + i0 : q0 + i1].transpose(0, 1)[None]
-                kk = _repeat_heads(k[e0 + k0 : e0 + k1], n).transpose(0, 1)[None]
-                vv = _repeat_heads(v[e0 + k0 : e0 + k1], n).transpose(0, 1)[None]
+                kk = repeat_heads(k[e0 + k0 : e0 + k1], n).transpose(0, 1)[None]
+                vv = repeat_heads(v[e0 + k0 : e0 + k1], n).transpose(0, 1)[None]
                 mask = CPU._mask(i0, i1, k0, k1, lq, lk, causal, window, q.dtype, q.device) if masked else None
                 o, m = op(qq, kk, vv, 0.0, sq, attn_mask=mask, scale=scale)
                 m = m[0].transpose(0, 1).to(lse.dtype)
@@ -87,52 +87,52 @@ class CPU:
         bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         n = q.shape[1] // k.shape[1]
         dh, dvh, d = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
-        q, k, v, dout, out = (_pad_last(x, d) for x in (q, k, v, dout, out))
+        q, k, v, dout, out = (pad_last(x, d) for x in (q, k, v, dout, out))
         dq = torch.zeros_like(q)
         dk = q.new_zeros(k.shape[0], q.shape[1], k.shape[2])
         dv = q.new_zeros(v.shape[0], q.shape[1], v.shape[2])
-        for q0, q1, e0, e1 in _entries(cu_seqlens_q, cu_seqlens_k):
+        for q0, q1, e0, e1 in entry_bounds(cu_seqlens_q, cu_seqlens_k):
             lq, lk = q1 - q0, e1 - e0
             for i0, i1, k0, k1, masked, sq in _cpu_tiles(lq, lk, causal, window):
                 a, b = q0 + i0, q0 + i1
                 if b == a or k1 == k0:
                     continue
                 t = lambda x: x.transpose(0, 1)[None].contiguous()  # noqa: E731  (rows, H, d) -> (1, H, rows, d)
-                kk, vv = _repeat_heads(k[e0 + k0 : e0 + k1], n), _repeat_heads(v[e0 + k0 : e0 + k1], n)
-                m = lse[a:b].to(_lse_dtype(q))
+                kk, vv = repeat_heads(k[e0 + k0 : e0 + k1], n), repeat_heads(v[e0 + k0 : e0 + k1], n)
+                m = lse[a:b].to(lse_dtype(q))
                 m = m.masked_fill(torch.isneginf(m), float("inf")).t()[None].contiguous()  # no key at all: P = 0
                 mask = CPU._mask(i0, i1, k0, k1, lq, lk, causal, window, q.dtype, q.device) if masked else None
                 gq, gk, gv = bop(t(dout[a:b]), t(q[a:b]), t(kk), t(vv), t(out[a:b]), m, 0.0, sq, attn_mask=mask, scale=scale)
                 dq[a:b] += gq[0].transpose(0, 1)
                 dk[e0 + k0 : e0 + k1] += gk[0].transpose(0, 1)
                 dv[e0 + k0 : e0 + k1] += gv[0].transpose(0, 1)
-        return dq[..., :dh], _fold_heads(dk, n)[..., :dh], _fold_heads(dv, n)[..., :dvh]
+        return dq[..., :dh], fold_heads(dk, n)[..., :dh], fold_heads(dv, n)[..., :dvh]
 
 
 def _softcap_blocks(lq: int, lk: int, causal: bool, window: int | None):
     """(i0, i1, b0, b1): query tiles of TILE rows and, for each, blocks of KEY_BLOCK of the keys it may see."""
     for i0 in range(0, lq, TILE):
         i1 = min(lq, i0 + TILE)
-        k0, k1 = _key_range(i0, i1, lq, lk, causal, window)
+        k0, k1 = key_range(i0, i1, lq, lk, causal, window)
         for b0 in range(k0, k1, KEY_BLOCK):
             yield i0, i1, b0, min(k1, b0 + KEY_BLOCK)
 
 
 def _softcap_scores(q, k, i0, i1, b0, b1, lq, lk, causal, window, scale, softcap, n):
     """(H, tile, block) soft-capped, masked scores in the accumulation dtype, and the cap's derivative."""
-    s, dcap = _capped(torch.einsum("ihd,jhd->hij", q, _repeat_heads(k, n)) * scale, softcap)
-    ok = _allowed(i0, i1, b0, b1, lq, lk, causal, window, q.device)
+    s, dcap = softcapped(torch.einsum("ihd,jhd->hij", q, repeat_heads(k, n)) * scale, softcap)
+    ok = allowed_mask(i0, i1, b0, b1, lq, lk, causal, window, q.device)
     return s.masked_fill(~ok, float("-inf")), dcap
 
 
 def _softcap_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, scale, softcap):
     """Soft-capped attention on the CPU: explicit scores per (query tile, key block), merged by log-sum-exp in
     float32 (float64 for float64 inputs); never more than (TILE, H, KEY_BLOCK) scores at once."""
-    acc = _lse_dtype(q)
+    acc = lse_dtype(q)
     n = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
-    for q0, q1, e0, e1 in _entries(cu_seqlens_q, cu_seqlens_k):
+    for q0, q1, e0, e1 in entry_bounds(cu_seqlens_q, cu_seqlens_k):
         lq, lk = q1 - q0, e1 - e0
         for i0, i1, b0, b1 in _softcap_blocks(lq, lk, causal, window):
             a, b = q0 + i0, q0 + i1
@@ -141,7 +141,7 @@ def _softcap_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, scale,
             m_new = torch.logaddexp(lse[a:b], m_blk)
             p = torch.exp(s - m_new.t()[..., None]).nan_to_num_(0.0)  # -inf - -inf: no key yet
             keep = torch.exp(lse[a:b] - m_new).nan_to_num_(0.0)
-            vv = _repeat_heads(v[e0 + b0 : e0 + b1].to(acc), n)
+            vv = repeat_heads(v[e0 + b0 : e0 + b1].to(acc), n)
             out[a:b] = out[a:b] * keep[..., None] + torch.einsum("hij,jhd->ihd", p, vv)
             lse[a:b] = m_new
     return out.to(q.dtype), lse
@@ -150,14 +150,14 @@ def _softcap_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, scale,
 def _softcap_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, window, scale, softcap):
     """The contract's backward for ``_softcap_forward``: P = exp(capped S - lse), dS = P (dO V^T - rowsum(dO out))
     (1 - tanh^2) scale, block by block."""
-    acc = _lse_dtype(q)
+    acc = lse_dtype(q)
     n = q.shape[1] // k.shape[1]
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape[0], q.shape[1], k.shape[2], dtype=acc, device=q.device)
     dv = torch.zeros(v.shape[0], q.shape[1], v.shape[2], dtype=acc, device=q.device)
     m_all = lse.to(acc).masked_fill(torch.isneginf(lse), float("inf"))  # a query with no key: P = 0
     delta_all = (dout.to(acc) * out.to(acc)).sum(-1)  # (Tq, H)
-    for q0, q1, e0, e1 in _entries(cu_seqlens_q, cu_seqlens_k):
+    for q0, q1, e0, e1 in entry_bounds(cu_seqlens_q, cu_seqlens_k):
         lq, lk = q1 - q0, e1 - e0
         for i0, i1, b0, b1 in _softcap_blocks(lq, lk, causal, window):
             a, b, c, d = q0 + i0, q0 + i1, e0 + b0, e0 + b1
@@ -166,8 +166,8 @@ def _softcap_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causa
             p = torch.exp(s - m_all[a:b].t()[..., None])  # (H, tile, block)
             do = dout[a:b].to(acc)
             dv[c:d] += torch.einsum("hij,ihd->jhd", p, do)
-            dp = torch.einsum("ihd,jhd->hij", do, _repeat_heads(v[c:d].to(acc), n))
+            dp = torch.einsum("ihd,jhd->hij", do, repeat_heads(v[c:d].to(acc), n))
             ds = p * (dp - delta_all[a:b].t()[..., None]) * dcap * scale
-            dq[a:b] += torch.einsum("hij,jhd->ihd", ds, _repeat_heads(kk, n))
+            dq[a:b] += torch.einsum("hij,jhd->ihd", ds, repeat_heads(kk, n))
             dk[c:d] += torch.einsum("hij,ihd->jhd", ds, qq)
-    return dq.to(q.dtype), _fold_heads(dk, n).to(k.dtype), _fold_heads(dv, n).to(v.dtype)
+    return dq.to(q.dtype), fold_heads(dk, n).to(k.dtype), fold_heads(dv, n).to(v.dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sharedprefix.attention.kernels.common import _pad_last
+from sharedprefix.attention.kernels.common import pad_last
 
 
 def _flash_window(causal: bool, window: int | None, max_seqlen_k: int) -> tuple[int, int]:
@@ -58,7 +58,7 @@ class CUDA:
     def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
         wl, wr = _flash_window(causal, window, max_seqlen_k)
         dv_, d = v.shape[-1], _flash_dim(q, v)
-        q, k, v = (_pad_last(x, d).contiguous() for x in (q, k, v))
+        q, k, v = (pad_last(x, d).contiguous() for x in (q, k, v))
         res = torch.ops.aten._flash_attention_forward(
             q,
             k,
@@ -84,7 +84,7 @@ class CUDA:
             aux = (torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device))
         rng, unused = aux
         dh, dvh, d = q.shape[-1], v.shape[-1], _flash_dim(q, v)
-        q, k, v, dout, out = (_pad_last(x, d).contiguous() for x in (q, k, v, dout, out))
+        q, k, v, dout, out = (pad_last(x, d).contiguous() for x in (q, k, v, dout, out))
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout,
             q,
@@ -132,7 +132,7 @@ class FlashAttn:
         fa = _flash_attn_interface()
         wl, wr = _flash_window(causal, window, max_seqlen_k)
         dv_, d = v.shape[-1], _flash_dim(q, v)
-        q, k, v = (_pad_last(x, d).contiguous() for x in (q, k, v))
+        q, k, v = (pad_last(x, d).contiguous() for x in (q, k, v))
         out, lse, _, _ = fa._flash_attn_varlen_forward(
             q,
             k,
@@ -157,7 +157,7 @@ class FlashAttn:
         fa = _flash_attn_interface()
         wl, wr = _flash_window(causal, window, max_seqlen_k)
         dh, dvh, d = q.shape[-1], v.shape[-1], _flash_dim(q, v)
-        q, k, v, dout, out = (_pad_last(x, d).contiguous() for x in (q, k, v, dout, out))
+        q, k, v, dout, out = (pad_last(x, d).contiguous() for x in (q, k, v, dout, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # positional after the scale: causal, window_size_left, window_size_right, softcap, alibi_slopes, deterministic
         fa._flash_attn_varlen_backward(

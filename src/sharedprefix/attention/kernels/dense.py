@@ -35,7 +35,7 @@ from contextlib import contextmanager
 import torch
 
 from sharedprefix import settings
-from sharedprefix.attention.kernels.common import _fold_heads, _pad_last, _repeat_heads
+from sharedprefix.attention.kernels.common import fold_heads, pad_last, repeat_heads
 from sharedprefix.attention.kernels.reference import Reference
 
 _STATE: dict = {"enabled": None}  # None: as SHAREDPREFIX_DENSE says now (``settings``); a bool inside ``dense_dispatch``
@@ -150,20 +150,20 @@ def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
 
 def _bhld(x: torch.Tensor, d: int) -> torch.Tensor:
     """(B, L, H, d0) -> (B, H, L, d) contiguous, zero-padded to head size d."""
-    return _pad_last(x, d).transpose(1, 2).contiguous()
+    return pad_last(x, d).transpose(1, 2).contiguous()
 
 
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """(B, L, Hkv, d) -> (B, L, Hkv * n, d), each head repeated n times (the kernels without native GQA)."""
     b, seq = x.shape[:2]
-    return _repeat_heads(x.reshape(b * seq, *x.shape[2:]), n).view(b, seq, -1, x.shape[-1])
+    return repeat_heads(x.reshape(b * seq, *x.shape[2:]), n).view(b, seq, -1, x.shape[-1])
 
 
 def _fold(dx: torch.Tensor, n: int, d: int) -> torch.Tensor:
     """(B, H, L, d') gradient of repeated, padded heads -> (B, L, Hkv, d)."""
     b, _, seq, _ = dx.shape
     g = dx.transpose(1, 2)[..., :d].reshape(b * seq, dx.shape[1], d)
-    return _fold_heads(g, n).view(b, seq, -1, d)
+    return fold_heads(g, n).view(b, seq, -1, d)
 
 
 def _lse_in(lse: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,7 @@ class DenseCPU:
     @staticmethod
     def forward(q, k, v, causal, scale):
         d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
-        t = lambda x: _pad_last(x, d).transpose(1, 2)  # noqa: E731
+        t = lambda x: pad_last(x, d).transpose(1, 2)  # noqa: E731
         o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(t(q), t(k), t(v), 0.0, causal, scale=scale)
         return o.transpose(1, 2)[..., :dv], m.transpose(1, 2), None
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sharedprefix.tools.zoo.configs import NotBuildable, _first_line, _float64_norms, _get, build, entries, groups
+from sharedprefix.tools.zoo.configs import NotBuildable, build, config_value, entries, first_line, float64_norms, groups
 
 LOGPROB_TOL = 1e-9
 GRAD_TOL = 1e-9
@@ -194,7 +194,7 @@ def _check_model(model, grads: bool, res: Result) -> None:
     import sharedprefix as sp
 
     gs = groups(model)
-    patched = _float64_norms(model)
+    patched = float64_norms(model)
     ref, low_ops, plain_error = _plain(model, gs)
     if plain_error is not None and patched:  # a norm replacement that does not fit this model's use of it
         for mod in patched:
@@ -209,7 +209,7 @@ def _check_model(model, grads: bool, res: Result) -> None:
         res.category = _category(res.detail)
         if plain_error is not None and not res.category:  # the model's own error, as in its plain forward
             res.status = "not buildable"
-            res.detail = f"plain forward fails: {type(plain_error).__name__}: {_first_line(plain_error)}"
+            res.detail = f"plain forward fails: {type(plain_error).__name__}: {first_line(plain_error)}"
         elif touched:
             res.detail = f"refused after gradients reached {touched[:3]}: {e}"
         elif not res.category:
@@ -219,11 +219,11 @@ def _check_model(model, grads: bool, res: Result) -> None:
         return
     except Exception as e:  # noqa: BLE001  (a crash is a failure: it must become exact or a clear refusal)
         if plain_error is None:
-            res.detail = f"{type(e).__name__}: {_first_line(e)}"
+            res.detail = f"{type(e).__name__}: {first_line(e)}"
             return
     if plain_error is not None:
         res.status = "not buildable"
-        res.detail = f"plain forward fails: {type(plain_error).__name__}: {_first_line(plain_error)}"
+        res.detail = f"plain forward fails: {type(plain_error).__name__}: {first_line(plain_error)}"
         return
     _compare(model, gs, ref, out, low_ops, grads, res)
 
@@ -332,9 +332,9 @@ def features(model) -> list[str]:
 
     pats = [p for p in map(probe.pattern, model.modules()) if p is not None]
     cfg = model.config.get_text_config()
-    v, qk = _get(cfg, "v_head_dim"), _get(cfg, "qk_head_dim")  # (per-layer configs refuse some global reads)
-    if qk is None and _get(cfg, "qk_nope_head_dim") is not None:
-        qk = cfg.qk_nope_head_dim + (_get(cfg, "qk_rope_head_dim") or 0)
+    v, qk = config_value(cfg, "v_head_dim"), config_value(cfg, "qk_head_dim")  # (per-layer configs refuse some global reads)
+    if qk is None and config_value(cfg, "qk_nope_head_dim") is not None:
+        qk = cfg.qk_nope_head_dim + (config_value(cfg, "qk_rope_head_dim") or 0)
     out = []
     if any(p.kind == "sliding" for p in pats):
         out.append("sliding window")

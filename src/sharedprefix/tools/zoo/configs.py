@@ -142,7 +142,7 @@ def _per_layer(default, names: set[str]) -> dict:
     return out
 
 
-def _get(cfg, k):
+def config_value(cfg, k):
     try:
         return getattr(cfg, k, None)
     except Exception:  # noqa: BLE001  (per-layer configs refuse global reads of per-layer attributes)
@@ -160,28 +160,28 @@ def _tiny(cls, extra: dict | None = None):
         try:
             default = cls(**extra)
         except Exception as e:  # noqa: BLE001
-            raise NotBuildable(f"{cls.__name__}() fails: {type(e).__name__}: {_first_line(e)}") from e
+            raise NotBuildable(f"{cls.__name__}() fails: {type(e).__name__}: {first_line(e)}") from e
     kw = {k: v for k, v in SIZES.items() if k in names}
     if "kv_lora_rank" in names:  # latent attention: K/V heads expand from the latent, one per query head,
         kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)  # and RoPE covers qk_rope_head_dim
         if "head_dim" in kw:
             kw["head_dim"] = SIZES["qk_rope_head_dim"]
     for k in names:
-        if _TOKEN_ID.search(k) and _get(default, k) is not None:
+        if _TOKEN_ID.search(k) and config_value(default, k) is not None:
             kw[k] = 0 if k.startswith("pad") else 1 if k.startswith("bos") else 2
     kw.update(_per_layer(default, names))
     for key in getattr(cls, "sub_configs", None) or {}:
-        sub = _get(default, key)
+        sub = config_value(default, key)
         if key in names and hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
             kw[key] = _tiny(type(sub), extra.pop(key, None))
     kw.update(extra)
     try:
         return cls(**kw)
     except Exception as e:  # noqa: BLE001
-        raise NotBuildable(f"{cls.__name__}(tiny sizes) fails: {type(e).__name__}: {_first_line(e)}") from e
+        raise NotBuildable(f"{cls.__name__}(tiny sizes) fails: {type(e).__name__}: {first_line(e)}") from e
 
 
-def _first_line(e: BaseException, limit: int = 200) -> str:
+def first_line(e: BaseException, limit: int = 200) -> str:
     s = str(e).strip().splitlines()
     s = " ".join(x.strip() for x in s[:3]) if s else type(e).__name__
     return s if len(s) <= limit else s[: limit - 3] + "..."
@@ -297,11 +297,11 @@ def build(entry: str, seed: int = 0):
         if hasattr(model, "set_default_language"):  # X-MOD: one adapter per language
             model.set_default_language(model.config.languages[0])
     except Exception as e:  # noqa: BLE001
-        raise NotBuildable(f"{cls.__name__}(tiny config) fails: {type(e).__name__}: {_first_line(e)}") from e
+        raise NotBuildable(f"{cls.__name__}(tiny config) fails: {type(e).__name__}: {first_line(e)}") from e
     return model, impl
 
 
-def _float64_norms(model) -> list:
+def float64_norms(model) -> list:
     """``testing.dtype_faithful_norms`` on each norm it can reproduce (transformers' RMSNorms compute in float32
     even in a float64 model); a norm it cannot is left as it is, and its float32 shows in the zoo's note.
     Returns the patched modules (``del mod.forward`` restores one)."""
