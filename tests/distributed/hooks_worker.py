@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.worker import BUDGET, full_grads, groups_and_weights, loss_fn_for, my_share  # noqa: E402
+from distributed.worker import BUDGET, groups_and_weights, loss_fn_for, my_share, whole_grads  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402
@@ -48,14 +48,6 @@ def plain_sum(lp, w, world):
     return (lp.float() * w[:, : lp.shape[1]].float()).sum() * world
 
 
-def grads_of(model, fn):
-    model.zero_grad(set_to_none=True)
-    fn()
-    g = full_grads(model)
-    model.zero_grad(set_to_none=True)
-    return g
-
-
 def main(kind, out):
     import faulthandler
 
@@ -83,8 +75,8 @@ def main(kind, out):
             float64_norms(model)
             for unused in (True, False):
                 ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
-                result[f"find_unused={unused}"] = grads_of(ddp, lambda m=ddp: sp.backward(m, mine, loss_fn, max_tokens=BUDGET))
-            result["control"] = grads_of(ddp, lambda: sp.backward(ddp, mine, loss_fn, max_tokens=BUDGET, sync=False))
+                result[f"find_unused={unused}"] = whole_grads(ddp, lambda m=ddp: sp.backward(m, mine, loss_fn, max_tokens=BUDGET))
+            result["control"] = whole_grads(ddp, lambda: sp.backward(ddp, mine, loss_fn, max_tokens=BUDGET, sync=False))
     elif kind == "ddp_no_sync":  # two calls, the first inside DDP's no_sync(): one all-reduce, the plain sum
         ddp = torch.nn.parallel.DistributedDataParallel(tiny_model("qwen3"))
         first, rest = mine[:1], mine[1:]
@@ -99,17 +91,17 @@ def main(kind, out):
             with ddp.no_sync() if control else torch.enable_grad():
                 sp.backward(ddp, rest_or_zero, w, max_tokens=BUDGET)
 
-        result["grads"] = grads_of(ddp, accumulate)
+        result["grads"] = whole_grads(ddp, accumulate)
         result["reduces"] = reduces["n"]
-        result["control"] = grads_of(ddp, lambda: accumulate(control=True))
+        result["control"] = whole_grads(ddp, lambda: accumulate(control=True))
     elif kind == "fsdp_noreshard":
         model = fsdp(tiny_model("qwen3"), reshard=False)
-        result["grads"] = grads_of(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))
-        result["control"] = grads_of(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET, sync=False))
+        result["grads"] = whole_grads(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))
+        result["control"] = whole_grads(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET, sync=False))
     elif kind == "fsdp_lora":
         model = fsdp(lora_model())
-        result["grads"] = grads_of(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))
-        result["control"] = grads_of(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET, sync=False))
+        result["grads"] = whole_grads(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))
+        result["control"] = whole_grads(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET, sync=False))
     if kind == "fsdp_mixed":  # bf16 parameters, float32 reduction: ours and the plain run under the same policy
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -117,11 +109,11 @@ def main(kind, out):
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = fsdp(tiny_model("qwen3", dtype=torch.float32), mp=mp)
-        result["grads"] = grads_of(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))
+        result["grads"] = whole_grads(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))
         # the plain run: each rank's rows, scaled by the world size (FSDP2 averages; the global loss is the sum)
         mw = W[gidx]
-        result["plain"] = grads_of(model, lambda: plain_sum(plain_logprobs(model, mine)[0], mw, world).backward())
-        result["control"] = grads_of(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET, grad_reduction="mean"))
+        result["plain"] = whole_grads(model, lambda: plain_sum(plain_logprobs(model, mine)[0], mw, world).backward())
+        result["control"] = whole_grads(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET, grad_reduction="mean"))
     if rank == 0:
         torch.save(result, out)
     dist.barrier()

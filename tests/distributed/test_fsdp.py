@@ -4,13 +4,12 @@ Float64 gradients are compared with one plain transformers forward per row (a si
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from distributed.fsdp_worker import WRAPPINGS
 from distributed.worker import groups_and_weights, tree_and_weights
+from support.torchrun import torchrun
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
@@ -24,13 +23,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 def _launch(kind, tmp_path, timeout=120):
     """Run 2 ranks; a hang fails the test after ``timeout`` seconds (never retried: a hang is what is tested)."""
     out = tmp_path / f"{kind}.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, kind, str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"2-process run of {kind!r} did not end in {timeout} s: {str(e.stderr)[-3000:]}") from None
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(WORKER, [kind, str(out)], timeout=timeout)
     return out
 
 

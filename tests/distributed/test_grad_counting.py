@@ -11,13 +11,12 @@ policy.
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from distributed.hooks_worker import LORA
 from distributed.worker import groups_and_weights
+from support.torchrun import torchrun
 
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
 from sharedprefix.tools.reference import Float64Inside
@@ -29,13 +28,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "hooks_worker.py")
 
 def launch(kind, tmp_path, timeout=300):
     out = tmp_path / f"{kind}.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, kind, str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"2-process run of {kind!r} did not end in {timeout} s: {str(e.stderr)[-3000:]}") from None
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(WORKER, [kind, str(out)], timeout=timeout)
     return torch.load(out, weights_only=False)
 
 

@@ -11,13 +11,12 @@ gradient checkpointing (``tp_worker.calls``).
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from distributed.tp_worker import BUILDERS, NEEDS_MODE_IN_BACKWARD, load
 from distributed.worker import groups_and_weights, shard_of, tree_and_weights
+from support.torchrun import torchrun
 
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.tools.reference import Float64Inside
@@ -31,13 +30,7 @@ GRADS = ("whole", "keep", "recompute", "offload", "defer", "tree", "checkpointin
 def launch(names, world, tmp_path, timeout=600):
     """Run ``world`` ranks over ``names``; returns ({name: results or refusal}, the folder of the saved models)."""
     out = tmp_path / f"tp{world}.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", WORKER, ",".join(names), str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"{world}-process run did not end in {timeout} s: {str(e.stderr)[-3000:]}") from None
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(WORKER, [",".join(names), str(out)], nproc=world, timeout=timeout)
     return torch.load(out, weights_only=False), tmp_path
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.worker import BUDGET, full_grads, groups_and_weights, shard_of, tree_and_weights  # noqa: E402
+from distributed.worker import BUDGET, groups_and_weights, shard_of, tree_and_weights, whole_grads  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402
@@ -103,11 +103,7 @@ def calls(model, robust=False):
             return fn().logprobs
 
     def grads(fn):
-        model.zero_grad(set_to_none=True)
-        fn()
-        g = full_grads(model)
-        model.zero_grad(set_to_none=True)
-        return g
+        return whole_grads(model, fn)
 
     def deferred():
         lp = sp.logprobs(model, groups, max_tokens=BUDGET, defer=True)
@@ -153,11 +149,7 @@ def calls_2d(model):
         out["logprobs_budget"] = sp.logprobs(model, mine, max_tokens=BUDGET).logprobs
 
     def grads(fn):
-        model.zero_grad(set_to_none=True)
-        fn()
-        g = full_grads(model)
-        model.zero_grad(set_to_none=True)
-        return g
+        return whole_grads(model, fn)
 
     out["whole"] = grads(lambda: sp.backward(model, mine, loss_fn))
     out["recompute"] = grads(lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))

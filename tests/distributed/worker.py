@@ -88,6 +88,15 @@ def full_grads(model):
     return out
 
 
+def whole_grads(model, fn):
+    """Run ``fn()`` from zero gradients; returns ``full_grads`` after it, and leaves no gradient behind."""
+    model.zero_grad(set_to_none=True)
+    fn()
+    g = full_grads(model)
+    model.zero_grad(set_to_none=True)
+    return g
+
+
 def nan_on_second_pass(loss_fn, rank):
     """``loss_fn`` whose value on rank 1 is NaN on its second call, after a first call accumulated gradients."""
     seen = []
