@@ -24,7 +24,6 @@ first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) there, so that this module 
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 
@@ -39,6 +38,7 @@ from sharedprefix.parallel.strategy import ddp_sync_enabled, detect
 from sharedprefix.schedule import hybrid_calls, rounds
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.executor import Executor
+from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
 
 __all__ = ["PREFIX_MODES", "REDUCTIONS", "BackwardResult", "Batch", "LogProbs", "backward", "logprobs", "register_call_check"]
@@ -98,10 +98,18 @@ def logprobs(
         ``LogProbs`` with (N, W) tensors, float32 (float64 for a float64 model), with grad when
         grad is enabled.
     """
-    _check_modes(prefix_activations, grad_reduction)
-    if aux_loss not in (None, True, False):
-        raise TypeError(f"aux_loss={aux_loss!r}; expected None (as the config says), True or False.")
-    seq = check_group(sequence_group)
+    opts = CallOptions.build(
+        max_tokens=max_tokens,
+        backend=backend,
+        temperature=temperature,
+        entropy=entropy,
+        prefix_activations=prefix_activations,
+        grad_reduction=grad_reduction,
+        sequence_group=check_group(sequence_group),
+        defer=defer,
+        aux_loss=aux_loss,
+    )
+    seq = opts.sequence_group
     if seq is not None and (is_hybrid(unwrap(model)) or mixers.is_packed(unwrap(model))):
         refuse_hybrid(type(unwrap(model)).__name__, seq)
     if seq is not None and (aux_loss or (aux_loss is None and router.enabled(unwrap(model)))):
@@ -109,18 +117,15 @@ def logprobs(
     if is_hybrid(unwrap(model)):
         if aux_loss:
             router.refuse_hybrid(unwrap(model))
-        return hybrid_calls.hybrid_logprobs(
-            model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction, _deferred_backward
-        )
+        return hybrid_calls.hybrid_logprobs(model, groups, opts, _deferred_backward)
     _run_call_checks(model, groups)
     if torch.is_grad_enabled() and _defers(model, defer, seq):
         with torch.no_grad():
-            run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False, aux=aux_loss, sequence_group=seq)
+            run = Executor(model, groups, opts, leaves=False, aux=aux_loss)
             out = rounds.forward(run, entropy)
             grads = router.segment_grads(run.model, run.router_logits) if run.router_logits else None
-        back = functools.partial(_deferred_backward, sequence_group=seq) if seq is not None else _deferred_backward
-        return defer_logprobs(back, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction, grads)
-    run = Executor(model, groups, max_tokens, backend, temperature, entropy, leaves=False, aux=aux_loss, sequence_group=seq)
+        return defer_logprobs(_deferred_backward, model, groups, out, opts, grads)
+    run = Executor(model, groups, opts, leaves=False, aux=aux_loss)
     return rounds.forward(run, entropy)
 
 
@@ -179,78 +184,59 @@ def backward(
     """
     if prefix_activations is None:  # the default: "keep", or the mode FSDP2 needs
         prefix_activations = "recompute" if detect(model, unwrap(model)).fsdp else "keep"
-    _check_modes(prefix_activations, grad_reduction)
+    opts = CallOptions.build(
+        max_tokens=max_tokens,
+        backend=backend,
+        temperature=temperature,
+        entropy=entropy,
+        prefix_activations=prefix_activations,
+        grad_reduction=grad_reduction,
+        sync=sync and ddp_sync_enabled(model),  # inside DDP's no_sync(): accumulate, as DDP's own backward would
+        offload_device=offload_device,
+        sequence_group=check_group(sequence_group),
+    )
     if not callable(loss_fn):
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     coef = router.check_coef(unwrap(model), aux_loss_coef)
-    seq = check_group(sequence_group)
+    seq = opts.sequence_group
     if seq is not None and (is_hybrid(unwrap(model)) or mixers.is_packed(unwrap(model))):
         refuse_hybrid(type(unwrap(model)).__name__, seq)
     if seq is not None and coef:
         refuse_aux(type(unwrap(model)).__name__)
-    kw = dict(max_tokens=max_tokens, prefix_activations=prefix_activations, temperature=temperature, entropy=entropy)
-    sync = sync and ddp_sync_enabled(model)  # inside DDP's no_sync(): accumulate, as DDP's own backward would
-    kw.update(backend=backend, offload_device=offload_device, sync=sync, grad_reduction=grad_reduction)
     if is_hybrid(unwrap(model)):
         if coef:
             router.refuse_hybrid(unwrap(model))
-        return hybrid_calls.hybrid_backward(model, groups, loss_fn, **kw)
+        return hybrid_calls.hybrid_backward(model, groups, loss_fn, opts)
     _run_call_checks(model, groups)
     aux = None
     if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
         with torch.no_grad():
-            first = Executor(model, groups, max_tokens, backend, temperature, False, leaves=False, aux=True)
+            first = Executor(model, groups, opts.replace(entropy=False, sequence_group=None), leaves=False, aux=True)
             rounds.forward(first, False)
         aux = router.scaled_grads(first.model, first.router_logits, coef)
-    return _packed_backward(model, groups, loss_fn, aux=aux, aux_coef=coef, sequence_group=seq, **kw)
+    return _packed_backward(model, groups, loss_fn, opts, aux=aux, aux_coef=coef)
 
 
-def _packed_backward(
-    model,
-    groups,
-    loss_fn,
-    max_tokens,
-    prefix_activations,
-    temperature,
-    entropy,
-    backend,
-    offload_device="cpu",
-    sync=True,
-    grad_reduction="sum",
-    aux=None,
-    aux_coef=0.0,
-    sequence_group=None,
-) -> BackwardResult:
+def _packed_backward(model, groups, loss_fn, options: CallOptions, aux=None, aux_coef=0.0) -> BackwardResult:
     """``aux``: (per-segment aux gradients scaled by ``aux_coef``, the aux loss's value or None), or None."""
     grads, value = aux if aux is not None else (False, None)
     # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
-    run = Executor(
-        model, groups, max_tokens, backend, temperature, entropy, True, prefix_activations, aux=grads, sequence_group=sequence_group
-    )
-    return rounds.backward(run, loss_fn, entropy, prefix_activations, offload_device, sync, grad_reduction, value, aux_coef)
+    run = Executor(model, groups, options, leaves=True, aux=grads)
+    return rounds.backward(run, loss_fn, value, aux_coef)
 
 
-def _deferred_backward(model, groups, loss_fn, aux_grads=None, **kw) -> BackwardResult:
-    """The backward of deferred log-probs (``schedule.deferred``): ``sp.backward``'s packed path, with the aux loss's
-    per-token gradients (already scaled by the gradient that reached it) from the deferred call's own forward."""
+def _deferred_backward(model, groups, loss_fn, options: CallOptions, aux_grads=None) -> BackwardResult:
+    """The backward of deferred log-probs (``schedule.deferred``) under the deferred call's ``options``:
+    ``sp.backward``'s path, with the aux loss's per-token gradients (already scaled by the gradient that reached it)
+    from the deferred call's own forward."""
     if is_hybrid(unwrap(model)):
-        return backward(model, groups, loss_fn, **kw)
-    return _packed_backward(model, groups, loss_fn, aux=None if aux_grads is None else (aux_grads, None), **kw)
+        return hybrid_calls.hybrid_backward(model, groups, loss_fn, options)
+    return _packed_backward(model, groups, loss_fn, options, aux=None if aux_grads is None else (aux_grads, None))
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------
-
-
-def _check_modes(prefix_activations: str, grad_reduction: str) -> None:
-    if prefix_activations not in PREFIX_MODES:
-        raise ValueError(
-            f"prefix_activations={prefix_activations!r}; expected one of {PREFIX_MODES} or None: 'keep' holds the prompt's "
-            "activations, 'offload' moves them to host memory, 'recompute' recomputes them at the end."
-        )
-    if grad_reduction not in REDUCTIONS:
-        raise ValueError(f"grad_reduction={grad_reduction!r}; expected one of {REDUCTIONS}.")
 
 
 def _run_call_checks(model, groups) -> None:

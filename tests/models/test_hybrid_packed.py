@@ -329,8 +329,9 @@ def test_a_packed_pass_outside_the_mixers_context_is_refused():
     """A pass run outside ``mixers.active`` (a caller that skips ``schedule.rounds``) would let the model's own
     convolution read across the row: refused."""
     from sharedprefix.schedule.executor import Executor
+    from sharedprefix.schedule.options import CallOptions
 
     model = _model("lfm2")
-    run = Executor(model, groups_of(), None, "auto", 1.0, False, leaves=False)
+    run = Executor(model, groups_of(), CallOptions(), leaves=False)
     with pytest.raises(RuntimeError, match=r"ran outside model\.mixers\.active"):
         run.run_pass(run.plan.passes[0])

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from sharedprefix.schedule.results import PREFIX_MODES, LogProbs
+from sharedprefix.schedule.options import CallOptions
+from sharedprefix.schedule.results import LogProbs
 
 
 class _Deferred(torch.autograd.Function):
@@ -37,39 +38,23 @@ class _Deferred(torch.autograd.Function):
             return loss
 
         with torch.enable_grad(), torch.autocast(**spec["autocast"]):
-            spec["backward"](
-                spec["model"],
-                spec["groups"],
-                loss_fn,
-                max_tokens=spec["max_tokens"],
-                temperature=spec["temperature"],
-                entropy=w_ent is not None,
-                backend=spec["backend"],
-                prefix_activations=spec["mode"],
-                grad_reduction=spec["reduction"],
-                aux_grads=aux,
-            )
+            opts = spec["options"].replace(entropy=w_ent is not None)
+            spec["backward"](spec["model"], spec["groups"], loss_fn, opts, aux_grads=aux)
         return None, None, None, None, None
 
 
-def defer_logprobs(backward, model, groups, out: LogProbs, temperature, max_tokens, backend, mode, reduction, aux_grads=None) -> LogProbs:
-    """``out``'s values, computed without a graph, as outputs whose backward runs ``backward`` (``sp.backward``'s
-    packed path, passed in by the public call) under the budget with the incoming per-token gradients as a linear
-    loss (exact by the chain rule). ``aux_grads``: with ``out.aux_loss``, each segment's per-layer gradient of it
-    with respect to the router logits (``model.router.segment_grads``), scaled in the backward by the gradient that
-    reaches ``aux_loss``."""
-    if mode not in PREFIX_MODES:
-        raise ValueError(f"prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
+def defer_logprobs(backward, model, groups, out: LogProbs, options: CallOptions, aux_grads=None) -> LogProbs:
+    """``out``'s values, computed without a graph, as outputs whose backward runs ``backward(model, groups, loss_fn,
+    options, aux_grads=...)`` (``sp.backward``'s path, passed in by the public call) under the call's ``options``
+    with the incoming per-token gradients as a linear loss (exact by the chain rule). ``aux_grads``: with
+    ``out.aux_loss``, each segment's per-layer gradient of it with respect to the router logits
+    (``model.router.segment_grads``), scaled in the backward by the gradient that reaches ``aux_loss``."""
     dev = out.logprobs.device.type
     spec = dict(
         backward=backward,
         model=model,
         groups=groups,
-        temperature=temperature,
-        max_tokens=max_tokens,
-        backend=backend,
-        mode=mode,
-        reduction=reduction,
+        options=options,
         entropy=out.entropy is not None,
         aux_grads=aux_grads,
         autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)),

@@ -8,8 +8,6 @@ Notation: L = row length, M = computed tokens of a pass, n = rows a pass reports
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from sharedprefix.attention import indexed, probe
@@ -34,24 +32,29 @@ from sharedprefix.parallel.strategy import detect
 from sharedprefix.parallel.tensor import refuse_with_sequence_group
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache
+from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.planner import Pass, Plan, plan
 
 
 class Executor:
-    """``aux``: the MoE load-balancing loss. True: record each pass's router logits (``router.aux_loss``); a dict
-    ``{segment: per-layer (len, E) gradients}`` (``router.segment_grads``, scaled): add their linear term to what
-    each pass backpropagates; None: as the config says (``output_router_logits``)."""
+    """``options``: the call's settings (validated by the public call). ``leaves``: an ``sp.backward`` (cached prompt
+    K/V are leaves whose gradient is accumulated). ``aux``: the MoE load-balancing loss. True: record each pass's
+    router logits (``router.aux_loss``); a dict ``{segment: per-layer (len, E) gradients}`` (``router.segment_grads``,
+    scaled): add their linear term to what each pass backpropagates; None: as the config says
+    (``output_router_logits``)."""
 
-    def __init__(
-        self, model, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations=None, aux=None, sequence_group=None
-    ):
+    def __init__(self, model, source, options: CallOptions, leaves: bool, aux=None):
+        max_tokens, backend, temperature, entropy = options.max_tokens, options.backend, options.temperature, options.entropy
+        prefix_activations = options.prefix_activations if leaves else None  # (a forward-only run has no prefix mode)
+        sequence_group = options.sequence_group
+        self.options = options
         self.model = unwrap(model)
         self.par = detect(model, self.model)
         if sequence_group is not None and self.par.tensor > 1:
             refuse_with_sequence_group(self.par.tensor)
         self.par.sequence = sequence_group
         self.par.start()
-        self.last = None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
+        self.last: tuple | None = None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
         error: BaseException | None = None
         try:
             self._setup(source, max_tokens, backend, temperature, entropy, leaves, prefix_activations, aux)
@@ -91,8 +94,6 @@ class Executor:
             source, self.frames = streams.encode(self.model, source)
         vocab = None if self.frames else min(streams.embedding_size(self.model), streams.head_vocab(self.model))
         self.source = refusals.validate_source(source, vocab)
-        if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
-            raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
         self.mm: Multimodal | None = None
         if not isinstance(self.source, Tree) and any(g.prompt_inputs for g in self.source):
             check_prompt_fits(self.source, max_tokens)

@@ -17,15 +17,15 @@ from sharedprefix.parallel.strategy import detect
 from sharedprefix.schedule import hybrid
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.grads import synced
+from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.results import BackwardResult, LogProbs
 
 
-def hybrid_logprobs(
-    model, groups, temperature, entropy, max_tokens, backend, defer, prefix_activations, grad_reduction, deferred_backward
-) -> LogProbs:
+def hybrid_logprobs(model, groups, options: CallOptions, deferred_backward) -> LogProbs:
     """``sp.logprobs`` of a model on the cache path; ``deferred_backward``: what a deferred call's backward runs
     (``api._deferred_backward``)."""
-    kind = check_hybrid(model, backend)
+    defer = options.defer
+    kind = check_hybrid(model, options.backend)
     if torch.is_grad_enabled() and kind == "ddp" and defer is False:
         raise ValueError(
             "sharedprefix.logprobs with grad enabled and defer=False on a DDP model: the hybrid path runs the "
@@ -36,7 +36,7 @@ def hybrid_logprobs(
     error, out = None, None
     try:
         with torch.no_grad() if deferred else contextlib.nullcontext():
-            out = hybrid.logprobs(unwrap(model), groups, temperature, entropy, max_tokens)
+            out = hybrid.logprobs(unwrap(model), groups, options.temperature, options.entropy, options.max_tokens)
     except (ValueError, TypeError) as e:  # DDP: every rank stops, none waits in a later collective
         if kind != "ddp":
             raise
@@ -45,21 +45,20 @@ def hybrid_logprobs(
         detect(model, unwrap(model)).agree_on_error(error)
     assert out is not None  # an error was raised above, on every rank
     if deferred:
-        return defer_logprobs(deferred_backward, model, groups, out, temperature, max_tokens, backend, prefix_activations, grad_reduction)
+        return defer_logprobs(deferred_backward, model, groups, out, options)
     return out
 
 
-def hybrid_backward(
-    model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, backend, offload_device, sync, grad_reduction
-) -> BackwardResult:
+def hybrid_backward(model, groups, loss_fn, options: CallOptions) -> BackwardResult:
     inner = unwrap(model)
+    o = options
 
     def run():
-        return hybrid.backward(inner, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, offload_device)
+        return hybrid.backward(inner, groups, loss_fn, o.max_tokens, o.prefix_activations, o.temperature, o.entropy, o.offload_device)
 
-    if check_hybrid(model, backend) != "ddp":
+    if check_hybrid(model, o.backend) != "ddp":
         return run()
-    return synced(detect(model, inner), inner, sync, grad_reduction, run)  # the module, then one sync
+    return synced(detect(model, inner), inner, o.sync, o.grad_reduction, run)  # the module, then one sync
 
 
 def check_hybrid(model, backend: str) -> str:

@@ -65,12 +65,14 @@ def forward(run, entropy: bool) -> LogProbs:
     return LogProbs(lp, mask, ent, aux)
 
 
-def backward(
-    run, loss_fn, entropy: bool, prefix_activations: str, offload_device, sync: bool, grad_reduction: str, aux_loss=None, aux_coef=0.0
-) -> BackwardResult:
+def backward(run, loss_fn, aux_loss=None, aux_coef=0.0) -> BackwardResult:
     """``sp.backward`` over ``run``: its plan as rounds (FSDP2: reordered and padded to the agreed counts), inside a
-    gradient transaction and, under DDP, one synchronisation at the end. ``aux_loss``: the MoE load-balancing loss's
-    value (float) when ``run`` carries its gradient (``run.aux_grads``, already scaled by ``aux_coef``)."""
+    gradient transaction and, under DDP, one synchronisation at the end; the settings are ``run.options``.
+    ``aux_loss``: the MoE load-balancing loss's value (float) when ``run`` carries its gradient (``run.aux_grads``,
+    already scaled by ``aux_coef``)."""
+    opts = run.options
+    entropy, prefix_activations, offload_device = opts.entropy, opts.prefix_activations, opts.offload_device
+    sync, grad_reduction = opts.sync, opts.grad_reduction
     par = run.par
     recompute = prefix_activations == "recompute" or par.fsdp
     cuda = run.device.type == "cuda"
