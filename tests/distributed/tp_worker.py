@@ -187,6 +187,14 @@ def refusals(rank, root):
     model = load("qwen3", root, tp_plan="auto")
     out["sequence_group"] = message(lambda: sp.logprobs(model, groups, sequence_group=dist.group.WORLD))
     out["verify"] = str(sp.verify(model))
+    # bfloat16 under TP: sharedprefix (a splitting budget) and the plain TP forward of each row, whole gradients
+    from helpers import plain_logprobs
+
+    bf16 = load("qwen3", root, tp_plan="auto").to(torch.bfloat16)
+    _, W = groups_and_weights()
+    loss = lambda b: (b.logprobs.double() * W[b.index, : b.logprobs.shape[1]]).sum()  # noqa: E731
+    out["bf16"] = whole_grads(bf16, lambda: sp.backward(bf16, groups, loss, max_tokens=BUDGET))
+    out["bf16_plain"] = whole_grads(bf16, lambda: (plain_logprobs(bf16, groups)[0].double() * W).sum().backward())
     own = tiny_model("llama")  # a user's own plan over the attention projections, not transformers'
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     parallelize_module(own.model.layers[0].self_attn, mesh, {"q_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})

@@ -8,6 +8,8 @@ Notation: L = row length, M = computed tokens of a pass, n = rows a pass reports
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sharedprefix.attention import indexed, probe
@@ -37,7 +39,8 @@ from sharedprefix.schedule.planner import Pass, Plan, plan
 
 
 class Executor:
-    """``options``: the call's settings (validated by the public call). ``leaves``: an ``sp.backward`` (cached prompt
+    """``options``: the call's settings (validated by the public call; the temperature here, where the ranks agree on
+    errors). ``leaves``: an ``sp.backward`` (cached prompt
     K/V are leaves whose gradient is accumulated). ``aux``: the MoE load-balancing loss. True: record each pass's
     router logits (``router.aux_loss``); a dict ``{segment: per-layer (len, E) gradients}`` (``router.segment_grads``,
     scaled): add their linear term to what each pass backpropagates; None: as the config says
@@ -94,6 +97,8 @@ class Executor:
             source, self.frames = streams.encode(self.model, source)
         vocab = None if self.frames else min(streams.embedding_size(self.model), streams.head_vocab(self.model))
         self.source = refusals.validate_source(source, vocab)
+        if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
+            raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
         self.mm: Multimodal | None = None
         if not isinstance(self.source, Tree) and any(g.prompt_inputs for g in self.source):
             check_prompt_fits(self.source, max_tokens)

@@ -8,7 +8,6 @@ hybrid path read from, instead of rows of positional arguments that change names
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
@@ -39,7 +38,10 @@ class CallOptions:
 
     @classmethod
     def build(cls, **kw) -> CallOptions:
-        """The options of one call, each checked; raises ``ValueError`` / ``TypeError`` naming the bad one."""
+        """The options of one call, each checked; raises ``ValueError`` / ``TypeError`` naming the bad one. The
+        temperature is checked by the executor instead, inside the error agreement of the ranks: a value one rank
+        alone gets wrong must stop every rank, not leave the others waiting in a collective
+        (``tests/distributed/sequence_worker.py``'s ``one_rank_bad``)."""
         opts = cls(**kw)
         if opts.prefix_activations not in PREFIX_MODES:
             raise ValueError(
@@ -48,9 +50,6 @@ class CallOptions:
             )
         if opts.grad_reduction not in REDUCTIONS:
             raise ValueError(f"grad_reduction={opts.grad_reduction!r}; expected one of {REDUCTIONS}.")
-        t = opts.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or not math.isfinite(t):
-            raise ValueError(f"temperature={t!r}; expected a finite number > 0 (the sampling temperature).")
         if opts.aux_loss not in (None, True, False):
             raise TypeError(f"aux_loss={opts.aux_loss!r}; expected None (as the config says), True or False.")
         if not isinstance(opts.backend, str):
