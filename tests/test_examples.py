@@ -1,6 +1,6 @@
 """Every Python example runs as written (in this process, on its tiny model) and prints what it promises.
 
-``examples/trl_grpo.py`` is run by ``tests/distributed/test_trl_accelerate.py`` under accelerate's two processes;
+``examples/trl_grpo.py`` is run by ``tests/parallel/test_trl_accelerate.py`` under accelerate's two processes;
 ``examples/verl_grpo.sh`` needs verl's Ray trainer and a GPU rollout engine, so only its shell syntax is checked.
 """
 

@@ -51,8 +51,8 @@ def test_hidden_dropout_in_training_refused():
     ids=["mamba"],
 )
 def test_token_mixing_layers_refused(cfg_cls, model_cls, kw, match):
-    """Hybrids outside the packed path (LFM2, Falcon-H1, Qwen3-Next ...: tests/models/test_hybrid_packed.py,
-    test_hybrid_ssm.py) and the cache path (tests/models/test_hybrid.py) keep their refusal."""
+    """Hybrids outside the packed path (LFM2, Falcon-H1, Qwen3-Next ...: tests/model/test_hybrid_packed.py,
+    test_hybrid_ssm.py) and the cache path (tests/model/test_hybrid.py) keep their refusal."""
     with pytest.raises(ValueError, match=match):
         sp.logprobs(_tiny(cfg_cls, model_cls, **kw), GROUPS)
 
@@ -88,7 +88,7 @@ def test_attention_softcapping_refused_on_a_backend_without_it(monkeypatch):
 
 def test_moe_router_loss_needs_its_coefficient_in_backward_and_is_returned_by_logprobs():
     """sp.backward asks for aux_loss_coef when the config turns the loss on (and runs once given it); sp.logprobs
-    returns the loss whole (tests/models/test_router_aux.py holds both to the plain run)."""
+    returns the loss whole (tests/model/test_router_aux.py holds both to the plain run)."""
     model = _tiny(
         tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True
     )
@@ -163,7 +163,7 @@ def test_bad_temperature_and_model_type():
 
 
 def test_attention_temperature_tuning_refused_without_llama4_modules_to_rescale():
-    """Llama 4's own modules are rescaled to positions (tests/models/test_chunked_attention.py); any other model
+    """Llama 4's own modules are rescaled to positions (tests/model/test_chunked_attention.py); any other model
     claiming the setting is refused."""
     model = tiny_model("llama")
     model.config.attn_temperature_tuning = True

@@ -168,7 +168,7 @@ def test_qwen3_5_image_rows_under_a_splitting_budget_by_the_2x_rule(mode):
     reach, and the gated delta rule runs in float32 there (as it does in the model's own plain forward). Log-probs:
     1e-9 from the float64-inside plain rows; gradients: within twice the plain rows' own float32 error against them,
     at the scale of the largest gradient."""
-    from models.test_hybrid_packed import _qwen3_5_vl
+    from model.test_hybrid_packed import _qwen3_5_vl
 
     model = _qwen3_5_vl()
     add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
@@ -190,7 +190,7 @@ def test_qwen3_5_image_rows_under_a_splitting_budget_by_the_2x_rule(mode):
 
 
 def _check_image_rows(kind, budget, mode):
-    from models.test_hybrid_packed import _qwen3_5_vl
+    from model.test_hybrid_packed import _qwen3_5_vl
 
     builders = {"llava": _llava, "gemma3": lambda: _gemma3(4), "qwen3_5": _qwen3_5_vl}
     model = builders.get(kind, lambda: _model(kind))()

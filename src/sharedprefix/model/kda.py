@@ -13,7 +13,7 @@ Why the padding is neutral: a pad token has k = v = 0, beta = 0 and g = 0 (the m
 ``F.pad`` with zeros up to a multiple of the chunk size, uses the same values). With g = 0 the decay is exp(0) = 1 on
 every channel, and with k = 0 the update adds nothing, so the state after the pads is the state after the segment's
 last real token; the l2 normalisation maps a zero vector to zero (its epsilon keeps the division finite), and the
-causal scan never lets a pad reach an earlier token's output. ``tests/models/test_hybrid_linear.py`` checks this on
+causal scan never lets a pad reach an earlier token's output. ``tests/model/test_hybrid_linear.py`` checks this on
 the model's own function.
 
 Notation: L = row length, B = segments of one level, T = the longest of them, H = heads, Dk / Dv = key / value head

@@ -23,7 +23,7 @@ s..s+n-1, each module returns what it returns for the last n tokens of a plain r
 numbers mean what the model means by them, learned offsets and sinusoids included, and the module does not
 ignore them). A decoder with no such module, or one the check does not confirm, is refused.
 
-What the check cannot see, and the zoo and ``tests/models/test_renumbered_positions.py`` hold to plain rows
+What the check cannot see, and the zoo and ``tests/model/test_renumbered_positions.py`` hold to plain rows
 instead: a position the decoder derives elsewhere (a relative bias computed in its own attention code bypasses
 transformers' attention interface, and ``attention.probe`` refuses it first).
 

@@ -22,7 +22,7 @@ COMPRESSED_ATTENTION_LAYER_TYPES = {  # DeepSeek-V4: attention over keys pooled 
     "heavily_compressed_attention": "attention over compressed keys",
 }
 # Hybrid model types (layers that mix tokens outside attention) whose own cache-aware forward continues a prompt's
-# layer state exactly (tests/models/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
+# layer state exactly (tests/model/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
 # refused (``_check_layer_types``, ``_check_positions_and_convolutions``). The gated delta-nets, short convolutions,
 # Kimi delta attention and Mamba2 mixers (``mixers.PACKED_MODEL_TYPES``: LFM2, LFM3, Qwen3-Next, Qwen3.5, OLMo-hybrid,
 # Lara-mini, Kimi Linear, Bailing-hybrid, Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) run on the

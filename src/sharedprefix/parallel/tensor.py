@@ -1,6 +1,6 @@
 """Tensor parallelism: the layouts verified exact are found at the first call; every other DTensor layout is refused.
 
-Verified (``tests/distributed/test_tensor_parallel.py``, float64 against one process): a model distributed by
+Verified (``tests/parallel/test_tensor_parallel.py``, float64 against one process): a model distributed by
 transformers' own tensor parallelism (``from_pretrained(..., tp_plan="auto")`` or
 ``distributed_config=DistributedConfig(tp_size=N)``) whose plan uses only the styles in ``VERIFIED_STYLES``, alone or
 with FSDP2 (``fully_shard``) over another mesh dimension. Each rank of a tensor-parallel group runs the same rows
@@ -34,8 +34,8 @@ VERIFIED_STYLES = frozenset(
         "moe_tp_experts",
     }
 )
-# model types whose tensor-parallel runs were compared with one process (tests/distributed/test_tensor_parallel.py, and
-# the held-out sweep tests/distributed/tp_sweep.py): exact. Any other is refused, because transformers' own plan can
+# model types whose tensor-parallel runs were compared with one process (tests/parallel/test_tensor_parallel.py, and
+# the held-out sweep tests/parallel/tp_sweep.py): exact. Any other is refused, because transformers' own plan can
 # be wrong for a model (Gemma 3n's plain tensor-parallel forward differs from one process by 2e-2 in float64)
 VERIFIED_MODEL_TYPES = frozenset(
     {
@@ -117,7 +117,7 @@ def _check_transformers_plan(root: torch.nn.Module, tp: int) -> None:
             "sharedprefix has not compared this model type's tensor-parallel run with one process; transformers' own "
             "plan is not exact for every model (Gemma 3n's plain tensor-parallel forward differs from one process). "
             f"Verified: {sorted(VERIFIED_MODEL_TYPES)}. Load it without tp_plan, or add it to the tensor-parallel "
-            "tests (tests/distributed/tp_sweep.py compares a model type in a few minutes)."
+            "tests (tests/parallel/tp_sweep.py compares a model type in a few minutes)."
         )
     if getattr(cfg, "output_router_logits", False):
         raise ValueError(
@@ -131,7 +131,7 @@ def _check_transformers_plan(root: torch.nn.Module, tp: int) -> None:
         raise ValueError(
             f"the model's tp_plan uses the style(s) {odd}, which sharedprefix has not been verified exact with "
             f"(verified: {sorted(VERIFIED_STYLES)}). Use the model's own plan (tp_plan='auto') or a plan of the verified "
-            "styles; a new style needs its test in tests/distributed/test_tensor_parallel.py first."
+            "styles; a new style needs its test in tests/parallel/test_tensor_parallel.py first."
         )
     heads_sharded = any(k.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj") and s == "colwise" for k, s in plan.items())
     for field in ("num_attention_heads", "num_key_value_heads"):

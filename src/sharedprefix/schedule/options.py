@@ -41,7 +41,7 @@ class CallOptions:
         """The options of one call, each checked; raises ``ValueError`` / ``TypeError`` naming the bad one. The
         temperature is checked by the executor instead, inside the error agreement of the ranks: a value one rank
         alone gets wrong must stop every rank, not leave the others waiting in a collective
-        (``tests/distributed/sequence_worker.py``'s ``one_rank_bad``)."""
+        (``tests/parallel/sequence_worker.py``'s ``one_rank_bad``)."""
         opts = cls(**kw)
         if opts.prefix_activations not in PREFIX_MODES:
             raise ValueError(

@@ -1,7 +1,7 @@
 """The zoo table of ``docs/models.md``, generated from ``zoo.check`` results so that it cannot drift from what is tested.
 
 The table holds only what is the same on every machine for one transformers version (outcomes,
-refusal categories, features, reasons), never timings or rounding errors, so ``tests/models/test_zoo.py``
+refusal categories, features, reasons), never timings or rounding errors, so ``tests/model/test_zoo.py``
 can require the page to equal a fresh rendering.
 """
 
@@ -49,7 +49,7 @@ def render(results: list[Result], transformers_version: str) -> str:
         f"Every causal-LM architecture transformers {transformers_version} registers, and {len(variants)} variants "
         "that exercise what a default config hides, built tiny in float64 (2+ layers of width 32; sliding windows, "
         "chunks, MoE routing, sinks and latent attention small enough to bite on rows of 15 tokens) and compared "
-        f"with the plain forward of every row (`tests/models/test_zoo.py`). **The {len(archs)} architectures: "
+        f"with the plain forward of every row (`tests/model/test_zoo.py`). **The {len(archs)} architectures: "
         f"{count(archs)}** (failed: silently wrong or crashing); the variants: {count(variants)}.",
         "",
         "| outcome | entries |",

@@ -7,8 +7,8 @@ import os
 
 import pytest
 import torch
-from distributed.fsdp_worker import WRAPPINGS
-from distributed.worker import groups_and_weights, tree_and_weights
+from parallel.fsdp_worker import WRAPPINGS
+from parallel.worker import groups_and_weights, tree_and_weights
 from support.torchrun import torchrun
 
 import sharedprefix as sp

@@ -14,8 +14,8 @@ import os
 
 import pytest
 import torch
-from distributed.tp_worker import BUILDERS, NEEDS_MODE_IN_BACKWARD, load
-from distributed.worker import groups_and_weights, shard_of, tree_and_weights
+from parallel.tp_worker import BUILDERS, NEEDS_MODE_IN_BACKWARD, load
+from parallel.worker import groups_and_weights, shard_of, tree_and_weights
 from support.torchrun import torchrun
 
 from helpers import assert_grads_close, grads_of, plain_logprobs
@@ -101,7 +101,7 @@ def test_fewer_kv_heads_than_the_tp_degree_refused(two, four):
 
 def test_a_model_type_not_compared_under_tp_refused(two):
     """Gemma 3n: transformers' own tensor-parallel forward of it differs from one process (its plain TP log-probs
-    by 2e-2 in float64, found by tests/distributed/tp_sweep.py), so a model type not compared is refused, named."""
+    by 2e-2 in float64, found by tests/parallel/tp_sweep.py), so a model type not compared is refused, named."""
     got = two[0]["zoo:gemma3n_text"]
     assert isinstance(got, str), "Gemma 3n ran under tensor parallelism"
     assert got.startswith("ValueError: Gemma3nForCausalLM (model_type='gemma3n_text') is loaded with tensor parallelism")

@@ -20,8 +20,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models.test_hybrid import groups_of, zoo_model
-from models.test_hybrid_packed import DEEP_ROWS, _groups_check, _logprob_error, _tree_check, assert_detached_state_caught
+from model.test_hybrid import groups_of, zoo_model
+from model.test_hybrid_packed import DEEP_ROWS, _groups_check, _logprob_error, _tree_check, assert_detached_state_caught
 from schedule.test_tree import ROW_SPEC, _masks, _tree_rows
 
 import sharedprefix as sp

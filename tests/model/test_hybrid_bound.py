@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from models.test_hybrid import groups_of, model_of, zoo_model
+from model.test_hybrid import groups_of, model_of, zoo_model
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs

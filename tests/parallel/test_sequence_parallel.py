@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from distributed.sequence_worker import BUDGET, CASES, build_model, source, weights
+from parallel.sequence_worker import BUDGET, CASES, build_model, source, weights
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
@@ -56,7 +56,7 @@ def test_sequence_parallel_matches_plain_rows_float64(ranks, name, monkeypatch):
     arch, over, budget, mode, kind = CASES[name]
     model = build_model(arch, over)
     if arch == "zoo:gemma2":  # the plain forward's eager softmax runs in float32: the float64 one for the reference
-        from models.test_softcap import _eager64
+        from model.test_softcap import _eager64
         from transformers.models.gemma2 import modeling_gemma2
 
         monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", _eager64)
@@ -102,7 +102,7 @@ def test_fsdp2_data_parallel_times_sequence_parallel(ranks):
     """FSDP2 over all ranks, sequence groups of 2 (1 x 2 and 2 x 2): every rank's full gradient is the plain
     gradient of all groups (summed over the data-parallel groups), its log-probs its own groups' plain ones."""
     n, results = ranks
-    from distributed.sequence_worker import fsdp_weights
+    from parallel.sequence_worker import fsdp_weights
 
     groups = source("groups")
     model = tiny_model("qwen3")

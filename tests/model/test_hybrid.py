@@ -2,7 +2,7 @@
 each completion from the prompt's final layer state, against the plain per-row forward in float64.
 
 The gated delta-nets, short convolutions and Mamba2 mixers (LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid, Mamba2,
-Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) run on the packed path instead: tests/models/
+Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) run on the packed path instead: tests/model/
 test_hybrid_packed.py and test_hybrid_ssm.py; ``model_of`` and ``zoo_model`` here build the tiny models of all three.
 Zaya (the cache path's example here) computes parts in float32 even in a float64 model: the exactness test runs both
 the plain forward and sharedprefix with those casts kept float64 (``Float64Inside``, the same code otherwise), and a

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.worker import BUDGET, full_grads, loss_fn_for, my_share, run_tree  # noqa: E402
+from parallel.worker import BUDGET, full_grads, loss_fn_for, my_share, run_tree  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402

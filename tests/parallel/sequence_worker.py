@@ -85,7 +85,7 @@ def run_fsdp():
     """FSDP2 over every rank x sequence groups of 2 (data-parallel group d: ranks 2d, 2d + 1), whole groups per
     data-parallel group, a budget that splits one: {full gradients, log-probs of this rank's groups, their global
     completion indices}."""
-    from distributed.worker import shard_of
+    from parallel.worker import shard_of
     from torch.distributed.fsdp import fully_shard
 
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from distributed.worker import BUDGET, groups_and_weights, tree_and_weights
+from parallel.worker import BUDGET, groups_and_weights, tree_and_weights
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model

@@ -14,8 +14,8 @@ the tolerance).
 import sys
 
 import pytest
-from models.test_hybrid import groups_of, model_of
-from models.test_hybrid_packed import DEEP_ROWS, _logprob_error, _tree_check
+from model.test_hybrid import groups_of, model_of
+from model.test_hybrid_packed import DEEP_ROWS, _logprob_error, _tree_check
 
 import sharedprefix as sp
 from helpers import assert_matches_plain_rows

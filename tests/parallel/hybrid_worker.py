@@ -1,8 +1,8 @@
 """One rank of the hybrid DDP / FSDP2 test (run under torchrun): a tiny hybrid wrapped in DDP, or sharded with FSDP2
 (kinds ``fsdp*``: every layer, the embedding and head as one unit, and the root), each rank with its share of the
 groups. FAMILIES (default lfm2; several, comma-separated, run one after another in one launch) picks the hybrids:
-``models.test_hybrid``'s (lfm2: short convolutions beside attention; falcon_h1: Mamba2 mixers; qwen3_next: gated
-delta-nets) or ``models.test_hybrid_linear``'s 3-layer cuts of the zoo's configs (lfm3: convolutions; lara_mini: gated
+``model.test_hybrid``'s (lfm2: short convolutions beside attention; falcon_h1: Mamba2 mixers; qwen3_next: gated
+delta-nets) or ``model.test_hybrid_linear``'s 3-layer cuts of the zoo's configs (lfm3: convolutions; lara_mini: gated
 delta-nets; kimi_linear: Kimi delta attention). The delta rules and the Mamba2 scan compute in float32 inside a
 float64 model, so those families run ``sp.backward`` under ``Float64Inside``, as the reference does (kinds backward
 and fsdp only).
@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.worker import full_grads, nan_on_second_pass, report_outcome, run_tree, shard_of  # noqa: E402
-from models.test_hybrid import COMMON, groups_of, model_of  # noqa: E402
-from models.test_hybrid_linear import SMALL  # noqa: E402
-from models.test_hybrid_linear import _model as small_model  # noqa: E402
+from model.test_hybrid import COMMON, groups_of, model_of  # noqa: E402
+from model.test_hybrid_linear import SMALL  # noqa: E402
+from model.test_hybrid_linear import _model as small_model  # noqa: E402
+from parallel.worker import full_grads, nan_on_second_pass, report_outcome, run_tree, shard_of  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from sharedprefix.tools.reference import Float64Inside  # noqa: E402

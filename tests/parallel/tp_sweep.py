@@ -5,7 +5,7 @@ Comparing with the one-process sharedprefix run (not the plain forward) isolates
 a model whose float32 casts the float64 harness cannot reach in some call (a recomputation inside a backward does
 not see ``Float64Inside``) fails that call the same way in both runs, and is reported as such, not as a mismatch.
 
-Usage: python tests/distributed/tp_sweep.py OUT_DIR ENTRY [ENTRY ...]   (zoo entries, e.g. mistral cohere mixtral)
+Usage: python tests/parallel/tp_sweep.py OUT_DIR ENTRY [ENTRY ...]   (zoo entries, e.g. mistral cohere mixtral)
 Prints one line per model: exact (calls compared), refused (the message), or MISMATCH (the call and the error).
 """
 
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.tp_worker import calls, load  # noqa: E402
+from parallel.tp_worker import calls, load  # noqa: E402
 
 from helpers import assert_grads_close  # noqa: E402
 from sharedprefix.tools.reference import Float64Inside  # noqa: E402

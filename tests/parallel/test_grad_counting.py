@@ -14,8 +14,8 @@ import os
 
 import pytest
 import torch
-from distributed.hooks_worker import LORA
-from distributed.worker import groups_and_weights
+from parallel.hooks_worker import LORA
+from parallel.worker import groups_and_weights
 from support.torchrun import torchrun
 
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-from distributed.hybrid_worker import BUDGET, VOCAB, build, inside, weights
-from distributed.worker import BUDGET as TREE_BUDGET
-from distributed.worker import tree_and_weights
-from models.test_hybrid import groups_of
+from model.test_hybrid import groups_of
+from parallel.hybrid_worker import BUDGET, VOCAB, build, inside, weights
+from parallel.worker import BUDGET as TREE_BUDGET
+from parallel.worker import tree_and_weights
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs

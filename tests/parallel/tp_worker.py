@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distributed.worker import BUDGET, groups_and_weights, shard_of, tree_and_weights, whole_grads  # noqa: E402
+from parallel.worker import BUDGET, groups_and_weights, shard_of, tree_and_weights, whole_grads  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402

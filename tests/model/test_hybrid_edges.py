@@ -6,8 +6,8 @@ than Qwen3.5, and layouts, settings and inputs nobody tried. Each against one pl
 import pytest
 import torch
 import transformers as tf
-from models.test_hybrid import COMMON, CONFIGS
-from models.test_hybrid_packed import _tree_check
+from model.test_hybrid import COMMON, CONFIGS
+from model.test_hybrid_packed import _tree_check
 
 import sharedprefix as sp
 from helpers import assert_matches_plain_rows
@@ -238,7 +238,7 @@ def test_hybrid_moe_aux_loss_under_a_budget():
     plus 3 x the loss is within twice the plain float32 run's own error against the float64-inside result (the delta
     rule's float32 dominates both: ``sp``'s aux loss passes float weights to transformers' loss function, whose scatter
     then fails under ``Float64Inside``, so this path has no float64-inside 1e-9 check)."""
-    from models.test_hybrid import groups_of, zoo_model
+    from model.test_hybrid import groups_of, zoo_model
 
     from helpers import grads_of, plain_logprobs
     from sharedprefix.tools.zoo.checks import plain_aux_loss
@@ -268,7 +268,7 @@ def test_hybrid_moe_aux_loss_under_a_budget():
 def test_lfm2_moe_aux_loss_is_refused_with_its_reason():
     """LFM2-MoE returns no load-balancing loss (its module has no ``load_balancing_loss_func``): asked for one, the
     call is refused, naming the model, the missing function and the fix."""
-    from models.test_hybrid import groups_of, zoo_model
+    from model.test_hybrid import groups_of, zoo_model
 
     model = zoo_model("lfm2_moe")
     model.config.output_router_logits = True
@@ -286,7 +286,7 @@ def test_delta_rule_segments_at_and_across_its_64_token_chunks():
     """Qwen3-Next's delta rule runs in chunks of 64: a 63-token prompt with children of 1, 64 and 65 tokens (so that
     the level's right-padded batch ends at, and crosses, chunk multiples) and a 64-token prompt whose first child ends
     one chunk later, whole and under budgets of 64 and 65 tokens (a segment cached exactly at a chunk boundary)."""
-    from models.test_hybrid import model_of
+    from model.test_hybrid import model_of
 
     g = torch.Generator().manual_seed(3)
     ids = lambda n: torch.randint(3, 61, (n,), generator=g).tolist()  # noqa: E731
@@ -300,7 +300,7 @@ def test_delta_rule_segments_at_and_across_its_64_token_chunks():
 def test_temperature_entropy_defer_and_duplicate_rows_on_a_hybrid():
     """LFM2 under a budget: temperature and entropies against the plain rows; three deferred calls (temperature,
     entropy, a subset of the groups) before one backward; groups of one completion, two identical completions."""
-    from models.test_hybrid import groups_of, model_of
+    from model.test_hybrid import groups_of, model_of
 
     from helpers import assert_grads_close, grads_of, plain_logprobs
 
@@ -334,8 +334,8 @@ def test_bfloat16_mamba2_tree_within_twice_the_plain_error():
     the largest gradient)."""
     import copy
 
-    from models.test_hybrid_packed import DEEP_ROWS
-    from models.test_hybrid_ssm import _model
+    from model.test_hybrid_packed import DEEP_ROWS
+    from model.test_hybrid_ssm import _model
     from schedule.test_tree import plain_rows
 
     from helpers import grads_of
@@ -366,9 +366,9 @@ def test_bfloat16_mamba2_tree_within_twice_the_plain_error():
 def test_training_mode_and_use_cache_change_nothing():
     """Nemotron-H in ``train()`` (dropout 0) with ``config.use_cache=True``: the mixers take the same packed seams, and
     the result is the plain rows' under a budget."""
-    from models.test_hybrid import groups_of
-    from models.test_hybrid_packed import _groups_check
-    from models.test_hybrid_ssm import _model
+    from model.test_hybrid import groups_of
+    from model.test_hybrid_packed import _groups_check
+    from model.test_hybrid_ssm import _model
 
     model = _model("nemotron_h")
     before = model.config.use_cache

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models.test_hybrid import groups_of, model_of, zoo_model
+from model.test_hybrid import groups_of, model_of, zoo_model
 from schedule.test_tree import ROW_SPEC, _masks, _tree_rows, plain_rows
 
 import sharedprefix as sp
@@ -267,7 +267,7 @@ def test_a_config_without_attention_layers_runs_exactly(family, kind):
     """Every layer recurrent or convolutional (no attention layer: the cache path failed inside transformers with
     "get_seq_length can only be called on Attention layers"): exact on the packed path, one pass and split."""
     import transformers
-    from models.test_hybrid import COMMON, CONFIGS
+    from model.test_hybrid import COMMON, CONFIGS
 
     from sharedprefix.tools.zoo.configs import float64_norms
 
