@@ -54,8 +54,9 @@ class DeferredGradHooks:
 
     @contextlib.contextmanager
     def during_backward(self, last: bool = False):
-        """Run one backward with every parameter's post-accumulate-grad hooks replaced by a recorder (under FSDP2,
-        in the ``last`` backward of the call, followed by one: they run there, on the call's whole gradient)."""
+        """Run one backward with every parameter's post-accumulate-grad hooks replaced by a recorder. Under FSDP2 the
+        call's ``last`` backward keeps them, with a recorder after them: they run there, on the call's whole
+        gradient, before FSDP2 reduce-scatters it."""
         held: dict[int, tuple[torch.Tensor, list]] = {}
         sizes: dict[int, int] = {}
         natural = self.fsdp and last
