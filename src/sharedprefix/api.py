@@ -33,8 +33,8 @@ from sharedprefix import settings
 from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap, uses_checkpointing
 from sharedprefix.model.support import is_hybrid
+from sharedprefix.parallel.detect import ddp_sync_enabled, detect
 from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
-from sharedprefix.parallel.strategy import ddp_sync_enabled, detect
 from sharedprefix.schedule import hybrid_calls, rounds
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.executor import Executor

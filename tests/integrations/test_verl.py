@@ -269,7 +269,7 @@ def test_reference_engine_with_cpu_offload_matches_verl(process_group, path, mon
     assert es._uses_fsdp2_cpu_offload_policy and ev._uses_fsdp2_cpu_offload_policy
     assert all(p.device.type == "cpu" for p in es.module.parameters())
     # on CPU compute and host memory are one device: the choice itself, with the compute device moved elsewhere
-    from sharedprefix.parallel.strategy import detect
+    from sharedprefix.parallel.detect import detect
 
     monkeypatch.setattr(es.module._get_fsdp_state(), "_device", torch.device("meta"))
     assert detect(es.module, es.module).compute_device(torch.device("cpu")) == torch.device("meta")

@@ -29,8 +29,8 @@ from sharedprefix.model.multimodal import Multimodal, check_batchable, check_pro
 from sharedprefix.model.positions import renumbered
 from sharedprefix.model.support import check_supported
 from sharedprefix.parallel import sequence
+from sharedprefix.parallel.detect import detect
 from sharedprefix.parallel.sequence import SequenceShard, refuse_features
-from sharedprefix.parallel.strategy import detect
 from sharedprefix.parallel.tensor import refuse_with_sequence_group
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache

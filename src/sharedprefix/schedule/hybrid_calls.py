@@ -13,7 +13,7 @@ import torch
 from sharedprefix.attention.kernels import select
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.support import inline_mixer_reason
-from sharedprefix.parallel.strategy import detect
+from sharedprefix.parallel.detect import detect
 from sharedprefix.schedule import hybrid
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.grads import synced
