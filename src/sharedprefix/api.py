@@ -98,17 +98,8 @@ def logprobs(
         ``LogProbs`` with (N, W) tensors, float32 (float64 for a float64 model), with grad when
         grad is enabled.
     """
-    opts = CallOptions.build(
-        max_tokens=max_tokens,
-        backend=backend,
-        temperature=temperature,
-        entropy=entropy,
-        prefix_activations=prefix_activations,
-        grad_reduction=grad_reduction,
-        sequence_group=check_group(sequence_group),
-        defer=defer,
-        aux_loss=aux_loss,
-    )
+    shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
+    opts = CallOptions.build(**shared, defer=defer, aux_loss=aux_loss)
     seq = opts.sequence_group
     if seq is not None and (is_hybrid(unwrap(model)) or mixers.is_packed(unwrap(model))):
         refuse_hybrid(type(unwrap(model)).__name__, seq)
@@ -184,17 +175,9 @@ def backward(
     """
     if prefix_activations is None:  # the default: "keep", or the mode FSDP2 needs
         prefix_activations = "recompute" if detect(model, unwrap(model)).fsdp else "keep"
-    opts = CallOptions.build(
-        max_tokens=max_tokens,
-        backend=backend,
-        temperature=temperature,
-        entropy=entropy,
-        prefix_activations=prefix_activations,
-        grad_reduction=grad_reduction,
-        sync=sync and ddp_sync_enabled(model),  # inside DDP's no_sync(): accumulate, as DDP's own backward would
-        offload_device=offload_device,
-        sequence_group=check_group(sequence_group),
-    )
+    shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
+    # inside DDP's no_sync(): accumulate, as DDP's own backward would
+    opts = CallOptions.build(**shared, sync=sync and ddp_sync_enabled(model), offload_device=offload_device)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
@@ -237,6 +220,19 @@ def _deferred_backward(model, groups, loss_fn, options: CallOptions, aux_grads=N
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------
+
+
+def _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group) -> dict:
+    """The settings ``logprobs`` and ``backward`` share, as ``CallOptions.build`` keywords (the group checked)."""
+    return dict(
+        max_tokens=max_tokens,
+        backend=backend,
+        temperature=temperature,
+        entropy=entropy,
+        prefix_activations=prefix_activations,
+        grad_reduction=grad_reduction,
+        sequence_group=check_group(sequence_group),
+    )
 
 
 def _run_call_checks(model, groups) -> None:
