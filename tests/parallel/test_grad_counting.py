@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 from parallel.hooks_worker import LORA
-from parallel.worker import groups_and_weights
+from parallel.worker import groups_and_weights, present
 from support.torchrun import torchrun
 
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
@@ -35,10 +35,6 @@ def launch(kind, tmp_path, timeout=300):
 def plain(model):
     groups, W = groups_and_weights()
     return grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
-
-
-def present(grads):
-    return {k: v for k, v in grads.items() if v is not None}
 
 
 def exact_with_control(got, want, control):

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 from parallel.tp_worker import BUILDERS, NEEDS_MODE_IN_BACKWARD, load
-from parallel.worker import groups_and_weights, shard_of, tree_and_weights
+from parallel.worker import groups_and_weights, present, shard_of, tree_and_weights
 from support.torchrun import torchrun
 
 from helpers import assert_grads_close, grads_of, plain_logprobs
@@ -34,34 +34,35 @@ def launch(names, world, tmp_path, timeout=600):
     return torch.load(out, weights_only=False), tmp_path
 
 
-def reference(name, root):
-    """One process, the same checkpoint: plain log-probs of every row, and the gradients each call of the worker
-    must reproduce."""
+def reference(name, root, shard=None):
+    """One process, the same checkpoint: plain log-probs of every row (of ``shard``'s rows only, a data-parallel
+    rank's groups, when given), and the gradients each call of the worker must reproduce."""
     from schedule.test_tree import plain_rows
 
     with Float64Inside():
         model = load(name, root)
         groups, W = groups_and_weights()
         with torch.no_grad():
-            lp = plain_logprobs(model, groups)[0]
+            lp = plain_logprobs(model, groups if shard is None else shard)[0]
         grads = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
         _, rows, trained, TW = tree_and_weights()
         tree_grads = grads_of(model, lambda: (plain_rows(model, rows, trained) * TW).sum())
     return lp, grads, tree_grads
 
 
-def check(name, got, root):
+def check(name, got, root, calls=GRADS, shard=None):
+    """``got``'s log-probs (1e-9) and the gradients of ``calls`` (relative 1e-9) against ``reference``."""
     assert not isinstance(got, str), f"{name}: {got}"
-    lp, grads, tree_grads = reference(name, root)
+    lp, grads, tree_grads = reference(name, root, shard)
     for call in ("logprobs", "logprobs_budget"):
         err = float((got[call] - lp).abs().max())
         assert err <= 1e-9, f"{name} {call}: {err:.3g}"
-    for call in GRADS:
+    for call in calls:
         if call in NEEDS_MODE_IN_BACKWARD.get(name, ()):  # see tp_worker.calls
             assert call not in got
             continue
         try:
-            assert_grads_close({k: v for k, v in got[call].items() if v is not None}, tree_grads if call == "tree" else grads, 1e-9)
+            assert_grads_close(present(got[call]), tree_grads if call == "tree" else grads, 1e-9)
         except AssertionError as e:
             raise AssertionError(f"{name} {call}: {e}") from None
 
@@ -154,25 +155,9 @@ def test_fsdp2_by_tp_on_a_2d_mesh_exact(two_d, name):
     groups sharded over the data dimension only: rank 0's log-probs are its shard's plain ones, and every call's
     gradient is the one-process gradient of all groups. The Qwen3 and Gemma 3 norms' TP hooks sit on FSDP2's
     unsharded parameters and run in the call's last backward, before FSDP2 reduce-scatters."""
-    from schedule.test_tree import plain_rows
-
     got, root = two_d
     got = got[f"{name}@fsdp2xtp"]
     assert got["dp_rank"] == 0
     assert got["verify"].endswith("-> exact by the 2x rule"), got["verify"]  # sp.verify runs on the 2-D layout
-    with Float64Inside():
-        model = load(name, root)
-        groups, W = groups_and_weights()
-        mine, _ = shard_of(groups, 0, 2)
-        with torch.no_grad():
-            lp = plain_logprobs(model, mine)[0]
-        grads = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
-        _, rows, trained, TW = tree_and_weights()
-        tree_grads = grads_of(model, lambda: (plain_rows(model, rows, trained) * TW).sum())
-    for call in ("logprobs", "logprobs_budget"):
-        assert float((got[call] - lp).abs().max()) <= 1e-9, call
-    for call in ("whole", "recompute", "tree", "checkpointing"):
-        try:
-            assert_grads_close({k: v for k, v in got[call].items() if v is not None}, tree_grads if call == "tree" else grads, 1e-9)
-        except AssertionError as e:
-            raise AssertionError(f"{name} {call}: {e}") from None
+    mine, _ = shard_of(groups_and_weights()[0], 0, 2)
+    check(name, got, root, calls=("whole", "recompute", "tree", "checkpointing"), shard=mine)

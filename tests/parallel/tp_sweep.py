@@ -18,13 +18,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from parallel.tp_worker import calls, load  # noqa: E402
+from parallel.worker import present  # noqa: E402
 
 from helpers import assert_grads_close  # noqa: E402
 from sharedprefix.tools.reference import Float64Inside  # noqa: E402
-
-
-def present(grads):
-    return {k: v for k, v in grads.items() if v is not None}
 
 
 def main(root, entries):

@@ -88,6 +88,11 @@ def full_grads(model):
     return out
 
 
+def present(grads):
+    """``grads`` without the parameters that got no gradient (None)."""
+    return {k: v for k, v in grads.items() if v is not None}
+
+
 def whole_grads(model, fn):
     """Run ``fn()`` from zero gradients; returns ``full_grads`` after it, and leaves no gradient behind."""
     model.zero_grad(set_to_none=True)

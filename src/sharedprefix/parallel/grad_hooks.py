@@ -57,23 +57,22 @@ class DeferredGradHooks:
         """Run one backward with every parameter's post-accumulate-grad hooks replaced by a recorder. Under FSDP2 the
         call's ``last`` backward keeps them, with a recorder after them: they run there, on the call's whole
         gradient, before FSDP2 reduce-scatters it."""
-        held: dict[int, tuple[torch.Tensor, list]] = {}
+        params = self._params()
+        held: dict[int, list] = {}  # id -> the parameter's own hooks, as (key, hook) pairs
         sizes: dict[int, int] = {}
         natural = self.fsdp and last
-        for p in self._params():
+        for p in params:
             hooks = p._post_accumulate_grad_hooks
             sizes[id(p)] = len(hooks) if hooks else 0
-            if hooks and natural:
-                held[id(p)] = (p, list(hooks.items()))
-                hooks[_KEY] = self._ran_last
-            elif hooks:
-                held[id(p)] = (p, list(hooks.items()))
-                hooks.clear()
-                hooks[_KEY] = self._recorder
+            if hooks:
+                held[id(p)] = list(hooks.items())
+                if not natural:
+                    hooks.clear()
+                hooks[_KEY] = self._ran_last if natural else self._recorder
         try:
             yield
         finally:
-            late = self._restore(held, sizes)
+            late = self._restore(params, held, sizes)
         if late:
             raise RuntimeError(
                 f"{len(late)} parameter(s) gained a post-accumulate-grad hook during a sharedprefix backward (a "
@@ -83,20 +82,21 @@ class DeferredGradHooks:
                 "(gradient_checkpointing_kwargs={'use_reentrant': False}), whose forward runs without grad."
             )
 
-    def _restore(self, held: dict, sizes: dict) -> list[torch.Tensor]:
+    @staticmethod
+    def _restore(params: list, held: dict, sizes: dict) -> list[torch.Tensor]:
         """Every set-aside hook back in place; returns the parameters that gained a hook during the backward."""
         late = []
-        for p in self._params():
+        for p in params:
             hooks = p._post_accumulate_grad_hooks
             if id(p) in held:
-                own = {k for k, _ in held[id(p)][1]}
+                own = {k for k, _ in held[id(p)]}
                 extra = [(k, h) for k, h in hooks.items() if k != _KEY and k not in own]
                 hooks.clear()
-                hooks.update(held[id(p)][1])
+                hooks.update(held[id(p)])
                 hooks.update(extra)
                 if extra:
                     late.append(p)
-            elif hooks and len(hooks) > sizes.get(id(p), 0):
+            elif hooks and len(hooks) > sizes[id(p)]:
                 late.append(p)
         return late
 

@@ -51,7 +51,8 @@ _FIX = (
 )
 
 
-def _is_dtensor(t) -> bool:
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (by name: no distributed import on the common path)."""
     return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
 
 
@@ -69,10 +70,11 @@ def tensor_parallel_size(root: torch.nn.Module, model: torch.nn.Module | None = 
     is not verified exact. ``model``: what the user passed, which may hold ``root`` (a PEFT model, FSDP2 applied to
     it as a whole)."""
     tp = getattr(root, "_tp_size", None) or 1
-    fsdp = _fsdp_managed(model if model is not None else root)
+    fsdp: set[int] | None = None  # the FSDP2 parameters, gathered at the first DTensor (none on the common path)
     for mname, module in root.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            if _is_dtensor(p):
+            if is_dtensor(p):
+                fsdp = _fsdp_managed(model if model is not None else root) if fsdp is None else fsdp
                 _check_param(f"{mname}.{pname}" if mname else pname, p, module, id(p) in fsdp, tp)
     if tp > 1:
         _check_transformers_plan(root, tp)

@@ -20,6 +20,8 @@ import weakref
 
 import torch
 
+from sharedprefix.parallel.tensor import is_dtensor
+
 
 class PrefixCache:
     def __init__(self, leaves: bool):
@@ -175,12 +177,8 @@ class _Offloaded:
         self.dev = self.ready = None
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 class OffloadHooks:
@@ -215,7 +213,7 @@ class OffloadHooks:
         return self._streams[device]
 
     def pack(self, t: torch.Tensor):
-        if _is_dtensor(t) or t.untyped_storage().data_ptr() in self.param_storages or (t.is_leaf and t.requires_grad):
+        if is_dtensor(t) or t.untyped_storage().data_ptr() in self.param_storages or (t.is_leaf and t.requires_grad):
             return t  # a DTensor (a tensor-parallel parameter or activation) stays in place: exact, not offloaded
         self.bytes_moved += t.numel() * t.element_size()
         side = t.is_cuda and self.device.type == "cpu"

@@ -47,7 +47,6 @@ class Executor:
     (``output_router_logits``)."""
 
     def __init__(self, model, source, options: CallOptions, leaves: bool, aux=None):
-        max_tokens, backend, temperature, entropy = options.max_tokens, options.backend, options.temperature, options.entropy
         prefix_activations = options.prefix_activations if leaves else None  # (a forward-only run has no prefix mode)
         sequence_group = options.sequence_group
         self.options = options
@@ -60,11 +59,12 @@ class Executor:
         self.last: tuple | None = None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
         error: BaseException | None = None
         try:
-            self._setup(source, max_tokens, backend, temperature, entropy, leaves, prefix_activations, aux)
+            self._setup(source, leaves, prefix_activations, aux)
         except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank, before collectives
             error = e
         if sequence_group is not None:  # the ranks of a sequence group: the same rows, or all of them raise
-            key = None if error is not None else sequence.digest(self.plan, temperature, entropy, leaves, prefix_activations)
+            o = options
+            key = None if error is not None else sequence.digest(self.plan, o.temperature, o.entropy, leaves, prefix_activations)
             error = sequence.agree(sequence_group, error, key)
         # FSDP2: the round counts every rank runs, agreed in the same all-reduce: (forward-only, forward+backward)
         # rounds for sp.backward, passes for sp.logprobs
@@ -89,7 +89,8 @@ class Executor:
         if self.router_logits is not None or self.aux_grads is not None:
             self.par.call(lambda: router.verify(self.model, decoder(self.model), self.device), guard=False)
 
-    def _setup(self, source, max_tokens, backend, temperature, entropy, leaves, prefix_activations, aux):
+    def _setup(self, source, leaves, prefix_activations, aux):
+        max_tokens, backend, temperature = self.options.max_tokens, self.options.backend, self.options.temperature
         check_supported(self.model)
         # a model with K token streams per position (MusicGen): frames checked, then one frame id per position
         self.frames = None
@@ -129,7 +130,7 @@ class Executor:
             raise ValueError(softcap_refusal(type(self.model).__name__, cap, impl.name))
         self.backend = backend
         self.temperature = float(temperature)
-        self.entropy = entropy
+        self.entropy = self.options.entropy
         self.cache = PrefixCache(leaves=leaves)
         self.T = self.plan.tree.width
         self.tokens = 0

@@ -25,6 +25,7 @@ import torch
 
 from sharedprefix import settings
 from sharedprefix.api import register_call_check
+from sharedprefix.parallel.tensor import is_dtensor
 
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -192,12 +193,12 @@ def float64_copy(base, device) -> torch.nn.Module:
     DTensors (tensor parallelism, FSDP2), the same class built from a copy of its config, with every tensor of the
     state dict gathered whole (``full_tensor``, a collective every rank of the mesh runs in the same order)."""
     state = base.state_dict()
-    if not any(type(t).__name__ == "DTensor" for t in state.values()):
+    if not any(is_dtensor(t) for t in state.values()):
         return copy.deepcopy(base).to(device=device, dtype=torch.float64)
     cfg = copy.deepcopy(base.config)
     if hasattr(cfg, "distributed_config"):
         cfg.distributed_config = None  # the copy is built whole on this process
-    whole = {k: t.full_tensor() if type(t).__name__ == "DTensor" else t for k, t in state.items()}
+    whole = {k: t.full_tensor() if is_dtensor(t) else t for k, t in state.items()}
     ref = type(base)._from_config(cfg, attn_implementation=base.config._attn_implementation)
     ref.load_state_dict(whole, strict=True)
     return ref.to(device=device, dtype=torch.float64).eval()
