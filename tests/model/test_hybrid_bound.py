@@ -37,8 +37,8 @@ def bind_as_5_10(monkeypatch, family, bypass=False):
     cls = type(nets[0])
     src = sys.modules[cls.__module__]
     own = src.torch_chunk_gated_delta_rule
-    for m in nets:
-        m.chunk_gated_delta_rule = own  # bound when built
+    for m in nets:  # bound when built: a plain attribute in 5.10. With the kernels package (a dependency since
+        vars(m)[ATTR] = own  # 5.25) the module's function is an nn.Module, which ``m.attr = own`` would register
     forward = cls.forward
 
     def forward_5_10(self, *args, **kwargs):  # the 5.10 forward: the delta rule through the instance only
@@ -180,6 +180,6 @@ def test_another_function_bound_on_the_instance_is_refused(monkeypatch):
     def chunk_gated_delta_rule(*args, **kwargs):  # stands in for a kernel package's function
         return own(*args, **kwargs)
 
-    nets[0].chunk_gated_delta_rule = chunk_gated_delta_rule
+    vars(nets[0])[ATTR] = chunk_gated_delta_rule  # the attribute is a plain one (see ``bind_as_5_10``)
     with pytest.raises(ValueError, match=r"Qwen3NextGatedDeltaNet holds 'chunk_gated_delta_rule' = .*chunk_gated_delta_rule, bound"):
         sp.logprobs(model, groups_of())

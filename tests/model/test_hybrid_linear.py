@@ -37,6 +37,7 @@ SMALL = {  # 3 layers each; the delta nets as small as the attention
     "kimi_linear": dict(layer_types=[LA, FA, LA], mlp_layer_types=["dense", "sparse", "dense"]),
     "bailing_hybrid": dict(layer_types=[LA, FA, LA], mlp_layer_types=["dense", "sparse", "sparse"], layer_group_size=3),
 }
+PER_LAYER = ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list")  # Bailing's lists (5.25): cut to 3 layers too
 KDA = "kimi_linear"
 SLOW = pytest.mark.slow  # KDA's torch chunk loop and the delta nets' dominate; LFM3 and two KDA checks stay fast
 FAMILIES = ["lfm3"] + [pytest.param(f, marks=SLOW) for f in ("lara_mini", KDA, "bailing_hybrid")]
@@ -51,6 +52,7 @@ def _model(family):
         base = zoo.tiny_config(family)
         kw = {k: v for k, v in base.to_dict().items() if k not in ("model_type", "transformers_version")}
         kw.update(SMALL[family], num_hidden_layers=3, initializer_range=0.2)
+        kw.update({k: kw[k][:3] for k in PER_LAYER if k in kw})
         cls = getattr(transformers, zoo.entries()[family])
         torch.manual_seed(0)
         model = cls._from_config(type(base)(**kw), attn_implementation="sdpa" if cls._supports_sdpa else "eager")

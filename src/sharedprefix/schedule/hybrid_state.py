@@ -64,6 +64,9 @@ def _fresh_update(layer, name: str, update):
 # -- the cache's tensors, read out and written back ---------------------------------------------------------------
 
 LINEAR_CACHE = "linear_cache"  # MiniMaxCache: a list with each lightning-attention layer's (K^T V) state, on the cache
+# a layer's count of the tokens it has seen (transformers 5.25's linear-attention layers): one number for every row,
+# which the layer increments in place, so each copy of the cache gets a copy of it, not a repeat
+COUNTERS = ("cumulative_length_linear",)
 
 
 def state_slots(cache) -> list[tuple[int, str, int | None]]:
@@ -75,8 +78,9 @@ def state_slots(cache) -> list[tuple[int, str, int | None]]:
         known = set()
         if isinstance(layer, DummyLayer):
             continue
-        full = isinstance(layer, DynamicLayer) and type(layer).get_seq_length is DynamicLayer.get_seq_length
-        sliding = getattr(type(layer), "get_seq_length", None) is DynamicSlidingWindowLayer.get_seq_length  # last window - 1
+        length = getattr(type(layer), "get_seq_length", None)
+        full = isinstance(layer, DynamicLayer) and length in _delegating(DynamicLayer)
+        sliding = length in _delegating(DynamicSlidingWindowLayer)  # last window - 1
         if full or sliding:
             if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
                 out += [(i, "keys", None), (i, "values", None)]
@@ -87,6 +91,7 @@ def state_slots(cache) -> list[tuple[int, str, int | None]]:
                     if t is not None:
                         out.append((i, name, s))
                 known.add(name)
+            known |= {c for c in COUNTERS if _is_count(getattr(layer, c, None))}
         if not known:
             raise ValueError(
                 f"the cache layer {i} is a {type(layer).__name__}, which sharedprefix's hybrid path does not know how to "
@@ -107,6 +112,21 @@ def state_slots(cache) -> list[tuple[int, str, int | None]]:
             "completion, so it refuses the model rather than start a completion from a wrong state."
         )
     return out
+
+
+def _delegating(base) -> set:
+    """``base.get_seq_length`` and the hybrid layers' that call it (transformers 5.25 spells it out on its linear +
+    full / sliding attention layers, so that their linear part's token count does not answer)."""
+    from transformers import cache_utils
+
+    hybrid = {cache_utils.DynamicLayer: "LinearAttentionAndFullAttentionLayer"}
+    hybrid[cache_utils.DynamicSlidingWindowLayer] = "LinearAttentionAndSlidingWindowAttentionLayer"
+    cls = getattr(cache_utils, hybrid[base], None)
+    return {base.get_seq_length} | ({cls.get_seq_length} if cls is not None and "get_seq_length" in vars(cls) else set())
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point()
 
 
 def _holds_tensors(value) -> bool:
@@ -133,10 +153,12 @@ def repeated_states(cache, slots, tensors, n: int):
     model updates conv and recurrent states in place; gradients flow back to ``tensors`` through the repeat)."""
     new = copy.copy(cache)
     new.layers = [copy.copy(layer) for layer in cache.layers]
-    for layer in new.layers:  # per-state dicts (states, flags) of its own
+    for layer in new.layers:  # per-state dicts (states, flags) and token counts of its own
         for name, value in list(vars(layer).items()):
             if isinstance(value, dict):
                 setattr(layer, name, dict(value))
+            elif name in COUNTERS and _is_count(value):
+                setattr(layer, name, value.clone())
     if hasattr(cache, LINEAR_CACHE):
         setattr(new, LINEAR_CACHE, list(getattr(cache, LINEAR_CACHE)))
     _write_fresh(new)
