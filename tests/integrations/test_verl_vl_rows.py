@@ -86,7 +86,56 @@ def test_vl_config_refusals():
 
     with pytest.raises(ValueError, match="model_type='llava' is a vision-language model.*prompt_inputs for"):
         verl_vl.check_vl_config(Cfg, 1)
+    for model_type in verl_vl.VL_MODULES:  # their classes as transformers ships them (kernels' wrappers included)
+        Cfg.model_type = model_type
+        verl_vl.check_vl_config(Cfg, 1)
     Cfg.model_type = "qwen2_vl"
-    verl_vl.check_vl_config(Cfg, 1)
     with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 with the vision-language model 'qwen2_vl'"):
         verl_vl.check_vl_config(Cfg, 2)
+
+
+def _foreign_init(self, *args, **kwargs):  # a replacement made before sharedprefix's import, e.g. verl's
+    raise AssertionError("not the model's own __init__")
+
+
+def _refused_by_record(monkeypatch, replacement) -> str:
+    monkeypatch.setattr(m.Qwen2VLAttention, "__init__", replacement)
+    originals, missing = verl_vl._record()
+    assert originals[(m.Qwen2VLAttention, "__init__")] is replacement
+    return missing["qwen2_vl"]
+
+
+def test_record_refuses_an_earlier_replacement(monkeypatch):
+    why = _refused_by_record(monkeypatch, _foreign_init)
+    assert f"Qwen2VLAttention.__init__ (by {__name__}._foreign_init)" in why  # verl's own may be listed too
+    assert why.endswith(
+        "already replaced when sharedprefix.integrations.verl was imported (expected functions of "
+        f"{m.__name__} or of its own kernels decoration), so the model's own functions are unknown; import it first, "
+        "through VERL_USE_EXTERNAL_MODULES=sharedprefix.integrations.verl"
+    )
+
+
+def test_record_refuses_a_kernels_lookalike(monkeypatch):
+    # the module and name of kernels' wrapper, not its code: still not the model's own
+    def new_init(self, *args, **kwargs):
+        raise AssertionError("not the model's own __init__")
+
+    new_init.__module__ = "kernels._internals.layer.layer"
+    new_init.__qualname__ = "use_kernelized_func.<locals>.decorator.<locals>.new_init"
+    why = _refused_by_record(monkeypatch, new_init)
+    assert f"Qwen2VLAttention.__init__ (by kernels._internals.layer.layer.{new_init.__qualname__})" in why
+
+
+def test_record_refuses_the_decoration_around_a_replacement(monkeypatch):
+    # the modeling module's own kernels decoration (a no-op without kernels) wrapped around a foreign __init__
+    class Other(torch.nn.Module):
+        __init__ = _foreign_init
+
+        def forward(self, x):
+            return x
+
+    decorate = getattr(m, "use_kernelized_func", None)  # absent from transformers 5.10's module: no decoration
+    decorated = decorate(m.apply_rotary_pos_emb)(Other).__init__ if decorate else Other.__init__
+    assert (decorated is not _foreign_init) == bool(verl_vl._decoration_code(m))  # wrapped where kernels decorates
+    why = _refused_by_record(monkeypatch, decorated)
+    assert f"Qwen2VLAttention.__init__ (by {__name__}._foreign_init)" in why

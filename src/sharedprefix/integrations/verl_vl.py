@@ -9,7 +9,12 @@ forwards (verl's image-text mixing and LM-head wrappers), Qwen3-VL's vision posi
 the text models' forwards. sharedprefix computes with the model's own modules, so:
 
 - ``ORIGINALS``: when this module is imported (through ``VERL_USE_EXTERNAL_MODULES`` at ``import verl``, before any
-  engine is built), every function defined on a class of those transformers modules is recorded.
+  engine is built), every function defined on a class of those transformers modules is recorded. Each must be the
+  model's own: defined in transformers, or a wrapper that the modeling module's own ``use_kernelized_func`` decoration
+  put on the class when it was defined (with the ``kernels`` package, a dependency from transformers 5.25, it
+  replaces the attention classes' ``__init__`` and ``forward``; the wrappers' code is ``kernels``', and what they
+  close over must be the model's own in turn). Any other function was put there before this import, and the model
+  type is refused (``MISSING``).
 - ``own_forward()``: for the duration of one sharedprefix call (forward and backward, so that gradient
   checkpointing recomputes the same way) every recorded attribute that someone replaced is set back to
   transformers' function, and verl's is put back on exit, also when the call raises.
@@ -45,8 +50,41 @@ VL_MODULES = {
 _NOT_INPUTS = ("images_seqlens",)  # verl's own bookkeeping in multi_modal_inputs (image sequence lengths)
 
 
+def _decoration_code(mod) -> set:
+    """Code objects of the functions that ``mod``'s own ``use_kernelized_func`` decoration puts on a class (empty
+    where it leaves the class as it is: transformers before 5.25 without ``kernels``), found by decorating a probe
+    class the way the modeling module decorates its attention classes."""
+    decorate = getattr(mod, "use_kernelized_func", None)
+    if decorate is None:
+        return set()
+
+    def probe_fn(x):
+        return x
+
+    probe_fn.kernel_layer_name = "sharedprefix_probe"  # type: ignore[attr-defined]  # what kernels asks of one
+
+    def forward(self, x):
+        return x
+
+    probe = type("SharedprefixProbe", (torch.nn.Module,), {"forward": forward})
+    mine = {torch.nn.Module.__init__.__code__, forward.__code__}
+    probe = decorate(probe_fn)(probe)
+    return {f.__code__ for f in vars(probe).values() if inspect.isfunction(f) and f.__code__ not in mine}
+
+
+def _foreign(fn, decoration: set):
+    """The function in ``fn`` that is not the model's own (``fn`` or one a decoration wrapper closes over), else None."""
+    if fn.__code__ not in decoration:
+        return None if fn.__module__.startswith("transformers.") else fn
+    for cell in fn.__closure__ or ():
+        inner = cell.cell_contents
+        if inspect.isfunction(inner) and (bad := _foreign(inner, decoration)) is not None:
+            return bad
+    return None
+
+
 def _record() -> tuple[dict, dict]:
-    """(ORIGINALS: {(class, name): transformers' function}, MISSING: {model_type: why it cannot be restored})."""
+    """(ORIGINALS: {(class, name): the model's own function}, MISSING: {model_type: why it cannot be restored})."""
     originals, missing = {}, {}
     for model_type, name in VL_MODULES.items():
         try:
@@ -54,18 +92,21 @@ def _record() -> tuple[dict, dict]:
         except ImportError as e:
             missing[model_type] = f"this transformers version has no {name} ({e})"
             continue
+        decoration, replaced = _decoration_code(mod), []
         for cls in vars(mod).values():
             if not (inspect.isclass(cls) and cls.__module__ == name):
                 continue
             for attr, fn in vars(cls).items():
                 if inspect.isfunction(fn):
-                    if not fn.__module__.startswith("transformers."):
-                        missing[model_type] = (
-                            f"{cls.__name__}.{attr} was already replaced (by {fn.__module__}) when "
-                            "sharedprefix.integrations.verl was imported, so the model's own function is unknown; import "
-                            "it first, through VERL_USE_EXTERNAL_MODULES=sharedprefix.integrations.verl"
-                        )
+                    if (bad := _foreign(fn, decoration)) is not None:
+                        replaced.append(f"{cls.__name__}.{attr} (by {bad.__module__}.{bad.__qualname__})")
                     originals[(cls, attr)] = fn
+        if replaced:
+            missing[model_type] = (
+                f"{', '.join(replaced)} already replaced when sharedprefix.integrations.verl was imported (expected "
+                f"functions of {name} or of its own kernels decoration), so the model's own functions are unknown; "
+                "import it first, through VERL_USE_EXTERNAL_MODULES=sharedprefix.integrations.verl"
+            )
     return originals, missing
 
 
