@@ -11,7 +11,7 @@ from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.attention.kernels import dense
 from sharedprefix.attention.kernels.dense import DenseCPU, DenseReference, dense_dispatch, disagreement
 from sharedprefix.layout import SegmentTree, pack_row
-from tests.attention.test_kernels import _check_cascade
+from support.attention import check_cascade
 
 
 def _bqkv(b, lq, lk, h, hkv, d, dv, seed=0, dtype=torch.float64):
@@ -136,12 +136,12 @@ class _Count:
 @pytest.mark.parametrize("dims", [(4, 2, 6, 6), (4, 1, 12, 8)], ids=["gqa", "mqa_latent"])
 def test_cascade_with_dense_pieces_equals_explicit_tree_attention(monkeypatch, window, prompt_chunk, cached, dims):
     """Trees (long prompts cut into chains), cached prompts, windows, GQA and Dv != D, forward and backward: float64
-    to 1e-12 / 1e-10 against explicit attention over the tree (``_check_cascade``); dense pieces ran unless a window
+    to 1e-12 / 1e-10 against explicit attention over the tree (``check_cascade``); dense pieces ran unless a window
     bites."""
     count = _Count(monkeypatch)
     h, hkv, d, dv = dims
     row_of = (lambda s: s.completion is not None or s.group == 1) if cached else (lambda s: True)
-    _check_cascade(kernels.CPU, TREE_GROUPS, prompt_chunk, row_of, window, h=h, hkv=hkv, d=d, dv=dv)
+    check_cascade(kernels.CPU, TREE_GROUPS, prompt_chunk, row_of, window, h=h, hkv=hkv, d=d, dv=dv)
     if window is None:
         assert count.forward > 0 and count.backward == count.forward
     else:

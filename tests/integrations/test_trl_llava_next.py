@@ -13,7 +13,6 @@ import torch
 pytest.importorskip("trl")
 
 import transformers as tf  # noqa: E402
-from multimodal.test_vl import IMAGE, TEXT  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
@@ -21,6 +20,7 @@ import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOTrainer  # noqa: E402
 from sharedprefix.integrations.trl_batch import image_groups  # noqa: E402
 from sharedprefix.tools.reference import dtype_faithful_norms  # noqa: E402
+from support.vl import IMAGE, TEXT  # noqa: E402
 
 from .test_trl_vl import _run, _stub, padded_rows  # noqa: E402
 

@@ -17,7 +17,6 @@ import torch
 
 pytest.importorskip("trl")
 
-from multimodal.test_vl import IMAGE, V_END, V_START, _gemma3, _llava, _model  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head, split_pixel_values_by_grid, unsplit_pixel_values_by_grid  # noqa: E402
 
@@ -25,6 +24,7 @@ import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOTrainer, _group_preserving_shuffle  # noqa: E402
 from sharedprefix.integrations.trl_batch import image_groups  # noqa: E402
 from sharedprefix.tools.reference import Float64Inside  # noqa: E402
+from support.vl import IMAGE, V_END, V_START, gemma3_model, llava_model, mrope_model  # noqa: E402
 
 PATCH_DIM = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
 
@@ -192,8 +192,8 @@ def test_qwen3_5_image_rows_under_a_splitting_budget_by_the_2x_rule(mode):
 def _check_image_rows(kind, budget, mode):
     from model.test_hybrid_packed import _qwen3_5_vl
 
-    builders = {"llava": _llava, "gemma3": lambda: _gemma3(4), "qwen3_5": _qwen3_5_vl}
-    model = builders.get(kind, lambda: _model(kind))()
+    builders = {"llava": llava_model, "gemma3": lambda: gemma3_model(4), "qwen3_5": _qwen3_5_vl}
+    model = builders.get(kind, lambda: mrope_model(kind))()
     add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
     batch = _batch(kind=kind)
     if budget is not None:  # prompts of 2 to 11 tokens (Gemma 3: up to 41), groups of up to 26: the budget splits groups
@@ -236,15 +236,15 @@ def test_other_image_layouts_are_refused_with_what_is_supported():
     hook = SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies
     tiles = dict(extra, num_tiles=[2] * len(extra["num_images"]))
     with pytest.raises(ValueError, match=r"multimodal inputs \['num_images', 'num_tiles', 'pixel_values'\].*Llava"):
-        hook(_stub(), _llava(), input_ids, attention_mask, C, **tiles)
+        hook(_stub(), llava_model(), input_ids, attention_mask, C, **tiles)
     # image_sizes asks for LLaVA-NeXT's tiles: one (tiles, channels, height, width) entry per image, not these
     with pytest.raises(ValueError, match=r"shape \(12, 3, 8, 8\) for 12 images .*with image_sizes one \(tiles, channels"):
-        hook(_stub(), _llava(), input_ids, attention_mask, C, **extra, image_sizes=torch.ones(8, 2, dtype=torch.long))
+        hook(_stub(), llava_model(), input_ids, attention_mask, C, **extra, image_sizes=torch.ones(8, 2, dtype=torch.long))
     per_row = dict(
         pixel_values=torch.zeros(input_ids.shape[0], 2, 3, 8, 8, dtype=torch.float64), num_images=extra["num_images"]
     )  # Idefics-style: padded to one entry per row
     with pytest.raises(ValueError, match=r"shape \(12, 2, 3, 8, 8\) for 12 images .*one \(channels, height, width\) entry per"):
-        hook(_stub(), _llava(), input_ids, attention_mask, C, **per_row)
+        hook(_stub(), llava_model(), input_ids, attention_mask, C, **per_row)
 
 
 def test_token_type_ids_outside_a_prompts_images_are_refused():
@@ -253,4 +253,4 @@ def test_token_type_ids_outside_a_prompts_images_are_refused():
     bad = extra["token_type_ids"].clone()
     bad[0, -C] = 1  # row 0's first completion token marked as an image token
     with pytest.raises(ValueError, match=r"row 0 has token_type_ids .* a 1 \(image token\) in its completion"):
-        hook(_stub(), _gemma3(4), input_ids, attention_mask, C, **dict(extra, token_type_ids=bad))
+        hook(_stub(), gemma3_model(4), input_ids, attention_mask, C, **dict(extra, token_type_ids=bad))

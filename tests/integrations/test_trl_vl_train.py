@@ -26,7 +26,6 @@ np = pytest.importorskip("numpy")
 Image = pytest.importorskip("PIL.Image")
 
 import transformers as tf  # noqa: E402
-from multimodal.test_vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION, gemma3_config, llava_config  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil  # noqa: E402
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil  # noqa: E402
@@ -36,6 +35,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
+from support.vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION, gemma3_config, llava_config  # noqa: E402
 
 from .trl_helpers import train, two_step_args  # noqa: E402
 

@@ -8,14 +8,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sharedprefix as sp
-from tests.schedule.test_tree import _MODEL, ROW_SPEC, _check, _masks, _tree_rows
+from helpers import tiny_model
+from support.trees import ROW_SPEC, check_tree, masks, tree_rows
+
+_MODEL = tiny_model("qwen2", seed=3)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=ROW_SPEC, budget=st.sampled_from([None, 2, 3, 5, 8]), mode=st.sampled_from(["keep", "offload", "recompute"]))
 def test_random_tries_match_plain_rows(spec, budget, mode):
-    rows = _tree_rows(spec)
-    _check(rows, _masks(rows, spec), budgets=(budget,), modes=(mode,))
+    rows = tree_rows(spec)
+    check_tree(_MODEL, rows, masks(rows, spec), budgets=(budget,), modes=(mode,))
 
 
 def test_agentic_rows_match_plain_rows_under_budgets_that_split_every_depth():
@@ -30,7 +33,7 @@ def test_agentic_rows_match_plain_rows_under_budgets_that_split_every_depth():
     rows.append(list(rows[0]))  # a duplicate row
     trained = [[t >= 12 for t in range(len(r))] for r in rows]
     trained[-2] = [True] * 5  # trained tokens inside the shared system prompt
-    _check(rows, trained, budgets=(None, 30, 11, 4), modes=("keep", "recompute"))
+    check_tree(_MODEL, rows, trained, budgets=(None, 30, 11, 4), modes=("keep", "recompute"))
 
 
 def test_groups_and_their_rows_give_the_same_numbers():

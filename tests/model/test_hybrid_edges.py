@@ -336,9 +336,9 @@ def test_bfloat16_mamba2_tree_within_twice_the_plain_error():
 
     from model.test_hybrid_packed import DEEP_ROWS
     from model.test_hybrid_ssm import _model
-    from schedule.test_tree import plain_rows
 
     from helpers import grads_of
+    from support.trees import plain_rows
 
     trained = [[t >= 8 for t in range(len(r))] for r in DEEP_ROWS]
     tree, m64 = sp.Tree.from_rows(DEEP_ROWS, trained), _model("nemotron_h")

@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from model.test_hybrid import groups_of, zoo_model
 from model.test_hybrid_packed import DEEP_ROWS, _groups_check, _tree_check, assert_detached_state_caught
-from schedule.test_tree import ROW_SPEC, _masks, _tree_rows
 
 import sharedprefix as sp
 from helpers import grads_of, plain_logprobs
@@ -27,6 +26,7 @@ from sharedprefix.model import mixers
 from sharedprefix.model.support import HYBRID_MODEL_TYPES, INLINE_MIXERS, is_hybrid
 from sharedprefix.tools.reference import Float64Inside
 from sharedprefix.tools.zoo.configs import float64_norms
+from support.trees import ROW_SPEC, masks, tree_rows
 
 LA, FA, SA = "linear_attention", "full_attention", "sliding_attention"
 SMALL = {  # 3 layers each; the delta nets as small as the attention
@@ -105,9 +105,9 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
 def test_random_tries_match_plain_rows(family, spec, budget, mode):
     """Hypothesis tries (depth 1 to 4 and more) with short segments: a convolution's K past inputs span several
     ancestors, some cached, and each scan continues its parent's state from the row or the cache."""
-    rows = _tree_rows(spec)
+    rows = tree_rows(spec)
     with _inside(family):
-        _tree_check(_model(family), rows, _masks(rows, spec), (budget,), (mode,))
+        _tree_check(_model(family), rows, masks(rows, spec), (budget,), (mode,))
 
 
 @SLOW

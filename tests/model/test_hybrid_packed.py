@@ -15,7 +15,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from model.test_hybrid import groups_of, model_of, zoo_model
-from schedule.test_tree import ROW_SPEC, _masks, _tree_rows, plain_rows
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
@@ -23,6 +22,7 @@ from sharedprefix.model import mixers
 from sharedprefix.model.support import HYBRID_MODEL_TYPES, is_hybrid
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.tools.reference import Float64Inside
+from support.trees import ROW_SPEC, masks, plain_rows, tree_rows
 
 DELTA = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"}  # gated delta rule: float32 inside
 FAMILIES = ["lfm2", "qwen3_next", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
@@ -126,9 +126,9 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
 def test_random_tries_match_plain_rows(family, spec, budget, mode):
     """Hypothesis tries (depth 1 to 4 and more: rows continuing cuts of earlier rows) with short segments, so that a
     convolution's K past inputs span several ancestors, some of them cached."""
-    rows = _tree_rows(spec)
+    rows = tree_rows(spec)
     with _inside(family):
-        _tree_check(_model(family), rows, _masks(rows, spec), (budget,), (mode,))
+        _tree_check(_model(family), rows, masks(rows, spec), (budget,), (mode,))
 
 
 def test_gradient_checkpointing_and_defer():
@@ -283,9 +283,9 @@ def test_a_config_without_attention_layers_runs_exactly(family, kind):
 
 def _qwen3_5_vl():
     import transformers as tf
-    from multimodal.test_vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION
 
     from sharedprefix.tools.reference import dtype_faithful_norms
+    from support.vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION
 
     text = {k: v for k, v in TEXT.items() if k != "rope_scaling"}
     text.update(
@@ -314,14 +314,13 @@ def _qwen3_5_vl():
 def test_qwen3_5_with_images(budget, mode):
     """Qwen3.5 as a vision-language model: ``prompt_inputs`` (images) on the packed path, the vision tower trained
     through the shared prompt, in one pass and with the first group's prompt cached."""
-    from multimodal.test_vl import GROUPS, plain
-
     from helpers import assert_matches_plain_rows
+    from support.vl import MROPE_GROUPS, plain_mrope
 
     model = _qwen3_5_vl()
     assert mixers.is_packed(model)
     with Float64Inside():
-        got = assert_matches_plain_rows(model, GROUPS(), budget, mode, plain=plain)
+        got = assert_matches_plain_rows(model, MROPE_GROUPS(), budget, mode, plain=plain_mrope)
     assert any("visual" in n for n in got)
 
 

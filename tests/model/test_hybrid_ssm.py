@@ -22,13 +22,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from model.test_hybrid import groups_of, zoo_model
 from model.test_hybrid_packed import DEEP_ROWS, _groups_check, _logprob_error, _tree_check, assert_detached_state_caught
-from schedule.test_tree import ROW_SPEC, _masks, _tree_rows
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.model import mixers, ssm
 from sharedprefix.model.support import HYBRID_MODEL_TYPES, is_hybrid
 from sharedprefix.tools.reference import Float64Inside
+from support.trees import ROW_SPEC, masks, tree_rows
 
 SLOW = pytest.mark.slow
 FAMILIES = ["nemotron_h"] + [pytest.param(f, marks=SLOW) for f in ("falcon_h1", "mamba2", "zamba2", "bamba", "granitemoehybrid")]
@@ -91,9 +91,9 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
 def test_random_tries_match_plain_rows(family, spec, budget, mode):
     """Hypothesis tries (depth 1 to 4 and more) with short segments, so that a level pads segments of many lengths
     and a convolution's past inputs span several ancestors, some of them cached."""
-    rows = _tree_rows(spec)
+    rows = tree_rows(spec)
     with Float64Inside():
-        _tree_check(_model(family), rows, _masks(rows, spec), (budget,), (mode,))
+        _tree_check(_model(family), rows, masks(rows, spec), (budget,), (mode,))
 
 
 def test_zero_step_padding_is_the_unpadded_scan():

@@ -90,7 +90,7 @@ def test_shard_groups_is_deterministic_and_validates():
 def test_two_process_tree_gradients_match_plain_rows(kind, tmp_path):
     """A tree sharded by rows (system prompt shared across prompts, second turns), budget splitting it: the
     summed gradients of the 2 ranks equal one plain forward per row, weighted per row and token."""
-    from schedule.test_tree import plain_rows
+    from support.trees import plain_rows
 
     tree, rows, trained, W = tree_and_weights()
     assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(sp.shard_groups(tree, 0, 2), BUDGET).steps)

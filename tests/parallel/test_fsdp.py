@@ -9,10 +9,10 @@ import pytest
 import torch
 from parallel.fsdp_worker import WRAPPINGS
 from parallel.worker import groups_and_weights, tree_and_weights
-from support.torchrun import torchrun
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
+from support.torchrun import torchrun
 
 pytestmark = pytest.mark.slow  # torchrun, 2 processes
 
@@ -41,7 +41,7 @@ def test_every_wrapping_matches_plain_and_leaves_the_model_untouched(tmp_path, r
     gradients are the plain run's. No module of the user's model gains or loses an attribute, a ``forward`` or a
     class during or after a call; and an FSDP2 call costs 2 small all-reduces besides FSDP2's own collectives (setup
     errors with the round counts; errors during the call), as many as before failures ended cleanly."""
-    from schedule.test_tree import plain_rows
+    from support.trees import plain_rows
 
     got = torch.load(_launch("wrappings", tmp_path), weights_only=False)
     assert sorted(got["grads"]) == sorted(WRAPPINGS)

@@ -16,10 +16,10 @@ import pytest
 import torch
 from parallel.hooks_worker import LORA
 from parallel.worker import groups_and_weights, present
-from support.torchrun import torchrun
 
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
 from sharedprefix.tools.reference import Float64Inside
+from support.torchrun import torchrun
 
 pytestmark = pytest.mark.slow  # torchrun, 2 processes
 

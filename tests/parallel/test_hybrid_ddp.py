@@ -83,7 +83,7 @@ def test_two_process_hybrid_gradients_match_plain_float64(kind, scale, launched,
 
 def _tree_reference(family):
     """The gradient of one plain forward per row of worker.py's tree, weighted per row and token."""
-    from schedule.test_tree import plain_rows
+    from support.trees import plain_rows
 
     _, rows, trained, W = tree_and_weights(VOCAB)
     model = build(family)

@@ -30,7 +30,7 @@ def _launch(n, tmp_path):
 def _plain(model, src):
     """(N, W) log-probs and entropies of one plain forward per row, aligned with sp.logprobs' output."""
     if isinstance(src, sp.Tree):
-        from schedule.test_tree import plain_rows
+        from support.trees import plain_rows
 
         rows = [r.tolist() for r in src.rows]
         return plain_rows(model, rows, [[bool(x) for x in m] for m in src.trained]), None

@@ -16,10 +16,10 @@ import pytest
 import torch
 from parallel.tp_worker import BUILDERS, NEEDS_MODE_IN_BACKWARD, load
 from parallel.worker import groups_and_weights, present, shard_of, tree_and_weights
-from support.torchrun import torchrun
 
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.tools.reference import Float64Inside
+from support.torchrun import torchrun
 
 pytestmark = pytest.mark.slow  # torchrun, 2 and 4 processes
 
@@ -37,7 +37,7 @@ def launch(names, world, tmp_path, timeout=600):
 def reference(name, root, shard=None):
     """One process, the same checkpoint: plain log-probs of every row (of ``shard``'s rows only, a data-parallel
     rank's groups, when given), and the gradients each call of the worker must reproduce."""
-    from schedule.test_tree import plain_rows
+    from support.trees import plain_rows
 
     with Float64Inside():
         model = load(name, root)
