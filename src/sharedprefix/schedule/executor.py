@@ -8,21 +8,18 @@ Notation: L = row length, M = computed tokens of a pass, n = rows a pass reports
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from sharedprefix.attention import indexed, probe
+from sharedprefix.attention import probe
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
-from sharedprefix.attention.interface import PassState, implementation, pass_state
+from sharedprefix.attention.interface import PassState, pass_state
 from sharedprefix.attention.kernels import select
-from sharedprefix.attention.layers import softcap_refusal
 from sharedprefix.layout.groups import Group
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.model import mixers, router, streams
-from sharedprefix.model.adapter import decoder, head_logits, unwrap, uses_checkpointing, uses_reentrant_checkpointing
+from sharedprefix.model.adapter import decoder, head_logits, unwrap, uses_checkpointing
 from sharedprefix.model.checks import decoder_position_ids, verify_head
 from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.multimodal import Multimodal, check_batchable, check_prompt_fits
@@ -98,8 +95,6 @@ class Executor:
             source, self.frames = streams.encode(self.model, source)
         vocab = None if self.frames else min(streams.embedding_size(self.model), streams.head_vocab(self.model))
         self.source = refusals.validate_source(source, vocab)
-        if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
-            raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
         self.mm: Multimodal | None = None
         if not isinstance(self.source, Tree) and any(g.prompt_inputs for g in self.source):
             check_prompt_fits(self.source, max_tokens)
@@ -107,50 +102,21 @@ class Executor:
         self.plan: Plan = plan(self.source, max_tokens)
         if self.mm is not None:
             check_batchable(self.source, self.plan)
-        if self.plan.splits and torch.is_grad_enabled() and uses_reentrant_checkpointing(self.model):
-            raise ValueError(
-                "gradient checkpointing with use_reentrant=True is on, and this plan splits a group across passes: "
-                "reentrant checkpointing only returns gradients to a layer's explicit inputs, so the cached prompt "
-                "K/V read inside each layer would get none. Enable it with "
-                "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or raise "
-                "max_tokens so that every group fits one pass."
-            )
-        if self.plan.splits and implementation(self.model) == indexed.NAME and not indexed.indexers(self.model):
-            raise ValueError(indexed.split_refusal(type(self.model).__name__))
-        if leaves and self.par.fsdp and self.plan.splits and prefix_activations != "recompute":
-            raise ValueError(
-                f"prefix_activations={prefix_activations!r} with an FSDP2 model and a budget that splits a group: a "
-                "prompt's deferred backward must run inside the root module's call under FSDP2, which only "
-                "'recompute' does. Use prefix_activations='recompute' (or None, which picks it under FSDP2)."
-            )
         self.device = self.par.compute_device(streams.head_device(self.model))
         impl = select(backend, self.device)  # an unknown or unavailable backend fails before any computation
-        cap = getattr(self.model.config.get_text_config(), "attn_logit_softcapping", None)
-        if cap is not None and not impl.SOFTCAP:  # refused here, before any pass (the attention would refuse too)
-            raise ValueError(softcap_refusal(type(self.model).__name__, cap, impl.name))
+        self.aux_grads = aux if isinstance(aux, dict) else None
+        record = aux is True or (aux is None and router.enabled(self.model))
+        refusals.check_call(
+            self.model, self.plan, self.options, self.par, impl, leaves, self.mm is not None, record, self.aux_grads is not None
+        )
         self.backend = backend
         self.temperature = float(temperature)
         self.entropy = self.options.entropy
         self.cache = PrefixCache(leaves=leaves)
         self.T = self.plan.tree.width
         self.tokens = 0
-        self.aux_grads = aux if isinstance(aux, dict) else None
         self.aux_term = None  # the aux loss's linear term of the latest pass that computed one under grad
-        record = aux is True or (aux is None and router.enabled(self.model))
         self.router_logits: list | None = [] if record else None  # per pass: (router logits, multiplicities, spans)
-        if self.aux_grads is not None and self.par.fsdp:
-            raise ValueError(
-                f"{type(self.model).__name__}'s MoE load-balancing loss with an FSDP2 model: sharedprefix adds its "
-                "per-pass linear term to a tensor that is not among the outputs FSDP2 registers its pre-backward hooks "
-                "on, which it does not support. Use DDP or one process, or leave the loss out (aux_loss_coef=0.0; TRL: "
-                "router_aux_loss_coef=0.0)."
-            )
-        if (record or self.aux_grads is not None) and self.mm is not None:
-            raise ValueError(
-                f"{type(self.model).__name__} has output_router_logits=True and the groups carry prompt_inputs: "
-                "sharedprefix reproduces the load-balancing loss of text rows only. Set "
-                "config.output_router_logits=False (routing itself stays exact)."
-            )
         if self.par.sequence is not None:
             refuse_features(type(self.model).__name__, refusals.sequence_refusals(self))
 

@@ -1,18 +1,68 @@
-"""Refusals of one call that need the executor's view of it (its plan, strategy and probe): what sequence parallelism
-does not reproduce, what the probe of the layers rules out, a pass in which some attention bypassed sharedprefix.
-``validate_source`` checks the groups or tree a call was given. Each function takes the call's ``Executor`` (``run``).
+"""Refusals of one call, in the order a call meets them: ``validate_source`` (the groups or tree it was given),
+``check_call`` (what its model, plan, settings and parallelism decide, before any pass), ``sequence_refusals`` (what
+sequence parallelism does not reproduce), ``check_after_probe`` (what the probe of the layers rules out) and
+``check_calls`` (after each pass: some attention bypassed sharedprefix). The last three take the call's ``Executor``
+(``run``). Refusals inside one attention call are the attention function's (``attention.interface``).
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from sharedprefix.attention import indexed
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.interface import PassState, implementation
+from sharedprefix.attention.layers import softcap_refusal
 from sharedprefix.layout.groups import validate_groups
 from sharedprefix.layout.rows import Tree
-from sharedprefix.model.adapter import decoder, num_attention_layers, uses_checkpointing
+from sharedprefix.model.adapter import decoder, num_attention_layers, uses_checkpointing, uses_reentrant_checkpointing
 from sharedprefix.model.positions import takes_position_ids
 from sharedprefix.parallel.sequence import fsdp_mesh_refusal
+
+
+def check_call(model, plan, options, par, impl, leaves: bool, images: bool, router_logits: bool, aux_grads: bool) -> None:
+    """Every refusal of one call that its model, plan, settings (``CallOptions``) and parallelism decide, before any
+    pass. ``impl``: the attention primitive the call selected; ``leaves``: an ``sp.backward``; ``images``: groups
+    with ``prompt_inputs``; ``router_logits`` / ``aux_grads``: the call records the MoE router logits / adds the
+    load-balancing loss's gradient term to its passes."""
+    name, temperature = type(model).__name__, options.temperature
+    if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
+    if plan.splits and torch.is_grad_enabled() and uses_reentrant_checkpointing(model):
+        raise ValueError(
+            "gradient checkpointing with use_reentrant=True is on, and this plan splits a group across passes: "
+            "reentrant checkpointing only returns gradients to a layer's explicit inputs, so the cached prompt "
+            "K/V read inside each layer would get none. Enable it with "
+            "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or raise "
+            "max_tokens so that every group fits one pass."
+        )
+    if plan.splits and implementation(model) == indexed.NAME and not indexed.indexers(model):
+        raise ValueError(indexed.split_refusal(name))
+    mode = options.prefix_activations
+    if leaves and par.fsdp and plan.splits and mode != "recompute":
+        raise ValueError(
+            f"prefix_activations={mode!r} with an FSDP2 model and a budget that splits a group: a "
+            "prompt's deferred backward must run inside the root module's call under FSDP2, which only "
+            "'recompute' does. Use prefix_activations='recompute' (or None, which picks it under FSDP2)."
+        )
+    cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    if cap is not None and not impl.SOFTCAP:  # refused here, before any pass (the attention would refuse too)
+        raise ValueError(softcap_refusal(name, cap, impl.name))
+    if aux_grads and par.fsdp:
+        raise ValueError(
+            f"{name}'s MoE load-balancing loss with an FSDP2 model: sharedprefix adds its "
+            "per-pass linear term to a tensor that is not among the outputs FSDP2 registers its pre-backward hooks "
+            "on, which it does not support. Use DDP or one process, or leave the loss out (aux_loss_coef=0.0; TRL: "
+            "router_aux_loss_coef=0.0)."
+        )
+    if (router_logits or aux_grads) and images:
+        raise ValueError(
+            f"{name} has output_router_logits=True and the groups carry prompt_inputs: "
+            "sharedprefix reproduces the load-balancing loss of text rows only. Set "
+            "config.output_router_logits=False (routing itself stays exact)."
+        )
 
 
 def sequence_refusals(run) -> dict:
