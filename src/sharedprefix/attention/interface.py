@@ -112,9 +112,30 @@ def _refuse(msg: str):
     raise ValueError(msg)
 
 
+@dataclass
+class _Call:
+    """One attention call as the shared-prefix attention computes it, after its checks: query (1, H, L, D) and
+    key / value (1, Hkv, L, D) over the whole packed row (this rank's heads under sequence parallelism)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    scale: float
+    window: int | None
+    chunk: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+    indices: torch.Tensor | None
+    impl: Any  # the attention primitive (``attention.kernels``)
+    use_flex: bool  # soft-capping on a primitive without it: FlexAttention (``kernels.flex``)
+    amp: str | None  # the autocast device type, or None
+
+
 def shared_prefix_attention(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kwargs
 ):
+    """transformers' attention function under ``NAME``: refuse what it cannot reproduce (``_checked``), record the
+    row's K/V of the segments later passes read (``_record``), attend over the cascade (``_attend``)."""
     if not _STACK:
         raise RuntimeError(
             "the 'sharedprefix' attention ran outside a sharedprefix call; it needs a packed-row layout. "
@@ -122,9 +143,18 @@ def shared_prefix_attention(
             "checkpointing, leave sharedprefix.logprobs(defer=None) so that the recomputation runs inside it."
         )
     state = _STACK[-1]
+    call = _checked(module, state, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs)
+    slot = _record(module, state, call)
+    out = _attend(state, call, slot)
+    return (state.sequence.from_heads(out) if state.sequence is not None and call.indices is None else out), None
+
+
+def _checked(module, state: PassState, query, key, value, attention_mask, dropout, scaling, window, softcap, kwargs) -> _Call:
+    """The call's inputs as the attention computes them (autocast's dtype, a dynamic mask folded in, the row's
+    heads under sequence parallelism), or a refusal of what it cannot reproduce exactly."""
     layout = state.layout
     name = type(module).__name__
-    sliding_window = layer_window(module, sliding_window)
+    window = layer_window(module, window)
     chunk = layer_chunk(module)
     if dropout and dropout > 0:
         _refuse(
@@ -137,7 +167,7 @@ def shared_prefix_attention(
         dt = torch.get_autocast_dtype(amp)
         query, key, value = (t if t.dtype == torch.float64 else t.to(dt) for t in (query, key, value))
     impl = kernels.select(state.backend, query.device, query.dtype)
-    use_flex = False  # soft-capping on a backend without it: FlexAttention where it runs (``kernels.flex``)
+    use_flex = False
     if softcap is not None:
         softcap = float(softcap)
         if not softcap > 0:
@@ -171,9 +201,8 @@ def shared_prefix_attention(
             "builds the shared-prefix mask itself and cannot combine it with the model's own mask. "
             "Do not pass attention_mask, and use a model whose masks go through transformers' masking utilities."
         )
-    seq = state.sequence
-    if seq is not None:  # this rank's tokens for all heads -> the whole row for this rank's heads (and back below)
-        query, key, value, sinks = seq.to_heads(name, query, key, value, sinks)
+    if state.sequence is not None:  # this rank's tokens for all heads -> the whole row for this rank's heads
+        query, key, value, sinks = state.sequence.to_heads(name, query, key, value, sinks)
     if query.shape[0] != 1 or query.shape[2] != layout.length:
         raise RuntimeError(
             f"{name} got queries of shape {tuple(query.shape)}, expected (1, H, {layout.length}, D) for the packed "
@@ -183,14 +212,20 @@ def shared_prefix_attention(
         raise RuntimeError(f"{name}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
     if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
         query = index_to_position_temperature(module, query, layout.position_ids)
-
     pat = layer_pattern(module)
-    calls = pat.calls
-    is_indexed = indices is not None or pat.indexed
-    if is_indexed:
-        _check_indexed(module, indices, state, sliding_window, chunk, softcap, calls)
+    if indices is not None or pat.indexed:
+        _check_indexed(module, indices, state, window, chunk, softcap, pat.calls)
+    if use_flex and sinks is not None:
+        _refuse(f"{name} combines attention sinks with soft-capping; the FlexAttention path takes no sinks.")
+    return _Call(query, key, value, scale, window, chunk, softcap, sinks, indices, impl, use_flex, amp)
+
+
+def _record(module, state: PassState, call: _Call):
+    """Write the K/V of the segments this pass records to the prefix cache, once per call of the module in a forward
+    (a layer recomputed by gradient checkpointing runs again and repeats the order); returns the cache slot."""
     # A module that runs its attention several times per forward (looped layers, differential attention) caches
-    # one prompt K/V per call, in call order; a layer recomputed by gradient checkpointing repeats that order.
+    # one prompt K/V per call, in call order.
+    calls, layout = layer_pattern(module).calls, state.layout
     idx = state.seen.get(module, 0)
     state.seen[module] = idx + 1
     slot = module if calls == 1 else (module, idx % calls)
@@ -198,26 +233,28 @@ def shared_prefix_attention(
         assert state.write_kv is not None, "a pass that records segments has a cache to write to"
         for s in layout.record:
             r0, r1 = layout.row_start[s], layout.row_end[s]
-            state.write_kv(slot, s, key[:, :, r0:r1], value[:, :, r0:r1])
-    if is_indexed:  # over the cached segments' keys, then the row's (the indexer's indices number them so)
+            state.write_kv(slot, s, call.key[:, :, r0:r1], call.value[:, :, r0:r1])
+    return slot
+
+
+def _attend(state: PassState, call: _Call, slot) -> torch.Tensor:
+    """(1, L, H, Dv): the row's attention over its own keys and its cached ancestors' (read from ``slot``)."""
+    layout, query, key, value = state.layout, call.query, call.key, call.value
+    read_kv = state.read_kv
+    if call.indices is not None:  # over the cached segments' keys, then the row's (the indexer's indices number them so)
         if layout.cached_reads:
-            assert state.read_kv is not None, "a pass that reads cached segments has a cache to read from"
-            kv = [state.read_kv(slot, a) for a in layout.cached_reads]
+            assert read_kv is not None, "a pass that reads cached segments has a cache to read from"
+            kv = [read_kv(slot, a) for a in layout.cached_reads]
             key = torch.cat([k for k, _ in kv] + [key], dim=2)
             value = torch.cat([v for _, v in kv] + [value], dim=2)
-        return indexed.sparse_attention(query, key, value, state.visible, indices, scale, sinks), None
-
-    read_kv = state.read_kv
+        return indexed.sparse_attention(query, key, value, state.visible, call.indices, call.scale, call.sinks)
     read = (lambda seg: read_kv(slot, seg)) if read_kv is not None else None
-    if use_flex:
-        if sinks is not None:
-            _refuse(f"{name} combines attention sinks with soft-capping; the FlexAttention path takes no sinks.")
-        with torch.autocast(amp, enabled=False) if amp is not None else nullcontext():
-            return flex.flex_row_attention(layout, query, key, value, read, scale, softcap, sliding_window, chunk), None
-    casc = layout.cascade(sliding_window, chunk)
-    with torch.autocast(amp, enabled=False) if amp is not None else nullcontext():  # merges stay float32
-        out = cascade_attention(impl, casc, query, key, value, read, scale, sinks, softcap)
-    return (seq.from_heads(out) if seq is not None else out), None
+    with torch.autocast(call.amp, enabled=False) if call.amp is not None else nullcontext():  # merges stay float32
+        if call.use_flex:
+            assert call.softcap is not None, "FlexAttention stands in for a primitive without soft-capping only"
+            return flex.flex_row_attention(layout, query, key, value, read, call.scale, call.softcap, call.window, call.chunk)
+        cascade = layout.cascade(call.window, call.chunk)
+        return cascade_attention(call.impl, cascade, query, key, value, read, call.scale, call.sinks, call.softcap)
 
 
 def autocast_device(t: torch.Tensor) -> str | None:
