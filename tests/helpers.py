@@ -12,44 +12,30 @@ from sharedprefix.tools.reference import plain_logprobs  # noqa: F401
 VOCAB = 97
 
 
-def _common(**kw):
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    base.update(kw)
-    return base
-
-
-# name -> (config class, model class, config kwargs)
-ARCHS = {
-    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, _common()),
-    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, _common(sliding_window=None)),
-    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, _common()),
-    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, _common(head_dim=12)),  # head_dim != hidden/heads
-    "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, _common(head_dim=8, num_key_value_heads=1)),  # MQA
-    "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM, _common(num_key_value_heads=4, pad_token_id=0)),
-    "gpt2": (
-        tf.GPT2Config,
-        tf.GPT2LMHeadModel,
-        dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    ),
+# the tests' own settings on top of the zoo's tiny sizes (``sharedprefix.tools.zoo.configs``: width 32, 2 layers,
+# 4 heads over 2 K/V heads, vocabulary 97); any other model type gets the zoo's tiny config as it is
+TEST_SETTINGS = {
+    "llama": {},
+    "mistral": dict(sliding_window=None),
+    "qwen2": {},
+    "qwen3": dict(head_dim=12),  # head_dim != hidden / heads
+    "gemma": dict(head_dim=8, num_key_value_heads=1),  # MQA
+    "phi3": dict(num_key_value_heads=4, pad_token_id=0, sliding_window=None),
+    "gpt2": dict(n_positions=512, n_inner=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
 }
 
 
-def tiny_model(arch="qwen3", dtype=torch.float64, seed=0, attn="sdpa", **overrides):
-    cfg_cls, model_cls, kw = ARCHS[arch]
-    kw = dict(kw)
-    kw.update(overrides)
-    cfg = cfg_cls(**kw)
+def tiny_model(model_type="qwen3", dtype=torch.float64, seed=0, attn="sdpa", **overrides):
+    """The zoo's tiny ``model_type`` (its causal-LM class), ``TEST_SETTINGS`` and ``overrides`` set on its config,
+    positions up to 512, weights drawn after ``torch.manual_seed(seed)``, in ``dtype``, eval mode; float64 models
+    with norms that stay float64 (``float64_faithful``)."""
+    from sharedprefix.tools import zoo
+
+    settings = {"max_position_embeddings": 512, **TEST_SETTINGS.get(model_type, {}), **overrides}
+    cfg = zoo.tiny_config(model_type, **settings)
     cfg._attn_implementation = attn
     torch.manual_seed(seed)
-    model = model_cls(cfg).to(dtype)
+    model = getattr(tf, zoo.entries()[model_type])(cfg).to(dtype)
     model.eval()
     if dtype == torch.float64:
         float64_faithful(model)

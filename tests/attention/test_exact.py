@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sharedprefix as sp
-from helpers import ARCHS, assert_grads_close, float64_faithful, grads_of, plain_logprobs, random_groups, tiny_model
+from helpers import TEST_SETTINGS, assert_grads_close, float64_faithful, grads_of, plain_logprobs, random_groups, tiny_model
 
 LAYOUTS = {
     "mixed": ([5, 1, 9], [[3, 4, 1], [2], [6, 6, 2, 1]]),
@@ -36,7 +36,7 @@ def _check(model, groups, temperature=1.0, entropy=False, rtol=1e-9, atol=1e-9, 
     return out
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", sorted(TEST_SETTINGS))
 def test_float64_logprobs_and_grads_match_plain(arch, kernel_path):
     model = tiny_model(arch)
     out = _check(model, random_groups(0, 3, *LAYOUTS["mixed"]))

@@ -266,12 +266,12 @@ def entries() -> dict[str, str]:
     return {**archs, **{name: archs[mt] for name, (mt, _) in VARIANTS.items() if mt in archs}}
 
 
-def tiny_config(entry: str):
-    """The tiny config of a zoo entry (raises ``NotBuildable``)."""
+def tiny_config(entry: str, **overrides):
+    """The tiny config of a zoo entry, ``overrides`` set last (raises ``NotBuildable``)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     model_type, settings = VARIANTS.get(entry, (entry, {}))
-    return _tiny(CONFIG_MAPPING[model_type], {**ARCH.get(model_type, {}), **settings})
+    return _tiny(CONFIG_MAPPING[model_type], {**ARCH.get(model_type, {}), **settings, **overrides})
 
 
 def build(entry: str, seed: int = 0):
