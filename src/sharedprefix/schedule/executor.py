@@ -32,7 +32,7 @@ from sharedprefix.parallel.tensor import refuse_with_sequence_group
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.options import CallOptions
-from sharedprefix.schedule.planner import Pass, Plan, plan
+from sharedprefix.schedule.planner import Pass, Plan, plan_checked
 
 
 class Executor:
@@ -99,7 +99,7 @@ class Executor:
         if not isinstance(self.source, Tree) and any(g.prompt_inputs for g in self.source):
             check_prompt_fits(self.source, max_tokens)
             self.mm = Multimodal(self.model, self.source)
-        self.plan: Plan = plan(self.source, max_tokens)
+        self.plan: Plan = plan_checked(self.source, max_tokens)
         if self.mm is not None:
             check_batchable(self.source, self.plan)
         self.device = self.par.compute_device(streams.head_device(self.model))

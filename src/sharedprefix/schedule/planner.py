@@ -137,10 +137,15 @@ def segment_tree(source, chunk: int | None) -> SegmentTree:
 
 
 def plan(source, max_tokens: int | None = None) -> Plan:
-    """Plan passes for ``source`` (a list of groups or a ``Tree``) so that no pass holds more than ``max_tokens``."""
+    """Plan passes for ``source`` (a list of groups or a ``Tree``) so that no pass holds more than ``max_tokens``
+    (``sp.plan``: the groups are checked here; a call checks them once and plans with ``plan_checked``)."""
+    return plan_checked(source if isinstance(source, Tree) else validate_groups(source), max_tokens)
+
+
+def plan_checked(source, max_tokens: int | None = None) -> Plan:
+    """``plan`` of a ``Tree`` or of groups ``validate_groups`` returned."""
     max_tokens = _check_budget(max_tokens)
     if not isinstance(source, Tree):
-        source = validate_groups(source)
         if any(g.streams for g in source):  # frames (K codes per position): planned as one frame id per position
             source = frames.encode(source)[0]
         for gi, g in enumerate(source):
