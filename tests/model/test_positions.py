@@ -18,8 +18,7 @@ from sharedprefix.schedule import executor
 PAD = 0
 
 
-@pytest.fixture(scope="module")
-def model():
+def _roberta():
     cfg = tf.RobertaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -35,6 +34,11 @@ def model():
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return tf.RobertaForCausalLM(cfg).to(torch.float64).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _roberta()
 
 
 def _groups():
@@ -61,3 +65,14 @@ def test_the_check_fails_with_another_numbering(model, monkeypatch, mistake):
         monkeypatch.setattr(modeling, "padding_numbered", lambda ids, pad: torch.arange(ids.shape[-1]) + pad + 1)
     with torch.no_grad():
         assert (sp.logprobs(model, groups).logprobs - ref).abs().max() > 1e-3
+
+
+def test_a_decoder_that_counts_padding_is_refused():
+    """A decoder numbering pad + 1 + the index of each token (padding counted) is neither 0..L-1 nor RoBERTa's
+    numbering: the check refuses it before any pass."""
+    counting = _roberta()
+    counting.roberta.embeddings.create_position_ids_from_input_ids = lambda ids, pad, cache_length=0: (
+        torch.arange(ids.shape[-1], device=ids.device).expand_as(ids) + pad + 1 + cache_length
+    )
+    with pytest.raises(ValueError, match="numbers the positions of a row differently from 0..L-1"):
+        sp.logprobs(counting, _groups())

@@ -11,6 +11,7 @@ Notation: L = row length.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -164,12 +165,19 @@ def padding_numbered(ids: torch.Tensor, pad: int) -> torch.Tensor:
 
 def _numbers_after_padding(dec, ids, hidden, pad: int, close) -> bool:
     """True when the decoder numbers rows as ``padding_numbered`` does: on the probe row, and on it with a padding
-    token inside (which keeps the position of the padding index and does not advance the count)."""
+    token inside (which keeps the position of the padding index and does not advance the count).
+
+    The numbered run also gets an all-ones ``attention_mask`` where the decoder takes one: transformers (from
+    5.25 for RoBERTa) reads explicit position ids that do not step by 1, as the padding index does, as the
+    boundaries of packed sequences and masks across them unless a 2-d mask is given. sharedprefix's own passes
+    build no transformers mask, so the check compares the numbering alone, not that masking."""
     with_pad = torch.cat([ids[:, :1], torch.full_like(ids[:, :1], pad), ids[:, 1:]], 1)
+    takes_mask = "attention_mask" in inspect.signature(dec.forward).parameters
     for row, own in ((ids, hidden), (with_pad, None)):
         if own is None:
             own = dec(input_ids=row, use_cache=False).last_hidden_state[0]
-        ours = dec(input_ids=row, position_ids=padding_numbered(row, pad), use_cache=False).last_hidden_state[0]
+        unpacked = {"attention_mask": torch.ones_like(row)} if takes_mask else {}
+        ours = dec(input_ids=row, position_ids=padding_numbered(row, pad), **unpacked, use_cache=False).last_hidden_state[0]
         if not close(ours, own):
             return False
     return True
