@@ -9,6 +9,7 @@ keeps a float64 model's own float32 casts in float64 (Mamba2 scans, gated delta 
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -62,6 +63,16 @@ def _layernorm_no_bias(mod, x):  # Cohere
     return mod.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _eps(mod)))
 
 
+def _required_beyond_input(mod) -> list[str]:
+    """The parameters of ``mod.forward`` besides its first (the input) that have no default."""
+    try:
+        params = list(inspect.signature(mod.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params[1:] if p.kind in kinds and p.default is inspect.Parameter.empty]
+
+
 def dtype_faithful_norms(model):
     """Make every custom norm of ``model`` compute in its input dtype.
 
@@ -78,6 +89,14 @@ def dtype_faithful_norms(model):
             or not isinstance(getattr(mod, "weight", None), torch.Tensor)
         ):  # a norm without a weight stays as it is
             continue
+        extra = _required_beyond_input(mod)
+        if extra:  # a per-expert norm (Ergo's: weight (E, d), forward(x, expert_ids))
+            raise ValueError(
+                f"no dtype-faithful norm matches {name} ({type(mod).__name__}): its forward needs {', '.join(extra)} "
+                f"besides the input (weight of shape {tuple(mod.weight.shape)}), where the replacements compute a norm "
+                "of the input alone; leave it as it is (its float32 rounding stays) or reproduce it in float64 in the "
+                "model's own code."
+            )
         with torch.no_grad():
             x = torch.randn(3, mod.weight.shape[0], dtype=mod.weight.dtype, device=mod.weight.device)
             ref = mod(x)
