@@ -296,3 +296,20 @@ def test_a_nested_call_on_the_same_model_exact():
     MODEL.zero_grad(set_to_none=True)
     assert inner and all((lp - ref).abs().max() <= 1e-9 for lp in inner)
     assert all(not ix._forward_pre_hooks for ix in indexed.indexers(MODEL))
+
+
+@pytest.mark.skipif(not hasattr(transformers, "Kolibri1_1ForCausalLM"), reason="Kolibri 1.1 is new in transformers 5.25")
+def test_an_indexer_that_overlays_its_own_mask_is_refused():
+    """Kolibri 1.1's indexer lays its selection over the visibility mask and hands attention that mask (no
+    ``indices``); it counts sink and local keys along the row, which a packed row's other completions shift. With
+    its budget far above these rows the 3-token probe sees a causal mask, so the refusal comes from the first pass,
+    before any gradient."""
+    cfg = tiny_config("kolibri1_1")
+    cfg.index_topk, cfg.index_pool_size, cfg.index_num_local_tokens = 2048, 16384, 128
+    torch.manual_seed(0)
+    model = transformers.Kolibri1_1ForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    model.config._experts_implementation = "eager"  # grouped_mm has no float64 kernel
+    model = model.to(torch.float64).eval()
+    with pytest.raises(ValueError, match=r"Kolibri1_1Attention attends with a mask .* overlays its own selection"):
+        sp.logprobs(model, GROUPS)
+    assert all(p.grad is None for p in model.parameters())

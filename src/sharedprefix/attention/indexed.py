@@ -39,7 +39,9 @@ With attention sinks (HY-V4: one more logit per head, its value dropped) the sof
 explicitly, with the sink logit as one more column.
 
 Not supported (refused): an indexed layer with a sliding window, chunks or soft-capping; a budget that splits a
-group for a model whose indexers sharedprefix cannot reach (no ``indexer`` module with a cache argument).
+group for a model whose indexers sharedprefix cannot reach (no ``indexer`` module with a cache argument); an
+indexed layer that hands attention a mask of its own instead of ``indices`` (``overlay_refusal``: Kolibri 1.1's
+indexer lays its selection over the mask, counting sink and local keys along the row, which a packed row shifts).
 
 Exactness caveat: the plain run itself is only defined up to ties. Keys with exactly equal index scores at
 the top-k boundary (e.g. several keys whose every head score is clipped to 0 by the ReLU) are broken by
@@ -82,6 +84,19 @@ def split_refusal(name: str) -> str:
         "a cached prompt's indexer keys to (an attention module's `indexer` whose forward takes a `cache` or "
         "`past_key_values` argument), so it cannot split a group (or a long prompt) across passes for this model. "
         "Use max_tokens=None, or a budget that fits every group and every prompt in one pass."
+    )
+
+
+def overlay_refusal(name: str, mask: torch.Tensor) -> str:
+    """The refusal of an indexed layer that hands attention a mask of its own instead of the visibility mask
+    sharedprefix gave it (and the indexer's ``indices``)."""
+    return (
+        f"{name} attends with a mask of shape {tuple(mask.shape)} other than the visibility mask sharedprefix gave "
+        "its layer (an indexer that overlays its own selection on the attention mask, as Kolibri 1.1's does), "
+        "where sharedprefix expects that mask itself and the indexer's `indices`. Such an indexer counts "
+        "its sink, local and pooled keys along the row's positions, and on a packed row the tokens of other "
+        "completions lie between a completion's prompt and its own tokens, so its selection would not be the plain "
+        "run's. This model is not supported."
     )
 
 

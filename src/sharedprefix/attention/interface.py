@@ -195,7 +195,9 @@ def _checked(module, state: PassState, query, key, value, attention_mask, dropou
     if attention_mask is not None and dynamic_mask.has_dynamic_mask(module):
         query, key, value = dynamic_mask.fold_key_bias(module, query, key, value, attention_mask, scale)
         attention_mask = None
-    if attention_mask is not None and (state.visible is None or attention_mask is not state.visible):
+    if attention_mask is not None and state.visible is not None and attention_mask is not state.visible:
+        _refuse(indexed.overlay_refusal(name, attention_mask))
+    if attention_mask is not None and state.visible is None:
         _refuse(
             f"{name} received a ready-made attention mask of shape {tuple(attention_mask.shape)}; sharedprefix "
             "builds the shared-prefix mask itself and cannot combine it with the model's own mask. "

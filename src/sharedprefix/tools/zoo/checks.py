@@ -63,6 +63,7 @@ REFUSALS: list[tuple[str, str]] = [
     ("query scaling by the token's index in the row (Llama 4 attn_temperature_tuning)", r"attn_temperature_tuning"),
     ("several attention calls per layer, split across passes", r"runs its attention \d+ times in one forward"),
     ("keys selected by an indexer (DeepSeek sparse attention), split across passes", r"selects the keys of each query with an indexer"),
+    ("keys selected by an indexer that overlays its own mask (Kolibri 1.1)", r"overlays its own selection on the attention mask"),
     ("keys beyond the row (memory, compressed keys)", r"attends over \d+ keys for a row"),
     ("an LM head sharedprefix cannot reproduce", r"turns hidden states into logits"),
     ("RoPE scaling that depends on the longest position", r"RoPE scaling, whose frequencies"),

@@ -225,6 +225,17 @@ ARCH: dict[str, dict] = {
     "glm_moe_dsa": _DSA,
     "axk2": _DSA,
     "hy_v4": _DSA,
+    # Kolibri 1.1: NVFP4 rounding of K/V needs head_dim % 16 == 0, index heads at most the query heads of key head
+    # 0 (4 // 2); its indexer's pools, top-k, sink and local keys small enough to bite on LAYOUT's rows
+    "kolibri1_1": dict(
+        head_dim=16,
+        index_num_heads=2,
+        index_topk=2,
+        index_pool_size=8,
+        index_compression=2,
+        index_num_local_tokens=2,
+        index_num_sink_tokens=1,
+    ),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "zaya": dict(num_experts_per_tok=1),
     "zamba": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "hybrid"] * 2, attn_layer_period=2, attn_layer_offset=1),
