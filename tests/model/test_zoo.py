@@ -65,7 +65,6 @@ def test_the_features_this_zoo_exists_for_are_exercised():
 @pytest.mark.parametrize(
     "entry, category",
     [
-        ("falcon", "attention outside transformers' attention interface"),  # was a TypeError
         ("bloom", "attention outside transformers' attention interface"),  # ALiBi in its own attention; was "positions"
         ("rwkv", "token mixing outside attention"),  # a recurrence; was "positions numbered by the model itself"
         ("mamba", "token mixing outside attention"),
@@ -78,6 +77,22 @@ def test_the_features_this_zoo_exists_for_are_exercised():
 def test_refusals_name_the_feature(entry, category):
     r = _result(entry)
     assert r.status == "refused" and r.category.startswith(category), (r.status, r.category, r.detail)
+
+
+def test_falcon_is_exact_where_its_attention_goes_through_the_interface():
+    """transformers 5.25 moved Falcon's attention into transformers' attention interface: exact there (with ALiBi
+    it lays the bias onto a mask of its own, which the probe refuses); before, attention of its own, refused."""
+    from transformers.models.falcon import modeling_falcon
+
+    r = _result("falcon")
+    if "ALL_ATTENTION_FUNCTIONS" in vars(modeling_falcon):
+        assert r.status == "exact" and r.grad_err is not None, (r.status, r.detail)
+    else:  # was a TypeError
+        assert r.status == "refused" and r.category.startswith("attention outside transformers' attention interface"), (
+            r.status,
+            r.category,
+            r.detail,
+        )
 
 
 def test_several_token_streams_per_position_are_exact_also_when_split():
