@@ -59,7 +59,7 @@ def test_cli_verify_own_model(tmp_path):
 
 
 def test_verify_checks_deepseek_sparse_attention_split_too():
-    from attention.test_indexed import dsa_model
+    from support.models import dsa_model
 
     report = sp.verify(dsa_model())
     assert report.ok and report.refusal is None and report.split_refusal is None and len(report.checks) == 2
@@ -68,9 +68,8 @@ def test_verify_checks_deepseek_sparse_attention_split_too():
 def test_verify_reports_a_model_exact_in_one_pass_only(monkeypatch):
     """A DeepSeek sparse attention model whose indexers sharedprefix cannot reach is exact in one pass and refuses a
     split budget: verify says so, and counts the model as exact (the split call would refuse, never mismatch)."""
-    from attention.test_indexed import dsa_model
-
     from sharedprefix.attention import indexed
+    from support.models import dsa_model
 
     monkeypatch.setattr(indexed, "indexers", lambda m: {})
     report = sp.verify(dsa_model())
@@ -195,7 +194,7 @@ def test_verify_does_not_excuse_other_low_precision_errors(monkeypatch, case):
 def test_verify_names_the_indexer_tie_caveat_when_a_dsa_model_is_not_exact(monkeypatch):
     """Not excused, but explained: the indexer's float32 scores tie at its top-k boundary in any layout-dependent
     order, also on the float64 copy."""
-    from attention.test_indexed import dsa_model
+    from support.models import dsa_model
 
     _perturb_low_precision(monkeypatch, "every token")
     model = dsa_model().float()
