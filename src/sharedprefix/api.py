@@ -1,6 +1,6 @@
 """The public calls: ``sp.logprobs`` (forward) and ``sp.backward`` (forward, loss, backward per pass).
 
-Each validates its settings, then dispatches: a hybrid model to ``schedule.hybrid``, a grad-enabled call that
+Each validates its settings, then dispatches: a hybrid model to ``schedule.cache_path``, a grad-enabled call that
 must run its backward inside sharedprefix to a deferred backward (``schedule.deferred``), and everything else to an
 ``Executor`` driven over its plan by ``schedule.rounds``. Notation: N = output rows (completions in group order,
 or a tree's rows), W = columns, n = rows in one pass.
@@ -8,8 +8,8 @@ or a tree's rows), W = columns, n = rows in one pass.
 Hybrid models whose token mixers outside attention sharedprefix reaches (``model.mixers``: the gated delta-nets of
 Qwen3-Next, Qwen3.5 and OLMo-hybrid, LFM2's short convolutions, the Mamba2 families' scans) take the packed path
 like any other model, each segment's scan starting from its parent's state. The other hybrids
-(``model.support.HYBRID_MODEL_TYPES``: LFM3, MiniMax, Zaya and others) take ``schedule.hybrid`` through
-``schedule.hybrid_calls``: each prompt once through the model's own cache-aware forward, each completion batch from
+(``model.support.HYBRID_MODEL_TYPES``: LFM3, MiniMax, Zaya and others) take ``schedule.cache_path`` through
+``cache_path.calls``: each prompt once through the model's own cache-aware forward, each completion batch from
 a copy of the prompt's cache. There ``max_tokens`` bounds every forward (prompt chunks, right-padded completion
 batches); a completion longer than it is refused, and so are ``sp.Tree``, ``prompt_inputs``, FSDP2 and gradient
 checkpointing.
@@ -35,7 +35,8 @@ from sharedprefix.model.adapter import unwrap, uses_checkpointing
 from sharedprefix.model.support import is_hybrid
 from sharedprefix.parallel.detect import ddp_sync_enabled, detect
 from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
-from sharedprefix.schedule import hybrid_calls, rounds
+from sharedprefix.schedule import rounds
+from sharedprefix.schedule.cache_path import calls as cache_path
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.executor import Executor
 from sharedprefix.schedule.options import CallOptions
@@ -108,7 +109,7 @@ def logprobs(
     if is_hybrid(unwrap(model)):
         if aux_loss:
             router.refuse_hybrid(unwrap(model))
-        return hybrid_calls.hybrid_logprobs(model, groups, opts, _deferred_backward)
+        return cache_path.hybrid_logprobs(model, groups, opts, _deferred_backward)
     _run_call_checks(model, groups)
     if torch.is_grad_enabled() and _defers(model, defer, seq):
         with torch.no_grad():
@@ -191,7 +192,7 @@ def backward(
     if is_hybrid(unwrap(model)):
         if coef:
             router.refuse_hybrid(unwrap(model))
-        return hybrid_calls.hybrid_backward(model, groups, loss_fn, opts)
+        return cache_path.hybrid_backward(model, groups, loss_fn, opts)
     _run_call_checks(model, groups)
     aux = None
     if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
@@ -215,7 +216,7 @@ def _deferred_backward(model, groups, loss_fn, options: CallOptions, aux_grads=N
     ``sp.backward``'s path, with the aux loss's per-token gradients (already scaled by the gradient that reached it)
     from the deferred call's own forward."""
     if is_hybrid(unwrap(model)):
-        return hybrid_calls.hybrid_backward(model, groups, loss_fn, options)
+        return cache_path.hybrid_backward(model, groups, loss_fn, options)
     return _packed_backward(model, groups, loss_fn, options, aux=None if aux_grads is None else (aux_grads, None))
 
 

@@ -3,7 +3,7 @@ family: LFM2 (short convolutions beside attention), LFM2-MoE (the same with mixt
 and Qwen3-Next (gated delta-nets beside attention; Qwen3-Next with mixtures of experts).
 
 verl 0.9.1 pins transformers < 5.11; under its 5.10 LFM2 runs its ``nn.Conv1d`` (``causal_conv1d_fn`` is None without
-the causal_conv1d package), which the core's packed path hooks (``model.mixers_conv``); the gated delta-nets run
+the causal_conv1d package), which the core's packed path hooks (``model.mixers.conv_module``); the gated delta-nets run
 their ``nn.Conv1d`` too, and call the delta rule they bound on themselves when built
 (``self.chunk_gated_delta_rule``), which ``model.mixers.active`` wraps for the duration of each call.
 

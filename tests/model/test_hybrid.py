@@ -1,4 +1,4 @@
-"""Hybrid models on the cache-driven path (``schedule.hybrid``: Zaya, LFM3, MiniMax and others): each prompt once,
+"""Hybrid models on the cache-driven path (``schedule.cache_path``: Zaya, LFM3, MiniMax and others): each prompt once,
 each completion from the prompt's final layer state, against the plain per-row forward in float64.
 
 The gated delta-nets, short convolutions and Mamba2 mixers (LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid, Mamba2,
@@ -15,7 +15,7 @@ import transformers
 
 import sharedprefix as sp
 from sharedprefix.model.support import HYBRID_MODEL_TYPES
-from sharedprefix.schedule import hybrid
+from sharedprefix.schedule.cache_path import run as cache_run
 from sharedprefix.tools.reference import Float64Inside, plain_logprobs
 from sharedprefix.tools.zoo.configs import float64_norms
 
@@ -207,9 +207,9 @@ def test_a_completion_that_does_not_start_from_the_prompts_state_is_caught(monke
     differences small in absolute terms)."""
     model, gs = model_of(family), groups_of()
     ref = reference(family, model, gs)[0]
-    read = hybrid.read_states  # (the model's own float32 layers: their rounding is far below what is asserted here)
+    read = cache_run.read_states  # (the model's own float32 layers: their rounding is far below what is asserted here)
     monkeypatch.setattr(
-        hybrid,
+        cache_run,
         "read_states",
         lambda cache, slots: [torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))],
     )
@@ -223,8 +223,8 @@ def test_gradients_reach_the_prompt_through_its_state(monkeypatch):
     through its conv, recurrent and attention state: the comparison with the plain gradient catches it."""
     model, gs = model_of("zaya"), groups_of()
     ref, _, want = reference("zaya+float64", model, gs, Float64Inside)
-    read = hybrid.read_states
-    monkeypatch.setattr(hybrid, "read_states", lambda cache, slots: [t.detach() for t in read(cache, slots)])
+    read = cache_run.read_states
+    monkeypatch.setattr(cache_run, "read_states", lambda cache, slots: [t.detach() for t in read(cache, slots)])
     w = _weights(ref.shape)
     with Float64Inside():
         out = sp.logprobs(model, gs)
@@ -365,9 +365,9 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
             got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)
             assert _grad_error(got, want) <= 1e-9, (mode, max_tokens, _grad_error(got, want))
-        read = hybrid.read_states
-        cache = hybrid.HybridRun(model, gs, None, 1.0, False).prompt(gs[0])[0]
-        kinds = sorted({name for _, name, _ in hybrid.state_slots(cache)})
+        read = cache_run.read_states
+        cache = cache_run.HybridRun(model, gs, None, 1.0, False).prompt(gs[0])[0]
+        kinds = sorted({name for _, name, _ in cache_run.state_slots(cache)})
         types = model.config.get_text_config().layer_types
         assert set(kinds) & {"conv_states", "recurrent_states", "linear_cache"}, kinds  # a state beside any K/V
         assert "keys" in kinds or not set(types) & ATTENTION_LAYER_TYPES, kinds
@@ -375,9 +375,9 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
             zeroed = lambda cache, slots, slot=slot: [  # noqa: E731
                 torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))
             ]
-            hybrid.read_states = zeroed
+            cache_run.read_states = zeroed
             try:
                 with torch.no_grad():
                     assert float((sp.logprobs(model, gs).logprobs - ref).abs().max()) > 1e-6, slot
             finally:
-                hybrid.read_states = read
+                cache_run.read_states = read

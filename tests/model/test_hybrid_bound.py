@@ -23,6 +23,7 @@ from model.test_hybrid import groups_of, model_of, zoo_model
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.model import mixers
+from sharedprefix.model.mixers import seams
 from sharedprefix.tools.reference import Float64Inside
 
 ATTR = "chunk_gated_delta_rule"
@@ -69,7 +70,7 @@ def _assert_restored(model, nets, own):
     src = sys.modules[type(nets[0]).__module__]
     assert src.torch_chunk_gated_delta_rule is own
     assert all(vars(m)[ATTR] is own for m in nets)
-    assert not mixers._INSTALLED and not mixers._ACTIVE
+    assert not seams._INSTALLED and not seams._ACTIVE
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -125,18 +126,18 @@ def test_instance_bound_delta_rule_under_gradient_checkpointing(monkeypatch, fam
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _float64_checkpoints(model)
     seen = []
-    wrapped = mixers.seam_wrapper
+    wrapped = seams.seam_wrapper
 
     def counting(kind, fn):  # the recomputes pass through the wrapper: mark its calls inside autograd's backward
         seam = wrapped(kind, fn)
 
         def call(*a, **k):
-            seen.append(kind == "delta" and torch._C._current_graph_task_id() >= 0)
+            seen.append(kind.name == "delta" and torch._C._current_graph_task_id() >= 0)
             return seam(*a, **k)
 
         return call
 
-    monkeypatch.setattr(mixers, "seam_wrapper", counting)
+    monkeypatch.setattr(seams, "seam_wrapper", counting)
     with Float64Inside():
         for budget in (None, 6):
             seen.clear()

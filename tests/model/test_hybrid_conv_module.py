@@ -1,4 +1,4 @@
-"""The Conv1d seam (``model.mixers_conv``) on LFM2 in float64, against one plain forward per row (log-probs 1e-9,
+"""The Conv1d seam (``model.mixers.conv_module``) on LFM2 in float64, against one plain forward per row (log-probs 1e-9,
 gradients relative 1e-9).
 
 transformers 5.24's ``Lfm2ShortConv`` always calls its module-level ``causal_conv1d_fn`` (a torch fallback when the
@@ -12,6 +12,7 @@ the tolerance).
 """
 
 import sys
+from dataclasses import replace
 
 import pytest
 from model.test_hybrid import groups_of, model_of
@@ -19,7 +20,8 @@ from model.test_hybrid_packed import DEEP_ROWS, _logprob_error, _tree_check
 
 import sharedprefix as sp
 from helpers import assert_matches_plain_rows
-from sharedprefix.model import mixers, mixers_conv
+from sharedprefix.model import mixers
+from sharedprefix.model.mixers import conv_module
 
 
 def slow_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
@@ -42,7 +44,7 @@ def model(monkeypatch):
     monkeypatch.setattr(src, "causal_conv1d_fn", None)
     monkeypatch.setattr(type(mods[0][0]), "forward", slow_forward)
     calls = []
-    handles = [mixers_conv.find(mod).register_forward_hook(lambda *_: calls.append(1)) for mod, _ in mods]
+    handles = [conv_module.find(mod).register_forward_hook(lambda *_: calls.append(1)) for mod, _ in mods]
     m.conv_calls = calls
     yield m
     for h in handles:
@@ -53,7 +55,7 @@ def model(monkeypatch):
 def test_groups_through_the_conv1d_seam_match_plain_rows(model, budget, mode):
     """Three groups in one pass, and a budget that cuts the 9-token prompt into a chain and splits its completions
     (cached conv tails read back as leaves), in keep and recompute."""
-    assert mixers_conv.find(mixers.mixer_modules(model)[0][0]) is not None
+    assert conv_module.find(mixers.mixer_modules(model)[0][0]) is not None
     assert_matches_plain_rows(model, groups_of(), budget=budget, mode=mode)
     assert model.conv_calls  # the convolution ran through the module, not a function
 
@@ -69,7 +71,7 @@ def test_a_depth_4_tree_through_the_conv1d_seam(model):
 def test_control_without_the_hook_the_mixer_is_refused(model, monkeypatch):
     """The Conv1d's hook removed: its convolution would read across the packed row's segments; the mixer's forward
     reached no seam, and sharedprefix refuses it rather than return mixed rows."""
-    monkeypatch.setattr(mixers_conv, "hooks", lambda mixer, kinds: [])
+    monkeypatch.setitem(mixers.KINDS, "conv", replace(mixers.KINDS["conv"], hooks=lambda mixer, kind: []))
     with pytest.raises(ValueError, match=r"Lfm2ShortConv ran its forward without calling \['causal_conv1d_fn'\]"):
         sp.logprobs(model, groups_of())
 
@@ -77,7 +79,8 @@ def test_control_without_the_hook_the_mixer_is_refused(model, monkeypatch):
 def test_control_the_modules_own_convolution_over_the_row_is_caught(model, monkeypatch):
     """The hook counting the seam but returning the convolution over the whole packed row (each segment after the
     row's previous tokens, a sibling's or another group's): far beyond the tolerance."""
-    monkeypatch.setattr(mixers, "_conv", lambda own, state, slot, first, x, *a, **k: own(x, *a, **k))
+    whole_row = lambda own, state, slot, first, x, *a, **k: own(x, *a, **k)  # noqa: E731
+    monkeypatch.setitem(mixers.KINDS, "conv", replace(mixers.KINDS["conv"], packed=whole_row))
     assert _logprob_error(model, groups_of(), None) > 1e-6
 
 
@@ -91,14 +94,14 @@ def test_a_conv1d_that_is_not_causal_depthwise_is_no_seam(model, monkeypatch):
 
 def test_the_hook_is_removed_after_a_call_and_after_one_that_raises(model, monkeypatch):
     """Only the fixture's counting hook stays on the Conv1d after a call, and after one that raises inside the seam."""
-    convs = [mixers_conv.find(mod) for mod, _ in mixers.mixer_modules(model)]
+    convs = [conv_module.find(mod) for mod, _ in mixers.mixer_modules(model)]
     sp.logprobs(model, groups_of())
     assert [len(c._forward_hooks) for c in convs] == [1] * len(convs)
 
     def boom(*args, **kwargs):
         raise RuntimeError("inside the seam")
 
-    monkeypatch.setattr(mixers, "_conv", boom)
+    monkeypatch.setitem(mixers.KINDS, "conv", replace(mixers.KINDS["conv"], packed=boom))
     with pytest.raises(RuntimeError, match="inside the seam"):
         sp.logprobs(model, groups_of())
     assert [len(c._forward_hooks) for c in convs] == [1] * len(convs)

@@ -1,5 +1,5 @@
 """The hybrids that left the cache path for the packed path (LFM3's short convolutions, Lara-mini's gated delta-net,
-Kimi Linear's and Bailing-hybrid's Kimi delta attention, ``model.kda``), and the two that stay on it because their
+Kimi Linear's and Bailing-hybrid's Kimi delta attention, ``model.mixers.kda``), and the two that stay on it because their
 token mixing has no seam (MiniMax, Zaya), against one plain forward per row in float64 (log-probs 1e-9, gradients
 relative 1e-9).
 
@@ -226,7 +226,7 @@ def test_inline_mixers_stay_on_the_cache_path_and_every_refusal_says_why(monkeyp
     """MiniMax's lightning attention and Zaya's CCA convolutions are computed inline in their modules' forwards: no
     function to wrap, so they stay on the cache path, and its refusals of trees, checkpointing, prompt_inputs and
     FSDP2 each say so (the model, the module, and that the packed path cannot reach it)."""
-    from sharedprefix.schedule import hybrid_calls
+    from sharedprefix.schedule.cache_path import calls
 
     model, gs = zoo_model(entry), groups_of()
     assert is_hybrid(model) and not mixers.is_packed(model)
@@ -248,7 +248,7 @@ def test_inline_mixers_stay_on_the_cache_path_and_every_refusal_says_why(monkeyp
         kind = "fsdp"
         tensor = 1
 
-    monkeypatch.setattr(hybrid_calls, "detect", lambda *a: FSDP())
+    monkeypatch.setattr(calls, "detect", lambda *a: FSDP())
     with pytest.raises(ValueError, match=r"sharded with FSDP2.*" + why):
         sp.logprobs(model, gs)
     assert all(p.grad is None for p in model.parameters())

@@ -9,6 +9,7 @@ cached state.
 
 import contextlib
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -210,7 +211,8 @@ def test_control_a_convolution_that_reads_a_siblings_inputs_is_caught(monkeypatc
     """The model's own convolution over the packed row (each segment after the row's previous tokens, a sibling's or
     another group's, instead of its path's) is far beyond the tolerance."""
     model, gs = _model("lfm2"), groups_of()
-    monkeypatch.setattr(mixers, "_conv", lambda own, state, slot, first, x, *a, **k: own(x, *a, **k))
+    whole_row = lambda own, state, slot, first, x, *a, **k: own(x, *a, **k)  # noqa: E731
+    monkeypatch.setitem(mixers.KINDS, "conv", replace(mixers.KINDS["conv"], packed=whole_row))
     assert _logprob_error(model, gs, None) > 1e-6
 
 
@@ -245,7 +247,7 @@ def test_a_mixer_whose_seam_is_missing_is_refused(monkeypatch):
     model = _model("lfm2")
     src = sys.modules[type(mixers.mixer_modules(model)[0][0]).__module__]
     monkeypatch.delattr(src, "causal_conv1d_fn")
-    for m, _ in mixers.mixer_modules(model):  # nor a Conv1d the module seam takes (``model.mixers_conv``)
+    for m, _ in mixers.mixer_modules(model):  # nor a Conv1d the module seam takes (``model.mixers.conv_module``)
         monkeypatch.setattr(m.conv, "padding", (0,))
     with pytest.raises(ValueError, match=r"Lfm2ForCausalLM: Lfm2ShortConv's modeling module .* has no \['causal_conv1d_fn'\]"):
         sp.logprobs(model, groups_of())
@@ -257,7 +259,7 @@ def test_a_mixer_that_bypasses_its_seam_is_refused(monkeypatch):
     src = sys.modules[type(mixers.mixer_modules(model)[0][0]).__module__]
     own = src.causal_conv1d_fn
     monkeypatch.setattr(src, "causal_conv1d_fn", own)  # restored after the test
-    monkeypatch.setattr(mixers, "SEAMS", {**mixers.SEAMS, "conv": "causal_conv1d_update"})  # wrap a function not called
+    monkeypatch.setitem(mixers.KINDS, "conv", replace(mixers.KINDS["conv"], attribute="causal_conv1d_update"))  # wrap a function not called
     with pytest.raises(ValueError, match=r"Lfm2ShortConv ran its forward without calling \['causal_conv1d_update'\]"):
         sp.logprobs(model, groups_of())
 

@@ -1,4 +1,4 @@
-"""Mamba2-family hybrids on the packed path (``model.ssm``): Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba and
+"""Mamba2-family hybrids on the packed path (``model.mixers.ssm``): Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba and
 Granite-4 hybrid, against one plain forward per row in float64 (log-probs 1e-9, gradients relative 1e-9).
 
 The tiny models are the zoo's, with weights of std 0.2 (states that matter) and a scan chunk of 4 tokens, so that a
@@ -25,7 +25,8 @@ from model.test_hybrid_packed import DEEP_ROWS, _groups_check, _logprob_error, _
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
-from sharedprefix.model import mixers, ssm
+from sharedprefix.model import mixers
+from sharedprefix.model.mixers import ssm
 from sharedprefix.model.support import HYBRID_MODEL_TYPES, is_hybrid
 from sharedprefix.tools.reference import Float64Inside
 from support.trees import ROW_SPEC, masks, tree_rows
@@ -241,6 +242,6 @@ def test_a_layer_pattern_whose_mixers_are_not_found_is_refused(monkeypatch):
     counted, and a transformers version whose mixer class sharedprefix does not know is refused before any pass."""
     model = _model("nemotron_h")
     assert model.config.layers_block_type.count("linear_attention") == 1 == len(mixers.mixer_modules(model))
-    monkeypatch.setattr(mixers, "MIXERS", {k: v for k, v in mixers.MIXERS.items() if k != "Mamba2Mixer"})
+    monkeypatch.setattr(mixers.families, "MIXERS", {k: v for k, v in mixers.MIXERS.items() if k != "Mamba2Mixer"})
     with pytest.raises(ValueError, match=r"NemotronHForCausalLM has 1 layers of types .* but sharedprefix finds 0 mixer modules"):
         sp.logprobs(model, groups_of())

@@ -1,10 +1,10 @@
-"""The hybrid path's copies of a prompt's cache (``schedule.hybrid_state``): each completion batch starts from the
+"""The hybrid path's copies of a prompt's cache (``schedule.cache_path.state``): each completion batch starts from the
 prompt's state, whatever an earlier batch's forward did to its own copy."""
 
 import pytest
 import torch
 
-from sharedprefix.schedule import hybrid_state
+from sharedprefix.schedule.cache_path import state as cache_state
 
 
 def _linear_cache(prompt_len: int):
@@ -24,11 +24,11 @@ def test_each_copy_counts_from_the_prompts_length():
     cache = _linear_cache(5)
     if not hasattr(cache.layers[0], "cumulative_length_linear"):
         pytest.skip("this transformers' linear-attention layers keep no token count")
-    slots = hybrid_state.state_slots(cache)
-    tensors = hybrid_state.read_states(cache, slots)
-    first = hybrid_state.repeated_states(cache, slots, tensors, 2)
+    slots = cache_state.state_slots(cache)
+    tensors = cache_state.read_states(cache, slots)
+    first = cache_state.repeated_states(cache, slots, tensors, 2)
     first.update_conv_state(torch.randn(2, 4, 3, dtype=torch.float64), 0)  # a batch's completions, 3 tokens
-    second = hybrid_state.repeated_states(cache, slots, tensors, 3)
+    second = cache_state.repeated_states(cache, slots, tensors, 3)
     assert int(first.get_seq_length()) == 8
     assert int(second.get_seq_length()) == int(cache.get_seq_length()) == 5
     assert second.layers[0].conv_states[0].shape[0] == 3
@@ -39,4 +39,4 @@ def test_a_tensor_the_path_does_not_know_is_refused():
     cache = _linear_cache(5)
     cache.layers[0].extra_state = torch.zeros(1, 4)
     with pytest.raises(ValueError, match=r"holds tensors \['extra_state'\] that sharedprefix's hybrid path does not copy"):
-        hybrid_state.state_slots(cache)
+        cache_state.state_slots(cache)

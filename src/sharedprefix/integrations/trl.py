@@ -17,7 +17,7 @@ clipping, KL, entropy bonus, masks, metrics) runs unchanged:
 
 Images (Qwen-style ``pixel_values`` with ``image_grid_thw``, or Llava-style ``pixel_values`` per image; see
 ``trl_batch``): the rows are regrouped by prompt and image into ``sp.Group``s with ``prompt_inputs``, so each
-vision tower and prompt run once. Hybrid models (``schedule.hybrid``, which takes groups, not trees): the rows
+vision tower and prompt run once. Hybrid models (``schedule.cache_path``, which takes groups, not trees): the rows
 are regrouped by prompt the same way.
 
 What TRL's loss asks of the hook, as GRPOTrainer computes it: the MoE load-balancing loss of the microbatch's rows

@@ -48,7 +48,7 @@ models' classes are undone for the duration of each sharedprefix call (``verl_vl
 Hybrids: the core's cache-path hybrids (``model.support.HYBRID_MODEL_TYPES``) are refused at build (that path does
 not run under FSDP2); the packed-path ones (``model.mixers``) are accepted when the core can reach their token mixers
 in this transformers version (``check_model``, after verl builds the model), refused with the core's reason otherwise.
-Under verl's transformers 5.10, LFM2 (its ``nn.Conv1d``: ``model.mixers_conv``) is accepted, and so are Qwen3-Next
+Under verl's transformers 5.10, LFM2 (its ``nn.Conv1d``: ``model.mixers.conv_module``) is accepted, and so are Qwen3-Next
 and Qwen3.5, whose gated delta-nets bind their delta rule on each instance (wrapped there by ``model.mixers``);
 OLMo-hybrid, whose 5.10 convolutions are three ``nn.Conv1d`` subclasses with their own forward, is refused.
 

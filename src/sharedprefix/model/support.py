@@ -3,7 +3,7 @@
 ``check_supported`` raises ValueError, naming the value, the reason and the fix, for every model feature that a
 packed row cannot reproduce (dropout and layerdrop in training mode, RoPE scaling that depends on the batch, layers
 that mix tokens outside attention unless the packed path (``model.mixers``) or the hybrid path carries them).
-``is_hybrid`` says which models take the cache-driven hybrid path (``schedule.hybrid``).
+``is_hybrid`` says which models take the cache-driven hybrid path (``schedule.cache_path``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ COMPRESSED_ATTENTION_LAYER_TYPES = {  # DeepSeek-V4: attention over keys pooled 
     "heavily_compressed_attention": "attention over compressed keys",
 }
 # Hybrid model types (layers that mix tokens outside attention) whose own cache-aware forward continues a prompt's
-# layer state exactly (tests/model/test_hybrid.py and the zoo): they run on ``schedule.hybrid``; other hybrids are
+# layer state exactly (tests/model/test_hybrid.py and the zoo): they run on ``schedule.cache_path``; other hybrids are
 # refused (``_check_layer_types``, ``_check_positions_and_convolutions``). The gated delta-nets, short convolutions,
 # Kimi delta attention and Mamba2 mixers (``mixers.PACKED_MODEL_TYPES``: LFM2, LFM3, Qwen3-Next, Qwen3.5, OLMo-hybrid,
 # Lara-mini, Kimi Linear, Bailing-hybrid, Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) run on the
@@ -85,7 +85,7 @@ def is_hybrid(model: PreTrainedModel) -> bool:
 
 def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
     """Raise ValueError for every model feature sharedprefix cannot compute exactly. ``hybrid``: the model runs on
-    the hybrid path (``schedule.hybrid``), which carries layer states that mix tokens outside attention."""
+    the hybrid path (``schedule.cache_path``), which carries layer states that mix tokens outside attention."""
     cfg = text_config(model)
     name = type(model).__name__
     if not hybrid and getattr(cfg, "model_type", None) in HYBRID_MODEL_TYPES:  # a wrapper around a hybrid text model

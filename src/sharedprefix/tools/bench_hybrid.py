@@ -7,7 +7,7 @@ vocab 32000), random weights, float32, forward+backward. Three runs in the same 
 - plain: the G rows ``[prompt + completion_i]`` in one batch, logits at completion positions only;
 - packed: ``sp.backward``, the packed path (``model.mixers``): the prompt once, every completion in the same row,
   each from the prompt's final conv inputs and recurrent state;
-- cache path: ``schedule.hybrid.backward`` (the path these models took before, still the one of MiniMax
+- cache path: ``schedule.cache_path.run.backward`` (the path these models took before, still the one of MiniMax
   and Zaya): the prompt once through the model's own cache-aware forward, the completions as right-padded rows
   from copies of its cache.
 
@@ -20,7 +20,7 @@ budget (8192 by default), after a warm-up on a small shape:
 
 - packed tree: ``sp.backward`` on ``sp.Tree.from_rows`` of the 64 rows: the system prompt once for all, each prompt
   once, every scan from its parent segment's final state (read from the prefix cache across passes);
-- cache path: ``schedule.hybrid.backward`` on the 8 groups: it takes no trees, so it computes each group's prompt,
+- cache path: ``schedule.cache_path.run.backward`` on the 8 groups: it takes no trees, so it computes each group's prompt,
   the system prompt included, once per group;
 - plain rows: ``[prompt + completion_i]``, as many whole rows per microbatch as the budget holds (one: 4864 tokens).
   Every microbatch has the same shape, so by default ``plain_sample`` of them (spread over the groups) are timed and
@@ -83,10 +83,10 @@ def describe(cfg) -> str:
 
 
 def cache_path_step(model, groups, max_tokens=None):
-    """The cache-driven path these families took before the packed one (``schedule.hybrid``)."""
-    from sharedprefix.schedule import hybrid
+    """The cache-driven path these families took before the packed one (``schedule.cache_path``)."""
+    from sharedprefix.schedule.cache_path import run as cache_run
 
-    return hybrid.backward(model, groups, bench.bench_loss, max_tokens, "keep", 1.0, False, "cpu")
+    return cache_run.backward(model, groups, bench.bench_loss, max_tokens, "keep", 1.0, False, "cpu")
 
 
 def run(layers=4, repeats=2, prompt=2048, completion=128, G=8) -> list[str]:

@@ -24,7 +24,7 @@ Only model types whose cache-aware forward has been checked exact against the pl
 (``model.support.HYBRID_MODEL_TYPES``); other hybrids keep their refusal. The gated delta-nets, short
 convolutions and Kimi delta attention (LFM2, LFM3, Qwen3-Next, Qwen3.5, OLMo-hybrid, Lara-mini, Kimi Linear,
 Bailing-hybrid) and the Mamba2 families (Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) no longer
-come here: ``model.mixers``, ``model.kda`` and ``model.ssm`` drive them on the packed path, with trees, checkpointing
+come here: ``model.mixers`` drives them on the packed path, with trees, checkpointing
 and FSDP2. MiniMax and Zaya compute their token mixing inline, with no function to wrap, so they stay here, and every
 refusal below says so (``model.support.INLINE_MIXERS``). Every batch is at least 2 tokens wide, so
 that the models' single-token decode kernels (which update states in place) never run.
@@ -48,7 +48,7 @@ from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.grad_hooks import DeferredGradHooks
 from sharedprefix.schedule.cache import OffloadHooks
-from sharedprefix.schedule.hybrid_state import cache_arg_name, new_cache, prompt_chunks, read_states, repeated_states, state_slots
+from sharedprefix.schedule.cache_path.state import cache_arg_name, new_cache, prompt_chunks, read_states, repeated_states, state_slots
 from sharedprefix.schedule.results import Batch
 
 MIN_WIDTH = 2  # a batch of width 1 would take the models' in-place single-token decode kernels

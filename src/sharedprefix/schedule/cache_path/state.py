@@ -1,4 +1,4 @@
-"""The layer state a hybrid model's prompt leaves in its cache (``schedule.hybrid``): read it, repeat it once per
+"""The layer state a hybrid model's prompt leaves in its cache (``cache_path.run``): read it, repeat it once per
 completion row, and write updates into fresh tensors so that a state saved for backward is never overwritten.
 
 Notation: n = rows of one batch, P = prompt length.

@@ -1,11 +1,11 @@
 """The Mamba2 chunked scan on the packed path: each segment of a level scanned from its parent's final state.
 
 The Mamba2 mixers of transformers (Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) call, by
-module-global name, ``causal_conv1d_fn`` (wrapped as LFM2's, ``mixers._conv``) and
+module-global name, ``causal_conv1d_fn`` (wrapped as LFM2's, ``conv.packed_conv``) and
 ``mamba2_chunk_scan(x (1, L, H, P), dt (1, L, H), A (H,), B (1, L, G, N), C (1, L, G, N), chunk_size=, D=,
 dt_bias=, dt_softplus=True, dt_limit=, initial_states=, return_final_states=)``. ``scan`` stands in for that call on a
 packed row: one call of the model's own function per tree level, its segments right-padded to the longest, each
-from its parent's final state (``initial_states``), through the level loop the delta rules use (``mixers.by_levels``).
+from its parent's final state (``initial_states``), through the level loop the delta rules use (``levels.by_levels``).
 
 Padding: zero inputs are not neutral for this scan as the mixers call it, since the function turns dt into
 ``clamp(softplus(dt + dt_bias), *dt_limit) > 0`` at every position, which decays the state and adds B x to it.
@@ -24,11 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SEAM = "mamba2_chunk_scan"
-# class-name suffix of the Mamba2 mixers -> the seams their forward calls: Mamba2Mixer (also NemotronHMamba2Mixer),
-# FalconH1Mixer, MambaMixer (Zamba2MambaMixer), BambaMixer, HybridMambaLayer (GraniteMoeHybridMambaLayer)
-MIXERS = {s: ("conv", "scan") for s in ("Mamba2Mixer", "FalconH1Mixer", "MambaMixer", "BambaMixer", "HybridMambaLayer")}
-MODEL_TYPES = {"mamba2", "nemotron_h", "falcon_h1", "zamba2", "bamba", "granitemoehybrid"}
+from sharedprefix.model.mixers.levels import by_levels
+from sharedprefix.model.mixers.seams import Kind
+
 UNCHANGED = (float("-inf"), float("inf"))  # a dt_limit whose clamp returns every value as it is
 
 
@@ -52,8 +50,6 @@ def scan(
     dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs,
 ):  # fmt: skip
     """``mamba2_chunk_scan`` over a packed row (see the module): ``(1, L, H, P)`` out, in the function's dtype."""
-    from sharedprefix.model.mixers import by_levels  # (mixers imports this module)
-
     layout = state.layout
     odd = {k: v for k, v in kwargs.items() if v is not None and k != "z"}  # z=None: the torch forward gates outside
     if (
@@ -75,3 +71,6 @@ def scan(
         return own(x, d, A, b, c, chunk_size=chunk_size, D=D, initial_states=init, return_final_states=True, **neutral)
 
     return by_levels(state, slot, first, (hidden_states, dt, B, C), call)
+
+
+KIND = Kind("scan", "mamba2_chunk_scan", scan)

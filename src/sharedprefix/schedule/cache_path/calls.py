@@ -1,5 +1,5 @@
-"""The public calls' branch for hybrid models on the cache path (``schedule.hybrid``): the data-parallel checks,
-DDP's error agreement and the deferral decision around ``hybrid.logprobs`` / ``hybrid.backward``.
+"""The public calls' branch for hybrid models on the cache path (``cache_path.run``): the data-parallel checks,
+DDP's error agreement and the deferral decision around ``run.logprobs`` / ``run.backward``.
 
 Notation: N = completions, W = the longest completion.
 """
@@ -14,7 +14,7 @@ from sharedprefix.attention.kernels import select
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.detect import detect
-from sharedprefix.schedule import hybrid
+from sharedprefix.schedule.cache_path import run as cache_run
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.grads import synced
 from sharedprefix.schedule.options import CallOptions
@@ -32,11 +32,11 @@ def hybrid_logprobs(model, groups, options: CallOptions, deferred_backward) -> L
             "wrapped module, so only a deferred backward (defer=None or True) synchronises the gradients over "
             "the ranks. Leave defer=None."
         )
-    deferred = torch.is_grad_enabled() and (defer or kind == "ddp")  # no graph now, hybrid.backward later
+    deferred = torch.is_grad_enabled() and (defer or kind == "ddp")  # no graph now, cache_run.backward later
     error, out = None, None
     try:
         with torch.no_grad() if deferred else contextlib.nullcontext():
-            out = hybrid.logprobs(unwrap(model), groups, options.temperature, options.entropy, options.max_tokens)
+            out = cache_run.logprobs(unwrap(model), groups, options.temperature, options.entropy, options.max_tokens)
     except (ValueError, TypeError) as e:  # DDP: every rank stops, none waits in a later collective
         if kind != "ddp":
             raise
@@ -54,7 +54,7 @@ def hybrid_backward(model, groups, loss_fn, options: CallOptions) -> BackwardRes
     o = options
 
     def run():
-        return hybrid.backward(inner, groups, loss_fn, o.max_tokens, o.prefix_activations, o.temperature, o.entropy, o.offload_device)
+        return cache_run.backward(inner, groups, loss_fn, o.max_tokens, o.prefix_activations, o.temperature, o.entropy, o.offload_device)
 
     if check_hybrid(model, o.backend) != "ddp":
         return run()
@@ -62,7 +62,7 @@ def hybrid_backward(model, groups, loss_fn, options: CallOptions) -> BackwardRes
 
 
 def check_hybrid(model, backend: str) -> str:
-    """A hybrid model runs its own attention (``schedule.hybrid``): the backend name is checked, not used; FSDP2 is
+    """A hybrid model runs its own attention (``cache_path.run``): the backend name is checked, not used; FSDP2 is
     refused, and so is tensor parallelism. Returns the data-parallel kind ("none" or "ddp")."""
     select(backend, unwrap(model).get_input_embeddings().weight.device)
     par = detect(model, unwrap(model))

@@ -5,7 +5,7 @@ KDA is a gated delta rule whose decay is per key channel: the state S (H, Dk, Dv
 ``S <- diag(exp(g)) S``, then ``S <- S + k (beta (v - S^T k))^T``, and reads ``o = S^T q`` (q, k l2-normalised inside
 when the model asks). transformers computes it in ``chunk_kimi_delta_attention(q, k, v, g=..., beta=...,
 initial_state=..., output_final_state=...)`` on (B, L, H, D) inputs, g (B, L, H, Dk), beta (B, L, H). The wrapper here
-(registered in ``model.mixers``) runs, per level of the row's segment tree (``layout.recurrence.level_index``), one
+(its ``KIND``, registered in ``model.mixers.families``) runs, per level of the row's segment tree (``layout.recurrence.level_index``), one
 such call over that level's segments as a right-padded batch, each started from its parent's final state (the same
 row's previous level, or the prefix cache), and hands back the outputs of the real tokens in row order.
 
@@ -22,6 +22,9 @@ dims, g = log decay per key channel (natural log, <= 0), beta = write strength i
 
 from __future__ import annotations
 
+from sharedprefix.model.mixers.levels import delta_by_levels
+from sharedprefix.model.mixers.seams import Kind
+
 
 def packed_kda(own, state, slot, first, query, key, value, g=None, beta=None, initial_state=None, output_final_state=False, **kwargs):
     """``chunk_kimi_delta_attention`` over a packed (1, L, H, D) row; returns ((1, L, H, Dv) outputs, None).
@@ -30,8 +33,6 @@ def packed_kda(own, state, slot, first, query, key, value, g=None, beta=None, in
     ``slot``: (mixer module, "kda"), the cache key of this layer's states; ``first``: record the recorded segments'
     final states (False when a checkpointed layer is recomputed in backward).
     """
-    from sharedprefix.model.mixers import delta_by_levels
-
     layout = state.layout
     L = layout.length
     if initial_state is not None or kwargs.get("cu_seqlens") is not None or query.shape[:2] != (1, L):
@@ -46,3 +47,6 @@ def packed_kda(own, state, slot, first, query, key, value, g=None, beta=None, in
             "channel (1, L, H, Dk) and a strength per head (1, L, H). This transformers version's KDA differs; a bug."
         )
     return delta_by_levels(own, state, slot, first, (query, key, value, g, beta), **kwargs)
+
+
+KIND = Kind("kda", "chunk_kimi_delta_attention", packed_kda)
