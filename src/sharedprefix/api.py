@@ -8,7 +8,7 @@ or a tree's rows), W = columns, n = rows in one pass.
 Hybrid models whose token mixers outside attention sharedprefix reaches (``model.mixers``: the gated delta-nets of
 Qwen3-Next, Qwen3.5 and OLMo-hybrid, LFM2's short convolutions, the Mamba2 families' scans) take the packed path
 like any other model, each segment's scan starting from its parent's state. The other hybrids
-(``model.support.HYBRID_MODEL_TYPES``: LFM3, MiniMax, Zaya and others) take ``schedule.cache_path`` through
+(``model.mixers.FAMILIES`` on the cache path: MiniMax, Zaya) take ``schedule.cache_path`` through
 ``cache_path.calls``: each prompt once through the model's own cache-aware forward, each completion batch from
 a copy of the prompt's cache. There ``max_tokens`` bounds every forward (prompt chunks, right-padded completion
 batches); a completion longer than it is refused, and so are ``sp.Tree``, ``prompt_inputs``, FSDP2 and gradient
@@ -32,7 +32,6 @@ import torch
 from sharedprefix import settings
 from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap, uses_checkpointing
-from sharedprefix.model.support import is_hybrid
 from sharedprefix.parallel.detect import ddp_sync_enabled, detect
 from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
 from sharedprefix.schedule import rounds
@@ -102,11 +101,11 @@ def logprobs(
     shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
     opts = CallOptions.build(**shared, defer=defer, aux_loss=aux_loss)
     seq = opts.sequence_group
-    if seq is not None and (is_hybrid(unwrap(model)) or mixers.is_packed(unwrap(model))):
+    if seq is not None and (mixers.on_cache_path(unwrap(model)) or mixers.on_packed_path(unwrap(model))):
         refuse_hybrid(type(unwrap(model)).__name__, seq)
     if seq is not None and (aux_loss or (aux_loss is None and router.enabled(unwrap(model)))):
         refuse_aux(type(unwrap(model)).__name__)
-    if is_hybrid(unwrap(model)):
+    if mixers.on_cache_path(unwrap(model)):
         if aux_loss:
             router.refuse_hybrid(unwrap(model))
         return cache_path.hybrid_logprobs(model, groups, opts, _deferred_backward)
@@ -185,11 +184,11 @@ def backward(
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     coef = router.check_coef(unwrap(model), aux_loss_coef)
     seq = opts.sequence_group
-    if seq is not None and (is_hybrid(unwrap(model)) or mixers.is_packed(unwrap(model))):
+    if seq is not None and (mixers.on_cache_path(unwrap(model)) or mixers.on_packed_path(unwrap(model))):
         refuse_hybrid(type(unwrap(model)).__name__, seq)
     if seq is not None and coef:
         refuse_aux(type(unwrap(model)).__name__)
-    if is_hybrid(unwrap(model)):
+    if mixers.on_cache_path(unwrap(model)):
         if coef:
             router.refuse_hybrid(unwrap(model))
         return cache_path.hybrid_backward(model, groups, loss_fn, opts)
@@ -215,7 +214,7 @@ def _deferred_backward(model, groups, loss_fn, options: CallOptions, aux_grads=N
     """The backward of deferred log-probs (``schedule.deferred``) under the deferred call's ``options``:
     ``sp.backward``'s path, with the aux loss's per-token gradients (already scaled by the gradient that reached it)
     from the deferred call's own forward."""
-    if is_hybrid(unwrap(model)):
+    if mixers.on_cache_path(unwrap(model)):
         return cache_path.hybrid_backward(model, groups, loss_fn, options)
     return _packed_backward(model, groups, loss_fn, options, aux=None if aux_grads is None else (aux_grads, None))
 

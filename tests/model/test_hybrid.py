@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import sharedprefix as sp
-from sharedprefix.model.support import HYBRID_MODEL_TYPES
+from sharedprefix.model import mixers
 from sharedprefix.schedule.cache_path import run as cache_run
 from sharedprefix.tools.reference import Float64Inside, plain_logprobs
 from sharedprefix.tools.zoo.configs import float64_norms
@@ -260,7 +260,7 @@ def test_mamba1_families_stay_refused_because_their_scan_ignores_the_prompts_sta
     from sharedprefix.model import support as modeling
 
     model = zoo_model(entry)
-    assert model.config.model_type in modeling.HYBRID_REFUSED and model.config.model_type not in HYBRID_MODEL_TYPES
+    assert model.config.model_type in modeling.HYBRID_REFUSED and not mixers.on_path(model.config.model_type, mixers.CACHE)
     gs = groups_of()
     with pytest.raises(
         ValueError,
@@ -268,7 +268,7 @@ def test_mamba1_families_stay_refused_because_their_scan_ignores_the_prompts_sta
         r"multi-token forward from a zero state",
     ):
         sp.logprobs(model, gs)
-    monkeypatch.setattr(modeling, "HYBRID_MODEL_TYPES", HYBRID_MODEL_TYPES | {model.config.model_type})
+    monkeypatch.setitem(mixers.FAMILIES, model.config.model_type, mixers.Family(mixers.CACHE))
     with torch.no_grad():
         err = float((sp.logprobs(model, gs).logprobs - plain_logprobs(model, gs)[0]).abs().max())
     assert err > 1e-3, err
@@ -277,14 +277,12 @@ def test_mamba1_families_stay_refused_because_their_scan_ignores_the_prompts_sta
 def test_recurrent_gemma_stays_refused_with_its_reason(monkeypatch):
     """RecurrentGemma keeps its states on its modules, outside the cache: refused with the reason; put on the hybrid
     path anyway, the prompt's cache holds no state for its recurrent layers and the path refuses it there too."""
-    from sharedprefix.model import support as modeling
-
     model = zoo_model("recurrent_gemma")
     with pytest.raises(
         ValueError, match="mix tokens outside attention.*keeps its convolution and recurrent states on its own modules, not in the cache"
     ):
         sp.logprobs(model, groups_of())
-    monkeypatch.setattr(modeling, "HYBRID_MODEL_TYPES", HYBRID_MODEL_TYPES | {"recurrent_gemma"})
+    monkeypatch.setitem(mixers.FAMILIES, "recurrent_gemma", mixers.Family(mixers.CACHE))
     with pytest.raises(ValueError, match=r"cache layers \[0\] hold no state"):
         sp.logprobs(model, groups_of())
 
@@ -351,7 +349,7 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
     from sharedprefix.model.adapter import ATTENTION_LAYER_TYPES
 
     model = zoo_model(entry)
-    assert model.config.model_type in HYBRID_MODEL_TYPES
+    assert mixers.on_path(model.config.model_type, mixers.CACHE)
     gs = groups_of()
     with Float64Inside():
         ref = plain_logprobs(model, gs)[0].detach()

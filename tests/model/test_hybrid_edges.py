@@ -98,7 +98,7 @@ def test_lfm2_vl_images_of_different_shapes_in_one_pass(budget):
     ``spatial_shapes`` are concatenated like their pixels (they were taken from the first group alone, and
     transformers failed with an IndexError); under a budget, the first group's prompt is cached."""
     model = _lfm2_vl()
-    assert mixers.is_packed(model)
+    assert mixers.on_packed_path(model)
     groups = [_lfm2_vl_group(0, (4, 4), 2, 3, [3, 1, 4]), _lfm2_vl_group(1, (4, 2), 1, 0, [2, 5]), sp.Group([5, 6, 7], [[8, 9]])]
     got = assert_matches_plain_rows(model, groups, budget, "keep", plain=_plain_vl)
     assert any("vision_tower" in n for n in got)
@@ -210,7 +210,7 @@ def test_minicpm_v_one_image_per_call_is_exact_and_two_are_refused():
     as for the other models, would drop the second image (transformers then failed on the placeholder count); under a
     budget that computes their prompts in different passes, nothing is batched, and they match the plain rows."""
     model = _minicpm_v()
-    assert mixers.is_packed(model)
+    assert mixers.on_packed_path(model)
     text_only = sp.Group([5, 6, 7, 9, 10], [[8, 9], [4]])
     with Float64Inside():  # the gated delta rule computes in float32
         got = assert_matches_plain_rows(model, [_minicpm_v_group(model, 0, (8, 8), [3, 1, 4]), text_only], 12, "keep", plain=_plain_vl)

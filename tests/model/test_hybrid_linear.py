@@ -23,7 +23,6 @@ from model.test_hybrid_packed import DEEP_ROWS, _groups_check, _tree_check, asse
 import sharedprefix as sp
 from helpers import grads_of, plain_logprobs
 from sharedprefix.model import mixers
-from sharedprefix.model.support import HYBRID_MODEL_TYPES, INLINE_MIXERS, is_hybrid
 from sharedprefix.tools.reference import Float64Inside
 from sharedprefix.tools.zoo.configs import float64_norms
 from support.trees import ROW_SPEC, masks, tree_rows
@@ -77,7 +76,7 @@ def test_moved_families_match_plain_rows_in_one_pass_and_split(family):
     the 9-token prompt into a chain and splits its completions, in the three modes (keep only for the second KDA
     family, the modes being the same code)."""
     model = _model(family)
-    assert mixers.is_packed(model) and not is_hybrid(model) and family not in HYBRID_MODEL_TYPES
+    assert mixers.on_packed_path(model) and not mixers.on_cache_path(model) and mixers.FAMILIES[family].path == mixers.PACKED
     assert {str(t) for t in model.config.layer_types} & mixers.PACKED_LAYER_TYPES and len(model.config.layer_types) == 3
     gs = groups_of()
     assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits  # many groups per pass; a split
@@ -221,7 +220,7 @@ def test_control_a_detached_cached_kda_state_is_caught(monkeypatch):
 # -- MiniMax and Zaya: no seam, the cache path, and every refusal says why ------------------------------------------
 
 
-@pytest.mark.parametrize("entry", sorted(INLINE_MIXERS))
+@pytest.mark.parametrize("entry", [t for t in mixers.model_types(mixers.CACHE) if mixers.FAMILIES[t].inline])
 def test_inline_mixers_stay_on_the_cache_path_and_every_refusal_says_why(monkeypatch, entry):
     """MiniMax's lightning attention and Zaya's CCA convolutions are computed inline in their modules' forwards: no
     function to wrap, so they stay on the cache path, and its refusals of trees, checkpointing, prompt_inputs and
@@ -229,8 +228,9 @@ def test_inline_mixers_stay_on_the_cache_path_and_every_refusal_says_why(monkeyp
     from sharedprefix.schedule.cache_path import calls
 
     model, gs = zoo_model(entry), groups_of()
-    assert is_hybrid(model) and not mixers.is_packed(model)
-    why = rf"{INLINE_MIXERS[entry][0]}.*computed inline in its forward.*no function sharedprefix can wrap.*packed path.*cannot reach it"
+    assert mixers.on_cache_path(model) and not mixers.on_packed_path(model)
+    module, _ = mixers.FAMILIES[entry].inline or ("", "")
+    why = rf"{module}.*computed inline in its forward.*no function sharedprefix can wrap.*packed path.*cannot reach it"
     with pytest.raises(ValueError, match=r"does not take an sp\.Tree.*" + why):
         sp.logprobs(model, sp.Tree.from_rows([[3, 4, 5], [3, 4, 6]]))
     with pytest.raises(ValueError, match=r"prompt_inputs.*" + why):

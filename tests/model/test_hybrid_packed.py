@@ -20,7 +20,6 @@ from model.test_hybrid import groups_of, model_of, zoo_model
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.model import mixers
-from sharedprefix.model.support import HYBRID_MODEL_TYPES, is_hybrid
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.tools.reference import Float64Inside
 from support.trees import ROW_SPEC, masks, plain_rows, tree_rows
@@ -93,7 +92,9 @@ def test_packed_families_match_plain_rows_in_one_pass_and_split(family):
     9-token prompt into a chain and splits its completions ("keep"; LFM2 also "offload" and "recompute", the modes being
     the same code for every family and run on Qwen3-Next by the tree tests)."""
     model = _model(family)
-    assert mixers.is_packed(model) and not is_hybrid(model) and model.config.model_type not in HYBRID_MODEL_TYPES
+    assert (
+        mixers.on_packed_path(model) and not mixers.on_cache_path(model) and mixers.FAMILIES[model.config.model_type].path == mixers.PACKED
+    )
     gs = groups_of()
     assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits  # many groups per pass; a split
     runs = [(None, "keep"), (6, "keep")] + ([(6, "offload"), (6, "recompute")] if family == "lfm2" else [])
@@ -320,7 +321,7 @@ def test_qwen3_5_with_images(budget, mode):
     from support.vl import MROPE_GROUPS, plain_mrope
 
     model = _qwen3_5_vl()
-    assert mixers.is_packed(model)
+    assert mixers.on_packed_path(model)
     with Float64Inside():
         got = assert_matches_plain_rows(model, MROPE_GROUPS(), budget, mode, plain=plain_mrope)
     assert any("visual" in n for n in got)

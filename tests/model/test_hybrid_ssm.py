@@ -15,6 +15,7 @@ controls and the refusals.
 """
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,7 +28,6 @@ import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.model import mixers
 from sharedprefix.model.mixers import ssm
-from sharedprefix.model.support import HYBRID_MODEL_TYPES, is_hybrid
 from sharedprefix.tools.reference import Float64Inside
 from support.trees import ROW_SPEC, masks, tree_rows
 
@@ -65,7 +65,9 @@ def test_families_match_plain_rows_in_one_pass_and_split(family):
     """Every Mamba2 family on the packed path (none on the cache path): three groups in one pass, and a budget that
     cuts the 9-token prompt into a chain and splits its completions; Falcon-H1 in the three modes."""
     model = _model(family)
-    assert mixers.is_packed(model) and not is_hybrid(model) and model.config.model_type not in HYBRID_MODEL_TYPES
+    assert (
+        mixers.on_packed_path(model) and not mixers.on_cache_path(model) and mixers.FAMILIES[model.config.model_type].path == mixers.PACKED
+    )
     assert all(m.chunk_size == 4 for m, _ in mixers.mixer_modules(model))
     gs = groups_of()
     assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits  # many groups per pass; a split
@@ -242,6 +244,7 @@ def test_a_layer_pattern_whose_mixers_are_not_found_is_refused(monkeypatch):
     counted, and a transformers version whose mixer class sharedprefix does not know is refused before any pass."""
     model = _model("nemotron_h")
     assert model.config.layers_block_type.count("linear_attention") == 1 == len(mixers.mixer_modules(model))
-    monkeypatch.setattr(mixers.families, "MIXERS", {k: v for k, v in mixers.MIXERS.items() if k != "Mamba2Mixer"})
+    unknown = {t: replace(f, mixers={k: v for k, v in f.mixers.items() if k != "Mamba2Mixer"}) for t, f in mixers.FAMILIES.items()}
+    monkeypatch.setattr(mixers.families, "FAMILIES", unknown)  # no family's mixers named *Mamba2Mixer
     with pytest.raises(ValueError, match=r"NemotronHForCausalLM has 1 layers of types .* but sharedprefix finds 0 mixer modules"):
         sp.logprobs(model, groups_of())

@@ -42,7 +42,8 @@ import sharedprefix as sp
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
-from sharedprefix.model.support import check_supported, inline_mixer_reason, is_hybrid
+from sharedprefix.model.mixers import on_cache_path
+from sharedprefix.model.support import check_supported, inline_mixer_reason
 from sharedprefix.schedule.results import PREFIX_MODES
 
 __all__ = ["SharedPrefixGRPOConfig", "SharedPrefixGRPOTrainer", "tree_rows"]
@@ -101,7 +102,7 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
                 "GRPOTrainer with tensor parallelism. Load the model without tp_plan, or call sp.logprobs / sp.backward "
                 "in your own loop (docs/distributed.md)."
             )
-        hybrid = is_hybrid(inner)
+        hybrid = on_cache_path(inner)
         check_supported(inner, hybrid=hybrid)
         name = type(inner).__name__
         if hybrid and self.args.gradient_checkpointing:
@@ -131,7 +132,7 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
     ):
         images = check_image_inputs(extra)
         B, C = input_ids.shape[0], logits_to_keep
-        grouped = images or is_hybrid(unwrap(model))  # the hybrid path takes groups of one prompt, not trees
+        grouped = images or on_cache_path(unwrap(model))  # the hybrid path takes groups of one prompt, not trees
         if grouped:
             used = {k: extra[k] for k in MULTIMODAL if extra.get(k) is not None}
             groups, members = image_groups(input_ids, attention_mask, logits_to_keep, **used)

@@ -45,7 +45,7 @@ identical ``multi_modal_inputs``, each micro-batch becomes ``sp.Group``s with ``
 none), verl's 3-D position ids are checked against the model's own, and verl's process-wide patches of those
 models' classes are undone for the duration of each sharedprefix call (``verl_vl.own_forward``).
 
-Hybrids: the core's cache-path hybrids (``model.support.HYBRID_MODEL_TYPES``) are refused at build (that path does
+Hybrids: the core's cache-path hybrids (``model.mixers.FAMILIES``, path ``CACHE``) are refused at build (that path does
 not run under FSDP2); the packed-path ones (``model.mixers``) are accepted when the core can reach their token mixers
 in this transformers version (``check_model``, after verl builds the model), refused with the core's reason otherwise.
 Under verl's transformers 5.10, LFM2 (its ``nn.Conv1d``: ``model.mixers.conv_module``) is accepted, and so are Qwen3-Next
@@ -100,7 +100,6 @@ from sharedprefix.integrations.verl_vl import (
 )
 from sharedprefix.integrations.verl_vl import to_rows as vl_to_rows
 from sharedprefix.model import mixers
-from sharedprefix.model.support import HYBRID_MODEL_TYPES
 
 ENV_MAX_TOKENS = "SHAREDPREFIX_MAX_TOKENS"
 __all__ = ["ENV_MAX_TOKENS", "SharedPrefixFSDPEngine", "check_config", "register"]
@@ -137,7 +136,7 @@ def check_config(model_config, engine_config) -> None:
     if hf_config is not None and getattr(hf_config, "vision_config", None) is not None:
         check_vl_config(hf_config, int(getattr(engine_config, "ulysses_sequence_parallel_size", 1) or 1))
     text_type = getattr(hf_config.get_text_config(), "model_type", model_type) if hf_config is not None else None
-    if text_type in HYBRID_MODEL_TYPES:  # the core's cache path for hybrids (its packed ones: check_model)
+    if mixers.on_path(text_type, mixers.CACHE):  # the core's cache path for hybrids (its packed ones: check_model)
         raise ValueError(
             f"model_type={text_type!r} is a hybrid model (recurrent, SSM or convolution layers beside attention) that "
             "sharedprefix runs on its cache path, which drives the model's own cache-aware forward and does not run "
@@ -178,7 +177,7 @@ def check_model(module) -> None:
     OLMo-hybrid's three convolutions under 5.10, or a mixer holds a kernel package's function where the seam is bound
     on the instance). 5.10's gated delta-nets that bind the module's own ``torch_chunk_gated_delta_rule`` on the
     instance are reached (``model.mixers.active`` wraps the instance attribute too)."""
-    if not mixers.is_packed(module):
+    if not mixers.on_packed_path(module):
         return
     try:
         mixers.check_reachable(module)

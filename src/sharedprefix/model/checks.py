@@ -28,7 +28,6 @@ from sharedprefix.model.adapter import (
     head_logits,
     text_config,
 )
-from sharedprefix.model.support import HYBRID_MODEL_TYPES
 
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
 _PADDING_NUMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> padding index of its RoBERTa-style position numbering
@@ -133,7 +132,7 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
         raise ValueError(
             f"{name} contains a convolution over tokens ({ran[0][0]}: {ran[0][1]}); layers that mix tokens outside "
             "attention cannot share a prompt through attention, and this model type is not one whose layer states "
-            f"sharedprefix carries ({', '.join(sorted(HYBRID_MODEL_TYPES))}), so it refuses this model."
+            f"sharedprefix carries ({', '.join(mixers.model_types(mixers.CACHE))}), so it refuses this model."
         )
     if not positions.takes_position_ids(dec):
         if convolutions_allowed:  # the hybrid path continues the model's own cache, whose length numbers completions

@@ -2,8 +2,8 @@
 
 ``check_supported`` raises ValueError, naming the value, the reason and the fix, for every model feature that a
 packed row cannot reproduce (dropout and layerdrop in training mode, RoPE scaling that depends on the batch, layers
-that mix tokens outside attention unless the packed path (``model.mixers``) or the hybrid path carries them).
-``is_hybrid`` says which models take the cache-driven hybrid path (``schedule.cache_path``).
+that mix tokens outside attention unless the packed path or the cache path carries them). Which hybrid families run
+on which path is the registry's answer (``model.mixers.FAMILIES``: ``on_packed_path``, ``on_cache_path``).
 """
 
 from __future__ import annotations
@@ -21,32 +21,19 @@ COMPRESSED_ATTENTION_LAYER_TYPES = {  # DeepSeek-V4: attention over keys pooled 
     "compressed_sparse_attention": "attention over compressed keys (and indexer-selected ones among them)",
     "heavily_compressed_attention": "attention over compressed keys",
 }
-# Hybrid model types (layers that mix tokens outside attention) whose own cache-aware forward continues a prompt's
-# layer state exactly (tests/model/test_hybrid.py and the zoo): they run on ``schedule.cache_path``; other hybrids are
-# refused (``_check_layer_types``, ``_check_positions_and_convolutions``). The gated delta-nets, short convolutions,
-# Kimi delta attention and Mamba2 mixers (``mixers.PACKED_MODEL_TYPES``: LFM2, LFM3, Qwen3-Next, Qwen3.5, OLMo-hybrid,
-# Lara-mini, Kimi Linear, Bailing-hybrid, Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) run on the
-# packed path instead.
-HYBRID_MODEL_TYPES = {
-    "minimax",
-    "zaya",
-}
-# Cache-path hybrids whose token mixing has no function the packed path could wrap (``model.mixers``): model type ->
-# (the module that computes it inline, what it computes). Every refusal of the cache path names this reason.
-INLINE_MIXERS = {
-    "minimax": ("MiniMaxLightningAttention", "lightning attention (a block-wise linear attention with decay)"),
-    "zaya": (
-        "ZayaCCAProjection",
-        "token mixing (causal convolutions of queries and keys after an inline padding, values delayed by one token)",
-    ),
-}
+# Hybrid families (layers that mix tokens outside attention) are rows of ``mixers.FAMILIES``: on the packed path
+# (their mixers driven from the segment tree) or on the cache path (``schedule.cache_path``: their own cache-aware
+# forward continues a prompt's layer state, checked exact in tests/model/test_hybrid.py and the zoo); other hybrids are
+# refused (``_check_layer_types``, ``_check_positions_and_convolutions``).
 
 
 def inline_mixer_reason(model_type) -> str:
-    """A sentence for the cache path's refusals of a model type in ``INLINE_MIXERS`` (with a leading space), else ""."""
-    if model_type not in INLINE_MIXERS:
+    """A sentence for the cache path's refusals of a family whose mixing is inline (``Family.inline``, with a
+    leading space), else ""."""
+    fam = mixers.FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if fam is None or fam.inline is None:
         return ""
-    module, what = INLINE_MIXERS[model_type]
+    module, what = fam.inline
     return (
         f" It stays on that path because {module}'s {what} is computed inline in its forward, with no function "
         "sharedprefix can wrap, so the packed path (trees, gradient checkpointing, FSDP2, prompt_inputs) cannot reach it."
@@ -78,17 +65,12 @@ RECURRENT_MODEL_TYPES = {
 }
 
 
-def is_hybrid(model: PreTrainedModel) -> bool:
-    """True for a model type that runs on the hybrid path (``HYBRID_MODEL_TYPES``)."""
-    return getattr(model.config, "model_type", None) in HYBRID_MODEL_TYPES  # a multimodal wrapper is not listed
-
-
 def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
     """Raise ValueError for every model feature sharedprefix cannot compute exactly. ``hybrid``: the model runs on
     the hybrid path (``schedule.cache_path``), which carries layer states that mix tokens outside attention."""
     cfg = text_config(model)
     name = type(model).__name__
-    if not hybrid and getattr(cfg, "model_type", None) in HYBRID_MODEL_TYPES:  # a wrapper around a hybrid text model
+    if not hybrid and mixers.on_path(getattr(cfg, "model_type", None), mixers.CACHE):  # a wrapper around a cache-path text model
         raise ValueError(
             f"{name} (model type {getattr(model.config, 'model_type', None)!r}) is a multimodal wrapper around a "
             f"hybrid text model (model type {cfg.model_type!r}, whose layers mix tokens outside attention): "
@@ -97,7 +79,7 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
         )
     if not hybrid:
         _check_layer_types(name, cfg)
-        if mixers.is_packed(model):
+        if mixers.on_packed_path(model):
             mixers.check_reachable(model)
     decoder(model)  # a decoder without position_ids is renumbered or refused in verify_head (positions.verify)
     for mod_name, mod in model.named_modules():
@@ -168,7 +150,7 @@ def _check_layer_types(name: str, cfg) -> None:
         )
     types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
     kinds = {str(t) for t in types or ()}
-    if getattr(cfg, "model_type", None) in mixers.PACKED_MODEL_TYPES:
+    if mixers.on_path(getattr(cfg, "model_type", None), mixers.PACKED):
         kinds -= mixers.PACKED_LAYER_TYPES  # their mixers run on the packed path (checked in ``check_supported``)
     compressed = sorted(kinds & set(COMPRESSED_ATTENTION_LAYER_TYPES))
     odd = sorted(kinds - ATTENTION_LAYER_TYPES - NON_MIXING_LAYER_TYPES - set(compressed))
@@ -186,7 +168,7 @@ def _check_layer_types(name: str, cfg) -> None:
             f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear attention, "
             f"recurrence or convolution), and its model type {model_type!r} is not one whose "
             "cache-aware forward sharedprefix has checked exact for carrying a prompt's layer state to its "
-            f"completions ({', '.join(sorted(HYBRID_MODEL_TYPES))}), nor one whose token mixers it drives on the packed "
-            f"path ({', '.join(sorted(mixers.PACKED_MODEL_TYPES))}){why}. It refuses the model rather than give "
+            f"completions ({', '.join(mixers.model_types(mixers.CACHE))}), nor one whose token mixers it drives on the packed "
+            f"path ({', '.join(mixers.model_types(mixers.PACKED))}){why}. It refuses the model rather than give "
             "inexact results."
         )

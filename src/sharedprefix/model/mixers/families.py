@@ -1,10 +1,17 @@
-"""Which model types run their token mixers on the packed path, which mixer modules those are, and which seams each
-calls: the lists of families, and the model-level calls built on them (``active``, ``check_reachable``).
+"""The registry of hybrid families: one table, model type -> which path it runs on and what its token mixers are,
+and the model-level calls built on it (``active``, ``check_reachable``).
 
-A mixer module is found by its class-name suffix (``MIXERS``: ``...GatedDeltaNet``, ``...ShortConv``,
-``...DeltaAttention``, the Mamba2 mixers) inside the language model only, and its seams are kinds from the family
-files (``conv``, ``delta``, ``kda``, ``ssm``). This module imports the family files; they import ``levels`` and
-``seams``, never this module.
+``FAMILIES[model_type]`` is a ``Family``. On the packed path (``PACKED``), ``mixers`` maps a mixer module's class-name
+suffix (``...ShortConv``, ``...GatedDeltaNet``, ``...DeltaAttention``, the Mamba2 mixers) to the kinds of seams its
+forward calls; each kind (``KINDS``: ``conv``, ``delta``, ``kda``, ``scan``) names the modeling module's function to
+wrap and its packed form, which carries the per-level scan and its padding rule (the family files). On the cache
+path (``CACHE``: ``schedule.cache_path``), ``inline`` names the module whose token mixing is computed inline, with no
+function to wrap, and what it computes; every refusal of that path says so. A model type absent from the table has
+no mixers sharedprefix carries: ``model.support`` refuses it if its layers mix tokens outside attention.
+
+Adding a family whose mixers call known seams is one row here (``tests/model/test_registry.py`` does it); a new kind
+of seam is a family file with a ``KIND`` added to ``KINDS``. This module imports the family files; they import
+``levels`` and ``seams``, never this module.
 
 Notation: a mixer's kinds are the names of its seams ("conv", "delta", "kda", "scan").
 """
@@ -13,33 +20,100 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
 from sharedprefix.model.mixers import conv, delta, kda, seams, ssm
 
-# model types whose mixers run here (their old cache-driven path, ``schedule.cache_path``, no longer takes them)
-SSM_MODEL_TYPES = {"mamba2", "nemotron_h", "falcon_h1", "zamba2", "bamba", "granitemoehybrid"}
-PACKED_MODEL_TYPES = {"lfm2", "lfm2_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"} | SSM_MODEL_TYPES
-PACKED_MODEL_TYPES |= {"lfm3", "lara_mini", "kimi_linear", "bailing_hybrid"}
+PACKED, CACHE = "packed", "cache"
 PACKED_LAYER_TYPES = {"conv", "linear_attention", "hybrid"}  # "hybrid": a Mamba2 mixer beside attention
 KINDS: dict[str, seams.Kind] = {k.name: k for k in (conv.KIND, delta.KIND, ssm.KIND, kda.KIND)}
-# class-name suffix -> its seams. The Mamba2 mixers: Mamba2Mixer (also NemotronHMamba2Mixer), FalconH1Mixer,
-# MambaMixer (Zamba2MambaMixer), BambaMixer, HybridMambaLayer (GraniteMoeHybridMambaLayer)
-MIXERS = {"GatedDeltaNet": ("conv", "delta"), "ShortConv": ("conv",)}
-MIXERS |= {s: ("conv", "scan") for s in ("Mamba2Mixer", "FalconH1Mixer", "MambaMixer", "BambaMixer", "HybridMambaLayer")}
-MIXERS["DeltaAttention"] = ("conv", "kda")  # Kimi delta attention (``kda``)
 
 
-def is_packed(model) -> bool:
-    """Whether ``model``'s language model (a vision-language model's too) is of a type whose mixers run here."""
-    return getattr(model.config.get_text_config(), "model_type", None) in PACKED_MODEL_TYPES
+@dataclass(frozen=True)
+class Family:
+    """One family. ``path``: ``PACKED`` or ``CACHE``; ``mixers`` (packed): class-name suffix -> kinds of seams
+    (keys of ``KINDS``); ``inline`` (cache): (the module that computes the token mixing inline, what it computes)."""
+
+    path: str
+    mixers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    inline: tuple[str, str] | None = None
+
+
+GATED_DELTA = Family(PACKED, {"GatedDeltaNet": ("conv", "delta")})  # a gated delta rule after its convolutions
+SHORT_CONV = Family(PACKED, {"ShortConv": ("conv",)})
+KIMI_DELTA = Family(PACKED, {"DeltaAttention": ("conv", "kda")})  # Kimi delta attention (``kda``)
+
+
+def mamba2(suffix: str) -> Family:
+    """A Mamba2 family: its mixer's convolution and ``mamba2_chunk_scan`` (``ssm``)."""
+    return Family(PACKED, {suffix: ("conv", "scan")})
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_next": GATED_DELTA,
+    "qwen3_5_text": GATED_DELTA,
+    "qwen3_5_moe_text": GATED_DELTA,
+    "olmo_hybrid": GATED_DELTA,
+    "lara_mini": GATED_DELTA,
+    "lfm2": SHORT_CONV,
+    "lfm2_moe": SHORT_CONV,
+    "lfm3": SHORT_CONV,
+    "mamba2": mamba2("Mamba2Mixer"),
+    "nemotron_h": mamba2("Mamba2Mixer"),  # NemotronHMamba2Mixer
+    "falcon_h1": mamba2("FalconH1Mixer"),
+    "zamba2": mamba2("MambaMixer"),  # Zamba2MambaMixer
+    "bamba": mamba2("BambaMixer"),
+    "granitemoehybrid": mamba2("HybridMambaLayer"),  # GraniteMoeHybridMambaLayer
+    "kimi_linear": KIMI_DELTA,
+    "bailing_hybrid": KIMI_DELTA,
+    "minimax": Family(CACHE, inline=("MiniMaxLightningAttention", "lightning attention (a block-wise linear attention with decay)")),
+    "zaya": Family(
+        CACHE,
+        inline=(
+            "ZayaCCAProjection",
+            "token mixing (causal convolutions of queries and keys after an inline padding, values delayed by one token)",
+        ),
+    ),
+}
+
+
+def on_path(model_type, path: str) -> bool:
+    """Whether ``model_type`` is a registered family of ``path`` (``PACKED`` or ``CACHE``)."""
+    fam = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    return fam is not None and fam.path == path
+
+
+def model_types(path: str) -> list[str]:
+    """The registered model types of ``path``, sorted."""
+    return sorted(t for t, fam in FAMILIES.items() if fam.path == path)
+
+
+def on_packed_path(model) -> bool:
+    """Whether ``model``'s language model (a vision-language model's too) is a family whose mixers run packed."""
+    return on_path(getattr(model.config.get_text_config(), "model_type", None), PACKED)
+
+
+def on_cache_path(model) -> bool:
+    """Whether ``model`` runs on the cache path (``schedule.cache_path``). A multimodal wrapper around such a text
+    model does not (``model.support`` refuses it)."""
+    return on_path(getattr(model.config, "model_type", None), CACHE)
+
+
+def mixer_suffixes() -> dict[str, tuple[str, ...]]:
+    """Class-name suffix -> kinds, over every packed family (in table order): a mixer module is found by any of them."""
+    out: dict[str, tuple[str, ...]] = {}
+    for fam in FAMILIES.values():
+        if fam.path == PACKED:
+            out.update((s, k) for s, k in fam.mixers.items() if s not in out)
+    return out
 
 
 def check_active(model) -> None:
     """Raise unless ``model``'s mixers are driven from the layout (a packed pass outside ``active`` would mix tokens
     across the row's segments)."""
-    if is_packed(model) and not seams.is_active(model):
+    if on_packed_path(model) and not seams.is_active(model):
         raise RuntimeError(
             f"a packed pass of {type(model).__name__} ran outside model.mixers.active(model): its convolutions and "
             "recurrences would read across the row's segments. This is a bug in the caller."
@@ -49,7 +123,7 @@ def check_active(model) -> None:
 def attention_free(model) -> bool:
     """Whether every layer of a packed model is one of its mixers (no attention layer: Mamba2, or all-conv LFM2)."""
     types = _layer_types(model)
-    return is_packed(model) and bool(types) and all(str(t) in PACKED_LAYER_TYPES - {"hybrid"} for t in types)
+    return on_packed_path(model) and bool(types) and all(str(t) in PACKED_LAYER_TYPES - {"hybrid"} for t in types)
 
 
 def _layer_types(model) -> list:
@@ -62,9 +136,10 @@ def mixer_modules(model) -> list[tuple[torch.nn.Module, tuple[str, ...]]]:
     own mixers (LFM3-VL's 2-D ShortConv over each image's patch grid) see one image at a time, once per prompt as in
     the plain run, and are none of the row's."""
     dec = model.get_decoder() if hasattr(model, "get_decoder") else model
+    suffixes = mixer_suffixes()
     out = []
     for m in (dec if isinstance(dec, torch.nn.Module) else model).modules():
-        for suffix, kinds in MIXERS.items():
+        for suffix, kinds in suffixes.items():
             if type(m).__name__.endswith(suffix):
                 out.append((m, kinds))
     return out
@@ -79,7 +154,7 @@ def check_reachable(model) -> None:
     if len(mods) != want:
         raise ValueError(
             f"{name} has {want} layers of types {sorted(PACKED_LAYER_TYPES)} but sharedprefix finds {len(mods)} mixer "
-            f"modules named *{' or *'.join(MIXERS)}: it cannot reach the token mixing of every layer, so it refuses "
+            f"modules named *{' or *'.join(mixer_suffixes())}: it cannot reach the token mixing of every layer, so it refuses "
             "the model (this transformers version's modeling code differs from the one sharedprefix knows)."
         )
     for m, names in mods:
@@ -110,7 +185,7 @@ def check_reachable(model) -> None:
 
 def conv_modules(model) -> set[int]:
     """ids of the Conv1d modules inside the packed mixers (their convolution runs through the wrapped seam)."""
-    if not is_packed(model):
+    if not on_packed_path(model):
         return set()
     return {id(c) for m, _ in mixer_modules(model) for c in m.modules() if isinstance(c, torch.nn.Conv1d)}
 
@@ -118,6 +193,6 @@ def conv_modules(model) -> set[int]:
 @contextmanager
 def active(model):
     """Wrap the mixers' seams and hook their modules for the duration of one call (``seams.active``)."""
-    mods = mixer_modules(model) if is_packed(model) else []
+    mods = mixer_modules(model) if on_packed_path(model) else []
     with seams.active(model, [(m, tuple(KINDS[k] for k in names)) for m, names in mods]):
         yield

@@ -21,12 +21,12 @@ change to its code:
    the prompt's own graph (kept, offloaded, or recomputed at the end: ``prefix_activations``).
 
 Only model types whose cache-aware forward has been checked exact against the plain forward run here
-(``model.support.HYBRID_MODEL_TYPES``); other hybrids keep their refusal. The gated delta-nets, short
+(``model.mixers.FAMILIES``, path ``CACHE``); other hybrids keep their refusal. The gated delta-nets, short
 convolutions and Kimi delta attention (LFM2, LFM3, Qwen3-Next, Qwen3.5, OLMo-hybrid, Lara-mini, Kimi Linear,
 Bailing-hybrid) and the Mamba2 families (Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) no longer
 come here: ``model.mixers`` drives them on the packed path, with trees, checkpointing
 and FSDP2. MiniMax and Zaya compute their token mixing inline, with no function to wrap, so they stay here, and every
-refusal below says so (``model.support.INLINE_MIXERS``). Every batch is at least 2 tokens wide, so
+refusal below says so (``Family.inline``, ``model.support.inline_mixer_reason``). Every batch is at least 2 tokens wide, so
 that the models' single-token decode kernels (which update states in place) never run.
 
 Notation: G = completions of a group, P = prompt length, n = rows of one batch, t = its width

@@ -355,12 +355,11 @@ def features(model) -> list[str]:
         out.append("keys selected by an indexer (DeepSeek sparse attention)")
     if any(p.calls > 1 for p in pats):
         out.append("several attention calls per layer (looped layers, differential attention)")
-    from sharedprefix.model.mixers import is_packed
-    from sharedprefix.model.support import is_hybrid
+    from sharedprefix.model.mixers import on_cache_path, on_packed_path
 
-    if is_hybrid(model):
+    if on_cache_path(model):
         out.append("layers that mix tokens outside attention (each completion from the prompt's layer state)")
-    if is_packed(model):
+    if on_packed_path(model):
         out.append("layers that mix tokens outside attention (each segment from its parent's state, packed)")
     return out
 
