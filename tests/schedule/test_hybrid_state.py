@@ -40,3 +40,15 @@ def test_a_tensor_the_path_does_not_know_is_refused():
     cache.layers[0].extra_state = torch.zeros(1, 4)
     with pytest.raises(ValueError, match=r"holds tensors \['extra_state'\] that sharedprefix's hybrid path does not copy"):
         cache_state.state_slots(cache)
+
+
+def test_a_count_other_than_the_prompts_length_is_refused():
+    """After the prompt's forward each counter must say where the completions begin (the prompt's length)."""
+    cache = _linear_cache(5)
+    if not hasattr(cache.layers[0], "cumulative_length_linear"):
+        pytest.skip("this transformers' linear-attention layers keep no token count")
+    slots = cache_state.state_slots(cache)
+    cache_state.check_filled("Tiny", cache, slots, 5)
+    want = r"Tiny: cache layer 0 \(LinearAttentionLayer\) counts 5 tokens in its cumulative_length_linear after a prompt of 6"
+    with pytest.raises(ValueError, match=want):
+        cache_state.check_filled("Tiny", cache, slots, 6)

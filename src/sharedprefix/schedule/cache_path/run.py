@@ -1,10 +1,9 @@
 """Hybrid models: each prompt runs once, and every completion starts from the prompt's final layer state.
 
-A hybrid model mixes tokens outside attention too (short convolutions, state-space layers, gated delta-net and
-lightning linear attention). Their state at the end of a prompt is
-not a set of per-token K/V that the packed-row cascade could read, so hybrids take a separate, simpler path
-built on the model's own cache-aware forward (its torch code on CPU, its kernels where installed), with no
-change to its code:
+A hybrid model mixes tokens outside attention too (here: lightning linear attention, convolutions and recurrences
+computed inline). Their state at the end of a prompt is not a set of per-token K/V that the packed-row cascade could
+read, so these take a separate, simpler path built on the model's own cache-aware forward (its torch code on CPU,
+its kernels where installed), with no change to its code:
 
 1. the prompt runs once through the decoder with a fresh cache of the model's own class
    (``DynamicCache(config=...)``, or the cache class its modeling module defines: MiniMax's): attention layers
@@ -20,14 +19,11 @@ change to its code:
 4. the gradients that reach the state's leaves are summed over the batches, then pushed once through
    the prompt's own graph (kept, offloaded, or recomputed at the end: ``prefix_activations``).
 
-Only model types whose cache-aware forward has been checked exact against the plain forward run here
-(``model.mixers.FAMILIES``, path ``CACHE``); other hybrids keep their refusal. The gated delta-nets, short
-convolutions and Kimi delta attention (LFM2, LFM3, Qwen3-Next, Qwen3.5, OLMo-hybrid, Lara-mini, Kimi Linear,
-Bailing-hybrid) and the Mamba2 families (Mamba2, Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) no longer
-come here: ``model.mixers`` drives them on the packed path, with trees, checkpointing
-and FSDP2. MiniMax and Zaya compute their token mixing inline, with no function to wrap, so they stay here, and every
-refusal below says so (``Family.inline``, ``model.support.inline_mixer_reason``). Every batch is at least 2 tokens wide, so
-that the models' single-token decode kernels (which update states in place) never run.
+Only the model types the registry puts on this path run here (``model.mixers.FAMILIES``, path ``CACHE``: MiniMax
+and Zaya, whose token mixing is computed inline, with no function to wrap; the refusals below say so:
+``model.support.inline_mixer_reason``); every other hybrid takes the packed path (``model.mixers``) or is refused.
+Every batch is at least 2 tokens wide, so that the models' single-token decode kernels (which update states in
+place) never run.
 
 Notation: G = completions of a group, P = prompt length, n = rows of one batch, t = its width
 (longest completion of the batch, at least 2), W = longest completion overall, d = hidden size.
@@ -48,7 +44,15 @@ from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.grad_hooks import DeferredGradHooks
 from sharedprefix.schedule.cache import OffloadHooks
-from sharedprefix.schedule.cache_path.state import cache_arg_name, new_cache, prompt_chunks, read_states, repeated_states, state_slots
+from sharedprefix.schedule.cache_path.state import (
+    cache_arg_name,
+    check_filled,
+    new_cache,
+    prompt_chunks,
+    read_states,
+    repeated_states,
+    state_slots,
+)
 from sharedprefix.schedule.results import Batch
 
 MIN_WIDTH = 2  # a batch of width 1 would take the models' in-place single-token decode kernels
@@ -150,33 +154,8 @@ class HybridRun:
             self.tokens += b - a
             self.passes += 1
         slots = state_slots(cache)
-        self._check_filled(cache, slots, ids.shape[1])
+        check_filled(type(self.model).__name__, cache, slots, ids.shape[1])
         return cache, slots, read_states(cache, slots), out.last_hidden_state[0, -1]
-
-    def _check_filled(self, cache, slots, length: int) -> None:
-        """Every layer that mixes tokens left its state in the cache (none did silently without one)."""
-        from transformers.cache_utils import DummyLayer
-
-        have = {i for i, _, _ in slots}
-        layers = cache.layers + [None] * (len(cache) - len(cache.layers))  # MiniMax: linear layers not in .layers
-        missing = [i for i, layer in enumerate(layers) if i not in have and not isinstance(layer, DummyLayer)]
-        if missing:
-            raise ValueError(
-                f"{type(self.model).__name__}: after the prompt's forward, cache layers {missing} hold no state, so its "
-                "completions would start from nothing instead of the prompt's state. This model's cache use is not "
-                "supported by sharedprefix's hybrid path."
-            )
-        for (i, name, _), t in zip(slots, read_states(cache, slots)):
-            if name != "keys":
-                continue
-            window = cache.layers[i].sliding_window if getattr(cache.layers[i], "is_sliding", False) else None
-            need = length if window is None else min(length, window - 1)  # a sliding layer keeps the last window - 1
-            if t.shape[-2] != need:
-                raise ValueError(
-                    f"{type(self.model).__name__}: cache layer {i} holds K/V of {t.shape[-2]} tokens after a prompt of "
-                    f"{length}, where {need} were expected (a compressed cache); sharedprefix's hybrid path needs every "
-                    "prompt key a completion can see."
-                )
 
     def completions(self, g, rows: list[int], cache, slots, tensors, h_last):
         """(n, W) log-probs and entropies (or None) of completions ``rows`` of ``g``, from the prompt's state."""

@@ -125,6 +125,48 @@ def _delegating(base) -> set:
     return {base.get_seq_length} | ({cls.get_seq_length} if cls is not None and "get_seq_length" in vars(cls) else set())
 
 
+def check_counts(cache, length: int, name: str) -> None:
+    """Refuse a cache whose token counts (``COUNTERS``) are not the prompt's ``length`` after the prompt's forward:
+    each completion starts from a copy of them, so they must say where the completion's tokens begin."""
+    for i, layer in enumerate(cache.layers):
+        for c in COUNTERS:
+            count = vars(layer).get(c)
+            if _is_count(count) and int(count) != length:
+                raise ValueError(
+                    f"{name}: cache layer {i} ({type(layer).__name__}) counts {int(count)} tokens in its {c} after a "
+                    f"prompt of {length}; sharedprefix's hybrid path starts each completion from the prompt's state "
+                    "and needs that count to be the prompt's length, so it refuses the model."
+                )
+
+
+def check_filled(name: str, cache, slots, length: int) -> None:
+    """After a prompt of ``length`` tokens: every layer that mixes tokens left its state in the cache (none did
+    silently without one), its token counts are the prompt's, and its K/V hold every prompt key (not compressed)."""
+    from transformers.cache_utils import DummyLayer
+
+    have = {i for i, _, _ in slots}
+    layers = cache.layers + [None] * (len(cache) - len(cache.layers))  # MiniMax: linear layers not in .layers
+    missing = [i for i, layer in enumerate(layers) if i not in have and not isinstance(layer, DummyLayer)]
+    if missing:
+        raise ValueError(
+            f"{name}: after the prompt's forward, cache layers {missing} hold no state, so its "
+            "completions would start from nothing instead of the prompt's state. This model's cache use is not "
+            "supported by sharedprefix's hybrid path."
+        )
+    check_counts(cache, length, name)
+    for (i, attr, _), t in zip(slots, read_states(cache, slots)):
+        if attr != "keys":
+            continue
+        window = cache.layers[i].sliding_window if getattr(cache.layers[i], "is_sliding", False) else None
+        need = length if window is None else min(length, window - 1)  # a sliding layer keeps the last window - 1
+        if t.shape[-2] != need:
+            raise ValueError(
+                f"{name}: cache layer {i} holds K/V of {t.shape[-2]} tokens after a prompt of "
+                f"{length}, where {need} were expected (a compressed cache); sharedprefix's hybrid path needs every "
+                "prompt key a completion can see."
+            )
+
+
 def _is_count(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point()
 
