@@ -25,11 +25,14 @@ first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) there, so that this module 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from sharedprefix import settings
+from sharedprefix.layout.groups import Group
+from sharedprefix.layout.rows import Tree
 from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap, uses_checkpointing
 from sharedprefix.parallel.detect import ddp_sync_enabled, detect
@@ -40,6 +43,9 @@ from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.executor import Executor
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["PREFIX_MODES", "REDUCTIONS", "BackwardResult", "Batch", "LogProbs", "backward", "logprobs", "register_call_check"]
 
@@ -53,8 +59,8 @@ def register_call_check(fn: Callable) -> None:
 
 
 def logprobs(
-    model,
-    groups,
+    model: torch.nn.Module,
+    groups: Sequence[Group] | Tree,
     temperature: float = 1.0,
     entropy: bool = False,
     max_tokens: int | None = None,
@@ -63,7 +69,7 @@ def logprobs(
     prefix_activations: str = "recompute",
     grad_reduction: str = "sum",
     aux_loss: bool | None = None,
-    sequence_group=None,
+    sequence_group: ProcessGroup | None = None,
 ) -> LogProbs:
     """Log-probs of every completion token, each prompt computed once.
 
@@ -121,9 +127,9 @@ def logprobs(
 
 
 def backward(
-    model,
-    groups,
-    loss_fn,
+    model: torch.nn.Module,
+    groups: Sequence[Group] | Tree,
+    loss_fn: Callable[[Batch], torch.Tensor],
     max_tokens: int | None = None,
     prefix_activations: str | None = None,
     temperature: float = 1.0,
@@ -133,7 +139,7 @@ def backward(
     sync: bool = True,
     grad_reduction: str = "sum",
     aux_loss_coef: float | None = None,
-    sequence_group=None,
+    sequence_group: ProcessGroup | None = None,
 ) -> BackwardResult:
     """Accumulate into ``.grad`` the exact gradient of ``sum over passes of loss_fn(batch)``.
 

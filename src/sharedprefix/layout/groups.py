@@ -8,8 +8,9 @@ reordered, truncated or dropped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,7 +92,12 @@ class Group:
     completions: tuple[torch.Tensor, ...]
     prompt_inputs: dict | None
 
-    def __init__(self, prompt, completions, prompt_inputs=None):
+    def __init__(
+        self,
+        prompt: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+        completions: Sequence[torch.Tensor | Sequence[int] | Sequence[Sequence[int]]],
+        prompt_inputs: Mapping[str, Any] | None = None,
+    ) -> None:
         p = as_ids(prompt, "prompt")
         if p.shape[-1] == 0:
             raise ValueError(

@@ -8,6 +8,8 @@ then lowest group index), so every rank computes the same answer without communi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.rows import Tree
 
@@ -21,7 +23,7 @@ def group_cost(g: Group, hidden_equiv: int = 4096) -> float:
     return tokens + pairs / hidden_equiv
 
 
-def shard_groups(groups, rank: int, world_size: int) -> list[Group] | Tree:
+def shard_groups(groups: Sequence[Group] | Tree, rank: int, world_size: int) -> list[Group] | Tree:
     """The groups rank ``rank`` of ``world_size`` computes; each group lands whole on one rank.
 
     For a ``Tree``: the rows are taken in trie order (so rows sharing prefixes stay together) and cut into

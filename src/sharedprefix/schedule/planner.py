@@ -15,10 +15,11 @@ segment once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sharedprefix.layout import frames
-from sharedprefix.layout.groups import validate_groups
+from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
 
@@ -136,7 +137,7 @@ def segment_tree(source, chunk: int | None) -> SegmentTree:
     return SegmentTree(source, prompt_chunk=chunk)
 
 
-def plan(source, max_tokens: int | None = None) -> Plan:
+def plan(source: Sequence[Group] | Tree, max_tokens: int | None = None) -> Plan:
     """Plan passes for ``source`` (a list of groups or a ``Tree``) so that no pass holds more than ``max_tokens``
     (``sp.plan``: the groups are checked here; a call checks them once and plans with ``plan_checked``)."""
     return plan_checked(source if isinstance(source, Tree) else validate_groups(source), max_tokens)

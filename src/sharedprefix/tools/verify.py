@@ -19,12 +19,14 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from sharedprefix import settings
 from sharedprefix.api import register_call_check
+from sharedprefix.layout.groups import Group
 from sharedprefix.parallel.tensor import is_dtensor
 
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -123,7 +125,11 @@ def _plain(model, groups) -> torch.Tensor:
 
 
 def verify(
-    model, groups=None, max_tokens: int | None = None, seed: int = 0, reference_device: str | torch.device | None = None
+    model: torch.nn.Module,
+    groups: Sequence[Group] | None = None,
+    max_tokens: int | None = None,
+    seed: int = 0,
+    reference_device: str | torch.device | None = None,
 ) -> VerifyReport:
     """Check sharedprefix against the plain forward on ``model`` (see the module docstring).
 
