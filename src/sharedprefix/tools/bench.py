@@ -24,6 +24,7 @@ import time
 import torch
 
 import sharedprefix as sp
+from sharedprefix.tools.timing import best_time, sync_device, timed  # noqa: F401  (best_time: bench.best_time)
 
 BENCH_MODEL = dict(
     hidden_size=512,
@@ -171,29 +172,6 @@ def shared_step(model, groups, max_tokens=None, mode="keep"):
     return sp.backward(model, groups, bench_loss, max_tokens=max_tokens, prefix_activations=mode)
 
 
-def sync_device():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def best_time(fn, repeats, bar=None):
-    """Best of ``repeats`` timed calls of ``fn`` after one warm-up call; ``bar`` (a tqdm progress bar, or
-    None) advances by one after each call, outside the timed span."""
-    fn()  # warm-up
-    if bar is not None:
-        bar.update()
-    ts = []
-    for _ in range(repeats):
-        sync_device()
-        t0 = time.perf_counter()
-        fn()
-        sync_device()
-        ts.append(time.perf_counter() - t0)
-        if bar is not None:
-            bar.update()
-    return min(ts)
-
-
 @contextlib.contextmanager
 def repeated_prefix():
     """Inside: sharedprefix gathers every completion's prompt K/V into its own keys (Prefix Grouper's layout:
@@ -227,10 +205,8 @@ def cuda_peak(fn) -> tuple[float, int]:
     sync_device()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    fn()
-    sync_device()
-    return time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base
+    seconds = timed(fn)[0]
+    return seconds, torch.cuda.max_memory_allocated() - base
 
 
 def _rss_bytes() -> int:

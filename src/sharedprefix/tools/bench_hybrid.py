@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from sharedprefix.tools import bench
+from sharedprefix.tools.timing import best_interleaved, cpu_clock
 
 BENCH_DIMS = dict(
     hidden_size=512,
@@ -182,19 +183,11 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, dev
         fn(src)
     bench.plain_rows_step(model, [(small_g[0].prompt, small_g[0].completions[0])])
 
-    # one CPU thread: the process's CPU time, which other processes on a shared machine do not inflate; else wall time
-    clock = time.process_time if torch.get_num_threads() == 1 and not cuda else time.perf_counter
+    clock = cpu_clock(cuda)
 
     def timed_call(fn):
-        best, res = float("inf"), None
-        for _ in range(repeats):
-            model.zero_grad(set_to_none=True)
-            bench.sync_device()
-            t0 = clock()
-            res = fn()
-            bench.sync_device()
-            best = min(best, clock() - t0)
-        return best, res
+        best = best_interleaved([("", fn)] * repeats, before=lambda: model.zero_grad(set_to_none=True), clock=clock)
+        return best[""]
 
     t_tree, r_tree = timed_call(lambda: packed(tree_src))
     t_cache, r_cache = timed_call(lambda: cache(groups))

@@ -27,11 +27,11 @@ Notation: P = prompt length, T = completion length, G = group size.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
 from sharedprefix.tools import bench
+from sharedprefix.tools.timing import timed
 
 LONG_MODEL = dict(
     hidden_size=4096,
@@ -90,14 +90,8 @@ def _measure(fn, device, repeats: int) -> tuple[float, float]:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        t, peak = min(ts), (torch.cuda.max_memory_allocated() - base if cuda else float("nan"))
+        t = min(timed(fn)[0] for _ in range(repeats))
+        peak = torch.cuda.max_memory_allocated() - base if cuda else float("nan")
     except torch.OutOfMemoryError:
         t = peak = float("nan")
     if cuda:

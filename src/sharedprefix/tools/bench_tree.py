@@ -13,13 +13,12 @@ per (query, key) pair actually needed, the LM head per predicted token.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 import sharedprefix as sp
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.tools import bench
+from sharedprefix.tools.timing import best_interleaved, timed
 
 
 def agentic(system=4096, prompts=8, prompt_len=512, G=8, completion=256, vocab=32000, seed=0):
@@ -60,18 +59,15 @@ def run(max_tokens=8192, layers=4, plain=False, device="cpu", **shape) -> list[s
     small_g, small_rows, small_t = agentic(system=64, prompts=2, prompt_len=16, G=2, completion=8)
     for src in (small_g, sp.Tree.from_rows(small_rows, small_t)):  # warm-up: first-call costs out of the timings
         sp.backward(model, src, _loss, max_tokens=max_tokens)
-    res = {}
-    for name, src in (("tree", tree), ("per-group", groups), ("per-group", groups), ("tree", tree)):
-        for prm in model.parameters():
-            prm.grad = None
-        t0 = time.perf_counter()
-        r = sp.backward(model, src, _loss, max_tokens=max_tokens)
-        dt = time.perf_counter() - t0
-        res[name] = (min(dt, res[name][0]) if name in res else dt, r.tokens_computed, r.passes)
+
+    def run(src):
+        return lambda: sp.backward(model, src, _loss, max_tokens=max_tokens)
+
+    order = [("tree", run(tree)), ("per-group", run(groups)), ("per-group", run(groups)), ("tree", run(tree))]
+    best = best_interleaved(order, before=lambda: model.zero_grad(set_to_none=True))
+    res = {name: (t, r.tokens_computed, r.passes) for name, (t, r) in best.items()}
     if plain:
-        t0 = time.perf_counter()
-        bench.plain_step(model, groups, max_tokens)
-        res["plain"] = (time.perf_counter() - t0, plain_tokens, None)
+        res["plain"] = (timed(lambda: bench.plain_step(model, groups, max_tokens))[0], plain_tokens, None)
     fl = {"per-group": tree_flops(model.config, p_groups.tree), "tree": tree_flops(model.config, p_tree.tree)}
     for name, (t, tok, passes) in res.items():
         out.append(f"{name:<10} {t:8.2f} s  tokens computed {tok:>7}  passes {passes}")

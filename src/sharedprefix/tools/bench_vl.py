@@ -11,12 +11,11 @@ measured alone, times the G - 1 runs the plain run adds.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 import sharedprefix as sp
 from sharedprefix.tools import bench
+from sharedprefix.tools.timing import best_interleaved
 
 IMAGE, V_START, V_END = 31990, 31991, 31992
 
@@ -116,28 +115,19 @@ def flops(model, group, shared: bool) -> float:
     return text + 3.0 * vision * (1 if shared else G)
 
 
-def _timed(fn):
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def run(layers=4, **shape) -> list[str]:
     model = vl_model(layers)
     group = vl_group(**shape)
     small = vl_group(visual=16, text=8, G=2, completion=4, seed=1)
     _plain(model, small)  # warm-up
     sp.backward(model, [small], lambda b: -(b.logprobs * b.mask).sum())
-    times = {"ours": [], "plain": [], "vision": []}
-    for _ in range(2):  # best of 2, interleaved
-        for name, fn in (
-            ("ours", lambda: sp.backward(model, [group], lambda b: -(b.logprobs * b.mask).sum())),
-            ("plain", lambda: _plain(model, group)),
-            ("vision", lambda: _vision(model, group)),
-        ):
-            model.zero_grad(set_to_none=True)
-            times[name].append(_timed(fn))
-    t_ours, t_plain, t_vis = (min(times[k]) for k in ("ours", "plain", "vision"))
+    calls = [
+        ("ours", lambda: sp.backward(model, [group], lambda b: -(b.logprobs * b.mask).sum())),
+        ("plain", lambda: _plain(model, group)),
+        ("vision", lambda: _vision(model, group)),
+    ]
+    best = best_interleaved(calls * 2, before=lambda: model.zero_grad(set_to_none=True))  # best of 2, interleaved
+    t_ours, t_plain, t_vis = (best[k][0] for k in ("ours", "plain", "vision"))
     G, P = group.group_size, group.prompt.numel()
     T = group.completions[0].numel()
     fr = flops(model, group, False) / flops(model, group, True)
