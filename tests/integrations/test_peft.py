@@ -35,10 +35,9 @@ def test_lora_on_a_hybrid_packed_path_float64_exact(family):
     in_proj; out_proj left out, as PEFT refuses it on Mamba-like models): the PeftModel's packed path, its
     mixers' seams reached through the wrapper, equals one plain forward per row, whole and under a budget that
     splits a group."""
-    from model.test_hybrid import groups_of, model_of
-
     from helpers import assert_matches_plain_rows
     from sharedprefix.tools.reference import Float64Inside
+    from support.hybrid import groups_of, model_of
 
     base = copy.deepcopy(model_of(family))  # PEFT freezes the base model's parameters: not the shared one's
     names = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)} - {"lm_head", "out_proj"}

@@ -14,11 +14,10 @@ import transformers as tf  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer, tree_rows  # noqa: E402
-from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer  # noqa: E402
+from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
+from support.grpo import dataset, reward  # noqa: E402
 
 from .trl_helpers import train, two_step_args  # noqa: E402
-
-TASK = KeyValueTask(records=6)
 
 
 def _model(tok):
@@ -40,24 +39,12 @@ def _model(tok):
     return tf.Qwen3ForCausalLM(cfg)
 
 
-def _reward(completions, answer, **kw):
-    return [TASK.reward(c, a) + 0.1 * len(c.split()) for c, a in zip(completions, answer)]
-
-
-def _dataset():
-    import random
-
-    rng = random.Random(0)
-    samples = [TASK.sample(rng) for _ in range(8)]
-    return datasets.Dataset.from_dict({"prompt": [s.prompt for s in samples], "answer": [s.answer for s in samples]})
-
-
 def _train(cls, cfg_cls, model, tok, tmp_path, **kw):
     settings = dict(
         num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=1, temperature=1.0, max_completion_length=3
     )
     args = two_step_args(cfg_cls, tmp_path, **{**settings, **kw})
-    return train(cls, args, model=model, reward_funcs=_reward, train_dataset=_dataset(), processing_class=tok)
+    return train(cls, args, model=model, reward_funcs=reward, train_dataset=dataset(), processing_class=tok)
 
 
 @pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.0), ("grpo", 0.1), ("dapo", 0.1)])
@@ -148,9 +135,9 @@ def test_lora_trainer_matches_grpo_trainer(tmp_path):
             warnings.simplefilter("ignore")
             t = cls(
                 model=str(tmp_path / "init"),
-                reward_funcs=_reward,
+                reward_funcs=reward,
                 args=args,
-                train_dataset=_dataset(),
+                train_dataset=dataset(),
                 processing_class=tok,
                 peft_config=peft.LoraConfig(**lora),
             )

@@ -1,8 +1,6 @@
 """SharedPrefixGRPOTrainer refuses at construction what it cannot compute exactly, and each message's advice, once
 followed, lets the trainer be built."""
 
-import warnings
-
 import pytest
 import torch
 
@@ -11,37 +9,20 @@ pytest.importorskip("datasets")
 
 import transformers as tf  # noqa: E402
 
-from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
 from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
 from sharedprefix.tools.zoo.configs import tiny_config  # noqa: E402
+from support.grpo import build_trainer, tiny_for_tokenizer  # noqa: E402
 
-from .test_trl import _dataset, _lfm2, _model, _reward  # noqa: E402
-
-
-def _build(model, tok, tmp_path, **kw):
-    args = SharedPrefixGRPOConfig(
-        output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=8, report_to=[], use_cpu=True, **{"bf16": False, **kw}
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return SharedPrefixGRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(), processing_class=tok)
+from .test_trl import _lfm2, _model  # noqa: E402
 
 
 def test_settings_of_our_own_are_checked_with_the_fix(tmp_path):
     tok = build_tokenizer()
     with pytest.raises(ValueError, match="sharedprefix_prefix_activations='nope'; expected one of"):
-        _build(_model(tok), tok, tmp_path, sharedprefix_prefix_activations="nope")
+        build_trainer(_model(tok), tok, tmp_path, sharedprefix_prefix_activations="nope")
     with pytest.raises(ValueError, match="sharedprefix_max_tokens=0; expected a positive int"):
-        _build(_model(tok), tok, tmp_path, sharedprefix_max_tokens=0)
-    assert _build(_model(tok), tok, tmp_path, sharedprefix_max_tokens=64, sharedprefix_prefix_activations="recompute")
-
-
-def _tiny(model_type: str, tok, cls):
-    cfg = tiny_config(model_type)
-    cfg.vocab_size = len(tok)
-    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
-    torch.manual_seed(0)
-    return cls(cfg)
+        build_trainer(_model(tok), tok, tmp_path, sharedprefix_max_tokens=0)
+    assert build_trainer(_model(tok), tok, tmp_path, sharedprefix_max_tokens=64, sharedprefix_prefix_activations="recompute")
 
 
 def test_cache_path_hybrid_under_gradient_checkpointing_is_refused_when_built(tmp_path):
@@ -51,10 +32,10 @@ def test_cache_path_hybrid_under_gradient_checkpointing_is_refused_when_built(tm
     checkpointing on."""
     tok = build_tokenizer()
     with pytest.raises(ValueError, match=r"ZayaForCausalLM is a hybrid model .*Set gradient_checkpointing=False"):
-        _build(_tiny("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path)
-    assert _build(_tiny("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path, gradient_checkpointing=False)
-    assert _build(_lfm2(tok), tok, tmp_path)
-    assert _build(_tiny("falcon_h1", tok, tf.FalconH1ForCausalLM), tok, tmp_path)
+        build_trainer(tiny_for_tokenizer("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path)
+    assert build_trainer(tiny_for_tokenizer("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path, gradient_checkpointing=False)
+    assert build_trainer(_lfm2(tok), tok, tmp_path)
+    assert build_trainer(tiny_for_tokenizer("falcon_h1", tok, tf.FalconH1ForCausalLM), tok, tmp_path)
 
 
 def test_qwen3_5_vision_language_model_is_built_on_the_packed_path(tmp_path):
@@ -67,24 +48,24 @@ def test_qwen3_5_vision_language_model_is_built_on_the_packed_path(tmp_path):
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text.hidden_size, patch_size=4)
     torch.manual_seed(0)
     vlm = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision))
-    assert _build(vlm, tok, tmp_path)
+    assert build_trainer(vlm, tok, tmp_path)
 
 
 def test_moe_aux_loss_on_a_cache_path_hybrid_is_refused_when_built(tmp_path):
     """A hybrid MoE on the cache path (MiniMax's lightning attention layers) with router_aux_loss_coef != 0: that path
     reads no router logits. Refused when built, with the setting to change."""
     tok = build_tokenizer()
-    model = _tiny("minimax", tok, tf.MiniMaxForCausalLM)
+    model = tiny_for_tokenizer("minimax", tok, tf.MiniMaxForCausalLM)
     with pytest.raises(ValueError, match=r"hybrid model with an MoE load-balancing loss .*Set router_aux_loss_coef=0.0"):
-        _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.01)
-    assert _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)
+        build_trainer(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.01)
+    assert build_trainer(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)
 
 
 def test_fp16_is_refused_with_bf16_as_the_fix(tmp_path):
     tok = build_tokenizer()
     with pytest.raises(ValueError, match=r"fp16=True .*Use bf16=True"):
-        _build(_model(tok), tok, tmp_path, fp16=True)
-    assert _build(_model(tok), tok, tmp_path, bf16=True)
+        build_trainer(_model(tok), tok, tmp_path, fp16=True)
+    assert build_trainer(_model(tok), tok, tmp_path, bf16=True)
 
 
 def test_a_tensor_parallel_model_is_refused_with_the_reason(tmp_path):
@@ -92,7 +73,7 @@ def test_a_tensor_parallel_model_is_refused_with_the_reason(tmp_path):
     so the trainer was never compared with GRPOTrainer under it: a model transformers loaded with a tp_plan (its
     ``_tp_size``, set here on a built trainer's model, as a 2-process load sets it) is refused, naming the way out."""
     tok = build_tokenizer()
-    trainer = _build(_model(tok), tok, tmp_path)
+    trainer = build_trainer(_model(tok), tok, tmp_path)
     trainer.model._tp_size = 2
     with pytest.raises(ValueError, match=r"tensor-parallel \(tp_size=2\).*ParallelismConfig.*MULTI_CPU.*without tp_plan"):
         trainer._refuse_at_construction()

@@ -168,9 +168,9 @@ def test_qwen3_5_image_rows_under_a_splitting_budget_by_the_2x_rule(mode):
     reach, and the gated delta rule runs in float32 there (as it does in the model's own plain forward). Log-probs:
     1e-9 from the float64-inside plain rows; gradients: within twice the plain rows' own float32 error against them,
     at the scale of the largest gradient."""
-    from model.test_hybrid_packed import _qwen3_5_vl
+    from support.vl import qwen3_5_vl
 
-    model = _qwen3_5_vl()
+    model = qwen3_5_vl()
     add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
     batch = _batch(kind="qwen3_5")
     assert sp.plan(image_groups(*batch[:3], **batch[3])[0], 14).splits
@@ -190,9 +190,9 @@ def test_qwen3_5_image_rows_under_a_splitting_budget_by_the_2x_rule(mode):
 
 
 def _check_image_rows(kind, budget, mode):
-    from model.test_hybrid_packed import _qwen3_5_vl
+    from support.vl import qwen3_5_vl
 
-    builders = {"llava": llava_model, "gemma3": lambda: gemma3_model(4), "qwen3_5": _qwen3_5_vl}
+    builders = {"llava": llava_model, "gemma3": lambda: gemma3_model(4), "qwen3_5": qwen3_5_vl}
     model = builders.get(kind, lambda: mrope_model(kind))()
     add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
     batch = _batch(kind=kind)

@@ -3,7 +3,8 @@ each completion from the prompt's final layer state, against the plain per-row f
 
 The gated delta-nets, short convolutions and Mamba2 mixers (LFM2, Qwen3-Next, Qwen3.5, OLMo-hybrid, Mamba2,
 Nemotron-H, Falcon-H1, Zamba2, Bamba, Granite-4 hybrid) run on the packed path instead: tests/model/
-test_hybrid_packed.py and test_hybrid_ssm.py; ``model_of`` and ``zoo_model`` here build the tiny models of all three.
+test_hybrid_packed.py and test_hybrid_ssm.py; ``model_of`` and ``zoo_model`` (tests/support/hybrid.py) build the tiny
+models of all three.
 Zaya (the cache path's example here) computes parts in float32 even in a float64 model: the exactness test runs both
 the plain forward and sharedprefix with those casts kept float64 (``Float64Inside``, the same code otherwise), and a
 second test holds the model's own float32 layers to the flash-attention rule (at most twice the plain run's error).
@@ -11,87 +12,12 @@ second test holds the model's own float32 layers to the flash-attention rule (at
 
 import pytest
 import torch
-import transformers
 
 import sharedprefix as sp
 from sharedprefix.model import mixers
 from sharedprefix.schedule.cache_path import run as cache_run
 from sharedprefix.tools.reference import Float64Inside, plain_logprobs
-from sharedprefix.tools.zoo.configs import float64_norms
-
-# initializer_range 0.2 (not 0.02): states that matter, so that a completion started from a wrong one is caught
-COMMON = dict(
-    initializer_range=0.2,
-    vocab_size=61,
-    hidden_size=32,
-    intermediate_size=48,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-CONFIGS = {
-    "lfm2": (
-        "Lfm2Config",
-        "Lfm2ForCausalLM",
-        dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, block_auto_adjust_ff_dim=False),
-    ),
-    "falcon_h1": (
-        "FalconH1Config",
-        "FalconH1ForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            head_dim=8,
-            mamba_d_ssm=32,
-            mamba_n_heads=4,
-            mamba_d_head=8,
-            mamba_d_state=8,
-            mamba_chunk_size=4,
-            mamba_n_groups=1,
-        ),
-    ),
-    "qwen3_next": (
-        "Qwen3NextConfig",
-        "Qwen3NextForCausalLM",
-        dict(
-            num_hidden_layers=2,
-            layer_types=["linear_attention", "full_attention"],
-            head_dim=8,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=16,
-        ),
-    ),
-}
-_MODELS = {}
-
-
-def model_of(family):
-    if family not in _MODELS and family not in CONFIGS:  # a zoo entry (the cache path's example, Zaya)
-        _MODELS[family] = zoo_model(family)
-    if family not in _MODELS:
-        cfg_cls, model_cls, extra = CONFIGS[family]
-        cfg = getattr(transformers, cfg_cls)(**COMMON, **extra)
-        torch.manual_seed(0)
-        model = getattr(transformers, model_cls)._from_config(cfg, attn_implementation="sdpa")
-        model.config._experts_implementation = "eager"
-        model = model.to(torch.float64).eval()
-        float64_norms(model)
-        _MODELS[family] = model
-    return _MODELS[family]
-
-
-def groups_of(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = lambda n: torch.randint(3, COMMON["vocab_size"], (n,), generator=g)  # noqa: E731
-    return [sp.Group(ids(9), [ids(5), ids(3), ids(6), ids(1)]), sp.Group(ids(1), [ids(4), ids(2)]), sp.Group(ids(5), [ids(3)])]
+from support.hybrid import groups_of, model_of, zoo_model
 
 
 @pytest.fixture
@@ -299,36 +225,6 @@ def test_deferred_logprobs_give_the_backward_gradient():
     want = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     got = _grads(model, lambda: (sp.logprobs(model, gs, max_tokens=6, defer=True).logprobs * w).sum())
     assert _grad_error(got, want) <= 1e-9
-
-
-def zoo_model(entry, **config):
-    """A zoo entry built as the zoo builds it but with weights of std 0.2 (states that matter; Zaya's key scale, zero at
-    init, near 1), float64 norms and
-    decay factors (MiniMax's block prefill, all of a plain row, reads decays rounded to float32 at init, and its
-    token-by-token continuation, our completions, recomputes them in the model's dtype: 1e-8 apart in a float64 model
-    unless the buffers are float64 too). ``config``: settings to change on the zoo's config."""
-    from sharedprefix.tools import zoo
-
-    cfg = zoo.tiny_config(entry)
-    for k, v in config.items():
-        setattr(cfg, k, v)
-    for c in zoo.configs._all_configs(cfg):
-        c.initializer_range = 0.2
-    torch.manual_seed(0)
-    cls = getattr(transformers, zoo.entries()[entry])
-    model = cls._from_config(cfg, attn_implementation="sdpa" if cls._supports_sdpa else "eager")
-    model.config._experts_implementation = "eager"
-    model = model.to(torch.float64).eval()
-    float64_norms(model)
-    with torch.no_grad():  # Zaya scales its keys by a learned factor that starts at zero: keys would not matter
-        for name, p in model.named_parameters():
-            if name.endswith("qk_norm.temp"):
-                p.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(0))
-    for mod in model.modules():  # MiniMax: decays computed in float32 at init, recomputed in float64 by its decode
-        if hasattr(mod, "decay_factors"):
-            for buf, value in zip((mod.query_decay, mod.key_decay, mod.diagonal_decay), mod.decay_factors(mod.slope_rate)):
-                buf.copy_(value)
-    return model
 
 
 ZOO_HYBRIDS = [  # the other zoo hybrids run on the packed path (test_hybrid_packed.py, _ssm.py, _linear.py)

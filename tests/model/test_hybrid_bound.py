@@ -18,13 +18,13 @@ import sys
 
 import pytest
 import torch
-from model.test_hybrid import groups_of, model_of, zoo_model
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.model import mixers
 from sharedprefix.model.mixers import seams
 from sharedprefix.tools.reference import Float64Inside
+from support.hybrid import groups_of, model_of, zoo_model
 
 ATTR = "chunk_gated_delta_rule"
 FAMILIES = ["qwen3_next", "qwen3_5_text"]

@@ -15,13 +15,12 @@ import sys
 from dataclasses import replace
 
 import pytest
-from model.test_hybrid import groups_of, model_of
-from model.test_hybrid_packed import DEEP_ROWS, _logprob_error, _tree_check
 
 import sharedprefix as sp
 from helpers import assert_matches_plain_rows
 from sharedprefix.model import mixers
 from sharedprefix.model.mixers import conv_module
+from support.hybrid import DEEP_ROWS, groups_of, logprob_error, model_of, tree_check
 
 
 def slow_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
@@ -64,7 +63,7 @@ def test_groups_through_the_conv1d_seam_match_plain_rows(model, budget, mode):
 def test_a_depth_4_tree_through_the_conv1d_seam(model):
     """The depth-4 trie of ``test_hybrid_packed``: whole, and under budgets caching inner segments of every depth."""
     trained = [[t >= 8 for t in range(len(r))] for r in DEEP_ROWS]
-    _tree_check(model, DEEP_ROWS, trained, (None, 3), ("keep", "recompute"))
+    tree_check(model, DEEP_ROWS, trained, (None, 3), ("keep", "recompute"))
     assert model.conv_calls
 
 
@@ -81,7 +80,7 @@ def test_control_the_modules_own_convolution_over_the_row_is_caught(model, monke
     row's previous tokens, a sibling's or another group's): far beyond the tolerance."""
     whole_row = lambda own, state, slot, first, x, *a, **k: own(x, *a, **k)  # noqa: E731
     monkeypatch.setitem(mixers.KINDS, "conv", replace(mixers.KINDS["conv"], packed=whole_row))
-    assert _logprob_error(model, groups_of(), None) > 1e-6
+    assert logprob_error(model, groups_of(), None) > 1e-6
 
 
 def test_a_conv1d_that_is_not_causal_depthwise_is_no_seam(model, monkeypatch):

@@ -6,14 +6,13 @@ than Qwen3.5, and layouts, settings and inputs nobody tried. Each against one pl
 import pytest
 import torch
 import transformers as tf
-from model.test_hybrid import COMMON, CONFIGS
-from model.test_hybrid_packed import _tree_check
 
 import sharedprefix as sp
 from helpers import assert_matches_plain_rows
 from sharedprefix.model import mixers
 from sharedprefix.tools.reference import Float64Inside, dtype_faithful_norms
 from sharedprefix.tools.zoo.configs import float64_norms
+from support.hybrid import COMMON, CONFIGS, DEEP_ROWS, groups_check, groups_of, model_of, ssm_model, tree_check, zoo_model
 
 # -- segments shorter than the convolution's window -----------------------------------------------------------------
 
@@ -42,7 +41,7 @@ def test_one_token_segments_deeper_than_the_convolution_window(kernel):
     p = sp.plan(sp.Tree.from_rows(ONE_TOKEN_ROWS, trained), 1)
     cached = {s for step in p.steps if isinstance(step, sp.schedule.PrefixBackward) for s in step.segments}
     assert cached == {s.parent for s in p.tree.segments if s.parent is not None}  # every inner segment, every depth
-    _tree_check(model, ONE_TOKEN_ROWS, trained, (None, 1, 2), ("keep", "offload", "recompute"))
+    tree_check(model, ONE_TOKEN_ROWS, trained, (None, 1, 2), ("keep", "offload", "recompute"))
 
 
 # -- LFM2-VL: Siglip2's images, LFM2's convolutions ----------------------------------------------------------------
@@ -238,8 +237,6 @@ def test_hybrid_moe_aux_loss_under_a_budget():
     plus 3 x the loss is within twice the plain float32 run's own error against the float64-inside result (the delta
     rule's float32 dominates both: ``sp``'s aux loss passes float weights to transformers' loss function, whose scatter
     then fails under ``Float64Inside``, so this path has no float64-inside 1e-9 check)."""
-    from model.test_hybrid import groups_of, zoo_model
-
     from helpers import grads_of, plain_logprobs
     from sharedprefix.tools.zoo.checks import plain_aux_loss
 
@@ -268,8 +265,6 @@ def test_hybrid_moe_aux_loss_under_a_budget():
 def test_lfm2_moe_aux_loss_is_refused_with_its_reason():
     """LFM2-MoE returns no load-balancing loss (its module has no ``load_balancing_loss_func``): asked for one, the
     call is refused, naming the model, the missing function and the fix."""
-    from model.test_hybrid import groups_of, zoo_model
-
     model = zoo_model("lfm2_moe")
     model.config.output_router_logits = True
     with pytest.raises(
@@ -286,22 +281,18 @@ def test_delta_rule_segments_at_and_across_its_64_token_chunks():
     """Qwen3-Next's delta rule runs in chunks of 64: a 63-token prompt with children of 1, 64 and 65 tokens (so that
     the level's right-padded batch ends at, and crosses, chunk multiples) and a 64-token prompt whose first child ends
     one chunk later, whole and under budgets of 64 and 65 tokens (a segment cached exactly at a chunk boundary)."""
-    from model.test_hybrid import model_of
-
     g = torch.Generator().manual_seed(3)
     ids = lambda n: torch.randint(3, 61, (n,), generator=g).tolist()  # noqa: E731
     p, q = ids(63), ids(64)
     rows = [p + ids(1) + ids(3), p + ids(64), p + ids(65), q + ids(64), q + ids(64) + ids(2)]
     trained = [[t >= 32 for t in range(len(r))] for r in rows]
     with Float64Inside():
-        _tree_check(model_of("qwen3_next"), rows, trained, (None, 64, 65), ("keep",))
+        tree_check(model_of("qwen3_next"), rows, trained, (None, 64, 65), ("keep",))
 
 
 def test_temperature_entropy_defer_and_duplicate_rows_on_a_hybrid():
     """LFM2 under a budget: temperature and entropies against the plain rows; three deferred calls (temperature,
     entropy, a subset of the groups) before one backward; groups of one completion, two identical completions."""
-    from model.test_hybrid import groups_of, model_of
-
     from helpers import assert_grads_close, grads_of, plain_logprobs
 
     model = model_of("lfm2")
@@ -334,14 +325,11 @@ def test_bfloat16_mamba2_tree_within_twice_the_plain_error():
     the largest gradient)."""
     import copy
 
-    from model.test_hybrid_packed import DEEP_ROWS
-    from model.test_hybrid_ssm import _model
-
     from helpers import grads_of
     from support.trees import plain_rows
 
     trained = [[t >= 8 for t in range(len(r))] for r in DEEP_ROWS]
-    tree, m64 = sp.Tree.from_rows(DEEP_ROWS, trained), _model("nemotron_h")
+    tree, m64 = sp.Tree.from_rows(DEEP_ROWS, trained), ssm_model("nemotron_h")
     with Float64Inside():
         truth = plain_rows(m64, DEEP_ROWS, trained).detach()
         w = torch.randn(truth.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -366,17 +354,13 @@ def test_bfloat16_mamba2_tree_within_twice_the_plain_error():
 def test_training_mode_and_use_cache_change_nothing():
     """Nemotron-H in ``train()`` (dropout 0) with ``config.use_cache=True``: the mixers take the same packed seams, and
     the result is the plain rows' under a budget."""
-    from model.test_hybrid import groups_of
-    from model.test_hybrid_packed import _groups_check
-    from model.test_hybrid_ssm import _model
-
-    model = _model("nemotron_h")
+    model = ssm_model("nemotron_h")
     before = model.config.use_cache
     model.train()
     model.config.use_cache = True
     try:
         with Float64Inside():
-            _groups_check(model, groups_of(), [(6, "keep")])
+            groups_check(model, groups_of(), [(6, "keep")])
     finally:
         model.eval()
         model.config.use_cache = before

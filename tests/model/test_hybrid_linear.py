@@ -17,49 +17,17 @@ import torch
 import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from model.test_hybrid import groups_of, zoo_model
-from model.test_hybrid_packed import DEEP_ROWS, _groups_check, _tree_check, assert_detached_state_caught
 
 import sharedprefix as sp
 from helpers import grads_of, plain_logprobs
 from sharedprefix.model import mixers
 from sharedprefix.tools.reference import Float64Inside
-from sharedprefix.tools.zoo.configs import float64_norms
+from support.hybrid import DEEP_ROWS, assert_detached_state_caught, groups_check, groups_of, linear_model, tree_check, zoo_model
 from support.trees import ROW_SPEC, masks, tree_rows
 
-LA, FA, SA = "linear_attention", "full_attention", "sliding_attention"
-SMALL = {  # 3 layers each; the delta nets as small as the attention
-    "lfm3": dict(layer_types=["conv", SA, "conv"], conv_L_cache=3),
-    "lara_mini": dict(
-        layer_types=[LA, SA, LA], linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4
-    ),
-    "kimi_linear": dict(layer_types=[LA, FA, LA], mlp_layer_types=["dense", "sparse", "dense"]),
-    "bailing_hybrid": dict(layer_types=[LA, FA, LA], mlp_layer_types=["dense", "sparse", "sparse"], layer_group_size=3),
-}
-PER_LAYER = ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list")  # Bailing's lists (5.25): cut to 3 layers too
 KDA = "kimi_linear"
 SLOW = pytest.mark.slow  # KDA's torch chunk loop and the delta nets' dominate; LFM3 and two KDA checks stay fast
 FAMILIES = ["lfm3"] + [pytest.param(f, marks=SLOW) for f in ("lara_mini", KDA, "bailing_hybrid")]
-_MODELS: dict = {}
-
-
-def _model(family):
-    """The zoo's tiny config of ``family`` cut to 3 layers (``SMALL``), weights of std 0.2, float64 norms."""
-    from sharedprefix.tools import zoo
-
-    if family not in _MODELS:
-        base = zoo.tiny_config(family)
-        kw = {k: v for k, v in base.to_dict().items() if k not in ("model_type", "transformers_version")}
-        kw.update(SMALL[family], num_hidden_layers=3, initializer_range=0.2)
-        kw.update({k: kw[k][:3] for k in PER_LAYER if k in kw})
-        cls = getattr(transformers, zoo.entries()[family])
-        torch.manual_seed(0)
-        model = cls._from_config(type(base)(**kw), attn_implementation="sdpa" if cls._supports_sdpa else "eager")
-        model.config._experts_implementation = "eager"
-        model = model.to(torch.float64).eval()
-        float64_norms(model)
-        _MODELS[family] = model
-    return _MODELS[family]
 
 
 def _inside(family):
@@ -75,14 +43,14 @@ def test_moved_families_match_plain_rows_in_one_pass_and_split(family):
     """Each moved family on the packed path (not on the cache path): three groups in one pass, and a budget that cuts
     the 9-token prompt into a chain and splits its completions, in the three modes (keep only for the second KDA
     family, the modes being the same code)."""
-    model = _model(family)
+    model = linear_model(family)
     assert mixers.on_packed_path(model) and not mixers.on_cache_path(model) and mixers.FAMILIES[family].path == mixers.PACKED
     assert {str(t) for t in model.config.layer_types} & mixers.PACKED_LAYER_TYPES and len(model.config.layer_types) == 3
     gs = groups_of()
     assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits  # many groups per pass; a split
     modes = ["keep"] if family == "bailing_hybrid" else ["keep", "offload", "recompute"]
     with _inside(family):
-        _groups_check(model, gs, [(None, "keep")] + [(6, m) for m in modes])
+        groups_check(model, gs, [(None, "keep")] + [(6, m) for m in modes])
 
 
 @SLOW
@@ -90,11 +58,11 @@ def test_moved_families_match_plain_rows_in_one_pass_and_split(family):
 def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
     """The depth-5 trie of test_hybrid_packed (system prompt, prompts, completions, second turns): whole, under a
     budget that caches some inner segments (5) and one that caches every inner segment of every depth (3)."""
-    model = _model(family)
+    model = linear_model(family)
     trained = [[t >= 8 for t in range(len(r))] for r in DEEP_ROWS]
     modes = ("keep", "offload", "recompute") if family == "lfm3" else ("keep", "recompute")
     with _inside(family):
-        _tree_check(model, DEEP_ROWS, trained, (None, 5, 3), modes)
+        tree_check(model, DEEP_ROWS, trained, (None, 5, 3), modes)
 
 
 @SLOW
@@ -106,7 +74,7 @@ def test_random_tries_match_plain_rows(family, spec, budget, mode):
     ancestors, some cached, and each scan continues its parent's state from the row or the cache."""
     rows = tree_rows(spec)
     with _inside(family):
-        _tree_check(_model(family), rows, masks(rows, spec), (budget,), (mode,))
+        tree_check(linear_model(family), rows, masks(rows, spec), (budget,), (mode,))
 
 
 @SLOW
@@ -120,7 +88,7 @@ def test_gradient_checkpointing_and_defer(family):
     def err(g, truth):
         return max(float((g[n] - truth[n]).abs().max() / truth[n].abs().max().clamp_min(1e-30)) for n in truth)
 
-    model, gs = _model(family), groups_of()
+    model, gs = linear_model(family), groups_of()
     with _inside(family):
         ref = plain_logprobs(model, gs)[0].detach()
         w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -152,7 +120,7 @@ def test_zero_padding_is_neutral_for_the_models_own_kda(n, pad):
     """The pads the KDA wrapper appends (zero q, k, v, g and beta) leave the model's own function's outputs on the real
     tokens and its final state as they are without them, from a zero or a given initial state; a pad with a nonzero
     decay (the control) changes the state."""
-    fn = _kda_module(_model(KDA)).chunk_kimi_delta_attention
+    fn = _kda_module(linear_model(KDA)).chunk_kimi_delta_attention
     gen = torch.Generator().manual_seed(n + pad)
     H, D = 2, 4
 
@@ -199,7 +167,7 @@ def _logprob_error(model, gs, budget):
 @pytest.mark.parametrize("budget", [None, pytest.param(6, marks=SLOW)])
 def test_control_a_zeroed_carried_kda_state_is_caught(monkeypatch, budget):
     """A KDA that drops the state it is handed (the parent's, from the row or the cache) is 1000x beyond tolerance."""
-    model, gs = _model(KDA), groups_of()
+    model, gs = linear_model(KDA), groups_of()
     src = _kda_module(model)
     own = src.chunk_kimi_delta_attention
     with Float64Inside():
@@ -213,7 +181,7 @@ def test_control_a_zeroed_carried_kda_state_is_caught(monkeypatch, budget):
 def test_control_a_detached_cached_kda_state_is_caught(monkeypatch):
     """Cached KDA states and conv tails read detached: the log-probs stay exact, the gradient the later passes send
     into the prompt through them is lost, and the gradient comparison catches it."""
-    model, gs = _model(KDA), groups_of()
+    model, gs = linear_model(KDA), groups_of()
     assert_detached_state_caught(monkeypatch, model, gs)
 
 
@@ -277,12 +245,11 @@ def test_trl_refuses_an_inline_mixer_under_checkpointing_with_the_reason(tmp_pat
     that its lightning attention is computed inline with nothing to wrap; the fix it names lets the trainer be built."""
     pytest.importorskip("trl")
     pytest.importorskip("datasets")
-    from integrations.test_trl_refusals import _build, _tiny
-
     from sharedprefix.recipes.grpo.tasks import build_tokenizer
+    from support.grpo import build_trainer, tiny_for_tokenizer
 
     tok = build_tokenizer()
-    model = _tiny("minimax", tok, transformers.MiniMaxForCausalLM)
+    model = tiny_for_tokenizer("minimax", tok, transformers.MiniMaxForCausalLM)
     with pytest.raises(ValueError, match=r"Set gradient_checkpointing=False.*MiniMaxLightningAttention.*computed inline"):
-        _build(model, tok, tmp_path)
-    assert _build(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)  # (MiniMax is an MoE)
+        build_trainer(model, tok, tmp_path)
+    assert build_trainer(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)  # (MiniMax is an MoE)

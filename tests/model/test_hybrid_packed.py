@@ -15,14 +15,24 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from model.test_hybrid import groups_of, model_of, zoo_model
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.model import mixers
-from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.tools.reference import Float64Inside
-from support.trees import ROW_SPEC, masks, plain_rows, tree_rows
+from support.hybrid import (
+    COMMON,
+    CONFIGS,
+    DEEP_ROWS,
+    assert_detached_state_caught,
+    groups_check,
+    groups_of,
+    logprob_error,
+    model_of,
+    tree_check,
+    zoo_model,
+)
+from support.trees import ROW_SPEC, masks, tree_rows
 
 DELTA = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"}  # gated delta rule: float32 inside
 FAMILIES = ["lfm2", "qwen3_next", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
@@ -34,56 +44,6 @@ def _model(family):
 
 def _inside(family):
     return Float64Inside() if family in DELTA else contextlib.nullcontext()
-
-
-# a system prompt, two prompts below it, completions below those, one completion with a second turn: depth 4
-DEEP_ROWS = [
-    [5, 6, 7, 8, 9, 10, 11, 12] + p + c
-    for p in ([20, 21, 22], [23, 24])
-    for c in ([30, 31], [32, 33, 34], [30, 31, 40, 41, 42], [30, 31, 40, 43])
-]
-
-
-def _groups_check(model, gs, runs):
-    """Log-probs (1e-9) and ``sp.backward``'s gradients (relative 1e-9) for each (budget, mode) of ``runs``, against
-    one plain forward per row computed once."""
-    ref = plain_logprobs(model, gs)[0].detach()
-    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    want = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
-    for budget, mode in runs:
-        with torch.no_grad():
-            out = sp.logprobs(model, gs, max_tokens=budget)
-        assert float((out.logprobs - ref).abs().max()) <= 1e-9, (budget, mode)
-        got = grads_of(
-            model,
-            lambda b=budget, m=mode: (
-                sp.backward(model, gs, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b, prefix_activations=m) and None
-            ),
-        )
-        assert_grads_close(got, want, 1e-9)
-
-
-def _tree_check(model, rows, trained, budgets, modes):
-    tree = sp.Tree.from_rows(rows, trained)
-    ref = plain_rows(model, rows, trained).detach()
-    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(len(rows)))
-    want = grads_of(model, lambda: (plain_rows(model, rows, trained) * w).sum())
-    nothing = all(float(g.abs().max()) == 0 for g in want.values())
-    for budget in budgets:
-        with torch.no_grad():
-            out = sp.logprobs(model, tree, max_tokens=budget)
-        assert float((out.logprobs - ref).abs().max()) <= 1e-9, budget
-        for mode in modes:
-            got = grads_of(
-                model,
-                lambda b=budget, m=mode: (
-                    sp.backward(model, tree, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b, prefix_activations=m) and None
-                ),
-            )
-            if nothing:
-                assert all(float(g.abs().max()) == 0 for g in got.values())
-            else:
-                assert_grads_close(got, want, 1e-9)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -99,7 +59,7 @@ def test_packed_families_match_plain_rows_in_one_pass_and_split(family):
     assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits  # many groups per pass; a split
     runs = [(None, "keep"), (6, "keep")] + ([(6, "offload"), (6, "recompute")] if family == "lfm2" else [])
     with _inside(family):
-        _groups_check(model, gs, runs)
+        groups_check(model, gs, runs)
 
 
 @pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
@@ -119,7 +79,7 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
     trained = [[t >= 8 for t in range(len(r))] for r in DEEP_ROWS]
     modes = ("keep", "offload", "recompute") if family == "lfm2" else ("keep", "recompute")
     with _inside(family):
-        _tree_check(model, DEEP_ROWS, trained, (None, 5, 3), modes)
+        tree_check(model, DEEP_ROWS, trained, (None, 5, 3), modes)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -130,7 +90,7 @@ def test_random_tries_match_plain_rows(family, spec, budget, mode):
     convolution's K past inputs span several ancestors, some of them cached."""
     rows = tree_rows(spec)
     with _inside(family):
-        _tree_check(_model(family), rows, masks(rows, spec), (budget,), (mode,))
+        tree_check(_model(family), rows, masks(rows, spec), (budget,), (mode,))
 
 
 def test_gradient_checkpointing_and_defer():
@@ -191,12 +151,6 @@ def test_own_float32_delta_rule_within_twice_the_plain_error():
 # -- controls that must fail --------------------------------------------------------------------------------------
 
 
-def _logprob_error(model, gs, budget):
-    ref = plain_logprobs(model, gs)[0].detach()
-    with torch.no_grad():
-        return float((sp.logprobs(model, gs, max_tokens=budget).logprobs - ref).abs().max())
-
-
 @pytest.mark.parametrize("budget", [None, 6])
 def test_control_a_zeroed_carried_state_is_caught(monkeypatch, budget):
     """A delta rule that drops the state it is handed (in the row or from the cache) is 1000x beyond the tolerance."""
@@ -205,7 +159,7 @@ def test_control_a_zeroed_carried_state_is_caught(monkeypatch, budget):
     own = src.torch_chunk_gated_delta_rule
     monkeypatch.setattr(src, "torch_chunk_gated_delta_rule", lambda *a, initial_state=None, **k: own(*a, initial_state=None, **k))
     with Float64Inside():
-        assert _logprob_error(model, gs, budget) > 1e-6
+        assert logprob_error(model, gs, budget) > 1e-6
 
 
 def test_control_a_convolution_that_reads_a_siblings_inputs_is_caught(monkeypatch):
@@ -214,24 +168,7 @@ def test_control_a_convolution_that_reads_a_siblings_inputs_is_caught(monkeypatc
     model, gs = _model("lfm2"), groups_of()
     whole_row = lambda own, state, slot, first, x, *a, **k: own(x, *a, **k)  # noqa: E731
     monkeypatch.setitem(mixers.KINDS, "conv", replace(mixers.KINDS["conv"], packed=whole_row))
-    assert _logprob_error(model, gs, None) > 1e-6
-
-
-def assert_detached_state_caught(monkeypatch, model, gs, budget=6):
-    """The control that cached states must stay on the graph: with the prefix cache's conv tails and recurrent states
-    read detached, the log-probs stay exact but the gradient later passes send into the prompt through them is lost,
-    and the gradient comparison must catch it."""
-    read = PrefixCache.read_state
-    monkeypatch.setattr(PrefixCache, "read_state", lambda self, slot, seg: read(self, slot, seg).detach())
-    with Float64Inside():
-        assert _logprob_error(model, gs, budget) <= 1e-9
-        ref = plain_logprobs(model, gs)[0].detach()
-        w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        want = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
-        loss = lambda b: (b.logprobs * w[b.index]).sum()  # noqa: E731
-        got = grads_of(model, lambda: sp.backward(model, gs, loss, max_tokens=budget) and None)
-    with pytest.raises(AssertionError, match="relative error"):
-        assert_grads_close(got, want, 1e-6)
+    assert logprob_error(model, gs, None) > 1e-6
 
 
 def test_control_a_detached_cached_state_is_caught(monkeypatch):
@@ -270,7 +207,6 @@ def test_a_config_without_attention_layers_runs_exactly(family, kind):
     """Every layer recurrent or convolutional (no attention layer: the cache path failed inside transformers with
     "get_seq_length can only be called on Attention layers"): exact on the packed path, one pass and split."""
     import transformers
-    from model.test_hybrid import COMMON, CONFIGS
 
     from sharedprefix.tools.zoo.configs import float64_norms
 
@@ -281,36 +217,7 @@ def test_a_config_without_attention_layers_runs_exactly(family, kind):
     model.config._experts_implementation = "eager"
     float64_norms(model)
     with _inside(family):
-        _groups_check(model, groups_of(), [(None, "keep"), (6, "keep")])
-
-
-def _qwen3_5_vl():
-    import transformers as tf
-
-    from sharedprefix.tools.reference import dtype_faithful_norms
-    from support.vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION
-
-    text = {k: v for k, v in TEXT.items() if k != "rope_scaling"}
-    text.update(
-        head_dim=8,
-        layer_types=["linear_attention", "full_attention"],
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-    )
-    cfg = tf.Qwen3_5Config(
-        text_config=text,
-        vision_config=dict(VISION, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16),
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=V_START,
-        vision_end_token_id=V_END,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return dtype_faithful_norms(tf.Qwen3_5ForConditionalGeneration(cfg).double().eval())
+        groups_check(model, groups_of(), [(None, "keep"), (6, "keep")])
 
 
 @pytest.mark.parametrize("budget, mode", [(None, "keep"), (16, "recompute")])
@@ -318,9 +225,9 @@ def test_qwen3_5_with_images(budget, mode):
     """Qwen3.5 as a vision-language model: ``prompt_inputs`` (images) on the packed path, the vision tower trained
     through the shared prompt, in one pass and with the first group's prompt cached."""
     from helpers import assert_matches_plain_rows
-    from support.vl import MROPE_GROUPS, plain_mrope
+    from support.vl import MROPE_GROUPS, plain_mrope, qwen3_5_vl
 
-    model = _qwen3_5_vl()
+    model = qwen3_5_vl()
     assert mixers.on_packed_path(model)
     with Float64Inside():
         got = assert_matches_plain_rows(model, MROPE_GROUPS(), budget, mode, plain=plain_mrope)

@@ -21,39 +21,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from model.test_hybrid import groups_of, zoo_model
-from model.test_hybrid_packed import DEEP_ROWS, _groups_check, _logprob_error, _tree_check, assert_detached_state_caught
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.model import mixers
 from sharedprefix.model.mixers import ssm
 from sharedprefix.tools.reference import Float64Inside
+from support.hybrid import DEEP_ROWS, assert_detached_state_caught, groups_check, groups_of, logprob_error, ssm_model, tree_check
 from support.trees import ROW_SPEC, masks, tree_rows
 
 SLOW = pytest.mark.slow
 FAMILIES = ["nemotron_h"] + [pytest.param(f, marks=SLOW) for f in ("falcon_h1", "mamba2", "zamba2", "bamba", "granitemoehybrid")]
-_CHUNK = {"falcon_h1": "mamba_chunk_size", "bamba": "mamba_chunk_size", "granitemoehybrid": "mamba_chunk_size"}
-_MUP = dict(  # Falcon-H1's multipliers, none of them 1, so that a path that dropped one would be caught
-    key_multiplier=0.7,
-    attention_in_multiplier=1.3,
-    attention_out_multiplier=0.8,
-    ssm_in_multiplier=1.2,
-    ssm_out_multiplier=0.9,
-    ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
-    mlp_multipliers=[1.2, 0.8],
-    embedding_multiplier=1.5,
-)
-# Nemotron-H's zoo sizes keep its defaults' Mamba2 widths (128 heads of 64 x 128 states): cut to the others' sizes
-_SMALL = {"nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1, moe_shared_expert_intermediate_size=16)}
-_MODELS: dict = {}
-
-
-def _model(family):
-    if family not in _MODELS:
-        extra = _MUP if family == "falcon_h1" else _SMALL.get(family, {})
-        _MODELS[family] = zoo_model(family, **{_CHUNK.get(family, "chunk_size"): 4}, **extra)
-    return _MODELS[family]
 
 
 def _src(model):
@@ -64,7 +42,7 @@ def _src(model):
 def test_families_match_plain_rows_in_one_pass_and_split(family):
     """Every Mamba2 family on the packed path (none on the cache path): three groups in one pass, and a budget that
     cuts the 9-token prompt into a chain and splits its completions; Falcon-H1 in the three modes."""
-    model = _model(family)
+    model = ssm_model(family)
     assert (
         mixers.on_packed_path(model) and not mixers.on_cache_path(model) and mixers.FAMILIES[model.config.model_type].path == mixers.PACKED
     )
@@ -73,7 +51,7 @@ def test_families_match_plain_rows_in_one_pass_and_split(family):
     assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits  # many groups per pass; a split
     runs = [(None, "keep"), (6, "keep")] + ([(6, "offload"), (6, "recompute")] if family == "falcon_h1" else [])
     with Float64Inside():
-        _groups_check(model, gs, runs)
+        groups_check(model, gs, runs)
 
 
 @SLOW
@@ -84,7 +62,7 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
     of every depth (3), in the three modes."""
     trained = [[t >= 8 for t in range(len(r))] for r in DEEP_ROWS]
     with Float64Inside():
-        _tree_check(_model(family), DEEP_ROWS, trained, (None, 5, 3), ("keep", "offload", "recompute"))
+        tree_check(ssm_model(family), DEEP_ROWS, trained, (None, 5, 3), ("keep", "offload", "recompute"))
 
 
 @SLOW
@@ -96,7 +74,7 @@ def test_random_tries_match_plain_rows(family, spec, budget, mode):
     and a convolution's past inputs span several ancestors, some of them cached."""
     rows = tree_rows(spec)
     with Float64Inside():
-        _tree_check(_model(family), rows, masks(rows, spec), (budget,), (mode,))
+        tree_check(ssm_model(family), rows, masks(rows, spec), (budget,), (mode,))
 
 
 def test_zero_step_padding_is_the_unpadded_scan():
@@ -104,7 +82,7 @@ def test_zero_step_padding_is_the_unpadded_scan():
     own scan gives, at the real positions and for the final state, what the unpadded call with dt_bias, softplus and
     a dt_limit gives: bit for bit without padding, to float64 rounding with a segment padded over two more chunks;
     the raw dt padded with 0 (the fix reverted) moves the final state."""
-    src = _src(_model("mamba2"))
+    src = _src(ssm_model("mamba2"))
     g = torch.Generator().manual_seed(0)
     n, T, H, P, N = 7, 13, 4, 3, 5
     x, dt = torch.randn(1, n, H, P, generator=g), torch.randn(1, n, H, generator=g)
@@ -143,7 +121,7 @@ def test_gradient_checkpointing_and_defer():
     ``sp.logprobs``, deferred as checkpointing needs) and ``defer=True`` without it: the gradient of ``sp.backward``
     itself with the model's own float32 scan (relative 1e-9; its exactness in float64 is the tests above), and within
     twice the plain run's own error against the float64-inside plain gradient."""
-    model, gs = _model("falcon_h1"), groups_of()
+    model, gs = ssm_model("falcon_h1"), groups_of()
     with Float64Inside():
         truth = plain_logprobs(model, gs)[0].detach()
         w = torch.randn(truth.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -177,7 +155,7 @@ def test_gradient_checkpointing_and_defer():
 def test_own_float32_scan_within_twice_the_plain_error():
     """Without ``Float64Inside``: log-probs within twice the plain run's own error against the float64-inside
     result, in one pass and split."""
-    model, gs = _model("nemotron_h"), groups_of()
+    model, gs = ssm_model("nemotron_h"), groups_of()
     with Float64Inside():
         truth = plain_logprobs(model, gs)[0].detach()
     plain = float((plain_logprobs(model, gs)[0].detach() - truth).abs().max())
@@ -194,27 +172,27 @@ def test_own_float32_scan_within_twice_the_plain_error():
 def test_control_a_zeroed_carried_state_is_caught(monkeypatch, budget):
     """A scan that drops the state it is handed (a parent in the row, or one from the cache) is 1000x beyond the
     tolerance."""
-    model, gs = _model("falcon_h1"), groups_of()
+    model, gs = ssm_model("falcon_h1"), groups_of()
     src = _src(model)
     own = src.mamba2_chunk_scan
     monkeypatch.setattr(src, "mamba2_chunk_scan", lambda *a, initial_states=None, **k: own(*a, initial_states=None, **k))
     with Float64Inside():
-        assert _logprob_error(model, gs, budget) > 1e-6
+        assert logprob_error(model, gs, budget) > 1e-6
 
 
 def test_control_padding_with_the_raw_step_size_is_caught(monkeypatch):
     """The fix reverted: padded positions keep dt = 0 before the bias and softplus (the model's function then
     decays the state and adds input there), so a short segment of a level hands its children a wrong state."""
-    model, gs = _model("falcon_h1"), groups_of()
+    model, gs = ssm_model("falcon_h1"), groups_of()
     monkeypatch.setattr(ssm, "_neutral_padding", lambda dt, b, s, lim: (dt, dict(dt_bias=b, dt_softplus=s, dt_limit=lim)))
     with Float64Inside():
-        assert _logprob_error(model, gs, None) > 1e-6
+        assert logprob_error(model, gs, None) > 1e-6
 
 
 def test_control_a_detached_cached_state_is_caught(monkeypatch):
     """Cached conv tails and scan states read detached: the log-probs stay exact, the gradient that later passes
     send into the prompt through them is lost, and the gradient comparison catches it."""
-    model, gs = _model("nemotron_h"), groups_of()
+    model, gs = ssm_model("nemotron_h"), groups_of()
     assert_detached_state_caught(monkeypatch, model, gs)
 
 
@@ -224,7 +202,7 @@ def test_control_a_detached_cached_state_is_caught(monkeypatch):
 def test_the_fused_kernel_shortcut_is_refused(monkeypatch):
     """In training mode the mixers first try ``mamba2_split_conv1d_scan_combined`` (a mamba_ssm kernel that convolves
     and scans the whole row); when it returns a result, the seams are never called: refused, not silently mixed."""
-    model, gs = _model("granitemoehybrid"), groups_of()
+    model, gs = ssm_model("granitemoehybrid"), groups_of()
     src = _src(model)
     monkeypatch.setattr(
         src, "mamba2_split_conv1d_scan_combined", lambda x, *a, **k: x.new_zeros(x.shape[:-1] + (model.config.hidden_size,))
@@ -242,7 +220,7 @@ def test_the_fused_kernel_shortcut_is_refused(monkeypatch):
 def test_a_layer_pattern_whose_mixers_are_not_found_is_refused(monkeypatch):
     """Nemotron-H names its layers in ``layers_block_type`` (from ``hybrid_override_pattern``): its one Mamba layer is
     counted, and a transformers version whose mixer class sharedprefix does not know is refused before any pass."""
-    model = _model("nemotron_h")
+    model = ssm_model("nemotron_h")
     assert model.config.layers_block_type.count("linear_attention") == 1 == len(mixers.mixer_modules(model))
     unknown = {t: replace(f, mixers={k: v for k, v in f.mixers.items() if k != "Mamba2Mixer"}) for t, f in mixers.FAMILIES.items()}
     monkeypatch.setattr(mixers.families, "FAMILIES", unknown)  # no family's mixers named *Mamba2Mixer

@@ -6,12 +6,11 @@ in one pass and under a budget that splits the groups), as ``test_hybrid_packed.
 import pytest
 import torch
 import transformers
-from model.test_hybrid import COMMON, CONFIGS, groups_of
-from model.test_hybrid_packed import _groups_check
 
 import sharedprefix as sp
 from sharedprefix.model import mixers
 from sharedprefix.tools.zoo.configs import float64_norms
+from support.hybrid import COMMON, CONFIGS, groups_check, groups_of
 
 NEW = "lfm2_registered"
 
@@ -56,4 +55,4 @@ def test_a_family_registered_in_the_table_runs_exact(model, monkeypatch):
     assert [type(m).__name__ for m, kinds in mixers.mixer_modules(model) if kinds == ("conv",)] == ["Lfm2TokenMixer"] * 2
     gs = groups_of()
     assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits
-    _groups_check(model, gs, [(None, "keep"), (6, "keep"), (6, "recompute")])
+    groups_check(model, gs, [(None, "keep"), (6, "keep"), (6, "recompute")])

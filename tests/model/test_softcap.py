@@ -14,26 +14,14 @@ from transformers.models.gemma2 import modeling_gemma2
 import sharedprefix as sp
 from helpers import VOCAB, assert_matches_plain_rows, float64_faithful, plain_logprobs, random_groups
 from sharedprefix.attention import interface
+from support.softcap import eager64
 
 CAP = 0.002
 
 
-def _eager64(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None, **kwargs):
-    """Gemma 2's eager attention with the softmax in the inputs' dtype (float64 here) instead of float32."""
-    key = modeling_gemma2.repeat_kv(key, module.num_key_value_groups)
-    value = modeling_gemma2.repeat_kv(value, module.num_key_value_groups)
-    w = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if softcap is not None:
-        w = torch.tanh(w / softcap) * softcap
-    if attention_mask is not None:
-        w = w + attention_mask
-    w = torch.softmax(w, dim=-1)
-    return torch.matmul(w, value).transpose(1, 2).contiguous(), w
-
-
 @pytest.fixture
 def model(monkeypatch):
-    monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", _eager64)
+    monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", eager64)
     cfg = tf.Gemma2Config(
         vocab_size=VOCAB,
         hidden_size=32,

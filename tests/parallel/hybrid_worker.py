@@ -1,8 +1,8 @@
 """One rank of the hybrid DDP / FSDP2 test (run under torchrun): a tiny hybrid wrapped in DDP, or sharded with FSDP2
 (kinds ``fsdp*``: every layer, the embedding and head as one unit, and the root), each rank with its share of the
 groups. FAMILIES (default lfm2; several, comma-separated, run one after another in one launch) picks the hybrids:
-``model.test_hybrid``'s (lfm2: short convolutions beside attention; falcon_h1: Mamba2 mixers; qwen3_next: gated
-delta-nets) or ``model.test_hybrid_linear``'s 3-layer cuts of the zoo's configs (lfm3: convolutions; lara_mini: gated
+``support.hybrid``'s ``model_of`` (lfm2: short convolutions beside attention; falcon_h1: Mamba2 mixers; qwen3_next: gated
+delta-nets) or its ``linear_model``, 3-layer cuts of the zoo's configs (lfm3: convolutions; lara_mini: gated
 delta-nets; kimi_linear: Kimi delta attention). The delta rules and the Mamba2 scan compute in float32 inside a
 float64 model, so those families run ``sp.backward`` under ``Float64Inside``, as the reference does (kinds backward
 and fsdp only).
@@ -27,13 +27,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model.test_hybrid import COMMON, groups_of, model_of  # noqa: E402
-from model.test_hybrid_linear import SMALL  # noqa: E402
-from model.test_hybrid_linear import _model as small_model  # noqa: E402
 from parallel.worker import full_grads, nan_on_second_pass, report_outcome, run_tree, shard_of  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from sharedprefix.tools.reference import Float64Inside  # noqa: E402
+from support.hybrid import COMMON, SMALL, groups_of, linear_model, model_of  # noqa: E402
 
 BUDGET = 8  # splits the first group (prompt 9: two chunks; four completions in several batches)
 VOCAB = COMMON["vocab_size"]  # of every family here (the tree's token ids stay below it)
@@ -46,7 +44,7 @@ TREE_FAMILIES = {"lfm2", "kimi_linear"}
 
 def build(family):
     """The tiny float64 model of ``family`` (one per process: wrapping it changes it)."""
-    return small_model(family) if family in SMALL else model_of(family)
+    return linear_model(family) if family in SMALL else model_of(family)
 
 
 def inside(family):

@@ -11,13 +11,13 @@ import sys
 
 import pytest
 import torch
-from model.test_hybrid import groups_of
 from parallel.hybrid_worker import BUDGET, VOCAB, build, inside, weights
 from parallel.worker import BUDGET as TREE_BUDGET
 from parallel.worker import tree_and_weights
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs
+from support.hybrid import groups_of
 
 pytestmark = pytest.mark.slow  # torchrun, 2 processes
 

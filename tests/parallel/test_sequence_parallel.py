@@ -56,10 +56,11 @@ def test_sequence_parallel_matches_plain_rows_float64(ranks, name, monkeypatch):
     arch, over, budget, mode, kind = CASES[name]
     model = build_model(arch, over)
     if arch == "zoo:gemma2":  # the plain forward's eager softmax runs in float32: the float64 one for the reference
-        from model.test_softcap import _eager64
         from transformers.models.gemma2 import modeling_gemma2
 
-        monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", _eager64)
+        from support.softcap import eager64
+
+        monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", eager64)
     src = source(kind)
     ref_lp, ref_ent = _plain(model, src)
     ref_lp = ref_lp.detach()

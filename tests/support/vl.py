@@ -163,3 +163,28 @@ def gemma3_config(window, patch=2, **text):
 def gemma3_model(window):
     torch.manual_seed(0)
     return dtype_faithful_norms(tf.Gemma3ForConditionalGeneration(gemma3_config(window)).double().eval())
+
+
+def qwen3_5_vl():
+    """A tiny Qwen3.5 vision-language model (gated delta-nets beside attention, interleaved M-RoPE), float64."""
+    text = {k: v for k, v in TEXT.items() if k != "rope_scaling"}
+    text.update(
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+    )
+    cfg = tf.Qwen3_5Config(
+        text_config=text,
+        vision_config=dict(VISION, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=V_START,
+        vision_end_token_id=V_END,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return dtype_faithful_norms(tf.Qwen3_5ForConditionalGeneration(cfg).double().eval())
