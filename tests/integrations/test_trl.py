@@ -15,47 +15,18 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer, tree_rows  # noqa: E402
 from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
-from support.grpo import dataset, reward  # noqa: E402
-
-from .trl_helpers import train, two_step_args  # noqa: E402
-
-
-def _model(tok):
-    cfg = tf.Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return tf.Qwen3ForCausalLM(cfg)
-
-
-def _train(cls, cfg_cls, model, tok, tmp_path, **kw):
-    settings = dict(
-        num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=1, temperature=1.0, max_completion_length=3
-    )
-    args = two_step_args(cfg_cls, tmp_path, **{**settings, **kw})
-    return train(cls, args, model=model, reward_funcs=reward, train_dataset=dataset(), processing_class=tok)
+from support.grpo import dataset, lfm2_model, qwen3_model, reward, train_two_steps  # noqa: E402
 
 
 @pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.0), ("grpo", 0.1), ("dapo", 0.1)])
 def test_same_parameters_as_grpo_trainer(tmp_path, loss_type, beta):
     tok = build_tokenizer()
-    base = _model(tok)
+    base = qwen3_model(tok)
     init = {n: p.detach().clone() for n, p in base.named_parameters()}
     # from a saved folder, so that TRL can load its reference model (beta > 0) the same way for both trainers
     base.save_pretrained(tmp_path / "init")
-    plain = _train(GRPOTrainer, GRPOConfig, str(tmp_path / "init"), tok, tmp_path / "plain", loss_type=loss_type, beta=beta)
-    ours = _train(
+    plain = train_two_steps(GRPOTrainer, GRPOConfig, str(tmp_path / "init"), tok, tmp_path / "plain", loss_type=loss_type, beta=beta)
+    ours = train_two_steps(
         SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, str(tmp_path / "init"), tok, tmp_path / "sp", loss_type=loss_type, beta=beta
     )
     delta_plain = torch.cat([(p.detach() - init[n]).flatten() for n, p in plain.model.named_parameters()])
@@ -73,10 +44,10 @@ def test_same_parameters_as_grpo_trainer(tmp_path, loss_type, beta):
 def test_budget_schedule_matches_unscheduled(tmp_path):
     """With a token budget that splits groups, the policy step runs through sp.backward and still matches."""
     tok = build_tokenizer()
-    _model(tok).save_pretrained(tmp_path / "init")
+    qwen3_model(tok).save_pretrained(tmp_path / "init")
     init = str(tmp_path / "init")
-    a = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "a", beta=0.1)
-    b = _train(
+    a = train_two_steps(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "a", beta=0.1)
+    b = train_two_steps(
         SharedPrefixGRPOTrainer,
         SharedPrefixGRPOConfig,
         init,
@@ -110,7 +81,7 @@ def test_lora_trainer_matches_grpo_trainer(tmp_path):
     """PEFT/LoRA (and TRL's default gradient checkpointing, on in all these runs) give the same update."""
     peft = pytest.importorskip("peft")
     tok = build_tokenizer()
-    _model(tok).save_pretrained(tmp_path / "init")
+    qwen3_model(tok).save_pretrained(tmp_path / "init")
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
     runs = []
     for cls, cfg_cls, name in [(GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp")]:
@@ -170,55 +141,33 @@ def test_multi_turn_tool_mask_trains_as_grpo_trainer(tmp_path):
     sharedprefix computes every completion token's log-prob, TRL's loss masks the tool tokens, and whole-group
     shuffling keeps ``tool_mask`` aligned with its rows."""
     tok = build_tokenizer()
-    _model(tok).save_pretrained(tmp_path / "init")
+    qwen3_model(tok).save_pretrained(tmp_path / "init")
     init = str(tmp_path / "init")
     init_state = tf.Qwen3ForCausalLM.from_pretrained(init).state_dict()
 
     def delta(trainer):
         return torch.cat([(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters()])
 
-    plain = delta(_train(_with_tool_mask(GRPOTrainer), GRPOConfig, init, tok, tmp_path / "plain", beta=0.1))
-    ours = delta(_train(_with_tool_mask(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1))
-    unmasked = delta(_train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "unmasked", beta=0.1))
+    plain = delta(train_two_steps(_with_tool_mask(GRPOTrainer), GRPOConfig, init, tok, tmp_path / "plain", beta=0.1))
+    ours = delta(train_two_steps(_with_tool_mask(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1))
+    unmasked = delta(train_two_steps(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "unmasked", beta=0.1))
     scale = float(plain.abs().max())
     assert float((plain - unmasked).abs().max()) > 0.05 * scale  # the tool mask changes the update
     assert float((ours - plain).abs().max()) <= 1e-4 * scale
-
-
-def _lfm2(tok):
-    """A tiny LFM2 (short convolutions beside attention, on the packed path)."""
-    cfg = tf.Lfm2Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        layer_types=["conv", "full_attention", "conv"],
-        conv_L_cache=3,
-        block_auto_adjust_ff_dim=False,
-        max_position_embeddings=128,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return tf.Lfm2ForCausalLM(cfg)
 
 
 def test_hybrid_model_trains_as_grpo_trainer(tmp_path, monkeypatch):
     """A hybrid model (LFM2) through the real train(), as TRL runs it by default (gradient checkpointing on), its rows
     as tree batches, with a budget that splits them: the same parameters as GRPOTrainer."""
     tok = build_tokenizer()
-    _lfm2(tok).save_pretrained(tmp_path / "init")
+    lfm2_model(tok).save_pretrained(tmp_path / "init")
     init = str(tmp_path / "init")
     init_state = tf.Lfm2ForCausalLM.from_pretrained(init).state_dict()
     calls = []
     logprobs = sp.logprobs
     monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: calls.append(source) or logprobs(model, source, **kw))
-    plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1, gradient_checkpointing=True)
-    ours = _train(
+    plain = train_two_steps(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1, gradient_checkpointing=True)
+    ours = train_two_steps(
         SharedPrefixGRPOTrainer,
         SharedPrefixGRPOConfig,
         init,
@@ -243,11 +192,11 @@ def test_bf16_mixed_precision_trains_as_grpo_trainer(tmp_path):
     (TRL's generation); their updates agree to bf16 rounding (measured 4.7e-3 of the largest update; a float32 run
     agrees to 3e-7, see above), so this checks bf16-level agreement, not float32 exactness."""
     tok = build_tokenizer()
-    base = _model(tok)
+    base = qwen3_model(tok)
     init = {n: p.detach().clone() for n, p in base.named_parameters()}
     base.save_pretrained(tmp_path / "init")
     runs = [
-        _train(cls, cfg, str(tmp_path / "init"), tok, tmp_path / name, bf16=True)
+        train_two_steps(cls, cfg, str(tmp_path / "init"), tok, tmp_path / name, bf16=True)
         for cls, cfg, name in ((GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp"))
     ]
     plain, ours = (torch.cat([(p.detach() - init[n]).flatten() for n, p in r.model.named_parameters()]) for r in runs)

@@ -21,9 +21,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
 from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
-
-from .test_trl import _model, _train  # noqa: E402
-from .test_trl_moe import _moe  # noqa: E402
+from support.grpo import moe_model, qwen3_model, train_two_steps  # noqa: E402
 
 SHARED = 3  # tokens of turn 1 (2) and the tool result (1) that the rows of a group share
 
@@ -49,8 +47,8 @@ def _check(tmp_path, tok, init, state, monkeypatch):
     logprobs = sp.logprobs
     monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: sources.append(source) or logprobs(model, source, **kw))
     kw = dict(beta=0.0, max_completion_length=6, generation_kwargs={"suppress_tokens": [tok.eos_token_id]})
-    plain = _train(_two_turn(GRPOTrainer), GRPOConfig, init, tok, tmp_path / "plain", **kw)
-    ours = _train(_two_turn(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", **kw)
+    plain = train_two_steps(_two_turn(GRPOTrainer), GRPOConfig, init, tok, tmp_path / "plain", **kw)
+    ours = train_two_steps(_two_turn(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", **kw)
     delta = lambda t: torch.cat([(p.detach().float() - state[n].float()).flatten() for n, p in t.model.named_parameters()])  # noqa: E731
     dp = delta(plain)
     scale = float(dp.abs().max())
@@ -70,7 +68,7 @@ def _check(tmp_path, tok, init, state, monkeypatch):
 @pytest.mark.slow
 def test_two_turn_tool_rollout_shares_its_common_turns_dense(tmp_path, monkeypatch):
     tok = build_tokenizer()
-    _model(tok).save_pretrained(tmp_path / "init")
+    qwen3_model(tok).save_pretrained(tmp_path / "init")
     init = str(tmp_path / "init")
     _check(tmp_path, tok, init, tf.Qwen3ForCausalLM.from_pretrained(init).state_dict(), monkeypatch)
 
@@ -79,5 +77,5 @@ def test_two_turn_tool_rollout_shares_its_common_turns_dense(tmp_path, monkeypat
 def test_two_turn_tool_rollout_shares_its_common_turns_moe(tmp_path, monkeypatch):
     """The same with Qwen3-MoE and its load-balancing loss (tool tokens count in it, as in TRL's forward)."""
     tok = build_tokenizer()
-    init, state = _moe(tmp_path, tok, "qwen3_moe")
+    init, state = moe_model(tmp_path, tok, "qwen3_moe")
     _check(tmp_path, tok, init, state, monkeypatch)

@@ -20,9 +20,8 @@ import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOTrainer  # noqa: E402
 from sharedprefix.integrations.trl_batch import image_groups  # noqa: E402
 from sharedprefix.tools.reference import dtype_faithful_norms  # noqa: E402
+from support.trl_hook import padded_rows, run_hook, trainer_stub  # noqa: E402
 from support.vl import IMAGE, TEXT  # noqa: E402
-
-from .test_trl_vl import _run, _stub, padded_rows  # noqa: E402
 
 SIZES = ([8, 16], [16, 8])  # (height, width) of the images: two 8x8 tiles each, plus the 8x8 overview
 
@@ -92,9 +91,9 @@ def test_llava_next_tiles_match_plain_rows_and_grpo_trainer(budget, mode):
     assert [tuple(g.prompt_inputs["image_sizes"].flatten().tolist()) for g in groups if g.prompt_inputs] == [(8, 16), (16, 8, 8, 16)]
     if budget is not None:
         assert sp.plan(groups, budget).splits
-    want = _run(_plain_hook, _stub(), model, batch)
-    got = _run(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, _stub(budget, mode), model, batch)
-    trl = _run(GRPOTrainer._get_per_token_logps_and_entropies, _stub(), model, batch)
+    want = run_hook(_plain_hook, trainer_stub(), model, batch)
+    got = run_hook(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, trainer_stub(budget, mode), model, batch)
+    trl = run_hook(GRPOTrainer._get_per_token_logps_and_entropies, trainer_stub(), model, batch)
     assert float(want[0].abs().max()) > 0.1
     for a, b, c in zip(got[:2], want[:2], trl[:2]):
         assert torch.allclose(a, b, rtol=0, atol=1e-9), float((a - b).abs().max())
@@ -109,4 +108,4 @@ def test_image_sizes_of_the_wrong_shape_are_refused():
     input_ids, attention_mask, C, extra = _batch(model)
     extra["image_sizes"] = extra["image_sizes"][:-1]
     with pytest.raises(ValueError, match=r"image_sizes of shape \(8, 2\) for 9 images; expected \(9, 2\)"):
-        SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies(_stub(), model, input_ids, attention_mask, C, **extra)
+        SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies(trainer_stub(), model, input_ids, attention_mask, C, **extra)

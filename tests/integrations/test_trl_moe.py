@@ -14,30 +14,11 @@ import sharedprefix as sp
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-import transformers as tf  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
 from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
-from sharedprefix.tools.zoo.configs import tiny_config  # noqa: E402
-
-from .test_trl import _train  # noqa: E402
-
-MODELS = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "gpt_oss": tf.GptOssForCausalLM}
-
-
-def _moe(tmp_path, tok, kind):
-    cfg = tiny_config(kind)
-    cfg.vocab_size = len(tok)
-    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
-    cfg.router_aux_loss_coef = 0.5  # large enough that the aux term moves the update (checked below)
-    cfg.max_position_embeddings = 256
-    assert hasattr(cfg, "output_router_logits") and not cfg.output_router_logits
-    torch.manual_seed(0)
-    impl = "sdpa" if MODELS[kind]._supports_sdpa else "eager"  # GPT-OSS (attention sinks): eager
-    model = MODELS[kind]._from_config(cfg, attn_implementation=impl)
-    model.save_pretrained(tmp_path / "init")
-    return str(tmp_path / "init"), model.state_dict()
+from support.grpo import MOE_MODELS, moe_model, train_two_steps  # noqa: E402
 
 
 def _delta(trainer, init):
@@ -45,17 +26,17 @@ def _delta(trainer, init):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("kind", sorted(MOE_MODELS))
 def test_moe_aux_loss_trains_as_grpo_trainer_with_and_without_a_budget(tmp_path, kind, monkeypatch):
     tok = build_tokenizer()
-    init, state = _moe(tmp_path, tok, kind)
-    plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1)
+    init, state = moe_model(tmp_path, tok, kind)
+    plain = train_two_steps(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1)
     assert plain.aux_loss_enabled
-    ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1)
+    ours = train_two_steps(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1)
     calls = []
     logprobs = sp.logprobs
     monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: calls.append((source, kw)) or logprobs(model, source, **kw))
-    budget = _train(
+    budget = train_two_steps(
         SharedPrefixGRPOTrainer,
         SharedPrefixGRPOConfig,
         init,
@@ -69,7 +50,7 @@ def test_moe_aux_loss_trains_as_grpo_trainer_with_and_without_a_budget(tmp_path,
     # the policy passes asked for the aux loss, and the budget split their groups (prompts cached, backward later)
     policy = [(src, kw) for src, kw in calls if kw.get("aux_loss")]
     assert policy and all(sp.plan(src, 32).splits for src, _ in policy)
-    no_aux = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "no_aux", beta=0.1, router_aux_loss_coef=0.0)
+    no_aux = train_two_steps(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "no_aux", beta=0.1, router_aux_loss_coef=0.0)
     dp = _delta(plain, state)
     scale = float(dp.abs().max())
     assert scale > 1e-3

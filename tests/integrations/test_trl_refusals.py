@@ -11,18 +11,16 @@ import transformers as tf  # noqa: E402
 
 from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
 from sharedprefix.tools.zoo.configs import tiny_config  # noqa: E402
-from support.grpo import build_trainer, tiny_for_tokenizer  # noqa: E402
-
-from .test_trl import _lfm2, _model  # noqa: E402
+from support.grpo import build_trainer, lfm2_model, qwen3_model, tiny_for_tokenizer  # noqa: E402
 
 
 def test_settings_of_our_own_are_checked_with_the_fix(tmp_path):
     tok = build_tokenizer()
     with pytest.raises(ValueError, match="sharedprefix_prefix_activations='nope'; expected one of"):
-        build_trainer(_model(tok), tok, tmp_path, sharedprefix_prefix_activations="nope")
+        build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_prefix_activations="nope")
     with pytest.raises(ValueError, match="sharedprefix_max_tokens=0; expected a positive int"):
-        build_trainer(_model(tok), tok, tmp_path, sharedprefix_max_tokens=0)
-    assert build_trainer(_model(tok), tok, tmp_path, sharedprefix_max_tokens=64, sharedprefix_prefix_activations="recompute")
+        build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=0)
+    assert build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=64, sharedprefix_prefix_activations="recompute")
 
 
 def test_cache_path_hybrid_under_gradient_checkpointing_is_refused_when_built(tmp_path):
@@ -34,7 +32,7 @@ def test_cache_path_hybrid_under_gradient_checkpointing_is_refused_when_built(tm
     with pytest.raises(ValueError, match=r"ZayaForCausalLM is a hybrid model .*Set gradient_checkpointing=False"):
         build_trainer(tiny_for_tokenizer("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path)
     assert build_trainer(tiny_for_tokenizer("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path, gradient_checkpointing=False)
-    assert build_trainer(_lfm2(tok), tok, tmp_path)
+    assert build_trainer(lfm2_model(tok), tok, tmp_path)
     assert build_trainer(tiny_for_tokenizer("falcon_h1", tok, tf.FalconH1ForCausalLM), tok, tmp_path)
 
 
@@ -64,8 +62,8 @@ def test_moe_aux_loss_on_a_cache_path_hybrid_is_refused_when_built(tmp_path):
 def test_fp16_is_refused_with_bf16_as_the_fix(tmp_path):
     tok = build_tokenizer()
     with pytest.raises(ValueError, match=r"fp16=True .*Use bf16=True"):
-        build_trainer(_model(tok), tok, tmp_path, fp16=True)
-    assert build_trainer(_model(tok), tok, tmp_path, bf16=True)
+        build_trainer(qwen3_model(tok), tok, tmp_path, fp16=True)
+    assert build_trainer(qwen3_model(tok), tok, tmp_path, bf16=True)
 
 
 def test_a_tensor_parallel_model_is_refused_with_the_reason(tmp_path):
@@ -73,7 +71,7 @@ def test_a_tensor_parallel_model_is_refused_with_the_reason(tmp_path):
     so the trainer was never compared with GRPOTrainer under it: a model transformers loaded with a tp_plan (its
     ``_tp_size``, set here on a built trainer's model, as a 2-process load sets it) is refused, naming the way out."""
     tok = build_tokenizer()
-    trainer = build_trainer(_model(tok), tok, tmp_path)
+    trainer = build_trainer(qwen3_model(tok), tok, tmp_path)
     trainer.model._tp_size = 2
     with pytest.raises(ValueError, match=r"tensor-parallel \(tp_size=2\).*ParallelismConfig.*MULTI_CPU.*without tp_plan"):
         trainer._refuse_at_construction()

@@ -18,13 +18,12 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
 from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
-
-from .test_trl import _model, _train  # noqa: E402
+from support.grpo import qwen3_model, train_two_steps  # noqa: E402
 
 
 def _saved(tmp_path):
     tok = build_tokenizer()
-    _model(tok).save_pretrained(tmp_path / "init")
+    qwen3_model(tok).save_pretrained(tmp_path / "init")
     init = str(tmp_path / "init")
     return tok, init, tf.Qwen3ForCausalLM.from_pretrained(init).state_dict()
 
@@ -41,7 +40,7 @@ def test_all_completions_masked_is_a_zero_loss_that_moves_nothing(tmp_path):
     tok, init, state = _saved(tmp_path)
     no_eos = {"suppress_tokens": [tok.eos_token_id]}
     for cls, cfg, name in ((GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp")):
-        t = _train(cls, cfg, init, tok, tmp_path / name, beta=0.1, mask_truncated_completions=True, generation_kwargs=no_eos)
+        t = train_two_steps(cls, cfg, init, tok, tmp_path / name, beta=0.1, mask_truncated_completions=True, generation_kwargs=no_eos)
         assert t.state.global_step == 2
         assert float(_delta(t, state).abs().max()) == 0.0, name
         assert all(h["loss"] == 0.0 for h in t.state.log_history if "loss" in h)
@@ -143,9 +142,9 @@ def test_entropies_carry_a_graph_only_when_the_bonus_uses_them(tmp_path, monkeyp
         return out
 
     monkeypatch.setattr(SharedPrefixGRPOTrainer, "_get_per_token_logps_and_entropies", spy)
-    plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", entropy_coef=0.5)
-    ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", entropy_coef=0.5)
-    off = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "off", entropy_coef=0.0)
+    plain = train_two_steps(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", entropy_coef=0.5)
+    ours = train_two_steps(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", entropy_coef=0.5)
+    off = train_two_steps(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "off", entropy_coef=0.0)
     dp = _delta(plain, state)
     scale = float(dp.abs().max())
     assert float((_delta(ours, state) - dp).abs().max()) <= 1e-4 * scale
@@ -176,7 +175,7 @@ def test_cast_lm_head_to_fp32_trains_as_grpo_trainer(tmp_path):
     GRPOTrainer to bf16 rounding of the decoder (as the bf16 test in test_trl)."""
     tok, init, state = _saved(tmp_path)
     runs = [
-        _train(cls, cfg, init, tok, tmp_path / name, bf16=True, cast_lm_head_to_fp32=True)
+        train_two_steps(cls, cfg, init, tok, tmp_path / name, bf16=True, cast_lm_head_to_fp32=True)
         for cls, cfg, name in ((GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp"))
     ]
     assert getattr(runs[1].model.lm_head, "_sharedprefix_float32_head", False)

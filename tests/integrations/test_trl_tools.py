@@ -26,8 +26,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
 from sharedprefix.tools.zoo.configs import tiny_config  # noqa: E402
-
-from .trl_helpers import train, two_step_args  # noqa: E402
+from support.grpo import train, two_step_args  # noqa: E402
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
 

@@ -10,7 +10,6 @@ float32 even for a float64 model).
 """
 
 import contextlib
-import types
 
 import pytest
 import torch
@@ -24,24 +23,10 @@ import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOTrainer, _group_preserving_shuffle  # noqa: E402
 from sharedprefix.integrations.trl_batch import image_groups  # noqa: E402
 from sharedprefix.tools.reference import Float64Inside  # noqa: E402
+from support.trl_hook import padded_rows, run_hook, trainer_stub  # noqa: E402
 from support.vl import IMAGE, V_END, V_START, gemma3_model, llava_model, mrope_model  # noqa: E402
 
 PATCH_DIM = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch
-
-
-def padded_rows(prompts, G, C, g):
-    """TRL's rows for ``prompts`` (1-d token tensors): G rows each, the prompt left-padded to the longest, then a
-    completion of 1 to C random tokens right-padded to C. Returns (input_ids, attention_mask, each row's prompt)."""
-    P = max(p.numel() for p in prompts)
-    rows, masks, which = [], [], []
-    for i, p in enumerate(prompts):
-        for _ in range(G):
-            t = int(torch.randint(1, C + 1, (1,), generator=g))
-            comp = torch.randint(0, 90, (t,), generator=g)
-            rows.append(torch.cat([torch.zeros(P - p.numel(), dtype=torch.long), p, comp, torch.zeros(C - t, dtype=torch.long)]))
-            masks.append(torch.cat([torch.zeros(P - p.numel()), torch.ones(p.numel() + t), torch.zeros(C - t)]))
-            which.append(i)
-    return torch.stack(rows), torch.stack(masks).long(), which
 
 
 def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
@@ -90,11 +75,6 @@ def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
     return input_ids, attention_mask, C, extra
 
 
-def _stub(budget=None, mode="keep"):
-    accelerator = types.SimpleNamespace(autocast=contextlib.nullcontext, is_main_process=True)
-    return types.SimpleNamespace(temperature=0.8, accelerator=accelerator, _sp_budget=budget, _sp_mode=mode)
-
-
 def _plain_hook(
     stub,
     model,
@@ -131,17 +111,6 @@ def _plain_hook(
     return torch.stack(lps), torch.stack(ents), None
 
 
-def _run(hook, stub, model, batch):
-    input_ids, attention_mask, C, extra = batch
-    model.zero_grad(set_to_none=True)
-    lp, ent, _ = hook(stub, model, input_ids, attention_mask, C, compute_entropy=True, **extra)
-    mask = attention_mask[:, -C:].bool()
-    w = torch.linspace(-1.0, 2.0, lp.numel(), dtype=lp.dtype).reshape(lp.shape)
-    ((lp * w).masked_fill(~mask, 0).sum() + 0.1 * ent.masked_fill(~mask, 0).sum()).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return lp.detach().masked_fill(~mask, 0), ent.detach().masked_fill(~mask, 0), grads
-
-
 @pytest.mark.parametrize(
     "kind, budget, mode",
     [
@@ -175,9 +144,9 @@ def test_qwen3_5_image_rows_under_a_splitting_budget_by_the_2x_rule(mode):
     batch = _batch(kind="qwen3_5")
     assert sp.plan(image_groups(*batch[:3], **batch[3])[0], 14).splits
     with Float64Inside():
-        truth = _run(_plain_hook, _stub(), model, batch)
-        got = _run(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, _stub(14, mode), model, batch)
-    plain = _run(_plain_hook, _stub(), model, batch)  # the model's own float32 delta rule
+        truth = run_hook(_plain_hook, trainer_stub(), model, batch)
+        got = run_hook(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, trainer_stub(14, mode), model, batch)
+    plain = run_hook(_plain_hook, trainer_stub(), model, batch)  # the model's own float32 delta rule
     for a, b in zip(got[:2], truth[:2]):
         assert float((a - b).abs().max()) <= 1e-9
     scale = max(float(t.abs().max()) for t in truth[2].values())
@@ -198,9 +167,9 @@ def _check_image_rows(kind, budget, mode):
     batch = _batch(kind=kind)
     if budget is not None:  # prompts of 2 to 11 tokens (Gemma 3: up to 41), groups of up to 26: the budget splits groups
         assert sp.plan(image_groups(*batch[:3], **batch[3])[0], budget).splits
-    want = _run(_plain_hook, _stub(), model, batch)
-    got = _run(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, _stub(budget, mode), model, batch)
-    trl = _run(GRPOTrainer._get_per_token_logps_and_entropies, _stub(), model, batch)
+    want = run_hook(_plain_hook, trainer_stub(), model, batch)
+    got = run_hook(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, trainer_stub(budget, mode), model, batch)
+    trl = run_hook(GRPOTrainer._get_per_token_logps_and_entropies, trainer_stub(), model, batch)
     assert float(want[0].abs().max()) > 0.1
     for a, b, c in zip(got[:2], want[:2], trl[:2]):
         assert torch.allclose(a, b, rtol=0, atol=1e-9), float((a - b).abs().max())
@@ -236,15 +205,15 @@ def test_other_image_layouts_are_refused_with_what_is_supported():
     hook = SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies
     tiles = dict(extra, num_tiles=[2] * len(extra["num_images"]))
     with pytest.raises(ValueError, match=r"multimodal inputs \['num_images', 'num_tiles', 'pixel_values'\].*Llava"):
-        hook(_stub(), llava_model(), input_ids, attention_mask, C, **tiles)
+        hook(trainer_stub(), llava_model(), input_ids, attention_mask, C, **tiles)
     # image_sizes asks for LLaVA-NeXT's tiles: one (tiles, channels, height, width) entry per image, not these
     with pytest.raises(ValueError, match=r"shape \(12, 3, 8, 8\) for 12 images .*with image_sizes one \(tiles, channels"):
-        hook(_stub(), llava_model(), input_ids, attention_mask, C, **extra, image_sizes=torch.ones(8, 2, dtype=torch.long))
+        hook(trainer_stub(), llava_model(), input_ids, attention_mask, C, **extra, image_sizes=torch.ones(8, 2, dtype=torch.long))
     per_row = dict(
         pixel_values=torch.zeros(input_ids.shape[0], 2, 3, 8, 8, dtype=torch.float64), num_images=extra["num_images"]
     )  # Idefics-style: padded to one entry per row
     with pytest.raises(ValueError, match=r"shape \(12, 2, 3, 8, 8\) for 12 images .*one \(channels, height, width\) entry per"):
-        hook(_stub(), llava_model(), input_ids, attention_mask, C, **per_row)
+        hook(trainer_stub(), llava_model(), input_ids, attention_mask, C, **per_row)
 
 
 def test_token_type_ids_outside_a_prompts_images_are_refused():
@@ -253,4 +222,4 @@ def test_token_type_ids_outside_a_prompts_images_are_refused():
     bad = extra["token_type_ids"].clone()
     bad[0, -C] = 1  # row 0's first completion token marked as an image token
     with pytest.raises(ValueError, match=r"row 0 has token_type_ids .* a 1 \(image token\) in its completion"):
-        hook(_stub(), gemma3_model(4), input_ids, attention_mask, C, **dict(extra, token_type_ids=bad))
+        hook(trainer_stub(), gemma3_model(4), input_ids, attention_mask, C, **dict(extra, token_type_ids=bad))

@@ -35,9 +35,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
+from support.grpo import train, two_step_args  # noqa: E402
 from support.vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION, gemma3_config, llava_config  # noqa: E402
-
-from .trl_helpers import train, two_step_args  # noqa: E402
 
 SPECIAL = {IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>", V_START: "<|vision_start|>", V_END: "<|vision_end|>"}
 LLAVA_SPECIAL = {IMAGE: "<image>"}

@@ -1,10 +1,12 @@
 """SharedPrefixGRPOTrainer built for the tests: the key-value task's reward and dataset, a tiny model of a zoo config
-with the tokenizer's special tokens, and the trainer built (not trained) with warnings silenced. Needs trl and
+with the tokenizer's special tokens, and the trainer built (not trained) with warnings silenced; the TRL ``train()``
+comparisons' config and run (2 plain-SGD steps), and the tiny Qwen3, LFM2 and MoE models they train. Needs trl and
 datasets: import it after ``pytest.importorskip`` of both."""
 
 import warnings
 
 import torch
+import transformers as tf
 
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer
 from sharedprefix.recipes.grpo.tasks import KeyValueTask
@@ -46,3 +48,103 @@ def tiny_for_tokenizer(model_type: str, tok, cls):
     cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
     torch.manual_seed(0)
     return cls(cfg)
+
+
+def two_step_args(cfg_cls, out, **settings):
+    """``cfg_cls`` (``GRPOConfig`` or ``SharedPrefixGRPOConfig``) for 2 plain-SGD steps at a constant rate of 0.5, on
+    CPU in float32, seed 0, logging every step, no saving or reporting; ``settings`` add to or override these."""
+    base = dict(
+        output_dir=str(out),
+        max_steps=2,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+    )
+    return cfg_cls(**{**base, **settings})
+
+
+def train(cls, args, **trainer_kwargs):
+    """``cls(args=args, **trainer_kwargs)`` built and trained with warnings silenced; returns the trainer."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = cls(args=args, **trainer_kwargs)
+        trainer.train()
+    return trainer
+
+
+def train_two_steps(cls, cfg_cls, model, tok, tmp_path, **kw):
+    """``cls`` (``GRPOTrainer`` or ``SharedPrefixGRPOTrainer``) trained 2 steps (``two_step_args``) on ``dataset()``
+    and ``reward``: groups of 4, 8 rows a step, completions of up to 3 tokens at temperature 1; ``kw``: settings to add
+    or override. Returns the trainer."""
+    settings = dict(
+        num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=1, temperature=1.0, max_completion_length=3
+    )
+    args = two_step_args(cfg_cls, tmp_path, **{**settings, **kw})
+    return train(cls, args, model=model, reward_funcs=reward, train_dataset=dataset(), processing_class=tok)
+
+
+def qwen3_model(tok):
+    """A tiny Qwen3 (2 layers, hidden size 32, sdpa) with ``tok``'s vocabulary and special tokens (seed 0)."""
+    cfg = tf.Qwen3Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return tf.Qwen3ForCausalLM(cfg)
+
+
+def lfm2_model(tok):
+    """A tiny LFM2 (short convolutions beside attention, on the packed path)."""
+    cfg = tf.Lfm2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention", "conv"],
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+        max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return tf.Lfm2ForCausalLM(cfg)
+
+
+MOE_MODELS = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "gpt_oss": tf.GptOssForCausalLM}
+
+
+def moe_model(tmp_path, tok, kind):
+    """The zoo's tiny ``kind`` (a key of ``MOE_MODELS``) with ``tok``'s vocabulary and special tokens and
+    ``router_aux_loss_coef`` 0.5 (seed 0), saved to ``tmp_path / "init"``. Returns (that folder, its state dict)."""
+    cfg = tiny_config(kind)
+    cfg.vocab_size = len(tok)
+    cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    cfg.router_aux_loss_coef = 0.5  # large enough that the aux term moves the update (checked in test_trl_moe.py)
+    cfg.max_position_embeddings = 256
+    assert hasattr(cfg, "output_router_logits") and not cfg.output_router_logits
+    torch.manual_seed(0)
+    impl = "sdpa" if MOE_MODELS[kind]._supports_sdpa else "eager"  # GPT-OSS (attention sinks): eager
+    model = MOE_MODELS[kind]._from_config(cfg, attn_implementation=impl)
+    model.save_pretrained(tmp_path / "init")
+    return str(tmp_path / "init"), model.state_dict()
