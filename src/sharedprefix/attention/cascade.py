@@ -29,28 +29,7 @@ class _Merged(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, impl, dense, calls, device, scale, softcap, sinks, q, *kv):
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        outs, lses, auxes = [], [], []
-        for i, c in enumerate(calls):
-            o, m, aux = _call_forward(impl, dense, c, q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], device, scale, softcap)
-            outs.append(o)
-            lses.append(m.to(acc))
-            auxes.append(aux)
-        if len(calls) == 1:
-            out, lse = outs[0], lses[0]
-        else:
-            lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
-            for c, m in zip(calls, lses):
-                lse[c.q_start : c.q_end] = torch.logaddexp(lse[c.q_start : c.q_end], m)
-            merged = torch.zeros(q.shape[0], q.shape[1], outs[0].shape[-1], dtype=acc, device=q.device)
-            for c, o, m in zip(calls, outs, lses):
-                w = torch.exp(m - lse[c.q_start : c.q_end]).nan_to_num_(0.0)  # -inf - -inf: rows with no key
-                merged[c.q_start : c.q_end] += w[..., None] * o.to(acc)
-            out = merged.to(q.dtype)
-        if sinks is not None:
-            lse_s = torch.logaddexp(lse, sinks.to(acc)[None, :])
-            out = (torch.exp(lse - lse_s).nan_to_num_(0.0)[..., None] * out.to(acc)).to(q.dtype)
-            lse = lse_s
+        out, lse, auxes = merged_forward(impl, dense, calls, device, scale, softcap, sinks, q, kv)
         ctx.save_for_backward(q, out, lse, sinks, *kv)
         ctx.impl, ctx.dense, ctx.calls, ctx.device, ctx.scale, ctx.auxes, ctx.softcap = impl, dense, calls, device, scale, auxes, softcap
         return out
@@ -58,19 +37,54 @@ class _Merged(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, sinks, *kv = ctx.saved_tensors
-        dq = torch.zeros_like(q)
-        grads = []
-        for i, c in enumerate(ctx.calls):
-            s = slice(c.q_start, c.q_end)
-            gq, gk, gv = _call_backward(ctx, c, ctx.auxes[i], dout[s], q[s], kv[2 * i], kv[2 * i + 1], out[s], lse[s])
-            dq[s] += gq
-            grads += [gk, gv]
-        dsinks = None
-        if sinks is not None and ctx.needs_input_grad[6]:
-            acc = lse.dtype
-            delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (L, H)
-            dsinks = -(torch.exp(sinks.to(acc)[None, :] - lse) * delta).sum(0).to(sinks.dtype)
+        dq, grads, dsinks = merged_backward(ctx, dout, q, out, lse, sinks, kv, sinks is not None and ctx.needs_input_grad[6])
         return (None, None, None, None, None, None, dsinks, dq, *grads)
+
+
+def merged_forward(impl, dense, calls, device, scale: float, softcap, sinks, q: torch.Tensor, kv) -> tuple:
+    """(out (L, H, Dv) in q's dtype, lse (L, H) float32 / float64, per-call kernel aux) of the calls merged by
+    log-sum-exp, with the sinks' logits; ``kv``: each call's keys and values in turn (k_0, v_0, k_1, v_1, ...)."""
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses, auxes = [], [], []
+    for i, c in enumerate(calls):
+        o, m, aux = _call_forward(impl, dense, c, q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], device, scale, softcap)
+        outs.append(o)
+        lses.append(m.to(acc))
+        auxes.append(aux)
+    if len(calls) == 1:
+        out, lse = outs[0], lses[0]
+    else:
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
+        for c, m in zip(calls, lses):
+            lse[c.q_start : c.q_end] = torch.logaddexp(lse[c.q_start : c.q_end], m)
+        merged = torch.zeros(q.shape[0], q.shape[1], outs[0].shape[-1], dtype=acc, device=q.device)
+        for c, o, m in zip(calls, outs, lses):
+            w = torch.exp(m - lse[c.q_start : c.q_end]).nan_to_num_(0.0)  # -inf - -inf: rows with no key
+            merged[c.q_start : c.q_end] += w[..., None] * o.to(acc)
+        out = merged.to(q.dtype)
+    if sinks is not None:
+        lse_s = torch.logaddexp(lse, sinks.to(acc)[None, :])
+        out = (torch.exp(lse - lse_s).nan_to_num_(0.0)[..., None] * out.to(acc)).to(q.dtype)
+        lse = lse_s
+    return out, lse, auxes
+
+
+def merged_backward(ctx, dout, q, out, lse, sinks, kv, sinks_grad: bool) -> tuple:
+    """(dq, [dk_0, dv_0, dk_1, ...], dsinks or None) of ``merged_forward``; ``ctx`` holds its impl, dense, calls,
+    device, scale, softcap and auxes."""
+    dq = torch.zeros_like(q)
+    grads = []
+    for i, c in enumerate(ctx.calls):
+        s = slice(c.q_start, c.q_end)
+        gq, gk, gv = _call_backward(ctx, c, ctx.auxes[i], dout[s], q[s], kv[2 * i], kv[2 * i + 1], out[s], lse[s])
+        dq[s] += gq
+        grads += [gk, gv]
+    dsinks = None
+    if sinks_grad:
+        acc = lse.dtype
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (L, H)
+        dsinks = -(torch.exp(sinks.to(acc)[None, :] - lse) * delta).sum(0).to(sinks.dtype)
+    return dq, grads, dsinks
 
 
 def _call_forward(impl, dense, c, q, k, v, device, scale, softcap):

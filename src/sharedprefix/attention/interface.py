@@ -27,7 +27,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 
-from sharedprefix.attention import dynamic_mask, indexed, kernels
+from sharedprefix.attention import compiled, dynamic_mask, indexed, kernels
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.attention.kernels import flex
 from sharedprefix.attention.layers import index_to_position_temperature, layer_chunk, layer_pattern, layer_window, softcap_refusal
@@ -70,6 +70,8 @@ class PassState:
             a recurrent state; ``model.mixers``), keyed by (mixer module, seam); ``mixed``: (module, seam) -> calls.
         sequence: under sequence parallelism, the row's split (``parallel.sequence.SequenceShard``): the attention
             receives this rank's tokens for all heads and exchanges them for the whole row of its heads.
+        io: a pass through compiled decoder layers: its handle and its layers' cached keys (``attention.compiled``).
+        force_eager: compiled decoder layers run eager in this pass, also when checkpointing recomputes them.
 
     """
 
@@ -85,6 +87,8 @@ class PassState:
     write_state: Callable | None = None
     mixed: dict = field(default_factory=dict)
     sequence: Any = None  # ``parallel.sequence.SequenceShard`` of a sequence-parallel pass, else None
+    io: Any = None  # ``attention.compiled.PassIO`` of a pass through compiled layers, else None
+    force_eager: bool = False  # compiled layers that this pass runs eager (``schedule.compiled``)
 
 
 _STACK: list[PassState] = []
@@ -99,13 +103,16 @@ def current_pass() -> PassState | None:
 def pass_state(state: PassState):
     """Make ``state`` the layout the attention function uses (also during backward)."""
     _STACK.append(state)
+    compiled.CURRENT.io = state.io
     try:
-        yield state
+        with torch.compiler.set_stance("force_eager") if state.force_eager else nullcontext():
+            yield state
     finally:
         for i in range(len(_STACK) - 1, -1, -1):  # by identity: states compare tensors otherwise
             if _STACK[i] is state:
                 del _STACK[i]
                 break
+        compiled.CURRENT.io = _STACK[-1].io if _STACK else None
 
 
 def _refuse(msg: str):
@@ -135,7 +142,10 @@ def shared_prefix_attention(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kwargs
 ):
     """transformers' attention function under ``NAME``: refuse what it cannot reproduce (``_checked``), record the
-    row's K/V of the segments later passes read (``_record``), attend over the cascade (``_attend``)."""
+    row's K/V of the segments later passes read (``_record``), attend over the cascade (``_attend``). Inside a
+    compiled layer: the same checks on what the layer passes, then one operator (``attention.compiled``)."""
+    if torch.compiler.is_compiling():
+        return _compiled(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs), None
     if not _STACK:
         raise RuntimeError(
             "the 'sharedprefix' attention ran outside a sharedprefix call; it needs a packed-row layout. "
@@ -156,12 +166,7 @@ def _checked(module, state: PassState, query, key, value, attention_mask, dropou
     name = type(module).__name__
     window = layer_window(module, window)
     chunk = layer_chunk(module)
-    if dropout and dropout > 0:
-        _refuse(
-            f"{name} runs attention dropout p={dropout} in training mode; sharedprefix refuses it because a "
-            "prompt shared by G completions would share one dropout draw, unlike the plain run. "
-            "Set the model's attention_dropout to 0.0 (RL fine-tuning normally does) or call model.eval()."
-        )
+    _check_dropout(name, dropout)
     amp = autocast_device(query)
     if amp is not None:  # as autocast casts the plain run's scaled_dot_product_attention: float64 it leaves alone
         dt = torch.get_autocast_dtype(amp)
@@ -183,14 +188,7 @@ def _checked(module, state: PassState, query, key, value, attention_mask, dropou
             f"{name} passed attention sinks (s_aux) of shape {tuple(sinks.shape)}; sharedprefix merges one sink "
             f"logit per query head, shape ({query.shape[1]},), and refuses other shapes."
         )
-    odd = {k: v for k, v in kwargs.items() if k not in _NEUTRAL_KWARGS and v is not None}
-    if kwargs.get("is_causal") is False:
-        odd["is_causal"] = False
-    if odd:
-        _refuse(
-            f"{name} passed attention arguments {sorted(odd)} that sharedprefix cannot honour exactly "
-            "(e.g. position biases or a non-causal flag). This model is not supported."
-        )
+    _check_kwargs(name, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if attention_mask is not None and dynamic_mask.has_dynamic_mask(module):
         query, key, value = dynamic_mask.fold_key_bias(module, query, key, value, attention_mask, scale)
@@ -220,6 +218,50 @@ def _checked(module, state: PassState, query, key, value, attention_mask, dropou
     if use_flex and sinks is not None:
         _refuse(f"{name} combines attention sinks with soft-capping; the FlexAttention path takes no sinks.")
     return _Call(query, key, value, scale, window, chunk, softcap, sinks, indices, impl, use_flex, amp)
+
+
+def _check_dropout(name: str, dropout) -> None:
+    if dropout and dropout > 0:
+        _refuse(
+            f"{name} runs attention dropout p={dropout} in training mode; sharedprefix refuses it because a "
+            "prompt shared by G completions would share one dropout draw, unlike the plain run. "
+            "Set the model's attention_dropout to 0.0 (RL fine-tuning normally does) or call model.eval()."
+        )
+
+
+def _check_kwargs(name: str, kwargs: dict) -> None:
+    odd = {k: v for k, v in kwargs.items() if k not in _NEUTRAL_KWARGS and v is not None}
+    if kwargs.get("is_causal") is False:
+        odd["is_causal"] = False
+    if odd:
+        _refuse(
+            f"{name} passed attention arguments {sorted(odd)} that sharedprefix cannot honour exactly "
+            "(e.g. position biases or a non-causal flag). This model is not supported."
+        )
+
+
+def _compiled(module, query, key, value, attention_mask, dropout, scaling, window, softcap, kwargs) -> torch.Tensor:
+    """The attention of a compiled decoder layer (``attention.compiled``): the checks of ``_checked`` that depend on
+    what the layer passes, traced; those that depend on the pass run inside the operator. The executor runs a pass
+    through compiled layers only where nothing else applies (``compiled.refusal``)."""
+    name = type(module).__name__
+    _check_dropout(name, dropout)
+    sinks = kwargs.pop("s_aux", None)
+    _check_kwargs(name, kwargs)
+    if attention_mask is not None:
+        _refuse(
+            f"{name} received a ready-made attention mask inside a compiled layer; sharedprefix builds the "
+            "shared-prefix attention itself and cannot combine it with the model's own mask."
+        )
+    amp = autocast_device(query)
+    if amp is not None:
+        dt = torch.get_autocast_dtype(amp)
+        query, key, value = (t if t.dtype == torch.float64 else t.to(dt) for t in (query, key, value))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = None if window is None else int(window)
+    return compiled.traced_attention(
+        module, query, key, value, float(scale), None if softcap is None else float(softcap), window, sinks, amp
+    )
 
 
 def _record(module, state: PassState, call: _Call):

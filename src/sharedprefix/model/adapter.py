@@ -45,7 +45,9 @@ def unwrap(model: torch.nn.Module) -> PreTrainedModel:
     if hasattr(m, "_orig_mod"):  # torch.compile's OptimizedModule
         raise TypeError(
             f"model is a torch.compile wrapper ({type(m).__name__}); sharedprefix runs the model's decoder and head "
-            "itself, so a compiled forward would not be used. Pass the uncompiled model (model._orig_mod)."
+            "itself, so a compiled forward would not be used. Pass the uncompiled model (model._orig_mod) with its "
+            "decoder layers compiled in place instead (`for layer in model.model.layers: layer.compile()`), which "
+            "sharedprefix runs compiled, without graph breaks."
         )
     raise TypeError(
         f"model is a {type(model).__name__}; expected a transformers causal LM (a PreTrainedModel with an LM head), "

@@ -8,9 +8,11 @@ Notation: L = row length, M = computed tokens of a pass, n = rows a pass reports
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
-from sharedprefix.attention import probe
+from sharedprefix.attention import compiled, probe
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.interface import PassState, pass_state
 from sharedprefix.attention.kernels import select
@@ -31,6 +33,7 @@ from sharedprefix.parallel.sequence import SequenceShard, refuse_features
 from sharedprefix.parallel.tensor import refuse_with_sequence_group
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache
+from sharedprefix.schedule.compiled import compiled_path
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.planner import Pass, Plan, plan_checked
 
@@ -71,7 +74,8 @@ class Executor:
         self.rounds = self.par.agree_on_error(error, counts=counts)
         # the same model on every rank: a refusal here is raised by every rank together (no guard needed)
         own = self.model.forward if self.par.fsdp else None
-        self.par.call(lambda: verify_head(self.model, own), guard=False)
+        with torch.compiler.set_stance("force_eager"):  # checks of the model's own forward: compiled layers run eager
+            self.par.call(lambda: verify_head(self.model, own), guard=False)
         pats = {m: p for m in self.model.modules() if (p := probe.pattern(m)) is not None}
         mods = list(pats)
         calls = max((p.calls for p in pats.values()), default=1)
@@ -84,7 +88,9 @@ class Executor:
                 error = e
             self.par.agree_on_error(error)
         if self.router_logits is not None or self.aux_grads is not None:
-            self.par.call(lambda: router.verify(self.model, decoder(self.model), self.device), guard=False)
+            with torch.compiler.set_stance("force_eager"):
+                self.par.call(lambda: router.verify(self.model, decoder(self.model), self.device), guard=False)
+        self.layers, self.force_eager = compiled_path(self, pats)
 
     def _setup(self, source, leaves, prefix_activations, aux):
         max_tokens, backend, temperature = self.options.max_tokens, self.options.backend, self.options.temperature
@@ -138,6 +144,7 @@ class Executor:
             self.backend,
             self.cache.read_kv,
             self.cache.write_kv,
+            force_eager=self.force_eager,
             read_index=self.cache.read_index,
             write_index=self.cache.write_index,
             read_state=self.cache.read_state,
@@ -147,7 +154,12 @@ class Executor:
         shard = state.sequence.shard if state.sequence is not None else (lambda t: t)  # (..., L) -> this rank's
 
         def fn():
-            with pass_state(state):
+            hook = None
+            if self.layers is not None:  # compiled decoder layers: the pass's handle, and the cached K/V's gradients
+                compiled.register(state, self.layers)
+                if (bridge := compiled.bridge(state, self.layers, self.cache.read_kv)) is not None:
+                    hook = self.model.get_input_embeddings().register_forward_hook(bridge)
+            with pass_state(state), _removed(hook):
                 if self.mm is not None and tree is self.plan.tree:  # the vision tower runs for this row's prompts
                     extra = {k: v.to(self.device) for k, v in self.mm.inputs(layout, self.source).items()}
                     out = self.mm.module(
@@ -197,7 +209,7 @@ class Executor:
                 # One row of logits, times zero: adds exactly nothing.
                 hidden = hidden + (head_logits(self.model, hidden[-1:]).sum() * 0.0).to(hidden.dtype)
             if surrogate is not None:
-                sur = self.cache.surrogate(surrogate, through_outputs=self.par.fsdp)
+                sur = self.cache.surrogate(surrogate, through_outputs=self.par.fsdp or self.layers is not None)
                 if self.aux_term is not None:
                     sur, self.aux_term = (self.aux_term if sur is None else sur + self.aux_term), None
                 if self.par.fsdp and not layout.targets.numel() and torch.is_grad_enabled():
@@ -260,3 +272,13 @@ class Executor:
             if grad:
                 with pass_state(state):
                     self.par.backward(res[0].sum() * 0.0)
+
+
+@contextmanager
+def _removed(hook):
+    """Remove the hook handle (or nothing) on exit."""
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook.remove()

@@ -167,7 +167,7 @@ def _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls) -> fl
             state, sur, _ = run.run_pass(Pass((x,), record=(x,)), surrogate=x)
         else:
             state = run.cache.states[x]
-            sur = run.cache.surrogate(x)
+            sur = run.cache.surrogate(x, through_outputs=run.layers is not None)  # compiled: dK, dV join at the layers
             if hooks is not None:  # start bringing the offloaded activations back before the backward needs them
                 hooks.prefetch()
         if sur is not None:

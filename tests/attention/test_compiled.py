@@ -1,0 +1,161 @@
+"""Compiled decoder layers (``attention.compiled``): no graph break, no recompilation across layouts after a warm-up,
+and results equal to the plain eager forward per row (float64: log-probs 1e-9, gradients relative 1e-9).
+
+Each test compiles the layers of its own tiny model in place (``layer.compile()``, as torchtitan and verl compile
+blocks) and counts with ``torch._dynamo.utils.counters`` from a ``torch._dynamo.reset()``; the plain reference runs on
+an uncompiled copy with the same weights. CPU inductor, float64.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import sharedprefix as sp
+from tests.helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
+
+# (groups, prompt lengths, completion lengths, max_tokens): group counts, lengths and budgets that split groups
+# change from step to step; no pass is one token long (a row of one token is dynamo's 0/1 specialisation)
+LAYOUTS = [
+    (1, [7], [[3, 4]], None),
+    (2, [5, 9], [[2, 6, 3], [4]], None),
+    (1, [11], [[5, 2, 7, 3]], 12),
+    (3, [4, 6, 8], [[3], [2, 2], [5, 1]], None),
+    (2, [10, 6], [[4, 3, 2], [6, 5]], 16),
+    (2, [9, 12], [[3, 5], [2, 2, 4]], 14),
+]
+
+
+def _counts() -> tuple[int, int]:
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
+def _compiled_pair(arch="qwen3", **kw):
+    torch._dynamo.reset()
+    counters.clear()
+    model, ref = tiny_model(arch, torch.float64, **kw), tiny_model(arch, torch.float64, **kw)
+    for layer in model.model.layers:
+        layer.compile()
+    return model, ref
+
+
+def _step(model, ref, groups, budget, kind):
+    """One step of ``kind`` on the compiled ``model``, checked against one plain forward per row of ``ref``."""
+    want = plain_logprobs(ref, groups)[0].detach()
+    if kind == "logprobs":
+        with torch.no_grad():
+            got = sp.logprobs(model, groups, max_tokens=budget).logprobs
+        assert (got - want).abs().max() <= 1e-9
+        return
+    w = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref_grads = grads_of(ref, lambda: (plain_logprobs(ref, groups)[0] * w).sum())
+    if kind == "backward":
+        loss = lambda b: (b.logprobs * w[b.index]).sum()  # noqa: E731
+        got = grads_of(model, lambda: sp.backward(model, groups, loss, max_tokens=budget) and None)
+    else:  # defer=True: values without a graph now, sp.backward under the budget when the loss backpropagates
+        got = grads_of(model, lambda: (sp.logprobs(model, groups, max_tokens=budget, defer=True).logprobs * w).sum())
+    assert_grads_close(got, ref_grads, 1e-9)
+
+
+def _run(model, ref, kind, layouts):
+    per_step = []
+    for i, (n, p, c, budget) in enumerate(layouts):
+        before = _counts()
+        _step(model, ref, random_groups(i, n, p, c), budget, kind)
+        per_step.append(tuple(a - b for a, b in zip(_counts(), before)))
+    return per_step
+
+
+def test_compiled_layers_backward_no_break_no_recompile_exact():
+    """sp.backward under budgets that split groups (the prefix cache's K/V read and their gradient) on compiled
+    layers: no graph break at all, no graph compiled after the second step, gradients equal to the plain run's."""
+    model, ref = _compiled_pair()
+    per_step = _run(model, ref, "backward", LAYOUTS[:3])  # the third splits its group: the cache's first use
+    assert all(b == 0 for b, _ in per_step), per_step
+    assert all(g == 0 for _, g in per_step[2:]), per_step
+    assert sum(g for _, g in per_step) >= 1, "the layers did not run compiled"
+    # a grad-enabled sp.logprobs returns a graph whose backward runs after the call ended (the pass kept alive by it)
+    groups = random_groups(7, 2, [6, 8], [[3, 2], [4]])
+    w = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    out = sp.logprobs(model, groups, defer=False).logprobs
+    gc.collect()
+    got = grads_of(model, lambda: (out * w).sum())
+    assert_grads_close(got, grads_of(ref, lambda: (plain_logprobs(ref, groups)[0] * w).sum()), 1e-9)
+    assert _counts()[1] == sum(g for _, g in per_step), "grad-enabled sp.logprobs compiled again"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["logprobs", "backward", "defer"])
+def test_compiled_layers_over_layouts(kind):
+    model, ref = _compiled_pair()
+    per_step = _run(model, ref, kind, LAYOUTS)
+    assert all(b == 0 for b, _ in per_step), per_step
+    assert all(g == 0 for _, g in per_step[2:]), per_step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "arch, kw",
+    [
+        ("mistral", dict(sliding_window=5)),  # a window that bites: one gathered call per row
+        ("gemma", {}),  # MQA
+        ("llama", dict(num_key_value_heads=1)),
+    ],
+)
+def test_compiled_layers_features(arch, kw):
+    model, ref = _compiled_pair(arch, **kw)
+    per_step = _run(model, ref, "backward", LAYOUTS[:4])
+    assert all(b == 0 for b, _ in per_step), per_step
+    assert all(g == 0 for _, g in per_step[2:]), per_step
+
+
+@pytest.mark.slow
+def test_compiled_layers_with_checkpointing():
+    """transformers' checkpointed layers break dynamo's checkpoint operator with a context variable of the ``kernels``
+    hub (a plain compiled model too: "HOP: Unsafe side effect"); with dynamo's own switch for that side effect, the
+    recomputation runs the operator again, exact, without a break."""
+    model, ref = _compiled_pair()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    ref.train()
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        per_step = _run(model, ref, "backward", LAYOUTS[:4])
+    assert all(b == 0 for b, _ in per_step), per_step
+    assert all(g == 0 for _, g in per_step[2:]), per_step
+    assert sum(g for _, g in per_step) >= 1, "the layers did not run compiled"
+
+
+def test_whole_model_compile_refused():
+    model = tiny_model("qwen3", torch.float64)
+    model.compile()
+    groups = random_groups(0, 1, [5], [[2, 3]])
+    with pytest.raises(TypeError, match=r"compiled as a whole \(module.compile\(\)\).*layer.compile\(\)"):
+        sp.logprobs(model, groups)
+    with pytest.raises(TypeError, match=r"torch.compile wrapper .*layer.compile\(\)"):
+        sp.logprobs(torch.compile(tiny_model("qwen3", torch.float64)), groups)
+
+
+def test_compiled_layers_that_cannot_run_compiled_warn_and_run_eager():
+    """A grad-enabled sp.logprobs split by a budget keeps the prompt's K/V in the completions' graph, which the
+    compiled path does not build: the layers run eager (nothing compiled), exact, after one warning that says why."""
+    model, ref = _compiled_pair()
+    groups = random_groups(0, 1, [9], [[3, 4], [2]])
+    with pytest.warns(UserWarning, match=r"compiled layers, but they run eager in this call because a grad-enabled"):
+        got = sp.logprobs(model, groups, max_tokens=8, defer=False).logprobs
+    assert _counts() == (0, 0)
+    assert (got.detach() - plain_logprobs(ref, groups)[0]).abs().max() <= 1e-9
+
+
+@pytest.mark.slow
+def test_compiled_layers_without_grad_run_compiled_silently():
+    model, _ = _compiled_pair()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            sp.logprobs(model, random_groups(0, 1, [9], [[3, 4], [2]]), max_tokens=8)
+    assert _counts()[1] >= 1
