@@ -55,7 +55,7 @@ def _eager_reasons(run, pats: dict) -> list[str]:
         out.append("prompts with images run the model's own multimodal forward")
     if run.frames is not None:
         out.append("multi-stream (MusicGen) decoders are not yet run through compiled layers")
-    if mixers.is_packed(run.model):
+    if mixers.on_packed_path(run.model):
         out.append("token mixers outside attention (hybrid layers) are not yet run through compiled layers")
     if any(p.indexed for p in pats.values()):
         out.append("indexed (DeepSeek sparse) attention needs the row's mask")
