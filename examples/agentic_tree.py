@@ -21,7 +21,13 @@ import sharedprefix as sp
 
 torch.manual_seed(0)
 config = tf.Qwen3Config(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
 )
 model = tf.Qwen3ForCausalLM(config).double()  # float64, so that the check below can be tight
 
@@ -39,7 +45,9 @@ for _task in range(2):  # two tasks
         for _ in range(2):
             tool, second = turn(5), turn(4)  # the tool's result (not trained), then the last assistant turn
             rows.append(system + user + first + tool + second)
-            trained.append([False] * len(system + user) + [True] * len(first) + [False] * len(tool) + [True] * len(second))
+            trained.append(
+                [False] * len(system + user) + [True] * len(first) + [False] * len(tool) + [True] * len(second)
+            )
 tree = sp.Tree.from_rows(rows, trained=trained)
 
 # Log-probs aligned with the rows: out.logprobs[i, t] = log p(rows[i][t] | rows[i][:t]) where trained, else 0.
@@ -64,4 +72,7 @@ def loss_fn(batch):  # batch: .logprobs, .mask (n, L) and .index (n,) into the r
 
 
 res = sp.backward(model, tree, loss_fn, max_tokens=96)  # 96 tokens per pass: the tree is split across passes
-print(f"loss {res.loss:+.3e} in {res.passes} passes: {res.tokens_computed} tokens computed, a plain run computes {res.tokens_plain}")
+print(
+    f"loss {res.loss:+.3e} in {res.passes} passes: {res.tokens_computed} tokens computed, a plain run computes "
+    f"{res.tokens_plain}"
+)

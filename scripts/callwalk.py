@@ -87,7 +87,13 @@ def main() -> None:
 
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
     )
     model = Qwen3ForCausalLM(cfg).eval()
     groups = [sp.Group([1, 2, 3, 4, 5, 6, 7, 8, 9], [[10, 11], [12], [13, 14, 15]]), sp.Group([5, 6], [[7, 8]])]
@@ -99,7 +105,10 @@ def main() -> None:
     calls = {
         "sp.logprobs": (False, lambda: sp.logprobs(model, groups, max_tokens=8)),
         "sp.logprobs, grad enabled": (True, lambda: sp.logprobs(model, groups, max_tokens=8)),
-        "sp.logprobs, checkpointed model (deferred backward)": (True, lambda: sp.logprobs(checkpointed, groups, max_tokens=8)),
+        "sp.logprobs, checkpointed model (deferred backward)": (
+            True,
+            lambda: sp.logprobs(checkpointed, groups, max_tokens=8),
+        ),
         "sp.backward": (True, lambda: sp.backward(model, groups, lambda b: b.logprobs.sum(), max_tokens=8)),
         "sp.logprobs, cache-path hybrid (Zaya)": (False, lambda: sp.logprobs(cache_path_model, groups, max_tokens=8)),
         "sp.backward, cache-path hybrid (Zaya)": (

@@ -5,8 +5,8 @@ pytest): the `gpu` tests (the varlen flash primitive and the cascade in bf16, sp
 2x rule), the GPU benchmark (`sharedprefix bench --device cuda`, with its dense-dispatch ablation), the long-prompt
 table (`bench --device cuda --long --no-capacity`), the capacity line (`--long --capacity-only`) and the hybrid tree
 benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16`),
-each under its own timeout (together under 10 minutes), so that a hang still leaves a report. Writes benchmarks/gpu_<device>.txt,
-whose last line is machine-readable (``summary_line``):
+each under its own timeout (together under 10 minutes), so that a hang still leaves a report. Writes
+benchmarks/gpu_<device>.txt, whose last line is machine-readable (``summary_line``):
 
     gpu-summary gpu_tests=pass|fail|not_run flop_eff_8192_512_16=F flop_eff_min=F long_vs_inpass_min=F
                 long_peak_vs_plain_max=F capacity_vs_plain=F offload_vs_recompute_max=F
@@ -76,7 +76,9 @@ def parse_flop_eff(lines) -> dict:
 
 def parse_long(lines) -> dict:
     """{(P, T, G): {run: (seconds, peak MiB)}} from the long-prompt table (``tools.bench_long.run``)."""
-    row = re.compile(rf"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(plain|in_pass|keep|offload|recompute)\s+{_NUM}\s+(-|{_NUM[1:-1]})\s")
+    row = re.compile(
+        rf"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(plain|in_pass|keep|offload|recompute)\s+{_NUM}\s+(-|{_NUM[1:-1]})\s"
+    )
     out: dict = {}
     for line in lines:
         if m := row.match(line + " "):
@@ -117,9 +119,13 @@ def summary_line(tests_ok: bool | None, bench_lines, long_lines, capacity_lines,
         "flop_eff_8192_512_16": eff.get((8192, 512, 16), nan),
         "flop_eff_min": _pick(list(eff.values()), min),
         "long_vs_inpass_min": _pick([_ratio(get(r, "in_pass", 0), get(r, "keep", 0)) for r in long.values()], min),
-        "long_peak_vs_plain_max": _pick([_ratio(get(r, "recompute", 1), get(r, "plain", 1)) for r in long.values()], max),
+        "long_peak_vs_plain_max": _pick(
+            [_ratio(get(r, "recompute", 1), get(r, "plain", 1)) for r in long.values()], max
+        ),
         "capacity_vs_plain": _ratio(float(cap.get("ours", nan)), float(cap.get("plain", nan))),
-        "offload_vs_recompute_max": _pick([_ratio(get(r, "offload", 0), get(r, "recompute", 0)) for r in long.values()], max),
+        "offload_vs_recompute_max": _pick(
+            [_ratio(get(r, "offload", 0), get(r, "recompute", 0)) for r in long.values()], max
+        ),
         **{f"hybrid_tree_{k}": hyb.get(k, nan) for k in ("vs_tokens", "vs_flops", "flops_vs_tokens")},
     }
     tests = "not_run" if tests_ok is None else "pass" if tests_ok else "fail"
@@ -129,7 +135,13 @@ def summary_line(tests_ok: bool | None, bench_lines, long_lines, capacity_lines,
 def main() -> int:
     ap = argparse.ArgumentParser(description="the gpu tests and the GPU benchmark, in one command")
     ap.add_argument("--log-dir", default=None, help="also write the whole output of each step into this folder")
-    ap.add_argument("--only", nargs="+", choices=list(TIMEOUTS), default=list(TIMEOUTS), help="run only these steps (the others read nan)")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=list(TIMEOUTS),
+        default=list(TIMEOUTS),
+        help="run only these steps (the others read nan)",
+    )
     args = ap.parse_args()
     log = (lambda name: os.path.join(args.log_dir, name)) if args.log_dir else (lambda name: None)  # noqa: E731
     if not torch.cuda.is_available():
@@ -149,19 +161,39 @@ def main() -> int:
     rc_tests, out = 0, []
     if ran_tests:
         rc_tests, out = _run(
-            [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider", "-rfE", "--tb=short"],
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-m",
+                "gpu",
+                "tests/gpu",
+                "-p",
+                "no:cacheprovider",
+                "-rfE",
+                "--tb=short",
+            ],
             env,
             TIMEOUTS["tests"],
             keep=25,
             log=log("gpu_tests.log"),
         )
-    lines += ["", f"gpu tests (exit {rc_tests}, {time.time() - t0:.0f} s):" if ran_tests else "gpu tests: not run (--only)", *out]
+    lines += [
+        "",
+        f"gpu tests (exit {rc_tests}, {time.time() - t0:.0f} s):" if ran_tests else "gpu tests: not run (--only)",
+        *out,
+    ]
     print("\n".join(lines[-len(out) - 2 :]), flush=True)
     outs: dict = {key: [] for key in TIMEOUTS}
     bench = [sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda"]
     steps = [
         ("bench", "sharedprefix bench --device cuda", [*bench, "--repeats", "2"]),
-        ("long", "sharedprefix bench --device cuda --long --no-capacity", [*bench, "--long", "--no-capacity", "--repeats", "1"]),
+        (
+            "long",
+            "sharedprefix bench --device cuda --long --no-capacity",
+            [*bench, "--long", "--no-capacity", "--repeats", "1"],
+        ),
         ("capacity", "sharedprefix bench --device cuda --long --capacity-only", [*bench, "--long", "--capacity-only"]),
         (
             "hybrid",
@@ -181,7 +213,9 @@ def main() -> int:
         print("\n".join(lines[-len(out) - 2 :]), flush=True)
     lines += [
         "",
-        summary_line(rc_tests == 0 if ran_tests else None, outs["bench"], outs["long"], outs["capacity"], outs["hybrid"]),
+        summary_line(
+            rc_tests == 0 if ran_tests else None, outs["bench"], outs["long"], outs["capacity"], outs["hybrid"]
+        ),
     ]
     print(lines[-1], flush=True)
     part = "" if set(args.only) == set(TIMEOUTS) else "_only_" + "_".join(k for k in TIMEOUTS if k in args.only)

@@ -91,14 +91,23 @@ def assert_matches_plain_rows(model, groups, budget=None, mode=None, plain=None)
     want = grads_of(model, lambda: (plain(model, groups) * w).sum())
     got = grads_of(
         model,
-        lambda: sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=budget, prefix_activations=mode) and None,
+        lambda: (
+            sp.backward(
+                model, groups, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=budget, prefix_activations=mode
+            )
+            and None
+        ),
     )
     assert_grads_close(got, want, 1e-9)
     return got
 
 
 # groups whose tree has a long prompt (cut into chains by a budget), a one-token prompt and several completions
-TREE_GROUPS = [sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]), sp.Group([3], [[7, 7, 7, 7]]), sp.Group([9, 8, 7, 6], [[1], [2]])]
+TREE_GROUPS = [
+    sp.Group(list(range(1, 12)), [[1, 2, 3], [4], [5, 6]]),
+    sp.Group([3], [[7, 7, 7, 7]]),
+    sp.Group([9, 8, 7, 6], [[1], [2]]),
+]
 
 
 def tree_mask(tree, window=None, chunk=None, blocks=()) -> torch.Tensor:

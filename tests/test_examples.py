@@ -31,7 +31,9 @@ def test_core_api_verifies_the_model_and_computes_fewer_tokens_than_plain(monkey
 def test_agentic_tree_matches_plain_rows_and_splits_the_tree(monkeypatch, capsys):
     out = run_example("agentic_tree.py", monkeypatch, capsys)
     assert "log-probs of 8 rows equal to the plain per-row forward" in out, out
-    passes, computed, plain = map(int, re.search(r"in (\d+) passes: (\d+) tokens computed, a plain run computes (\d+)", out).groups())
+    passes, computed, plain = map(
+        int, re.search(r"in (\d+) passes: (\d+) tokens computed, a plain run computes (\d+)", out).groups()
+    )
     assert passes > 1 and computed < plain, out
 
 

@@ -27,7 +27,9 @@ def _imports(mods) -> dict[str, tuple[set[str], set[str]]]:
         for node in ast.walk(tree):
             names: list[str] = []
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sharedprefix"):
-                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module for a in node.names]
+                names = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module for a in node.names
+                ]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names if a.name in mods]
             (top if node in tree.body else inner).update(n for n in names if n in mods and n != m)

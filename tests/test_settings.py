@@ -16,7 +16,8 @@ GROUPS = random_groups(3, 1, [6], [[3, 2]])
 
 
 @pytest.mark.parametrize(
-    "name, value, allowed", [("SHAREDPREFIX_DENSE", "off", r"\['0', '1'\]"), ("SHAREDPREFIX_KEEP_LOGITS", "sometimes", r"\['auto'")]
+    "name, value, allowed",
+    [("SHAREDPREFIX_DENSE", "off", r"\['0', '1'\]"), ("SHAREDPREFIX_KEEP_LOGITS", "sometimes", r"\['auto'")],
 )
 def test_a_bad_value_is_refused_at_the_first_call(monkeypatch, name, value, allowed):
     model = tiny_model("qwen3")
@@ -50,7 +51,8 @@ print("checked" if verify is not None and model in verify._CHECKED else "not che
 
 
 @pytest.mark.parametrize(
-    "imports, call", [("import sharedprefix as sp", "sp.logprobs"), ("from sharedprefix.api import logprobs", "logprobs")]
+    "imports, call",
+    [("import sharedprefix as sp", "sp.logprobs"), ("from sharedprefix.api import logprobs", "logprobs")],
 )
 def test_the_self_check_runs_however_logprobs_was_imported(imports, call):
     tests = os.path.dirname(os.path.abspath(__file__))

@@ -133,7 +133,9 @@ def test_verify_judges_a_flipped_choice_of_a_moe_model_on_its_float64_copy(monke
     _perturb_low_precision(monkeypatch, "one token")
     real = ties.tie_margins
     monkeypatch.setattr(
-        ties, "tie_margins", lambda m, g: [x * (0.0 if tied else float("inf")) + (0.0 if tied else 1.0) for x in real(m, g)]
+        ties,
+        "tie_margins",
+        lambda m, g: [x * (0.0 if tied else float("inf")) + (0.0 if tied else 1.0) for x in real(m, g)],
     )
     report = sp.verify(_moe(), max_tokens=10_000)
     assert report.checks[0][1] > 2 * report.checks[0][2]  # the 2x rule alone would fail

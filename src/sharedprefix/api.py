@@ -47,7 +47,16 @@ from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResu
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["PREFIX_MODES", "REDUCTIONS", "BackwardResult", "Batch", "LogProbs", "backward", "logprobs", "register_call_check"]
+__all__ = [
+    "PREFIX_MODES",
+    "REDUCTIONS",
+    "BackwardResult",
+    "Batch",
+    "LogProbs",
+    "backward",
+    "logprobs",
+    "register_call_check",
+]
 
 _CALL_CHECKS: list[Callable] = []
 

@@ -23,7 +23,9 @@ class Setting:
 
 SETTINGS = {
     "SHAREDPREFIX_DENSE": Setting(
-        ("0", "1"), "1", "1: run equal-shape cascade calls on the device's dense kernel (cuDNN on Hopper); 0: varlen only"
+        ("0", "1"),
+        "1",
+        "1: run equal-shape cascade calls on the device's dense kernel (cuDNN on Hopper); 0: varlen only",
     ),
     "SHAREDPREFIX_KEEP_LOGITS": Setting(
         ("auto", "always", "never"),
@@ -36,7 +38,9 @@ SETTINGS = {
         "1: verify each model on its first call's groups against the plain forward, and refuse on a mismatch",
         plugin="sharedprefix.tools.verify",
     ),
-    "SHAREDPREFIX_MAX_TOKENS": Setting(None, "", "verl: the token budget of one pass (a positive int; read when the engine is built)"),
+    "SHAREDPREFIX_MAX_TOKENS": Setting(
+        None, "", "verl: the token budget of one pass (a positive int; read when the engine is built)"
+    ),
 }
 
 

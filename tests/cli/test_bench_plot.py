@@ -25,7 +25,9 @@ def test_plot_draws_every_figure_from_the_result_files(tmp_path, monkeypatch, ca
 def test_readers_parse_every_row_of_the_committed_results():
     bench = os.path.join(ROOT, "benchmarks")
     grid = plots.read_gpu_grid(os.path.join(bench, "gpu_nvidia_h200.txt"))
-    assert sorted((r["P"], r["T"], r["G"]) for r in grid) == [(P, T, G) for P in (4096, 8192) for T in (512, 1024) for G in (8, 16)]
+    assert sorted((r["P"], r["T"], r["G"]) for r in grid) == [
+        (P, T, G) for P in (4096, 8192) for T in (512, 1024) for G in (8, 16)
+    ]
     assert all(0 < r["speedup"] <= r["flop"] for r in grid)  # measured below the FLOP limit, as the page says
     mem = plots.read_memory(os.path.join(bench, "memory_cpu.txt"))
     assert set(mem) == {"plain", "in_pass", "keep", "offload", "recompute"} and all(len(v) == 4 for v in mem.values())

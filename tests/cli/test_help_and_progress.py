@@ -95,7 +95,9 @@ def test_memory_benchmark_prints_each_configuration_as_it_finishes(monkeypatch, 
     monkeypatch.setattr(sys, "stderr", tty)
     assert main(["bench", "--memory", "--G", "2", "4", "--modes", "keep", "plain", "--device", "cpu"]) == 0
     printed = printed_before + [capsys.readouterr().out]
-    rows = [[line.split()[:2] for line in chunk.splitlines() if line.split()[:1] in (["2"], ["4"])] for chunk in printed]
+    rows = [
+        [line.split()[:2] for line in chunk.splitlines() if line.split()[:1] in (["2"], ["4"])] for chunk in printed
+    ]
     # before the i-th configuration started, exactly the rows of the i before it had been printed
     assert rows == [[], [["2", "keep"]], [["2", "plain"]], [["4", "keep"]], [["4", "plain"]]]
     assert "bench --memory: G=4 plain (subprocess)" in tty.getvalue()
@@ -105,7 +107,26 @@ def test_speed_benchmark_shows_its_runs_on_a_terminal(monkeypatch, capsys):
     monkeypatch.setattr(bench, "measure_in_subprocess", _fake_measure(capsys, []))
     tty = Terminal()
     monkeypatch.setattr(sys, "stderr", tty)
-    assert main(["bench", "--prompt", "24", "--completion", "4", "--G", "2", "--layers", "1", "--repeats", "1", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--prompt",
+                "24",
+                "--completion",
+                "4",
+                "--G",
+                "2",
+                "--layers",
+                "1",
+                "--repeats",
+                "1",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     shown = tty.getvalue()
     for stage in (
         "bench: plain run",

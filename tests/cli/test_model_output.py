@@ -73,7 +73,13 @@ def test_lora_run_writes_a_peft_adapter_of_its_base(tmp_path):
     exec(docs_code()[1].replace("runs/lora", str(out)), ns)
     merged = ns["model"]
     assert type(merged) is type(base)
-    ids = torch.tensor([build_tokenizer()(KeyValueTask(records=8).sample(random.Random(1)).prompt, add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor(
+        [
+            build_tokenizer()(KeyValueTask(records=8).sample(random.Random(1)).prompt, add_special_tokens=False)[
+                "input_ids"
+            ]
+        ]
+    )
     with torch.no_grad():
         assert (merged(ids).logits - base(ids).logits).abs().max() > 1e-4
     # a LoRA run stopped after one step and resumed ends with the same adapter

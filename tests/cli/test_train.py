@@ -58,7 +58,9 @@ def test_missing_model_folder_is_refused_before_writing(tmp_path, capsys):
 def test_non_causal_lm_folder_is_refused(tmp_path, capsys):
     import transformers as tf
 
-    tf.ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8).save_pretrained(tmp_path / "vit")
+    tf.ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8).save_pretrained(
+        tmp_path / "vit"
+    )
     assert _run(tmp_path / "out", 2, "--model", str(tmp_path / "vit")) == 2
     assert "'vit' model, which is not a causal LM" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -80,7 +80,9 @@ def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
     ref, ref_lse = kernels.Reference.forward(
         q16.double(), k16.double(), v16.double(), _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale
     )
-    out, lse, *aux = impl.forward(q16.detach(), k16.detach(), v16.detach(), _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
+    out, lse, *aux = impl.forward(
+        q16.detach(), k16.detach(), v16.detach(), _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale
+    )
     plain = _math_entries(q16, k16, v16, lq, lk, causal, window, scale)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (sum(lq), 8)
     assert out.shape == (sum(lq), 8, dv)
@@ -89,7 +91,19 @@ def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
     dout = torch.randn(out.shape, device="cuda", generator=g, dtype=torch.float64).bfloat16()
     plain.backward(dout)
     rq, rk, rv = kernels.Reference.backward(
-        dout.double(), q16.double(), k16.double(), v16.double(), ref, ref_lse, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale
+        dout.double(),
+        q16.double(),
+        k16.double(),
+        v16.double(),
+        ref,
+        ref_lse,
+        _cu(lq),
+        _cu(lk),
+        max(lq),
+        max(lk),
+        causal,
+        window,
+        scale,
     )
     got = impl.backward(
         dout,
@@ -169,7 +183,9 @@ def test_cuda_primitive_rows_without_keys(name):
 def test_cuda_cascade_matches_cpu_cascade(window, chunk, blocks):
     """The same cascade (chains, several groups, cached prompts; chunked attention; Gemma 3's bidirectional blocks)
     on CUDA bf16 vs the CPU float64 run. (Not yet run on a GPU for the chunked and block cases.)"""
-    tree = SegmentTree([sp.Group(list(range(1, 40)), [[1] * 9, [2] * 3]), sp.Group([3, 4], [[5] * 17])], prompt_chunk=16)
+    tree = SegmentTree(
+        [sp.Group(list(range(1, 40)), [[1] * 9, [2] * 3]), sp.Group([3, 4], [[5] * 17])], prompt_chunk=16
+    )
     row = pack_row(tree, [s.id for s in tree.segments], set())
     if blocks:
         row.blocks = [(2, 12), (12, 14), (20, 31)]
@@ -246,7 +262,11 @@ def test_backward_gradients_bf16_within_twice_plain_error(mode):
 
 
 # qwen3 with head_dim 12 (padded to 16 for flash) and with head_dim 128 (real models'); mistral with a window
-MODELS = {"qwen3": ("qwen3", {}), "qwen3_d128": ("qwen3", {"head_dim": 128}), "mistral_window": ("mistral", {"sliding_window": 64})}
+MODELS = {
+    "qwen3": ("qwen3", {}),
+    "qwen3_d128": ("qwen3", {"head_dim": 128}),
+    "mistral_window": ("mistral", {"sliding_window": 64}),
+}
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

@@ -6,7 +6,14 @@ import torch
 
 import sharedprefix as sp
 from helpers import random_groups, tiny_model
-from sharedprefix.attention.kernels.dense import CuDNN, DenseFlash, DenseReference, cuda_dense, dense_dispatch, disagreement
+from sharedprefix.attention.kernels.dense import (
+    CuDNN,
+    DenseFlash,
+    DenseReference,
+    cuda_dense,
+    dense_dispatch,
+    disagreement,
+)
 from sharedprefix.model.head import keep_logits, token_logprobs
 from sharedprefix.schedule.cache import OffloadHooks
 from tests.gpu.test_cuda import MODELS, _backward_logprobs, _bf16_rule
@@ -26,12 +33,16 @@ def _plain_bf16(q, k, v, causal, scale):
 
 
 @pytest.mark.parametrize("kernel", [CuDNN, DenseFlash], ids=lambda k: k.name)
-@pytest.mark.parametrize("causal, lq, lk, hkv, d", [(True, 300, 300, 2, 128), (False, 130, 700, 2, 128), (True, 77, 77, 8, 64)])
+@pytest.mark.parametrize(
+    "causal, lq, lk, hkv, d", [(True, 300, 300, 2, 128), (False, 130, 700, 2, 128), (True, 77, 77, 8, 64)]
+)
 def test_dense_kernels_bf16_within_twice_plain_error(kernel, causal, lq, lk, hkv, d):
     if kernel is CuDNN and cuda_dense(CUDA, torch.bfloat16) is not CuDNN:
         pytest.skip("cuDNN's dense attention disagreed with flash on this device (see the warning)")
     g = torch.Generator(device="cuda").manual_seed(0)
-    q16, k16, v16 = (torch.randn(3, n, h, d, device="cuda", generator=g).bfloat16() for n, h in ((lq, 8), (lk, hkv), (lk, hkv)))
+    q16, k16, v16 = (
+        torch.randn(3, n, h, d, device="cuda", generator=g).bfloat16() for n, h in ((lq, 8), (lk, hkv), (lk, hkv))
+    )
     scale = d**-0.5
     ref, ref_lse, _ = DenseReference.forward(q16.double(), k16.double(), v16.double(), causal, scale)
     out, lse, aux = kernel.forward(q16, k16, v16, causal, scale)

@@ -50,7 +50,9 @@ def test_softcapped_logprobs_and_backward_bf16_within_twice_plain_error():
     sp.backward(model16, groups, loss, max_tokens=64)  # the prompts cached, 90 cut into a chain
     ours = torch.stack([got[i] for i in range(len(got))])
     assert (ours.double().cpu() - exact).abs().max() <= 2 * plain_err + 1e-6
-    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model16.parameters() if p.requires_grad)
+    assert all(
+        p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model16.parameters() if p.requires_grad
+    )
 
 
 def test_no_recompilation_after_warm_up_while_layouts_change():

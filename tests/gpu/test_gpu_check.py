@@ -28,9 +28,11 @@ model: Qwen3-4B layer shapes (hidden 2560, 32/8 heads, head_dim 128, intermediat
     P     T   G |  plain s     PG s   ours s | x plain   x PG FLOP x 0.8 FLOP | mem plain  mem PG mem ours ours/plain
  4096   512   8 |    0.289    0.121    0.120 |   2.40x  1.01x  3.34x       NO |     32822    8231     7722      0.235
  8192   512  16 |    1.190    0.279    0.270 |   4.41x  1.03x  6.02x       NO |    109175   15713    13206      0.121
- 8192  1024  16 |    1.322    0.463    0.455 |   2.91x  1.02x  4.00x       NO |     65640   20793    18730      0.285  (plain: 8 rows)
+ 8192  1024  16 |    1.322    0.463    0.455 |   2.91x  1.02x  4.00x       NO |     65640   20793    18730      0.285\
+  (plain: 8 rows)
 
-dense dispatch at P=8192, T=512, G=16 (dense kernel: cudnn): on 0.270 s, off (SHAREDPREFIX_DENSE=0, every call varlen) 0.301 s
+dense dispatch at P=8192, T=512, G=16 (dense kernel: cudnn): on 0.270 s, off (SHAREDPREFIX_DENSE=0, \
+every call varlen) 0.301 s
       mode |       s x one pass | peak MiB x one pass
   one pass |   0.458       1.00 |    18732      1.000
 """.splitlines()
@@ -58,11 +60,12 @@ FLOP ratio plain / tree 10.10x (estimate: layers per token, attention per pair o
 predicted token; scans not counted) | speed-up / FLOP ratio 0.94
 FLOP ratio / token ratio: 0.797 for this model (its LM head and attention do not shrink with the tokens; scans not \
 counted); \
-0.906 at transformers' default Qwen3.5 dimensions (Qwen3.5-style, hidden 4096, 32 layers, vocab 248320; no weights built)
+0.906 at transformers' default Qwen3.5 dimensions (Qwen3.5-style, hidden 4096, 32 layers, vocab 248320; \
+no weights built)
 """.splitlines()  # made-up figures in the format of tools.bench_hybrid.tree
 
-CAPACITY = ["capacity (longest prompt that trains; G=16, T=1024, 8 layers, doubling from 16384 up to 131072): plain 65536 | "
-            "in_pass 32768 | ours 131072 (the search's limit)"]  # fmt: skip
+CAPACITY = ["capacity (longest prompt that trains; G=16, T=1024, 8 layers, doubling from 16384 up to 131072): "
+            "plain 65536 | in_pass 32768 | ours 131072 (the search's limit)"]  # fmt: skip
 
 
 def test_summary_line_from_recorded_output():
@@ -95,7 +98,18 @@ def test_long_benchmark_runs_on_cpu_and_gpu_check_reads_it(capsys):
     """The CLI path of ``bench --long`` on tiny shapes: a prompt longer than the budget (a chain), every run and the
     capacity line reported in the format gpu-check parses."""
     args = ["bench", "--long", "--tiny", "--device", "cpu", "--prompt", "40", "--completion", "6", "--G", "3"]
-    args += ["--max-tokens", "32", "--repeats", "1", "--capacity-start", "16", "--capacity-limit", "32", "--capacity-layers", "1"]
+    args += [
+        "--max-tokens",
+        "32",
+        "--repeats",
+        "1",
+        "--capacity-start",
+        "16",
+        "--capacity-limit",
+        "32",
+        "--capacity-layers",
+        "1",
+    ]
     assert cli_main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     gc = _gpu_check()

@@ -31,7 +31,9 @@ def test_budgets_and_modes_match_plain_float64(arch, mode, kernel_path):
         res, got = _run(model, groups, _weighted_loss(W), max_tokens=budget, prefix_activations=mode)
         assert math.isclose(res.loss, want_loss, rel_tol=1e-9), (budget, res.loss, want_loss)
         assert_grads_close(got, want, 1e-9)
-        assert res.tokens_plain == sum(g.prompt.numel() * g.group_size + sum(c.numel() for c in g.completions) for g in groups)
+        assert res.tokens_plain == sum(
+            g.prompt.numel() * g.group_size + sum(c.numel() for c in g.completions) for g in groups
+        )
         if mode == "offload" and budget is not None and budget < 35:
             assert res.offloaded_bytes > 0  # the saved-tensor hooks really moved the prompt's activations
         if mode == "recompute" and budget is not None and budget < 35:
@@ -48,13 +50,17 @@ def test_group_order_and_budget_leave_the_gradient_unchanged():
     offsets = [0, 4, 5, 10]
     Wp = torch.cat([W[offsets[i] : offsets[i + 1]] for i in perm])
     for budget in (33, 8):
-        _, got = _run(model, [groups[i] for i in perm], _weighted_loss(Wp), max_tokens=budget, prefix_activations="recompute")
+        _, got = _run(
+            model, [groups[i] for i in perm], _weighted_loss(Wp), max_tokens=budget, prefix_activations="recompute"
+        )
         assert_grads_close(got, base, 1e-9)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    spec=st.lists(st.tuples(st.integers(1, 14), st.lists(st.integers(1, 6), min_size=1, max_size=5)), min_size=1, max_size=3),
+    spec=st.lists(
+        st.tuples(st.integers(1, 14), st.lists(st.integers(1, 6), min_size=1, max_size=5)), min_size=1, max_size=3
+    ),
     budget=st.integers(6, 40),
     mode=st.sampled_from(MODES),
     seed=st.integers(0, 1000),

@@ -15,7 +15,9 @@ _MODEL = tiny_model("qwen2", seed=3)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(spec=ROW_SPEC, budget=st.sampled_from([None, 2, 3, 5, 8]), mode=st.sampled_from(["keep", "offload", "recompute"]))
+@given(
+    spec=ROW_SPEC, budget=st.sampled_from([None, 2, 3, 5, 8]), mode=st.sampled_from(["keep", "offload", "recompute"])
+)
 def test_random_tries_match_plain_rows(spec, budget, mode):
     rows = tree_rows(spec)
     check_tree(_MODEL, rows, masks(rows, spec), budgets=(budget,), modes=(mode,))

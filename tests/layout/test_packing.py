@@ -85,7 +85,10 @@ def test_cached_ancestors_are_key_sources():
     tree = SegmentTree([sp.Group(list(range(6)), [[1], [2, 3]])], prompt_chunk=3)
     row = pack_row(tree, [tree.completion_ids[0], tree.completion_ids[1]], cached={0, 1})
     calls = _calls(row)
-    assert calls[1:] == [(0, 3, [(0, 0, 0)], [0, 3], [0, 3], False, None), (0, 3, [(1, 0, 0)], [0, 3], [0, 3], False, None)]
+    assert calls[1:] == [
+        (0, 3, [(0, 0, 0)], [0, 3], [0, 3], False, None),
+        (0, 3, [(1, 0, 0)], [0, 3], [0, 3], False, None),
+    ]
     assert row.cached_reads == [0, 1] and row.h_sources == [1]
     assert row.pred_index.tolist() == [3, 3, 1]  # index 3 = L: the cached last hidden state of segment 1
 

@@ -25,7 +25,9 @@ def test_group_advantages_formula():
     expected = torch.tensor([(1 - 1 / 3) / (torch.tensor([1.0, 0, 0]).std() + 1e-4), 0, 0, 0, 0, 0])
     expected[1] = expected[2] = (0 - 1 / 3) / (torch.tensor([1.0, 0, 0]).std() + 1e-4)
     assert torch.allclose(a, expected)
-    assert torch.allclose(losses.group_advantages(r, 3, scale_std=False), torch.tensor([2 / 3, -1 / 3, -1 / 3, 0, 0, 0]))
+    assert torch.allclose(
+        losses.group_advantages(r, 3, scale_std=False), torch.tensor([2 / 3, -1 / 3, -1 / 3, 0, 0, 0])
+    )
     with pytest.raises(ValueError, match="multiple of group_size=4"):
         losses.group_advantages(r, 4)
 
@@ -115,7 +117,9 @@ def test_sp_backward_with_each_loss_equals_dense_loss(loss_type):
     res = sp.backward(
         model,
         groups,
-        lambda b: losses.policy_loss(b.logprobs, old[b.index], adv[b.index], b.mask, norm, ref_logprobs=ref[b.index], **kw)[0],
+        lambda b: losses.policy_loss(
+            b.logprobs, old[b.index], adv[b.index], b.mask, norm, ref_logprobs=ref[b.index], **kw
+        )[0],
         max_tokens=12,
         prefix_activations="recompute",
     )

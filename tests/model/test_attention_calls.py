@@ -54,7 +54,9 @@ def test_one_cached_kv_per_layer_would_be_wrong(monkeypatch):
     from sharedprefix.schedule.cache import PrefixCache
 
     write, read = PrefixCache.write_kv, PrefixCache.read_kv
-    monkeypatch.setattr(PrefixCache, "write_kv", lambda self, m, s, k, v: write(self, m[0] if isinstance(m, tuple) else m, s, k, v))
+    monkeypatch.setattr(
+        PrefixCache, "write_kv", lambda self, m, s, k, v: write(self, m[0] if isinstance(m, tuple) else m, s, k, v)
+    )
     monkeypatch.setattr(PrefixCache, "read_kv", lambda self, m, s: read(self, m[0] if isinstance(m, tuple) else m, s))
     with Float64Inside(), pytest.raises(AssertionError):
         assert_matches_plain_rows(_diffllama(), GROUPS(), 12, "keep")

@@ -33,7 +33,9 @@ def _doge(window=None, keep=2048):
 GROUPS = lambda: random_groups(0, 3, [9, 5, 7], [[4, 1, 6], [3, 2], [5]])  # noqa: E731
 
 
-@pytest.mark.parametrize("window, budget, mode", [(None, None, None), (None, 12, "keep"), (None, 12, "recompute"), (4, 12, "offload")])
+@pytest.mark.parametrize(
+    "window, budget, mode", [(None, None, None), (None, 12, "keep"), (None, 12, "recompute"), (4, 12, "offload")]
+)
 def test_dynamic_mask_matches_plain_rows(window, budget, mode):
     assert_matches_plain_rows(_doge(window), GROUPS(), budget, mode)
 

@@ -55,7 +55,12 @@ def test_kept_and_recomputed_logits_give_the_same_values_and_gradients(monkeypat
     want_ent = -(logp.exp() * logp).sum(-1)
     loss = (want_tok * w_tok).sum() + ((want_ent * w_ent).sum() if entropy else 0.0)
     want = torch.autograd.grad(loss, (h, weight))
-    for mode, cap, kept in (("always", 0, True), ("never", 10**12, False), ("auto", need, True), ("auto", need - 1, False)):
+    for mode, cap, kept in (
+        ("always", 0, True),
+        ("never", 10**12, False),
+        ("auto", need, True),
+        ("auto", need - 1, False),
+    ):
         monkeypatch.setattr(head, "CPU_KEEP_BYTES", cap)
         calls["n"] = 0
         h = hidden.clone().requires_grad_(True)
@@ -72,6 +77,8 @@ def test_kept_and_recomputed_logits_give_the_same_values_and_gradients(monkeypat
 
 
 def test_keep_logits_refuses_an_unknown_mode():
-    with pytest.raises(ValueError, match=r"keep_logits mode 'sometimes' .* expected one of \('auto', 'always', 'never'\)"):
+    with pytest.raises(
+        ValueError, match=r"keep_logits mode 'sometimes' .* expected one of \('auto', 'always', 'never'\)"
+    ):
         with keep_logits("sometimes"):
             pass

@@ -99,7 +99,9 @@ def test_logprobs_and_gradients_match_the_plain_forward(request, family):
     runs = [("keep", 6), ("offload", None), ("recompute", 6)]
     for mode, max_tokens in runs:
         model.zero_grad(set_to_none=True)
-        res = sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens, prefix_activations=mode)
+        res = sp.backward(
+            model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens, prefix_activations=mode
+        )
         got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad(set_to_none=True)
         assert _grad_error(got, want) <= grad_tol, (mode, max_tokens, _grad_error(got, want))
@@ -137,7 +139,9 @@ def test_a_completion_that_does_not_start_from_the_prompts_state_is_caught(monke
     monkeypatch.setattr(
         cache_run,
         "read_states",
-        lambda cache, slots: [torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))],
+        lambda cache, slots: [
+            torch.zeros_like(t) if name == slot else t for (_, name, _), t in zip(slots, read(cache, slots))
+        ],
     )
     with torch.no_grad():
         out = sp.logprobs(model, gs)
@@ -186,7 +190,9 @@ def test_mamba1_families_stay_refused_because_their_scan_ignores_the_prompts_sta
     from sharedprefix.model import support as modeling
 
     model = zoo_model(entry)
-    assert model.config.model_type in modeling.HYBRID_REFUSED and not mixers.on_path(model.config.model_type, mixers.CACHE)
+    assert model.config.model_type in modeling.HYBRID_REFUSED and not mixers.on_path(
+        model.config.model_type, mixers.CACHE
+    )
     gs = groups_of()
     with pytest.raises(
         ValueError,
@@ -205,7 +211,9 @@ def test_recurrent_gemma_stays_refused_with_its_reason(monkeypatch):
     path anyway, the prompt's cache holds no state for its recurrent layers and the path refuses it there too."""
     model = zoo_model("recurrent_gemma")
     with pytest.raises(
-        ValueError, match="mix tokens outside attention.*keeps its convolution and recurrent states on its own modules, not in the cache"
+        ValueError,
+        match="mix tokens outside attention.*keeps its convolution and recurrent states on its own modules, "
+        "not in the cache",
     ):
         sp.logprobs(model, groups_of())
     monkeypatch.setitem(mixers.FAMILIES, "recurrent_gemma", mixers.Family(mixers.CACHE))
@@ -255,7 +263,9 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
             assert float((sp.logprobs(model, gs, max_tokens=6).logprobs - ref).abs().max()) <= 1e-9
         runs = [("keep", 6), ("offload", None), ("recompute", 6)] if entry in ALL_MODES else [("keep", 6)]
         for mode, max_tokens in runs:
-            sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens, prefix_activations=mode)
+            sp.backward(
+                model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=max_tokens, prefix_activations=mode
+            )
             got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
             model.zero_grad(set_to_none=True)
             assert _grad_error(got, want) <= 1e-9, (mode, max_tokens, _grad_error(got, want))

@@ -86,7 +86,10 @@ def test_instance_bound_delta_rule_matches_plain_rows(monkeypatch, family):
             with torch.no_grad():
                 out = sp.logprobs(model, gs, max_tokens=budget)
             assert float((out.logprobs - ref).abs().max()) <= 1e-9, (budget, mode)
-            got = grads_of(model, lambda b=budget, m=mode: sp.backward(model, gs, _loss(w), max_tokens=b, prefix_activations=m) and None)
+            got = grads_of(
+                model,
+                lambda b=budget, m=mode: sp.backward(model, gs, _loss(w), max_tokens=b, prefix_activations=m) and None,
+            )
             assert_grads_close(got, want, 1e-9)
             _assert_restored(model, nets, own)
 
@@ -169,7 +172,9 @@ def test_control_a_forward_that_bypasses_its_attribute_is_refused(monkeypatch):
     """The same forward calling the function it was built with (what 5.10 does if the instance attribute is not
     wrapped) never reaches the seam: refused by the seams-reached check, not run as a wrong row."""
     model, _, _ = bind_as_5_10(monkeypatch, "qwen3_next", bypass=True)
-    with pytest.raises(ValueError, match=r"Qwen3NextGatedDeltaNet ran its forward without calling \['torch_chunk_gated_delta_rule'\]"):
+    with pytest.raises(
+        ValueError, match=r"Qwen3NextGatedDeltaNet ran its forward without calling \['torch_chunk_gated_delta_rule'\]"
+    ):
         sp.logprobs(model, groups_of())
 
 
@@ -182,5 +187,7 @@ def test_another_function_bound_on_the_instance_is_refused(monkeypatch):
         return own(*args, **kwargs)
 
     vars(nets[0])[ATTR] = chunk_gated_delta_rule  # the attribute is a plain one (see ``bind_as_5_10``)
-    with pytest.raises(ValueError, match=r"Qwen3NextGatedDeltaNet holds 'chunk_gated_delta_rule' = .*chunk_gated_delta_rule, bound"):
+    with pytest.raises(
+        ValueError, match=r"Qwen3NextGatedDeltaNet holds 'chunk_gated_delta_rule' = .*chunk_gated_delta_rule, bound"
+    ):
         sp.logprobs(model, groups_of())

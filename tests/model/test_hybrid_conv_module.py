@@ -87,7 +87,9 @@ def test_a_conv1d_that_is_not_causal_depthwise_is_no_seam(model, monkeypatch):
     """Without ``causal_conv1d_fn``, a Conv1d of another padding is not taken for the seam: refused at the call."""
     for mod, _ in mixers.mixer_modules(model):
         monkeypatch.setattr(mod.conv, "padding", (0,))
-    with pytest.raises(ValueError, match=r"Lfm2ShortConv's modeling module .* has no \['causal_conv1d_fn'\].*nn.Conv1d"):
+    with pytest.raises(
+        ValueError, match=r"Lfm2ShortConv's modeling module .* has no \['causal_conv1d_fn'\].*nn.Conv1d"
+    ):
         sp.logprobs(model, groups_of())
 
 

@@ -12,13 +12,32 @@ from helpers import assert_matches_plain_rows
 from sharedprefix.model import mixers
 from sharedprefix.tools.reference import Float64Inside, dtype_faithful_norms
 from sharedprefix.tools.zoo.configs import float64_norms
-from support.hybrid import COMMON, CONFIGS, DEEP_ROWS, groups_check, groups_of, model_of, ssm_model, tree_check, zoo_model
+from support.hybrid import (
+    COMMON,
+    CONFIGS,
+    DEEP_ROWS,
+    groups_check,
+    groups_of,
+    model_of,
+    ssm_model,
+    tree_check,
+    zoo_model,
+)
 
 # -- segments shorter than the convolution's window -----------------------------------------------------------------
 
 # a trie of one-token segments four levels deep (and a two-token leaf): a kernel of 4 reads, before a segment, inputs of
 # three ancestors, cached ones under budget 1 and 2 (every inner segment cached, each from a different pass)
-ONE_TOKEN_ROWS = [[5, 6], [5, 7], [5, 6, 8], [5, 6, 9], [5, 6, 8, 10], [5, 6, 8, 11], [5, 6, 8, 10, 12], [5, 6, 8, 10, 13, 14]]
+ONE_TOKEN_ROWS = [
+    [5, 6],
+    [5, 7],
+    [5, 6, 8],
+    [5, 6, 9],
+    [5, 6, 8, 10],
+    [5, 6, 8, 11],
+    [5, 6, 8, 10, 12],
+    [5, 6, 8, 10, 13, 14],
+]
 
 
 def _lfm2(**config):
@@ -47,7 +66,9 @@ def test_one_token_segments_deeper_than_the_convolution_window(kernel):
 # -- LFM2-VL: Siglip2's images, LFM2's convolutions ----------------------------------------------------------------
 
 LFM2_IMAGE = 60
-_SIGLIP2 = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, patch_size=2, num_patches=16)
+_SIGLIP2 = dict(
+    hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, patch_size=2, num_patches=16
+)
 
 
 def _lfm2_vl():
@@ -56,7 +77,10 @@ def _lfm2_vl():
     gradient is held to 1e-9 (the forward values, float32 part included, are the same ops on the same inputs)."""
     text = dict(COMMON, **CONFIGS["lfm2"][2], model_type="lfm2")
     cfg = tf.Lfm2VlConfig(
-        text_config=text, vision_config=dict(_SIGLIP2, vision_use_head=False), image_token_id=LFM2_IMAGE, projector_hidden_size=24
+        text_config=text,
+        vision_config=dict(_SIGLIP2, vision_use_head=False),
+        image_token_id=LFM2_IMAGE,
+        projector_hidden_size=24,
     )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -70,7 +94,11 @@ def _lfm2_vl_group(seed, hw, before, after, completions, max_patches=16):
     g = torch.Generator().manual_seed(seed)
     h, w = hw
     prompt = torch.cat(
-        [torch.randint(3, 55, (before,), generator=g), torch.full((h * w // 4,), LFM2_IMAGE), torch.randint(3, 55, (after,), generator=g)]
+        [
+            torch.randint(3, 55, (before,), generator=g),
+            torch.full((h * w // 4,), LFM2_IMAGE),
+            torch.randint(3, 55, (after,), generator=g),
+        ]
     )
     pixels = torch.zeros(1, max_patches, 3 * 2 * 2, dtype=torch.float64)
     pixels[0, : h * w] = torch.randn(h * w, 12, generator=g, dtype=torch.float64)
@@ -98,7 +126,11 @@ def test_lfm2_vl_images_of_different_shapes_in_one_pass(budget):
     transformers failed with an IndexError); under a budget, the first group's prompt is cached."""
     model = _lfm2_vl()
     assert mixers.on_packed_path(model)
-    groups = [_lfm2_vl_group(0, (4, 4), 2, 3, [3, 1, 4]), _lfm2_vl_group(1, (4, 2), 1, 0, [2, 5]), sp.Group([5, 6, 7], [[8, 9]])]
+    groups = [
+        _lfm2_vl_group(0, (4, 4), 2, 3, [3, 1, 4]),
+        _lfm2_vl_group(1, (4, 2), 1, 0, [2, 5]),
+        sp.Group([5, 6, 7], [[8, 9]]),
+    ]
     got = assert_matches_plain_rows(model, groups, budget, "keep", plain=_plain_vl)
     assert any("vision_tower" in n for n in got)
 
@@ -109,13 +141,16 @@ def test_prompt_inputs_that_cannot_be_batched_are_refused():
     refused at the call, naming the groups and the input."""
     model = _lfm2_vl()
     a, b = _lfm2_vl_group(0, (4, 4), 2, 3, [3]), _lfm2_vl_group(1, (4, 2), 1, 0, [2], max_patches=8)
-    with pytest.raises(ValueError, match=r"groups\[1\]\.prompt_inputs\['pixel_values'\] has shape \(1, 8, 12\), groups\[0\]'s"):
+    with pytest.raises(
+        ValueError, match=r"groups\[1\]\.prompt_inputs\['pixel_values'\] has shape \(1, 8, 12\), groups\[0\]'s"
+    ):
         sp.logprobs(model, [a, b])
     b = _lfm2_vl_group(1, (4, 2), 1, 0, [2])
     a.prompt_inputs["mm_encoder_outputs"] = {}  # (in one group only: still applied to the other's image)
     with pytest.raises(
         ValueError,
-        match=r"groups\[0\]\.prompt_inputs has 'mm_encoder_outputs', which sharedprefix does not know how to batch with groups\[1\]'s",
+        match=r"groups\[0\]\.prompt_inputs has 'mm_encoder_outputs', which sharedprefix does not know how to batch "
+        r"with groups\[1\]'s",
     ):
         sp.logprobs(model, [a, b])
 
@@ -129,7 +164,14 @@ def _lfm3_vl():
     from sharedprefix.tools import zoo
 
     text = zoo.tiny_config("lfm3").to_dict()
-    vision = dict(hidden_size=16, intermediate_size=24, patch_size=2, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1)
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=24,
+        patch_size=2,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     V = text["vocab_size"]
     cfg = tf.Lfm3VlConfig(
         text_config=text,
@@ -156,9 +198,12 @@ def _lfm3_vl_group(model, seed, hw, before, after, completions):
         torch.tensor([cfg.vision_end_token_id]),
     ]
     inputs = dict(
-        pixel_values=torch.randn(h * w, 3 * 2 * 2 * 2, generator=g, dtype=torch.float64), image_grid_thw=torch.tensor([[1, h, w]])
+        pixel_values=torch.randn(h * w, 3 * 2 * 2 * 2, generator=g, dtype=torch.float64),
+        image_grid_thw=torch.tensor([[1, h, w]]),
     )
-    return sp.Group(torch.cat([text(before), *image, text(after)]), [text(n) for n in completions], prompt_inputs=inputs)
+    return sp.Group(
+        torch.cat([text(before), *image, text(after)]), [text(n) for n in completions], prompt_inputs=inputs
+    )
 
 
 def test_lfm3_vl_with_images_matches_plain_rows():
@@ -185,9 +230,13 @@ def _minicpm_v():
     from sharedprefix.tools import zoo
 
     text = zoo.tiny_config("qwen3_5_text").to_dict()
-    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, patch_size=2, image_size=16)
+    vision = dict(
+        hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, patch_size=2, image_size=16
+    )
     V = text["vocab_size"]
-    cfg = tf.MiniCPMV4_6Config(text_config=text, vision_config=vision, insert_layer_id=0, image_token_id=V - 1, video_token_id=V - 2)
+    cfg = tf.MiniCPMV4_6Config(
+        text_config=text, vision_config=vision, insert_layer_id=0, image_token_id=V - 1, video_token_id=V - 2
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return dtype_faithful_norms(tf.MiniCPMV4_6ForConditionalGeneration(cfg).double().eval())
@@ -198,7 +247,10 @@ def _minicpm_v_group(model, seed, hw, completions):
     g, (h, w) = torch.Generator().manual_seed(seed), hw
     text = lambda n: torch.randint(3, model.config.image_token_id - 2, (n,), generator=g)  # noqa: E731
     prompt = torch.cat([text(2), torch.full((h * w // 16,), model.config.image_token_id), text(3)])
-    inputs = dict(pixel_values=torch.randn(1, 3, 2, h * w * 2, generator=g, dtype=torch.float64), target_sizes=torch.tensor([[h, w]]))
+    inputs = dict(
+        pixel_values=torch.randn(1, 3, 2, h * w * 2, generator=g, dtype=torch.float64),
+        target_sizes=torch.tensor([[h, w]]),
+    )
     return sp.Group(prompt, [text(n) for n in completions], prompt_inputs=inputs)
 
 
@@ -212,11 +264,15 @@ def test_minicpm_v_one_image_per_call_is_exact_and_two_are_refused():
     assert mixers.on_packed_path(model)
     text_only = sp.Group([5, 6, 7, 9, 10], [[8, 9], [4]])
     with Float64Inside():  # the gated delta rule computes in float32
-        got = assert_matches_plain_rows(model, [_minicpm_v_group(model, 0, (8, 8), [3, 1, 4]), text_only], 12, "keep", plain=_plain_vl)
+        got = assert_matches_plain_rows(
+            model, [_minicpm_v_group(model, 0, (8, 8), [3, 1, 4]), text_only], 12, "keep", plain=_plain_vl
+        )
     assert any("vision_tower" in n for n in got)
     two = [_minicpm_v_group(model, 0, (8, 8), [3]), _minicpm_v_group(model, 1, (8, 4), [2])]
     with pytest.raises(
-        ValueError, match=r"groups\[0\]\.prompt_inputs has 'target_sizes', which sharedprefix does not know how to batch with groups\[1\]'s"
+        ValueError,
+        match=r"groups\[0\]\.prompt_inputs has 'target_sizes', which sharedprefix does not know how to batch "
+        r"with groups\[1\]'s",
     ):
         sp.logprobs(model, two)
     # under a budget that computes the two prompts (9 and 7 tokens) in different passes (splitting the first group),
@@ -257,7 +313,10 @@ def test_hybrid_moe_aux_loss_under_a_budget():
         return max(float((got[n] - truth[n]).abs().max()) for n in truth) / scale
 
     ours = grads_of(
-        model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6, aux_loss_coef=3.0) and None
+        model,
+        lambda: (
+            sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6, aux_loss_coef=3.0) and None
+        ),
     )
     assert any("gate" in n for n in ours) and err(ours) <= 2 * err(grads_of(model, plain))
 
@@ -269,7 +328,8 @@ def test_lfm2_moe_aux_loss_is_refused_with_its_reason():
     model.config.output_router_logits = True
     with pytest.raises(
         ValueError,
-        match=r"Lfm2MoeForCausalLM's MoE load-balancing loss .* no load_balancing_loss_func .*config\.output_router_logits=False",
+        match=r"Lfm2MoeForCausalLM's MoE load-balancing loss .* no load_balancing_loss_func "
+        r".*config\.output_router_logits=False",
     ):
         sp.logprobs(model, groups_of())
 
@@ -300,7 +360,9 @@ def test_temperature_entropy_defer_and_duplicate_rows_on_a_hybrid():
     lp, ent = plain_logprobs(model, gs, temperature=0.7, entropy=True)
     with torch.no_grad():
         out = sp.logprobs(model, gs, temperature=0.7, entropy=True, max_tokens=6)
-    assert float((out.logprobs - lp).abs().max()) <= 1e-9 and float(((out.entropy - ent) * out.mask).abs().max()) <= 1e-9
+    assert (
+        float((out.logprobs - lp).abs().max()) <= 1e-9 and float(((out.entropy - ent) * out.mask).abs().max()) <= 1e-9
+    )
     w = torch.randn(lp.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
 
     def plain():
@@ -347,7 +409,9 @@ def test_bfloat16_mamba2_tree_within_twice_the_plain_error():
     assert float((ours - truth).abs().max()) <= 2 * float((plain - truth).abs().max())
     g_plain = grads_of(model, lambda: (plain_rows(model, DEEP_ROWS, trained).double() * w).sum())
     loss = lambda b: (b.logprobs.double() * w[b.index]).sum()  # noqa: E731
-    g_ours = grads_of(model, lambda: sp.backward(model, tree, loss, max_tokens=3, prefix_activations="recompute") and None)
+    g_ours = grads_of(
+        model, lambda: sp.backward(model, tree, loss, max_tokens=3, prefix_activations="recompute") and None
+    )
     assert g_err(g_ours) <= 2 * g_err(g_plain)
 
 

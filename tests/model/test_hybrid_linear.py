@@ -1,6 +1,6 @@
 """The hybrids that left the cache path for the packed path (LFM3's short convolutions, Lara-mini's gated delta-net,
-Kimi Linear's and Bailing-hybrid's Kimi delta attention, ``model.mixers.kda``), and the two that stay on it because their
-token mixing has no seam (MiniMax, Zaya), against one plain forward per row in float64 (log-probs 1e-9, gradients
+Kimi Linear's and Bailing-hybrid's Kimi delta attention, ``model.mixers.kda``), and the two that stay on it because
+their token mixing has no seam (MiniMax, Zaya), against one plain forward per row in float64 (log-probs 1e-9, gradients
 relative 1e-9).
 
 The delta rules cast to float32 inside a float64 model: those runs go under ``Float64Inside`` (the same code, float64
@@ -22,7 +22,15 @@ import sharedprefix as sp
 from helpers import grads_of, plain_logprobs
 from sharedprefix.model import mixers
 from sharedprefix.tools.reference import Float64Inside
-from support.hybrid import DEEP_ROWS, assert_detached_state_caught, groups_check, groups_of, linear_model, tree_check, zoo_model
+from support.hybrid import (
+    DEEP_ROWS,
+    assert_detached_state_caught,
+    groups_check,
+    groups_of,
+    linear_model,
+    tree_check,
+    zoo_model,
+)
 from support.trees import ROW_SPEC, masks, tree_rows
 
 KDA = "kimi_linear"
@@ -44,7 +52,11 @@ def test_moved_families_match_plain_rows_in_one_pass_and_split(family):
     the 9-token prompt into a chain and splits its completions, in the three modes (keep only for the second KDA
     family, the modes being the same code)."""
     model = linear_model(family)
-    assert mixers.on_packed_path(model) and not mixers.on_cache_path(model) and mixers.FAMILIES[family].path == mixers.PACKED
+    assert (
+        mixers.on_packed_path(model)
+        and not mixers.on_cache_path(model)
+        and mixers.FAMILIES[family].path == mixers.PACKED
+    )
     assert {str(t) for t in model.config.layer_types} & mixers.PACKED_LAYER_TYPES and len(model.config.layer_types) == 3
     gs = groups_of()
     assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits  # many groups per pass; a split
@@ -66,7 +78,9 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
 
 
 @SLOW
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(spec=ROW_SPEC, budget=st.sampled_from([None, 3, 5, 8]), mode=st.sampled_from(["keep", "offload", "recompute"]))
 @pytest.mark.parametrize("family", [KDA, "lara_mini"])
 def test_random_tries_match_plain_rows(family, spec, budget, mode):
@@ -93,7 +107,9 @@ def test_gradient_checkpointing_and_defer(family):
         ref = plain_logprobs(model, gs)[0].detach()
         w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
         truth = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
-    tol = 1e-9 if family == "lfm3" else 2 * err(grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum()), truth)
+    tol = (
+        1e-9 if family == "lfm3" else 2 * err(grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum()), truth)
+    )
     assert tol > 0  # (KDA: the float32 rule really rounds)
     got = grads_of(model, lambda: (sp.logprobs(model, gs, max_tokens=6, defer=True).logprobs * w).sum())
     assert err(got, truth) <= tol, ("defer", err(got, truth), tol)
@@ -128,7 +144,10 @@ def test_zero_padding_is_neutral_for_the_models_own_kda(n, pad):
         return torch.randn(*shape, dtype=torch.float64, generator=gen)
 
     q, k, v = rnd(1, n, H, D), rnd(1, n, H, D), rnd(1, n, H, D)
-    g, beta = -torch.rand(1, n, H, D, dtype=torch.float64, generator=gen), torch.rand(1, n, H, dtype=torch.float64, generator=gen)
+    g, beta = (
+        -torch.rand(1, n, H, D, dtype=torch.float64, generator=gen),
+        torch.rand(1, n, H, dtype=torch.float64, generator=gen),
+    )
     init = rnd(1, H, D, D)
 
     def padded(t, value=0.0):
@@ -136,7 +155,9 @@ def test_zero_padding_is_neutral_for_the_models_own_kda(n, pad):
 
     with Float64Inside():
         for start in (None, init):
-            o, s = fn(q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=True)
+            o, s = fn(
+                q, k, v, g=g, beta=beta, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=True
+            )
             po, ps = fn(
                 *map(padded, (q, k, v)),
                 g=padded(g),
@@ -172,7 +193,9 @@ def test_control_a_zeroed_carried_kda_state_is_caught(monkeypatch, budget):
     own = src.chunk_kimi_delta_attention
     with Float64Inside():
         assert _logprob_error(model, gs, budget) <= 1e-9
-    monkeypatch.setattr(src, "chunk_kimi_delta_attention", lambda *a, initial_state=None, **k: own(*a, initial_state=None, **k))
+    monkeypatch.setattr(
+        src, "chunk_kimi_delta_attention", lambda *a, initial_state=None, **k: own(*a, initial_state=None, **k)
+    )
     with Float64Inside():
         assert _logprob_error(model, gs, budget) > 1e-6
 
@@ -250,6 +273,9 @@ def test_trl_refuses_an_inline_mixer_under_checkpointing_with_the_reason(tmp_pat
 
     tok = build_tokenizer()
     model = tiny_for_tokenizer("minimax", tok, transformers.MiniMaxForCausalLM)
-    with pytest.raises(ValueError, match=r"Set gradient_checkpointing=False.*MiniMaxLightningAttention.*computed inline"):
+    with pytest.raises(
+        ValueError, match=r"Set gradient_checkpointing=False.*MiniMaxLightningAttention.*computed inline"
+    ):
         build_trainer(model, tok, tmp_path)
-    assert build_trainer(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)  # (MiniMax is an MoE)
+    # (MiniMax is an MoE)
+    assert build_trainer(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)

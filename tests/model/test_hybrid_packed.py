@@ -53,7 +53,9 @@ def test_packed_families_match_plain_rows_in_one_pass_and_split(family):
     the same code for every family and run on Qwen3-Next by the tree tests)."""
     model = _model(family)
     assert (
-        mixers.on_packed_path(model) and not mixers.on_cache_path(model) and mixers.FAMILIES[model.config.model_type].path == mixers.PACKED
+        mixers.on_packed_path(model)
+        and not mixers.on_cache_path(model)
+        and mixers.FAMILIES[model.config.model_type].path == mixers.PACKED
     )
     gs = groups_of()
     assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits  # many groups per pass; a split
@@ -75,14 +77,18 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
     p = sp.plan(tree, 3)  # (the 8-token system prompt becomes a chain of three segments)
     cached = {s for step in p.steps if isinstance(step, sp.schedule.PrefixBackward) for s in step.segments}
     assert cached == {s.parent for s in p.tree.segments if s.parent is not None}  # every inner segment, every depth
-    assert {len(p.tree.ancestors(s)) for s in cached} == set(range(max(len(p.tree.ancestors(s.id)) for s in p.tree.segments)))
+    assert {len(p.tree.ancestors(s)) for s in cached} == set(
+        range(max(len(p.tree.ancestors(s.id)) for s in p.tree.segments))
+    )
     trained = [[t >= 8 for t in range(len(r))] for r in DEEP_ROWS]
     modes = ("keep", "offload", "recompute") if family == "lfm2" else ("keep", "recompute")
     with _inside(family):
         tree_check(model, DEEP_ROWS, trained, (None, 5, 3), modes)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(spec=ROW_SPEC, budget=st.sampled_from([None, 3, 5, 8]), mode=st.sampled_from(["keep", "offload", "recompute"]))
 @pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
 def test_random_tries_match_plain_rows(family, spec, budget, mode):
@@ -108,7 +114,12 @@ def test_gradient_checkpointing_and_defer():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         for budget in (None, 6):
-            got = grads_of(model, lambda b=budget: sp.backward(model, gs, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b) and None)
+            got = grads_of(
+                model,
+                lambda b=budget: (
+                    sp.backward(model, gs, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b) and None
+                ),
+            )
             assert_grads_close(got, want, 1e-9)
         got = grads_of(model, lambda: (sp.logprobs(model, gs, max_tokens=6).logprobs * w).sum())
         assert_grads_close(got, want, 1e-9)
@@ -135,12 +146,16 @@ def test_own_float32_delta_rule_within_twice_the_plain_error():
         return max(float((g[n] - g_truth[n]).abs().max() / g_truth[n].abs().max().clamp_min(1e-30)) for n in g_truth)
 
     g_plain = grads_of(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
-    g_ours = grads_of(model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None)
+    g_ours = grads_of(
+        model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None
+    )
     assert err(g_ours) <= 2 * err(g_plain)
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:  # checkpointed: the delta rule recomputed in backward, split and deferred
-        g_ckpt = grads_of(model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None)
+        g_ckpt = grads_of(
+            model, lambda: sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None
+        )
         g_defer = grads_of(model, lambda: (sp.logprobs(model, gs, max_tokens=6).logprobs * w).sum())
     finally:
         model.gradient_checkpointing_disable()
@@ -157,7 +172,9 @@ def test_control_a_zeroed_carried_state_is_caught(monkeypatch, budget):
     model, gs = _model("qwen3_next"), groups_of()
     src = sys.modules[type(mixers.mixer_modules(model)[0][0]).__module__]
     own = src.torch_chunk_gated_delta_rule
-    monkeypatch.setattr(src, "torch_chunk_gated_delta_rule", lambda *a, initial_state=None, **k: own(*a, initial_state=None, **k))
+    monkeypatch.setattr(
+        src, "torch_chunk_gated_delta_rule", lambda *a, initial_state=None, **k: own(*a, initial_state=None, **k)
+    )
     with Float64Inside():
         assert logprob_error(model, gs, budget) > 1e-6
 
@@ -187,7 +204,9 @@ def test_a_mixer_whose_seam_is_missing_is_refused(monkeypatch):
     monkeypatch.delattr(src, "causal_conv1d_fn")
     for m, _ in mixers.mixer_modules(model):  # nor a Conv1d the module seam takes (``model.mixers.conv_module``)
         monkeypatch.setattr(m.conv, "padding", (0,))
-    with pytest.raises(ValueError, match=r"Lfm2ForCausalLM: Lfm2ShortConv's modeling module .* has no \['causal_conv1d_fn'\]"):
+    with pytest.raises(
+        ValueError, match=r"Lfm2ForCausalLM: Lfm2ShortConv's modeling module .* has no \['causal_conv1d_fn'\]"
+    ):
         sp.logprobs(model, groups_of())
 
 
@@ -197,7 +216,8 @@ def test_a_mixer_that_bypasses_its_seam_is_refused(monkeypatch):
     src = sys.modules[type(mixers.mixer_modules(model)[0][0]).__module__]
     own = src.causal_conv1d_fn
     monkeypatch.setattr(src, "causal_conv1d_fn", own)  # restored after the test
-    monkeypatch.setitem(mixers.KINDS, "conv", replace(mixers.KINDS["conv"], attribute="causal_conv1d_update"))  # wrap a function not called
+    # wrap a function not called
+    monkeypatch.setitem(mixers.KINDS, "conv", replace(mixers.KINDS["conv"], attribute="causal_conv1d_update"))
     with pytest.raises(ValueError, match=r"Lfm2ShortConv ran its forward without calling \['causal_conv1d_update'\]"):
         sp.logprobs(model, groups_of())
 

@@ -27,11 +27,21 @@ from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.model import mixers
 from sharedprefix.model.mixers import ssm
 from sharedprefix.tools.reference import Float64Inside
-from support.hybrid import DEEP_ROWS, assert_detached_state_caught, groups_check, groups_of, logprob_error, ssm_model, tree_check
+from support.hybrid import (
+    DEEP_ROWS,
+    assert_detached_state_caught,
+    groups_check,
+    groups_of,
+    logprob_error,
+    ssm_model,
+    tree_check,
+)
 from support.trees import ROW_SPEC, masks, tree_rows
 
 SLOW = pytest.mark.slow
-FAMILIES = ["nemotron_h"] + [pytest.param(f, marks=SLOW) for f in ("falcon_h1", "mamba2", "zamba2", "bamba", "granitemoehybrid")]
+FAMILIES = ["nemotron_h"] + [
+    pytest.param(f, marks=SLOW) for f in ("falcon_h1", "mamba2", "zamba2", "bamba", "granitemoehybrid")
+]
 
 
 def _src(model):
@@ -44,7 +54,9 @@ def test_families_match_plain_rows_in_one_pass_and_split(family):
     cuts the 9-token prompt into a chain and splits its completions; Falcon-H1 in the three modes."""
     model = ssm_model(family)
     assert (
-        mixers.on_packed_path(model) and not mixers.on_cache_path(model) and mixers.FAMILIES[model.config.model_type].path == mixers.PACKED
+        mixers.on_packed_path(model)
+        and not mixers.on_cache_path(model)
+        and mixers.FAMILIES[model.config.model_type].path == mixers.PACKED
     )
     assert all(m.chunk_size == 4 for m, _ in mixers.mixer_modules(model))
     gs = groups_of()
@@ -66,7 +78,9 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
 
 
 @SLOW
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(spec=ROW_SPEC, budget=st.sampled_from([None, 3, 5, 8]), mode=st.sampled_from(["keep", "offload", "recompute"]))
 @pytest.mark.parametrize("family", ["falcon_h1", "bamba"])
 def test_random_tries_match_plain_rows(family, spec, budget, mode):
@@ -86,12 +100,18 @@ def test_zero_step_padding_is_the_unpadded_scan():
     g = torch.Generator().manual_seed(0)
     n, T, H, P, N = 7, 13, 4, 3, 5
     x, dt = torch.randn(1, n, H, P, generator=g), torch.randn(1, n, H, generator=g)
-    A, B, C = -torch.rand(H, generator=g) - 0.5, torch.randn(1, n, 1, N, generator=g), torch.randn(1, n, 1, N, generator=g)
+    A, B, C = (
+        -torch.rand(H, generator=g) - 0.5,
+        torch.randn(1, n, 1, N, generator=g),
+        torch.randn(1, n, 1, N, generator=g),
+    )
     D, bias, init = torch.randn(H, generator=g), torch.randn(H, generator=g), torch.randn(1, H, P, N, generator=g)
     limit = (0.05, 2.0)  # a floor above 0: a pad of 0 passed through this clamp would not stay 0
 
     def own(x, dt, B, C, **k):
-        return src.mamba2_chunk_scan(x, dt, A, B, C, chunk_size=4, D=D, initial_states=init, return_final_states=True, **k)
+        return src.mamba2_chunk_scan(
+            x, dt, A, B, C, chunk_size=4, D=D, initial_states=init, return_final_states=True, **k
+        )
 
     def pad(t):
         return torch.cat([t, t.new_zeros((1, T - n) + t.shape[2:])], 1)
@@ -112,7 +132,9 @@ def test_zero_step_padding_is_the_unpadded_scan():
 
 def _grad_error(got, truth):
     """max |got - truth| over every tensor, relative to the largest gradient (the zoo's measure for float32 parts)."""
-    return max(float((got[n] - truth[n]).abs().max()) for n in truth) / max(float(t.abs().max()) for t in truth.values())
+    return max(float((got[n] - truth[n]).abs().max()) for n in truth) / max(
+        float(t.abs().max()) for t in truth.values()
+    )
 
 
 @SLOW
@@ -175,7 +197,9 @@ def test_control_a_zeroed_carried_state_is_caught(monkeypatch, budget):
     model, gs = ssm_model("falcon_h1"), groups_of()
     src = _src(model)
     own = src.mamba2_chunk_scan
-    monkeypatch.setattr(src, "mamba2_chunk_scan", lambda *a, initial_states=None, **k: own(*a, initial_states=None, **k))
+    monkeypatch.setattr(
+        src, "mamba2_chunk_scan", lambda *a, initial_states=None, **k: own(*a, initial_states=None, **k)
+    )
     with Float64Inside():
         assert logprob_error(model, gs, budget) > 1e-6
 
@@ -184,7 +208,9 @@ def test_control_padding_with_the_raw_step_size_is_caught(monkeypatch):
     """The fix reverted: padded positions keep dt = 0 before the bias and softplus (the model's function then
     decays the state and adds input there), so a short segment of a level hands its children a wrong state."""
     model, gs = ssm_model("falcon_h1"), groups_of()
-    monkeypatch.setattr(ssm, "_neutral_padding", lambda dt, b, s, lim: (dt, dict(dt_bias=b, dt_softplus=s, dt_limit=lim)))
+    monkeypatch.setattr(
+        ssm, "_neutral_padding", lambda dt, b, s, lim: (dt, dict(dt_bias=b, dt_softplus=s, dt_limit=lim))
+    )
     with Float64Inside():
         assert logprob_error(model, gs, None) > 1e-6
 
@@ -205,12 +231,16 @@ def test_the_fused_kernel_shortcut_is_refused(monkeypatch):
     model, gs = ssm_model("granitemoehybrid"), groups_of()
     src = _src(model)
     monkeypatch.setattr(
-        src, "mamba2_split_conv1d_scan_combined", lambda x, *a, **k: x.new_zeros(x.shape[:-1] + (model.config.hidden_size,))
+        src,
+        "mamba2_split_conv1d_scan_combined",
+        lambda x, *a, **k: x.new_zeros(x.shape[:-1] + (model.config.hidden_size,)),
     )
     model.train()
     try:
         with pytest.raises(
-            ValueError, match=r"GraniteMoeHybridMambaLayer ran its forward without calling \['causal_conv1d_fn', 'mamba2_chunk_scan'\]"
+            ValueError,
+            match=r"GraniteMoeHybridMambaLayer ran its forward without calling "
+            r"\['causal_conv1d_fn', 'mamba2_chunk_scan'\]",
         ):
             sp.logprobs(model, gs)
     finally:
@@ -222,7 +252,12 @@ def test_a_layer_pattern_whose_mixers_are_not_found_is_refused(monkeypatch):
     counted, and a transformers version whose mixer class sharedprefix does not know is refused before any pass."""
     model = ssm_model("nemotron_h")
     assert model.config.layers_block_type.count("linear_attention") == 1 == len(mixers.mixer_modules(model))
-    unknown = {t: replace(f, mixers={k: v for k, v in f.mixers.items() if k != "Mamba2Mixer"}) for t, f in mixers.FAMILIES.items()}
+    unknown = {
+        t: replace(f, mixers={k: v for k, v in f.mixers.items() if k != "Mamba2Mixer"})
+        for t, f in mixers.FAMILIES.items()
+    }
     monkeypatch.setattr(mixers.families, "FAMILIES", unknown)  # no family's mixers named *Mamba2Mixer
-    with pytest.raises(ValueError, match=r"NemotronHForCausalLM has 1 layers of types .* but sharedprefix finds 0 mixer modules"):
+    with pytest.raises(
+        ValueError, match=r"NemotronHForCausalLM has 1 layers of types .* but sharedprefix finds 0 mixer modules"
+    ):
         sp.logprobs(model, groups_of())

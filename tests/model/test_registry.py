@@ -52,7 +52,9 @@ def test_a_row_whose_mixers_are_not_the_models_is_refused(model, monkeypatch):
 def test_a_family_registered_in_the_table_runs_exact(model, monkeypatch):
     monkeypatch.setitem(mixers.FAMILIES, NEW, mixers.Family(mixers.PACKED, {"TokenMixer": ("conv",)}))
     assert mixers.on_packed_path(model) and not mixers.on_cache_path(model)
-    assert [type(m).__name__ for m, kinds in mixers.mixer_modules(model) if kinds == ("conv",)] == ["Lfm2TokenMixer"] * 2
+    assert [type(m).__name__ for m, kinds in mixers.mixer_modules(model) if kinds == ("conv",)] == [
+        "Lfm2TokenMixer"
+    ] * 2
     gs = groups_of()
     assert len(sp.plan(gs, None).passes) == 1 and sp.plan(gs, 6).splits
     groups_check(model, gs, [(None, "keep"), (6, "keep"), (6, "recompute")])

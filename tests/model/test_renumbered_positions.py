@@ -98,7 +98,9 @@ def test_a_renumbering_off_by_one_is_refused(monkeypatch):
     """The verification holds the renumbered module to the model's own numbering: off by one, it refuses."""
     real = positions._with_positions
     monkeypatch.setattr(positions, "_with_positions", lambda m, a, k, p: real(m, a, k, p + 1))
-    with pytest.raises(ValueError, match=r"BartLearnedPositionalEmbedding\) the row.s own positions 0\.\.2 changes its output"):
+    with pytest.raises(
+        ValueError, match=r"BartLearnedPositionalEmbedding\) the row.s own positions 0\.\.2 changes its output"
+    ):
         sp.logprobs(_model("bart"), _groups())
 
 

@@ -41,7 +41,10 @@ def test_aux_loss_and_its_gradient_match_one_plain_forward_of_all_rows(model, bu
     assert (out.logprobs - plain_logprobs(model, groups)[0]).abs().max() <= 1e-9
     w = torch.randn(out.logprobs.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * w).sum() + 3.0 * plain_aux_loss(model, groups))
-    got = grads_of(model, lambda: (lambda o: (o.logprobs * w).sum() + 3.0 * o.aux_loss)(sp.logprobs(model, groups, max_tokens=budget)))
+    got = grads_of(
+        model,
+        lambda: (lambda o: (o.logprobs * w).sum() + 3.0 * o.aux_loss)(sp.logprobs(model, groups, max_tokens=budget)),
+    )
     assert any("gate" in n for n in got)  # the router is trained through the loss
     assert_grads_close(got, want, 1e-5)
 
@@ -71,7 +74,12 @@ def _backward_grads(model, groups, w, budget, mode, coef):
         model,
         lambda: res.append(
             sp.backward(
-                model, groups, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=budget, prefix_activations=mode, aux_loss_coef=coef
+                model,
+                groups,
+                lambda b: (b.logprobs * w[b.index]).sum(),
+                max_tokens=budget,
+                prefix_activations=mode,
+                aux_loss_coef=coef,
             )
         ),
     )
@@ -117,7 +125,9 @@ def test_deferred_logprobs_carry_the_aux_loss_gradient(model):
     """sp.logprobs(defer=True) (TRL's path under a budget or gradient checkpointing): .aux_loss's gradient reaches
     the parameters through the deferred sp.backward, as the undeferred call's graph does."""
     groups = _groups()
-    w = torch.randn(plain_logprobs(model, groups)[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(
+        plain_logprobs(model, groups)[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2)
+    )
 
     def loss(defer, budget):
         o = sp.logprobs(model, groups, max_tokens=budget, defer=defer)

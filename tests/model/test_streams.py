@@ -117,7 +117,12 @@ def test_entropy_and_temperature(model):
         model,
         lambda: (
             sp.backward(
-                model, groups, lambda b: ((b.logprobs + b.entropy) * w[b.index]).sum(), max_tokens=12, temperature=0.7, entropy=True
+                model,
+                groups,
+                lambda b: ((b.logprobs + b.entropy) * w[b.index]).sum(),
+                max_tokens=12,
+                temperature=0.7,
+                entropy=True,
             )
             and None
         ),
@@ -130,7 +135,9 @@ def test_the_zoo_reference_reads_frames_as_this_one_does(model):
     groups = _groups(model)
     with torch.no_grad():
         assert (plain_logprobs(model, groups)[0] - _plain(model, groups)).abs().max() <= 1e-12
-        assert (plain_logprobs(model, groups, 0.7, entropy=True)[1] - _plain(model, groups, 0.7, True)).abs().max() <= 1e-12
+        assert (
+            plain_logprobs(model, groups, 0.7, entropy=True)[1] - _plain(model, groups, 0.7, True)
+        ).abs().max() <= 1e-12
 
 
 def test_no_hook_stays_on_the_model(model):

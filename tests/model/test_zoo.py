@@ -2,8 +2,8 @@
 its reason before any computation, or not buildable for a reason written down here; never silently wrong.
 
 Each entry is built and checked once per test process (``_result``); the table of ``docs/models.md`` must be what
-these results render to. The coverage tests break sharedprefix on purpose (a window dropped, a window applied to every layer,
-sinks ignored) and require the zoo to report it, so that a silent mismatch of these kinds cannot pass.
+these results render to. The coverage tests break sharedprefix on purpose (a window dropped, a window applied to every
+layer, sinks ignored) and require the zoo to report it, so that a silent mismatch of these kinds cannot pass.
 """
 
 import os
@@ -71,7 +71,11 @@ def test_the_features_this_zoo_exists_for_are_exercised():
         ("deepseek_v4", "token mixing outside attention"),  # its compressors pool blocks of the row into keys
         ("qwen4_exp_text", "token mixing outside attention"),  # linear-attention layers (next to its indexed ones)
         ("blt", "token mixing outside attention"),  # bytes pooled into patches; was "attention masks"
-        ("reformer", "attention outside transformers' attention interface"),  # LSH attention; was "fails on a probe row"
+        # LSH attention; was "fails on a probe row"
+        (
+            "reformer",
+            "attention outside transformers' attention interface",
+        ),
     ],
 )
 def test_refusals_name_the_feature(entry, category):
@@ -106,7 +110,11 @@ def test_several_attention_calls_per_layer_are_exact_also_when_split():
     """Looped layers and differential attention cache one prompt K/V per attention call of a layer."""
     for entry in ("hrm_text", "diffllama", "dory"):
         r = _result(entry)
-        assert r.status == "exact" and not r.split_refusal and r.grad_err is not None, (entry, r.status, r.split_refusal)
+        assert r.status == "exact" and not r.split_refusal and r.grad_err is not None, (
+            entry,
+            r.status,
+            r.split_refusal,
+        )
 
 
 DSA_ENTRIES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text", "dots3_note")
@@ -115,7 +123,11 @@ DSA_ENTRIES = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text"
 def test_deepseek_sparse_attention_is_exact_also_when_split():
     for entry in DSA_ENTRIES:
         r = _result(entry)
-        assert r.status == "exact" and "keys selected by an indexer (DeepSeek sparse attention)" in r.features, (entry, r.status, r.detail)
+        assert r.status == "exact" and "keys selected by an indexer (DeepSeek sparse attention)" in r.features, (
+            entry,
+            r.status,
+            r.detail,
+        )
         assert not r.split_refusal and r.grad_err is not None, (entry, r.split_refusal)
 
 
@@ -128,7 +140,9 @@ def test_zoo_catches_an_ignored_indexer_selection(entry, monkeypatch):
     monkeypatch.setattr(
         indexed,
         "sparse_attention",
-        lambda q, k, v, vis, idx, *a: orig(q, k, v, vis, torch.arange(q.shape[2])[None, None].expand(1, q.shape[2], -1), *a),
+        lambda q, k, v, vis, idx, *a: orig(
+            q, k, v, vis, torch.arange(q.shape[2])[None, None].expand(1, q.shape[2], -1), *a
+        ),
     )
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
@@ -139,9 +153,13 @@ def test_docs_table_is_the_zoo_results():
         current = readme.current_block(f.read())
     assert current is not None, f"{readme.PAGE} lost its zoo block markers"
     if f"transformers {transformers.__version__} registers" not in current:
-        pytest.skip(f"the zoo table of {readme.PAGE} was generated with another transformers than {transformers.__version__}")
+        pytest.skip(
+            f"the zoo table of {readme.PAGE} was generated with another transformers than {transformers.__version__}"
+        )
     block = readme.render([_result(e) for e in zoo.entries()], transformers.__version__)
-    assert current == block, f"the zoo table of {readme.PAGE} is stale: run python -m sharedprefix.tools.zoo --write-docs"
+    assert current == block, (
+        f"the zoo table of {readme.PAGE} is stale: run python -m sharedprefix.tools.zoo --write-docs"
+    )
 
 
 @pytest.mark.parametrize("entry", ["phimoe", "mistral", "exaone4", "gemma3_text", "gpt_oss"])

@@ -5,7 +5,17 @@ import torch
 
 import sharedprefix as sp
 from helpers import assert_grads_close, assert_matches_plain_rows, grads_of
-from support.vl import IMAGE, MROPE_GROUPS, V_END, V_START, gemma3_model, llava_model, mrope_group, mrope_model, plain_mrope
+from support.vl import (
+    IMAGE,
+    MROPE_GROUPS,
+    V_END,
+    V_START,
+    gemma3_model,
+    llava_model,
+    mrope_group,
+    mrope_model,
+    plain_mrope,
+)
 
 
 @pytest.mark.parametrize(
@@ -45,12 +55,18 @@ def test_multimodal_refusals():
     bad = sp.Group(
         g.prompt,
         g.completions,
-        prompt_inputs={"pixel_values": g.prompt_inputs["pixel_values"], "image_grid_thw": g.prompt_inputs["image_grid_thw"]},
+        prompt_inputs={
+            "pixel_values": g.prompt_inputs["pixel_values"],
+            "image_grid_thw": g.prompt_inputs["image_grid_thw"],
+        },
     )
     with pytest.raises(ValueError, match="has no mm_token_type_ids"):
         sp.logprobs(model, [bad])
     with pytest.raises(ValueError, match=r"prompt_inputs has \['audio_values'\]"):
-        sp.logprobs(model, [sp.Group(g.prompt, g.completions, prompt_inputs={**g.prompt_inputs, "audio_values": torch.zeros(1)})])
+        sp.logprobs(
+            model,
+            [sp.Group(g.prompt, g.completions, prompt_inputs={**g.prompt_inputs, "audio_values": torch.zeros(1)})],
+        )
     with pytest.raises(TypeError, match="are not tensors"):
         sp.Group([1], [[2]], prompt_inputs={"pixel_values": [1, 2]})
 
@@ -65,14 +81,18 @@ def _llava_group(seed, completions):
         ]
     )
     comps = [torch.randint(0, 90, (n,), generator=g) for n in completions]
-    return sp.Group(prompt, comps, prompt_inputs={"pixel_values": torch.randn(1, 3, 8, 8, generator=g, dtype=torch.float64)})
+    return sp.Group(
+        prompt, comps, prompt_inputs={"pixel_values": torch.randn(1, 3, 8, 8, generator=g, dtype=torch.float64)}
+    )
 
 
 def _plain_llava(model, groups):
     rows, T = [], max(c.numel() for g in groups for c in g.completions)
     for g in groups:
         for c in g.completions:
-            out = model(input_ids=torch.cat([g.prompt, c])[None], pixel_values=g.prompt_inputs["pixel_values"], use_cache=False)
+            out = model(
+                input_ids=torch.cat([g.prompt, c])[None], pixel_values=g.prompt_inputs["pixel_values"], use_cache=False
+            )
             lp = torch.log_softmax(out.logits[0, g.prompt.numel() - 1 : -1], -1).gather(-1, c[:, None])[:, 0]
             rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
     return torch.stack(rows)
@@ -90,7 +110,13 @@ def test_llava_style_groups_match_plain_rows(budget):
     got = grads_of(
         model,
         lambda: (
-            sp.backward(model, groups, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=budget, prefix_activations="recompute")
+            sp.backward(
+                model,
+                groups,
+                lambda b: (b.logprobs * w[b.index]).sum(),
+                max_tokens=budget,
+                prefix_activations="recompute",
+            )
             and None
         ),
     )
@@ -123,7 +149,10 @@ def _plain_gemma3(model, groups):
             if "token_type_ids" in (g.prompt_inputs or {}):
                 kw["token_type_ids"] = torch.cat([g.prompt_inputs["token_type_ids"], torch.zeros_like(c)])[None]
             out = model(
-                input_ids=torch.cat([g.prompt, c])[None], pixel_values=(g.prompt_inputs or {}).get("pixel_values"), use_cache=False, **kw
+                input_ids=torch.cat([g.prompt, c])[None],
+                pixel_values=(g.prompt_inputs or {}).get("pixel_values"),
+                use_cache=False,
+                **kw,
             )
             lp = torch.log_softmax(out.logits[0, g.prompt.numel() - 1 : -1], -1).gather(-1, c[:, None])[:, 0]
             rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
@@ -139,7 +168,8 @@ GEMMA3_GROUPS = lambda: [  # noqa: E731
 
 
 @pytest.mark.parametrize(
-    "window, budget, mode", [(4, None, "keep"), (4, 40, "recompute"), (4, 40, "offload"), (64, None, "keep"), (64, 40, "keep")]
+    "window, budget, mode",
+    [(4, None, "keep"), (4, 40, "recompute"), (4, 40, "offload"), (64, None, "keep"), (64, 40, "keep")],
 )
 def test_gemma3_bidirectional_images_match_plain_rows(window, budget, mode):
     """Gemma 3's image tokens see their whole image (16 tokens, longer than a window of 4: AND(window, OR(causal,
@@ -169,12 +199,18 @@ def test_gemma3_blocks_change_the_result():
 def test_token_type_ids_refused_where_the_model_does_not_use_them():
     model = mrope_model("qwen2_vl")
     g = mrope_group(0, (1, 4, 4), 2, 3, [3])
-    bad = sp.Group(g.prompt, g.completions, prompt_inputs={**g.prompt_inputs, "token_type_ids": g.prompt_inputs["mm_token_type_ids"]})
+    bad = sp.Group(
+        g.prompt,
+        g.completions,
+        prompt_inputs={**g.prompt_inputs, "token_type_ids": g.prompt_inputs["mm_token_type_ids"]},
+    )
     with pytest.raises(ValueError, match=r"prompt_inputs has \['token_type_ids'\]"):
         sp.logprobs(model, [bad])
     gem = _gemma3_group(0, [2, "i", 3], [3])
     short = sp.Group(
-        gem.prompt, gem.completions, prompt_inputs={**gem.prompt_inputs, "token_type_ids": gem.prompt_inputs["token_type_ids"][1:]}
+        gem.prompt,
+        gem.completions,
+        prompt_inputs={**gem.prompt_inputs, "token_type_ids": gem.prompt_inputs["token_type_ids"][1:]},
     )
     with pytest.raises(ValueError, match=r"token_type_ids'\] has shape \(22,\); expected \(23,\)"):
         sp.logprobs(gemma3_model(4), [short])

@@ -152,7 +152,9 @@ def failing(rank, world, out, kind):
         msg = "no error"
     except (ValueError, RuntimeError) as e:
         msg = f"{type(e).__name__}: {e}"
-    record.update(message=msg, seconds=time.monotonic() - t, grads_left=sum(p.grad is not None for p in model.parameters()))
+    record.update(
+        message=msg, seconds=time.monotonic() - t, grads_left=sum(p.grad is not None for p in model.parameters())
+    )
     if handle is not None:
         handle.remove()
     if kind == "midfail":  # the process group and FSDP2's state are intact: the next call runs and is exact

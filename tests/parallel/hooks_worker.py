@@ -21,7 +21,9 @@ import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402
 from sharedprefix.tools.reference import Float64Inside  # noqa: E402
 
-LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0, init_lora_weights=False)
+LORA = dict(
+    r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0, init_lora_weights=False
+)
 
 
 def lora_model():
@@ -75,7 +77,9 @@ def main(kind, out):
             float64_norms(model)
             for unused in (True, False):
                 ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
-                result[f"find_unused={unused}"] = whole_grads(ddp, lambda m=ddp: sp.backward(m, mine, loss_fn, max_tokens=BUDGET))
+                result[f"find_unused={unused}"] = whole_grads(
+                    ddp, lambda m=ddp: sp.backward(m, mine, loss_fn, max_tokens=BUDGET)
+                )
             result["control"] = whole_grads(ddp, lambda: sp.backward(ddp, mine, loss_fn, max_tokens=BUDGET, sync=False))
     elif kind == "ddp_no_sync":  # two calls, the first inside DDP's no_sync(): one all-reduce, the plain sum
         ddp = torch.nn.parallel.DistributedDataParallel(tiny_model("qwen3"))
@@ -113,7 +117,9 @@ def main(kind, out):
         # the plain run: each rank's rows, scaled by the world size (FSDP2 averages; the global loss is the sum)
         mw = W[gidx]
         result["plain"] = whole_grads(model, lambda: plain_sum(plain_logprobs(model, mine)[0], mw, world).backward())
-        result["control"] = whole_grads(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET, grad_reduction="mean"))
+        result["control"] = whole_grads(
+            model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET, grad_reduction="mean")
+        )
     if rank == 0:
         torch.save(result, out)
     dist.barrier()

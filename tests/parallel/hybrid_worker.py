@@ -1,8 +1,8 @@
 """One rank of the hybrid DDP / FSDP2 test (run under torchrun): a tiny hybrid wrapped in DDP, or sharded with FSDP2
 (kinds ``fsdp*``: every layer, the embedding and head as one unit, and the root), each rank with its share of the
 groups. FAMILIES (default lfm2; several, comma-separated, run one after another in one launch) picks the hybrids:
-``support.hybrid``'s ``model_of`` (lfm2: short convolutions beside attention; falcon_h1: Mamba2 mixers; qwen3_next: gated
-delta-nets) or its ``linear_model``, 3-layer cuts of the zoo's configs (lfm3: convolutions; lara_mini: gated
+``support.hybrid``'s ``model_of`` (lfm2: short convolutions beside attention; falcon_h1: Mamba2 mixers; qwen3_next:
+gated delta-nets) or its ``linear_model``, 3-layer cuts of the zoo's configs (lfm3: convolutions; lara_mini: gated
 delta-nets; kimi_linear: Kimi delta attention). The delta rules and the Mamba2 scan compute in float32 inside a
 float64 model, so those families run ``sp.backward`` under ``Float64Inside``, as the reference does (kinds backward
 and fsdp only).
@@ -89,7 +89,12 @@ def run(kind, family, model, rank, world):
         mode = None if kind == "fsdp" else "recompute"
         with inside(family):
             sp.backward(
-                model, mine, loss_fn, max_tokens=BUDGET, prefix_activations=mode, grad_reduction="mean" if kind == "mean" else "sum"
+                model,
+                mine,
+                loss_fn,
+                max_tokens=BUDGET,
+                prefix_activations=mode,
+                grad_reduction="mean" if kind == "mean" else "sum",
             )
     out["groups"], out["layer0_forwards"] = full_grads(model), len(calls)
     if family not in TREE_FAMILIES or kind not in ("backward", "fsdp"):
@@ -123,7 +128,13 @@ def failure(kind, model, rank, world, out):
 
         report_outcome(deferred, model, rank, world, out)
     else:  # midfail: rank 1's loss is NaN on its second batch: every rank stops, no .grad is left behind
-        report_outcome(lambda m: sp.backward(m, mine, nan_on_second_pass(loss_fn, rank), max_tokens=BUDGET), model, rank, world, out)
+        report_outcome(
+            lambda m: sp.backward(m, mine, nan_on_second_pass(loss_fn, rank), max_tokens=BUDGET),
+            model,
+            rank,
+            world,
+            out,
+        )
 
 
 def main(kind, out, families="lfm2"):

@@ -74,7 +74,9 @@ def run_case(name, group):
     lp = sp.logprobs(model, src, max_tokens=budget, sequence_group=group)  # grad enabled: deferred
     (lp.logprobs * W).sum().backward()
     deferred = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return dict(logprobs=out.logprobs, entropy=out.entropy, grads=grads, deferred=deferred, loss=res.loss, passes=res.passes)
+    return dict(
+        logprobs=out.logprobs, entropy=out.entropy, grads=grads, deferred=deferred, loss=res.loss, passes=res.passes
+    )
 
 
 def fsdp_weights(n):
@@ -134,7 +136,10 @@ def refusals(group):
         "hybrid": lambda: sp.logprobs(hybrid, source("groups"), sequence_group=group),
         "defer_false": lambda: sp.logprobs(tiny_model("qwen3"), source("groups"), defer=False, sequence_group=group),
         "ddp": lambda: sp.backward(
-            DistributedDataParallel(tiny_model("qwen3")), source("groups"), lambda b: b.logprobs.sum(), sequence_group=group
+            DistributedDataParallel(tiny_model("qwen3")),
+            source("groups"),
+            lambda b: b.logprobs.sum(),
+            sequence_group=group,
         ),
         # ranks that disagree: other groups on the last rank; a bad temperature on the last rank only
         "mismatch": lambda: sp.logprobs(tiny_model("qwen3"), _rank_source(group), sequence_group=group),

@@ -36,11 +36,12 @@ def reference():
 
 def test_every_wrapping_matches_plain_and_leaves_the_model_untouched(tmp_path, reference):
     """Nested units (attention and MLP inside layers, layers, embedding, head, decoder, root), grouped units
-    (all layers as one; embedding + head as one) and per-unit settings, reshard_after_forward True and False, FSDP2's default mode and
-    'recompute', a budget that splits a group on one rank only: every rank runs the same collectives and the summed
-    gradients are the plain run's. No module of the user's model gains or loses an attribute, a ``forward`` or a
-    class during or after a call; and an FSDP2 call costs 2 small all-reduces besides FSDP2's own collectives (setup
-    errors with the round counts; errors during the call), as many as before failures ended cleanly."""
+    (all layers as one; embedding + head as one) and per-unit settings, reshard_after_forward True and False, FSDP2's
+    default mode and 'recompute', a budget that splits a group on one rank only: every rank runs the same collectives
+    and the summed gradients are the plain run's. No module of the user's model gains or loses an attribute, a
+    ``forward`` or a class during or after a call; and an FSDP2 call costs 2 small all-reduces besides FSDP2's own
+    collectives (setup errors with the round counts; errors during the call), as many as before failures ended
+    cleanly."""
     from support.trees import plain_rows
 
     got = torch.load(_launch("wrappings", tmp_path), weights_only=False)
@@ -77,7 +78,9 @@ def test_an_error_in_loss_fn_on_one_rank_stops_every_rank(tmp_path, reference):
     msg = "advantages missing for this batch (rank 1's loss_fn)"
     r0, r1 = _records(tmp_path, "midfail")
     assert r1["message"] == f"ValueError: {msg}"
-    assert r0["message"].startswith("RuntimeError: rank 1 stopped during this sharedprefix call") and msg in r0["message"]
+    assert (
+        r0["message"].startswith("RuntimeError: rank 1 stopped during this sharedprefix call") and msg in r0["message"]
+    )
     for r in (r0, r1):
         assert r["seconds"] < 10 and r["grads_left"] == 0 and r["initialized"]
     assert_grads_close({k: v for k, v in r0["grads"].items() if v is not None}, reference, 1e-9)
@@ -86,7 +89,9 @@ def test_an_error_in_loss_fn_on_one_rank_stops_every_rank(tmp_path, reference):
     assert sum(m.startswith("ValueError: prefix_activations='keep' with an FSDP2 model") for m in keep) == 1
     assert (
         sum(
-            m.startswith("RuntimeError: rank ") and "stopped before any computation" in m and "prefix_activations='recompute'" in m
+            m.startswith("RuntimeError: rank ")
+            and "stopped before any computation" in m
+            and "prefix_activations='recompute'" in m
             for m in keep
         )
         == 1
@@ -105,7 +110,9 @@ def test_an_error_inside_a_pass_on_one_rank_stops_every_rank(tmp_path):
     msg = "layer 1 refused this batch on rank 1 (inside a pass)"
     r0, r1 = _records(tmp_path, "inside")
     assert r1["message"] == f"ValueError: {msg}"
-    assert r0["message"].startswith("RuntimeError: rank 1 stopped during this sharedprefix call") and msg in r0["message"]
+    assert (
+        r0["message"].startswith("RuntimeError: rank 1 stopped during this sharedprefix call") and msg in r0["message"]
+    )
     assert "FSDP2's collectives" in r0["message"]
     for r in (r0, r1):
         assert r["seconds"] < 10 and r["grads_left"] == 0 and not r["initialized"]

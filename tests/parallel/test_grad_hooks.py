@@ -42,7 +42,9 @@ def plain_grads(model):
 
 
 def sp_grads(model, mode):
-    return grads_of(model, lambda: sp.backward(model, GROUPS, loss_fn, max_tokens=BUDGET, prefix_activations=mode) and None)
+    return grads_of(
+        model, lambda: sp.backward(model, GROUPS, loss_fn, max_tokens=BUDGET, prefix_activations=mode) and None
+    )
 
 
 @pytest.mark.parametrize("mode", ["keep", "recompute", "offload"])
@@ -58,7 +60,9 @@ def test_control_hooks_fired_per_backward_differ(monkeypatch):
     so the test above can fail."""
     model = tiny_model("qwen3")
     hooked(model, doubled)
-    monkeypatch.setattr(grad_hooks.DeferredGradHooks, "during_backward", lambda self, last=False: contextlib.nullcontext())
+    monkeypatch.setattr(
+        grad_hooks.DeferredGradHooks, "during_backward", lambda self, last=False: contextlib.nullcontext()
+    )
     got, want = sp_grads(model, "keep"), plain_grads(model)
     with pytest.raises(AssertionError, match="_norm.weight: relative error"):
         assert_grads_close(got, want, 1e-3)

@@ -28,7 +28,17 @@ WORKER = os.path.join(os.path.dirname(__file__), "hybrid_worker.py")
 def _launch(kind, tmp_path, families="lfm2", timeout=200):
     out = tmp_path / f"{kind}.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER, kind, str(out), families]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        WORKER,
+        kind,
+        str(out),
+        families,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
@@ -73,7 +83,9 @@ def test_the_shards_differ_and_the_budgets_split_a_group_and_the_tree():
     assert any(sp.plan(s, BUDGET).splits for s in shards)
     tree = tree_and_weights(VOCAB)[0]
     for r in range(2):  # each rank's rows: a system prompt chunked into a chain, some segments cached for later passes
-        assert any(isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(sp.shard_groups(tree, r, 2), TREE_BUDGET).steps)
+        assert any(
+            isinstance(s, sp.schedule.PrefixBackward) for s in sp.plan(sp.shard_groups(tree, r, 2), TREE_BUDGET).steps
+        )
 
 
 @pytest.mark.parametrize("kind, scale", [("backward", 1.0), ("mean", 0.5), ("deferred", 1.0), ("fsdp", 1.0)])

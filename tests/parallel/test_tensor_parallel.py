@@ -96,7 +96,9 @@ def test_fewer_kv_heads_than_the_tp_degree_refused(two, four):
     attention fails on a reshape of part of a head."""
     for got, heads, tp in ((two[0]["mqa"], 1, 2), (four[0]["llama"], 2, 4)):
         assert isinstance(got, str), got
-        assert got.startswith(f"ValueError: num_key_value_heads={heads} is not a multiple of the tensor-parallel degree {tp}")
+        assert got.startswith(
+            f"ValueError: num_key_value_heads={heads} is not a multiple of the tensor-parallel degree {tp}"
+        )
         assert "tp_plan" in got
 
 
@@ -105,7 +107,9 @@ def test_a_model_type_not_compared_under_tp_refused(two):
     by 2e-2 in float64, found by tests/parallel/tp_sweep.py), so a model type not compared is refused, named."""
     got = two[0]["zoo:gemma3n_text"]
     assert isinstance(got, str), "Gemma 3n ran under tensor parallelism"
-    assert got.startswith("ValueError: Gemma3nForCausalLM (model_type='gemma3n_text') is loaded with tensor parallelism")
+    assert got.startswith(
+        "ValueError: Gemma3nForCausalLM (model_type='gemma3n_text') is loaded with tensor parallelism"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +141,9 @@ def test_unverified_layouts_refused_and_verify_runs(refusals):
         "ValueError: parameter model.layers.0.self_attn.q_proj.weight is a DTensor with placements (Shard(dim=0),)"
     )
     assert "neither transformers' tensor parallelism nor FSDP2 placed" in refused["parallelize_module"]
-    assert refused["sequence_group"].startswith("ValueError: sequence_group= was given for a tensor-parallel model (tp_size=2)")
+    assert refused["sequence_group"].startswith(
+        "ValueError: sequence_group= was given for a tensor-parallel model (tp_size=2)"
+    )
     assert refused["verify"].endswith("-> exact by the 2x rule"), refused["verify"]
 
 

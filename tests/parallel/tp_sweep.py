@@ -29,7 +29,17 @@ def main(root, entries):
     out = os.path.join(root, "tp.pt")
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", worker, ",".join(names), out, "--robust"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        worker,
+        ",".join(names),
+        out,
+        "--robust",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, env=env)
     got = torch.load(out, weights_only=False)
     for name in names:

@@ -122,7 +122,10 @@ def calls(model, robust=False):
     attempt("logprobs_budget", lambda: no_grad(lambda: sp.logprobs(model, groups, max_tokens=BUDGET)))
     attempt("whole", lambda: grads(lambda: sp.backward(model, groups, loss_fn)))
     for mode in ("keep", "recompute", "offload"):
-        attempt(mode, lambda m=mode: grads(lambda: sp.backward(model, groups, loss_fn, max_tokens=BUDGET, prefix_activations=m)))
+        attempt(
+            mode,
+            lambda m=mode: grads(lambda: sp.backward(model, groups, loss_fn, max_tokens=BUDGET, prefix_activations=m)),
+        )
     skip = NEEDS_MODE_IN_BACKWARD.get(getattr(model.config, "model_type", ""), ())
     if "defer" not in skip:
         attempt("defer", lambda: grads(deferred))
@@ -158,7 +161,9 @@ def calls_2d(model):
     tmine = sp.shard_groups(tree, rank, size)
     glob = torch.tensor(tmine.index)
     out["tree"] = grads(
-        lambda: sp.backward(model, tmine, lambda b: (b.logprobs * TW[glob[b.index], : b.logprobs.shape[1]]).sum(), max_tokens=BUDGET)
+        lambda: sp.backward(
+            model, tmine, lambda b: (b.logprobs * TW[glob[b.index], : b.logprobs.shape[1]]).sum(), max_tokens=BUDGET
+        )
     )
     model.gradient_checkpointing_enable()
     model.train()

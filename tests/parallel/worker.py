@@ -162,7 +162,13 @@ def main(kind, out):
     if kind.endswith("_refuse") or kind == "ddp_midfail":  # rank 1 fails: every rank must stop, none hang
         failing = nan_on_second_pass(loss_fn, rank)
         bad = [sp.Group([1, 2, 500], [[3]])] if rank == 1 and kind.endswith("_refuse") else mine
-        report_outcome(lambda m: sp.backward(m, bad, failing, max_tokens=BUDGET, prefix_activations="recompute"), model, rank, world, out)
+        report_outcome(
+            lambda m: sp.backward(m, bad, failing, max_tokens=BUDGET, prefix_activations="recompute"),
+            model,
+            rank,
+            world,
+            out,
+        )
         # before its process group goes: a DDP reducer destroyed after it can block on gloo or abort the process at
         # exit; the caught error's traceback may still hold the model in a reference cycle, hence the collection
         del model
@@ -193,7 +199,9 @@ def main(kind, out):
     elif kind == "ddp_accum":  # accumulate without sync, then sync once: same as one call
         sp.backward(model, mine[:1], loss_fn_for(mine[:1], gidx), max_tokens=BUDGET, sync=False)
         res = (
-            sp.backward(model, mine[1:], loss_fn_for(mine[1:], gidx[sum(g.group_size for g in mine[:1]) :]), max_tokens=BUDGET)
+            sp.backward(
+                model, mine[1:], loss_fn_for(mine[1:], gidx[sum(g.group_size for g in mine[:1]) :]), max_tokens=BUDGET
+            )
             if len(mine) > 1
             else None
         )
@@ -201,7 +209,9 @@ def main(kind, out):
             res = sp.backward(model, mine[:1], lambda b: (b.logprobs * 0.0).sum(), max_tokens=BUDGET)
     else:
         mode = {} if kind == "fsdp_units" else {"prefix_activations": "recompute"}  # FSDP2's default: its mode
-        res = sp.backward(model, mine, loss_fn, max_tokens=BUDGET, grad_reduction="mean" if kind.endswith("mean") else "sum", **mode)
+        res = sp.backward(
+            model, mine, loss_fn, max_tokens=BUDGET, grad_reduction="mean" if kind.endswith("mean") else "sum", **mode
+        )
     grads = full_grads(model)
     stats = torch.tensor([res.passes if res else 0, res.dummy_rounds if res else 0, calls["all_reduce"]])
     gathered = [torch.zeros_like(stats) for _ in range(world)]

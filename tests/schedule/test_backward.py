@@ -39,11 +39,15 @@ def test_prompt_split_into_four_chunks_runs_reverse_backward():
     p = sp.plan(groups, 7)
     chain = p.tree.prompt_chain[2]
     assert len(chain) == 4  # prompt of 28 tokens under a 7-token budget
-    back = [i for i, s in enumerate(p.steps) if isinstance(s, sp.schedule.PrefixBackward) and set(s.segments) <= set(chain)]
+    back = [
+        i for i, s in enumerate(p.steps) if isinstance(s, sp.schedule.PrefixBackward) and set(s.segments) <= set(chain)
+    ]
     # one backward per chunk, innermost first, each after every pass of its subtree
     assert [p.steps[i].segments[0] for i in back] == chain[::-1]
     last = max(
-        i for i, s in enumerate(p.steps) if isinstance(s, sp.schedule.Pass) and any(p.tree.segments[x].group == 2 for x in s.segments)
+        i
+        for i, s in enumerate(p.steps)
+        if isinstance(s, sp.schedule.Pass) and any(p.tree.segments[x].group == 2 for x in s.segments)
     )
     assert back[0] > last and back == list(range(back[0], back[0] + 4))
 
@@ -151,7 +155,9 @@ def test_bad_budgets_and_modes_are_refused_with_the_fix():
         sp.backward(model, groups, lambda b: b.logprobs.sum(), max_tokens=0)
     with pytest.raises(TypeError, match="max_tokens=2.5"):
         sp.logprobs(model, groups, max_tokens=2.5)
-    with pytest.raises(ValueError, match=r"prefix_activations='swap'; expected one of \('keep', 'offload', 'recompute'\)"):
+    with pytest.raises(
+        ValueError, match=r"prefix_activations='swap'; expected one of \('keep', 'offload', 'recompute'\)"
+    ):
         sp.backward(model, groups, lambda b: b.logprobs.sum(), prefix_activations="swap")
     with torch.no_grad(), pytest.raises(RuntimeError, match="under torch.no_grad"):
         sp.backward(model, groups, lambda b: b.logprobs.sum())

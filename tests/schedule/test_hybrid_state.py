@@ -38,7 +38,9 @@ def test_a_tensor_the_path_does_not_know_is_refused():
     """Any other tensor on a cache layer (a state the copies would share or drop) is refused, naming it."""
     cache = _linear_cache(5)
     cache.layers[0].extra_state = torch.zeros(1, 4)
-    with pytest.raises(ValueError, match=r"holds tensors \['extra_state'\] that sharedprefix's hybrid path does not copy"):
+    with pytest.raises(
+        ValueError, match=r"holds tensors \['extra_state'\] that sharedprefix's hybrid path does not copy"
+    ):
         cache_state.state_slots(cache)
 
 
@@ -49,6 +51,9 @@ def test_a_count_other_than_the_prompts_length_is_refused():
         pytest.skip("this transformers' linear-attention layers keep no token count")
     slots = cache_state.state_slots(cache)
     cache_state.check_filled("Tiny", cache, slots, 5)
-    want = r"Tiny: cache layer 0 \(LinearAttentionLayer\) counts 5 tokens in its cumulative_length_linear after a prompt of 6"
+    want = (
+        r"Tiny: cache layer 0 \(LinearAttentionLayer\) counts 5 tokens in its cumulative_length_linear "
+        r"after a prompt of 6"
+    )
     with pytest.raises(ValueError, match=want):
         cache_state.check_filled("Tiny", cache, slots, 6)

@@ -35,7 +35,9 @@ def test_offloaded_tensors_come_back_newest_first_within_the_window():
     assert hooks.fetch_order == [n - 1, n - 2]  # two tensors' worth, the newest
     (got,) = torch.autograd.grad(loss, x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert hooks.fetch_order == sorted(hooks.fetch_order, reverse=True) and len(hooks.fetch_order) == len(set(hooks.fetch_order))
+    assert hooks.fetch_order == sorted(hooks.fetch_order, reverse=True) and len(hooks.fetch_order) == len(
+        set(hooks.fetch_order)
+    )
     assert max(seen) <= 2 * one + one  # never more than the window ahead (plus the one being unpacked)
     assert hooks.fetched == {}
 

@@ -23,7 +23,12 @@ def test_every_completion_computed_exactly_once():
     groups = random_groups(0, 4, [3, 50, 7, 12], [[2] * 5, [9, 1, 4], [6], [3, 3, 3]])
     for budget in (None, 100, 20, 9):
         p = sp.plan(groups, budget)
-        seen = [p.tree.segments[s].completion for st in p.passes for s in st.segments if p.tree.segments[s].completion is not None]
+        seen = [
+            p.tree.segments[s].completion
+            for st in p.passes
+            for s in st.segments
+            if p.tree.segments[s].completion is not None
+        ]
         assert sorted(seen) == list(range(p.tree.num_completions))
         assert all(budget is None or p.pass_tokens(st) <= budget for st in p.passes)
 
@@ -62,7 +67,13 @@ def test_fsdp_order_is_a_transformation_of_the_plan():
     assert (n_f, n_fb) == (2, 2 + 2 + 2)  # 2 prompt chunks recorded; 2 whole + 2 completion passes + 2 backwards
     f = p.for_fsdp(n_f + 1, n_fb + 2)
     kinds = [
-        "R" if isinstance(s, Pass) and s.record else "D" if isinstance(s, Dummy) else "B" if isinstance(s, PrefixBackward) else "P"
+        "R"
+        if isinstance(s, Pass) and s.record
+        else "D"
+        if isinstance(s, Dummy)
+        else "B"
+        if isinstance(s, PrefixBackward)
+        else "P"
         for s in f.steps
     ]
     assert kinds == ["R", "R", "D", "P", "P", "P", "P", "B", "B", "D", "D"]

@@ -36,7 +36,20 @@ def _tree_reference(tree, qf, kf, vf, window, scale, chunk=None, blocks=()):
 
 
 def check_cascade(
-    impl, groups, prompt_chunk, row_of, window, seed=0, h=4, hkv=2, d=6, dv=6, repeat_prefix=False, chunk=None, blocks=(), drop_blocks=False
+    impl,
+    groups,
+    prompt_chunk,
+    row_of,
+    window,
+    seed=0,
+    h=4,
+    hkv=2,
+    d=6,
+    dv=6,
+    repeat_prefix=False,
+    chunk=None,
+    blocks=(),
+    drop_blocks=False,
 ):
     """The cascade of ``impl`` over the row of the segments ``row_of`` picks (their ancestors read as cached K/V)
     against explicit attention over the whole tree: output to 1e-12, gradients of q, k, v to 1e-10 (float64)."""

@@ -32,13 +32,21 @@ def dataset():
 
 
 def build_trainer(model, tok, tmp_path, **kw):
-    """A SharedPrefixGRPOTrainer on ``dataset()`` and ``reward`` (CPU, float32, groups of 4); ``kw``: settings to add."""
+    """A SharedPrefixGRPOTrainer on ``dataset()`` and ``reward`` (CPU, float32, groups of 4);
+    ``kw``: settings to add."""
     args = SharedPrefixGRPOConfig(
-        output_dir=str(tmp_path), num_generations=4, per_device_train_batch_size=8, report_to=[], use_cpu=True, **{"bf16": False, **kw}
+        output_dir=str(tmp_path),
+        num_generations=4,
+        per_device_train_batch_size=8,
+        report_to=[],
+        use_cpu=True,
+        **{"bf16": False, **kw},
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return SharedPrefixGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset(), processing_class=tok)
+        return SharedPrefixGRPOTrainer(
+            model=model, reward_funcs=reward, args=args, train_dataset=dataset(), processing_class=tok
+        )
 
 
 def tiny_for_tokenizer(model_type: str, tok, cls):

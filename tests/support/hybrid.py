@@ -30,7 +30,12 @@ CONFIGS = {
     "lfm2": (
         "Lfm2Config",
         "Lfm2ForCausalLM",
-        dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, block_auto_adjust_ff_dim=False),
+        dict(
+            num_hidden_layers=3,
+            layer_types=["conv", "full_attention", "conv"],
+            conv_L_cache=3,
+            block_auto_adjust_ff_dim=False,
+        ),
     ),
     "falcon_h1": (
         "FalconH1Config",
@@ -87,7 +92,11 @@ def groups_of(seed=0):
     """Three groups of random ids: a 9-token prompt with 4 completions, a 1-token prompt with 2, a 5-token with 1."""
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(3, COMMON["vocab_size"], (n,), generator=g)  # noqa: E731
-    return [sp.Group(ids(9), [ids(5), ids(3), ids(6), ids(1)]), sp.Group(ids(1), [ids(4), ids(2)]), sp.Group(ids(5), [ids(3)])]
+    return [
+        sp.Group(ids(9), [ids(5), ids(3), ids(6), ids(1)]),
+        sp.Group(ids(1), [ids(4), ids(2)]),
+        sp.Group(ids(5), [ids(3)]),
+    ]
 
 
 def zoo_model(entry, **config):
@@ -115,7 +124,9 @@ def zoo_model(entry, **config):
                 p.normal_(1.0, 0.2, generator=torch.Generator().manual_seed(0))
     for mod in model.modules():  # MiniMax: decays computed in float32 at init, recomputed in float64 by its decode
         if hasattr(mod, "decay_factors"):
-            for buf, value in zip((mod.query_decay, mod.key_decay, mod.diagonal_decay), mod.decay_factors(mod.slope_rate)):
+            for buf, value in zip(
+                (mod.query_decay, mod.key_decay, mod.diagonal_decay), mod.decay_factors(mod.slope_rate)
+            ):
                 buf.copy_(value)
     return model
 
@@ -141,7 +152,8 @@ def groups_check(model, gs, runs):
         got = grads_of(
             model,
             lambda b=budget, m=mode: (
-                sp.backward(model, gs, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b, prefix_activations=m) and None
+                sp.backward(model, gs, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b, prefix_activations=m)
+                and None
             ),
         )
         assert_grads_close(got, want, 1e-9)
@@ -163,7 +175,10 @@ def tree_check(model, rows, trained, budgets, modes):
             got = grads_of(
                 model,
                 lambda b=budget, m=mode: (
-                    sp.backward(model, tree, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b, prefix_activations=m) and None
+                    sp.backward(
+                        model, tree, lambda x: (x.logprobs * w[x.index]).sum(), max_tokens=b, prefix_activations=m
+                    )
+                    and None
                 ),
             )
             if nothing:
@@ -209,7 +224,11 @@ SSM_MUP = dict(  # Falcon-H1's multipliers, none of them 1, so that a path that 
     embedding_multiplier=1.5,
 )
 # Nemotron-H's zoo sizes keep its defaults' Mamba2 widths (128 heads of 64 x 128 states): cut to the others' sizes
-SSM_SMALL = {"nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1, moe_shared_expert_intermediate_size=16)}
+SSM_SMALL = {
+    "nemotron_h": dict(
+        mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=1, moe_shared_expert_intermediate_size=16
+    )
+}
 SSM_MODELS: dict = {}
 
 
@@ -227,12 +246,20 @@ LA, FA, SA = "linear_attention", "full_attention", "sliding_attention"
 SMALL = {  # 3 layers each; the delta nets as small as the attention
     "lfm3": dict(layer_types=["conv", SA, "conv"], conv_L_cache=3),
     "lara_mini": dict(
-        layer_types=[LA, SA, LA], linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4
+        layer_types=[LA, SA, LA],
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
     ),
     "kimi_linear": dict(layer_types=[LA, FA, LA], mlp_layer_types=["dense", "sparse", "dense"]),
     "bailing_hybrid": dict(layer_types=[LA, FA, LA], mlp_layer_types=["dense", "sparse", "sparse"], layer_group_size=3),
 }
-PER_LAYER = ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list")  # Bailing's lists (5.25): cut to 3 layers too
+# Bailing's lists (5.25): cut to 3 layers too
+PER_LAYER = (
+    "expert_swiglu_limit_list",
+    "share_expert_swiglu_limit_list",
+)
 LINEAR_MODELS: dict = {}
 
 

@@ -13,5 +13,7 @@ def torchrun(worker: str, args: list[str], nproc: int = 2, timeout: float = 120)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"{nproc}-process run of {args} did not end in {timeout} s: {str(e.stderr)[-3000:]}") from None
+        raise AssertionError(
+            f"{nproc}-process run of {args} did not end in {timeout} s: {str(e.stderr)[-3000:]}"
+        ) from None
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -31,7 +31,9 @@ def tree_rows(spec):
 
 
 def masks(rows, spec):
-    return [[bool((j * 7 + k + seed) % 3) for j in range(len(r))] for k, (r, (_, _, _, seed)) in enumerate(zip(rows, spec))]
+    return [
+        [bool((j * 7 + k + seed) % 3) for j in range(len(r))] for k, (r, (_, _, _, seed)) in enumerate(zip(rows, spec))
+    ]
 
 
 ROW_SPEC = st.lists(

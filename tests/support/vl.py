@@ -18,7 +18,9 @@ TEXT = dict(
     max_position_embeddings=512,
     rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]},
 )
-VISION = dict(depth=1, hidden_size=32, num_heads=2, in_channels=3, patch_size=2, spatial_merge_size=2, temporal_patch_size=2)
+VISION = dict(
+    depth=1, hidden_size=32, num_heads=2, in_channels=3, patch_size=2, spatial_merge_size=2, temporal_patch_size=2
+)
 
 
 def mrope_model(kind):
@@ -26,11 +28,22 @@ def mrope_model(kind):
         text = {k: v for k, v in TEXT.items() if k != "rope_scaling"}
         text.update(
             head_dim=8,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
         )
         cfg = tf.Qwen3VLConfig(
             text_config=text,
-            vision_config=dict(VISION, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0]),
+            vision_config=dict(
+                VISION,
+                intermediate_size=24,
+                out_hidden_size=32,
+                num_position_embeddings=16,
+                deepstack_visual_indexes=[0],
+            ),
             image_token_id=IMAGE,
             video_token_id=VIDEO,
             vision_start_token_id=V_START,
@@ -50,7 +63,9 @@ def mrope_model(kind):
     else:
         cfg = tf.Qwen2_5_VLConfig(
             text_config=TEXT,
-            vision_config=dict(VISION, intermediate_size=24, out_hidden_size=32, fullatt_block_indexes=[0], window_size=8),
+            vision_config=dict(
+                VISION, intermediate_size=24, out_hidden_size=32, fullatt_block_indexes=[0], window_size=8
+            ),
             image_token_id=IMAGE,
             video_token_id=VIDEO,
             vision_start_token_id=V_START,
@@ -96,7 +111,9 @@ def plain_mrope(model, groups):
                 kw = dict(
                     pixel_values=g.prompt_inputs["pixel_values"],
                     image_grid_thw=g.prompt_inputs["image_grid_thw"],
-                    mm_token_type_ids=torch.cat([g.prompt_inputs["mm_token_type_ids"], torch.zeros(c.numel(), dtype=torch.int32)])[None],
+                    mm_token_type_ids=torch.cat(
+                        [g.prompt_inputs["mm_token_type_ids"], torch.zeros(c.numel(), dtype=torch.int32)]
+                    )[None],
                 )
             logits = model(input_ids=ids, use_cache=False, **kw).logits[0, g.prompt.numel() - 1 : -1]
             lp = torch.log_softmax(logits, -1).gather(-1, c[:, None])[:, 0]
@@ -149,7 +166,12 @@ def gemma3_config(window, patch=2, **text):
             **text,
         ),
         vision_config=dict(
-            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=8, patch_size=patch
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=8,
+            patch_size=patch,
         ),
         mm_tokens_per_image=(8 // patch) ** 2,
         image_token_index=IMAGE,
@@ -175,7 +197,12 @@ def qwen3_5_vl():
         linear_value_head_dim=8,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
     )
     cfg = tf.Qwen3_5Config(
         text_config=text,

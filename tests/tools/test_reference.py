@@ -15,7 +15,9 @@ class ExpertNorm(torch.nn.Module):
         self.eps = 1e-6
 
     def forward(self, x, expert_ids):
-        return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight[expert_ids]
+        return (
+            torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight[expert_ids]
+        )
 
 
 class RMSNorm(torch.nn.Module):

@@ -57,13 +57,15 @@ def add_arguments(p):
         "per-group sharing; --max-tokens is the budget, default 8192 here; --plain adds the plain run)",
     )
     p.add_argument(
-        "--plain", action="store_true", help="with --tree: also time the plain run (slow on CPU); with --hybrid --tree: all of it"
+        "--plain",
+        action="store_true",
+        help="with --tree: also time the plain run (slow on CPU); with --hybrid --tree: all of it",
     )
     p.add_argument(
         "--hybrid",
         action="store_true",
-        help="a Qwen3.5-style hybrid (delta-net:attention 3:1) on the speed benchmark's group: packed, plain rows, cache "
-        "path (with --tree: the agentic shape, the packed tree against plain rows and the cache path)",
+        help="a Qwen3.5-style hybrid (delta-net:attention 3:1) on the speed benchmark's group: packed, plain rows, "
+        "cache path (with --tree: the agentic shape, the packed tree against plain rows and the cache path)",
     )
     p.add_argument(
         "--vision",
@@ -74,15 +76,19 @@ def add_arguments(p):
     p.add_argument("--prompt", type=int, default=None, help="prompt length (default 2048, or 4096 with --memory)")
     p.add_argument("--completion", type=int, default=None, help="completion length (default 128, or 256)")
     p.add_argument("--G", type=int, nargs="+", default=None, help="group size(s) (default 8, or 4 8 16 32)")
-    p.add_argument("--max-tokens", type=int, default=None, help="token budget (default 6144 with --memory, 8192 with --tree)")
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="token budget (default 6144 with --memory, 8192 with --tree)"
+    )
     p.add_argument("--repeats", type=int, default=2, help="timed repeats after a warm-up (speed benchmark)")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers of the benchmark model (default 4; 2 with --long)")
+    p.add_argument(
+        "--layers", type=int, default=None, help="decoder layers of the benchmark model (default 4; 2 with --long)"
+    )
     p.add_argument(
         "--long",
         action="store_true",
-        help="the long-prompt regime (tools/bench_long.py): Llama-3-8B layer shapes, P 16384 and 32768, T 1024, G 8 and "
-        "16, one budget (--max-tokens, default 16384) for plain rows, in-pass sharing and ours in each mode; then the "
-        "capacity line (--capacity-layers). --prompt, --completion, --G and --tiny shrink it (the CPU test)",
+        help="the long-prompt regime (tools/bench_long.py): Llama-3-8B layer shapes, P 16384 and 32768, T 1024, G 8 "
+        "and 16, one budget (--max-tokens, default 16384) for plain rows, in-pass sharing and ours in each mode; then "
+        "the capacity line (--capacity-layers). --prompt, --completion, --G and --tiny shrink it (the CPU test)",
     )
     p.add_argument("--tiny", action="store_true", help="with --long: tiny model shapes (for a run on the CPU)")
     p.add_argument("--capacity-layers", type=int, default=8, help="with --long: decoder layers of the capacity line")
@@ -99,7 +105,11 @@ def add_arguments(p):
         "transformers' default Qwen3.5 ones (hidden 4096, vocab 248320; for a GPU)",
     )
     p.add_argument("--device", default=None, help="device to run on (default: cuda when available, else cpu)")
-    p.add_argument("--plot", action="store_true", help="only draw docs/img/*.png from the result files in benchmarks/ (runs nothing)")
+    p.add_argument(
+        "--plot",
+        action="store_true",
+        help="only draw docs/img/*.png from the result files in benchmarks/ (runs nothing)",
+    )
 
 
 def run(args):
@@ -115,7 +125,9 @@ def run(args):
     if args.memory and args.tree:
         from sharedprefix.tools import bench_tree
 
-        bench_tree.memory(args.max_tokens or 8192, args.layers, device=args.device, report=lambda line: print(line, flush=True))
+        bench_tree.memory(
+            args.max_tokens or 8192, args.layers, device=args.device, report=lambda line: print(line, flush=True)
+        )
         return 0
     if args.memory:
         args.max_tokens = args.max_tokens or 6144
@@ -125,7 +137,9 @@ def run(args):
 
         if args.tree:  # the agentic shape; --plain times every plain microbatch instead of a sample
             sample = None if args.plain else 4
-            lines = bench_hybrid.tree(args.layers, args.repeats, args.max_tokens or 8192, sample, args.device, args.dims)
+            lines = bench_hybrid.tree(
+                args.layers, args.repeats, args.max_tokens or 8192, sample, args.device, args.dims
+            )
             print("\n".join(lines), flush=True)
             return 0
         print("\n".join(bench_hybrid.run(args.layers, args.repeats)), flush=True)
@@ -193,8 +207,8 @@ def _gpu(args):
         print(
             f"{P:>5} {T:>5} {G:>3} | {t['plain']:>8.3f} {t['pg']:>8.3f} {t['ours']:>8.3f} | "
             f"{t['plain'] / t['ours']:>6.2f}x {t['pg'] / t['ours']:>5.2f}x {fr:>5.2f}x "
-            f"{'yes' if t['plain'] / t['ours'] >= 0.8 * fr else 'NO':>8} | {m['plain'] / MB:>9.0f} {m['pg'] / MB:>7.0f} "
-            f"{m['ours'] / MB:>8.0f} {m['ours'] / m['plain']:>10.3f}"
+            f"{'yes' if t['plain'] / t['ours'] >= 0.8 * fr else 'NO':>8} | {m['plain'] / MB:>9.0f} "
+            f"{m['pg'] / MB:>7.0f} {m['ours'] / MB:>8.0f} {m['ours'] / m['plain']:>10.3f}"
             + (f"  (plain in microbatches of {plain_rows['n']} rows: {G} did not fit)" if plain_rows["n"] < G else ""),
             flush=True,
         )
@@ -213,8 +227,8 @@ def _gpu_dense_ablation(model, repeats, P=8192, T=512, G=16):
     with dense_dispatch(False):
         t_off = bench.best_time(lambda: bench.shared_step(model, groups), repeats)
     print(
-        f"\ndense dispatch at P={P}, T={T}, G={G} (dense kernel: {kernel}): on {t_on:.3f} s, off (SHAREDPREFIX_DENSE=0, "
-        f"every call varlen) {t_off:.3f} s, off / on {t_off / t_on:.2f}x",
+        f"\ndense dispatch at P={P}, T={T}, G={G} (dense kernel: {kernel}): on {t_on:.3f} s, off "
+        f"(SHAREDPREFIX_DENSE=0, every call varlen) {t_off:.3f} s, off / on {t_off / t_on:.2f}x",
         flush=True,
     )
 
@@ -236,7 +250,9 @@ def _long(args):
     if not args.no_capacity:
         model_kw = {**tiny, "num_hidden_layers": args.capacity_layers}
         G = (args.G or [16])[-1]
-        bench_long.capacity(args.device, args.capacity_start, T, G, args.capacity_limit, budget, report, model_kw, dtype)
+        bench_long.capacity(
+            args.device, args.capacity_start, T, G, args.capacity_limit, budget, report, model_kw, dtype
+        )
     return 0
 
 
@@ -279,7 +295,9 @@ def _speed(args):
     bar.set_description("bench: prompt K/V repeated per completion")
     t_pg = bench.best_time(pg, args.repeats, bar)
     fr = bench.flops(model.config, groups, False) / bench.flops(model.config, groups, True)
-    fr_layers = bench.flops(model.config, groups, False, head=False) / bench.flops(model.config, groups, True, head=False)
+    fr_layers = bench.flops(model.config, groups, False, head=False) / bench.flops(
+        model.config, groups, True, head=False
+    )
     spec = dict(n_groups=1, prompt=P, completion=T, G=G, model=dict(num_hidden_layers=args.layers), device=args.device)
     bar.set_description("bench: peak memory of the plain run (subprocess)")
     m_plain = bench.measure_in_subprocess("plain", spec)["peak_bytes"]
@@ -323,7 +341,9 @@ def _memory(args):
             bar.set_description(f"bench --memory: G={G} {kind} (subprocess)")
             r = bench.measure_in_subprocess(kind, spec)
             per_tok = 1000 * r["time_s"] / (G * T)
-            _out(f"{G:>3} {kind:<10} {r['tokens']:>8} {r['time_s']:>8.2f} {per_tok:>12.3f} {r['peak_bytes'] / MB:>9.1f}")
+            _out(
+                f"{G:>3} {kind:<10} {r['tokens']:>8} {r['time_s']:>8.2f} {per_tok:>12.3f} {r['peak_bytes'] / MB:>9.1f}"
+            )
             bar.update()
     bar.close()
     return 0

@@ -16,7 +16,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="sharedprefix", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command")
     for name, mod in {"train": train, "verify": verify, "bench": bench, "plan": plan}.items():
-        p = sub.add_parser(name, help=mod.HELP, description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name, help=mod.HELP, description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         mod.add_arguments(p)
         p.set_defaults(func=mod.run)
     args = parser.parse_args(argv)

@@ -102,14 +102,19 @@ def run(args):
     worst_lp = worst_grad = 0.0
     for budget, mode in checks:
         bar.set_description(f"verify: budget={budget} prefix={mode}")
-        res = sp.backward(model, groups, lambda b: (b.logprobs * b.mask).sum(), max_tokens=budget, prefix_activations=mode)
+        res = sp.backward(
+            model, groups, lambda b: (b.logprobs * b.mask).sum(), max_tokens=budget, prefix_activations=mode
+        )
         got = _grads(model)
         with torch.no_grad():
             lp = sp.logprobs(model, groups, max_tokens=budget).logprobs
         worst_lp = max(worst_lp, float((lp - ref.detach()).abs().max()))
-        worst_grad = max(worst_grad, max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-300)) for n in want))
+        worst_grad = max(
+            worst_grad, max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-300)) for n in want)
+        )
         tqdm.write(
-            f"budget={budget!s:>4} prefix={mode:<9} passes={res.passes} tokens {res.tokens_computed} vs plain {res.tokens_plain}",
+            f"budget={budget!s:>4} prefix={mode:<9} passes={res.passes} tokens {res.tokens_computed} vs plain "
+            f"{res.tokens_plain}",
             file=sys.stdout,
         )
         bar.update()

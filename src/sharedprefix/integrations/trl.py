@@ -61,7 +61,9 @@ class SharedPrefixGRPOConfig(GRPOConfig):
         sharedprefix_prefix_activations: "keep" | "offload" | "recompute", see ``sp.backward``.
     """
 
-    sharedprefix_max_tokens: int | None = field(default=None, metadata={"help": "tokens one sharedprefix pass may hold"})
+    sharedprefix_max_tokens: int | None = field(
+        default=None, metadata={"help": "tokens one sharedprefix pass may hold"}
+    )
     sharedprefix_prefix_activations: str = field(default="keep", metadata={"help": "keep | offload | recompute"})
 
 
@@ -99,8 +101,8 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
                 f"the model is tensor-parallel (tp_size={tp}). sharedprefix's own calls are verified exact under "
                 "transformers' tensor parallelism, but TRL's GRPOTrainer with it needs accelerate's ParallelismConfig, "
                 "which refuses CPU processes (DistributedType.MULTI_CPU), so this trainer has never been run against "
-                "GRPOTrainer with tensor parallelism. Load the model without tp_plan, or call sp.logprobs / sp.backward "
-                "in your own loop (docs/distributed.md)."
+                "GRPOTrainer with tensor parallelism. Load the model without tp_plan, or call sp.logprobs / "
+                "sp.backward in your own loop (docs/distributed.md)."
             )
         hybrid = on_cache_path(inner)
         check_supported(inner, hybrid=hybrid)
@@ -128,7 +130,15 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
     # -- log-probs ---------------------------------------------------------------------------------------------
 
     def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, compute_aux_loss=False, **extra
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **extra,
     ):
         images = check_image_inputs(extra)
         B, C = input_ids.shape[0], logits_to_keep
@@ -143,7 +153,11 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
         zeros = torch.zeros(B, C, dtype=dtype, device=input_ids.device)
         if not source:  # image or hybrid rows, every completion masked: a zero connected to the graph, as in TRL
-            anchor = sum(p.reshape(-1)[:1].sum() for p in model.parameters() if p.requires_grad) if torch.is_grad_enabled() else 0.0
+            anchor = (
+                sum(p.reshape(-1)[:1].sum() for p in model.parameters() if p.requires_grad)
+                if torch.is_grad_enabled()
+                else 0.0
+            )
             zeros = zeros + 0.0 * anchor
             return zeros, (zeros.detach().clone() if compute_entropy else None), None
         # With a budget, the policy pass is deferred: values without a graph now, sp.backward under the
@@ -202,7 +216,10 @@ def _group_preserving_shuffle(batch: dict) -> dict:
     prompt_ids, prompt_mask = batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu().bool()
     pix = batch.get("pixel_values")  # after split_pixel_values_by_grid: a list, row i's images at i
     keys = [
-        (tuple(prompt_ids[i][prompt_mask[i]].tolist()), pix[i].detach().cpu().numpy().tobytes() if isinstance(pix, list) else None)
+        (
+            tuple(prompt_ids[i][prompt_mask[i]].tolist()),
+            pix[i].detach().cpu().numpy().tobytes() if isinstance(pix, list) else None,
+        )
         for i in range(n)
     ]
     members: dict[tuple, list[int]] = {}

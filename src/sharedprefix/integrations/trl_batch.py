@@ -67,8 +67,8 @@ def check_image_inputs(extra: dict) -> bool:
             if "image_grid_thw" in used or (len(shape) == 4 + tiles and shape[0] == n):
                 if tiles and tuple(extra["image_sizes"].shape) != (n, 2):
                     raise ValueError(
-                        f"image_sizes of shape {tuple(extra['image_sizes'].shape)} for {n} images; expected ({n}, 2), one "
-                        "(height, width) per image, as LLaVA-NeXT's processor gives them."
+                        f"image_sizes of shape {tuple(extra['image_sizes'].shape)} for {n} images; expected ({n}, 2), "
+                        "one (height, width) per image, as LLaVA-NeXT's processor gives them."
                     )
                 return True
             raise ValueError(
@@ -78,7 +78,9 @@ def check_image_inputs(extra: dict) -> bool:
                 "image; other layouts (e.g. padded to one entry per row, Idefics-style) are not supported. It takes "
                 f"{_SUPPORTED}."
             )
-    raise ValueError(f"multimodal inputs {sorted(used)} are not supported by SharedPrefixGRPOTrainer: it takes {_SUPPORTED}.")
+    raise ValueError(
+        f"multimodal inputs {sorted(used)} are not supported by SharedPrefixGRPOTrainer: it takes {_SUPPORTED}."
+    )
 
 
 @dataclass
@@ -134,7 +136,9 @@ def _row_images(pixel_values: torch.Tensor, num_images: list[int], image_grid_th
         return lambda b: (pixel_values[first_image[b] : first_image[b + 1]], None)
     first_patch = [0, *image_grid_thw.prod(-1).cpu().cumsum(0).tolist()]
     if first_patch[-1] != pixel_values.shape[0]:
-        raise ValueError(f"image_grid_thw gives {first_patch[-1]} patches, pixel_values has {pixel_values.shape[0]} rows.")
+        raise ValueError(
+            f"image_grid_thw gives {first_patch[-1]} patches, pixel_values has {pixel_values.shape[0]} rows."
+        )
     return lambda b: (
         pixel_values[first_patch[first_image[b]] : first_patch[first_image[b + 1]]],
         image_grid_thw[first_image[b] : first_image[b + 1]],
@@ -166,7 +170,9 @@ def image_groups(
     if len(num_images) != B:
         raise ValueError(f"num_images has {len(num_images)} entries for {B} rows; expected one per row.")
     empty = torch.zeros(0)
-    images_of = _row_images(pixel_values, num_images, image_grid_thw) if pixel_values is not None else (lambda b: (empty, None))
+    images_of = (
+        _row_images(pixel_values, num_images, image_grid_thw) if pixel_values is not None else (lambda b: (empty, None))
+    )
     ids, att = input_ids.cpu(), attention_mask.cpu().bool()
     first_image = [0, *torch.tensor(num_images, dtype=torch.long).cumsum(0).tolist()]
     keys: dict[tuple, int] = {}

@@ -48,9 +48,10 @@ models' classes are undone for the duration of each sharedprefix call (``verl_vl
 Hybrids: the core's cache-path hybrids (``model.mixers.FAMILIES``, path ``CACHE``) are refused at build (that path does
 not run under FSDP2); the packed-path ones (``model.mixers``) are accepted when the core can reach their token mixers
 in this transformers version (``check_model``, after verl builds the model), refused with the core's reason otherwise.
-Under verl's transformers 5.10, LFM2 (its ``nn.Conv1d``: ``model.mixers.conv_module``) is accepted, and so are Qwen3-Next
-and Qwen3.5, whose gated delta-nets bind their delta rule on each instance (wrapped there by ``model.mixers``);
-OLMo-hybrid, whose 5.10 convolutions are three ``nn.Conv1d`` subclasses with their own forward, is refused.
+Under verl's transformers 5.10, LFM2 (its ``nn.Conv1d``: ``model.mixers.conv_module``) is accepted, and so are
+Qwen3-Next and Qwen3.5, whose gated delta-nets bind their delta rule on each instance (wrapped there by
+``model.mixers``); OLMo-hybrid, whose 5.10 convolutions are three ``nn.Conv1d`` subclasses with their own forward, is
+refused.
 
 Devices: the passes run on FSDP2's compute device, not on the device of a parameter, so that engines whose
 parameters FSDP2 keeps in host memory (``CPUOffloadPolicy``: a forward-only engine such as the reference model,
@@ -151,7 +152,8 @@ def check_config(model_config, engine_config) -> None:
     mp = getattr(engine_config, "mixed_precision", None) or {}
     if str(mp.get("param_dtype", "bf16")) in ("fp16", "float16"):
         raise ValueError(
-            "mixed_precision.param_dtype=fp16: fp16 loss scaling is not supported by sharedprefix's verl engine. Use bf16 or fp32."
+            "mixed_precision.param_dtype=fp16: fp16 loss scaling is not supported by sharedprefix's verl engine. Use "
+            "bf16 or fp32."
         )
     if getattr(engine_config, "pad_to_length", False):
         raise ValueError(
@@ -246,8 +248,8 @@ def _temperature(micro_batch) -> float:
         distinct = torch.unique(t.detach().float().cpu())
         if distinct.numel() != 1:
             raise ValueError(
-                f"per-sample temperatures ({distinct.tolist()[:4]}...) are not supported by sharedprefix's verl engine: "
-                "rows sharing a prompt are computed together at one temperature. Use one rollout temperature."
+                f"per-sample temperatures ({distinct.tolist()[:4]}...) are not supported by sharedprefix's verl "
+                "engine: rows sharing a prompt are computed together at one temperature. Use one rollout temperature."
             )
         t = float(distinct[0])
     return float(t)
@@ -320,7 +322,9 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
         source, align = rows.tree, (lambda values: values)
         if self.sp_vl:  # groups with prompt_inputs (a tree carries none); their (N, T) values back onto the rows
             hf_config = self.model_config.hf_config
-            groups, members = vl_groups(mb["input_ids"], rows.prompt_lengths, row_inputs(mb, len(rows.lengths)), hf_config)
+            groups, members = vl_groups(
+                mb["input_ids"], rows.prompt_lengths, row_inputs(mb, len(rows.lengths)), hf_config
+            )
             check_mrope_positions(self.module, mb["position_ids"], groups, members, rows.lengths)
             source = groups
             align = lambda values: vl_to_rows(values, groups, members, rows.lengths, rows.prompt_lengths)  # noqa: E731
@@ -337,7 +341,9 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             return out
 
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
-        autocast = nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
+        autocast = (
+            nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
+        )
         kw = dict(temperature=temperature, max_tokens=self.sp_max_tokens, sequence_group=self._sequence_group())
         with autocast, own_forward():  # the model's own class functions during the passes (verl's patches undone)
             if forward_only:
@@ -351,9 +357,13 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
                     )
                 computed = plan.tokens_computed
             elif self._passes_agreed(len(plan.passes)) == 1:
-                loss, metrics, outs, computed = self._one_pass(source, mb, loss_function, model_output, entropy, sync, kw)
+                loss, metrics, outs, computed = self._one_pass(
+                    source, mb, loss_function, model_output, entropy, sync, kw
+                )
             else:
-                loss, metrics, outs, computed = self._chain_rule(source, mb, loss_function, model_output, entropy, sync, kw)
+                loss, metrics, outs, computed = self._chain_rule(
+                    source, mb, loss_function, model_output, entropy, sync, kw
+                )
         metrics = dict(metrics)
         metrics["sharedprefix/tokens_computed"] = float(computed)
         metrics["sharedprefix/tokens_plain"] = float(plan.plain_tokens)
@@ -405,14 +415,25 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             if batch.index.numel() != B:
                 raise RuntimeError(f"expected one pass with all {B} rows, got {batch.index.numel()} (internal error).")
             lp = batch.logprobs.new_zeros(B, batch.logprobs.shape[1]).index_copy(0, batch.index, batch.logprobs)
-            ent = batch.entropy.new_zeros(B, batch.entropy.shape[1]).index_copy(0, batch.index, batch.entropy) if entropy else None
+            ent = (
+                batch.entropy.new_zeros(B, batch.entropy.shape[1]).index_copy(0, batch.index, batch.entropy)
+                if entropy
+                else None
+            )
             outs = model_output(lp, ent)
             loss, metrics = loss_function(model_output=outs, data=mb, dp_group=self.get_data_parallel_group())
             seen.update(loss=loss.detach(), metrics=metrics, outs=detach_tree(outs))
             return loss
 
         res = sp.backward(
-            self.module, source, loss_fn, entropy=entropy, prefix_activations="recompute", sync=sync, grad_reduction="mean", **kw
+            self.module,
+            source,
+            loss_fn,
+            entropy=entropy,
+            prefix_activations="recompute",
+            sync=sync,
+            grad_reduction="mean",
+            **kw,
         )
         return seen["loss"], seen["metrics"], seen["outs"], res.tokens_computed
 

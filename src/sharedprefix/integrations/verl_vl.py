@@ -73,7 +73,8 @@ def _decoration_code(mod) -> set:
 
 
 def _foreign(fn, decoration: set):
-    """The function in ``fn`` that is not the model's own (``fn`` or one a decoration wrapper closes over), else None."""
+    """The function in ``fn`` that is not the model's own (``fn`` or one a decoration wrapper closes
+    over), else None."""
     if fn.__code__ not in decoration:
         return None if fn.__module__.startswith("transformers.") else fn
     for cell in fn.__closure__ or ():
@@ -139,8 +140,8 @@ def check_vl_config(hf_config, ulysses: int) -> None:
     if model_type not in VL_MODULES:
         raise ValueError(
             f"model_type={model_type!r} is a vision-language model; sharedprefix's verl engine turns verl's "
-            f"multi_modal_inputs into prompt_inputs for {sorted(VL_MODULES)} (M-RoPE models whose verl patches it undoes "
-            "during its passes) only. Train this model without sharedprefix's verl engine, or use "
+            f"multi_modal_inputs into prompt_inputs for {sorted(VL_MODULES)} (M-RoPE models whose verl patches it "
+            "undoes during its passes) only. Train this model without sharedprefix's verl engine, or use "
             "sp.Group(prompt_inputs=...) directly."
         )
     if model_type in MISSING:
@@ -165,7 +166,9 @@ def row_inputs(data, B: int) -> list[dict | None]:
         x = getattr(x, "data", x)
         out.append({k: v for k, v in x.items() if v is not None and k not in _NOT_INPUTS} if x else None)
     if len(out) != B:
-        raise ValueError(f"multi_modal_inputs has {len(out)} entries for {B} rows; expected one dict (or None) per row.")
+        raise ValueError(
+            f"multi_modal_inputs has {len(out)} entries for {B} rows; expected one dict (or None) per row."
+        )
     return out
 
 
@@ -252,7 +255,9 @@ def check_mrope_positions(module, position_ids, groups, members, lengths) -> Non
             full = torch.cat([g.prompt, c])
             if g.prompt_inputs:
                 kw = {k: v for k, v in g.prompt_inputs.items() if k in rope_args and k != "mm_token_type_ids"}
-                types = torch.cat([g.prompt_inputs["mm_token_type_ids"].cpu(), torch.zeros(c.numel(), dtype=torch.int32)])
+                types = torch.cat(
+                    [g.prompt_inputs["mm_token_type_ids"].cpu(), torch.zeros(c.numel(), dtype=torch.int32)]
+                )
                 if "mm_token_type_ids" in rope_args:
                     kw["mm_token_type_ids"] = types[None]
                 with torch.no_grad():  # a function of the config and the inputs (no parameters): on the host
@@ -263,6 +268,7 @@ def check_mrope_positions(module, position_ids, groups, members, lengths) -> Non
             if got.shape != want.shape or not torch.equal(got.to(want.dtype), want):
                 raise ValueError(
                     f"position_ids of row {i} are not the model's own (text positions 0..len-1, then the M-RoPE "
-                    f"positions of {type(base).__name__}.get_rope_index for the row); sharedprefix computes each token's "
-                    "position itself, so other position ids would be silently ignored. Use verl's default position ids."
+                    f"positions of {type(base).__name__}.get_rope_index for the row); sharedprefix computes each "
+                    "token's position itself, so other position ids would be silently ignored. Use verl's default "
+                    "position ids."
                 )

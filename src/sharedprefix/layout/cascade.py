@@ -89,7 +89,9 @@ class Call:
         if key not in self._on:
             ps = dense_pieces(self)
             on = lambda t: None if t is None else t.to(device)  # noqa: E731
-            self._on[key] = None if ps is None else [(p, (on(p.cu_q), on(p.cu_k)), p.lens and on(p.pad_index())) for p in ps]
+            self._on[key] = (
+                None if ps is None else [(p, (on(p.cu_q), on(p.cu_k)), p.lens and on(p.pad_index())) for p in ps]
+            )
         return self._on[key]
 
 
@@ -160,7 +162,8 @@ def _causal_cascade(layout, window: int | None, repeat_prefix: bool, chunk: int 
         raise ValueError(f"sliding window {window}: expected a positive number of tokens or None.")
     if chunk is not None and (chunk < 1 or window is not None):
         raise ValueError(
-            f"attention chunk {chunk} with window {window}: expected a positive chunk size and no window (no model combines the two)."
+            f"attention chunk {chunk} with window {window}: expected a positive chunk size and no window (no model "
+            "combines the two)."
         )
     segs = layout.tree.segments
     order = layout.segments
@@ -173,7 +176,17 @@ def _causal_cascade(layout, window: int | None, repeat_prefix: bool, chunk: int 
     if window is not None:
         return _windowed(layout, window)
     lens = [segs[s].length for s in order]
-    own = Call(0, layout.length, [KeySource(start=0, end=layout.length)], None, _cu(lens), _cu(lens), max(lens), max(lens), causal=True)
+    own = Call(
+        0,
+        layout.length,
+        [KeySource(start=0, end=layout.length)],
+        None,
+        _cu(lens),
+        _cu(lens),
+        max(lens),
+        max(lens),
+        causal=True,
+    )
     calls = [own]
     depths = sorted({layout.depth[s] for s in order})
     for d in depths:
@@ -257,7 +270,18 @@ def _windowed(layout, window: int) -> Cascade:
         nq.append(seg.length)
     k_index = torch.cat(index)
     full = window > max(segs[s].end for s in layout.segments)
-    call = Call(0, layout.length, keys, k_index, _cu(nq), _cu(nk), max(nq), max(nk), causal=True, window=None if full else window - 1)
+    call = Call(
+        0,
+        layout.length,
+        keys,
+        k_index,
+        _cu(nq),
+        _cu(nk),
+        max(nq),
+        max(nk),
+        causal=True,
+        window=None if full else window - 1,
+    )
     return Cascade([call], copied_keys=int(k_index.numel()))
 
 

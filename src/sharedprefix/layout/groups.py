@@ -24,13 +24,17 @@ def as_ids(value, what: str) -> torch.Tensor:
     if not frames and not isinstance(value, (torch.Tensor, str, bytes)) and isinstance(value, Sequence) and value:
         # a 0-d integer tensor is one token id (``list(ids)`` of a 1-D tensor), not a stream
         frames = all(
-            (isinstance(v, torch.Tensor) and v.dim() > 0) or (isinstance(v, Sequence) and not isinstance(v, (str, bytes))) for v in value
+            (isinstance(v, torch.Tensor) and v.dim() > 0)
+            or (isinstance(v, Sequence) and not isinstance(v, (str, bytes)))
+            for v in value
         )
     if frames:
         rows = value.unbind(0) if isinstance(value, torch.Tensor) else value
         out = [as_ids(r, f"{what}[{k}]") for k, r in enumerate(rows)]
         if any(r.dim() != 1 for r in out):
-            raise ValueError(f"{what} nests deeper than K lists of codes; expected 1-D token ids or (K, length) frames.")
+            raise ValueError(
+                f"{what} nests deeper than K lists of codes; expected 1-D token ids or (K, length) frames."
+            )
         lens = sorted({int(r.numel()) for r in out})
         if len(lens) != 1 or not out:
             raise ValueError(
@@ -104,7 +108,11 @@ class Group:
                 "prompt is empty; expected at least one token, because the first completion token "
                 "is predicted by the last prompt token. Add a BOS token or the chat template's prefix."
             )
-        if isinstance(completions, torch.Tensor) or isinstance(completions, (str, bytes)) or not isinstance(completions, Sequence):
+        if (
+            isinstance(completions, torch.Tensor)
+            or isinstance(completions, (str, bytes))
+            or not isinstance(completions, Sequence)
+        ):
             raise TypeError(
                 f"completions is a {type(completions).__name__}; expected a list of completions, "
                 "each a list of int token ids or a 1-D integer tensor."
@@ -137,7 +145,9 @@ class Group:
                 )
             bad = sorted(k for k, v in prompt_inputs.items() if v is not None and not isinstance(v, torch.Tensor))
             if bad:
-                raise TypeError(f"prompt_inputs {bad} are not tensors; pass the processor's outputs with return_tensors='pt'.")
+                raise TypeError(
+                    f"prompt_inputs {bad} are not tensors; pass the processor's outputs with return_tensors='pt'."
+                )
             if "input_ids" in prompt_inputs or "attention_mask" in prompt_inputs:
                 raise ValueError(
                     "prompt_inputs holds input_ids / attention_mask; pass the token ids as `prompt` and "
@@ -188,7 +198,9 @@ def validate_groups(groups, vocab_size: int | None = None, streams: bool = False
     out = []
     for gi, g in enumerate(groups):
         if not isinstance(g, Group):
-            raise TypeError(f"groups[{gi}] is a {type(g).__name__}; expected sharedprefix.Group(prompt=..., completions=...).")
+            raise TypeError(
+                f"groups[{gi}] is a {type(g).__name__}; expected sharedprefix.Group(prompt=..., completions=...)."
+            )
         if g.streams and vocab_size is not None and not streams:
             raise ValueError(
                 f"groups[{gi}] holds frames of {g.streams} token streams per position (a prompt of shape "

@@ -84,7 +84,9 @@ class RowLayout:
         return self._cascades[window, chunk]
 
 
-def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: Sequence[int] = (), rows: Sequence[int] = ()) -> RowLayout:
+def pack_row(
+    tree: SegmentTree, segments: list[int], cached: set[int], record: Sequence[int] = (), rows: Sequence[int] = ()
+) -> RowLayout:
     """Lay out ``segments`` as one row, level by level; ancestors outside it must be in ``cached``.
 
     ``rows``: the output rows this pass reports; their segments must be in the row or cached.
@@ -99,7 +101,8 @@ def pack_row(tree: SegmentTree, segments: list[int], cached: set[int], record: S
         for a in anc:
             if a not in inrow and a not in cached:
                 raise ValueError(
-                    f"segment {s} needs its ancestor {a}, which is neither in the row nor cached; the plan must compute ancestors first."
+                    f"segment {s} needs its ancestor {a}, which is neither in the row nor cached; the plan must "
+                    "compute ancestors first."
                 )
         depth[s] = len(anc)
     # segment ids number the tree in preorder, so (depth, id) keeps every level in tree order

@@ -61,7 +61,9 @@ def conv_index(layout: RowLayout, K: int) -> ConvIndex:
             if a not in inrow:
                 end = segs[a].end
                 if not end - K <= p < end:
-                    raise RuntimeError(f"position {p} of segment {path[-1]}'s path is outside the cached tail of {a}; a bug.")
+                    raise RuntimeError(
+                        f"position {p} of segment {path[-1]}'s path is outside the cached tail of {a}; a bug."
+                    )
                 if a not in at:
                     at[a] = len(cached)
                     cached.append(a)
@@ -80,7 +82,8 @@ def conv_index(layout: RowLayout, K: int) -> ConvIndex:
         out += range(e + K, e + K + seg.length)
         e += K + seg.length
     record = {  # (int64 also when K = 0: a kernel of 1 has an empty tail)
-        r: torch.tensor([locate(layout.tree.path(r), segs[r].end - K + t) for t in range(K)], dtype=torch.int64) for r in layout.record
+        r: torch.tensor([locate(layout.tree.path(r), segs[r].end - K + t) for t in range(K)], dtype=torch.int64)
+        for r in layout.record
     }
     return ConvIndex(cached, torch.tensor(ext, dtype=torch.int64), torch.tensor(out, dtype=torch.int64), record)
 

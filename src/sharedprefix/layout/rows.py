@@ -37,14 +37,18 @@ class Tree:
     the rows: ``[i, t] = log p(row_i[t] | row_i[:t])`` where row i trains token t and t >= 1, else 0.
     """
 
-    def __init__(self, rows: tuple[torch.Tensor, ...], trained: tuple[torch.Tensor, ...], index: tuple[int, ...] | None = None):
+    def __init__(
+        self, rows: tuple[torch.Tensor, ...], trained: tuple[torch.Tensor, ...], index: tuple[int, ...] | None = None
+    ):
         self.rows = rows
         self.trained = trained
         self.index = tuple(range(len(rows))) if index is None else index  # rows' positions in the tree sharded from
 
     def subset(self, rows: list[int]) -> Tree:
         """The tree of the rows at positions ``rows`` (in that order); ``.index`` maps back to the original rows."""
-        return Tree(tuple(self.rows[i] for i in rows), tuple(self.trained[i] for i in rows), tuple(self.index[i] for i in rows))
+        return Tree(
+            tuple(self.rows[i] for i in rows), tuple(self.trained[i] for i in rows), tuple(self.index[i] for i in rows)
+        )
 
     @classmethod
     def from_rows(cls, rows, trained=None) -> Tree:

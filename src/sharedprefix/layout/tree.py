@@ -98,7 +98,9 @@ class SegmentTree:
             ns = []
             for c in g.completions:
                 n = len(self.completion_ids)
-                (sid,) = self.add(chain[-1], c, computed=torch.ones(c.numel(), dtype=torch.bool), group=gi, completion=n)
+                (sid,) = self.add(
+                    chain[-1], c, computed=torch.ones(c.numel(), dtype=torch.bool), group=gi, completion=n
+                )
                 self.completion_ids.append(sid)
                 self.rows.append(OutRow(sid, int(g.prompt.numel())))
                 ns.append(n)
@@ -124,7 +126,13 @@ class SegmentTree:
                 raise ValueError("segments must be added in preorder (a subtree contiguous); this is a bug.")
             self.segments.append(
                 Segment(
-                    sid, tokens[a : a + step], parent, start, group, completion, part if part is not None and bool(part.any()) else None
+                    sid,
+                    tokens[a : a + step],
+                    parent,
+                    start,
+                    group,
+                    completion,
+                    part if part is not None and bool(part.any()) else None,
                 )
             )
             self.children.append([])
@@ -246,7 +254,9 @@ def _compressed_trie(rows: list[torch.Tensor]) -> list[dict]:
             stack.pop()
         if stack and nodes[stack[-1]]["end"] > lcp:  # split the node at lcp
             top = nodes[stack[-1]]
-            low = dict(row=top["row"], start=lcp, end=top["end"], parent=stack[-1], children=top["children"], ends=top["ends"])
+            low = dict(
+                row=top["row"], start=lcp, end=top["end"], parent=stack[-1], children=top["children"], ends=top["ends"]
+            )
             nodes.append(low)
             li = len(nodes) - 1
             for ch in low["children"]:

@@ -29,8 +29,10 @@ from sharedprefix.model.adapter import (
     text_config,
 )
 
-_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the (model.training, hybrid path) modes it was verified in
-_PADDING_NUMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> padding index of its RoBERTa-style position numbering
+# model -> the (model.training, hybrid path) modes it was verified in
+_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> padding index of its RoBERTa-style position numbering
+_PADDING_NUMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def verify_head(model: PreTrainedModel, forward=None, hybrid: bool = False) -> None:
@@ -84,7 +86,9 @@ def _verify(model: PreTrainedModel, device, forward, hybrid: bool = False) -> No
             if not hybrid and not probed:  # the hybrid path runs the model's own attention, not sharedprefix's
                 probe.probe(model, dec, _config_attention_layers(model))
             return
-        errs.append(f"{float((ours - ref).abs().max()):.3g}" if ours.shape == ref.shape else f"shape {tuple(ours.shape)}")
+        errs.append(
+            f"{float((ours - ref).abs().max()):.3g}" if ours.shape == ref.shape else f"shape {tuple(ours.shape)}"
+        )
         _HEADS.pop(model, None)
     raise ValueError(
         f"{type(model).__name__}'s forward turns hidden states into logits in a way sharedprefix does not reproduce "
@@ -123,12 +127,15 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
     ]
     try:
         numbered = dec(
-            input_ids=ids, **positions.decoder_kwargs(dec, torch.arange(ids.shape[1], device=ids.device)[None]), use_cache=False
+            input_ids=ids,
+            **positions.decoder_kwargs(dec, torch.arange(ids.shape[1], device=ids.device)[None]),
+            use_cache=False,
         ).last_hidden_state[0]
     finally:
         for h in hooks:
             h.remove()
-    if ran and not convolutions_allowed:  # 1-d convolutions that run on a text-only row mix tokens; patch/audio encoders do not run here
+    # 1-d convolutions that run on a text-only row mix tokens; patch/audio encoders do not run here
+    if ran and not convolutions_allowed:
         raise ValueError(
             f"{name} contains a convolution over tokens ({ran[0][0]}: {ran[0][1]}); layers that mix tokens outside "
             "attention cannot share a prompt through attention, and this model type is not one whose layer states "
@@ -176,7 +183,9 @@ def _numbers_after_padding(dec, ids, hidden, pad: int, close) -> bool:
         if own is None:
             own = dec(input_ids=row, use_cache=False).last_hidden_state[0]
         unpacked = {"attention_mask": torch.ones_like(row)} if takes_mask else {}
-        ours = dec(input_ids=row, position_ids=padding_numbered(row, pad), **unpacked, use_cache=False).last_hidden_state[0]
+        ours = dec(
+            input_ids=row, position_ids=padding_numbered(row, pad), **unpacked, use_cache=False
+        ).last_hidden_state[0]
         if not close(ours, own):
             return False
     return True

@@ -83,8 +83,9 @@ class Multimodal:
             extra = sorted(set(g.prompt_inputs or {}) - (accepted - set(_POSITION_ONLY)) - used)
             if extra:
                 raise ValueError(
-                    f"groups[{gi}].prompt_inputs has {extra}, which {type(self.module).__name__}.forward does not take; "
-                    f"expected some of {sorted(accepted & set(_CAT_KEYS))} (the processor's outputs for the prompt)."
+                    f"groups[{gi}].prompt_inputs has {extra}, which {type(self.module).__name__}.forward does not "
+                    f"take; expected some of {sorted(accepted & set(_CAT_KEYS))} (the processor's outputs for the "
+                    "prompt)."
                 )
         self.delta: dict[int, int] = {}
         self.prompt_pos: dict[int, torch.Tensor] = {}
@@ -101,7 +102,9 @@ class Multimodal:
                     )
                 dev = next(model.parameters()).device
                 with torch.no_grad():
-                    pos, delta = self.module.get_rope_index(input_ids=g.prompt[None].to(dev), **{k: v.to(dev) for k, v in kw.items()})
+                    pos, delta = self.module.get_rope_index(
+                        input_ids=g.prompt[None].to(dev), **{k: v.to(dev) for k, v in kw.items()}
+                    )
                 self.prompt_pos[gi] = pos[:, 0].cpu()  # (3, P)
                 self.delta[gi] = int(delta.reshape(-1)[0])
 

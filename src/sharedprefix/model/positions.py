@@ -40,8 +40,9 @@ from typing import cast
 
 import torch
 
-_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {position module verified to take the packed row's numbers:
+# model -> {position module verified to take the packed row's numbers:
 #   None (its position_ids are replaced) or its output's sequence dimension (renumbered by cache-length windows)}
+_MODULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 SHIFT = 2  # s: the verification row's positions start here
 COUNT_ARGS = ("cache_length", "past_key_values_length")  # a module numbering its input from this offset itself
 
@@ -73,7 +74,9 @@ def counting(dec: torch.nn.Module) -> list[torch.nn.Module]:
     return [
         m
         for m in dec.modules()
-        if m is not dec and "position_ids" not in _params(m.forward) and any(a in _params(m.forward) for a in COUNT_ARGS)
+        if m is not dec
+        and "position_ids" not in _params(m.forward)
+        and any(a in _params(m.forward) for a in COUNT_ARGS)
     ]
 
 
@@ -125,7 +128,9 @@ def _hooked(modules: dict, position_ids: torch.Tensor | None):
                     )
                 )
             else:
-                hooks.append(m.register_forward_hook(_windowed(m, dim, cast(torch.Tensor, position_ids)), with_kwargs=True))
+                hooks.append(
+                    m.register_forward_hook(_windowed(m, dim, cast(torch.Tensor, position_ids)), with_kwargs=True)
+                )
         yield
     finally:
         for h in hooks:
@@ -166,9 +171,9 @@ def _outputs(dec, modules: dict, ids, position_ids=None):
 
 def refuse(name: str, why: str):
     raise ValueError(
-        f"{name}'s decoder takes no position_ids: it numbers the tokens of its input 0..L-1 itself, {why}. sharedprefix "
-        "packs a prompt and its completions in one row, where each completion's positions must continue its "
-        "prompt's, so it refuses this model rather than give each completion the wrong positions."
+        f"{name}'s decoder takes no position_ids: it numbers the tokens of its input 0..L-1 itself, {why}. "
+        "sharedprefix packs a prompt and its completions in one row, where each completion's positions must continue "
+        "its prompt's, so it refuses this model rather than give each completion the wrong positions."
     )
 
 
@@ -201,7 +206,10 @@ def verify(model, dec: torch.nn.Module, ids: torch.Tensor, positionless: bool = 
         _MODULES[model] = {}
         return
     if not mods:
-        refuse(name, "and none of its modules takes position_ids or a cache length, so sharedprefix has no call to renumber")
+        refuse(
+            name,
+            "and none of its modules takes position_ids or a cache length, so sharedprefix has no call to renumber",
+        )
     n, s = ids.shape[1], SHIFT
     longer = torch.cat([ids[:, :s], ids], 1)
     own_hidden, short = _outputs(dec, mods, ids)
@@ -224,7 +232,10 @@ def verify(model, dec: torch.nn.Module, ids: torch.Tensor, positionless: bool = 
         same_hidden, _ = _outputs(dec, mods, ids, torch.arange(n, device=device))
         _, ours = _outputs(dec, mods, ids, torch.arange(s, s + n, device=device))
     except (TypeError, RuntimeError, IndexError) as e:  # the model's own code on the numbers it was given: refused
-        refuse(name, f"and it fails when its position modules ({_names(mods)}) are given position_ids ({type(e).__name__}: {e})")
+        refuse(
+            name,
+            f"and it fails when its position modules ({_names(mods)}) are given position_ids ({type(e).__name__}: {e})",
+        )
     close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))  # noqa: E731
     if not close(same_hidden, own_hidden):
         refuse(
@@ -234,7 +245,9 @@ def verify(model, dec: torch.nn.Module, ids: torch.Tensor, positionless: bool = 
         )
     for m in mods:
         pairs = list(zip(own[m], ours[m]))
-        tails = [_tail(a, b, s) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else None for a, b in pairs]
+        tails = [
+            _tail(a, b, s) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else None for a, b in pairs
+        ]
         if len(own[m]) != len(ours[m]) or any(t is None or not close(b, t) for t, (_, b) in zip(tails, pairs)):
             refuse(
                 name,

@@ -105,10 +105,15 @@ def segment_grads(model, records) -> dict[int, list[torch.Tensor]]:
     with torch.enable_grad():
         logits = tuple(torch.cat([leaf[i] for leaf in leaves]) for i in range(layers))
         weights = torch.cat([w.to(logits[0].device) for _, w, _ in records])[None]
-        grads = torch.autograd.grad(fn(logits, num_experts, top_k, weights), [t for leaf in leaves for t in leaf], allow_unused=True)
+        grads = torch.autograd.grad(
+            fn(logits, num_experts, top_k, weights), [t for leaf in leaves for t in leaf], allow_unused=True
+        )
     out: dict[int, list[torch.Tensor]] = {}
     for k, (_, _, sp_) in enumerate(records):
-        per_layer = [g if g is not None else torch.zeros_like(leaves[k][i]) for i, g in enumerate(grads[k * layers : (k + 1) * layers])]
+        per_layer = [
+            g if g is not None else torch.zeros_like(leaves[k][i])
+            for i, g in enumerate(grads[k * layers : (k + 1) * layers])
+        ]
         for seg, a, b in sp_:
             out[seg] = [g[a:b] for g in per_layer]
     return out
@@ -132,7 +137,10 @@ def multiplicity(layout) -> torch.Tensor:
         for s in tree.path(r.end):
             count[s] += 1
     return torch.cat(
-        [torch.full((layout.row_end[s] - layout.row_start[s],), float(count[s]), dtype=torch.float64) for s in layout.segments]
+        [
+            torch.full((layout.row_end[s] - layout.row_start[s],), float(count[s]), dtype=torch.float64)
+            for s in layout.segments
+        ]
     )
 
 
@@ -140,7 +148,8 @@ def aux_loss(model, records: list[tuple[tuple, torch.Tensor, object]]) -> torch.
     """The plain run's load-balancing loss from each pass's ``(router_logits, weights, spans)``.
 
     ``router_logits``: one (L, E) tensor per MoE layer, as the decoder returns them; ``weights``: (L,) from
-    ``multiplicity``; ``spans``: from ``spans``. The rows of every pass are concatenated (the loss sums over tokens; order is irrelevant).
+    ``multiplicity``; ``spans``: from ``spans``. The rows of every pass are concatenated (the loss sums over tokens;
+    order is irrelevant).
     """
     fn, num_experts, top_k = _VERIFIED[model]
     layers = len(records[0][0])
@@ -156,7 +165,11 @@ def _parts(model):
     name = type(model).__name__
     fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
     cfg = model.config.get_text_config()
-    num_experts = getattr(model, "num_experts", None) or getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    num_experts = (
+        getattr(model, "num_experts", None)
+        or getattr(cfg, "num_experts", None)
+        or getattr(cfg, "num_local_experts", None)
+    )
     top_k = getattr(model, "num_experts_per_tok", None) or getattr(cfg, "num_experts_per_tok", None)
     if fn is None or not num_experts or not top_k:
         raise ValueError(

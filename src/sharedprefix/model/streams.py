@@ -47,7 +47,11 @@ def num_streams(model) -> int:
         and all(isinstance(h, torch.nn.Linear) for h in out)
     )
     if not ok:
-        what = lambda m: f"{len(m)} {sorted({type(x).__name__ for x in m})}" if isinstance(m, torch.nn.ModuleList) else type(m).__name__  # noqa: E731
+        what = lambda m: (  # noqa: E731
+            f"{len(m)} {sorted({type(x).__name__ for x in m})}"
+            if isinstance(m, torch.nn.ModuleList)
+            else type(m).__name__
+        )
         raise ValueError(
             f"{type(model).__name__} has input embeddings {what(emb)} and output embeddings {what(out)}; sharedprefix "
             "takes several token streams per position only as one nn.Embedding and one nn.Linear head per stream, "
@@ -124,8 +128,9 @@ def _check_codes(codes: torch.Tensor, size: int, pad: int | None, what: str, of:
         raise ValueError(
             f"{what} holds code {int(codes[k, t])} in stream {k} at position {t}, outside the {of} [0, {size})"
             + (f" and not the pad id {pad}" if pad is not None else "")
-            + f". Prompt codes must be in [0, {e}) (the last entries are the delay pattern's pad / BOS); a completion's "
-            "codes are predicted, so they must be in the heads' vocabulary, or the pad id (excluded from the log-prob)."
+            + f". Prompt codes must be in [0, {e}) (the last entries are the delay pattern's pad / BOS); a "
+            "completion's codes are predicted, so they must be in the heads' vocabulary, or the pad id (excluded from "
+            "the log-prob)."
         )
 
 

@@ -36,7 +36,8 @@ def inline_mixer_reason(model_type) -> str:
     module, what = fam.inline
     return (
         f" It stays on that path because {module}'s {what} is computed inline in its forward, with no function "
-        "sharedprefix can wrap, so the packed path (trees, gradient checkpointing, FSDP2, prompt_inputs) cannot reach it."
+        "sharedprefix can wrap, so the packed path (trees, gradient checkpointing, FSDP2, prompt_inputs) cannot reach "
+        "it."
     )
 
 
@@ -54,8 +55,8 @@ HYBRID_REFUSED = {
     "zamba": _MAMBA1,
     "recurrent_gemma": (
         "it keeps its convolution and recurrent states on its own modules, not in the cache, and its multi-token "
-        "forward restarts the convolution from zero inputs (only the single-token decode reads the previous ones), so a "
-        "completion batch cannot continue its prompt's state through the model's own forward"
+        "forward restarts the convolution from zero inputs (only the single-token decode reads the previous ones), so "
+        "a completion batch cannot continue its prompt's state through the model's own forward"
     ),
 }
 # Model types whose layers mix tokens by a recurrence, without layer_types to say so (refused in check_supported).
@@ -70,12 +71,15 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
     the hybrid path (``schedule.cache_path``), which carries layer states that mix tokens outside attention."""
     cfg = text_config(model)
     name = type(model).__name__
-    if not hybrid and mixers.on_path(getattr(cfg, "model_type", None), mixers.CACHE):  # a wrapper around a cache-path text model
+    if not hybrid and mixers.on_path(
+        getattr(cfg, "model_type", None), mixers.CACHE
+    ):  # a wrapper around a cache-path text model
         raise ValueError(
             f"{name} (model type {getattr(model.config, 'model_type', None)!r}) is a multimodal wrapper around a "
             f"hybrid text model (model type {cfg.model_type!r}, whose layers mix tokens outside attention): "
             "sharedprefix runs hybrid models on its hybrid path, which takes the text model alone, without images. "
-            f"Load the text model ({cfg.model_type!r}, e.g. AutoModelForCausalLM with the text config) to train on text."
+            f"Load the text model ({cfg.model_type!r}, e.g. AutoModelForCausalLM with the text config) to train on "
+            "text."
         )
     if not hybrid:
         _check_layer_types(name, cfg)
@@ -91,8 +95,9 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
             )
     if model.training and float(getattr(cfg, "attention_dropout", 0.0) or 0.0) > 0:
         raise ValueError(
-            f"{name} is in training mode with attention_dropout={cfg.attention_dropout}; sharedprefix refuses attention "
-            "dropout because the shared prompt would share one dropout draw. Set config.attention_dropout=0.0."
+            f"{name} is in training mode with attention_dropout={cfg.attention_dropout}; sharedprefix refuses "
+            "attention dropout because the shared prompt would share one dropout draw. Set "
+            "config.attention_dropout=0.0."
         )
     drops = [getattr(cfg, k, None) for k in ("layerdrop", "decoder_layerdrop")]  # and the modules' own copies
     drops += [getattr(m, "layerdrop", None) for m in model.modules()]
@@ -113,7 +118,9 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
         )
     if getattr(cfg, "attn_temperature_tuning", False):
         tuned = [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False)]
-        odd = [type(m).__name__ for m in tuned if not all(hasattr(m, a) for a in ("floor_scale", "attn_scale", "use_rope"))]
+        odd = [
+            type(m).__name__ for m in tuned if not all(hasattr(m, a) for a in ("floor_scale", "attn_scale", "use_rope"))
+        ]
         if not tuned or odd:
             raise ValueError(
                 f"{name} scales attention queries by the token's index in the row (attn_temperature_tuning), and "
@@ -168,7 +175,7 @@ def _check_layer_types(name: str, cfg) -> None:
             f"{name} has layers of type {odd}, which mix tokens outside attention (state-space, linear attention, "
             f"recurrence or convolution), and its model type {model_type!r} is not one whose "
             "cache-aware forward sharedprefix has checked exact for carrying a prompt's layer state to its "
-            f"completions ({', '.join(mixers.model_types(mixers.CACHE))}), nor one whose token mixers it drives on the packed "
-            f"path ({', '.join(mixers.model_types(mixers.PACKED))}){why}. It refuses the model rather than give "
+            f"completions ({', '.join(mixers.model_types(mixers.CACHE))}), nor one whose token mixers it drives on the "
+            f"packed path ({', '.join(mixers.model_types(mixers.PACKED))}){why}. It refuses the model rather than give "
             "inexact results."
         )

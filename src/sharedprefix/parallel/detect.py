@@ -40,7 +40,11 @@ def _outer_fsdp(model: torch.nn.Module, root: torch.nn.Module, fsdp_cls) -> torc
             return None
         if isinstance(m, fsdp_cls):
             return m
-        m = m.get_base_model() if hasattr(m, "get_base_model") else getattr(m, "base_model", None) or getattr(m, "module", None)
+        m = (
+            m.get_base_model()
+            if hasattr(m, "get_base_model")
+            else getattr(m, "base_model", None) or getattr(m, "module", None)
+        )
     return None
 
 
@@ -99,10 +103,12 @@ def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
         if tp > 1:
             raise ValueError(
                 f"the model is wrapped in DistributedDataParallel and tensor-parallel (tp_size={tp}); sharedprefix is "
-                "verified exact with tensor parallelism alone or under FSDP2 over a second mesh dimension (fully_shard, "
-                "or transformers' DistributedConfig(tp_size=..., fsdp_size=...)), not under DDP. Shard the data "
-                "dimension with FSDP2 instead."
+                "verified exact with tensor parallelism alone or under FSDP2 over a second mesh dimension "
+                "(fully_shard, or transformers' DistributedConfig(tp_size=..., fsdp_size=...)), not under DDP. Shard "
+                "the data dimension with FSDP2 instead."
             )
         group = getattr(model, "process_group", None)
-        return Parallel("ddp", root, world, tensor=tp, data_size=dist.get_world_size(group) if world > 1 else 1, data_group=group)
+        return Parallel(
+            "ddp", root, world, tensor=tp, data_size=dist.get_world_size(group) if world > 1 else 1, data_group=group
+        )
     return Parallel("none", root, world, tensor=tp)

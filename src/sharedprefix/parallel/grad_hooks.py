@@ -3,10 +3,10 @@
 A plain step runs one backward, so a parameter's ``register_post_accumulate_grad_hook`` hooks fire once, on the
 step's whole gradient. sharedprefix runs several backwards into the same ``.grad`` (one per pass under a budget; a
 cached prompt's deferred backward; the MoE aux-loss term): a hook that transforms ``.grad`` in place would then run
-on every earlier pass's share again. transformers' tensor parallelism is such a hook (``replicated_with_grad_allreduce``:
-Qwen3's ``q_norm`` / ``k_norm`` see only this rank's heads, and their gradient is all-reduced in place after
-accumulation): reduced once per backward, the first pass's share is multiplied by the TP degree for each later
-backward. So are optimizers stepped in the backward and transformers' Trainer gradient averaging.
+on every earlier pass's share again. transformers' tensor parallelism is such a hook
+(``replicated_with_grad_allreduce``: Qwen3's ``q_norm`` / ``k_norm`` see only this rank's heads, and their gradient is
+all-reduced in place after accumulation): reduced once per backward, the first pass's share is multiplied by the TP
+degree for each later backward. So are optimizers stepped in the backward and transformers' Trainer gradient averaging.
 
 ``DeferredGradHooks`` makes every such hook see what the plain run gives it: during each backward of a call, a
 parameter's hooks are set aside and a recorder notes that it received a gradient; after the call's gradients are

@@ -85,7 +85,9 @@ class _Gather(torch.autograd.Function):
 def comm_device(group=None) -> torch.device:
     """Where ``group``'s collectives take their tensors (None: the default group): the current GPU under nccl, else
     the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    )
 
 
 def digest(plan, *settings) -> int:
@@ -105,7 +107,9 @@ def agree(group, error: BaseException | None, key: int | None) -> BaseException 
     """The error this rank must raise (see the module docstring), or None: its own ``error``; one naming the first
     rank of ``group`` that failed; or a ValueError when the ranks' digests ``key`` differ. One small all-gather."""
     size = dist.get_world_size(group)
-    mine = torch.tensor([0 if error is None else 1, 0 if key is None else key], dtype=torch.int64, device=comm_device(group))
+    mine = torch.tensor(
+        [0 if error is None else 1, 0 if key is None else key], dtype=torch.int64, device=comm_device(group)
+    )
     got = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(got, mine, group=group)
     flags, keys = [int(t[0]) for t in got], [int(t[1]) for t in got]

@@ -107,10 +107,14 @@ def _check_transformers_plan(root: torch.nn.Module, tp: int) -> None:
         ("enable_expert_parallel", "expert parallelism"),
     ):
         if getattr(dc, flag, False):
-            raise ValueError(f"the model was loaded with transformers' {what} ({flag}=True) beside tp_size={tp}; " + _UNVERIFIED)
+            raise ValueError(
+                f"the model was loaded with transformers' {what} ({flag}=True) beside tp_size={tp}; " + _UNVERIFIED
+            )
     for size in ("ep_size", "pp_size"):
         if (getattr(dc, size, 1) or 1) > 1:
-            raise ValueError(f"the model was loaded with {size}={getattr(dc, size)} beside tp_size={tp}; " + _UNVERIFIED)
+            raise ValueError(
+                f"the model was loaded with {size}={getattr(dc, size)} beside tp_size={tp}; " + _UNVERIFIED
+            )
     cfg = root.config.get_text_config() if hasattr(root.config, "get_text_config") else root.config
     model_type = getattr(cfg, "model_type", None)
     if model_type not in VERIFIED_MODEL_TYPES:
@@ -132,10 +136,12 @@ def _check_transformers_plan(root: torch.nn.Module, tp: int) -> None:
     if odd:
         raise ValueError(
             f"the model's tp_plan uses the style(s) {odd}, which sharedprefix has not been verified exact with "
-            f"(verified: {sorted(VERIFIED_STYLES)}). Use the model's own plan (tp_plan='auto') or a plan of the verified "
-            "styles; a new style needs its test in tests/parallel/test_tensor_parallel.py first."
+            f"(verified: {sorted(VERIFIED_STYLES)}). Use the model's own plan (tp_plan='auto') or a plan of the "
+            "verified styles; a new style needs its test in tests/parallel/test_tensor_parallel.py first."
         )
-    heads_sharded = any(k.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj") and s == "colwise" for k, s in plan.items())
+    heads_sharded = any(
+        k.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj") and s == "colwise" for k, s in plan.items()
+    )
     for field in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(cfg, field, None)
         if heads_sharded and isinstance(heads, int) and heads % tp:

@@ -8,8 +8,8 @@ the output rows through it read in later passes, and, for each token mixer outsi
 state (H, Dk, Dv)). ``seal`` then turns them into what later passes read:
 
 - ``leaves=True`` (``sp.backward``): detached leaf tensors that require grad, so the
-  later passes accumulate dK, dV, dh, the mixer states' and the values' gradients into ``.grad``; ``backward(seg)`` later pushes
-  those gradients through the prompt's own graph (kept, offloaded, or recomputed);
+  later passes accumulate dK, dV, dh, the mixer states' and the values' gradients into ``.grad``; ``backward(seg)``
+  later pushes those gradients through the prompt's own graph (kept, offloaded, or recomputed);
 - ``leaves=False`` (``sp.logprobs``): the tensors themselves, so a grad-enabled forward
   stays one connected graph and a no-grad forward keeps no graph at all.
 """
@@ -91,7 +91,8 @@ class PrefixCache:
             return self.read_kv_[seg][module]
         except KeyError:
             raise RuntimeError(
-                f"no cached K/V for segment {seg} in {type(module[0] if isinstance(module, tuple) else module).__name__}"
+                f"no cached K/V for segment {seg} in "
+                f"{type(module[0] if isinstance(module, tuple) else module).__name__}"
                 "; the model's attention layers differ "
                 "between passes, which sharedprefix does not support."
             ) from None
@@ -123,9 +124,9 @@ class PrefixCache:
             self.graph_vals.pop(seg, None)
 
     def surrogate(self, seg: int, through_outputs: bool = False) -> torch.Tensor | None:
-        """``sum(dK * K) + sum(dV * V) + sum(dh * h) + sum(dvalues * values) + sum(dstate * state)`` over ``seg``'s recorded graph
-        tensors, with the gradients accumulated on its leaves: its backward pushes exactly those gradients
-        through the prompt's graph.
+        """``sum(dK * K) + sum(dV * V) + sum(dh * h) + sum(dvalues * values) + sum(dstate * state)`` over ``seg``'s
+        recorded graph tensors, with the gradients accumulated on its leaves: its backward pushes exactly those
+        gradients through the prompt's graph.
 
         ``through_outputs``: include ``0 * sum(h)`` when h got no gradient, so that the backward passes
         through every layer's output (FSDP2 unshards a layer's parameters when the gradient of its
@@ -135,7 +136,9 @@ class PrefixCache:
         h, lh = self.graph_h[seg], self.read_h[seg]
         if through_outputs and lh.grad is None and h.requires_grad:
             total = (h * 0.0).sum()
-        pairs = [(t, leaf) for m, kv in self.graph_kv.get(seg, {}).items() for t, leaf in zip(kv, self.read_kv_[seg][m])]
+        pairs = [
+            (t, leaf) for m, kv in self.graph_kv.get(seg, {}).items() for t, leaf in zip(kv, self.read_kv_[seg][m])
+        ]
         pairs += [(t, self.read_mix[seg][m]) for m, t in self.graph_mix.get(seg, {}).items()]
         pairs.append((h, lh))
         if seg in self.graph_vals:

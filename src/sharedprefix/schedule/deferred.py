@@ -27,12 +27,18 @@ class _Deferred(torch.autograd.Function):
         spec = ctx.spec
         w_ent = g_ent if spec["entropy"] else None
         grads = spec["aux_grads"]
-        aux = {s: [g * g_aux.to(g.dtype) for g in gs] for s, gs in grads.items()} if grads and g_aux is not None else None
+        aux = (
+            {s: [g * g_aux.to(g.dtype) for g in gs] for s, gs in grads.items()} if grads and g_aux is not None else None
+        )
         if g_lp is None and w_ent is None and aux is None:
             return None, None, None, None, None
 
         def loss_fn(b):
-            loss = (b.logprobs * g_lp[b.index].to(b.logprobs.dtype)).sum() if g_lp is not None else (b.logprobs * 0.0).sum()
+            loss = (
+                (b.logprobs * g_lp[b.index].to(b.logprobs.dtype)).sum()
+                if g_lp is not None
+                else (b.logprobs * 0.0).sum()
+            )
             if w_ent is not None:
                 loss = loss + (b.entropy * w_ent[b.index].to(b.entropy.dtype)).sum()
             return loss

@@ -64,7 +64,8 @@ class Plan:
         """(forward-only rounds, forward+backward rounds) this plan runs under FSDP2."""
         n_f = sum(isinstance(s, Pass) and bool(s.record) for s in self.steps)
         n_fb = sum(
-            1 if isinstance(s, Pass) and not s.record else len(s.segments) if isinstance(s, PrefixBackward) else 0 for s in self.steps
+            1 if isinstance(s, Pass) and not s.record else len(s.segments) if isinstance(s, PrefixBackward) else 0
+            for s in self.steps
         )
         return n_f, n_fb
 
@@ -103,7 +104,13 @@ class Plan:
                 kinds = []
                 for s in step.segments:
                     seg = segs[s]
-                    kind = f"c{seg.completion}" if seg.completion is not None else "prompt" if self.tree.groups else f"s{s}"
+                    kind = (
+                        f"c{seg.completion}"
+                        if seg.completion is not None
+                        else "prompt"
+                        if self.tree.groups
+                        else f"s{s}"
+                    )
                     kinds.append(f"g{seg.group}:{kind}[{seg.length}]")
                 rec = f" (cache {len(step.record)} segment(s))" if step.record else ""
                 rows = f", {len(step.rows)} row(s) reported" if step.rows else ""

@@ -22,7 +22,9 @@ from sharedprefix.model.positions import takes_position_ids
 from sharedprefix.parallel.sequence import fsdp_mesh_refusal
 
 
-def check_call(model, plan, options, par, impl, leaves: bool, images: bool, router_logits: bool, aux_grads: bool) -> None:
+def check_call(
+    model, plan, options, par, impl, leaves: bool, images: bool, router_logits: bool, aux_grads: bool
+) -> None:
     """Every refusal of one call that its model, plan, settings (``CallOptions``) and parallelism decide, before any
     pass. ``impl``: the attention primitive the call selected; ``leaves``: an ``sp.backward``; ``images``: groups
     with ``prompt_inputs``; ``router_logits`` / ``aux_grads``: the call records the MoE router logits / adds the
@@ -69,7 +71,9 @@ def sequence_refusals(run) -> dict:
     """{feature: reason} of what this call uses that sequence parallelism does not reproduce."""
     out = {}
     if run.par.kind == "ddp":
-        out["DDP data parallelism"] = "DDP's all-reduce is not combined with the sum over the sequence group (use FSDP2)"
+        out["DDP data parallelism"] = (
+            "DDP's all-reduce is not combined with the sum over the sequence group (use FSDP2)"
+        )
     if run.par.fsdp and (why := fsdp_mesh_refusal(run.model, run.par.sequence)):
         out["FSDP2"] = why
     if run.mm is not None:

@@ -23,7 +23,8 @@ class LogProbs:
         mask: (N, W) bool, True on reported tokens (a completion's tokens; a row's trained tokens, t >= 1).
         entropy: (N, W) entropy in nats of each predicted distribution, or None.
         aux_loss: () float32, the MoE load-balancing loss the plain forward of all N rows as one batch returns
-            (``output_router_logits=True``; see ``sharedprefix.model.router``), with grad when grad is enabled; else None.
+            (``output_router_logits=True``; see ``sharedprefix.model.router``), with grad when grad is enabled;
+            else None.
     """
 
     logprobs: torch.Tensor

@@ -137,7 +137,11 @@ def plain_step(model, groups, max_tokens=None):
     total = 0.0
     for g in groups:
         items = [(g.prompt, c) for c in g.completions]
-        per = len(items) if max_tokens is None else max(1, max_tokens // (g.prompt.numel() + max(c.numel() for c in g.completions)))
+        per = (
+            len(items)
+            if max_tokens is None
+            else max(1, max_tokens // (g.prompt.numel() + max(c.numel() for c in g.completions)))
+        )
         for s in range(0, len(items), per):
             total += plain_rows_step(model, items[s : s + per])
     return total
@@ -243,7 +247,9 @@ def measure_in_subprocess(kind: str, spec: dict) -> dict:
     # A fixed mmap threshold makes glibc return every large freed block to the OS at once; with its default
     # dynamic threshold, freed tensors stay in the heap and the peak RSS measures fragmentation, not tensors.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(kind), json.dumps(spec)], capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(kind), json.dumps(spec)], capture_output=True, text=True, env=env
+    )
     if out.returncode != 0:
         raise RuntimeError(f"benchmark child for {kind!r} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -256,7 +262,8 @@ def child_run(kind: str, spec: dict) -> dict:
         torch.set_num_threads(int(spec["threads"]))
     device = torch.device(spec.get("device", "cpu"))
     model = bench_model(**spec.get("model", {})).to(device)
-    if "tree" in spec:  # the agentic shape as rows, shared prefixes found by the trie (sharedprefix bench --tree --memory)
+    # the agentic shape as rows, shared prefixes found by the trie (sharedprefix bench --tree --memory)
+    if "tree" in spec:
         from sharedprefix.tools.bench_tree import agentic
 
         _, rows, trained = agentic(**spec["tree"])

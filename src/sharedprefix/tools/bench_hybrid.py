@@ -20,8 +20,8 @@ budget (8192 by default), after a warm-up on a small shape:
 
 - packed tree: ``sp.backward`` on ``sp.Tree.from_rows`` of the 64 rows: the system prompt once for all, each prompt
   once, every scan from its parent segment's final state (read from the prefix cache across passes);
-- cache path: ``schedule.cache_path.run.backward`` on the 8 groups: it takes no trees, so it computes each group's prompt,
-  the system prompt included, once per group;
+- cache path: ``schedule.cache_path.run.backward`` on the 8 groups: it takes no trees, so it computes each group's
+  prompt, the system prompt included, once per group;
 - plain rows: ``[prompt + completion_i]``, as many whole rows per microbatch as the budget holds (one: 4864 tokens).
   Every microbatch has the same shape, so by default ``plain_sample`` of them (spread over the groups) are timed and
   the sum is scaled to all of them (the line says so); ``plain_sample=None`` (``--plain``) times every one.
@@ -80,7 +80,10 @@ def hybrid_model(layers=4, dtype=torch.float32, seed=0, dims="bench", device="cp
 
 
 def describe(cfg) -> str:
-    return f"Qwen3.5-style, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers ({', '.join(cfg.layer_types)}), vocab {cfg.vocab_size}"
+    return (
+        f"Qwen3.5-style, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers ({', '.join(cfg.layer_types)}), "
+        f"vocab {cfg.vocab_size}"
+    )
 
 
 def cache_path_step(model, groups, max_tokens=None):
@@ -108,7 +111,8 @@ def run(layers=4, repeats=2, prompt=2048, completion=128, G=8) -> list[str]:
         f"sharedprefix, packed path                   : {t_ours:8.3f} s   tokens {ours_tokens}",
         f"old cache path (schedule.hybrid)            : {t_cache:8.3f} s   tokens {ours_tokens} (completions padded)",
         f"speed-up over plain {t_plain / t_ours:.2f}x | over the cache path {t_cache / t_ours:.2f}x | "
-        f"token ratio {plain_tokens / ours_tokens:.2f}x | packed / token ratio {(t_plain / t_ours) / (plain_tokens / ours_tokens):.2f}",
+        f"token ratio {plain_tokens / ours_tokens:.2f}x | packed / token ratio "
+        f"{(t_plain / t_ours) / (plain_tokens / ours_tokens):.2f}",
     ]
 
 
@@ -133,7 +137,8 @@ _FIGURES = {
 
 
 def tree_figures(lines) -> dict:
-    """{"vs_tokens", "vs_flops", "flops_vs_tokens"}, those found in ``tree``'s lines (what ``scripts/dev gpu-check`` reads)."""
+    """{"vs_tokens", "vs_flops", "flops_vs_tokens"}, those found in ``tree``'s lines
+    (what ``scripts/dev gpu-check`` reads)."""
     import re
 
     return {k: float(m.group(1)) for line in lines for k, pat in _FIGURES.items() if (m := re.search(pat, line))}
@@ -152,7 +157,9 @@ def flops_vs_tokens(cfg, tree_segments, plain_segments) -> float:
     return hybrid_flops(model, plain_segments) / hybrid_flops(model, tree_segments) / tokens
 
 
-def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, device="cpu", dims="bench", **shape) -> list[str]:
+def tree(
+    layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, device="cpu", dims="bench", **shape
+) -> list[str]:
     """The agentic tree shape on the hybrid (see the module docstring); ``shape`` overrides ``bench_tree.agentic``'s.
     On CUDA the model is bfloat16 and the times are wall seconds between synchronisations."""
     import inspect
@@ -195,7 +202,11 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, dev
     t_plain = t_some * len(batches) / len(timed)
     plain_tokens = sum(r.numel() for r in rows)
     rows_len = items[0][0].numel() + items[0][1].numel()
-    how = "all timed" if len(timed) == len(batches) else f"{len(timed)} timed, the sum scaled by {len(batches) / len(timed):g}"
+    how = (
+        "all timed"
+        if len(timed) == len(batches)
+        else f"{len(timed)} timed, the sum scaled by {len(batches) / len(timed):g}"
+    )
     token_ratio = plain_tokens / r_tree.tokens_computed
     planned = sp.plan(tree_src, max_tokens).tree.segments
     seg_tree = [(s.start, s.length, s.n_computed) for s in planned]
@@ -208,18 +219,24 @@ def tree(layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, dev
         f"model: {describe(model.config)}, {where}",
         f"agentic shape: system {d['system']} shared by {d['prompts']} prompts of {d['prompt_len']}, G={d['G']} x "
         f"{d['completion']} ({len(rows)} rows of {rows_len}); budget {max_tokens}; forward+backward after a warm-up, "
-        f"best of {repeats}; {'CPU seconds of the process (one thread)' if clock is time.process_time else 'wall seconds'}",
-        f"packed tree (sp.Tree)         : {t_tree:8.2f} s   tokens computed {r_tree.tokens_computed:>7}  passes {r_tree.passes}",
-        f"cache path (groups; no trees) : {t_cache:8.2f} s   tokens computed {r_cache.tokens_computed:>7}  passes {r_cache.passes}",
-        f"plain rows                    : {t_plain:8.2f} s   tokens computed {plain_tokens:>7}  microbatches {len(batches)} "
-        f"of {per} row(s) ({how})",
+        f"best of {repeats}; "
+        f"{'CPU seconds of the process (one thread)' if clock is time.process_time else 'wall seconds'}",
+        f"packed tree (sp.Tree)         : {t_tree:8.2f} s   tokens computed {r_tree.tokens_computed:>7}  passes "
+        f"{r_tree.passes}",
+        f"cache path (groups; no trees) : {t_cache:8.2f} s   tokens computed {r_cache.tokens_computed:>7}  passes "
+        f"{r_cache.passes}",
+        f"plain rows                    : {t_plain:8.2f} s   tokens computed {plain_tokens:>7}  microbatches "
+        f"{len(batches)} of {per} row(s) ({how})",
         f"packed tree over plain rows {speedup:.2f}x | ratio of tokens computed {token_ratio:.2f}x | "
         f"speed-up / token ratio {speedup / token_ratio:.2f} (target >= 0.9)",
         f"FLOP ratio plain / tree {fl_ratio:.2f}x (estimate: layers per token, attention per pair on the "
-        f"attention layers, LM head per predicted token; scans not counted) | speed-up / FLOP ratio {speedup / fl_ratio:.2f}",
-        f"FLOP ratio / token ratio: {fl_ratio / token_ratio:.3f} for this model (its LM head and attention do not shrink "
-        f"with the tokens; scans not counted); {flops_vs_tokens(full, seg_tree, seg_plain):.3f} at transformers' default "
-        f"Qwen3.5 dimensions ({describe(full).split(' (')[0]}, vocab {full.vocab_size}; no weights built)",
-        f"packed tree over the cache path {t_cache / t_tree:.2f}x | its tokens {r_cache.tokens_computed / r_tree.tokens_computed:.2f}x "
+        "attention layers, LM head per predicted token; scans not counted) | speed-up / FLOP ratio "
+        f"{speedup / fl_ratio:.2f}",
+        f"FLOP ratio / token ratio: {fl_ratio / token_ratio:.3f} for this model (its LM head and attention do not "
+        f"shrink with the tokens; scans not counted); {flops_vs_tokens(full, seg_tree, seg_plain):.3f} at "
+        f"transformers' default Qwen3.5 dimensions ({describe(full).split(' (')[0]}, vocab {full.vocab_size}; no "
+        "weights built)",
+        f"packed tree over the cache path {t_cache / t_tree:.2f}x | its tokens "
+        f"{r_cache.tokens_computed / r_tree.tokens_computed:.2f}x "
         "fewer (the cache path repeats the system prompt per group)",
     ]

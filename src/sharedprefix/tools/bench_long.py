@@ -99,7 +99,9 @@ def _measure(fn, device, repeats: int) -> tuple[float, float]:
     return t, peak
 
 
-def run(device, shapes=None, budget: int = 16384, repeats: int = 1, report=print, model_kw=None, dtype=torch.bfloat16) -> dict:
+def run(
+    device, shapes=None, budget: int = 16384, repeats: int = 1, report=print, model_kw=None, dtype=torch.bfloat16
+) -> dict:
     """The long-prompt table; returns {(P, T, G): {run: (seconds, peak bytes)}}. ``shapes``: (P, T, G) triples
     (default the issue's grid); ``model_kw``: overrides of LONG_MODEL (the CPU test passes TINY_MODEL)."""
     device = torch.device(device)
@@ -107,16 +109,20 @@ def run(device, shapes=None, budget: int = 16384, repeats: int = 1, report=print
     model = long_model(device, dtype, **(model_kw or {}))
     cfg = model.config
     report(
-        f"long prompts: Llama layer shapes (hidden {cfg.hidden_size}, {cfg.num_attention_heads}/{cfg.num_key_value_heads} "
+        f"long prompts: Llama layer shapes (hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} "
         f"heads, head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}), "
-        f"{cfg.num_hidden_layers} layers, {dtype}, {device}; forward+backward, best of {repeats}; budget {budget} tokens "
-        "for every run; peak = allocator peak over the level before the step"
+        f"{cfg.num_hidden_layers} layers, {dtype}, {device}; forward+backward, best of {repeats}; budget {budget} "
+        "tokens for every run; peak = allocator peak over the level before the step"
     )
     report(f"{'P':>6} {'T':>5} {'G':>3} {'run':<10} {'s':>8} {'peak MiB':>9} {'x keep':>7}")
     out = {}
     for P, T, G in shapes:
         groups = bench.make_groups(1, P, T, G, vocab=cfg.vocab_size)
-        res = {kind: _measure(lambda kind=kind, groups=groups: step(kind, model, groups, budget), device, repeats) for kind in RUNS}
+        res = {
+            kind: _measure(lambda kind=kind, groups=groups: step(kind, model, groups, budget), device, repeats)
+            for kind in RUNS
+        }
         for kind, (t, m) in res.items():
             peak = "-" if math.isnan(m) else f"{m / MB:.0f}"
             report(f"{P:>6} {T:>5} {G:>3} {kind:<10} {t:>8.3f} {peak:>9} {t / res['keep'][0]:>6.2f}x")
@@ -132,8 +138,8 @@ def longest(fits, start: int, limit: int) -> int:
     return best
 
 
-def capacity(device, start: int = 16384, T: int = 1024, G: int = 16, limit: int = 131072, budget: int = 16384, report=print,
-             model_kw=None, dtype=torch.bfloat16) -> dict:  # fmt: skip
+def capacity(device, start: int = 16384, T: int = 1024, G: int = 16, limit: int = 131072, budget: int = 16384,
+             report=print, model_kw=None, dtype=torch.bfloat16) -> dict:  # fmt: skip
     """The capacity line: {run: longest prompt that trains} for plain rows (one per microbatch), in-pass sharing (one
     group per pass) and ours (``recompute`` under ``budget``). ``model_kw`` overrides LONG_MODEL."""
     device = torch.device(device)

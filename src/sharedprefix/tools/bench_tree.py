@@ -82,7 +82,14 @@ def run(max_tokens=8192, layers=4, plain=False, device="cpu", **shape) -> list[s
 
 
 def memory(
-    max_tokens=8192, layers=2, prompts=(2, 4, 8, 16), modes=("keep", "recompute"), device="cpu", G=4, completion=128, report=print
+    max_tokens=8192,
+    layers=2,
+    prompts=(2, 4, 8, 16),
+    modes=("keep", "recompute"),
+    device="cpu",
+    G=4,
+    completion=128,
+    report=print,
 ) -> list[str]:
     """Peak memory against the number of prompts sharing the 4096-token system prompt, under one budget.
 
@@ -103,6 +110,8 @@ def memory(
         for mode in modes:
             spec = dict(tree=shape, max_tokens=max_tokens, model=dict(num_hidden_layers=layers), device=device)
             r = bench.measure_in_subprocess(mode, spec)
-            lines.append(f"{n:>7} {mode:>9} {r['tokens']:>7} {passes:>6} {r['time_s']:>7.2f} {r['peak_bytes'] / 2**20:>9.1f}")
+            lines.append(
+                f"{n:>7} {mode:>9} {r['tokens']:>7} {passes:>6} {r['time_s']:>7.2f} {r['peak_bytes'] / 2**20:>9.1f}"
+            )
             report(lines[-1])
     return lines

@@ -61,7 +61,12 @@ def vl_group(visual=1024, text=256, G=8, completion=256, seed=0) -> sp.Group:
     g = torch.Generator().manual_seed(seed)
     side = int((visual * 4) ** 0.5)  # patches per side before the 2 x 2 merge
     prompt = torch.cat(
-        [torch.tensor([V_START]), torch.full((visual,), IMAGE), torch.tensor([V_END]), torch.randint(0, 31000, (text - 2,), generator=g)]
+        [
+            torch.tensor([V_START]),
+            torch.full((visual,), IMAGE),
+            torch.tensor([V_END]),
+            torch.randint(0, 31000, (text - 2,), generator=g),
+        ]
     )
     inputs = {
         "pixel_values": torch.randn(side * side, 3 * 2 * 14 * 14, generator=g),
@@ -138,6 +143,6 @@ def run(layers=4, **shape) -> list[str]:
         f"sharedprefix                    : {t_ours:8.2f} s   tokens {P + G * T}, vision tower runs 1",
         f"speed-up {t_plain / t_ours:.2f}x | FLOP ratio {fr:.2f}x (estimate, vision tower included)",
         f"the vision tower alone (forward+backward) {t_vis:.2f} s, so "
-        f"{(G - 1) * t_vis:.2f} s of the {t_plain - t_ours:.2f} s saved ({(G - 1) * t_vis / (t_plain - t_ours):.0%}) is "
-        "the vision tower run once instead of G times",
+        f"{(G - 1) * t_vis:.2f} s of the {t_plain - t_ours:.2f} s saved ({(G - 1) * t_vis / (t_plain - t_ours):.0%}) "
+        "is the vision tower run once instead of G times",
     ]

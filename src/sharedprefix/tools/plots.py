@@ -29,7 +29,8 @@ def _lines(path: str) -> list[str]:
 def read_gpu_grid(path: str) -> list[dict]:
     """Rows of the GPU grid: P, T, G, speedup (x plain), flop (FLOP ratio), mem_plain, mem_ours (MiB)."""
     row = re.compile(
-        rf"^\s*(\d+)\s+(\d+)\s+(\d+) \|\s+{_NUM}\s+{_NUM}\s+{_NUM} \|\s+({_NUM})x\s+{_NUM}x\s+({_NUM})x.*\|\s+(\d+)\s+\d+\s+(\d+)\s"
+        rf"^\s*(\d+)\s+(\d+)\s+(\d+) \|\s+{_NUM}\s+{_NUM}\s+{_NUM} "
+        rf"\|\s+({_NUM})x\s+{_NUM}x\s+({_NUM})x.*\|\s+(\d+)\s+\d+\s+(\d+)\s"
     )
     out = []
     for line in _lines(path):
@@ -37,10 +38,20 @@ def read_gpu_grid(path: str) -> list[dict]:
         if m:
             P, T, G, x, flop, mp, mo = m.groups()
             out.append(
-                {"P": int(P), "T": int(T), "G": int(G), "speedup": float(x), "flop": float(flop), "mem_plain": int(mp), "mem_ours": int(mo)}
+                {
+                    "P": int(P),
+                    "T": int(T),
+                    "G": int(G),
+                    "speedup": float(x),
+                    "flop": float(flop),
+                    "mem_plain": int(mp),
+                    "mem_ours": int(mo),
+                }
             )
     if not out:
-        raise ValueError(f"{path}: no row of the GPU grid ('P T G | plain s PG s ours s | x plain x PG FLOP x ...') found.")
+        raise ValueError(
+            f"{path}: no row of the GPU grid ('P T G | plain s PG s ours s | x plain x PG FLOP x ...') found."
+        )
     return out
 
 
@@ -117,7 +128,8 @@ def draw(results: str = "benchmarks", out: str = "docs/img") -> list[str]:
 
 def _save(fig, plt, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=110, metadata={"Software": None})  # no version stamp, so a redraw of the same data is the same file
+    # no version stamp, so a redraw of the same data is the same file
+    fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
     return path
 

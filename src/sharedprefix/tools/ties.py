@@ -56,5 +56,9 @@ def tie_margins(model, groups) -> list[torch.Tensor]:
                 with _recorded(calls):
                     model(input_ids=row[None].to(dev), use_cache=False)
                 per_position = [m for m in calls if m.numel() == row.numel()]
-                out.append(torch.stack(per_position).min(0).values if per_position else torch.full((row.numel(),), float("inf")))
+                out.append(
+                    torch.stack(per_position).min(0).values
+                    if per_position
+                    else torch.full((row.numel(),), float("inf"))
+                )
     return out

@@ -45,7 +45,9 @@ def best_time(fn: Callable[[], Any], repeats: int, bar=None) -> float:
 
 
 def best_interleaved(
-    calls: list[tuple[str, Callable[[], Any]]], before: Callable[[], Any] | None = None, clock: Callable[[], float] = time.perf_counter
+    calls: list[tuple[str, Callable[[], Any]]],
+    before: Callable[[], Any] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, tuple[float, Any]]:
     """{name: (best seconds, result of that call)} over ``calls`` run in the order given (a name may repeat: its best
     counts); ``before`` runs untimed ahead of each call (zeroing gradients)."""

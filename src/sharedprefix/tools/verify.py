@@ -63,14 +63,17 @@ class VerifyReport:
         ]
         if self.split_refusal:
             lines.append(f"max_tokens={self.split!s:>5}: refused ({self.split_refusal})")
-        verdict = "exact by the 2x rule" + (" in one pass; a budget that splits a group is refused" if self.split_refusal else "")
+        verdict = "exact by the 2x rule" + (
+            " in one pass; a budget that splits a group is refused" if self.split_refusal else ""
+        )
         if self.float64 is not None:
             lines.append(
                 f"the model makes discrete choices per token ({self.choices}), which flip at near-ties between two "
                 "roundings (the plain run's against float64 too) and move that token's log-prob by more than "
                 f"rounding: {self.beyond} token(s) beyond twice the plain error (at most {FLIPPED_SHARE:.0%} may be), "
                 + (
-                    f"{self.untied} of them where the plain run's own top-k choice is not within {TIE_MARGIN} of a tie (none may be); "
+                    f"{self.untied} of them where the plain run's own top-k choice is not within {TIE_MARGIN} of a tie "
+                    "(none may be); "
                     if self.untied is not None
                     else ""
                 )
@@ -134,7 +137,8 @@ def verify(
     """Check sharedprefix against the plain forward on ``model`` (see the module docstring).
 
     Args:
-        groups: the groups to check on (default: ``default_groups``, four random groups sized to the model's vocabulary).
+        groups: the groups to check on (default: ``default_groups``, four random groups sized to the model's
+            vocabulary).
         max_tokens: the budget of the split check (default: half the longest group, so a group splits).
     """
     import sharedprefix as sp
@@ -174,7 +178,8 @@ def verify(
     if choices:  # a second opinion: the same algorithm on the float64 copy, where near-ties do not flip
         with torch.no_grad():
             float64 = max(
-                float((sp.logprobs(ref_model, groups, max_tokens=b).logprobs.double().cpu() - exact).abs().max()) for b, _ in outs
+                float((sp.logprobs(ref_model, groups, max_tokens=b).logprobs.double().cpu() - exact).abs().max())
+                for b, _ in outs
             )
         off = [((o - exact).abs() > 2 * plain_err + 1e-12).nonzero().tolist() for _, o in outs]
         beyond = max(len(x) for x in off)
@@ -190,7 +195,14 @@ def verify(
             ok = untied == 0
     del ref_model
     return VerifyReport(
-        ok, checks=checks, split_refusal=split_refusal, split=split, choices=choices, float64=float64, beyond=beyond, untied=untied
+        ok,
+        checks=checks,
+        split_refusal=split_refusal,
+        split=split,
+        choices=choices,
+        float64=float64,
+        beyond=beyond,
+        untied=untied,
     )
 
 

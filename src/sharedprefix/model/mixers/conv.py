@@ -28,7 +28,9 @@ def packed_conv(own, state, slot, first, x, *args, **kwargs):
     weight = args[0] if args else kwargs["weight"]
     K = int(weight.shape[-1]) - 1
     if x.shape[0] != 1 or x.shape[-1] != layout.length:
-        raise RuntimeError(f"a convolution got inputs of shape {tuple(x.shape)}, expected (1, C, {layout.length}); a bug.")
+        raise RuntimeError(
+            f"a convolution got inputs of shape {tuple(x.shape)}, expected (1, C, {layout.length}); a bug."
+        )
     idx = memo(layout, ("conv", K, x.device), lambda: _to(conv_index(layout, K), x.device))
     parts = [x.new_zeros(x.shape[0], x.shape[1], 1), x] + [state.read_state(slot, c) for c in idx.cached]
     source = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
@@ -41,7 +43,9 @@ def packed_conv(own, state, slot, first, x, *args, **kwargs):
 
 
 def _to(idx, device):
-    return ConvIndex(idx.cached, idx.ext.to(device), idx.out.to(device), {s: t.to(device) for s, t in idx.record.items()})
+    return ConvIndex(
+        idx.cached, idx.ext.to(device), idx.out.to(device), {s: t.to(device) for s, t in idx.record.items()}
+    )
 
 
 KIND = Kind("conv", "causal_conv1d_fn", packed_conv, find=conv_module.find, hooks=conv_module.hooks)

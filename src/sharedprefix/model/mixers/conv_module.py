@@ -5,9 +5,9 @@ under transformers 5.10 binds ``causal_conv1d_fn`` to the causal_conv1d package'
 its ``Lfm2ShortConv.slow_forward`` (also what runs on CPU when the package is installed) calls ``self.conv(Bx)``, a
 depthwise ``nn.Conv1d`` with zero padding K on both sides, and keeps the first L outputs. There the Conv1d is the
 seam: for the duration of ``seams.active`` a forward hook on it replaces the module's (1, C, L + K) output, inside a
-pass, with a tensor of the same shape whose first L columns are the packed convolution (``conv.packed_conv``: each segment
-after the last K inputs of its own path, the same indices and the same cached tails, read and written as leaves, so
-the budgets' keep / offload / recompute carry it) and whose last K columns are zeros (the modeling code drops them).
+pass, with a tensor of the same shape whose first L columns are the packed convolution (``conv.packed_conv``: each
+segment after the last K inputs of its own path, the same indices and the same cached tails, read and written as leaves,
+so the budgets' keep / offload / recompute carry it) and whose last K columns are zeros (the modeling code drops them).
 The module's own forward still runs first, over the whole packed row, and its output is discarded: one depthwise
 convolution per layer of wasted work, an acceptable price for leaving the model's code unchanged. Outside a pass the
 hook returns nothing and the module's output stands. The hook counts as a call of the seam, so the check that a
@@ -59,7 +59,9 @@ def hooks(mixer: torch.nn.Module, kind: seams.Kind) -> list:
             return None  # outside a pass (or the Conv1d called from elsewhere): the module's own output
         (x,) = args
         if output.shape != (*x.shape[:-1], x.shape[-1] + K):
-            raise RuntimeError(f"{type(mixer).__name__}'s Conv1d gave {tuple(output.shape)} for {tuple(x.shape)}; a bug.")
+            raise RuntimeError(
+                f"{type(mixer).__name__}'s Conv1d gave {tuple(output.shape)} for {tuple(x.shape)}; a bug."
+            )
         y = seam(x, conv.weight)  # (1, C, L)
         return torch.cat([y, y.new_zeros(*y.shape[:-1], K)], -1)  # (1, C, L + K), as the module's output
 

@@ -14,7 +14,20 @@ from sharedprefix.model.mixers.levels import delta_by_levels
 from sharedprefix.model.mixers.seams import Kind
 
 
-def packed_delta(own, state, slot, first, query, key, value, g=None, beta=None, initial_state=None, output_final_state=False, **kwargs):
+def packed_delta(
+    own,
+    state,
+    slot,
+    first,
+    query,
+    key,
+    value,
+    g=None,
+    beta=None,
+    initial_state=None,
+    output_final_state=False,
+    **kwargs,
+):
     """``torch_chunk_gated_delta_rule`` over a packed row: one call per level, each segment from its parent's state."""
     layout = state.layout
     if initial_state is not None or kwargs.get("cu_seqlens") is not None or query.shape[:2] != (1, layout.length):

@@ -68,12 +68,15 @@ FAMILIES: dict[str, Family] = {
     "granitemoehybrid": mamba2("HybridMambaLayer"),  # GraniteMoeHybridMambaLayer
     "kimi_linear": KIMI_DELTA,
     "bailing_hybrid": KIMI_DELTA,
-    "minimax": Family(CACHE, inline=("MiniMaxLightningAttention", "lightning attention (a block-wise linear attention with decay)")),
+    "minimax": Family(
+        CACHE, inline=("MiniMaxLightningAttention", "lightning attention (a block-wise linear attention with decay)")
+    ),
     "zaya": Family(
         CACHE,
         inline=(
             "ZayaCCAProjection",
-            "token mixing (causal convolutions of queries and keys after an inline padding, values delayed by one token)",
+            "token mixing (causal convolutions of queries and keys after an inline padding, values delayed by one "
+            "token)",
         ),
     ),
 }
@@ -154,14 +157,19 @@ def check_reachable(model) -> None:
     if len(mods) != want:
         raise ValueError(
             f"{name} has {want} layers of types {sorted(PACKED_LAYER_TYPES)} but sharedprefix finds {len(mods)} mixer "
-            f"modules named *{' or *'.join(mixer_suffixes())}: it cannot reach the token mixing of every layer, so it refuses "
-            "the model (this transformers version's modeling code differs from the one sharedprefix knows)."
+            f"modules named *{' or *'.join(mixer_suffixes())}: it cannot reach the token mixing of every layer, so it "
+            "refuses the model (this transformers version's modeling code differs from the one sharedprefix knows)."
         )
     for m, names in mods:
         src = sys.modules[type(m).__module__]
         kinds = [KINDS[k] for k in names]
-        module_seam = [k.find is not None and k.find(m) is not None for k in kinds]  # a Conv1d to hook (``conv_module``)
-        missing = [k.attribute for k, sub in zip(kinds, module_seam) if not callable(getattr(src, k.attribute, None)) and not sub]
+        # a Conv1d to hook (``conv_module``)
+        module_seam = [k.find is not None and k.find(m) is not None for k in kinds]
+        missing = [
+            k.attribute
+            for k, sub in zip(kinds, module_seam)
+            if not callable(getattr(src, k.attribute, None)) and not sub
+        ]
         if missing:
             raise ValueError(
                 f"{name}: {type(m).__name__}'s modeling module {src.__name__} has no {missing}, the functions "
@@ -172,12 +180,17 @@ def check_reachable(model) -> None:
         for k in kinds:  # a function bound on the instance when built (5.10) must be the module's, which is wrapped
             own = seams.own_function(src, k)
             for attr, v in vars(m).items():
-                if k.attribute.endswith(attr) and callable(v) and v is not own and v is not getattr(src, k.attribute, None):
+                if (
+                    k.attribute.endswith(attr)
+                    and callable(v)
+                    and v is not own
+                    and v is not getattr(src, k.attribute, None)
+                ):
                     raise ValueError(
                         f"{name}: {type(m).__name__} holds {attr!r} = {getattr(v, '__module__', '?')}."
                         f"{getattr(v, '__qualname__', type(v).__name__)}, bound when the model was built, not its "
-                        f"modeling module's {k.attribute} (which sharedprefix wraps to carry each segment's state, also "
-                        "where the instance holds it): its forward would mix tokens across the packed row, so "
+                        f"modeling module's {k.attribute} (which sharedprefix wraps to carry each segment's state, "
+                        "also where the instance holds it): its forward would mix tokens across the packed row, so "
                         "sharedprefix refuses the model. Run without the kernel package that function comes from "
                         "(transformers then binds its own torch function)."
                     )

@@ -5,9 +5,10 @@ KDA is a gated delta rule whose decay is per key channel: the state S (H, Dk, Dv
 ``S <- diag(exp(g)) S``, then ``S <- S + k (beta (v - S^T k))^T``, and reads ``o = S^T q`` (q, k l2-normalised inside
 when the model asks). transformers computes it in ``chunk_kimi_delta_attention(q, k, v, g=..., beta=...,
 initial_state=..., output_final_state=...)`` on (B, L, H, D) inputs, g (B, L, H, Dk), beta (B, L, H). The wrapper here
-(its ``KIND``, registered in ``model.mixers.families``) runs, per level of the row's segment tree (``layout.recurrence.level_index``), one
-such call over that level's segments as a right-padded batch, each started from its parent's final state (the same
-row's previous level, or the prefix cache), and hands back the outputs of the real tokens in row order.
+(its ``KIND``, registered in ``model.mixers.families``) runs, per level of the row's segment tree
+(``layout.recurrence.level_index``), one such call over that level's segments as a right-padded batch, each started from
+its parent's final state (the same row's previous level, or the prefix cache), and hands back the outputs of the real
+tokens in row order.
 
 Why the padding is neutral: a pad token has k = v = 0, beta = 0 and g = 0 (the model's own chunk padding,
 ``F.pad`` with zeros up to a multiple of the chunk size, uses the same values). With g = 0 the decay is exp(0) = 1 on
@@ -26,7 +27,20 @@ from sharedprefix.model.mixers.levels import delta_by_levels
 from sharedprefix.model.mixers.seams import Kind
 
 
-def packed_kda(own, state, slot, first, query, key, value, g=None, beta=None, initial_state=None, output_final_state=False, **kwargs):
+def packed_kda(
+    own,
+    state,
+    slot,
+    first,
+    query,
+    key,
+    value,
+    g=None,
+    beta=None,
+    initial_state=None,
+    output_final_state=False,
+    **kwargs,
+):
     """``chunk_kimi_delta_attention`` over a packed (1, L, H, D) row; returns ((1, L, H, Dv) outputs, None).
 
     ``own``: the model's function; ``state``: the pass (``attention.interface.pass_state``: layout, prefix cache);
@@ -37,8 +51,8 @@ def packed_kda(own, state, slot, first, query, key, value, g=None, beta=None, in
     L = layout.length
     if initial_state is not None or kwargs.get("cu_seqlens") is not None or query.shape[:2] != (1, L):
         raise RuntimeError(
-            f"Kimi delta attention got queries {tuple(query.shape)} with an initial state or cu_seqlens on a packed row "
-            f"of {L} tokens (the model ran with a cache); a bug."
+            f"Kimi delta attention got queries {tuple(query.shape)} with an initial state or cu_seqlens on a packed "
+            f"row of {L} tokens (the model ran with a cache); a bug."
         )
     if g is None or beta is None or g.shape != key.shape or beta.shape != key.shape[:3]:
         raise RuntimeError(

@@ -122,7 +122,9 @@ def current_mixer():
 def _enter(kinds: tuple[Kind, ...]):
     def hook(module, args):
         state = current_pass()  # the seams' calls so far, to check that this forward reaches them
-        _CURRENT.append((module, None if state is None else {k.name: state.mixed.get((module, k.name), 0) for k in kinds}))
+        _CURRENT.append(
+            (module, None if state is None else {k.name: state.mixed.get((module, k.name), 0) for k in kinds})
+        )
 
     return hook
 

@@ -29,7 +29,15 @@ from sharedprefix import losses
 from sharedprefix.recipes.grpo import checkpoint
 from sharedprefix.recipes.grpo.config import TrainConfig
 
-__all__ = ["TrainConfig", "Trainer", "check_rewards", "encode_prompt", "read_metrics", "sample_completions", "write_metrics"]
+__all__ = [
+    "TrainConfig",
+    "Trainer",
+    "check_rewards",
+    "encode_prompt",
+    "read_metrics",
+    "sample_completions",
+    "write_metrics",
+]
 
 
 def check_rewards(values, n: int) -> list[float]:
@@ -100,7 +108,13 @@ class Trainer:
         opt = torch.optim.AdamW(self.params, lr=cfg.warmup_lr, weight_decay=0.0)
         rng = random.Random(cfg.seed + 17)
         # progress on stderr, only on a terminal (tqdm's disable=None) and only on rank 0
-        for _ in tqdm(range(cfg.warmup_steps), desc="warm-up", disable=None if self.ctx.is_main else True, leave=False, dynamic_ncols=True):
+        for _ in tqdm(
+            range(cfg.warmup_steps),
+            desc="warm-up",
+            disable=None if self.ctx.is_main else True,
+            leave=False,
+            dynamic_ncols=True,
+        ):
             groups = []
             for s in [self.task.sample(rng) for _ in range(cfg.prompts_per_step)]:
                 target = self.tok(self.task.warmup_target(rng), add_special_tokens=False)["input_ids"]
@@ -108,7 +122,9 @@ class Trainer:
             n = len(groups)  # global: one target per prompt
             mine = [groups[i] for i in self.ctx.shard(groups)]
             if mine:
-                sp.backward(self.model, mine, lambda b, n=n: -(b.logprobs * b.mask).sum() / n, max_tokens=cfg.max_tokens)
+                sp.backward(
+                    self.model, mine, lambda b, n=n: -(b.logprobs * b.mask).sum() / n, max_tokens=cfg.max_tokens
+                )
             self.ctx.sync(self.model)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -126,7 +142,13 @@ class Trainer:
             s = samples[i]
             p = encode_prompt(self.tok, s.prompt)
             comps = sample_completions(
-                self.model, self.tok, p, cfg.group_size, cfg.max_new_tokens, cfg.temperature, seed=cfg.seed * 7_919 + step * 1_009 + i
+                self.model,
+                self.tok,
+                p,
+                cfg.group_size,
+                cfg.max_new_tokens,
+                cfg.temperature,
+                seed=cfg.seed * 7_919 + step * 1_009 + i,
             )
             groups.append(sp.Group(p, comps))
             texts += [self.tok.decode(c.tolist(), skip_special_tokens=False) for c in comps]
@@ -146,13 +168,21 @@ class Trainer:
 
         def loss_fn(b):
             loss, m = losses.policy_loss(
-                b.logprobs, b.logprobs.detach(), adv[b.index], b.mask, norm, loss_type=cfg.loss_type, epsilon=cfg.epsilon
+                b.logprobs,
+                b.logprobs.detach(),
+                adv[b.index],
+                b.mask,
+                norm,
+                loss_type=cfg.loss_type,
+                epsilon=cfg.epsilon,
             )
             for k in stats:
                 stats[k] += m[k]
             return loss
 
-        res = sp.backward(self.model, groups, loss_fn, max_tokens=cfg.max_tokens, prefix_activations=cfg.prefix_activations)
+        res = sp.backward(
+            self.model, groups, loss_fn, max_tokens=cfg.max_tokens, prefix_activations=cfg.prefix_activations
+        )
         self.ctx.sync(self.model)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -176,7 +206,12 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------------------------------
     def save(self, folder: str, base_model: str | None = None):
         """Replace the checkpoint ``folder`` atomically (``checkpoint.save_checkpoint``)."""
-        state = {"optimizer": self.opt.state_dict(), "step": self.step, "warm_done": self.warm_done, "config": asdict(self.cfg)}
+        state = {
+            "optimizer": self.opt.state_dict(),
+            "step": self.step,
+            "warm_done": self.warm_done,
+            "config": asdict(self.cfg),
+        }
         checkpoint.save_checkpoint(folder, self.model, self.tok, state, base_model)
 
     def load_state(self, state: dict):

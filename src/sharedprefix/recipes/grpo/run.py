@@ -50,7 +50,9 @@ def load_model(cfg: TrainConfig, tokenizer):
         return tf.Qwen3ForCausalLM(config)
     load_config(cfg.model)
     with checkpoint.transformers_progress_on_terminal_only():
-        return tf.AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, attn_implementation="sdpa", dtype=torch.float32)
+        return tf.AutoModelForCausalLM.from_pretrained(
+            cfg.model, local_files_only=True, attn_implementation="sdpa", dtype=torch.float32
+        )
 
 
 def build_model(cfg: TrainConfig, base, resume_from: str | None):
@@ -63,7 +65,9 @@ def build_model(cfg: TrainConfig, base, resume_from: str | None):
         if folder is None:
             return base
         with checkpoint.transformers_progress_on_terminal_only():
-            return tf.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, attn_implementation="sdpa", dtype=torch.float32)
+            return tf.AutoModelForCausalLM.from_pretrained(
+                folder, local_files_only=True, attn_implementation="sdpa", dtype=torch.float32
+            )
     from peft import LoraConfig, PeftModel, get_peft_model
 
     with warnings.catch_warnings(), checkpoint.transformers_progress_on_terminal_only():
@@ -73,7 +77,14 @@ def build_model(cfg: TrainConfig, base, resume_from: str | None):
             return PeftModel.from_pretrained(base, folder, is_trainable=True)
         torch.manual_seed(cfg.seed)
         return get_peft_model(
-            base, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+            base,
+            LoraConfig(
+                r=cfg.lora_r,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=0.0,
+                target_modules="all-linear",
+                task_type="CAUSAL_LM",
+            ),
         )
 
 
@@ -119,7 +130,8 @@ def load_config(path: str):
         raise ValueError(f"--model {path!r} holds no readable transformers config ({str(e)[:200]}).") from None
     if type(config) not in tf.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(
-            f"--model {path!r} is a {config.model_type!r} model, which is not a causal LM; sharedprefix trains causal language models."
+            f"--model {path!r} is a {config.model_type!r} model, which is not a causal LM; sharedprefix trains causal "
+            "language models."
         )
     return config
 
@@ -161,7 +173,8 @@ def check_config(cfg: TrainConfig):
         raise ValueError(f"temperature={cfg.temperature}; expected > 0.")
     if cfg.lora_r is not None and (cfg.lora_r < 1 or cfg.lora_alpha < 1):
         raise ValueError(
-            f"lora_r={cfg.lora_r}, lora_alpha={cfg.lora_alpha}; expected positive integers (or no lora_r, to train all weights)."
+            f"lora_r={cfg.lora_r}, lora_alpha={cfg.lora_alpha}; expected positive integers (or no lora_r, to train all "
+            "weights)."
         )
     needed = [("matplotlib", "plot", "the reward plot")] + ([("peft", "trl", "LoRA")] if cfg.lora_r is not None else [])
     for module, extra, what in needed:
@@ -213,15 +226,21 @@ def train(cfg: TrainConfig) -> int:
         t0 = time.perf_counter()
         trainer.warmup()
         if ctx.is_main:
-            print(f"warm-up: {cfg.warmup_steps} supervised steps on the answer format in {time.perf_counter() - t0:.1f}s")
+            print(
+                f"warm-up: {cfg.warmup_steps} supervised steps on the answer format in {time.perf_counter() - t0:.1f}s"
+            )
     # progress on stderr, only on a terminal (tqdm's disable=None) and only on rank 0
-    bar = tqdm(total=cfg.steps, initial=trainer.step, disable=None if ctx.is_main else True, desc="GRPO", dynamic_ncols=True)
+    bar = tqdm(
+        total=cfg.steps, initial=trainer.step, disable=None if ctx.is_main else True, desc="GRPO", dynamic_ncols=True
+    )
     while trainer.step < cfg.steps:
         row = trainer.train_step()
         if ctx.is_main:
             rows.append(row)
             write_metrics(metrics_path, rows)
-            bar.set_postfix(reward=f"{row['reward']:.2f}", loss=f"{row['loss']:+.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.set_postfix(
+                reward=f"{row['reward']:.2f}", loss=f"{row['loss']:+.3f}", tok_s=f"{row['tokens_per_s']:.0f}"
+            )
             bar.update(1)
         if trainer.step % cfg.checkpoint_every == 0 or trainer.step == cfg.steps:
             if ctx.is_main:

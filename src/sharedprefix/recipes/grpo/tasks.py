@@ -25,7 +25,9 @@ def build_tokenizer(n_keys: int = 64, n_values: int = 16) -> PreTrainedTokenizer
     words = SPECIALS + [f"k{i}" for i in range(n_keys)] + [f"v{i}" for i in range(n_values)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
     fast.padding_side = "left"
     return fast
 

@@ -54,7 +54,9 @@ def hybrid_backward(model, groups, loss_fn, options: CallOptions) -> BackwardRes
     o = options
 
     def run():
-        return cache_run.backward(inner, groups, loss_fn, o.max_tokens, o.prefix_activations, o.temperature, o.entropy, o.offload_device)
+        return cache_run.backward(
+            inner, groups, loss_fn, o.max_tokens, o.prefix_activations, o.temperature, o.entropy, o.offload_device
+        )
 
     if check_hybrid(model, o.backend) != "ddp":
         return run()

@@ -89,8 +89,8 @@ class HybridRun:
             raise ValueError(
                 f"{name} is a hybrid model in training mode with gradient checkpointing on: transformers turns its "
                 "cache off under gradient checkpointing, and sharedprefix carries each prompt's convolution and "
-                "recurrent state to its completions through that cache (its cache path). Disable gradient checkpointing "
-                f"for this model.{why}"
+                "recurrent state to its completions through that cache (its cache path). Disable gradient "
+                f"checkpointing for this model.{why}"
             )
         if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
@@ -119,7 +119,9 @@ class HybridRun:
         self.W = max(c.numel() for g in self.groups for c in g.completions)
         self.tokens = 0
         self.passes = 0
-        self.plain_tokens = sum(g.prompt.numel() * len(g.completions) + sum(c.numel() for c in g.completions) for g in self.groups)
+        self.plain_tokens = sum(
+            g.prompt.numel() * len(g.completions) + sum(c.numel() for c in g.completions) for g in self.groups
+        )
         verify_head(model, hybrid=True)
 
     def batches(self, g) -> list[list[int]]:
@@ -170,7 +172,12 @@ class HybridRun:
             mask[r, : c.numel()] = True
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (P + torch.arange(t, device=self.device))[None].expand(n, t)
-        out = self.dec(input_ids=ids, use_cache=True, **self._positions(pos), **{self.cache_arg: repeated_states(cache, slots, tensors, n)})
+        out = self.dec(
+            input_ids=ids,
+            use_cache=True,
+            **self._positions(pos),
+            **{self.cache_arg: repeated_states(cache, slots, tensors, n)},
+        )
         self.tokens += n * t
         self.passes += 1
         hidden = out.last_hidden_state  # (n, t, d)

@@ -27,7 +27,9 @@ def new_cache(model):
     from transformers.cache_utils import Cache
 
     mod = sys.modules[type(model).__module__]
-    own = [v for v in vars(mod).values() if isinstance(v, type) and issubclass(v, Cache) and v.__module__ == mod.__name__]
+    own = [
+        v for v in vars(mod).values() if isinstance(v, type) and issubclass(v, Cache) and v.__module__ == mod.__name__
+    ]
     if len(own) == 1:  # its tensors are checked by state_slots like any other cache's
         return own[0]()
     return _write_fresh(DynamicCache(config=model.config))
@@ -71,7 +73,12 @@ COUNTERS = ("cumulative_length_linear",)
 
 def state_slots(cache) -> list[tuple[int, str, int | None]]:
     """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
-    from transformers.cache_utils import DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+    from transformers.cache_utils import (
+        DummyLayer,
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        LinearAttentionCacheLayerMixin,
+    )
 
     out: list[tuple[int, str, int | None]] = []
     for i, layer in enumerate(cache.layers):
@@ -94,22 +101,25 @@ def state_slots(cache) -> list[tuple[int, str, int | None]]:
             known |= {c for c in COUNTERS if _is_count(getattr(layer, c, None))}
         if not known:
             raise ValueError(
-                f"the cache layer {i} is a {type(layer).__name__}, which sharedprefix's hybrid path does not know how to "
-                "copy per completion (it handles full-attention K/V and linear-attention conv/recurrent states), so it "
-                "refuses the model rather than start a completion from a wrong state."
+                f"the cache layer {i} is a {type(layer).__name__}, which sharedprefix's hybrid path does not know how "
+                "to copy per completion (it handles full-attention K/V and linear-attention conv/recurrent states), so "
+                "it refuses the model rather than start a completion from a wrong state."
             )
         odd = [k for k, v in vars(layer).items() if isinstance(v, torch.Tensor) and k not in known]
         if odd:
             raise ValueError(
                 f"the cache layer {i} ({type(layer).__name__}) holds tensors {odd} that sharedprefix's hybrid path "
-                "does not copy per completion, so it refuses the model rather than start a completion from a wrong state."
+                "does not copy per completion, so it refuses the model rather than start a completion from a wrong "
+                "state."
             )
-    out += [(i, LINEAR_CACHE, None) for i, t in enumerate(getattr(cache, LINEAR_CACHE, ())) if isinstance(t, torch.Tensor)]
+    out += [
+        (i, LINEAR_CACHE, None) for i, t in enumerate(getattr(cache, LINEAR_CACHE, ())) if isinstance(t, torch.Tensor)
+    ]
     odd = [k for k, v in vars(cache).items() if k not in ("layers", LINEAR_CACHE) and _holds_tensors(v)]
     if odd:
         raise ValueError(
-            f"the cache ({type(cache).__name__}) holds tensors in {odd} that sharedprefix's hybrid path does not copy per "
-            "completion, so it refuses the model rather than start a completion from a wrong state."
+            f"the cache ({type(cache).__name__}) holds tensors in {odd} that sharedprefix's hybrid path does not copy "
+            "per completion, so it refuses the model rather than start a completion from a wrong state."
         )
     return out
 
@@ -122,7 +132,9 @@ def _delegating(base) -> set:
     hybrid = {cache_utils.DynamicLayer: "LinearAttentionAndFullAttentionLayer"}
     hybrid[cache_utils.DynamicSlidingWindowLayer] = "LinearAttentionAndSlidingWindowAttentionLayer"
     cls = getattr(cache_utils, hybrid[base], None)
-    return {base.get_seq_length} | ({cls.get_seq_length} if cls is not None and "get_seq_length" in vars(cls) else set())
+    return {base.get_seq_length} | (
+        {cls.get_seq_length} if cls is not None and "get_seq_length" in vars(cls) else set()
+    )
 
 
 def check_counts(cache, length: int, name: str) -> None:

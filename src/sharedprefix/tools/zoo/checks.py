@@ -62,8 +62,14 @@ REFUSALS: list[tuple[str, str]] = [
     ("attention-score soft-capping on a backend without it (torch's CUDA flash ops)", r"attention-score soft-capping"),
     ("query scaling by the token's index in the row (Llama 4 attn_temperature_tuning)", r"attn_temperature_tuning"),
     ("several attention calls per layer, split across passes", r"runs its attention \d+ times in one forward"),
-    ("keys selected by an indexer (DeepSeek sparse attention), split across passes", r"selects the keys of each query with an indexer"),
-    ("keys selected by an indexer that overlays its own mask (Kolibri 1.1)", r"overlays its own selection on the attention mask"),
+    (
+        "keys selected by an indexer (DeepSeek sparse attention), split across passes",
+        r"selects the keys of each query with an indexer",
+    ),
+    (
+        "keys selected by an indexer that overlays its own mask (Kolibri 1.1)",
+        r"overlays its own selection on the attention mask",
+    ),
     ("keys beyond the row (memory, compressed keys)", r"attends over \d+ keys for a row"),
     ("an LM head sharedprefix cannot reproduce", r"turns hidden states into logits"),
     ("RoPE scaling that depends on the longest position", r"RoPE scaling, whose frequencies"),
@@ -274,7 +280,8 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
             split = split_out.logprobs
         if not _aux_error(split_out.aux_loss, want_aux) <= AUX_TOL:
             res.detail = (
-                f"silent mismatch of the load-balancing loss under max_tokens={BUDGET}: {split_out.aux_loss} against the plain {want_aux}"
+                f"silent mismatch of the load-balancing loss under max_tokens={BUDGET}: {split_out.aux_loss} against "
+                f"the plain {want_aux}"
             )
             return
     except ValueError as e:  # exact in one pass, refused when split: fine if the refusal says why
@@ -312,7 +319,10 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
             plain_err, ours_err = _grad_error_at_scale(want, truth), _grad_error_at_scale(got, truth)
             if ours_err <= 2 * plain_err:
                 res.grad_err = _grad_error(got, truth)
-                res.float32_rule = f"gradients {ours_err:.2g} from float64 at the largest gradient's scale, the plain run's {plain_err:.2g}"
+                res.float32_rule = (
+                    f"gradients {ours_err:.2g} from float64 at the largest gradient's scale, the plain run's "
+                    f"{plain_err:.2g}"
+                )
             else:
                 res.detail = (
                     f"gradient mismatch: relative error {res.grad_err:.3g} > {gtol} against the plain run, "
@@ -333,7 +343,11 @@ def features(model) -> list[str]:
 
     pats = [p for p in map(probe.pattern, model.modules()) if p is not None]
     cfg = model.config.get_text_config()
-    v, qk = config_value(cfg, "v_head_dim"), config_value(cfg, "qk_head_dim")  # (per-layer configs refuse some global reads)
+    # (per-layer configs refuse some global reads)
+    v, qk = (
+        config_value(cfg, "v_head_dim"),
+        config_value(cfg, "qk_head_dim"),
+    )
     if qk is None and config_value(cfg, "qk_nope_head_dim") is not None:
         qk = cfg.qk_nope_head_dim + (config_value(cfg, "qk_rope_head_dim") or 0)
     out = []

@@ -238,13 +238,26 @@ ARCH: dict[str, dict] = {
     ),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "zaya": dict(num_experts_per_tok=1),
-    "zamba": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "hybrid"] * 2, attn_layer_period=2, attn_layer_offset=1),
-    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2),
+    "zamba": dict(
+        num_hidden_layers=4,
+        layers_block_type=["linear_attention", "hybrid"] * 2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+    ),
+    "qwen4_exp_text": dict(
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2
+    ),
     "qwen4_exp": dict(
-        text_config=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2)
+        text_config=dict(
+            indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2
+        )
     ),
     "reformer": dict(
-        axial_pos_shape=[8, 16], axial_pos_embds_dim=[16, 16], attention_head_size=8, local_attn_chunk_length=4, lsh_attn_chunk_length=4
+        axial_pos_shape=[8, 16],
+        axial_pos_embds_dim=[16, 16],
+        attention_head_size=8,
+        local_attn_chunk_length=4,
+        lsh_attn_chunk_length=4,
     ),
     "xlstm": dict(embedding_dim=32, num_heads=4),
     "dbrx": dict(attn_config=dict(rope_theta=10000.0, clip_qkv=8.0)),  # DbrxAttention reads both, unconditionally

@@ -1,4 +1,5 @@
-"""The zoo table of ``docs/models.md``, generated from ``zoo.check`` results so that it cannot drift from what is tested.
+"""The zoo table of ``docs/models.md``, generated from ``zoo.check`` results so that it cannot drift from
+what is tested.
 
 The table holds only what is the same on every machine for one transformers version (outcomes,
 refusal categories, features, reasons), never timings or rounding errors, so ``tests/model/test_zoo.py``
@@ -39,7 +40,9 @@ def render(results: list[Result], transformers_version: str) -> str:
     variants = [r for r in results if r.arch in VARIANTS]
 
     def count(rs):
-        return ", ".join(f"{sum(r.status == s for r in rs)} {s}" for s in ("exact", "refused", "not buildable", "failed"))
+        return ", ".join(
+            f"{sum(r.status == s for r in rs)} {s}" for s in ("exact", "refused", "not buildable", "failed")
+        )
 
     exact = [r for r in by["exact"] if not r.float32_inside and not r.split_refusal]
     exact32 = [r for r in by["exact"] if r.float32_inside and not r.split_refusal]
@@ -56,9 +59,9 @@ def render(results: list[Result], transformers_version: str) -> str:
         "|---|---|",
         f"| exact: log-probs to {_e(LOGPROB_TOL)} in one pass and with a group split across passes, gradients to a "
         f"relative {_e(GRAD_TOL)} | {_names(exact)} |",
-        f"| exact at the plain forward's own float32 level ({_e(LOGPROB_TOL_FLOAT32_INSIDE)} / {_e(GRAD_TOL_FLOAT32_INSIDE)}): "
-        "even in float64 the model computes parts in float32 (eager attention's softmax, routers, norms, logits, "
-        "Mamba2 scans, gated delta rules) | "
+        f"| exact at the plain forward's own float32 level ({_e(LOGPROB_TOL_FLOAT32_INSIDE)} / "
+        f"{_e(GRAD_TOL_FLOAT32_INSIDE)}): even in float64 the model computes parts in float32 (eager attention's "
+        "softmax, routers, norms, logits, Mamba2 scans, gated delta rules) | "
         f"{_names(exact32)} |",
     ]
     rule = [r for r in exact32 if r.float32_rule]
@@ -88,7 +91,10 @@ def render(results: list[Result], transformers_version: str) -> str:
         lines += [
             "",
             "Features the exact entries exercise: "
-            + "; ".join(f"{f} ({len(rs)} entries)" if f == "MoE" else f"{f} ({len(rs)}: {_names(rs)})" for f, rs in sorted(feats.items()))
+            + "; ".join(
+                f"{f} ({len(rs)} entries)" if f == "MoE" else f"{f} ({len(rs)}: {_names(rs)})"
+                for f, rs in sorted(feats.items())
+            )
             + ".",
         ]
     lines.append(END)
