@@ -51,9 +51,15 @@ def run(kind: str) -> None:
                     sp.backward(m, groups, lambda b: (b.logprobs * b.mask).sum(), max_tokens=budget)
                 else:
                     sp.logprobs(m, groups, max_tokens=budget, defer=True).logprobs.sum().backward()
-            err = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
-        breaks, graphs = (a - b for a, b in zip((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]), before))
-        print(f"{kind} step {i}: graph breaks {breaks}, graphs compiled {graphs}, difference {err:.2g} ({time.time() - t0:.1f}s)")
+            err = max(
+                float((a.grad - b.grad).abs().max() / b.grad.abs().max())
+                for a, b in zip(model.parameters(), ref.parameters())
+            )
+        breaks, graphs = (
+            a - b for a, b in zip((sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]), before)
+        )
+        took = time.time() - t0
+        print(f"{kind} step {i}: graph breaks {breaks}, graphs compiled {graphs}, difference {err:.2g} ({took:.1f}s)")
     for reason, count in counters["graph_break"].items():
         print(f"  {count} x {reason.splitlines()[0]}")
 

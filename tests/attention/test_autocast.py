@@ -40,7 +40,11 @@ def test_logprobs_and_gradients_under_autocast_by_the_2x_rule(arch, budget):
             ours = sp.logprobs(model, GROUPS, max_tokens=budget).logprobs.double()
         g_plain = grads_of(model, lambda: (plain_logprobs(model, GROUPS)[0].double() * w).sum())
         g_ours = grads_of(
-            model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs.double() * w[b.index]).sum(), max_tokens=budget) and None
+            model,
+            lambda: (
+                sp.backward(model, GROUPS, lambda b: (b.logprobs.double() * w[b.index]).sum(), max_tokens=budget)
+                and None
+            ),
         )
     plain_err, our_err = float((plain - ref).abs().max()), float((ours - ref).abs().max())
     assert 1e-5 < plain_err  # autocast really ran in bfloat16
@@ -70,6 +74,9 @@ def test_a_float64_model_under_autocast_stays_float64(budget):
         with torch.no_grad():
             assert (plain_logprobs(model, GROUPS)[0] - ref).abs().max() == 0  # autocast leaves the plain run alone
             out = sp.logprobs(model, GROUPS, max_tokens=budget).logprobs
-        got = grads_of(model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=budget) and None)
+        got = grads_of(
+            model,
+            lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=budget) and None,
+        )
     assert (out - ref).abs().max() <= 1e-9
     assert _grad_error(got, want) <= 1e-9

@@ -21,7 +21,9 @@ def _bqkv(b, lq, lk, h, hkv, d, dv, seed=0, dtype=torch.float64):
 
 
 @pytest.mark.parametrize("causal, lq, lk", [(True, 7, 7), (False, 5, 11)])
-@pytest.mark.parametrize("h, hkv, d, dv", [(4, 2, 6, 6), (4, 1, 12, 8), (2, 2, 8, 12)], ids=["gqa", "mqa_latent", "mha_dv"])
+@pytest.mark.parametrize(
+    "h, hkv, d, dv", [(4, 2, 6, 6), (4, 1, 12, 8), (2, 2, 8, 12)], ids=["gqa", "mqa_latent", "mha_dv"]
+)
 def test_dense_cpu_equals_reference(causal, lq, lk, h, hkv, d, dv):
     q, k, v = _bqkv(3, lq, lk, h, hkv, d, dv)
     out, lse, _ = DenseCPU.forward(q, k, v, causal, 0.4)
@@ -211,7 +213,11 @@ def test_dense_calls_per_layer(monkeypatch):
     monkeypatch.setattr(
         DenseCPU,
         "forward",
-        staticmethod(lambda q, k, v, causal, scale: seen.append((*q.shape[:2], k.shape[1], causal)) or fwd(q, k, v, causal, scale)),
+        staticmethod(
+            lambda q, k, v, causal, scale: (
+                seen.append((*q.shape[:2], k.shape[1], causal)) or fwd(q, k, v, causal, scale)
+            )
+        ),
     )
     monkeypatch.setattr(kernels.CPU, "forward", staticmethod(lambda *a: varlen.append(a) or vfwd(*a)))
     model = tiny_model("llama")

@@ -7,7 +7,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sharedprefix as sp
-from helpers import TEST_SETTINGS, assert_grads_close, float64_faithful, grads_of, plain_logprobs, random_groups, tiny_model
+from helpers import (
+    TEST_SETTINGS,
+    assert_grads_close,
+    float64_faithful,
+    grads_of,
+    plain_logprobs,
+    random_groups,
+    tiny_model,
+)
 
 LAYOUTS = {
     "mixed": ([5, 1, 9], [[3, 4, 1], [2], [6, 6, 2, 1]]),
@@ -31,7 +39,9 @@ def _check(model, groups, temperature=1.0, entropy=False, rtol=1e-9, atol=1e-9, 
         assert (out.entropy - ref_ent).abs().max() <= atol
     w = torch.randn(ref.shape, dtype=ref.dtype, generator=torch.Generator().manual_seed(1))
     want = grads_of(model, lambda: (plain_logprobs(model, groups, temperature, entropy)[0] * w).sum())
-    got = grads_of(model, lambda: (sp.logprobs(model, groups, temperature=temperature, backend=backend).logprobs * w).sum())
+    got = grads_of(
+        model, lambda: (sp.logprobs(model, groups, temperature=temperature, backend=backend).logprobs * w).sum()
+    )
     assert_grads_close(got, want, rtol)
     return out
 
@@ -59,7 +69,9 @@ def test_eager_backend_temperature_and_entropy():
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    spec=st.lists(st.tuples(st.integers(1, 12), st.lists(st.integers(1, 8), min_size=1, max_size=6)), min_size=1, max_size=4),
+    spec=st.lists(
+        st.tuples(st.integers(1, 12), st.lists(st.integers(1, 8), min_size=1, max_size=6)), min_size=1, max_size=4
+    ),
     seed=st.integers(0, 2**16),
 )
 def test_random_layouts(spec, seed):
@@ -145,7 +157,14 @@ def test_float32_within_twice_plain_error():
 
 
 def _head_model(cfg_cls, model_cls, **kw):
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    base = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     cfg = cfg_cls(**{**base, **kw})
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -157,7 +176,11 @@ def _head_model(cfg_cls, model_cls, **kw):
 @pytest.mark.parametrize(
     "cfg_cls, model_cls, kw",
     [
-        (tf.Gemma2Config, tf.Gemma2ForCausalLM, dict(head_dim=8, attn_logit_softcapping=None, final_logit_softcapping=3.0)),
+        (
+            tf.Gemma2Config,
+            tf.Gemma2ForCausalLM,
+            dict(head_dim=8, attn_logit_softcapping=None, final_logit_softcapping=3.0),
+        ),
         (tf.GraniteConfig, tf.GraniteForCausalLM, dict(logits_scaling=4.0)),
         (tf.CohereConfig, tf.CohereForCausalLM, dict(logit_scale=0.3)),
     ],
@@ -182,7 +205,9 @@ def test_sliding_window_handled_exactly():
 
 
 def test_gemma2_sliding_layers_exact():
-    model = _head_model(tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=8, attn_logit_softcapping=None, sliding_window=3)
+    model = _head_model(
+        tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=8, attn_logit_softcapping=None, sliding_window=3
+    )
     _check(model, random_groups(1, 2, [6, 2], [[4, 2], [5]]))
 
 
@@ -245,13 +270,19 @@ def test_full_layers_ignore_a_window_left_on_the_module(kernel_path):
         num_hidden_layers=4,
         layer_types=["sliding_attention", "full_attention"] * 2,
     )
-    assert all(getattr(m, "sliding_window", None) == 3 for m in model.modules() if type(m).__name__.endswith("Attention"))
+    assert all(
+        getattr(m, "sliding_window", None) == 3 for m in model.modules() if type(m).__name__.endswith("Attention")
+    )
     _check(model, random_groups(0, 2, [9, 3], [[6, 4], [5]]))
 
 
 def test_a_window_the_layer_passes_must_agree_with_layer_types():
     model = _head_model(
-        tf.Exaone4Config, tf.Exaone4ForCausalLM, sliding_window=3, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]
+        tf.Exaone4Config,
+        tf.Exaone4ForCausalLM,
+        sliding_window=3,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
     )
     model.config.layer_types = ["full_attention", "full_attention"]  # now layer 0 passes a window its type denies
     with pytest.raises(ValueError, match=r"passes sliding_window=3 to attention, but config.layer_types says 'full"):

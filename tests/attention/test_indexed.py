@@ -56,7 +56,10 @@ def test_sparse_attention_against_explicit_math(sinks):
     gradients."""
     g = torch.Generator().manual_seed(0)
     H, Hkv, L, D, Dv, topk = 4, 2, 9, 5, 3, 4
-    q, k, v = (torch.randn(1, h, L, d, generator=g, dtype=torch.float64, requires_grad=True) for h, d in ((H, D), (Hkv, D), (Hkv, Dv)))
+    q, k, v = (
+        torch.randn(1, h, L, d, generator=g, dtype=torch.float64, requires_grad=True)
+        for h, d in ((H, D), (Hkv, D), (Hkv, Dv))
+    )
     s = torch.randn(H, generator=g, dtype=torch.float64, requires_grad=True) if sinks else None
     tree = SegmentTree(random_groups(1, 2, [3, 2], [[2, 1], [1]]))
     vis = tree_mask(tree)[None, None]
@@ -138,7 +141,9 @@ def test_gradient_checkpointing_exact(budget):
     model.train()
     w = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(3))  # 6 completions, T = 6
     want = grads_of(model, lambda: (plain_logprobs(model, GROUPS)[0] * w).sum())
-    got = grads_of(model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=budget) and None)
+    got = grads_of(
+        model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=budget) and None
+    )
     assert_grads_close(got, want, 1e-9)
 
 
@@ -283,7 +288,9 @@ def test_a_nested_call_on_the_same_model_exact():
     assert all(not ix._forward_pre_hooks for ix in indexed.indexers(MODEL))
 
 
-@pytest.mark.skipif(not hasattr(transformers, "Kolibri1_1ForCausalLM"), reason="Kolibri 1.1 is new in transformers 5.25")
+@pytest.mark.skipif(
+    not hasattr(transformers, "Kolibri1_1ForCausalLM"), reason="Kolibri 1.1 is new in transformers 5.25"
+)
 def test_an_indexer_that_overlays_its_own_mask_is_refused():
     """Kolibri 1.1's indexer lays its selection over the visibility mask and hands attention that mask (no
     ``indices``); it counts sink and local keys along the row, which a packed row's other completions shift. With

@@ -104,7 +104,9 @@ def test_softcapped_cpu_primitive_in_float32_and_bfloat16_stays_near_float64():
     q, k, v = qkv(3, 60, 60, 4, 2, 16, 16)
     want, want_lse = kernels.Reference.forward(q, k, v, _cu(lq), _cu(lk), 40, 40, True, None, 0.25, softcap=2.0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-        out, lse = kernels.CPU.forward(q.to(dtype), k.to(dtype), v.to(dtype), _cu(lq), _cu(lk), 40, 40, True, None, 0.25, softcap=2.0)
+        out, lse = kernels.CPU.forward(
+            q.to(dtype), k.to(dtype), v.to(dtype), _cu(lq), _cu(lk), 40, 40, True, None, 0.25, softcap=2.0
+        )
         assert out.dtype == dtype and lse.dtype == torch.float32
         assert (out.double() - want).abs().max() < tol and (lse.double() - want_lse).abs().max() < tol
 
@@ -114,7 +116,9 @@ def test_cpu_primitive_in_float32_and_bfloat16_stays_near_float64():
     q, k, v = qkv(3, 60, 60, 4, 2, 16, 16)
     want, want_lse = kernels.Reference.forward(q, k, v, _cu(lq), _cu(lk), 40, 40, True, None, 0.25)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-        out, lse = kernels.CPU.forward(q.to(dtype), k.to(dtype), v.to(dtype), _cu(lq), _cu(lk), 40, 40, True, None, 0.25)
+        out, lse = kernels.CPU.forward(
+            q.to(dtype), k.to(dtype), v.to(dtype), _cu(lq), _cu(lk), 40, 40, True, None, 0.25
+        )
         assert out.dtype == dtype and lse.dtype == torch.float32
         assert (out.double() - want).abs().max() < tol and (lse.double() - want_lse).abs().max() < tol
 
@@ -144,10 +148,21 @@ def test_chunked_cascade_equals_explicit_tree_attention(impl, chunk, prompt_chun
 def test_bidirectional_blocks_equal_explicit_attention(impl, window, cached):
     """Gemma 3's image tokens: each block also sees its own later keys, AND(window, OR(causal, block)); blocks
     longer than the window, of one token, touching, at a prompt's start and end, in several prompts of the row."""
-    groups = [sp.Group(list(range(1, 11)), [[1, 2, 3], [4], [5, 6]]), sp.Group([7, 8, 9, 10, 11], [[1, 2]]), sp.Group([3, 4, 5, 6], [[7]])]
+    groups = [
+        sp.Group(list(range(1, 11)), [[1, 2, 3], [4], [5, 6]]),
+        sp.Group([7, 8, 9, 10, 11], [[1, 2]]),
+        sp.Group([3, 4, 5, 6], [[7]]),
+    ]
     tree = SegmentTree(groups)
     roots = [s.id for s in tree.segments if s.parent is None]
-    blocks = [(roots[0], 0, 3), (roots[0], 3, 4), (roots[0], 4, 5), (roots[0], 6, 10), (roots[1], 1, 4), (roots[2], 0, 4)]
+    blocks = [
+        (roots[0], 0, 3),
+        (roots[0], 3, 4),
+        (roots[0], 4, 5),
+        (roots[0], 6, 10),
+        (roots[1], 1, 4),
+        (roots[2], 0, 4),
+    ]
     row_of = (lambda s: s.completion is not None or s.group != 1) if cached else (lambda s: True)
     in_row = [b for b in blocks if row_of(tree.segments[b[0]])]
     check_cascade(impl, groups, None, row_of, window, blocks=in_row)
@@ -178,7 +193,9 @@ def test_chunked_cascade_pieces():
 @pytest.mark.parametrize("window", [None, 3])
 def test_repeated_prefix_comparison_layout_is_exact_too(window):
     """The benchmark's Prefix-Grouper-style layout (prefix K/V gathered per completion) computes the same."""
-    check_cascade(kernels.CPU, TREE_GROUPS, 4, lambda s: s.completion is not None or s.group == 1, window, repeat_prefix=True)
+    check_cascade(
+        kernels.CPU, TREE_GROUPS, 4, lambda s: s.completion is not None or s.group == 1, window, repeat_prefix=True
+    )
 
 
 def test_cascade_with_latent_attention_head_sizes():
@@ -188,7 +205,9 @@ def test_cascade_with_latent_attention_head_sizes():
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    spec=st.lists(st.tuples(st.integers(1, 9), st.lists(st.integers(1, 6), min_size=1, max_size=5)), min_size=1, max_size=3),
+    spec=st.lists(
+        st.tuples(st.integers(1, 9), st.lists(st.integers(1, 6), min_size=1, max_size=5)), min_size=1, max_size=3
+    ),
     chunk=st.sampled_from([None, 1, 2, 3]),
     window=st.sampled_from([None, 1, 2, 3, 7, "chunk 1", "chunk 3", "chunk 4"]),
     cache_prompts=st.booleans(),

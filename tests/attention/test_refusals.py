@@ -13,7 +13,14 @@ GROUPS = random_groups(0, 1, [5], [[2, 3]])
 
 
 def _tiny(cfg_cls, model_cls, **kw):
-    base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    base = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     base.update(kw)
     cfg = cfg_cls(**base)
     cfg._attn_implementation = "eager"
@@ -90,9 +97,16 @@ def test_moe_router_loss_needs_its_coefficient_in_backward_and_is_returned_by_lo
     """sp.backward asks for aux_loss_coef when the config turns the loss on (and runs once given it); sp.logprobs
     returns the loss whole (tests/model/test_router_aux.py holds both to the plain run)."""
     model = _tiny(
-        tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True
+        tf.Qwen3MoeConfig,
+        tf.Qwen3MoeForCausalLM,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        output_router_logits=True,
     )
-    with pytest.raises(ValueError, match="output_router_logits=True, so its forward returns an MoE load-balancing loss"):
+    with pytest.raises(
+        ValueError, match="output_router_logits=True, so its forward returns an MoE load-balancing loss"
+    ):
         sp.backward(model, GROUPS, lambda b: b.logprobs.sum())
     assert sp.backward(model, GROUPS, lambda b: b.logprobs.sum(), aux_loss_coef=0.01).aux_loss > 0
     assert sp.logprobs(model, GROUPS).aux_loss.requires_grad
@@ -101,7 +115,9 @@ def test_moe_router_loss_needs_its_coefficient_in_backward_and_is_returned_by_lo
 def test_moe_without_router_loss_is_exact():
     from helpers import float64_faithful, plain_logprobs
 
-    model = _tiny(tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16).double()
+    model = _tiny(
+        tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+    ).double()
     model.config._attn_implementation_internal = "sdpa"
     model.config._experts_implementation_internal = "eager"  # grouped_mm has no float64 kernel
     float64_faithful(model)

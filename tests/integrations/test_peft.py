@@ -15,7 +15,13 @@ def test_lora_model_float64_exact_with_budget():
     base = tiny_model("llama")
     model = peft.get_peft_model(
         base,
-        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0, init_lora_weights=False),
+        peft.LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            lora_dropout=0.0,
+            init_lora_weights=False,
+        ),
     )
     model.double()
     groups = random_groups(0, 2, [14, 5], [[3, 4, 2], [6, 1]])
@@ -40,7 +46,10 @@ def test_lora_on_a_hybrid_packed_path_float64_exact(family):
     from support.hybrid import groups_of, model_of
 
     base = copy.deepcopy(model_of(family))  # PEFT freezes the base model's parameters: not the shared one's
-    names = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)} - {"lm_head", "out_proj"}
+    names = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)} - {
+        "lm_head",
+        "out_proj",
+    }
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=sorted(names), lora_dropout=0.0, init_lora_weights=False)
     model = peft.get_peft_model(base, cfg).double()
     with Float64Inside():  # Qwen3.5's gated delta rule computes in float32 otherwise

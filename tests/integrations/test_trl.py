@@ -25,9 +25,17 @@ def test_same_parameters_as_grpo_trainer(tmp_path, loss_type, beta):
     init = {n: p.detach().clone() for n, p in base.named_parameters()}
     # from a saved folder, so that TRL can load its reference model (beta > 0) the same way for both trainers
     base.save_pretrained(tmp_path / "init")
-    plain = train_two_steps(GRPOTrainer, GRPOConfig, str(tmp_path / "init"), tok, tmp_path / "plain", loss_type=loss_type, beta=beta)
+    plain = train_two_steps(
+        GRPOTrainer, GRPOConfig, str(tmp_path / "init"), tok, tmp_path / "plain", loss_type=loss_type, beta=beta
+    )
     ours = train_two_steps(
-        SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, str(tmp_path / "init"), tok, tmp_path / "sp", loss_type=loss_type, beta=beta
+        SharedPrefixGRPOTrainer,
+        SharedPrefixGRPOConfig,
+        str(tmp_path / "init"),
+        tok,
+        tmp_path / "sp",
+        loss_type=loss_type,
+        beta=beta,
     )
     delta_plain = torch.cat([(p.detach() - init[n]).flatten() for n, p in plain.model.named_parameters()])
     delta_ours = torch.cat([(p.detach() - init[n]).flatten() for n, p in ours.model.named_parameters()])
@@ -84,7 +92,10 @@ def test_lora_trainer_matches_grpo_trainer(tmp_path):
     qwen3_model(tok).save_pretrained(tmp_path / "init")
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
     runs = []
-    for cls, cfg_cls, name in [(GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp")]:
+    for cls, cfg_cls, name in [
+        (GRPOTrainer, GRPOConfig, "plain"),
+        (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp"),
+    ]:
         args = cfg_cls(
             output_dir=str(tmp_path / name),
             num_generations=4,
@@ -149,7 +160,11 @@ def test_multi_turn_tool_mask_trains_as_grpo_trainer(tmp_path):
         return torch.cat([(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters()])
 
     plain = delta(train_two_steps(_with_tool_mask(GRPOTrainer), GRPOConfig, init, tok, tmp_path / "plain", beta=0.1))
-    ours = delta(train_two_steps(_with_tool_mask(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1))
+    ours = delta(
+        train_two_steps(
+            _with_tool_mask(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1
+        )
+    )
     unmasked = delta(train_two_steps(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "unmasked", beta=0.1))
     scale = float(plain.abs().max())
     assert float((plain - unmasked).abs().max()) > 0.05 * scale  # the tool mask changes the update
@@ -165,8 +180,12 @@ def test_hybrid_model_trains_as_grpo_trainer(tmp_path, monkeypatch):
     init_state = tf.Lfm2ForCausalLM.from_pretrained(init).state_dict()
     calls = []
     logprobs = sp.logprobs
-    monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: calls.append(source) or logprobs(model, source, **kw))
-    plain = train_two_steps(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1, gradient_checkpointing=True)
+    monkeypatch.setattr(
+        sp, "logprobs", lambda model, source, **kw: calls.append(source) or logprobs(model, source, **kw)
+    )
+    plain = train_two_steps(
+        GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1, gradient_checkpointing=True
+    )
     ours = train_two_steps(
         SharedPrefixGRPOTrainer,
         SharedPrefixGRPOConfig,
@@ -197,7 +216,10 @@ def test_bf16_mixed_precision_trains_as_grpo_trainer(tmp_path):
     base.save_pretrained(tmp_path / "init")
     runs = [
         train_two_steps(cls, cfg, str(tmp_path / "init"), tok, tmp_path / name, bf16=True)
-        for cls, cfg, name in ((GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp"))
+        for cls, cfg, name in (
+            (GRPOTrainer, GRPOConfig, "plain"),
+            (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp"),
+        )
     ]
     plain, ours = (torch.cat([(p.detach() - init[n]).flatten() for n, p in r.model.named_parameters()]) for r in runs)
     assert next(runs[1].model.parameters()).dtype == torch.float32

@@ -45,11 +45,16 @@ def _two_turn(cls):
 def _check(tmp_path, tok, init, state, monkeypatch):
     sources = []
     logprobs = sp.logprobs
-    monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: sources.append(source) or logprobs(model, source, **kw))
+    monkeypatch.setattr(
+        sp, "logprobs", lambda model, source, **kw: sources.append(source) or logprobs(model, source, **kw)
+    )
     kw = dict(beta=0.0, max_completion_length=6, generation_kwargs={"suppress_tokens": [tok.eos_token_id]})
     plain = train_two_steps(_two_turn(GRPOTrainer), GRPOConfig, init, tok, tmp_path / "plain", **kw)
     ours = train_two_steps(_two_turn(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", **kw)
-    delta = lambda t: torch.cat([(p.detach().float() - state[n].float()).flatten() for n, p in t.model.named_parameters()])  # noqa: E731
+
+    def delta(t):
+        return torch.cat([(p.detach().float() - state[n].float()).flatten() for n, p in t.model.named_parameters()])
+
     dp = delta(plain)
     scale = float(dp.abs().max())
     assert scale > 1e-3

@@ -30,8 +30,14 @@ MIRRORED = {
         "ea73c3909275851d",
         "the hook we override: its signature, the (logps, entropies, aux_loss) it returns, the image layouts it slices",
     ),
-    utils.shuffle_sequence_dict: ("bab038755e57ed2b", "the single torch.randperm draw _group_preserving_shuffle repeats"),
-    utils.split_pixel_values_by_grid: ("3aca66e33a7978d3", "the per-row image lists _group_preserving_shuffle permutes"),
+    utils.shuffle_sequence_dict: (
+        "bab038755e57ed2b",
+        "the single torch.randperm draw _group_preserving_shuffle repeats",
+    ),
+    utils.split_pixel_values_by_grid: (
+        "3aca66e33a7978d3",
+        "the per-row image lists _group_preserving_shuffle permutes",
+    ),
     utils.unsplit_pixel_values_by_grid: ("9d31b407fc5f4399", "the inverse, used after the shuffle"),
     utils.split_tensor_dict: ("b61a5760a03e95db", "the split into steps_per_generation microbatches after the shuffle"),
 }
@@ -50,5 +56,10 @@ def test_mirrored_trl_code_is_unchanged(fn):
 def test_trainer_attributes_we_read_exist():
     """The GRPOTrainer attributes the trainer reads after TRL's __init__ (their names are not part of TRL's API)."""
     src = inspect.getsource(GRPOTrainer.__init__)
-    for name in ("self.aux_loss_enabled", "self.router_aux_loss_coef", "self._entropy_bonus_enabled", "self.temperature"):
+    for name in (
+        "self.aux_loss_enabled",
+        "self.router_aux_loss_coef",
+        "self._entropy_bonus_enabled",
+        "self.temperature",
+    ):
         assert f"{name} =" in src, f"GRPOTrainer.__init__ no longer sets {name}; SharedPrefixGRPOTrainer reads it."

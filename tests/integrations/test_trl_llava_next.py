@@ -54,7 +54,11 @@ def _batch(model, G=3, C=4):
         sizes = torch.tensor([SIZES[i] for i in which], dtype=torch.long).reshape(-1, 2)
         tokens = []
         for k in range(len(which)):
-            n = model.model.get_image_features(pixel_values=pix[k : k + 1], image_sizes=sizes[k : k + 1]).pooler_output[0].shape[0]
+            n = (
+                model.model.get_image_features(pixel_values=pix[k : k + 1], image_sizes=sizes[k : k + 1])
+                .pooler_output[0]
+                .shape[0]
+            )
             tokens.append(torch.full((n,), IMAGE))
         text = torch.randint(0, 90, (4,), generator=g)
         prompts.append((torch.cat([text[:2], *tokens, text[2:]]), pix, sizes))
@@ -72,10 +76,14 @@ def _plain_hook(stub, model, input_ids, attention_mask, C, compute_entropy, pixe
         keep = attention_mask[b].bool()
         kw = {}
         if num_images[b]:
-            kw = dict(pixel_values=pixel_values[first[b] : first[b + 1]], image_sizes=image_sizes[first[b] : first[b + 1]])
+            kw = dict(
+                pixel_values=pixel_values[first[b] : first[b + 1]], image_sizes=image_sizes[first[b] : first[b + 1]]
+            )
         ids = input_ids[b][keep]
         t = int(keep[-C:].sum())
-        logits = model(input_ids=ids[None], use_cache=False, **kw).logits[0, ids.numel() - t - 1 : -1] / stub.temperature
+        logits = (
+            model(input_ids=ids[None], use_cache=False, **kw).logits[0, ids.numel() - t - 1 : -1] / stub.temperature
+        )
         logp = torch.log_softmax(logits, -1)
         lps.append(torch.nn.functional.pad(logp.gather(-1, ids[-t:, None])[:, 0], (0, C - t)))
         ents.append(torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (0, C - t)))
@@ -88,7 +96,10 @@ def test_llava_next_tiles_match_plain_rows_and_grpo_trainer(budget, mode):
     batch = _batch(model)
     groups, members = image_groups(*batch[:3], **batch[3])
     assert len(groups) == 3 and [len(m) for m in members] == [3, 3, 3]  # one group per prompt and images
-    assert [tuple(g.prompt_inputs["image_sizes"].flatten().tolist()) for g in groups if g.prompt_inputs] == [(8, 16), (16, 8, 8, 16)]
+    assert [tuple(g.prompt_inputs["image_sizes"].flatten().tolist()) for g in groups if g.prompt_inputs] == [
+        (8, 16),
+        (16, 8, 8, 16),
+    ]
     if budget is not None:
         assert sp.plan(groups, budget).splits
     want = run_hook(_plain_hook, trainer_stub(), model, batch)
@@ -108,4 +119,6 @@ def test_image_sizes_of_the_wrong_shape_are_refused():
     input_ids, attention_mask, C, extra = _batch(model)
     extra["image_sizes"] = extra["image_sizes"][:-1]
     with pytest.raises(ValueError, match=r"image_sizes of shape \(8, 2\) for 9 images; expected \(9, 2\)"):
-        SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies(trainer_stub(), model, input_ids, attention_mask, C, **extra)
+        SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies(
+            trainer_stub(), model, input_ids, attention_mask, C, **extra
+        )

@@ -35,7 +35,9 @@ def test_moe_aux_loss_trains_as_grpo_trainer_with_and_without_a_budget(tmp_path,
     ours = train_two_steps(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1)
     calls = []
     logprobs = sp.logprobs
-    monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: calls.append((source, kw)) or logprobs(model, source, **kw))
+    monkeypatch.setattr(
+        sp, "logprobs", lambda model, source, **kw: calls.append((source, kw)) or logprobs(model, source, **kw)
+    )
     budget = train_two_steps(
         SharedPrefixGRPOTrainer,
         SharedPrefixGRPOConfig,
@@ -50,7 +52,9 @@ def test_moe_aux_loss_trains_as_grpo_trainer_with_and_without_a_budget(tmp_path,
     # the policy passes asked for the aux loss, and the budget split their groups (prompts cached, backward later)
     policy = [(src, kw) for src, kw in calls if kw.get("aux_loss")]
     assert policy and all(sp.plan(src, 32).splits for src, _ in policy)
-    no_aux = train_two_steps(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "no_aux", beta=0.1, router_aux_loss_coef=0.0)
+    no_aux = train_two_steps(
+        GRPOTrainer, GRPOConfig, init, tok, tmp_path / "no_aux", beta=0.1, router_aux_loss_coef=0.0
+    )
     dp = _delta(plain, state)
     scale = float(dp.abs().max())
     assert scale > 1e-3

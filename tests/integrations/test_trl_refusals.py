@@ -20,7 +20,9 @@ def test_settings_of_our_own_are_checked_with_the_fix(tmp_path):
         build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_prefix_activations="nope")
     with pytest.raises(ValueError, match="sharedprefix_max_tokens=0; expected a positive int"):
         build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=0)
-    assert build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=64, sharedprefix_prefix_activations="recompute")
+    assert build_trainer(
+        qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=64, sharedprefix_prefix_activations="recompute"
+    )
 
 
 def test_cache_path_hybrid_under_gradient_checkpointing_is_refused_when_built(tmp_path):
@@ -31,7 +33,9 @@ def test_cache_path_hybrid_under_gradient_checkpointing_is_refused_when_built(tm
     tok = build_tokenizer()
     with pytest.raises(ValueError, match=r"ZayaForCausalLM is a hybrid model .*Set gradient_checkpointing=False"):
         build_trainer(tiny_for_tokenizer("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path)
-    assert build_trainer(tiny_for_tokenizer("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path, gradient_checkpointing=False)
+    assert build_trainer(
+        tiny_for_tokenizer("zaya", tok, tf.ZayaForCausalLM), tok, tmp_path, gradient_checkpointing=False
+    )
     assert build_trainer(lfm2_model(tok), tok, tmp_path)
     assert build_trainer(tiny_for_tokenizer("falcon_h1", tok, tf.FalconH1ForCausalLM), tok, tmp_path)
 
@@ -43,7 +47,9 @@ def test_qwen3_5_vision_language_model_is_built_on_the_packed_path(tmp_path):
     text = tiny_config("qwen3_5_text")
     text.vocab_size = len(tok)
     text.bos_token_id, text.eos_token_id, text.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
-    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text.hidden_size, patch_size=4)
+    vision = dict(
+        depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=text.hidden_size, patch_size=4
+    )
     torch.manual_seed(0)
     vlm = tf.Qwen3_5ForConditionalGeneration(tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision))
     assert build_trainer(vlm, tok, tmp_path)
@@ -54,7 +60,9 @@ def test_moe_aux_loss_on_a_cache_path_hybrid_is_refused_when_built(tmp_path):
     reads no router logits. Refused when built, with the setting to change."""
     tok = build_tokenizer()
     model = tiny_for_tokenizer("minimax", tok, tf.MiniMaxForCausalLM)
-    with pytest.raises(ValueError, match=r"hybrid model with an MoE load-balancing loss .*Set router_aux_loss_coef=0.0"):
+    with pytest.raises(
+        ValueError, match=r"hybrid model with an MoE load-balancing loss .*Set router_aux_loss_coef=0.0"
+    ):
         build_trainer(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.01)
     assert build_trainer(model, tok, tmp_path, gradient_checkpointing=False, router_aux_loss_coef=0.0)
 
@@ -73,5 +81,7 @@ def test_a_tensor_parallel_model_is_refused_with_the_reason(tmp_path):
     tok = build_tokenizer()
     trainer = build_trainer(qwen3_model(tok), tok, tmp_path)
     trainer.model._tp_size = 2
-    with pytest.raises(ValueError, match=r"tensor-parallel \(tp_size=2\).*ParallelismConfig.*MULTI_CPU.*without tp_plan"):
+    with pytest.raises(
+        ValueError, match=r"tensor-parallel \(tp_size=2\).*ParallelismConfig.*MULTI_CPU.*without tp_plan"
+    ):
         trainer._refuse_at_construction()

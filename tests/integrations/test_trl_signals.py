@@ -40,7 +40,9 @@ def test_all_completions_masked_is_a_zero_loss_that_moves_nothing(tmp_path):
     tok, init, state = _saved(tmp_path)
     no_eos = {"suppress_tokens": [tok.eos_token_id]}
     for cls, cfg, name in ((GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp")):
-        t = train_two_steps(cls, cfg, init, tok, tmp_path / name, beta=0.1, mask_truncated_completions=True, generation_kwargs=no_eos)
+        t = train_two_steps(
+            cls, cfg, init, tok, tmp_path / name, beta=0.1, mask_truncated_completions=True, generation_kwargs=no_eos
+        )
         assert t.state.global_step == 2
         assert float(_delta(t, state).abs().max()) == 0.0, name
         assert all(h["loss"] == 0.0 for h in t.state.log_history if "loss" in h)
@@ -49,7 +51,9 @@ def test_all_completions_masked_is_a_zero_loss_that_moves_nothing(tmp_path):
 def test_hook_on_all_masked_rows_returns_zeros_with_a_graph(tmp_path):
     """The hook itself, on a microbatch whose completion masks are all zero, with and without a budget."""
     tok, init, _ = _saved(tmp_path)
-    args = SharedPrefixGRPOConfig(output_dir=str(tmp_path / "o"), report_to=[], use_cpu=True, bf16=False, num_generations=2)
+    args = SharedPrefixGRPOConfig(
+        output_dir=str(tmp_path / "o"), report_to=[], use_cpu=True, bf16=False, num_generations=2
+    )
     trainer = SharedPrefixGRPOTrainer(
         model=init,
         reward_funcs=lambda completions, **kw: [0.0] * len(completions),
@@ -143,8 +147,12 @@ def test_entropies_carry_a_graph_only_when_the_bonus_uses_them(tmp_path, monkeyp
 
     monkeypatch.setattr(SharedPrefixGRPOTrainer, "_get_per_token_logps_and_entropies", spy)
     plain = train_two_steps(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", entropy_coef=0.5)
-    ours = train_two_steps(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", entropy_coef=0.5)
-    off = train_two_steps(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "off", entropy_coef=0.0)
+    ours = train_two_steps(
+        SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", entropy_coef=0.5
+    )
+    off = train_two_steps(
+        SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "off", entropy_coef=0.0
+    )
     dp = _delta(plain, state)
     scale = float(dp.abs().max())
     assert float((_delta(ours, state) - dp).abs().max()) <= 1e-4 * scale
@@ -176,7 +184,10 @@ def test_cast_lm_head_to_fp32_trains_as_grpo_trainer(tmp_path):
     tok, init, state = _saved(tmp_path)
     runs = [
         train_two_steps(cls, cfg, init, tok, tmp_path / name, bf16=True, cast_lm_head_to_fp32=True)
-        for cls, cfg, name in ((GRPOTrainer, GRPOConfig, "plain"), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp"))
+        for cls, cfg, name in (
+            (GRPOTrainer, GRPOConfig, "plain"),
+            (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp"),
+        )
     ]
     assert getattr(runs[1].model.lm_head, "_sharedprefix_float32_head", False)
     plain, ours = (_delta(r, state) for r in runs)
@@ -189,7 +200,13 @@ def _gemma2(dtype):
     """A tiny Gemma 2 (final-logit soft-capping at 30) with embeddings scaled up, so that bf16 and float32 logits
     differ well above the head check's tolerance."""
     cfg = tf.Gemma2Config(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
     )
     cfg._attn_implementation = "eager"  # Gemma 2's only one (soft-capped attention scores)
     torch.manual_seed(0)

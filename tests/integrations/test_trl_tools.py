@@ -28,7 +28,16 @@ from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGR
 from sharedprefix.tools.zoo.configs import tiny_config  # noqa: E402
 from support.grpo import train, two_step_args  # noqa: E402
 
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
+SPECIALS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+    "<tool_response>",
+    "</tool_response>",
+]
 
 
 def multiply(a: int, b: int) -> int:
@@ -79,12 +88,19 @@ def _tokenizer():
 
 def _model(tmp_path, tok, kind):
     cfg = tiny_config(kind)
-    cfg.vocab_size, cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = len(tok), tok.pad_token_id, tok.eos_token_id, None
+    cfg.vocab_size, cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = (
+        len(tok),
+        tok.pad_token_id,
+        tok.eos_token_id,
+        None,
+    )
     cfg.max_position_embeddings = 1024
     if kind == "qwen3_moe":
         cfg.router_aux_loss_coef = 0.5
     torch.manual_seed(0)
-    model = {"qwen3": tf.Qwen3ForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}[kind]._from_config(cfg, attn_implementation="sdpa")
+    model = {"qwen3": tf.Qwen3ForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}[kind]._from_config(
+        cfg, attn_implementation="sdpa"
+    )
     model.save_pretrained(tmp_path / "init")
     return str(tmp_path / "init"), model.state_dict()
 
@@ -125,7 +141,9 @@ def test_trl_tool_loop_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, sourc
     monkeypatch.setattr(grpo, "parse_response", _first_turn_calls_the_tool(tok))
     trees = []
     logprobs = sp.logprobs
-    monkeypatch.setattr(sp, "logprobs", lambda model, source, **kw: trees.append(source) or logprobs(model, source, **kw))
+    monkeypatch.setattr(
+        sp, "logprobs", lambda model, source, **kw: trees.append(source) or logprobs(model, source, **kw)
+    )
     plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", source)
     ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", source)
     calls = [h["tools/call_frequency"] for h in plain.state.log_history if "tools/call_frequency" in h]

@@ -44,11 +44,14 @@ def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
             tokens = [torch.full((4,), IMAGE) for _ in grids]
             pix = torch.randn(len(grids), 3, 8, 8, generator=g, dtype=torch.float64)
         elif kind == "gemma3":  # 16 image tokens per 8x8 image, between begin- and end-of-image tokens
-            tokens = [torch.cat([torch.tensor([V_START]), torch.full((16,), IMAGE), torch.tensor([V_END])]) for _ in grids]
+            tokens = [
+                torch.cat([torch.tensor([V_START]), torch.full((16,), IMAGE), torch.tensor([V_END])]) for _ in grids
+            ]
             pix = torch.randn(len(grids), 3, 8, 8, generator=g, dtype=torch.float64)
         else:
             tokens = [
-                torch.cat([torch.tensor([V_START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([V_END])]) for t, h, w in grids
+                torch.cat([torch.tensor([V_START]), torch.full((t * h * w // 4,), IMAGE), torch.tensor([V_END])])
+                for t, h, w in grids
             ]
             pix = torch.randn(sum(t * h * w for t, h, w in grids), PATCH_DIM, generator=g, dtype=torch.float64)
         ids = torch.cat([text[:1], *tokens, text[1:]])
@@ -64,7 +67,11 @@ def _batch(seed=0, G=3, C=5, kind="qwen2_vl"):
             input_ids,
             attention_mask,
             C,
-            dict(pixel_values=torch.cat(pix), num_images=num_images, token_type_ids=(input_ids == IMAGE).long() * attention_mask),
+            dict(
+                pixel_values=torch.cat(pix),
+                num_images=num_images,
+                token_type_ids=(input_ids == IMAGE).long() * attention_mask,
+            ),
         )
     extra = dict(
         pixel_values=torch.cat(pix),
@@ -99,12 +106,17 @@ def _plain_hook(
         if num_images[b]:
             kw = dict(pixel_values=pixel_values[entry0[first[b]] : entry0[first[b + 1]]])
             if image_grid_thw is not None:
-                kw.update(image_grid_thw=image_grid_thw[first[b] : first[b + 1]], mm_token_type_ids=mm_token_type_ids[b][keep][None])
+                kw.update(
+                    image_grid_thw=image_grid_thw[first[b] : first[b + 1]],
+                    mm_token_type_ids=mm_token_type_ids[b][keep][None],
+                )
         if token_type_ids is not None:
             kw.update(token_type_ids=token_type_ids[b][keep][None])
         ids = input_ids[b][keep]
         t = int(keep[-C:].sum())
-        logits = model(input_ids=ids[None], use_cache=False, **kw).logits[0, ids.numel() - t - 1 : -1] / stub.temperature
+        logits = (
+            model(input_ids=ids[None], use_cache=False, **kw).logits[0, ids.numel() - t - 1 : -1] / stub.temperature
+        )
         logp = torch.log_softmax(logits, -1)
         lps.append(torch.nn.functional.pad(logp.gather(-1, ids[-t:, None])[:, 0], (0, C - t)))
         ents.append(torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (0, C - t)))
@@ -165,7 +177,9 @@ def _check_image_rows(kind, budget, mode):
     model = builders.get(kind, lambda: mrope_model(kind))()
     add_fused_lm_head(model, temperature=0.8, outputs=("log_probs", "entropy"))
     batch = _batch(kind=kind)
-    if budget is not None:  # prompts of 2 to 11 tokens (Gemma 3: up to 41), groups of up to 26: the budget splits groups
+    if (
+        budget is not None
+    ):  # prompts of 2 to 11 tokens (Gemma 3: up to 41), groups of up to 26: the budget splits groups
         assert sp.plan(image_groups(*batch[:3], **batch[3])[0], budget).splits
     want = run_hook(_plain_hook, trainer_stub(), model, batch)
     got = run_hook(SharedPrefixGRPOTrainer._get_per_token_logps_and_entropies, trainer_stub(budget, mode), model, batch)
@@ -182,13 +196,19 @@ def _check_image_rows(kind, budget, mode):
 def test_group_shuffle_keeps_each_rows_images():
     """The whole-group shuffle moves each row's patches and grid with it (TRL splits them per row first)."""
     input_ids, attention_mask, C, extra = _batch(seed=1)
-    batch = {"prompt_ids": input_ids[:, :-C], "prompt_mask": attention_mask[:, :-C], "completion_ids": input_ids[:, -C:], **extra}
+    batch = {
+        "prompt_ids": input_ids[:, :-C],
+        "prompt_mask": attention_mask[:, :-C],
+        "completion_ids": input_ids[:, -C:],
+        **extra,
+    }
     torch.manual_seed(3)
     out = unsplit_pixel_values_by_grid(_group_preserving_shuffle(split_pixel_values_by_grid(batch)))
     first = [0, *torch.tensor(extra["num_images"]).cumsum(0).tolist()]
     patch0 = [0, *extra["image_grid_thw"].prod(-1).cumsum(0).tolist()]
     by_row = {
-        tuple(input_ids[b].tolist()): extra["pixel_values"][patch0[first[b]] : patch0[first[b + 1]]] for b in range(input_ids.shape[0])
+        tuple(input_ids[b].tolist()): extra["pixel_values"][patch0[first[b]] : patch0[first[b + 1]]]
+        for b in range(input_ids.shape[0])
     }
     f2 = [0, *torch.tensor(out["num_images"]).cumsum(0).tolist()]
     p2 = [0, *out["image_grid_thw"].prod(-1).cumsum(0).tolist()]
@@ -207,12 +227,24 @@ def test_other_image_layouts_are_refused_with_what_is_supported():
     with pytest.raises(ValueError, match=r"multimodal inputs \['num_images', 'num_tiles', 'pixel_values'\].*Llava"):
         hook(trainer_stub(), llava_model(), input_ids, attention_mask, C, **tiles)
     # image_sizes asks for LLaVA-NeXT's tiles: one (tiles, channels, height, width) entry per image, not these
-    with pytest.raises(ValueError, match=r"shape \(12, 3, 8, 8\) for 12 images .*with image_sizes one \(tiles, channels"):
-        hook(trainer_stub(), llava_model(), input_ids, attention_mask, C, **extra, image_sizes=torch.ones(8, 2, dtype=torch.long))
+    with pytest.raises(
+        ValueError, match=r"shape \(12, 3, 8, 8\) for 12 images .*with image_sizes one \(tiles, channels"
+    ):
+        hook(
+            trainer_stub(),
+            llava_model(),
+            input_ids,
+            attention_mask,
+            C,
+            **extra,
+            image_sizes=torch.ones(8, 2, dtype=torch.long),
+        )
     per_row = dict(
         pixel_values=torch.zeros(input_ids.shape[0], 2, 3, 8, 8, dtype=torch.float64), num_images=extra["num_images"]
     )  # Idefics-style: padded to one entry per row
-    with pytest.raises(ValueError, match=r"shape \(12, 2, 3, 8, 8\) for 12 images .*one \(channels, height, width\) entry per"):
+    with pytest.raises(
+        ValueError, match=r"shape \(12, 2, 3, 8, 8\) for 12 images .*one \(channels, height, width\) entry per"
+    ):
         hook(trainer_stub(), llava_model(), input_ids, attention_mask, C, **per_row)
 
 

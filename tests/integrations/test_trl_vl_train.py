@@ -65,7 +65,13 @@ def _tokenizer(special, **extra):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(list(special.values()))  # "<|image_pad|><|image_pad|>..." splits into tokens
     return tf.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", padding_side="left", **extra
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        padding_side="left",
+        **extra,
     )
 
 
@@ -83,9 +89,15 @@ def _processor(kind):
         )
         images = Gemma3ImageProcessorPil(size={"height": 8, "width": 8})
         return tf.Gemma3Processor(
-            image_processor=images, tokenizer=tok, image_seq_length=4, chat_template=TEMPLATE.replace("IMAGE", GEMMA3_SPECIAL[V_START])
+            image_processor=images,
+            tokenizer=tok,
+            image_seq_length=4,
+            chat_template=TEMPLATE.replace("IMAGE", GEMMA3_SPECIAL[V_START]),
         )
-    if kind in ("llava", "llava_next"):  # LLaVA-NeXT: any-resolution, an 8x8 overview plus 8x8 tiles (1 for 8x8, 2 for 8x16 or 16x8)
+    if kind in (
+        "llava",
+        "llava_next",
+    ):  # LLaVA-NeXT: any-resolution, an 8x8 overview plus 8x8 tiles (1 for 8x8, 2 for 8x16 or 16x8)
         crop = dict(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
         if kind == "llava_next":
             cls, images = tf.LlavaNextProcessor, LlavaNextImageProcessorPil(**crop, image_grid_pinpoints=PINPOINTS)
@@ -120,7 +132,16 @@ def _model(kind):
     if kind == "llava_next":  # 10 image tokens for an 8x8 image, 14 for 8x16 or 16x8
         cfg = llava_config(**TEXT_IDS).to_dict()
         cfg = tf.LlavaNextConfig(
-            **{k: cfg[k] for k in ("vision_config", "text_config", "image_token_index", "vision_feature_layer", "projector_hidden_act")},
+            **{
+                k: cfg[k]
+                for k in (
+                    "vision_config",
+                    "text_config",
+                    "image_token_index",
+                    "vision_feature_layer",
+                    "projector_hidden_act",
+                )
+            },
             image_grid_pinpoints=PINPOINTS,
         )
         cfg._attn_implementation = "sdpa"
@@ -159,10 +180,17 @@ def _reward(completions, **kw):
 
 def _train(cls, cfg_cls, init, kind, tmp_path, **kw):
     settings = dict(
-        num_generations=3, per_device_train_batch_size=9, gradient_accumulation_steps=1, max_completion_length=4, temperature=1.0, beta=0.1
+        num_generations=3,
+        per_device_train_batch_size=9,
+        gradient_accumulation_steps=1,
+        max_completion_length=4,
+        temperature=1.0,
+        beta=0.1,
     )
     args = two_step_args(cfg_cls, tmp_path, **settings, **kw)
-    return train(cls, args, model=init, reward_funcs=_reward, train_dataset=_dataset(), processing_class=_processor(kind))
+    return train(
+        cls, args, model=init, reward_funcs=_reward, train_dataset=_dataset(), processing_class=_processor(kind)
+    )
 
 
 def _swap_images(cls):
@@ -171,10 +199,21 @@ def _swap_images(cls):
 
     class SwapImages(cls):
         def _get_per_token_logps_and_entropies(
-            self, model, input_ids, attention_mask, logits_to_keep, *args, pixel_values=None, image_grid_thw=None, num_images=None, **kw
+            self,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            *args,
+            pixel_values=None,
+            image_grid_thw=None,
+            num_images=None,
+            **kw,
         ):
             P = input_ids.shape[1] - logits_to_keep
-            per_image = torch.ones(sum(num_images), dtype=torch.long) if image_grid_thw is None else image_grid_thw.prod(-1)
+            per_image = (
+                torch.ones(sum(num_images), dtype=torch.long) if image_grid_thw is None else image_grid_thw.prod(-1)
+            )
             per_row = [int(n.sum()) for n in per_image.split(num_images)]  # pixel_values entries of each row
             first = [0, *torch.tensor(per_row).cumsum(0).tolist()]  # row b's: first[b] to first[b + 1]
             rows = [
@@ -182,7 +221,10 @@ def _swap_images(cls):
                 for b in range(input_ids.shape[0])
             ]
             pairs = [
-                (a, b) for b in range(len(rows)) for a in range(b) if rows[a][0] == rows[b][0] and not torch.equal(rows[a][1], rows[b][1])
+                (a, b)
+                for b in range(len(rows))
+                for a in range(b)
+                if rows[a][0] == rows[b][0] and not torch.equal(rows[a][1], rows[b][1])
             ]
             if pairs:
                 (a, b), pixel_values = pairs[0], pixel_values.clone()
@@ -217,7 +259,9 @@ def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budge
     init_state = type(_model(kind)).from_pretrained(init).state_dict()
 
     def delta(trainer, only=""):
-        return torch.cat([(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters() if only in n])
+        return torch.cat(
+            [(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters() if only in n]
+        )
 
     # the budget holds one prompt (up to 14 tokens for Qwen2-VL, 12 for Llava) and a few of its completions:
     # groups are split
@@ -240,7 +284,8 @@ def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budge
     else:
         assert {g.prompt_inputs["pixel_values"].shape[0] for groups, _ in calls for g in groups} == {1, 2}
     assert any(
-        torch.equal(a.prompt, b.prompt) and not torch.equal(a.prompt_inputs["pixel_values"], b.prompt_inputs["pixel_values"])
+        torch.equal(a.prompt, b.prompt)
+        and not torch.equal(a.prompt_inputs["pixel_values"], b.prompt_inputs["pixel_values"])
         for groups, _ in calls
         for i, a in enumerate(groups)
         for b in groups[:i]
@@ -253,5 +298,7 @@ def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budge
     # give (below: 1.4e-2 of it for both).
     err = float((ours - plain).abs().max())
     assert err <= 1e-4 * scale, (err, scale)
-    swapped = delta(_train(_swap_images(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, kind, tmp_path / "swap", **budget))
+    swapped = delta(
+        _train(_swap_images(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, kind, tmp_path / "swap", **budget)
+    )
     assert float((swapped - plain).abs().max()) > 1e-3 * scale

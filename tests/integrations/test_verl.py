@@ -194,7 +194,11 @@ REFUSED_BUILDS = [
         dict(vision_config=True, model_type="qwen2_vl"),
         "ulysses_sequence_parallel_size=2 with the vision-language",
     ),
-    ({}, dict(model_type_hf="zaya"), "hybrid model.*cache path.*FSDP2"),  # a cache-path hybrid (LFM2, Falcon-H1 are packed)
+    (
+        {},
+        dict(model_type_hf="zaya"),
+        "hybrid model.*cache path.*FSDP2",
+    ),  # a cache-path hybrid (LFM2, Falcon-H1 are packed)
     ({}, dict(enable_activation_offload=True), "activation offloader.*layer window fails"),
     ({}, dict(model_type="value_model"), "value or reward heads"),
 ]
@@ -265,7 +269,10 @@ def test_reference_engine_with_cpu_offload_matches_verl(process_group, path, mon
     """A forward-only engine (verl's reference model), which verl shards with FSDP2's CPUOffloadPolicy: its
     parameters live in host memory and FSDP2 brings them to its compute device for each forward, where
     sharedprefix's passes run (``Parallel.compute_device``)."""
-    ev, es = build(FSDPEngineWithLMHead, path, forward_only=True), build(SharedPrefixFSDPEngine, path, forward_only=True)
+    ev, es = (
+        build(FSDPEngineWithLMHead, path, forward_only=True),
+        build(SharedPrefixFSDPEngine, path, forward_only=True),
+    )
     assert es._uses_fsdp2_cpu_offload_policy and ev._uses_fsdp2_cpu_offload_policy
     assert all(p.device.type == "cpu" for p in es.module.parameters())
     # on CPU compute and host memory are one device: the choice itself, with the compute device moved elsewhere
@@ -281,7 +288,10 @@ def test_reference_engine_with_cpu_offload_matches_verl(process_group, path, mon
 
 def test_offload_policy_training_matches_verl(process_group, path):
     """``offload_policy=True`` on a training engine: gradients (and the loss) as verl's, under CPUOffloadPolicy."""
-    ev, es = build(FSDPEngineWithLMHead, path, offload_policy=True), build(SharedPrefixFSDPEngine, path, offload_policy=True)
+    ev, es = (
+        build(FSDPEngineWithLMHead, path, offload_policy=True),
+        build(SharedPrefixFSDPEngine, path, offload_policy=True),
+    )
     assert es._uses_fsdp2_cpu_offload_policy
     make, lf = _batch(False), loss_fn("clip_kl_entropy", ROWS)
     (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
@@ -415,7 +425,9 @@ def test_ulysses_sequence_parallel_matches_verl(tmp_path, procs, sp_size):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     worker = os.path.join(HERE, "verl_ulysses_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}", worker]
-    out = subprocess.run(cmd + [str(tmp_path), str(result), str(sp_size)], env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        cmd + [str(tmp_path), str(result), str(sp_size)], env=env, capture_output=True, text=True, timeout=900
+    )
     assert out.returncode == 0, out.stderr[-5000:]
     res = json.loads(result.read_text())
     assert set(res) == {"static", "dynamic", "budget"}

@@ -237,14 +237,22 @@ def test_qwen3_next_gap_to_verl_is_the_float32_delta_rule(process_group, tmp_pat
         up = [x.double() for x in (query, key, value, g, beta)]
         with Float64Inside():
             out, state = own(
-                *up[:3], g=up[3], beta=up[4], initial_state=None if initial_state is None else initial_state.double(), **kwargs
+                *up[:3],
+                g=up[3],
+                beta=up[4],
+                initial_state=None if initial_state is None else initial_state.double(),
+                **kwargs,
             )
         return out.to(query.dtype), state
 
     monkeypatch.setattr(src, "torch_chunk_gated_delta_rule", float64_rule)
     path = save_lfm2(str(tmp_path), "qwen3_next")
     ev, es = build(FSDPEngineWithLMHead, path, remove_padding=False), build(SharedPrefixFSDPEngine, path)
-    assert all(vars(m)["chunk_gated_delta_rule"] is float64_rule for m in ev.module.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    assert all(
+        vars(m)["chunk_gated_delta_rule"] is float64_rule
+        for m in ev.module.modules()
+        if type(m).__name__.endswith("GatedDeltaNet")
+    )
     lf = loss_fn("clip_kl_entropy", ROWS)
     (_, g_v), (_, g_s) = train(ev, _make(False), lf), train(es, _make(), lf)
     delta = [n for n in g_v if n.endswith(("dt_bias", "A_log"))]

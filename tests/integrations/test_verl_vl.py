@@ -13,9 +13,9 @@ patch for the duration of its passes (``verl_vl.own_forward``).
 
 Qwen2.5-VL shares Qwen2-VL's attention replacement (the same reference). Qwen3-VL's attention verl leaves alone (it
 replaces its model forwards), and verl's engine runs it with ``use_remove_padding=True`` here: that is its reference
-(it agrees with verl's padded path to 1.0e-7 on log-probs). Measured (temperature 0.7, ours vs verl, relative to the largest value):
-log-probs 2.0e-7 / 1.5e-7 / 1.0e-7, entropy 1.5e-6 / 1.5e-6 / 1.3e-6, gradients 9.6e-7 / 6.3e-7 / 9.9e-7 for
-Qwen2-VL / Qwen2.5-VL / Qwen3-VL. Batches mix image groups and a text group in one micro-batch (verl's padded
+(it agrees with verl's padded path to 1.0e-7 on log-probs). Measured (temperature 0.7, ours vs verl, relative to the
+largest value): log-probs 2.0e-7 / 1.5e-7 / 1.0e-7, entropy 1.5e-6 / 1.5e-6 / 1.3e-6, gradients 9.6e-7 / 6.3e-7 /
+9.9e-7 for Qwen2-VL / Qwen2.5-VL / Qwen3-VL. Batches mix image groups and a text group in one micro-batch (verl's padded
 path fails on a micro-batch without images under transformers 5: its dummy vision call takes ``.mean()`` of the
 vision tower's output object).
 """
@@ -91,7 +91,12 @@ def any_vl(request, process_group):
         return (p, *request.getfixturevalue("engines"), False)
     p = save_vl_model(tempfile.mkdtemp(), request.param)
     remove_padding = request.param == "qwen3_vl"
-    return p, build(FSDPEngineWithLMHead, p, remove_padding=remove_padding), build(SharedPrefixFSDPEngine, p), remove_padding
+    return (
+        p,
+        build(FSDPEngineWithLMHead, p, remove_padding=remove_padding),
+        build(SharedPrefixFSDPEngine, p),
+        remove_padding,
+    )
 
 
 def _batches(path, verl_remove_padding=False, **kw):
@@ -120,7 +125,9 @@ def test_vl_logprobs_match_verl(any_vl):
     ours = infer(es, ours_td())
     td = ours_td()
     for key in ("log_probs", "entropy"):
-        err = masked_rel(responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), _resp(td))
+        err = masked_rel(
+            responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), _resp(td)
+        )
         assert err <= AGREE, (key, err)
     # each micro-batch holds two groups: two prompts computed once each, against six full rows
     computed, plain = ours["metrics"]["sharedprefix/tokens_computed"], ours["metrics"]["sharedprefix/tokens_plain"]
@@ -144,7 +151,9 @@ def test_vl_same_prompt_tokens_other_images_scattered_dynamic(engines, path):
     """Two groups with the same prompt tokens but different images are two groups (their rows interleaved in the
     batch, regrouped and returned in verl's order), under dynamic micro-batches."""
     ev, es = engines
-    spec = VLSpec(prompts=[((1, 4, 4), 2, 3), ((1, 4, 4), 2, 3), (None, 5, 0)], responses=[[3, 1], [2, 5], [4, 2]], same_text=(1,))
+    spec = VLSpec(
+        prompts=[((1, 4, 4), 2, 3), ((1, 4, 4), 2, 3), (None, 5, 0)], responses=[[3, 1], [2, 5], [4, 2]], same_text=(1,)
+    )
     order = [0, 2, 4, 1, 3, 5]
     kw = dict(temperature=TEMPERATURE, dynamic=True, max_tokens=4096, order=order)
     ours_td = lambda: vl_batch(path, spec, **kw)  # noqa: E731
@@ -156,7 +165,9 @@ def test_vl_same_prompt_tokens_other_images_scattered_dynamic(engines, path):
         theirs = infer(ev, vl_batch(path, spec, remove_padding=False, **kw))
     ours = infer(es, ours_td())
     for key in ("log_probs", "entropy"):
-        err = masked_rel(responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), _resp(td))
+        err = masked_rel(
+            responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), _resp(td)
+        )
         assert err <= AGREE, (key, err)
 
 
@@ -218,7 +229,10 @@ def _image_in_response(td):
 
 @pytest.mark.parametrize(
     "change, match",
-    [(_shifted_vision_positions, "position_ids of row 0 are not the model's own"), (_image_in_response, "response holds image")],
+    [
+        (_shifted_vision_positions, "position_ids of row 0 are not the model's own"),
+        (_image_in_response, "response holds image"),
+    ],
     ids=["positions", "image in response"],
 )
 def test_vl_batches_refused(engines, path, change, match):

@@ -18,7 +18,9 @@ class _Config:
 
 
 def _nested(rows):
-    return torch.nested.nested_tensor_from_jagged(torch.cat(rows), torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0)]))
+    return torch.nested.nested_tensor_from_jagged(
+        torch.cat(rows), torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0)])
+    )
 
 
 def _image(seed):

@@ -22,7 +22,16 @@ from verl.plugin.platform import platform_manager as _manager
 def _device_module():
     """``torch.cpu`` plus the memory statistics verl reads from a device module (0 on CPU)."""
     mod = types.SimpleNamespace()
-    for name in ("synchronize", "current_device", "device_count", "is_available", "Stream", "stream", "current_stream", "Event"):
+    for name in (
+        "synchronize",
+        "current_device",
+        "device_count",
+        "is_available",
+        "Stream",
+        "stream",
+        "current_stream",
+        "Event",
+    ):
         if hasattr(torch.cpu, name):
             setattr(mod, name, getattr(torch.cpu, name))
     for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved"):
@@ -142,12 +151,16 @@ def _varlen_causal(q, k, v, attention_mask, query_length, *args, position_ids=No
     outs = []
     for a, b in zip(starts[:-1], starts[1:]):
         qs, ks, vs = (t[:, a:b].transpose(1, 2) for t in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=True)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=softmax_scale, enable_gqa=True
+        )
         outs.append(o.transpose(1, 2))
     return torch.cat(outs, dim=1)
 
 
-def _ulysses_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs):
+def _ulysses_attention(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, position_ids=None, **kwargs
+):
     """transformers' attention signature (query (1, H, Ls, D)) around verl's own Ulysses wrapper
     (``_ulysses_flash_attention_forward``: all-to-all, kv-head replication, position gathering), whose inner
     flash-attention call is ``_varlen_causal`` here."""

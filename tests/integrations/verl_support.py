@@ -89,7 +89,9 @@ class Spec:
     extra: dict = field(default_factory=dict)
 
 
-def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=None, max_tokens=None, remove_padding=True):
+def rl_batch(
+    spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=None, max_tokens=None, remove_padding=True
+):
     """A verl RL mini-batch in no-padding form, as the trainer hands it to ``update_actor`` / ``compute_log_prob``
     (``remove_padding``: the worker's ``use_remove_padding``, which decides how verl's engine lays out the rows)."""
     g = torch.Generator().manual_seed(spec.seed)
@@ -108,7 +110,9 @@ def rl_batch(spec: Spec, *, temperature=1.0, entropy=True, dynamic=False, micro=
         long = mask.sum(1) > b
         mask[long, a:b] = 0
     flags = dict(remove_padding=remove_padding, dynamic=dynamic, temperature=temperature, entropy=entropy)
-    return _tensordict(prompts, responses, attn, (attn.cumsum(1) - 1).clamp(min=0), mask, g, micro, max_tokens, flags, spec.extra)
+    return _tensordict(
+        prompts, responses, attn, (attn.cumsum(1) - 1).clamp(min=0), mask, g, micro, max_tokens, flags, spec.extra
+    )
 
 
 def _left_padded(rows):
@@ -175,7 +179,10 @@ LOSSES = {
     ),
     "seq_mean_token_mean": dict(loss_agg_mode="seq-mean-token-mean", clip_ratio=0.2),
     "gspo_seq_sum_norm": dict(
-        loss_agg_mode="seq-mean-token-sum-norm", policy_loss={"loss_mode": "gspo"}, clip_ratio_low=3e-4, clip_ratio_high=4e-4
+        loss_agg_mode="seq-mean-token-sum-norm",
+        policy_loss={"loss_mode": "gspo"},
+        clip_ratio_low=3e-4,
+        clip_ratio_high=4e-4,
     ),
 }
 
@@ -186,7 +193,9 @@ def loss_fn(name: str, rows: int):
         from verl.workers.config import PolicyLossConfig
 
         kw["policy_loss"] = PolicyLossConfig(**kw["policy_loss"])
-    cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=rows, ppo_micro_batch_size_per_gpu=rows, **kw)
+    cfg = FSDPActorConfig(
+        strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=rows, ppo_micro_batch_size_per_gpu=rows, **kw
+    )
     return partial(ppo_loss, config=cfg)
 
 
@@ -197,7 +206,8 @@ def infer(engine, td):
 
 
 def train(engine, td, loss):
-    """forward_backward_batch as BaseEngine.train_batch runs it (without the optimizer step); returns (output, grads)."""
+    """forward_backward_batch as BaseEngine.train_batch runs it (without the optimizer step); returns (output,
+    grads)."""
     with engine.train_mode(zero_grad_on_exit=False):
         engine.optimizer_zero_grad()
         out = engine.forward_backward_batch(td, loss, forward_only=False)
@@ -249,7 +259,9 @@ def reference(path: str, td, loss=None, temperature=1.0):
 
 def rel(a: dict, b: dict) -> float:
     """Largest per-parameter max |a - b| / max |b| over the parameters."""
-    return max(float((a[n].double() - b[n].double()).abs().max() / b[n].double().abs().max().clamp(min=1e-30)) for n in b)
+    return max(
+        float((a[n].double() - b[n].double()).abs().max() / b[n].double().abs().max().clamp(min=1e-30)) for n in b
+    )
 
 
 def masked_rel(a, b, mask) -> float:
@@ -290,7 +302,9 @@ def case_errors(ev, engine, make, lf, wrap_ours=None, grad_scale=False) -> dict:
     resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
     errs = {}
     for key in ("log_probs", "entropy"):
-        errs[key] = masked_rel(responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), resp)
+        errs[key] = masked_rel(
+            responses_of(ours["model_output"][key], td), responses_of(theirs["model_output"][key], td), resp
+        )
     (o_v, g_v), (o_s, g_s) = train(ev, make(), lf), train(engine, make(), lf)
     errs["grads"] = rel(g_s, g_v)
     errs["loss"] = abs(sum(o_s["loss"]) - sum(o_v["loss"])) / abs(sum(o_v["loss"]))
@@ -351,7 +365,9 @@ _VL_TEXT = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-_VL_VISION = dict(depth=1, hidden_size=32, num_heads=2, in_channels=3, patch_size=2, spatial_merge_size=2, temporal_patch_size=2)
+_VL_VISION = dict(
+    depth=1, hidden_size=32, num_heads=2, in_channels=3, patch_size=2, spatial_merge_size=2, temporal_patch_size=2
+)
 _VL_TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=V_START, vision_end_token_id=V_END)
 
 
@@ -360,7 +376,9 @@ def save_vl_model(path: str, kind: str = "qwen2_vl") -> str:
     with save_pretrained."""
     mrope = dict(rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]})
     if kind == "qwen2_vl":
-        cfg = tf.Qwen2VLConfig(text_config=dict(_VL_TEXT, **mrope), vision_config=dict(_VL_VISION, embed_dim=16, mlp_ratio=2), **_VL_TOKENS)
+        cfg = tf.Qwen2VLConfig(
+            text_config=dict(_VL_TEXT, **mrope), vision_config=dict(_VL_VISION, embed_dim=16, mlp_ratio=2), **_VL_TOKENS
+        )
         cls = tf.Qwen2VLForConditionalGeneration
     elif kind == "qwen2_5_vl":
         vision = dict(_VL_VISION, intermediate_size=24, out_hidden_size=32, fullatt_block_indexes=[0], window_size=8)
@@ -368,8 +386,16 @@ def save_vl_model(path: str, kind: str = "qwen2_vl") -> str:
         cls = tf.Qwen2_5_VLForConditionalGeneration
     else:
         rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1], "mrope_interleaved": True}
-        vision = dict(_VL_VISION, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0])
-        cfg = tf.Qwen3VLConfig(text_config=dict(_VL_TEXT, head_dim=8, rope_parameters=rope), vision_config=vision, **_VL_TOKENS)
+        vision = dict(
+            _VL_VISION,
+            intermediate_size=24,
+            out_hidden_size=32,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0],
+        )
+        cfg = tf.Qwen3VLConfig(
+            text_config=dict(_VL_TEXT, head_dim=8, rope_parameters=rope), vision_config=vision, **_VL_TOKENS
+        )
         cls = tf.Qwen3VLForConditionalGeneration
     cfg.architectures = [cls.__name__]
     cfg.tie_word_embeddings = False
@@ -393,7 +419,16 @@ class VLSpec:
 
 
 def vl_batch(
-    path: str, spec: VLSpec, *, remove_padding=True, temperature=1.0, entropy=True, dynamic=False, micro=None, max_tokens=None, order=None
+    path: str,
+    spec: VLSpec,
+    *,
+    remove_padding=True,
+    temperature=1.0,
+    entropy=True,
+    dynamic=False,
+    micro=None,
+    max_tokens=None,
+    order=None,
 ):
     """A verl RL mini-batch with images, as verl's agent loop builds it: per-row ``multi_modal_inputs``
     (pixel_values, image_grid_thw, images_seqlens) and (B, 4, L) position ids (text positions, then the model's

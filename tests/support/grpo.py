@@ -91,7 +91,11 @@ def train_two_steps(cls, cfg_cls, model, tok, tmp_path, **kw):
     and ``reward``: groups of 4, 8 rows a step, completions of up to 3 tokens at temperature 1; ``kw``: settings to add
     or override. Returns the trainer."""
     settings = dict(
-        num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=1, temperature=1.0, max_completion_length=3
+        num_generations=4,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        temperature=1.0,
+        max_completion_length=3,
     )
     args = two_step_args(cfg_cls, tmp_path, **{**settings, **kw})
     return train(cls, args, model=model, reward_funcs=reward, train_dataset=dataset(), processing_class=tok)

@@ -17,7 +17,9 @@ def padded_rows(prompts, G, C, g):
         for _ in range(G):
             t = int(torch.randint(1, C + 1, (1,), generator=g))
             comp = torch.randint(0, 90, (t,), generator=g)
-            rows.append(torch.cat([torch.zeros(P - p.numel(), dtype=torch.long), p, comp, torch.zeros(C - t, dtype=torch.long)]))
+            rows.append(
+                torch.cat([torch.zeros(P - p.numel(), dtype=torch.long), p, comp, torch.zeros(C - t, dtype=torch.long)])
+            )
             masks.append(torch.cat([torch.zeros(P - p.numel()), torch.ones(p.numel() + t), torch.zeros(C - t)]))
             which.append(i)
     return torch.stack(rows), torch.stack(masks).long(), which

@@ -4,4 +4,13 @@ from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.attention.interface import NAME, PassState, activated, pass_state, shared_prefix_attention
 from sharedprefix.attention.kernels import IMPLEMENTATIONS, select
 
-__all__ = ["IMPLEMENTATIONS", "NAME", "PassState", "activated", "cascade_attention", "pass_state", "select", "shared_prefix_attention"]
+__all__ = [
+    "IMPLEMENTATIONS",
+    "NAME",
+    "PassState",
+    "activated",
+    "cascade_attention",
+    "pass_state",
+    "select",
+    "shared_prefix_attention",
+]

@@ -31,13 +31,23 @@ class _Merged(torch.autograd.Function):
     def forward(ctx, impl, dense, calls, device, scale, softcap, sinks, q, *kv):
         out, lse, auxes = merged_forward(impl, dense, calls, device, scale, softcap, sinks, q, kv)
         ctx.save_for_backward(q, out, lse, sinks, *kv)
-        ctx.impl, ctx.dense, ctx.calls, ctx.device, ctx.scale, ctx.auxes, ctx.softcap = impl, dense, calls, device, scale, auxes, softcap
+        ctx.impl, ctx.dense, ctx.calls, ctx.device, ctx.scale, ctx.auxes, ctx.softcap = (
+            impl,
+            dense,
+            calls,
+            device,
+            scale,
+            auxes,
+            softcap,
+        )
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, sinks, *kv = ctx.saved_tensors
-        dq, grads, dsinks = merged_backward(ctx, dout, q, out, lse, sinks, kv, sinks is not None and ctx.needs_input_grad[6])
+        dq, grads, dsinks = merged_backward(
+            ctx, dout, q, out, lse, sinks, kv, sinks is not None and ctx.needs_input_grad[6]
+        )
         return (None, None, None, None, None, None, dsinks, dq, *grads)
 
 
@@ -47,7 +57,9 @@ def merged_forward(impl, dense, calls, device, scale: float, softcap, sinks, q: 
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     outs, lses, auxes = [], [], []
     for i, c in enumerate(calls):
-        o, m, aux = _call_forward(impl, dense, c, q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], device, scale, softcap)
+        o, m, aux = _call_forward(
+            impl, dense, c, q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], device, scale, softcap
+        )
         outs.append(o)
         lses.append(m.to(acc))
         auxes.append(aux)
@@ -93,7 +105,9 @@ def _call_forward(impl, dense, c, q, k, v, device, scale, softcap):
     parts = c.pieces(device) if dense is not None else None
     if parts is None:
         cu_q, cu_k, _ = c.on(device)
-        o, m, *aux = impl.forward(q, k, v, cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, scale, **_cap(softcap))
+        o, m, *aux = impl.forward(
+            q, k, v, cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, scale, **_cap(softcap)
+        )
         return o, m, aux[0] if aux else None
     outs, lses, auxes = [], [], []
     for p, (cu_q, cu_k), pad in parts:
@@ -138,7 +152,9 @@ def _call_backward(ctx, c, aux, dout, q, k, v, out, lse):
             lq, lk = p.shape
             b = p.batch
             d_o, qq, kk, vv, oo, mm = (x.view(b, lk if i in (2, 3) else lq, *x.shape[1:]) for i, x in enumerate(xs))
-            gq, gk, gv = (g.reshape(-1, *g.shape[2:]) for g in ctx.dense.backward(d_o, qq, kk, vv, oo, mm, c.causal, ctx.scale, a))
+            gq, gk, gv = (
+                g.reshape(-1, *g.shape[2:]) for g in ctx.dense.backward(d_o, qq, kk, vv, oo, mm, c.causal, ctx.scale, a)
+            )
             if pad is not None:
                 gq, gk, gv = (g.index_select(0, pad) for g in (gq, gk, gv))
         dqs.append(gq)

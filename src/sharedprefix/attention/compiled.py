@@ -147,7 +147,9 @@ def traced_attention(module, query, key, value, scale: float, softcap, window, s
 def _pass(handle: torch.Tensor):
     state = _PASSES.get(int(handle))
     if state is None:
-        raise RuntimeError("the compiled shared-prefix attention ran after its pass ended (a graph kept past its call).")
+        raise RuntimeError(
+            "the compiled shared-prefix attention ran after its pass ended (a graph kept past its call)."
+        )
     return state
 
 
@@ -278,7 +280,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, sinks, out, lse, handle, anchor = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.sharedprefix.cascade_backward(dout, q, k, v, sinks, out, lse, handle, anchor, *ctx.args)
+    dq, dk, dv, dsinks = torch.ops.sharedprefix.cascade_backward(
+        dout, q, k, v, sinks, out, lse, handle, anchor, *ctx.args
+    )
     return dq, dk, dv, (dsinks if ctx.has_sinks else None), None, None, None, None, None
 
 
@@ -290,13 +294,21 @@ def compiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     ``torch.compile(module)`` put in place of a submodule (an ``OptimizedModule``)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    return [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)]
+    return [
+        m
+        for m in model.modules()
+        if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)
+    ]
 
 
 def whole_model_refusal(model: torch.nn.Module, dec: torch.nn.Module) -> str | None:
     """Why a compiled ``model`` or decoder (``model.compile()``) would run eager under sharedprefix, which calls the
     decoder's layers and the head itself; None where neither is compiled as a whole."""
-    whole = [name for name, m in (("model", model), ("its decoder", dec)) if getattr(m, "_compiled_call_impl", None) is not None]
+    whole = [
+        name
+        for name, m in (("model", model), ("its decoder", dec))
+        if getattr(m, "_compiled_call_impl", None) is not None
+    ]
     if not whole:
         return None
     return (

@@ -40,7 +40,9 @@ def fold_key_bias(module, query, key, value, mask: torch.Tensor, scale: float):
         )
     bias = mask[0, :, 0, :]  # (H, L)
     if not (
-        torch.equal(mask[0, :, -1, :], bias) and bool(torch.isfinite(bias).all()) and bool((bias > torch.finfo(bias.dtype).min / 2).all())
+        torch.equal(mask[0, :, -1, :], bias)
+        and bool(torch.isfinite(bias).all())
+        and bool((bias > torch.finfo(bias.dtype).min / 2).all())
     ):
         raise ValueError(
             f"{name} passed a dynamic mask that is not one finite bias per key for every query; "

@@ -49,8 +49,8 @@ the top-k boundary (e.g. several keys whose every head score is clipped to 0 by 
 its scores in float32 even in a float64 model, so two keys within float32 rounding of each other can swap.
 A swap changes which keys attend, in sharedprefix as in a plain run padded differently.
 
-Notation: L = packed row length, C = cached tokens a pass reads, S = segments of the row, H = query heads, Hkv = key/value heads,
-D = query/key head dim, Dv = value head dim, topk = keys the indexer selects per query.
+Notation: L = packed row length, C = cached tokens a pass reads, S = segments of the row, H = query heads,
+Hkv = key/value heads, D = query/key head dim, Dv = value head dim, topk = keys the indexer selects per query.
 """
 
 from __future__ import annotations

@@ -30,7 +30,13 @@ from transformers.masking_utils import AttentionMaskInterface
 from sharedprefix.attention import compiled, dynamic_mask, indexed, kernels
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.attention.kernels import flex
-from sharedprefix.attention.layers import index_to_position_temperature, layer_chunk, layer_pattern, layer_window, softcap_refusal
+from sharedprefix.attention.layers import (
+    index_to_position_temperature,
+    layer_chunk,
+    layer_pattern,
+    layer_window,
+    softcap_refusal,
+)
 from sharedprefix.layout.packing import RowLayout
 
 NAME = "sharedprefix"
@@ -145,7 +151,9 @@ def shared_prefix_attention(
     row's K/V of the segments later passes read (``_record``), attend over the cascade (``_attend``). Inside a
     compiled layer: the same checks on what the layer passes, then one operator (``attention.compiled``)."""
     if torch.compiler.is_compiling():
-        return _compiled(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs), None
+        return _compiled(
+            module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs
+        ), None
     if not _STACK:
         raise RuntimeError(
             "the 'sharedprefix' attention ran outside a sharedprefix call; it needs a packed-row layout. "
@@ -159,7 +167,9 @@ def shared_prefix_attention(
     return (state.sequence.from_heads(out) if state.sequence is not None and call.indices is None else out), None
 
 
-def _checked(module, state: PassState, query, key, value, attention_mask, dropout, scaling, window, softcap, kwargs) -> _Call:
+def _checked(
+    module, state: PassState, query, key, value, attention_mask, dropout, scaling, window, softcap, kwargs
+) -> _Call:
     """The call's inputs as the attention computes them (autocast's dtype, a dynamic mask folded in, the row's
     heads under sequence parallelism), or a refusal of what it cannot reproduce exactly."""
     layout = state.layout
@@ -285,7 +295,9 @@ def _attend(state: PassState, call: _Call, slot) -> torch.Tensor:
     """(1, L, H, Dv): the row's attention over its own keys and its cached ancestors' (read from ``slot``)."""
     layout, query, key, value = state.layout, call.query, call.key, call.value
     read_kv = state.read_kv
-    if call.indices is not None:  # over the cached segments' keys, then the row's (the indexer's indices number them so)
+    if (
+        call.indices is not None
+    ):  # over the cached segments' keys, then the row's (the indexer's indices number them so)
         if layout.cached_reads:
             assert read_kv is not None, "a pass that reads cached segments has a cache to read from"
             kv = [read_kv(slot, a) for a in layout.cached_reads]
@@ -296,7 +308,9 @@ def _attend(state: PassState, call: _Call, slot) -> torch.Tensor:
     with torch.autocast(call.amp, enabled=False) if call.amp is not None else nullcontext():  # merges stay float32
         if call.use_flex:
             assert call.softcap is not None, "FlexAttention stands in for a primitive without soft-capping only"
-            return flex.flex_row_attention(layout, query, key, value, read, call.scale, call.softcap, call.window, call.chunk)
+            return flex.flex_row_attention(
+                layout, query, key, value, read, call.scale, call.softcap, call.window, call.chunk
+            )
         cascade = layout.cascade(call.window, call.chunk)
         return cascade_attention(call.impl, cascade, query, key, value, read, call.scale, call.sinks, call.softcap)
 

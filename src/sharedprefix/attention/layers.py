@@ -88,7 +88,7 @@ def layer_pattern(module) -> probe.LayerPattern:
     pat = probe.pattern(module)
     if pat is None:
         raise RuntimeError(
-            f"{type(module).__name__}: its model was not probed (model.checks.verify_head) before a sharedprefix pass, so "
-            "the layer's window is unknown. This is a bug in the caller: every pass must follow verify_head."
+            f"{type(module).__name__}: its model was not probed (model.checks.verify_head) before a sharedprefix pass, "
+            "so the layer's window is unknown. This is a bug in the caller: every pass must follow verify_head."
         )
     return pat

@@ -104,7 +104,11 @@ AttentionMaskInterface.register(NAME, _mask)
 
 
 def model_configs(model) -> list[PreTrainedConfig]:
-    seen, out, stack = set(), [], [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PreTrainedConfig)]
+    seen, out, stack = (
+        set(),
+        [],
+        [m.config for m in model.modules() if isinstance(getattr(m, "config", None), PreTrainedConfig)],
+    )
     while stack:
         cfg = stack.pop()
         if id(cfg) in seen:
@@ -180,7 +184,11 @@ def probe(model, decoder, expected_layers: int) -> dict:
     try:
         with _probing(configs, settings), torch.no_grad():
             numbered = "position_ids" in inspect.signature(decoder.forward).parameters  # else it numbers 0..n-1 itself
-            decoder(input_ids=ids, use_cache=False, **({"position_ids": torch.arange(n, device=device)[None]} if numbered else {}))
+            decoder(
+                input_ids=ids,
+                use_cache=False,
+                **({"position_ids": torch.arange(n, device=device)[None]} if numbered else {}),
+            )
         log = _LOG[-1]
     except Exception as e:  # noqa: BLE001  (the model's own code: refused, with its error, never passed over)
         if not _LOG[-1] and not _uses_interface(model):
@@ -207,9 +215,9 @@ def probe(model, decoder, expected_layers: int) -> dict:
         what = OWN_ATTENTION.get(getattr(model.config.get_text_config(), "model_type", None))
         detail = (" (" + ", ".join(own) + ")" if own else "") + (": " + what if what else "")
         raise ValueError(
-            f"{name}: on a probe row the attention interface ran in {len(log)} of {expected_layers} layers; the model's "
-            f"attention bypasses transformers' attention interface{detail}, so prompt sharing cannot be applied "
-            "exactly. This model is not supported."
+            f"{name}: on a probe row the attention interface ran in {len(log)} of {expected_layers} layers; the "
+            f"model's attention bypasses transformers' attention interface{detail}, so prompt sharing cannot be "
+            "applied exactly. This model is not supported."
         )
     out = {}
     for module, (mask, kv_len, calls, indexed) in log.items():
@@ -233,9 +241,9 @@ def probe(model, decoder, expected_layers: int) -> dict:
             hit = next(((d, smalls[seen_n - d]) for d in (0, 1, -1) if seen_n - d in smalls), None)
             if hit is None:
                 raise ValueError(
-                    f"{mod} (in {name}) applies a {kind} attention of {seen} tokens in the plain forward that no window "
-                    "or chunk setting of its config explains, so sharedprefix cannot tell its size on longer rows "
-                    "and refuses the model."
+                    f"{mod} (in {name}) applies a {kind} attention of {seen} tokens in the plain forward that no "
+                    "window or chunk setting of its config explains, so sharedprefix cannot tell its size on longer "
+                    "rows and refuses the model."
                 )
             d, (cfg, setting) = hit
             size = int(getattr(cfg, setting)) + d

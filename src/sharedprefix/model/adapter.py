@@ -61,7 +61,11 @@ def decoder(model: PreTrainedModel) -> torch.nn.Module:
     The first of ``get_decoder()``, ``base_model`` and ``model.model`` that is not the causal LM itself and
     takes ``input_ids`` (``get_decoder()`` guesses by attribute name, and some heads are called ``decoder``).
     """
-    cands = [model.get_decoder() if hasattr(model, "get_decoder") else None, model.base_model, getattr(model, "model", None)]
+    cands = [
+        model.get_decoder() if hasattr(model, "get_decoder") else None,
+        model.base_model,
+        getattr(model, "model", None),
+    ]
     for dec in cands:
         if isinstance(dec, torch.nn.Module) and dec is not model and "input_ids" in _params(dec.forward):
             return dec

@@ -67,8 +67,8 @@ def _eager_reasons(run, pats: dict) -> list[str]:
         out.append("Llama 4's NoPE layers rescale queries by their row index")
     if not run.cache.leaves and torch.is_grad_enabled() and any(p.record for p in run.plan.passes):
         out.append(
-            "a grad-enabled sp.logprobs split under max_tokens keeps the prompt's K/V in one graph with the completions' "
-            "(sp.backward, or defer=True, runs compiled)"
+            "a grad-enabled sp.logprobs split under max_tokens keeps the prompt's K/V in one graph with the "
+            "completions' (sp.backward, or defer=True, runs compiled)"
         )
     if not isinstance(getattr(run.model, "get_input_embeddings", lambda: None)(), torch.nn.Module):
         out.append("the model has no input embedding module to route the cached keys' gradients through")

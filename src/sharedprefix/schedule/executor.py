@@ -56,7 +56,9 @@ class Executor:
             refuse_with_sequence_group(self.par.tensor)
         self.par.sequence = sequence_group
         self.par.start()
-        self.last: tuple | None = None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
+        self.last: tuple | None = (
+            None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
+        )
         error: BaseException | None = None
         try:
             self._setup(source, leaves, prefix_activations, aux)
@@ -64,7 +66,11 @@ class Executor:
             error = e
         if sequence_group is not None:  # the ranks of a sequence group: the same rows, or all of them raise
             o = options
-            key = None if error is not None else sequence.digest(self.plan, o.temperature, o.entropy, leaves, prefix_activations)
+            key = (
+                None
+                if error is not None
+                else sequence.digest(self.plan, o.temperature, o.entropy, leaves, prefix_activations)
+            )
             error = sequence.agree(sequence_group, error, key)
         # FSDP2: the round counts every rank runs, agreed in the same all-reduce: (forward-only, forward+backward)
         # rounds for sp.backward, passes for sp.logprobs
@@ -113,7 +119,15 @@ class Executor:
         self.aux_grads = aux if isinstance(aux, dict) else None
         record = aux is True or (aux is None and router.enabled(self.model))
         refusals.check_call(
-            self.model, self.plan, self.options, self.par, impl, leaves, self.mm is not None, record, self.aux_grads is not None
+            self.model,
+            self.plan,
+            self.options,
+            self.par,
+            impl,
+            leaves,
+            self.mm is not None,
+            record,
+            self.aux_grads is not None,
         )
         self.backend = backend
         self.temperature = float(temperature)
@@ -171,7 +185,9 @@ class Executor:
                 else:
                     dec = decoder(self.model)
                     with (
-                        renumbered(self.model, dec, shard(decoder_position_ids(self.model, layout)).to(self.device)) as kw,
+                        renumbered(
+                            self.model, dec, shard(decoder_position_ids(self.model, layout)).to(self.device)
+                        ) as kw,
                         streams.framed(self.model, dec, self.frames),
                         router.recording(self.model, self.router_logits is not None or self.aux_grads is not None),
                     ):
@@ -192,12 +208,19 @@ class Executor:
             lp = ent = None
             if layout.targets.numel():
                 sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
-                pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(0, layout.pred_index.to(hidden.device))
+                pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(
+                    0, layout.pred_index.to(hidden.device)
+                )
                 targets = layout.targets.to(hidden.device)
                 if self.frames is not None:  # (M,) frame ids -> (M, K) codes, one per head; pads add nothing
                     targets = self.frames.codes(targets)
                 lp, ent = token_logprobs(
-                    self.model, pred, targets, self.temperature, self.entropy, ignore=streams.pad_id(self.model) if self.frames else None
+                    self.model,
+                    pred,
+                    targets,
+                    self.temperature,
+                    self.entropy,
+                    ignore=streams.pad_id(self.model) if self.frames else None,
                 )
                 for s in layout.record:
                     if s in layout.value_slot:
@@ -218,7 +241,10 @@ class Executor:
             if not layout.rows:
                 return None
             dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-            return (self._gather(layout, lp, 0, dtype, hidden), self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None)
+            return (
+                self._gather(layout, lp, 0, dtype, hidden),
+                self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None,
+            )
 
         result = self.par.call(fn)
         self.last = (state, result)

@@ -88,7 +88,11 @@ def backward(run, loss_fn, aux_loss=None, aux_coef=0.0) -> BackwardResult:
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
     scale = par.loss_scale(grad_reduction)
     total, calls = synced(
-        par, run.model, sync, grad_reduction, lambda: run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
+        par,
+        run.model,
+        sync,
+        grad_reduction,
+        lambda: run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb),
     )
     peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
     return BackwardResult(

@@ -56,7 +56,17 @@ from sharedprefix.attention.kernels.cpu import CPU
 from sharedprefix.attention.kernels.cuda import CUDA, FlashAttn
 from sharedprefix.attention.kernels.reference import Reference
 
-__all__ = ["ALIASES", "CPU", "CUDA", "IMPLEMENTATIONS", "AttentionKernel", "FlashAttn", "Reference", "missing_cuda_ops", "select"]
+__all__ = [
+    "ALIASES",
+    "CPU",
+    "CUDA",
+    "IMPLEMENTATIONS",
+    "AttentionKernel",
+    "FlashAttn",
+    "Reference",
+    "missing_cuda_ops",
+    "select",
+]
 
 
 class AttentionKernel(Protocol):
@@ -146,5 +156,7 @@ def select(name: str, device: torch.device, dtype: torch.dtype | None = None) ->
         try:
             import flash_attn  # noqa: F401
         except ImportError:
-            raise ValueError("attention backend 'flash_attn' needs the flash-attn package: pip install flash-attn") from None
+            raise ValueError(
+                "attention backend 'flash_attn' needs the flash-attn package: pip install flash-attn"
+            ) from None
     return IMPLEMENTATIONS[name]

@@ -80,10 +80,26 @@ class CPU:
 
     @staticmethod
     def backward(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, aux=None, softcap=None
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        window,
+        scale,
+        aux=None,
+        softcap=None,
     ):
         if softcap is not None:
-            return _softcap_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, window, scale, softcap)
+            return _softcap_backward(
+                dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, window, scale, softcap
+            )
         bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         n = q.shape[1] // k.shape[1]
         dh, dvh, d = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
@@ -102,7 +118,9 @@ class CPU:
                 m = lse[a:b].to(lse_dtype(q))
                 m = m.masked_fill(torch.isneginf(m), float("inf")).t()[None].contiguous()  # no key at all: P = 0
                 mask = CPU._mask(i0, i1, k0, k1, lq, lk, causal, window, q.dtype, q.device) if masked else None
-                gq, gk, gv = bop(t(dout[a:b]), t(q[a:b]), t(kk), t(vv), t(out[a:b]), m, 0.0, sq, attn_mask=mask, scale=scale)
+                gq, gk, gv = bop(
+                    t(dout[a:b]), t(q[a:b]), t(kk), t(vv), t(out[a:b]), m, 0.0, sq, attn_mask=mask, scale=scale
+                )
                 dq[a:b] += gq[0].transpose(0, 1)
                 dk[e0 + k0 : e0 + k1] += gk[0].transpose(0, 1)
                 dv[e0 + k0 : e0 + k1] += gv[0].transpose(0, 1)
@@ -136,7 +154,9 @@ def _softcap_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, scale,
         lq, lk = q1 - q0, e1 - e0
         for i0, i1, b0, b1 in _softcap_blocks(lq, lk, causal, window):
             a, b = q0 + i0, q0 + i1
-            s, _ = _softcap_scores(q[a:b].to(acc), k[e0 + b0 : e0 + b1].to(acc), i0, i1, b0, b1, lq, lk, causal, window, scale, softcap, n)
+            s, _ = _softcap_scores(
+                q[a:b].to(acc), k[e0 + b0 : e0 + b1].to(acc), i0, i1, b0, b1, lq, lk, causal, window, scale, softcap, n
+            )
             m_blk = torch.logsumexp(s, -1).t()  # (tile, H)
             m_new = torch.logaddexp(lse[a:b], m_blk)
             p = torch.exp(s - m_new.t()[..., None]).nan_to_num_(0.0)  # -inf - -inf: no key yet

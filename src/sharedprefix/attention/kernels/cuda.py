@@ -78,7 +78,9 @@ class CUDA:
         return _cut_last(res[0], dv_), _lse_from_flash(res[1]), (res[2], res[3])
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, aux=None):
+    def backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, aux=None
+    ):
         wl, wr = _flash_window(causal, window, max_seqlen_k)
         if aux is None:  # the kernel reads the RNG state only under dropout, which is 0 here
             aux = (torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device))
@@ -152,7 +154,21 @@ class FlashAttn:
 
     @staticmethod
     def backward(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, aux=None, softcap=None
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        window,
+        scale,
+        aux=None,
+        softcap=None,
     ):
         fa = _flash_attn_interface()
         wl, wr = _flash_window(causal, window, max_seqlen_k)

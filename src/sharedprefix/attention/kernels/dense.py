@@ -38,7 +38,9 @@ from sharedprefix import settings
 from sharedprefix.attention.kernels.common import fold_heads, pad_last, repeat_heads
 from sharedprefix.attention.kernels.reference import Reference
 
-_STATE: dict = {"enabled": None}  # None: as SHAREDPREFIX_DENSE says now (``settings``); a bool inside ``dense_dispatch``
+_STATE: dict = {
+    "enabled": None
+}  # None: as SHAREDPREFIX_DENSE says now (``settings``); a bool inside ``dense_dispatch``
 _CUDA_CHOICE: dict = {}  # (device, dtype) -> CuDNN or DenseFlash, decided once
 CUDNN_MAX_HEAD_DIM = 128  # larger head dims take DenseFlash (up to 256)
 
@@ -134,7 +136,11 @@ def disagreement(candidate, yardstick, device, dtype, b: int = 2, h: int = 4, hk
     lse = torch.logaddexp(fw[0][1], fw[1][1])
     out = sum(torch.exp(m - lse)[..., None] * o.to(lse.dtype) for o, m, _ in fw).to(dtype)
     grads = [candidate.backward(dout, q, kk, vv, out, lse, False, scale, a) for (kk, vv), (_, _, a) in zip(parts, fw)]
-    mine = (grads[0][0] + grads[1][0], torch.cat([grads[0][1], grads[1][1]], 1), torch.cat([grads[0][2], grads[1][2]], 1))
+    mine = (
+        grads[0][0] + grads[1][0],
+        torch.cat([grads[0][1], grads[1][1]], 1),
+        torch.cat([grads[0][2], grads[1][2]], 1),
+    )
     o2, m2, a2 = yardstick.forward(q, k, v, False, scale)
     for name, x, y in zip(("dq", "dk", "dv"), mine, yardstick.backward(dout, q, k, v, o2, m2, False, scale, a2)):
         if (err := _rel(x, y)) > _tol(dtype):
@@ -215,7 +221,9 @@ class CuDNN(_CudaDense):
     def forward(q, k, v, causal, scale):
         b, lq, h = q.shape[:3]
         n, d, qq, kk, vv = CuDNN._inputs(q, k, v)
-        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qq, kk, vv, None, True, 0.0, causal, False, scale=scale)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qq, kk, vv, None, True, 0.0, causal, False, scale=scale
+        )
         out, lse = res[0], res[1]  # then cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset
         aux = (tuple(lse.shape), *res[2:8])
         return out.transpose(1, 2)[..., : v.shape[-1]], lse.reshape(b, h, lq).transpose(1, 2).float(), aux
@@ -249,7 +257,9 @@ class DenseFlash(_CudaDense):
         n, d, qq, kk, vv = DenseFlash._inputs(q, k, v)
         t = lambda x: _bhld(x, d)  # noqa: E731
         bop = torch.ops.aten._scaled_dot_product_flash_attention_backward
-        gq, gk, gv = bop(t(dout), qq, kk, vv, t(out), _lse_in(lse.float()), cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale)
+        gq, gk, gv = bop(
+            t(dout), qq, kk, vv, t(out), _lse_in(lse.float()), cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale
+        )
         return DenseFlash._grads(q, k, v, n, gq, gk, gv)
 
 
@@ -276,5 +286,7 @@ class DenseReference:
     def backward(dout, q, k, v, out, lse, causal, scale, aux=None):
         cu_q, cu_k, mq, mk = DenseReference._cu(q, k)
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        g = Reference.backward(flat(dout), flat(q), flat(k), flat(v), flat(out), flat(lse), cu_q, cu_k, mq, mk, causal, None, scale)
+        g = Reference.backward(
+            flat(dout), flat(q), flat(k), flat(v), flat(out), flat(lse), cu_q, cu_k, mq, mk, causal, None, scale
+        )
         return tuple(x.view(*y.shape) for x, y in zip(g, (q, k, v)))

@@ -95,7 +95,9 @@ def block_mask(layout, window: int | None, chunk: int | None, device):
     key = ("flex", window, chunk, str(device))
     if key not in layout._cascades:
         mask_mod, n_keys = visibility(layout, layout.cached_reads, window, chunk, device)
-        layout._cascades[key] = create_block_mask(mask_mod, None, None, layout.length, n_keys, device=device, _compile=True)
+        layout._cascades[key] = create_block_mask(
+            mask_mod, None, None, layout.length, n_keys, device=device, _compile=True
+        )
     return layout._cascades[key]
 
 
@@ -105,8 +107,8 @@ def flex_row_attention(layout, query, key, value, read_kv, scale: float, softcap
     ``window`` in tokens (a transformers sliding window) or None; ``chunk`` in positions or None."""
     if layout.blocks:
         raise ValueError(
-            f"bidirectional blocks {layout.blocks} with attention-score soft-capping: no model combines the two, and the "
-            "FlexAttention path does not define their combination."
+            f"bidirectional blocks {layout.blocks} with attention-score soft-capping: no model combines the two, and "
+            "the FlexAttention path does not define their combination."
         )
     if layout.cached_reads:
         kv = [read_kv(a) for a in layout.cached_reads]

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from sharedprefix.attention.kernels.common import allowed_mask, entry_bounds, fold_heads, lse_dtype, repeat_heads, softcapped
+from sharedprefix.attention.kernels.common import (
+    allowed_mask,
+    entry_bounds,
+    fold_heads,
+    lse_dtype,
+    repeat_heads,
+    softcapped,
+)
 
 
 class Reference:
@@ -30,7 +37,9 @@ class Reference:
         for q0, q1, k0, k1 in entry_bounds(cu_seqlens_q, cu_seqlens_k):
             if q1 == q0 or k1 == k0:
                 continue
-            s, _ = Reference._scores(q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal, window, softcap)
+            s, _ = Reference._scores(
+                q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal, window, softcap
+            )
             m = torch.logsumexp(s, dim=-1)  # (H, Lq)
             p = torch.exp(s - m[..., None]).nan_to_num(0.0)
             out[q0:q1] = torch.einsum("hij,jhd->ihd", p, repeat_heads(v[k0:k1].double(), n))
@@ -39,7 +48,21 @@ class Reference:
 
     @staticmethod
     def backward(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, aux=None, softcap=None
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        window,
+        scale,
+        aux=None,
+        softcap=None,
     ):
         n = q.shape[1] // k.shape[1]
         dq = torch.zeros_like(q, dtype=torch.float64)
@@ -48,7 +71,9 @@ class Reference:
         for q0, q1, k0, k1 in entry_bounds(cu_seqlens_q, cu_seqlens_k):
             if q1 == q0 or k1 == k0:
                 continue
-            s, dcap = Reference._scores(q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal, window, softcap)
+            s, dcap = Reference._scores(
+                q[q0:q1], k[k0:k1], scale, 0, q1 - q0, 0, k1 - k0, q1 - q0, k1 - k0, causal, window, softcap
+            )
             m = lse[q0:q1].double().t()
             m = m.masked_fill(torch.isneginf(m), float("inf"))  # a row with no key at all: P = 0, not NaN
             p = torch.exp(s - m[..., None])  # (H, Lq, Lk) under the merged lse
