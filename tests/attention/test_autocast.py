@@ -12,7 +12,7 @@ import torch
 
 import sharedprefix as sp
 from helpers import grads_of, plain_logprobs, random_groups, tiny_model
-from sharedprefix.attention import interface
+from sharedprefix.attention import checks
 
 GROUPS = random_groups(0, 2, [24, 7], [[5, 9, 1], [6, 6]])
 
@@ -57,7 +57,7 @@ def test_without_the_cast_the_kernels_get_mixed_dtypes(monkeypatch):
     """Control: autocast hands the attention float32 queries and keys (after the float32 rotary) with bfloat16 values;
     without the cast the kernels refuse the mix (it failed so before the cast was added)."""
     model = tiny_model("llama").float()
-    monkeypatch.setattr(interface, "autocast_device", lambda t: None)
+    monkeypatch.setattr(checks, "autocast_device", lambda t: None)
     with _autocast(), torch.no_grad(), pytest.raises(RuntimeError):
         sp.logprobs(model, GROUPS)
 

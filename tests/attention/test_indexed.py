@@ -19,7 +19,7 @@ from helpers import (
     random_groups,
     tree_mask,
 )
-from sharedprefix.attention import indexed, interface
+from sharedprefix.attention import indexed, interface, switch
 from sharedprefix.layout.packing import pack_row
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.tools.reference import Float64Inside
@@ -87,8 +87,8 @@ def test_sparse_attention_against_explicit_math(sinks):
 def test_only_models_with_indexed_layers_get_a_mask():
     from helpers import tiny_model
 
-    assert interface.implementation(MODEL) == indexed.NAME
-    assert interface.implementation(tiny_model("llama")) == interface.NAME
+    assert switch.implementation(MODEL) == indexed.NAME
+    assert switch.implementation(tiny_model("llama")) == interface.NAME
 
 
 def test_the_selection_bites():

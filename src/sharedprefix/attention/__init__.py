@@ -1,8 +1,9 @@
 """Exact shared-prefix attention: one varlen primitive, a cascade over the tree, hooked into transformers."""
 
 from sharedprefix.attention.cascade import cascade_attention
-from sharedprefix.attention.interface import NAME, PassState, activated, pass_state, shared_prefix_attention
+from sharedprefix.attention.interface import NAME, PassState, pass_state, shared_prefix_attention
 from sharedprefix.attention.kernels import IMPLEMENTATIONS, select
+from sharedprefix.attention.switch import activated
 
 __all__ = [
     "IMPLEMENTATIONS",

@@ -13,8 +13,9 @@ import torch
 
 from sharedprefix.attention import indexed
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
-from sharedprefix.attention.interface import PassState, implementation
+from sharedprefix.attention.interface import PassState
 from sharedprefix.attention.layers import softcap_refusal
+from sharedprefix.attention.switch import implementation
 from sharedprefix.layout.groups import validate_groups
 from sharedprefix.layout.rows import Tree
 from sharedprefix.model.adapter import decoder, num_attention_layers, uses_checkpointing, uses_reentrant_checkpointing

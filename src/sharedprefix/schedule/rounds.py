@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from sharedprefix.attention.interface import activated, pass_state
+from sharedprefix.attention.interface import pass_state
+from sharedprefix.attention.switch import activated
 from sharedprefix.model import mixers, router
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.grads import synced

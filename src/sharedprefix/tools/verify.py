@@ -238,14 +238,14 @@ def discrete_choices(model) -> str | None:
     Such a choice flips at a near-tie between two roundings of the same computation (the plain run against a
     float64 copy, or against sharedprefix), and a flipped choice moves that token's log-prob by far more than
     rounding, so the 2x rule on the largest error does not judge these models in low precision."""
-    from sharedprefix.attention import indexed, interface
+    from sharedprefix.attention import indexed, switch
 
     out = []
     names = [type(m).__name__.lower() for m in model.modules()]
     # the modules of a routed layer (not every class of a MoE family: a tiny config may hold dense layers only)
     if any("experts" in n or "router" in n or n.endswith(("moe", "moeblock", "moelayer")) for n in names):
         out.append("top-k expert routing")
-    if indexed.is_indexed(interface.model_configs(model)):
+    if indexed.is_indexed(switch.model_configs(model)):
         out.append("an indexer's top-k keys")
     return " and ".join(out) or None
 
