@@ -16,7 +16,7 @@ from transformers.models.llama4 import modeling_llama4
 
 import sharedprefix as sp
 from helpers import VOCAB, assert_matches_plain_rows, float64_faithful, plain_logprobs, random_groups
-from sharedprefix.attention import interface
+from sharedprefix.attention import checks
 
 CHUNK = 4
 # prompts of 9 and 6 tokens (positions 0..8: chunks 0..3, 4..7, 8..), completions that cross chunk boundaries
@@ -74,14 +74,14 @@ def _without_prompt_keys(own):
 @pytest.mark.parametrize("mistake", ["chunks ignored", "completions restart the chunk", "temperature of the index"])
 def test_the_check_fails_when_chunks_are_computed_wrongly(model, monkeypatch, mistake):
     """Each plausible mistake changes the log-probs far beyond 1e-9 on these rows, so the test above can fail."""
-    from sharedprefix.layout import cascade
+    from sharedprefix.layout import calls
 
     if mistake == "chunks ignored":
-        monkeypatch.setattr(interface, "layer_chunk", lambda module: None)
+        monkeypatch.setattr(checks, "layer_chunk", lambda module: None)
     elif mistake == "temperature of the index":
-        monkeypatch.setattr(interface, "index_to_position_temperature", lambda module, q, pos: q)
+        monkeypatch.setattr(checks, "index_to_position_temperature", lambda module, q, pos: q)
     else:
-        monkeypatch.setattr(cascade, "_ancestor_keys", _without_prompt_keys(cascade._ancestor_keys))
+        monkeypatch.setattr(calls, "_ancestor_keys", _without_prompt_keys(calls._ancestor_keys))
     groups = _groups()
     ref = plain_logprobs(model, groups)[0]
     with torch.no_grad():

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from sharedprefix.attention import interface
+from sharedprefix.attention import checks, interface
 from sharedprefix.tools import zoo
 from sharedprefix.tools.zoo import readme
 
@@ -164,7 +164,7 @@ def test_docs_table_is_the_zoo_results():
 
 @pytest.mark.parametrize("entry", ["phimoe", "mistral", "exaone4", "gemma3_text", "gpt_oss"])
 def test_zoo_catches_a_window_that_is_not_applied(entry, monkeypatch):
-    monkeypatch.setattr(interface, "layer_window", lambda module, passed: None)
+    monkeypatch.setattr(checks, "layer_window", lambda module, passed: None)
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 
@@ -172,7 +172,7 @@ def test_zoo_catches_a_window_that_is_not_applied(entry, monkeypatch):
 @pytest.mark.parametrize("entry", ["exaone4", "gemma3_text", "gpt_oss"])
 def test_zoo_catches_a_window_applied_to_full_attention_layers(entry, monkeypatch):
     """The bug class of issue 10: a module's window attribute applied on layers whose masks are full."""
-    monkeypatch.setattr(interface, "layer_window", lambda module, passed: zoo.configs.WINDOW)
+    monkeypatch.setattr(checks, "layer_window", lambda module, passed: zoo.configs.WINDOW)
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 
@@ -180,7 +180,7 @@ def test_zoo_catches_a_window_applied_to_full_attention_layers(entry, monkeypatc
 def test_zoo_catches_chunks_that_are_not_applied(monkeypatch):
     """llama4_text+chunk_4's rows cross chunk boundaries (was refused as a state-space layer, then as chunks
     beyond the first)."""
-    monkeypatch.setattr(interface, "layer_chunk", lambda module: None)
+    monkeypatch.setattr(checks, "layer_chunk", lambda module: None)
     r = zoo.check("llama4_text+chunk_4", grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 
@@ -205,7 +205,7 @@ def test_zoo_catches_ignored_attention_softcapping(entry, monkeypatch):
 @pytest.mark.parametrize("entry", ["llama4_text", "llama4"])
 def test_zoo_catches_a_query_temperature_of_the_row_index(entry, monkeypatch):
     """Llama 4's NoPE layers scale queries by a function of the row index; sharedprefix rescales it to positions."""
-    monkeypatch.setattr(interface, "index_to_position_temperature", lambda module, q, pos: q)
+    monkeypatch.setattr(checks, "index_to_position_temperature", lambda module, q, pos: q)
     r = zoo.check(entry, grads=False)
     assert r.status == "failed" and "silent mismatch" in r.detail, (r.status, r.detail)
 

@@ -5,7 +5,7 @@ import torch
 from helpers import tree_mask
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout import SegmentTree, pack_row
-from sharedprefix.layout.cascade import build_cascade
+from sharedprefix.layout.calls import build_cascade
 
 
 def qkv(seed, tq, tk, h, hkv, d, dv, dtype=torch.float64):

@@ -1,4 +1,4 @@
-"""Run a row's attention cascade (``layout.cascade``) on the primitive and merge it by log-sum-exp.
+"""Run a row's attention cascade (``layout.calls``) on the primitive and merge it by log-sum-exp.
 
 Forward: each call gives (out_i, lse_i) for its rows; lse = logsumexp_i lse_i and
 out = sum_i exp(lse_i - lse) * out_i. Backward: each call's kernel backward, given the *merged*
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from sharedprefix.attention.kernels.dense import dense_for
-from sharedprefix.layout.cascade import Cascade
+from sharedprefix.layout.calls import Cascade
 
 
 class _Merged(torch.autograd.Function):

@@ -3,7 +3,7 @@
 When a decoder layer runs under ``torch.compile`` (``layer.compile()``, ``torch.compile(layer)``), the attention
 function transformers calls is traced by dynamo. Everything that depends on the pass or on the layer (the row's
 layout, its index tensors, the cached segments, the kernels chosen) stays out of the trace, so that every layer of
-every pass runs one compiled graph: the whole cascade (every kernel call of ``layout.cascade``, the log-sum-exp
+every pass runs one compiled graph: the whole cascade (every kernel call of ``layout.calls``, the log-sum-exp
 merge, sinks, soft-capping, the cached-K/V read and its gradient) is one opaque operator, ``sharedprefix::cascade``,
 with a fake implementation and a registered backward (``sharedprefix::cascade_backward``). Its inputs are tensors
 and plain numbers only:
@@ -172,7 +172,7 @@ def _setup(handle, anchor, q, k, scale, softcap, window):
 
 
 def _call_keys(state, module, ctx, k, v) -> list[torch.Tensor]:
-    read = (lambda seg: state.read_kv(module, seg)) if state.read_kv is not None else None
+    read = (lambda seg: state.store.read_kv(module, seg)) if state.store is not None else None
     kv: list[torch.Tensor] = []
     for c in ctx.calls:
         kv += _keys(c, k, v, read)
@@ -198,7 +198,7 @@ def cascade(
     if first and layout.record:  # not again when checkpointing recomputes the layer
         for s in layout.record:
             r0, r1 = layout.row_start[s], layout.row_end[s]
-            state.write_kv(module, s, *(t[r0:r1].transpose(0, 1)[None].clone() for t in (k, v)))
+            state.store.write_kv(module, s, *(t[r0:r1].transpose(0, 1)[None].clone() for t in (k, v)))
     kv = _call_keys(state, module, ctx, k, v)
     out, lse, auxes = merged_forward(ctx.impl, ctx.dense, ctx.calls, ctx.device, scale, softcap, sinks, q, kv)
     state.io.aux[module] = auxes
@@ -237,7 +237,7 @@ def cascade_backward(
     layout = state.layout
     for s in layout.record:  # the recorded rows' gradient from the later passes, accumulated on the cache's leaves
         r0, r1 = layout.row_start[s], layout.row_end[s]
-        for t, drow in zip(state.read_kv(module, s), (dk, dv)):
+        for t, drow in zip(state.store.read_kv(module, s), (dk, dv)):
             if t.is_leaf and t.grad is not None:
                 drow[r0:r1] += t.grad[0].transpose(0, 1)
     return dq.contiguous(), dk, dv, (dsinks if dsinks is not None else q.new_zeros(0))

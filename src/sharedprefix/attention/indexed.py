@@ -133,10 +133,10 @@ class IndexerKeys:
                 f"(1, {layout.length}, D) for the packed row. This model is not supported."
             )
         for s in layout.record:
-            state.write_index(self._indexer, s, keys[:, layout.row_start[s] : layout.row_end[s]])
+            state.store.write_index(self._indexer, s, keys[:, layout.row_start[s] : layout.row_end[s]])
         if not layout.cached_reads:
             return keys
-        cached = [state.read_index(self._indexer, a).to(keys.dtype) for a in layout.cached_reads]
+        cached = [state.store.read_index(self._indexer, a).to(keys.dtype) for a in layout.cached_reads]
         return torch.cat(cached + [keys], dim=1)
 
     def __getattr__(self, name):

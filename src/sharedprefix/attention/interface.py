@@ -18,10 +18,9 @@ the packed row; the function returns (1, L, H, D).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -36,6 +35,19 @@ from sharedprefix.layout.packing import RowLayout
 NAME = "sharedprefix"
 
 
+class PrefixStore(Protocol):
+    """The prefix cache of a call (``schedule.cache.PrefixCache``), per segment: an attention module's K/V, each
+    (1, Hkv, len, D); an indexer's keys (1, len, D) (``attention.indexed``); a token mixer's state outside attention,
+    keyed by (mixer module, seam): a conv tail, a recurrent state (``model.mixers``)."""
+
+    def read_kv(self, module, seg: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def write_kv(self, module, seg: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def read_index(self, indexer, seg: int) -> torch.Tensor: ...
+    def write_index(self, indexer, seg: int, k: torch.Tensor) -> None: ...
+    def read_state(self, slot, seg: int) -> torch.Tensor: ...
+    def write_state(self, slot, seg: int, t: torch.Tensor) -> None: ...
+
+
 @dataclass
 class PassState:
     """What the attention function needs for one packed row.
@@ -43,15 +55,13 @@ class PassState:
     Attributes:
         layout: the row being computed.
         backend: implementation of the attention primitive (``attention.kernels.select``).
-        read_kv: (module, segment id) -> (k, v), each (1, Hkv, len, D), for cached ancestors.
-        write_kv: (module, segment id, k, v) -> None, called once per layer for ``layout.record``.
+        store: the prefix cache the pass reads its cached ancestors from and writes ``layout.record`` to
+            (``PrefixStore``), or None.
         seen: attention modules that ran in this pass (a layer recomputed by gradient
             checkpointing runs again; it must not record twice).
         visible: (1, 1, L, C + L) bool visibility mask of the row over the cached segments' and the row's keys,
             built on the first request of a model with indexed layers (``indexed_mask``), else None.
-        read_index / write_index: like read_kv / write_kv, for an indexer's keys (1, len, D) (``indexed``).
-        read_state / write_state: like read_kv / write_kv, for a token mixer's state outside attention (a conv tail,
-            a recurrent state; ``model.mixers``), keyed by (mixer module, seam); ``mixed``: (module, seam) -> calls.
+        mixed: (token mixer module, seam) -> calls of the seam in this pass (``model.mixers``).
         sequence: under sequence parallelism, the row's split (``parallel.sequence.SequenceShard``): the attention
             receives this rank's tokens for all heads and exchanges them for the whole row of its heads.
         io: a pass through compiled decoder layers: its handle and its layers' cached keys (``attention.compiled``).
@@ -61,14 +71,9 @@ class PassState:
 
     layout: RowLayout
     backend: str = "auto"
-    read_kv: Callable | None = None
-    write_kv: Callable | None = None
+    store: PrefixStore | None = None
     seen: dict = field(default_factory=dict)
     visible: torch.Tensor | None = None
-    read_index: Callable | None = None
-    write_index: Callable | None = None
-    read_state: Callable | None = None
-    write_state: Callable | None = None
     mixed: dict = field(default_factory=dict)
     sequence: Any = None  # ``parallel.sequence.SequenceShard`` of a sequence-parallel pass, else None
     io: Any = None  # ``attention.compiled.PassIO`` of a pass through compiled layers, else None
@@ -124,8 +129,8 @@ def shared_prefix_attention(
 
 
 def _compiled(module, query, key, value, attention_mask, dropout, scaling, window, softcap, kwargs) -> torch.Tensor:
-    """The attention of a compiled decoder layer (``attention.compiled``): the checks of ``checks.checked`` that depend on
-    what the layer passes, traced; those that depend on the pass run inside the operator. The executor runs a pass
+    """The attention of a compiled decoder layer (``attention.compiled``): the checks of ``checks.checked`` that depend
+    on what the layer passes, traced; those that depend on the pass run inside the operator. The executor runs a pass
     through compiled layers only where nothing else applies (``compiled.refusal``)."""
     name = type(module).__name__
     checks.check_dropout(name, dropout)
@@ -157,17 +162,17 @@ def _record(module, state: PassState, call: checks.AttentionCall):
     state.seen[module] = idx + 1
     slot = module if calls == 1 else (module, idx % calls)
     if idx < calls and layout.record:
-        assert state.write_kv is not None, "a pass that records segments has a cache to write to"
+        assert state.store is not None, "a pass that records segments has a cache to write to"
         for s in layout.record:
             r0, r1 = layout.row_start[s], layout.row_end[s]
-            state.write_kv(slot, s, call.key[:, :, r0:r1], call.value[:, :, r0:r1])
+            state.store.write_kv(slot, s, call.key[:, :, r0:r1], call.value[:, :, r0:r1])
     return slot
 
 
 def _attend(state: PassState, call: checks.AttentionCall, slot) -> torch.Tensor:
     """(1, L, H, Dv): the row's attention over its own keys and its cached ancestors' (read from ``slot``)."""
     layout, query, key, value = state.layout, call.query, call.key, call.value
-    read_kv = state.read_kv
+    read_kv = state.store.read_kv if state.store is not None else None
     if call.indices is not None:  # over the cached segments' keys, then the row's (as the indexer numbers them)
         if layout.cached_reads:
             assert read_kv is not None, "a pass that reads cached segments has a cache to read from"

@@ -79,7 +79,7 @@ def layer_window(module, passed: int | None) -> int | None:
 def layer_chunk(module) -> int | None:
     """The attention chunk (positions) of this layer, None when it has none: a query at position p sees the keys
     at positions floor(p / chunk) * chunk .. p (Llama 4). The chunk boundaries are positions, so a completion
-    continues its prompt's chunk (``layout.cascade``)."""
+    continues its prompt's chunk (``layout.calls``)."""
     pat = layer_pattern(module)
     return pat.size if pat.kind == "chunked" else None
 

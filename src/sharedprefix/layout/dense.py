@@ -1,7 +1,7 @@
 """Which entries of a cascade call run as one dense batched kernel call instead of the varlen primitive.
 
 The fastest attention kernels (cuDNN on Hopper) are dense: B rows of Lq queries against Lk keys each. A call's
-entries (``layout.cascade.Call``: entry b is queries cu_q[b]:cu_q[b+1] against keys cu_k[b]:cu_k[b+1]) that share
+entries (``layout.calls.Call``: entry b is queries cu_q[b]:cu_q[b+1] against keys cu_k[b]:cu_k[b+1]) that share
 one shape are such a batch. ``pieces`` splits a call into at most two pieces, in entry order:
 
 - the leading run of entries shaped like the first: with one group per pass, the prompt's causal entry, or the

@@ -5,7 +5,7 @@ A pass computes one packed row (batch size 1, no padding) holding some segments 
 earlier pass and come from the prefix cache. The row is laid out level by level (all depth-0
 segments, then depth 1, ...), each level in tree order, so that the segments of one depth are
 one contiguous run of queries and their ancestors at any level are one run of keys: the
-attention cascade (``layout.cascade``) then describes every kernel call with ``cu_seqlens``
+attention cascade (``layout.calls``) then describes every kernel call with ``cu_seqlens``
 offsets alone, without masks and without copying keys.
 
 Notation: L = row length, M = predicted completion tokens in the row, C = cached hidden states
@@ -77,7 +77,7 @@ class RowLayout:
     def cascade(self, window: int | None, chunk: int | None = None):
         """The attention calls of this row for a sliding window of ``window`` tokens or attention chunks of
         ``chunk`` positions (both None: full), built once."""
-        from sharedprefix.layout.cascade import build_cascade
+        from sharedprefix.layout.calls import build_cascade
 
         if (window, chunk) not in self._cascades:
             self._cascades[window, chunk] = build_cascade(self, window, chunk=chunk)

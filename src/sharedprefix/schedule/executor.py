@@ -156,13 +156,8 @@ class Executor:
         state = PassState(
             layout,
             self.backend,
-            self.cache.read_kv,
-            self.cache.write_kv,
+            self.cache,
             force_eager=self.force_eager,
-            read_index=self.cache.read_index,
-            write_index=self.cache.write_index,
-            read_state=self.cache.read_state,
-            write_state=self.cache.write_state,
             sequence=SequenceShard(self.par.sequence, layout.length) if self.par.sequence is not None else None,
         )
         shard = state.sequence.shard if state.sequence is not None else (lambda t: t)  # (..., L) -> this rank's

@@ -180,7 +180,7 @@ def shared_step(model, groups, max_tokens=None, mode="keep"):
 def repeated_prefix():
     """Inside: sharedprefix gathers every completion's prompt K/V into its own keys (Prefix Grouper's layout:
     one call, the prompt's K/V repeated per completion). Exact, and only a point of comparison."""
-    from sharedprefix.layout.cascade import build_cascade
+    from sharedprefix.layout.calls import build_cascade
     from sharedprefix.layout.packing import RowLayout
 
     own = RowLayout.cascade

@@ -32,13 +32,13 @@ def packed_conv(own, state, slot, first, x, *args, **kwargs):
             f"a convolution got inputs of shape {tuple(x.shape)}, expected (1, C, {layout.length}); a bug."
         )
     idx = memo(layout, ("conv", K, x.device), lambda: _to(conv_index(layout, K), x.device))
-    parts = [x.new_zeros(x.shape[0], x.shape[1], 1), x] + [state.read_state(slot, c) for c in idx.cached]
+    parts = [x.new_zeros(x.shape[0], x.shape[1], 1), x] + [state.store.read_state(slot, c) for c in idx.cached]
     source = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
     y = own(source.index_select(-1, idx.ext), *args, **kwargs)
     tails = {s: source.index_select(-1, ix) for s, ix in idx.record.items()}  # also when recomputed: the same ops
     if first:
         for s, t in tails.items():
-            state.write_state(slot, s, t)
+            state.store.write_state(slot, s, t)
     return y.index_select(-1, idx.out)
 
 

@@ -55,7 +55,7 @@ def hooks(mixer: torch.nn.Module, kind: seams.Kind) -> list:
 
     def hook(module, args, output):
         state = seams.current_pass()
-        if state is None or state.write_state is None or seams.current_mixer() is not mixer:
+        if state is None or state.store is None or seams.current_mixer() is not mixer:
             return None  # outside a pass (or the Conv1d called from elsewhere): the module's own output
         (x,) = args
         if output.shape != (*x.shape[:-1], x.shape[-1] + K):

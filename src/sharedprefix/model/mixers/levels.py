@@ -39,13 +39,13 @@ def by_levels(state, slot, first, tensors, call):
         parents = [segs[s].parent for s in lv.segments]
         init = None
         if parents[0] is not None:  # a level below the roots: every segment has a parent, here or in the cache
-            init = torch.stack([final[p] if p in final else state.read_state(slot, p) for p in parents])
+            init = torch.stack([final[p] if p in final else state.store.read_state(slot, p) for p in parents])
         o, fs = call([t[lv.gather] for t in padded], init)
         outs.append(o.reshape(-1, *o.shape[2:]).index_select(0, lv.valid))
         final.update(zip(lv.segments, fs.unbind(0)))
     if first:
         for s in layout.record:
-            state.write_state(slot, s, final[s])
+            state.store.write_state(slot, s, final[s])
     return torch.cat(outs)[None]
 
 

@@ -152,7 +152,7 @@ def seam_wrapper(kind: Kind, own):
 
     def seam(*args, **kwargs):
         state = current_pass()
-        if state is None or not _CURRENT or state.write_state is None:  # outside a pass: the model's own function
+        if state is None or not _CURRENT or state.store is None:  # outside a pass: the model's own function
             return own(*args, **kwargs)
         module = _CURRENT[-1][0]
         slot = (module, kind.name)

@@ -1,30 +1,28 @@
 """The attention of a packed row as a few variable-length kernel calls: index tensors, no masks.
 
-A token attends to every token of its ancestor segments and causally to its own segment. For a
-row laid out level by level (``layout.packing``) that is, per layer:
+A token attends to every token of its ancestor segments and causally to its own segment. For a row laid out level by
+level (``layout.packing``) that is, per layer:
 
 - one causal call over every segment of the row against its own keys (entries = segments);
-- for each depth d >= 1 present and each ancestor level a < d, one dense call of the depth-d
-  queries (one contiguous run) against the level-a keys (one contiguous run, or the cached
-  segments'), one entry per level-a segment holding the queries of all its depth-d descendants:
-  a prompt's keys are read once by all of its completions, of every group of the row;
+- for each depth d >= 1 present and each ancestor level a < d, one dense call of the depth-d queries (one contiguous
+  run) against the level-a keys (one contiguous run, or the cached segments'), one entry per level-a segment holding
+  the queries of all its depth-d descendants: a prompt's keys are read once by all of its completions, of every group
+  of the row;
 
-merged by log-sum-exp. The number of calls is 1 + D(D+1)/2 for a tree of depth D, independent of
-the number of groups and completions.
+merged by log-sum-exp. The number of calls is 1 + D(D+1)/2 for a tree of depth D, independent of the number of groups
+and completions.
 
-A sliding window of w tokens (a query at position p sees keys at positions > p - w) that bites
-somewhere in the row turns this into one causal call with ``window = w - 1`` in which each
-segment's keys are the at most w - 1 ancestor keys its window can reach followed by its own:
-gathered with one index (``k_index``), so the copy is bounded by the window per segment, never by
-the prompt, and no query-key pair outside the window is computed. Positions along the ancestor
-chain are contiguous, which is what makes the bottom-right alignment of the kernels exact.
+A sliding window of w tokens (a query at position p sees keys at positions > p - w) that bites somewhere in the row
+turns this into one causal call with ``window = w - 1`` in which each segment's keys are the at most w - 1 ancestor
+keys its window can reach followed by its own: gathered with one index (``k_index``), so the copy is bounded by the
+window per segment, never by the prompt, and no query-key pair outside the window is computed. Positions along the
+ancestor chain are contiguous, which is what makes the bottom-right alignment of the kernels exact.
 
-Chunked attention of C positions (Llama 4: a query at position p sees the keys at positions
-floor(p / C) * C .. p) is a left limit aligned to positions, not to the query: one causal call
-with one entry per (segment, chunk) piece; a piece's keys are its ancestors' keys from the chunk's
-first position on (only a segment's first piece reaches them, at most C - 1 keys), then its own
-from the chunk's start. The chunk boundaries are positions, so a completion continues its
-prompt's chunk exactly as the plain row ``[prompt, completion]`` does.
+Chunked attention of C positions (Llama 4: a query at position p sees the keys at positions floor(p / C) * C .. p) is
+a left limit aligned to positions, not to the query: one causal call with one entry per (segment, chunk) piece; a
+piece's keys are its ancestors' keys from the chunk's first position on (only a segment's first piece reaches them, at
+most C - 1 keys), then its own from the chunk's start. The chunk boundaries are positions, so a completion continues
+its prompt's chunk exactly as the plain row ``[prompt, completion]`` does.
 
 Notation: L = row length, B = entries of a call, K = keys of a call.
 """
