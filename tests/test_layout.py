@@ -1,6 +1,7 @@
 """The package's layout holds: no import circle between its modules, and no import from a lower floor up to a higher
 one (``api`` 0, ``schedule`` 1, ``model`` / ``layout`` / ``attention`` / ``parallel`` 2, ``attention.kernels`` 3),
-neither at module level nor inside a function. Read from the source (``ast``), nothing is imported."""
+neither at module level nor inside a function; no private name is imported from another module. Read from the source
+(``ast``), nothing is imported."""
 
 import ast
 import pathlib
@@ -73,3 +74,14 @@ def test_no_import_up_a_floor():
             if a is not None and b is not None and b < a:
                 ups.append(f"{m} -> {n}")
     assert not ups, ups
+
+
+def test_no_private_name_imported_across_modules():
+    """A name with a leading underscore stays in its module: what another module needs is public."""
+    found = []
+    for m, p in _modules().items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sharedprefix"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                found += [f"{m}: {node.module}.{name}" for name in private]
+    assert not found, found

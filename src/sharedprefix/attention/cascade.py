@@ -173,7 +173,7 @@ def _cap(softcap) -> dict:
     return {} if softcap is None else {"softcap": softcap}
 
 
-def _keys(call, k: torch.Tensor, v: torch.Tensor, read_kv):
+def call_keys(call, k: torch.Tensor, v: torch.Tensor, read_kv):
     """The call's (K, Hkv, D) keys and values: a view of the row's, the cached ones, or their concatenation."""
     ks, vs = [], []
     for src in call.keys:
@@ -212,7 +212,7 @@ def cascade_attention(
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     kv = []
     for c in cascade.calls:
-        kv += _keys(c, k, v, read_kv)
+        kv += call_keys(c, k, v, read_kv)
     dense = None if softcap is not None else dense_for(impl, q.device, q.dtype, max(q.shape[-1], v.shape[-1]))
     out = _Merged.apply(impl, dense, cascade.calls, q.device, scale, softcap, sinks, q, *kv)
     return out[None]

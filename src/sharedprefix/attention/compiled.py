@@ -39,7 +39,7 @@ from types import SimpleNamespace
 import torch
 
 from sharedprefix.attention import kernels
-from sharedprefix.attention.cascade import _keys, merged_backward, merged_forward
+from sharedprefix.attention.cascade import call_keys, merged_backward, merged_forward
 from sharedprefix.attention.kernels.dense import dense_for
 from sharedprefix.attention.layers import layer_chunk, layer_pattern, layer_window, softcap_refusal
 
@@ -175,7 +175,7 @@ def _call_keys(state, module, ctx, k, v) -> list[torch.Tensor]:
     read = (lambda seg: state.store.read_kv(module, seg)) if state.store is not None else None
     kv: list[torch.Tensor] = []
     for c in ctx.calls:
-        kv += _keys(c, k, v, read)
+        kv += call_keys(c, k, v, read)
     return kv
 
 
@@ -251,7 +251,7 @@ def _(dout, q, k, v, sinks, out, lse, handle, anchor, scale, softcap, window):
 
 def _route(state, module, call, g: torch.Tensor, drow: torch.Tensor, which: int) -> None:
     """Add a call's key (which=0) or value (1) gradient (K, Hkv, D) to the row's, or keep it for the cached segment
-    it came from (``PassIO.dcached``, (1, Hkv, len, D)), undoing ``_keys``: the gather by ``k_index``, then the
+    it came from (``PassIO.dcached``, (1, Hkv, len, D)), undoing ``call_keys``: the gather by ``k_index``, then the
     concatenation of the key sources."""
     _, _, index = call.on(g.device)
     segs = state.layout.tree.segments

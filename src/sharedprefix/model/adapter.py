@@ -25,7 +25,7 @@ from sharedprefix.attention import probe
 # Layer types that attend (config.layer_types / layers_block_type); ``support`` classifies the others.
 # (indexed_attention: DeepSeek sparse attention, attention over indexer-selected keys, ``attention.indexed``)
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "indexed_attention"}
-_HEADS: weakref.WeakKeyDictionary = (
+HEADS: weakref.WeakKeyDictionary = (
     weakref.WeakKeyDictionary()
 )  # model -> modules after its decoder that form its head (``checks.verify_head``)
 
@@ -91,10 +91,10 @@ def num_attention_layers(model: PreTrainedModel) -> int:
     """Attention modules that must run through the sharedprefix attention function in every pass: as probed
     (``attention.probe``; a looped model runs fewer modules than it has layers), else from the config."""
     probed = probe.attention_modules(model)
-    return probed if probed is not None else _config_attention_layers(model)
+    return probed if probed is not None else config_attention_layers(model)
 
 
-def _config_attention_layers(model: PreTrainedModel) -> int:
+def config_attention_layers(model: PreTrainedModel) -> int:
     cfg = text_config(model)
     types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
     if types:
@@ -129,7 +129,7 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     (BERT-style transform + norm + decoder) uses the chain of modules after its decoder that ``verify_head``
     found to reproduce the model's own logits.
     """
-    chain = _HEADS.get(model)
+    chain = HEADS.get(model)
     if chain is not None:
         for mod in chain:
             hidden = mod(hidden)
@@ -180,7 +180,7 @@ def _post_process(model: PreTrainedModel, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _modules_after_decoder(model: PreTrainedModel) -> list[torch.nn.Module]:
+def modules_after_decoder(model: PreTrainedModel) -> list[torch.nn.Module]:
     """The causal LM's own children with parameters, other than (a parent of) the decoder, in order."""
     dec = decoder(model)
     return [

@@ -20,12 +20,12 @@ from transformers import PreTrainedModel
 from sharedprefix.attention import probe
 from sharedprefix.model import mixers, positions, streams
 from sharedprefix.model.adapter import (
-    _HEADS,
-    _config_attention_layers,
-    _modules_after_decoder,
+    HEADS,
+    config_attention_layers,
     decoder,
     has_float32_head,
     head_logits,
+    modules_after_decoder,
     text_config,
 )
 
@@ -73,23 +73,23 @@ def _verify(model: PreTrainedModel, device, forward, hybrid: bool = False) -> No
         # accelerate forward wrapper that re-enters autocast), ours runs outside it: allow that head's rounding
         tol = max(tol, 2 * torch.finfo(torch.get_autocast_dtype(device.type)).eps * float(ref.abs().max()))
     errs = []
-    for chain in (None, _modules_after_decoder(model)):
+    for chain in (None, modules_after_decoder(model)):
         if chain is not None:
-            _HEADS[model] = chain
+            HEADS[model] = chain
         try:
             ours = head_logits(model, hidden).float()
         except (RuntimeError, TypeError) as e:  # a candidate head that does not even apply: not this one
             errs.append(f"{type(e).__name__}")
-            _HEADS.pop(model, None)
+            HEADS.pop(model, None)
             continue
         if ours.shape == ref.shape and torch.allclose(ours, ref, rtol=1e-3, atol=tol):
             if not hybrid and not probed:  # the hybrid path runs the model's own attention, not sharedprefix's
-                probe.probe(model, dec, _config_attention_layers(model))
+                probe.probe(model, dec, config_attention_layers(model))
             return
         errs.append(
             f"{float((ours - ref).abs().max()):.3g}" if ours.shape == ref.shape else f"shape {tuple(ours.shape)}"
         )
-        _HEADS.pop(model, None)
+        HEADS.pop(model, None)
     raise ValueError(
         f"{type(model).__name__}'s forward turns hidden states into logits in a way sharedprefix does not reproduce "
         f"(max |delta logit| {errs[0]} with its output embedding and known post-processing, {errs[1]} with the "
@@ -144,7 +144,7 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
     if not positions.takes_position_ids(dec):
         if convolutions_allowed:  # the hybrid path continues the model's own cache, whose length numbers completions
             return False
-        probe.probe(model, dec, _config_attention_layers(model))
+        probe.probe(model, dec, config_attention_layers(model))
         positions.verify(model, dec, ids, positionless=mixers.attention_free(model))
         return True
     close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(b.abs().max())))  # noqa: E731
