@@ -85,3 +85,13 @@ def test_no_private_name_imported_across_modules():
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                 found += [f"{m}: {node.module}.{name}" for name in private]
     assert not found, found
+
+
+def test_no_core_module_over_300_lines():
+    """The core (``api``, ``schedule``, ``model``, ``layout``, ``attention``, ``parallel``) reads in modules of at most
+    300 lines; a longer one is split by concept."""
+    long = {}
+    for m, p in _modules().items():
+        if _floor(m) is not None and (n := len(p.read_text().splitlines())) > 300:
+            long[m] = n
+    assert not long, long

@@ -287,33 +287,3 @@ def _backward(ctx, dout, dlse):
 
 
 cascade.register_autograd(_backward, setup_context=_setup_context)
-
-
-def compiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules of ``model`` that run compiled: ``module.compile()`` (its ``_compiled_call_impl``) or
-    ``torch.compile(module)`` put in place of a submodule (an ``OptimizedModule``)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return [
-        m
-        for m in model.modules()
-        if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)
-    ]
-
-
-def whole_model_refusal(model: torch.nn.Module, dec: torch.nn.Module) -> str | None:
-    """Why a compiled ``model`` or decoder (``model.compile()``) would run eager under sharedprefix, which calls the
-    decoder's layers and the head itself; None where neither is compiled as a whole."""
-    whole = [
-        name
-        for name, m in (("model", model), ("its decoder", dec))
-        if getattr(m, "_compiled_call_impl", None) is not None
-    ]
-    if not whole:
-        return None
-    return (
-        f"{type(model).__name__}: {' and '.join(whole)} was compiled as a whole (module.compile()); sharedprefix runs "
-        "the decoder's layers and the LM head itself, so that compiled forward would never run and the layers would "
-        "silently run eager. Compile the decoder layers instead, as torchtitan and verl do: "
-        "`for layer in model.model.layers: layer.compile()` (sharedprefix runs them compiled, without graph breaks)."
-    )

@@ -109,14 +109,13 @@ def _cu(lengths: list[int]) -> torch.Tensor:
 
 
 def build_cascade(layout, window: int | None, repeat_prefix: bool = False, chunk: int | None = None) -> Cascade:
-    """The kernel calls of ``layout`` (a ``RowLayout``) for a sliding window of ``window`` tokens or None,
-    or for attention chunks of ``chunk`` positions (not both).
+    """The kernel calls of ``layout`` (a ``RowLayout``) for a sliding window of ``window`` tokens or None, or for
+    attention chunks of ``chunk`` positions (not both).
 
-    ``repeat_prefix=True`` gives every segment its ancestors' keys by gathering them (the whole prefix, copied
-    per segment, as Prefix Grouper does): exact too, and only used as the benchmark's point of comparison.
+    ``repeat_prefix=True`` gives every segment its ancestors' keys by gathering them (the whole prefix, copied per
+    segment, as Prefix Grouper does): exact too, and only used as the benchmark's point of comparison.
 
-    ``layout.blocks`` (bidirectional runs, e.g. a Gemma 3 prompt's image tokens) add one call, ``_upper``.
-    """
+    ``layout.blocks`` (bidirectional runs, e.g. a Gemma 3 prompt's image tokens) add one call, ``_upper``."""
     casc = _causal_cascade(layout, window, repeat_prefix, chunk)
     blocks = [(a, b) for a, b in layout.blocks if b - a > 1]  # a block of one token adds no key
     if blocks:
@@ -136,10 +135,9 @@ def _upper(blocks: list[tuple[int, int]]) -> Call:
 
     One non-causal call with ``window = 0`` over views of the row. The entry of block [a, b) has the queries
     a .. b - 2 and the keys a + 1 .. b - 1, as many of each: bottom-right aligned, query a + t sits on key a + 1 + t
-    and the window of 0 hides the keys before it, leaving a + t + 1 .. b - 1. Between two blocks, one entry holds
-    the gap's queries and no keys (lse = -inf, which the merge ignores), and one the gap's keys and no queries, so
-    that queries and keys stay two contiguous runs of the row.
-    """
+    and the window of 0 hides the keys before it, leaving a + t + 1 .. b - 1. Between two blocks, one entry holds the
+    gap's queries and no keys (lse = -inf, which the merge ignores), and one the gap's keys and no queries, so that
+    queries and keys stay two contiguous runs of the row."""
     cu_q, cu_k = [0], [0]
     q0, k0 = blocks[0][0], blocks[0][0] + 1
     for i, (a, b) in enumerate(blocks):
@@ -174,22 +172,9 @@ def _causal_cascade(layout, window: int | None, repeat_prefix: bool, chunk: int 
     if window is not None:
         return _windowed(layout, window)
     lens = [segs[s].length for s in order]
-    own = Call(
-        0,
-        layout.length,
-        [KeySource(start=0, end=layout.length)],
-        None,
-        _cu(lens),
-        _cu(lens),
-        max(lens),
-        max(lens),
-        causal=True,
-    )
-    calls = [own]
-    depths = sorted({layout.depth[s] for s in order})
-    for d in depths:
-        if d == 0:
-            continue
+    row = [KeySource(start=0, end=layout.length)]
+    calls = [Call(0, layout.length, row, None, _cu(lens), _cu(lens), max(lens), max(lens), causal=True)]
+    for d in sorted({layout.depth[s] for s in order} - {0}):
         xs = [s for s in order if layout.depth[s] == d]
         q0, q1 = layout.row_start[xs[0]], layout.row_end[xs[-1]]
         for a in range(d):

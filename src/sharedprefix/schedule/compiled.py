@@ -10,6 +10,7 @@ why; a model compiled as a whole (``model.compile()``) is refused, since its com
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -23,9 +24,9 @@ def compiled_path(run, pats: dict) -> tuple[list | None, bool]:
     """(attention modules, force_eager) for the executor ``run``: the modules when the compiled layers run compiled,
     None when nothing is compiled or they run eager (then force_eager is True, after one warning)."""
     model = run.model
-    if (why := compiled.whole_model_refusal(model, decoder(model))) is not None:
+    if (why := whole_model_refusal(model, decoder(model))) is not None:
         raise TypeError(why)
-    if not compiled.compiled_modules(model):
+    if not compiled_modules(model):
         return None, False
     reasons = _eager_reasons(run, pats)
     layers = None
@@ -73,3 +74,43 @@ def _eager_reasons(run, pats: dict) -> list[str]:
     if not isinstance(getattr(run.model, "get_input_embeddings", lambda: None)(), torch.nn.Module):
         out.append("the model has no input embedding module to route the cached keys' gradients through")
     return out
+
+
+def compiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` that run compiled: ``module.compile()`` (its ``_compiled_call_impl``) or
+    ``torch.compile(module)`` put in place of a submodule (an ``OptimizedModule``)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return [
+        m
+        for m in model.modules()
+        if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)
+    ]
+
+
+def whole_model_refusal(model: torch.nn.Module, dec: torch.nn.Module) -> str | None:
+    """Why a compiled ``model`` or decoder (``model.compile()``) would run eager under sharedprefix, which calls the
+    decoder's layers and the head itself; None where neither is compiled as a whole."""
+    whole = [
+        name
+        for name, m in (("model", model), ("its decoder", dec))
+        if getattr(m, "_compiled_call_impl", None) is not None
+    ]
+    if not whole:
+        return None
+    return (
+        f"{type(model).__name__}: {' and '.join(whole)} was compiled as a whole (module.compile()); sharedprefix runs "
+        "the decoder's layers and the LM head itself, so that compiled forward would never run and the layers would "
+        "silently run eager. Compile the decoder layers instead, as torchtitan and verl do: "
+        "`for layer in model.model.layers: layer.compile()` (sharedprefix runs them compiled, without graph breaks)."
+    )
+
+
+@contextmanager
+def removed(hook):
+    """Remove the hook handle (or nothing) on exit."""
+    try:
+        yield
+    finally:
+        if hook is not None:
+            hook.remove()

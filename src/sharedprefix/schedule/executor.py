@@ -8,8 +8,6 @@ Notation: L = row length, M = computed tokens of a pass, n = rows a pass reports
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from sharedprefix.attention import compiled, probe
@@ -33,7 +31,7 @@ from sharedprefix.parallel.sequence import SequenceShard, refuse_features
 from sharedprefix.parallel.tensor import refuse_with_sequence_group
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache
-from sharedprefix.schedule.compiled import compiled_path
+from sharedprefix.schedule.compiled import compiled_path, removed
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.planner import Pass, Plan, plan_checked
 
@@ -168,7 +166,7 @@ class Executor:
                 compiled.register(state, self.layers)
                 if (bridge := compiled.bridge(state, self.layers, self.cache.read_kv)) is not None:
                     hook = self.model.get_input_embeddings().register_forward_hook(bridge)
-            with pass_state(state), _removed(hook):
+            with pass_state(state), removed(hook):
                 if self.mm is not None and tree is self.plan.tree:  # the vision tower runs for this row's prompts
                     extra = {k: v.to(self.device) for k, v in self.mm.inputs(layout, self.source).items()}
                     out = self.mm.module(
@@ -293,13 +291,3 @@ class Executor:
             if grad:
                 with pass_state(state):
                     self.par.backward(res[0].sum() * 0.0)
-
-
-@contextmanager
-def _removed(hook):
-    """Remove the hook handle (or nothing) on exit."""
-    try:
-        yield
-    finally:
-        if hook is not None:
-            hook.remove()
