@@ -76,10 +76,7 @@ def checked(
     window = layer_window(module, window)
     chunk = layer_chunk(module)
     check_dropout(name, dropout)
-    amp = autocast_device(query)
-    if amp is not None:  # as autocast casts the plain run's scaled_dot_product_attention: float64 it leaves alone
-        dt = torch.get_autocast_dtype(amp)
-        query, key, value = (t if t.dtype == torch.float64 else t.to(dt) for t in (query, key, value))
+    amp, query, key, value = autocast_cast(query, key, value)
     impl = kernels.select(state.backend, query.device, query.dtype)
     use_flex = False
     if softcap is not None:
@@ -147,6 +144,16 @@ def check_kwargs(name: str, kwargs: dict) -> None:
             f"{name} passed attention arguments {sorted(odd)} that sharedprefix cannot honour exactly "
             "(e.g. position biases or a non-causal flag). This model is not supported."
         )
+
+
+def autocast_cast(query, key, value) -> tuple[str | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(autocast device type or None, query, key, value) cast as autocast casts the plain run's
+    ``scaled_dot_product_attention``: to its lower-precision dtype, float64 left alone."""
+    amp = autocast_device(query)
+    if amp is not None:
+        dt = torch.get_autocast_dtype(amp)
+        query, key, value = (t if t.dtype == torch.float64 else t.to(dt) for t in (query, key, value))
+    return amp, query, key, value
 
 
 def autocast_device(t: torch.Tensor) -> str | None:

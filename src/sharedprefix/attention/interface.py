@@ -141,10 +141,7 @@ def _compiled(module, query, key, value, attention_mask, dropout, scaling, windo
             f"{name} received a ready-made attention mask inside a compiled layer; sharedprefix builds the "
             "shared-prefix attention itself and cannot combine it with the model's own mask."
         )
-    amp = checks.autocast_device(query)
-    if amp is not None:
-        dt = torch.get_autocast_dtype(amp)
-        query, key, value = (t if t.dtype == torch.float64 else t.to(dt) for t in (query, key, value))
+    amp, query, key, value = checks.autocast_cast(query, key, value)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     window = None if window is None else int(window)
     return compiled.traced_attention(

@@ -31,13 +31,12 @@ def _grads(model):
 
 
 def _own_model(args) -> int:
-    import time
-
     import torch
     import transformers as tf
 
     import sharedprefix as sp
     from sharedprefix.tools.reference import plain_logprobs
+    from sharedprefix.tools.timing import best_time
     from sharedprefix.tools.verify import default_groups
 
     model = tf.AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype="auto")
@@ -48,12 +47,8 @@ def _own_model(args) -> int:
     if report.ok:
         groups = default_groups(model, args.seed)
         with torch.no_grad():
-            times = []
-            for fn in (lambda: plain_logprobs(model, groups), lambda: sp.logprobs(model, groups)):
-                fn()
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
+            calls = (lambda: plain_logprobs(model, groups), lambda: sp.logprobs(model, groups))
+            times = [best_time(fn, 1) for fn in calls]
         print(
             f"speed of the check's forward: plain {times[0] * 1e3:.1f} ms, sharedprefix {times[1] * 1e3:.1f} ms "
             f"({times[0] / times[1]:.2f}x; tiny groups, not a benchmark)"
