@@ -59,7 +59,7 @@ def _step(model, ref, groups, budget, kind):
         got = grads_of(model, lambda: sp.backward(model, groups, loss, max_tokens=budget) and None)
     else:  # defer=True: values without a graph now, sp.backward under the budget when the loss backpropagates
         got = grads_of(model, lambda: (sp.logprobs(model, groups, max_tokens=budget, defer=True).logprobs * w).sum())
-    got = {n.replace("._orig_mod", ""): g for n, g in got.items()}  # layers replaced by torch.compile(layer)
+    got = {n.replace("_orig_mod.", ""): g for n, g in got.items()}  # modules wrapped by torch.compile
     assert_grads_close(got, ref_grads, 1e-9)
 
 
@@ -131,14 +131,66 @@ def test_compiled_layers_with_checkpointing():
     assert sum(g for _, g in per_step) >= 1, "the layers did not run compiled"
 
 
-def test_whole_model_compile_refused():
+class _Backend:
+    """A ``torch.compile`` backend that counts the graphs it compiles and runs them as traced (no inductor)."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return gm.forward
+
+
+def _whole(how: str, backend):
+    """A tiny float64 Qwen3 compiled as a whole, the way ``how`` says, and an uncompiled reference."""
+    torch._dynamo.reset()
+    counters.clear()
+    model, ref = tiny_model("qwen3", torch.float64), tiny_model("qwen3", torch.float64)
+    if how == "torch.compile(model)":  # accelerate's prepare with a dynamo backend, so TRL's torch_compile=True
+        return torch.compile(model, backend=backend, dynamic=None), model, ref
+    (model if how == "model.compile()" else model.model).compile(backend=backend)
+    return model, model, ref
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "torch.compile(model)",
+        pytest.param("model.compile()", marks=pytest.mark.slow),
+        pytest.param("model.model.compile()", marks=pytest.mark.slow),
+    ],
+)
+def test_whole_model_compile_runs_layers_with_the_users_options(how):
+    """A model compiled as a whole never runs its own forward under sharedprefix: its decoder layers run compiled with
+    the user's compile context (here the user's own backend, which counts what it compiles) for the call, and are
+    restored after it; no graph break, nothing compiled after the second step, exact."""
+    backend = _Backend()
+    given, inner, ref = _whole(how, backend)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="sharedprefix")  # no eager fallback, no warning of ours
+        per_step = _run(given, ref, "backward", LAYOUTS[:3])
+        with torch.no_grad():  # the forward-only path too, on a layout seen before: nothing compiles again
+            groups = random_groups(0, *LAYOUTS[0][:3])
+            got = sp.logprobs(given, groups).logprobs
+    assert (got - plain_logprobs(ref, groups)[0]).abs().max() <= 1e-9
+    assert all(b == 0 for b, _ in per_step), per_step
+    assert all(g == 0 for _, g in per_step[2:]), per_step
+    assert backend.graphs >= 1, "the layers did not run through the user's backend"
+    assert all(layer._compiled_call_impl is None for layer in inner.model.layers), "layers left compiled"
+
+
+def test_whole_model_compile_of_unknown_form_refused():
+    """A ``_compiled_call_impl`` that torch.compile did not build (its options unreadable) is refused, naming the
+    fix, rather than run eager in silence; a hybrid model on the cache path compiled as a whole is refused too."""
     model = tiny_model("qwen3", torch.float64)
-    model.compile()
+    model._compiled_call_impl = lambda *a, **k: model._call_impl(*a, **k)
     groups = random_groups(0, 1, [5], [[2, 3]])
-    with pytest.raises(TypeError, match=r"compiled as a whole \(module.compile\(\)\).*layer.compile\(\)"):
+    with pytest.raises(TypeError, match=r"compiled as a whole .*cannot be read.*layer.compile\(\)"):
         sp.logprobs(model, groups)
-    with pytest.raises(TypeError, match=r"torch.compile wrapper .*layer.compile\(\)"):
-        sp.logprobs(torch.compile(tiny_model("qwen3", torch.float64)), groups)
+    hybrid = torch.compile(tiny_model("zaya", torch.float64))
+    with pytest.raises(TypeError, match=r"cache path and was compiled as a whole.*Pass the uncompiled model"):
+        sp.logprobs(hybrid, groups)
 
 
 def test_compiled_layers_that_cannot_run_compiled_warn_and_run_eager():

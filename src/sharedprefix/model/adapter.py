@@ -31,28 +31,31 @@ HEADS: weakref.WeakKeyDictionary = (
 
 
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
-    """The transformers causal LM inside DDP / PEFT / accelerate wrappers."""
+    """The transformers causal LM inside DDP / PEFT / accelerate / ``torch.compile`` wrappers (a compiled wrapper's
+    options are read by ``schedule.compiled``, which compiles the decoder layers with them)."""
     m: Any = model  # walked through wrappers of any type
     for _ in range(8):
         if isinstance(m, PreTrainedModel):
             return m
-        if hasattr(m, "get_base_model"):  # peft.PeftModel
+        if isinstance(m, torch.nn.Module) and "_orig_mod" in m._modules:  # torch.compile's OptimizedModule
+            m = m._orig_mod
+        elif hasattr(m, "get_base_model"):  # peft.PeftModel
             m = m.get_base_model()
         elif hasattr(m, "module"):  # DistributedDataParallel, accelerate wrappers
             m = m.module
         else:
             break
-    if hasattr(m, "_orig_mod"):  # torch.compile's OptimizedModule
-        raise TypeError(
-            f"model is a torch.compile wrapper ({type(m).__name__}); sharedprefix runs the model's decoder and head "
-            "itself, so a compiled forward would not be used. Pass the uncompiled model (model._orig_mod) with its "
-            "decoder layers compiled in place instead (`for layer in model.model.layers: layer.compile()`), which "
-            "sharedprefix runs compiled, without graph breaks."
-        )
     raise TypeError(
         f"model is a {type(model).__name__}; expected a transformers causal LM (a PreTrainedModel with an LM head), "
         "optionally wrapped by PEFT or DistributedDataParallel."
     )
+
+
+def peel_compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` without the ``torch.compile`` wrappers (``OptimizedModule``) around it."""
+    while isinstance(model, torch.nn.Module) and "_orig_mod" in model._modules:
+        model = model._orig_mod
+    return model
 
 
 def decoder(model: PreTrainedModel) -> torch.nn.Module:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from sharedprefix.model.adapter import peel_compiled
 from sharedprefix.parallel.strategy import Parallel
 from sharedprefix.parallel.tensor import tensor_parallel_size
 
@@ -26,6 +27,7 @@ def ddp_sync_enabled(model: torch.nn.Module) -> bool:
     """False inside a DDP model's ``no_sync()`` context (DDP's public flag ``require_backward_grad_sync``)."""
     from torch.nn.parallel import DistributedDataParallel
 
+    model = peel_compiled(model)
     return not isinstance(model, DistributedDataParallel) or bool(getattr(model, "require_backward_grad_sync", True))
 
 
@@ -66,6 +68,7 @@ def detect(model: torch.nn.Module, root: torch.nn.Module) -> Parallel:
     not verified exact on raises ``ValueError`` (``parallel.tensor``)."""
     from torch.nn.parallel import DistributedDataParallel
 
+    model = peel_compiled(model)  # torch.compile around the model (accelerate's torch_compile): what is inside
     tp = tensor_parallel_size(root, model)
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

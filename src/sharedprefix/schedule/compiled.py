@@ -2,9 +2,13 @@
 
 A model whose decoder layers were compiled in place (``layer.compile()``, or ``torch.compile(layer)`` put in the
 layer list) runs them compiled: the attention inside is one registered operator (``attention.compiled``), with no
-graph break and the same traced code for every pass. Where that path is not built (the features listed in
-``_eager_reasons``), the layers run eager under ``torch.compiler.set_stance("force_eager")``, and one warning says
-why; a model compiled as a whole (``model.compile()``) is refused, since its compiled forward would never run.
+graph break and the same traced code for every pass. A model compiled as a whole (``torch.compile(model)``, as
+accelerate and TRL's ``torch_compile=True`` do, or ``model.compile()``, also on its decoder) is never run through its
+own forward (sharedprefix runs the decoder and the head itself), so for the duration of each call its decoder layers
+are compiled with the user's own compile context, the one ``torch.compile`` built from the user's options
+(``whole_compiled``): the same backend, mode and dynamic setting. Where that path is not built (the features listed
+in ``_eager_reasons``), the layers run eager under ``torch.compiler.set_stance("force_eager")``, and one warning says
+why.
 """
 
 from __future__ import annotations
@@ -14,20 +18,21 @@ from contextlib import contextmanager
 
 import torch
 
-from sharedprefix.attention import compiled
+from sharedprefix.attention import compiled, probe
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.model import mixers
 from sharedprefix.model.adapter import decoder
 
 
-def compiled_path(run, pats: dict) -> tuple[list | None, bool]:
-    """(attention modules, force_eager) for the executor ``run``: the modules when the compiled layers run compiled,
-    None when nothing is compiled or they run eager (then force_eager is True, after one warning)."""
+def compiled_path(run, pats: dict, given: torch.nn.Module) -> tuple[list | None, bool, tuple | None]:
+    """(attention modules, force_eager, whole) for the executor ``run`` of the model as the user ``given`` it: the
+    modules when the compiled layers run compiled, None when nothing is compiled or they run eager (then force_eager
+    is True, after one warning); ``whole``: (the user's compile context, the decoder layers it compiles for the call)
+    for a model compiled as a whole, else None."""
     model = run.model
-    if (why := whole_model_refusal(model, decoder(model))) is not None:
-        raise TypeError(why)
-    if not compiled_modules(model):
-        return None, False
+    ctx = user_context(given, model)
+    if ctx is None and not compiled_modules(model):
+        return None, False, None
     reasons = _eager_reasons(run, pats)
     layers = None
     if not reasons:
@@ -41,8 +46,11 @@ def compiled_path(run, pats: dict) -> tuple[list | None, bool]:
             f"{'; '.join(reasons)}. The results are exact; only the compiled speed is lost.",
             stacklevel=4,
         )
-        return None, True
-    return layers, False
+        return None, True, None
+    if ctx is None:
+        return layers, False, None
+    outer = [m for m in (model, decoder(model)) if getattr(m, "_compiled_call_impl", None) is not None]
+    return layers, False, (ctx, [b for b in decoder_blocks(model) if not compiled_modules(b)], outer)
 
 
 def _eager_reasons(run, pats: dict) -> list[str]:
@@ -88,22 +96,85 @@ def compiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-def whole_model_refusal(model: torch.nn.Module, dec: torch.nn.Module) -> str | None:
-    """Why a compiled ``model`` or decoder (``model.compile()``) would run eager under sharedprefix, which calls the
-    decoder's layers and the head itself; None where neither is compiled as a whole."""
-    whole = [
-        name
-        for name, m in (("model", model), ("its decoder", dec))
-        if getattr(m, "_compiled_call_impl", None) is not None
-    ]
-    if not whole:
-        return None
-    return (
-        f"{type(model).__name__}: {' and '.join(whole)} was compiled as a whole (module.compile()); sharedprefix runs "
-        "the decoder's layers and the LM head itself, so that compiled forward would never run and the layers would "
-        "silently run eager. Compile the decoder layers instead, as torchtitan and verl do: "
-        "`for layer in model.model.layers: layer.compile()` (sharedprefix runs them compiled, without graph breaks)."
-    )
+def user_context(given: torch.nn.Module, model: torch.nn.Module):
+    """The compile context (``torch._dynamo``'s ``OptimizeContext``, built by ``torch.compile`` from the user's
+    options) of a model compiled as a whole: ``torch.compile`` around the model or one of its wrappers (an
+    ``OptimizedModule``), or ``module.compile()`` on a wrapper, the causal LM ``model`` or its decoder; None where
+    none is. A whole-model compile whose context cannot be read is refused, naming the fix."""
+    from torch._dynamo.eval_frame import OptimizedModule, _TorchDynamoContext
+
+    m, found = given, []
+    for _ in range(8):  # the wrappers from the model as given down to the causal LM, then its decoder
+        if isinstance(m, OptimizedModule):
+            found.append(m.dynamo_ctx)
+        elif (fn := getattr(m, "_compiled_call_impl", None)) is not None:  # module.compile(): torch.compile(fn)
+            cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+            found += [v for v in cells if isinstance(v, _TorchDynamoContext)] or [None]
+        if m is model:
+            m = decoder(model)
+        elif m is decoder(model) or m is None:
+            break
+        else:
+            m = getattr(m, "_orig_mod", None) or getattr(m, "module", None) or _base(m) or model
+    ctx = next((c for c in found if c is not None), None)
+    if found and ctx is None:
+        raise TypeError(
+            f"{type(model).__name__} was compiled as a whole (module.compile()), and its compile options cannot be "
+            f"read under torch {torch.__version__}; sharedprefix runs the decoder's layers and the LM head itself, "
+            "so that compiled forward would never run and the layers would silently run eager. Compile the decoder "
+            "layers instead, as torchtitan and verl do: `for layer in model.model.layers: layer.compile()`."
+        )
+    return ctx
+
+
+def _filled(cell) -> bool:
+    try:
+        return cell.cell_contents is not None
+    except ValueError:  # an empty cell
+        return False
+
+
+def _base(m):
+    return m.get_base_model() if hasattr(m, "get_base_model") else None
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of ``model``: the entries of its decoder's outermost layer lists (``nn.ModuleList``) that
+    hold an attention module the probe found."""
+    out: list[tuple[str, torch.nn.Module]] = []
+    for name, lst in decoder(model).named_modules():
+        if not isinstance(lst, torch.nn.ModuleList) or any(name.startswith(f"{b}.") for b, _ in out):
+            continue
+        out += [
+            (f"{name}.{i}", block)
+            for i, block in enumerate(lst)
+            if any(probe.pattern(m) is not None for m in block.modules())
+        ]
+    return [block for _, block in out]
+
+
+@contextmanager
+def whole_compiled(whole: tuple | None):
+    """For a model compiled as a whole: its decoder layers compiled with the user's context (as ``layer.compile()``
+    does with the options given to it) for the duration, and the compiled forward of the causal LM and its decoder
+    (``module.compile()``) set aside, since the decoder's would trace the pass's own hooks; all restored on exit.
+    Nothing for ``None``."""
+    if whole is None:
+        yield
+        return
+    ctx, blocks, outer = whole
+    saved = [m._compiled_call_impl for m in outer]
+    for m in outer:
+        m._compiled_call_impl = None
+    for b in blocks:
+        b._compiled_call_impl = ctx(b._call_impl)
+    try:
+        yield
+    finally:
+        for b in blocks:
+            b._compiled_call_impl = None
+        for m, fn in zip(outer, saved):
+            m._compiled_call_impl = fn
 
 
 @contextmanager

@@ -94,7 +94,7 @@ class Executor:
         if self.router_logits is not None or self.aux_grads is not None:
             with torch.compiler.set_stance("force_eager"):
                 self.par.call(lambda: router.verify(self.model, decoder(self.model), self.device), guard=False)
-        self.layers, self.force_eager = compiled_path(self, pats)
+        self.layers, self.force_eager, self.whole = compiled_path(self, pats, model)
 
     def _setup(self, source, leaves, prefix_activations, aux):
         max_tokens, backend, temperature = self.options.max_tokens, self.options.backend, self.options.temperature

@@ -13,6 +13,7 @@ from sharedprefix.attention.interface import pass_state
 from sharedprefix.attention.switch import activated
 from sharedprefix.model import mixers, router
 from sharedprefix.schedule.cache import OffloadHooks
+from sharedprefix.schedule.compiled import whole_compiled
 from sharedprefix.schedule.grads import synced
 from sharedprefix.schedule.planner import Dummy, Pass, Plan, PrefixBackward
 from sharedprefix.schedule.results import BackwardResult, Batch, LogProbs
@@ -25,7 +26,7 @@ def forward(run, entropy: bool) -> LogProbs:
     # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agreed before any of them
     pad = run.rounds[0] - len(run.plan.passes) if run.par.fsdp else 0
     error = None  # under FSDP2, an error outside the collectives: the rank runs the rest as dummies, then all raise
-    with activated(run.model), mixers.active(run.model):
+    with activated(run.model), mixers.active(run.model), whole_compiled(run.whole):
         for step in run.plan.steps:
             if isinstance(step, PrefixBackward):
                 for s in step.segments:
@@ -134,7 +135,7 @@ def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, las
     """
     par = run.par
     total, calls, error = 0.0, 0, None
-    with activated(run.model), mixers.active(run.model):
+    with activated(run.model), mixers.active(run.model), whole_compiled(run.whole):
         for i, (kind, x) in enumerate(rounds):
             if kind in ("FB", "PB", "DFB"):
                 par.begin_backward_round(sync=sync and i == last_fb, last=i == last_fb)

@@ -15,6 +15,7 @@ from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.detect import detect
 from sharedprefix.schedule.cache_path import run as cache_run
+from sharedprefix.schedule.compiled import user_context
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.grads import synced
 from sharedprefix.schedule.options import CallOptions
@@ -67,6 +68,12 @@ def check_hybrid(model, backend: str) -> str:
     """A hybrid model runs its own attention (``cache_path.run``): the backend name is checked, not used; FSDP2 is
     refused, and so is tensor parallelism. Returns the data-parallel kind ("none" or "ddp")."""
     select(backend, unwrap(model).get_input_embeddings().weight.device)
+    if user_context(model, unwrap(model)) is not None:
+        raise TypeError(
+            f"{type(unwrap(model)).__name__} is a hybrid model on sharedprefix's cache path and was compiled as a "
+            "whole (torch.compile(model) or model.compile()); that path runs the model's own cache-aware forward, "
+            "which has not been run compiled, so the compile would silently not apply. Pass the uncompiled model."
+        )
     par = detect(model, unwrap(model))
     kind = par.kind
     if par.tensor > 1:
