@@ -70,6 +70,16 @@ def test_ddp_accumulation_then_one_sync(tmp_path, reference):
     assert_grads_close({k: v for k, v in got["grads"].items() if v is not None}, reference, 1e-9)
 
 
+@pytest.mark.parametrize("kind", ["ddp_compiled", "ddp_accum_compiled"])
+def test_ddp_inside_torch_compile(kind, tmp_path, reference):
+    """torch.compile(DDP(model)), accelerate's order: still DDP (one gradient all-reduce per step, none inside the
+    compiled wrapper's no_sync()), the decoder layers compiled with the wrapper's context, gradients exact."""
+    got = _launch(kind, tmp_path)
+    assert_grads_close({k: v for k, v in got["grads"].items() if v is not None}, reference, 1e-9)
+    assert [reduces for _, _, reduces in got["stats"]] == [1, 1]
+    assert got["graphs"] >= 1, "the layers did not run compiled"
+
+
 def test_fsdp_forward_only_logprobs_and_grad_refusal(tmp_path):
     got = _launch("fsdp_logprobs", tmp_path)
     for max_err, refused in got["stats"]:

@@ -84,7 +84,7 @@ def full_grads(model):
         g = p.grad
         if g is not None and hasattr(g, "full_tensor"):
             g = g.full_tensor()
-        out[name.replace("module.", "")] = None if g is None else g.detach().clone()
+        out[name.replace("_orig_mod.", "").replace("module.", "")] = None if g is None else g.detach().clone()
     return out
 
 
@@ -131,6 +131,8 @@ def report_outcome(fn, model, rank, world, out):
 def main(kind, out):
     import faulthandler
 
+    from torch._dynamo.utils import counters
+
     faulthandler.dump_traceback_later(100, exit=True)  # a hang prints where it is and fails instead of blocking CI
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -148,6 +150,8 @@ def main(kind, out):
             return orig(*a, **k)
 
         dist.all_reduce = counting
+        if kind.endswith("_compiled"):  # accelerate's order: DDP, then torch.compile around it
+            model = torch.compile(model, backend="aot_eager")
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -196,8 +200,12 @@ def main(kind, out):
             torch.save({"stats": [t.tolist() for t in gathered]}, out)
         dist.destroy_process_group()
         return
-    elif kind == "ddp_accum":  # accumulate without sync, then sync once: same as one call
-        sp.backward(model, mine[:1], loss_fn_for(mine[:1], gidx), max_tokens=BUDGET, sync=False)
+    elif kind.startswith("ddp_accum"):  # accumulate without sync, then sync once: same as one call
+        if kind == "ddp_accum_compiled":  # DDP's no_sync(), reached through the compiled wrapper
+            with model.no_sync():
+                sp.backward(model, mine[:1], loss_fn_for(mine[:1], gidx), max_tokens=BUDGET)
+        else:
+            sp.backward(model, mine[:1], loss_fn_for(mine[:1], gidx), max_tokens=BUDGET, sync=False)
         res = (
             sp.backward(
                 model, mine[1:], loss_fn_for(mine[1:], gidx[sum(g.group_size for g in mine[:1]) :]), max_tokens=BUDGET
@@ -222,6 +230,7 @@ def main(kind, out):
                 "grads": grads,
                 "stats": [t.tolist() for t in gathered],
                 "shards": [len(sp.shard_groups(groups, r, world)) for r in range(world)],
+                "graphs": counters["stats"]["unique_graphs"],  # this rank's compiled graphs
             },
             out,
         )
