@@ -435,3 +435,22 @@ def test_ulysses_sequence_parallel_matches_verl(tmp_path, procs, sp_size):
         assert errs.pop("grad_scale") > 0.1, case  # the gradients compared are not zero
         for what, err in errs.items():
             assert err <= AGREE, (case, what, err)
+
+
+@pytest.mark.slow
+def test_use_torch_compile_compiles_the_head_and_matches_verl(process_group, path, monkeypatch):
+    """``use_torch_compile=True`` (verl's default) compiles verl's ``entropy_from_logits``; ours, which computes
+    entropies in its own head, runs that head's chunks compiled instead (``head.compiled_head``). Values and gradients
+    still agree with verl's compiled engine and the float64 reference as in the tests above."""
+    from sharedprefix.model import head
+
+    flags = []
+    real = head._token_logprob
+    monkeypatch.setattr(head, "_token_logprob", lambda *a: flags.append(a[-1]) or real(*a))
+    ev, es = (build(cls, path, use_torch_compile=True) for cls in (FSDPEngineWithLMHead, SharedPrefixFSDPEngine))
+    make, lf = _batch(False), loss_fn("clip_kl_entropy", ROWS)
+    _check_values(infer(ev, make()), infer(es, make()), make(), path)
+    (_, g_v), (_, g_s) = train(ev, make(), lf), train(es, make(), lf)
+    _check_grads(g_v, g_s, path, make(), lf)
+    assert flags and all(flags), "the head did not run compiled"
+    assert not head._COMPILED["on"]

@@ -82,3 +82,34 @@ def test_keep_logits_refuses_an_unknown_mode():
     ):
         with keep_logits("sometimes"):
             pass
+
+
+@pytest.mark.parametrize("mode", [pytest.param("always", marks=pytest.mark.slow), "never"])
+def test_compiled_head_matches_eager(mode):
+    """``compiled_head()`` (the verl engine's ``use_torch_compile``): the chunks' log-probs, entropies and both
+    gradients equal the eager head's in float64, with the logits kept and recomputed in the backward (the recompute
+    runs compiled too: it compiles nothing new), and the chunk function really ran compiled."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from sharedprefix.model.head import compiled_head
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("qwen3", dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(29, model.config.hidden_size, dtype=torch.float64, generator=g)
+    targets = torch.randint(0, model.config.vocab_size, (29,), generator=g)
+    weight = model.get_output_embeddings().weight
+    results = []
+    for on in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        with compiled_head(on), keep_logits(mode):
+            tok, ent = token_logprobs(model, h, targets, temperature=0.7, entropy=True, chunk_tokens=10)
+        (tok * torch.linspace(-1, 2, 29, dtype=torch.float64) + 0.3 * ent).sum().backward()
+        results.append((tok.detach(), ent.detach(), h.grad, weight.grad.clone()))
+        weight.grad = None
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-13)
+    assert counters["stats"]["unique_graphs"] >= 1, "the head did not run compiled"
+    assert not head._COMPILED["on"]  # restored

@@ -101,6 +101,7 @@ from sharedprefix.integrations.verl_vl import (
 )
 from sharedprefix.integrations.verl_vl import to_rows as vl_to_rows
 from sharedprefix.model import mixers
+from sharedprefix.model.head import compiled_head
 
 ENV_MAX_TOKENS = "SHAREDPREFIX_MAX_TOKENS"
 __all__ = ["ENV_MAX_TOKENS", "SharedPrefixFSDPEngine", "check_config", "register"]
@@ -345,7 +346,8 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
         )
         kw = dict(temperature=temperature, max_tokens=self.sp_max_tokens, sequence_group=self._sequence_group())
-        with autocast, own_forward():  # the model's own class functions during the passes (verl's patches undone)
+        compile_head = compiled_head(bool(getattr(self.engine_config, "use_torch_compile", False)))  # as verl's entropy
+        with autocast, own_forward(), compile_head:  # the model's own class functions (verl's patches undone)
             if forward_only:
                 with torch.no_grad():
                     res = sp.logprobs(self.module, source, entropy=entropy, **kw)

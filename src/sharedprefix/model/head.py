@@ -8,6 +8,10 @@ chunk is recomputed in the backward (``torch.utils.checkpoint``), so that only a
 ``SHAREDPREFIX_KEEP_LOGITS`` (``auto``, ``always``, ``never``) or ``with keep_logits(...)`` forces either way; both are
 exact. On CUDA a chunk holds at least 1024 rows (smaller chunks made the head memory-bound on the GPU).
 
+``with compiled_head():`` runs each chunk's log-probs and entropies (``_TokenLogprob``, forward and backward) through
+``torch.compile(dynamic=True)``, as verl compiles its ``entropy_from_logits`` under ``use_torch_compile`` (the verl
+engine enters it then); a chunk recomputed in the backward runs the same way as its forward.
+
 A model with K token streams per position (``streams``: MusicGen) takes (M, K) code targets: each head's log-prob
 of its code, summed over the codebooks whose code is not ``ignore`` (the delay pattern's pad), and likewise the
 entropies.
@@ -29,6 +33,7 @@ from sharedprefix.model.streams import head_vocab
 
 KEEP_MODES = ("auto", "always", "never")
 _KEEP: dict = {"mode": None}  # None: as SHAREDPREFIX_KEEP_LOGITS says now (``settings``); set inside ``keep_logits``
+_COMPILED: dict = {"on": False, "fn": None}  # inside ``compiled_head``; the compiled chunk function, made once
 # The CPU default: logits of up to 256 MiB are kept (a host's memory is large next to it; keeping them saves one head
 # matmul per chunk in the backward, about a third of the head's time); larger ones are recomputed chunk by chunk.
 CPU_KEEP_BYTES = 256 * 2**20
@@ -56,6 +61,25 @@ def keep_logits(mode: str):
         yield
     finally:
         _KEEP["mode"] = before
+
+
+@contextmanager
+def compiled_head(on: bool = True):
+    """Inside the block (with ``on``) the head's chunks run compiled (module docstring); restored on exit."""
+    before = _COMPILED["on"]
+    _COMPILED["on"] = bool(on)
+    try:
+        yield
+    finally:
+        _COMPILED["on"] = before
+
+
+def _token_logprob(z, targets, want_entropy: bool, compiled: bool):
+    if not compiled:
+        return _TokenLogprob.apply(z, targets, want_entropy)
+    if _COMPILED["fn"] is None:
+        _COMPILED["fn"] = torch.compile(_TokenLogprob.apply, dynamic=True)
+    return _COMPILED["fn"](z, targets, want_entropy)
 
 
 def logit_cap(device: torch.device) -> int:
@@ -113,18 +137,18 @@ class _TokenLogprob(torch.autograd.Function):
         return grad, None, None
 
 
-def _logprob_chunk(model, hidden, targets, temperature: float, want_entropy: bool, out_dtype, ignore=None):
+def _logprob_chunk(model, hidden, targets, temperature: float, want_entropy: bool, out_dtype, ignore, compiled):
     logits = head_logits(model, hidden).to(out_dtype)  # (M, V), or (K, M, V) for (M, K) targets
     if temperature != 1.0:
         logits = logits / temperature
     if targets.dim() == 1:
-        return _TokenLogprob.apply(logits, targets, want_entropy)
+        return _token_logprob(logits, targets, want_entropy, compiled)
     tok: torch.Tensor | float = 0.0
     ent: torch.Tensor | float = 0.0
     for k in range(targets.shape[1]):  # one head per stream; a pad target adds exactly nothing
         t = targets[:, k]
         keep = t.ne(ignore) if ignore is not None else torch.ones_like(t, dtype=torch.bool)
-        tok_k, ent_k = _TokenLogprob.apply(logits[k], t.where(keep, 0), want_entropy)
+        tok_k, ent_k = _token_logprob(logits[k], t.where(keep, 0), want_entropy, compiled)
         tok = tok + torch.where(keep, tok_k, 0.0)
         if want_entropy:
             ent = ent + torch.where(keep, ent_k, 0.0)
@@ -174,7 +198,7 @@ def token_logprobs(
     recompute = grad and not _keeps(hidden, vocab, out_dtype)
     for s in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[s : s + chunk_tokens], targets[s : s + chunk_tokens]
-        args = (model, h, t, temperature, entropy, out_dtype, ignore)
+        args = (model, h, t, temperature, entropy, out_dtype, ignore, _COMPILED["on"])
         if recompute:
             tok, ent = checkpoint(_logprob_chunk, *args, use_reentrant=False)
         else:
