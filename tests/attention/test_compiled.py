@@ -316,3 +316,32 @@ def test_layers_replaced_by_torch_compile():
     assert all(b == 0 for b, _ in per_step), per_step
     assert all(g == 0 for _, g in per_step[2:]), per_step
     assert sum(g for _, g in per_step) >= 1, "the layers did not run compiled"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["torch.compile(peft_model)", "accelerate.compile_regions"])
+def test_lora_model_compiled_whole_or_by_regions(how):
+    """A LoRA model compiled as a whole, and accelerate's regional compilation (each repeated block and each leaf
+    outside them compiled on its own, accelerate's ``use_regional_compilation``): gradients exact in float64 under
+    budgets that split groups, no graph break, nothing compiled after the warm-up. Regional compilation's warm-up is
+    one step longer: its checkpointed blocks guard on whether their input requires grad, and the first step whose
+    budget splits a group runs a no-grad pass of the prompt (``TORCH_LOGS=recompiles``: "requires_grad mismatch")."""
+    peft = pytest.importorskip("peft")
+    accelerate_utils = pytest.importorskip("accelerate.utils")
+    torch._dynamo.reset()
+    counters.clear()
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    pair = []
+    for _ in range(2):
+        torch.manual_seed(3)  # the same LoRA weights in both
+        pair.append(peft.get_peft_model(tiny_model("qwen3", torch.float64), config))
+    model, ref = pair
+    if how == "torch.compile(peft_model)":
+        model = torch.compile(model, backend="aot_eager")
+    else:
+        model = accelerate_utils.compile_regions(model, backend="aot_eager")
+    per_step = _run(model, ref, "backward", [LAYOUTS[i] for i in (0, 1, 2, 4, 5)])
+    warm_up = 2 if how == "torch.compile(peft_model)" else 3
+    assert all(b == 0 for b, _ in per_step), per_step
+    assert all(g == 0 for _, g in per_step[warm_up:]), per_step
+    assert sum(g for _, g in per_step) >= 1, "nothing ran compiled"
