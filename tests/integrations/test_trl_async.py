@@ -4,7 +4,8 @@ Fast: TRL's own packing (``TreeRow.pack`` of groups sharing their prompts) fed t
 loss term ``compute_loss`` takes, the log-probs, entropies and parameter gradients of one plain forward per sample
 (float64, 1e-9), also under a budget that splits a group. Slow: ``train()`` of ours against TRL's own trainer on CPU
 (stub rollout worker and weight sync, a reference kernel in place of FA3, a float64 head in place of TRL's float32
-one), with tree packing off and on: the same parameters after two steps.
+one), with tree packing off and on, and under TRL's token-budget planner: the same parameters after two steps;
+in float32 within twice TRL's own error.
 """
 
 import contextlib
@@ -174,6 +175,20 @@ def test_same_parameters_as_async_grpo_trainer(setup, trl_runs, budget, mode, ch
     assert float(plain.abs().max()) > 1e-2  # the parameters moved
     assert _err(tree, plain) <= 1e-9  # TRL's two packings agree, so either is the reference
     assert _err(ours, plain) <= 1e-9
+    assert _err(ours, tree) <= 1e-9
+
+
+@pytest.mark.slow
+def test_same_parameters_under_trl_token_budget(setup):
+    """TRL's default planner (TokenBudgetBatcher, token_budget=26 unique tokens a microbatch): microbatches of 3
+    samples and of 1, each group split between two (TRL computes its prompt in both, and so do we); ours (budget
+    10) against TRL's trainer with tree packing on."""
+    settings = dict(token_budget=26, per_device_train_batch_size=1)
+    tree = _run(setup, AsyncGRPOTrainer, AsyncGRPOConfig, **settings)
+    ours = _run(
+        setup, SharedPrefixAsyncGRPOTrainer, SharedPrefixAsyncGRPOConfig, sharedprefix_max_tokens=10, **settings
+    )
+    assert float(tree.abs().max()) > 1e-2
     assert _err(ours, tree) <= 1e-9
 
 
