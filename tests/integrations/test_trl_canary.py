@@ -1,4 +1,5 @@
-"""Canary: the TRL code SharedPrefixGRPOTrainer mirrors or relies on is the code it was checked against.
+"""Canary: the TRL code SharedPrefixGRPOTrainer and SharedPrefixAsyncGRPOTrainer mirror or rely on is the code they
+were checked against.
 
 Each entry is the SHA-256 (first 16 hex digits) of ``inspect.getsource`` of one TRL function in the tested release
 (``trl`` extra of pyproject.toml), with what to re-check when it changes. A failure is no bug by itself: re-read the
@@ -13,6 +14,7 @@ import pytest
 trl = pytest.importorskip("trl")
 
 from trl import GRPOTrainer  # noqa: E402
+from trl.experimental.async_grpo import async_grpo_trainer, packing  # noqa: E402
 from trl.trainer import utils  # noqa: E402
 
 MIRRORED = {
@@ -40,6 +42,21 @@ MIRRORED = {
     ),
     utils.unsplit_pixel_values_by_grid: ("9d31b407fc5f4399", "the inverse, used after the shuffle"),
     utils.split_tensor_dict: ("b61a5760a03e95db", "the split into steps_per_generation microbatches after the shuffle"),
+    async_grpo_trainer.AsyncGRPOTrainer.compute_loss: (
+        "5c0c485d130acb07",
+        "SharedPrefixAsyncGRPOTrainer's PackedForward: the keyword arguments compute_loss calls its model with and the "
+        "output fields it reads (log_probs, entropy, aux_loss)",
+    ),
+    packing.TreeRow.pack: (
+        "c33de3e4ab8253f0",
+        "the layout trl_async_layout.packed_tree reads (segments in DFS order, root-to-segment paths, trie-depth "
+        "positions, next-token shift_labels, every sample ending on a leaf)",
+    ),
+    packing.TreeRow.add: ("59d788cfc6cfe1fd", "the trie keyed on (token, next token) that pack lays out"),
+    async_grpo_trainer.get_peak_flops_per_device: (
+        "7882526cfca95cf0",
+        "it reads the CUDA device name; SharedPrefixAsyncGRPOTrainer answers None for it during __init__ without CUDA",
+    ),
 }
 
 
@@ -63,3 +80,14 @@ def test_trainer_attributes_we_read_exist():
         "self.temperature",
     ):
         assert f"{name} =" in src, f"GRPOTrainer.__init__ no longer sets {name}; SharedPrefixGRPOTrainer reads it."
+
+
+def test_async_trainer_attributes_we_read_exist():
+    """The AsyncGRPOTrainer attributes SharedPrefixAsyncGRPOTrainer reads after TRL's __init__, and the module-level
+    name it replaces during it without CUDA."""
+    src = inspect.getsource(async_grpo_trainer.AsyncGRPOTrainer.__init__)
+    for name in ("self.aux_loss_enabled", "self.router_aux_loss_coef", "self.temperature"):
+        assert f"{name} =" in src, (
+            f"AsyncGRPOTrainer.__init__ no longer sets {name}; SharedPrefixAsyncGRPOTrainer reads it."
+        )
+    assert "get_peak_flops_per_device(self.accelerator" in src

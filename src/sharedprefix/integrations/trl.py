@@ -240,3 +240,13 @@ def _group_preserving_shuffle(batch: dict) -> dict:
         return [v[i] for i in order]
 
     return {k: permute(v) for k, v in batch.items()}
+
+
+def __getattr__(name: str):
+    """``SharedPrefixAsyncGRPOTrainer`` and ``SharedPrefixAsyncGRPOConfig`` (``integrations.trl_async``), imported on
+    first use, so that this module does not import TRL's experimental asynchronous trainer."""
+    if name in ("SharedPrefixAsyncGRPOConfig", "SharedPrefixAsyncGRPOTrainer"):
+        from sharedprefix.integrations import trl_async
+
+        return getattr(trl_async, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,162 @@
+"""``SharedPrefixAsyncGRPOTrainer``: TRL's asynchronous ``AsyncGRPOTrainer`` with its packed rows' log-probs and
+gradients computed by sharedprefix, exactly, on any device.
+
+TRL's trainer already shares prefixes: it folds a rank's samples into a prefix trie, one packed row, and runs it
+through a tree attention that needs the FA3 varlen kernel (Hopper only), within one microbatch. Here the one hook
+``compute_loss`` is overridden, and only to hand TRL's own ``compute_loss`` (its loss, clipping, normalisation and
+metrics, unchanged) a stand-in for the model: called with the packed row and its tree index tensors, it turns them
+into a ``sharedprefix.Tree`` (``trl_async_layout``) and returns ``sp.logprobs``' log-probs and entropies on the
+packed positions, where TRL's fused head would put them. With ``sharedprefix_max_tokens`` set (or gradient
+checkpointing on, TRL's default) the values are deferred (``sp.logprobs(defer=True)``): TRL's backward of its loss
+runs ``sp.backward`` under the budget with the per-token gradients, so a group larger than the budget computes its
+prompt once and its completions in several passes, exactly.
+
+The model's own attention is switched from TRL's ``tree_fa3`` to ``sdpa`` (``eager`` where the model has no sdpa):
+nothing calls the model's forward with tree tensors any more, and sharedprefix's once-per-model head check runs the
+model's own forward on a plain row. Refused when built, each with the setting that removes it: an MoE
+load-balancing loss (TRL's is taken over the packed row's unique tokens, which no per-row computation reproduces),
+FSDP (grad-enabled ``sp.logprobs`` is refused under FSDP2), fp16 loss scaling, and what ``check_supported`` refuses.
+
+Notation: N = packed tokens of a rank's row, R = its leaf rows (samples up to identical ones), L = longest row.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer
+
+import sharedprefix as sp
+from sharedprefix.integrations.trl_async_layout import packed_tree, to_packed
+from sharedprefix.model.adapter import unwrap
+from sharedprefix.model.support import check_supported
+from sharedprefix.schedule.results import PREFIX_MODES
+
+__all__ = ["PackedForward", "SharedPrefixAsyncGRPOConfig", "SharedPrefixAsyncGRPOTrainer"]
+
+
+@dataclass
+class SharedPrefixAsyncGRPOConfig(AsyncGRPOConfig):
+    """``AsyncGRPOConfig`` plus the token budget of sharedprefix.
+
+    Args:
+        sharedprefix_max_tokens: tokens one sharedprefix pass may hold. None: a rank's packed row runs as one pass.
+            Set it to bound memory: a group larger than the budget computes its prompt once and its completions in
+            several passes (exact; the values then cost one extra no-grad forward). TRL's ``token_budget`` still
+            decides which samples form a microbatch; with this budget it can be large enough to hold whole groups.
+        sharedprefix_prefix_activations: "keep" | "offload" | "recompute", see ``sp.backward``.
+    """
+
+    sharedprefix_max_tokens: int | None = field(
+        default=None, metadata={"help": "tokens one sharedprefix pass may hold"}
+    )
+    sharedprefix_prefix_activations: str = field(default="keep", metadata={"help": "keep | offload | recompute"})
+
+
+class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
+    """``AsyncGRPOTrainer`` whose packed rows are computed by sharedprefix; same constructor, same loss."""
+
+    def __init__(self, *args, **kwargs):
+        with _without_cuda_peak_flops():
+            super().__init__(*args, **kwargs)
+        a = self.args
+        budget = getattr(a, "sharedprefix_max_tokens", None)
+        mode = getattr(a, "sharedprefix_prefix_activations", "keep")
+        if mode not in PREFIX_MODES:
+            raise ValueError(f"sharedprefix_prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"sharedprefix_max_tokens={budget!r}; expected a positive int or None.")
+        self._sp_budget, self._sp_mode = budget, mode
+        if getattr(a, "fp16", False):
+            raise ValueError(
+                "fp16=True (float16 mixed precision with loss scaling) is not supported by "
+                "SharedPrefixAsyncGRPOTrainer: its deferred backward runs inside sharedprefix, outside the gradient "
+                "scaler. Use bf16=True (or float32) instead."
+            )
+        inner = unwrap(self.model)
+        if getattr(self, "is_fsdp_enabled", False):
+            raise ValueError(
+                "FSDP is enabled (accelerate's fsdp_plugin): SharedPrefixAsyncGRPOTrainer computes TRL's log-probs "
+                "with sp.logprobs inside compute_loss, whose backward would run outside FSDP2's hooks, so sharedprefix "
+                "refuses it. Train without FSDP (one process or DDP), or call sp.backward in your own loop "
+                "(docs/distributed.md)."
+            )
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"{type(inner).__name__} is an MoE model with a load-balancing loss (router_aux_loss_coef="
+                f"{self.router_aux_loss_coef}): AsyncGRPOTrainer takes that loss over the packed row's unique tokens, "
+                "each shared prompt token once, which sharedprefix (whose aux loss is the plain per-row one) does not "
+                "reproduce. Set router_aux_loss_coef=0.0 in the config (routing itself stays exact)."
+            )
+        check_supported(inner)
+        # nothing calls the forward with TRL's tree tensors any more; the head check runs it on a plain row
+        inner.set_attn_implementation("sdpa" if inner._supports_sdpa else "eager")
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(PackedForward(self, model), inputs, return_outputs, num_items_in_batch)
+
+
+@contextmanager
+def _without_cuda_peak_flops():
+    """Without CUDA, AsyncGRPOTrainer.__init__ fails where it reads the CUDA device name for its MFU metric
+    (``get_peak_flops_per_device``); there, for the constructor's duration, the peak is unknown (None), which TRL
+    itself answers by logging no MFU. With CUDA nothing changes."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = async_grpo_trainer.get_peak_flops_per_device
+    async_grpo_trainer.get_peak_flops_per_device = lambda accelerator, dtype: None
+    try:
+        yield
+    finally:
+        async_grpo_trainer.get_peak_flops_per_device = saved
+
+
+class PackedForward:
+    """What ``AsyncGRPOTrainer.compute_loss`` calls as its model: the packed row in, per-position log-probs and
+    entropies out (``FusedCausalLMOutput``'s fields that it reads), computed by sharedprefix."""
+
+    def __init__(self, trainer: SharedPrefixAsyncGRPOTrainer, model: torch.nn.Module):
+        self.trainer, self.model = trainer, model
+
+    def __call__(
+        self,
+        input_ids,
+        position_ids,
+        shift_labels,
+        tree_kv_index,
+        tree_cu_seqlens_q,
+        tree_cu_seqlens_k,
+        tree_max_seqlen_q=None,
+        tree_max_seqlen_k=None,
+        fused_lm_head=True,
+        **extra,
+    ):
+        if not fused_lm_head or extra:
+            raise ValueError(
+                f"AsyncGRPOTrainer.compute_loss called its model with fused_lm_head={fused_lm_head} and "
+                f"{sorted(extra)}; SharedPrefixAsyncGRPOTrainer takes the packed row TRL 1.16 passes (input_ids, "
+                "position_ids, shift_labels, tree tensors, fused_lm_head=True). Use the trl version pinned in "
+                "sharedprefix's extra."
+            )
+        t = self.trainer
+        pt = packed_tree(input_ids, position_ids, shift_labels, tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k)
+        defer = True if (torch.is_grad_enabled() and t._sp_budget is not None) else None
+        with t.accelerator.autocast():  # as TRL's own forward
+            out = sp.logprobs(
+                self.model,
+                pt.tree,
+                temperature=t.temperature,
+                entropy=True,
+                max_tokens=t._sp_budget,
+                defer=defer,
+                prefix_activations=t._sp_mode,
+                grad_reduction="mean",  # TRL scales its loss for DDP's average over ranks
+                aux_loss=False,  # refused at construction
+            )
+        # TRL reads the entropies for its metrics only
+        entropy = None if out.entropy is None else to_packed(out.entropy.detach(), pt)
+        return SimpleNamespace(log_probs=to_packed(out.logprobs, pt), entropy=entropy, aux_loss=None)
