@@ -163,7 +163,7 @@ def whole_compiled(whole: tuple | None):
         yield
         return
     ctx, blocks, outer = whole
-    saved = [m._compiled_call_impl for m in outer]
+    saved = [(m, m._compiled_call_impl) for m in outer + blocks]
     for m in outer:
         m._compiled_call_impl = None
     for b in blocks:
@@ -171,9 +171,7 @@ def whole_compiled(whole: tuple | None):
     try:
         yield
     finally:
-        for b in blocks:
-            b._compiled_call_impl = None
-        for m, fn in zip(outer, saved):
+        for m, fn in saved:
             m._compiled_call_impl = fn
 
 
