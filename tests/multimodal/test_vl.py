@@ -6,14 +6,16 @@ import torch
 import sharedprefix as sp
 from helpers import assert_grads_close, assert_matches_plain_rows, grads_of
 from support.vl import (
-    IMAGE,
+    GEMMA3_GROUPS,
     MROPE_GROUPS,
-    V_END,
-    V_START,
+    gemma3_group,
     gemma3_model,
+    llava_group,
     llava_model,
     mrope_group,
     mrope_model,
+    plain_gemma3,
+    plain_llava,
     plain_mrope,
 )
 
@@ -71,42 +73,15 @@ def test_multimodal_refusals():
         sp.Group([1], [[2]], prompt_inputs={"pixel_values": [1, 2]})
 
 
-def _llava_group(seed, completions):
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.cat(
-        [
-            torch.randint(0, 90, (2,), generator=g),
-            torch.full((4,), IMAGE),  # 2x2 patches, CLS dropped
-            torch.randint(0, 90, (3,), generator=g),
-        ]
-    )
-    comps = [torch.randint(0, 90, (n,), generator=g) for n in completions]
-    return sp.Group(
-        prompt, comps, prompt_inputs={"pixel_values": torch.randn(1, 3, 8, 8, generator=g, dtype=torch.float64)}
-    )
-
-
-def _plain_llava(model, groups):
-    rows, T = [], max(c.numel() for g in groups for c in g.completions)
-    for g in groups:
-        for c in g.completions:
-            out = model(
-                input_ids=torch.cat([g.prompt, c])[None], pixel_values=g.prompt_inputs["pixel_values"], use_cache=False
-            )
-            lp = torch.log_softmax(out.logits[0, g.prompt.numel() - 1 : -1], -1).gather(-1, c[:, None])[:, 0]
-            rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
-    return torch.stack(rows)
-
-
 @pytest.mark.parametrize("budget", [None, 12])
 def test_llava_style_groups_match_plain_rows(budget):
     model = llava_model()
-    groups = [_llava_group(0, [3, 1, 4]), _llava_group(1, [2, 5])]
-    ref = _plain_llava(model, groups).detach()
+    groups = [llava_group(0, [3, 1, 4]), llava_group(1, [2, 5])]
+    ref = plain_llava(model, groups).detach()
     with torch.no_grad():
         assert (sp.logprobs(model, groups, max_tokens=budget).logprobs - ref).abs().max() <= 1e-9
     w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    want = grads_of(model, lambda: (_plain_llava(model, groups) * w).sum())
+    want = grads_of(model, lambda: (plain_llava(model, groups) * w).sum())
     got = grads_of(
         model,
         lambda: (
@@ -123,50 +98,6 @@ def test_llava_style_groups_match_plain_rows(budget):
     assert_grads_close(got, want, 1e-9)
 
 
-def _gemma3_group(seed, layout, completions, token_types=True):
-    """A prompt of text runs and images ("i": 16 image tokens between begin/end-of-image tokens), as its processor
-    lays it out, with token_type_ids 1 on the image tokens."""
-    g = torch.Generator().manual_seed(seed)
-    parts, n_images = [], 0
-    for x in layout:
-        if x == "i":
-            parts += [torch.tensor([V_START]), torch.full((16,), IMAGE), torch.tensor([V_END])]
-            n_images += 1
-        else:
-            parts.append(torch.randint(0, 90, (x,), generator=g))
-    prompt = torch.cat(parts)
-    inputs = {"pixel_values": torch.randn(n_images, 3, 8, 8, generator=g, dtype=torch.float64)}
-    if token_types:
-        inputs["token_type_ids"] = (prompt == IMAGE).long()
-    return sp.Group(prompt, [torch.randint(0, 90, (n,), generator=g) for n in completions], prompt_inputs=inputs)
-
-
-def _plain_gemma3(model, groups):
-    rows, T = [], max(c.numel() for g in groups for c in g.completions)
-    for g in groups:
-        for c in g.completions:
-            kw = {}
-            if "token_type_ids" in (g.prompt_inputs or {}):
-                kw["token_type_ids"] = torch.cat([g.prompt_inputs["token_type_ids"], torch.zeros_like(c)])[None]
-            out = model(
-                input_ids=torch.cat([g.prompt, c])[None],
-                pixel_values=(g.prompt_inputs or {}).get("pixel_values"),
-                use_cache=False,
-                **kw,
-            )
-            lp = torch.log_softmax(out.logits[0, g.prompt.numel() - 1 : -1], -1).gather(-1, c[:, None])[:, 0]
-            rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
-    return torch.stack(rows)
-
-
-GEMMA3_GROUPS = lambda: [  # noqa: E731
-    _gemma3_group(0, [2, "i", 3], [3, 1, 4]),
-    _gemma3_group(1, ["i", "i", 1], [2, 5]),
-    sp.Group(torch.tensor([5, 6, 7]), [torch.tensor([8, 9])]),
-    _gemma3_group(2, [1, "i"], [1, 2], token_types=False),
-]  # the model's causal mask
-
-
 @pytest.mark.parametrize(
     "window, budget, mode",
     [(4, None, "keep"), (4, 40, "recompute"), (4, 40, "offload"), (64, None, "keep"), (64, 40, "keep")],
@@ -175,7 +106,7 @@ def test_gemma3_bidirectional_images_match_plain_rows(window, budget, mode):
     """Gemma 3's image tokens see their whole image (16 tokens, longer than a window of 4: AND(window, OR(causal,
     image))); two adjacent images stay two blocks; text tokens and completions stay causal."""
     model = gemma3_model(window)
-    got = assert_matches_plain_rows(model, GEMMA3_GROUPS(), budget, mode, plain=_plain_gemma3)
+    got = assert_matches_plain_rows(model, GEMMA3_GROUPS(), budget, mode, plain=plain_gemma3)
     assert any("vision_tower" in n for n in got)
 
 
@@ -183,7 +114,7 @@ def test_gemma3_blocks_change_the_result():
     """The test above can fail: with the image blocks dropped, the log-probs move far beyond the tolerance."""
     model = gemma3_model(64)
     groups = GEMMA3_GROUPS()[:2]
-    ref = _plain_gemma3(model, groups)
+    ref = plain_gemma3(model, groups)
     from sharedprefix.model import multimodal
 
     orig = multimodal.Multimodal.row_blocks
@@ -206,7 +137,7 @@ def test_token_type_ids_refused_where_the_model_does_not_use_them():
     )
     with pytest.raises(ValueError, match=r"prompt_inputs has \['token_type_ids'\]"):
         sp.logprobs(model, [bad])
-    gem = _gemma3_group(0, [2, "i", 3], [3])
+    gem = gemma3_group(0, [2, "i", 3], [3])
     short = sp.Group(
         gem.prompt,
         gem.completions,

@@ -215,3 +215,74 @@ def qwen3_5_vl():
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return dtype_faithful_norms(tf.Qwen3_5ForConditionalGeneration(cfg).double().eval())
+
+
+def llava_group(seed, completions):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.cat(
+        [
+            torch.randint(0, 90, (2,), generator=g),
+            torch.full((4,), IMAGE),  # 2x2 patches, CLS dropped
+            torch.randint(0, 90, (3,), generator=g),
+        ]
+    )
+    comps = [torch.randint(0, 90, (n,), generator=g) for n in completions]
+    return sp.Group(
+        prompt, comps, prompt_inputs={"pixel_values": torch.randn(1, 3, 8, 8, generator=g, dtype=torch.float64)}
+    )
+
+
+def plain_llava(model, groups):
+    rows, T = [], max(c.numel() for g in groups for c in g.completions)
+    for g in groups:
+        for c in g.completions:
+            out = model(
+                input_ids=torch.cat([g.prompt, c])[None], pixel_values=g.prompt_inputs["pixel_values"], use_cache=False
+            )
+            lp = torch.log_softmax(out.logits[0, g.prompt.numel() - 1 : -1], -1).gather(-1, c[:, None])[:, 0]
+            rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
+    return torch.stack(rows)
+
+
+def gemma3_group(seed, layout, completions, token_types=True):
+    """A prompt of text runs and images ("i": 16 image tokens between begin/end-of-image tokens), as its processor
+    lays it out, with token_type_ids 1 on the image tokens."""
+    g = torch.Generator().manual_seed(seed)
+    parts, n_images = [], 0
+    for x in layout:
+        if x == "i":
+            parts += [torch.tensor([V_START]), torch.full((16,), IMAGE), torch.tensor([V_END])]
+            n_images += 1
+        else:
+            parts.append(torch.randint(0, 90, (x,), generator=g))
+    prompt = torch.cat(parts)
+    inputs = {"pixel_values": torch.randn(n_images, 3, 8, 8, generator=g, dtype=torch.float64)}
+    if token_types:
+        inputs["token_type_ids"] = (prompt == IMAGE).long()
+    return sp.Group(prompt, [torch.randint(0, 90, (n,), generator=g) for n in completions], prompt_inputs=inputs)
+
+
+def plain_gemma3(model, groups):
+    rows, T = [], max(c.numel() for g in groups for c in g.completions)
+    for g in groups:
+        for c in g.completions:
+            kw = {}
+            if "token_type_ids" in (g.prompt_inputs or {}):
+                kw["token_type_ids"] = torch.cat([g.prompt_inputs["token_type_ids"], torch.zeros_like(c)])[None]
+            out = model(
+                input_ids=torch.cat([g.prompt, c])[None],
+                pixel_values=(g.prompt_inputs or {}).get("pixel_values"),
+                use_cache=False,
+                **kw,
+            )
+            lp = torch.log_softmax(out.logits[0, g.prompt.numel() - 1 : -1], -1).gather(-1, c[:, None])[:, 0]
+            rows.append(torch.nn.functional.pad(lp, (0, T - c.numel())))
+    return torch.stack(rows)
+
+
+GEMMA3_GROUPS = lambda: [  # noqa: E731
+    gemma3_group(0, [2, "i", 3], [3, 1, 4]),
+    gemma3_group(1, ["i", "i", 1], [2, 5]),
+    sp.Group(torch.tensor([5, 6, 7]), [torch.tensor([8, 9])]),
+    gemma3_group(2, [1, "i"], [1, 2], token_types=False),
+]  # the model's causal mask
