@@ -345,3 +345,55 @@ def test_lora_model_compiled_whole_or_by_regions(how):
     assert all(b == 0 for b, _ in per_step), per_step
     assert all(g == 0 for _, g in per_step[warm_up:]), per_step
     assert sum(g for _, g in per_step) >= 1, "nothing ran compiled"
+
+
+def _vl(kind):
+    """(model builder, its groups, their plain forward per row, a budget that splits groups) for a tiny float64
+    vision-language model (the budgets of tests/multimodal/test_vl.py)."""
+    from support import vl
+
+    if kind == "llava":
+        groups = lambda: [vl.llava_group(0, [3, 1, 4]), vl.llava_group(1, [2, 5])]  # noqa: E731
+        return vl.llava_model, groups, vl.plain_llava, 12
+    if kind == "gemma3":  # bidirectional image blocks longer than the window
+        return lambda: vl.gemma3_model(4), vl.GEMMA3_GROUPS, vl.plain_gemma3, 40
+    return lambda: vl.mrope_model(kind), vl.MROPE_GROUPS, vl.plain_mrope, 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl", "llava", "gemma3"])
+def test_compiled_layers_with_images(kind):
+    """Prompts with images through compiled language-model layers (the vision tower once per group, M-RoPE, Qwen3-VL's
+    deepstack, Gemma 3's bidirectional image blocks): no graph break, nothing compiled after the second step, and
+    against the same model's eager sharedprefix run within 1e-12 (log-probs; gradients relative), and the plain rows
+    within the tolerance of tests/multimodal/test_vl.py, under a budget that splits groups."""
+    from sharedprefix.model.adapter import decoder
+
+    build, groups_of, plain, split = _vl(kind)
+    torch._dynamo.reset()
+    counters.clear()
+    model, eager = build(), build()
+    for layer in decoder(model).layers:
+        layer.compile()
+    per_step = []
+    for step, budget in enumerate([None, split, None, split]):
+        groups = groups_of()
+        before = _counts()
+        w = torch.randn(plain(eager, groups).shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        loss = lambda b: (b.logprobs * w[b.index]).sum()  # noqa: E731
+        with torch.no_grad():
+            got, ours = (sp.logprobs(m, groups, max_tokens=budget).logprobs for m in (model, eager))
+        got_g, ours_g = (
+            grads_of(m, lambda: sp.backward(m, groups, loss, max_tokens=budget) and None) for m in (model, eager)
+        )
+        per_step.append(tuple(a - b for a, b in zip(_counts(), before)))
+        assert (got - ours).abs().max() <= 1e-12
+        assert_grads_close({n.replace("_orig_mod.", ""): g for n, g in got_g.items()}, ours_g, 1e-12)
+        if step < 2:  # against the plain rows, as the eager tests check
+            with torch.no_grad():
+                assert (got - plain(eager, groups)).abs().max() <= 1e-9
+            want = grads_of(eager, lambda: (plain(eager, groups) * w).sum())
+            assert_grads_close({n.replace("_orig_mod.", ""): g for n, g in got_g.items()}, want, 1e-9)
+    assert all(b == 0 for b, _ in per_step), per_step
+    assert all(g == 0 for _, g in per_step[2:]), per_step
+    assert sum(g for _, g in per_step) >= 1, "the layers did not run compiled"

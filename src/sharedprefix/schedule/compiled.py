@@ -60,8 +60,6 @@ def _eager_reasons(run, pats: dict) -> list[str]:
         out.append("sequence parallelism exchanges heads inside attention")
     if run.par.fsdp or run.par.tensor > 1:
         out.append("FSDP2 and tensor parallelism are not yet run through compiled layers")
-    if run.mm is not None:
-        out.append("prompts with images run the model's own multimodal forward")
     if run.frames is not None:
         out.append("multi-stream (MusicGen) decoders are not yet run through compiled layers")
     if mixers.on_packed_path(run.model):
