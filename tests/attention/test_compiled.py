@@ -360,6 +360,28 @@ def _vl(kind):
     return lambda: vl.mrope_model(kind), vl.MROPE_GROUPS, vl.plain_mrope, 16
 
 
+def _vl_step(model, eager, groups, plain, budget, against_plain):
+    """sp.logprobs and sp.backward on the compiled ``model`` against the same calls on ``eager`` (1e-12), and with
+    ``against_plain`` against the plain rows (1e-9, as tests/multimodal/test_vl.py)."""
+    w = torch.randn(plain(eager, groups).shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def loss(b):
+        return (b.logprobs * w[b.index]).sum()
+
+    def backward(m):
+        return grads_of(m, lambda: sp.backward(m, groups, loss, max_tokens=budget) and None)
+
+    with torch.no_grad():
+        got, ours = (sp.logprobs(m, groups, max_tokens=budget).logprobs for m in (model, eager))
+    got_g = {n.replace("_orig_mod.", ""): g for n, g in backward(model).items()}
+    assert (got - ours).abs().max() <= 1e-12
+    assert_grads_close(got_g, backward(eager), 1e-12)
+    if against_plain:
+        with torch.no_grad():
+            assert (got - plain(eager, groups)).abs().max() <= 1e-9
+        assert_grads_close(got_g, grads_of(eager, lambda: (plain(eager, groups) * w).sum()), 1e-9)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl", "llava", "gemma3"])
 def test_compiled_layers_with_images(kind):
@@ -377,23 +399,9 @@ def test_compiled_layers_with_images(kind):
         layer.compile()
     per_step = []
     for step, budget in enumerate([None, split, None, split]):
-        groups = groups_of()
         before = _counts()
-        w = torch.randn(plain(eager, groups).shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        loss = lambda b: (b.logprobs * w[b.index]).sum()  # noqa: E731
-        with torch.no_grad():
-            got, ours = (sp.logprobs(m, groups, max_tokens=budget).logprobs for m in (model, eager))
-        got_g, ours_g = (
-            grads_of(m, lambda: sp.backward(m, groups, loss, max_tokens=budget) and None) for m in (model, eager)
-        )
+        _vl_step(model, eager, groups_of(), plain, budget, against_plain=step < 2)
         per_step.append(tuple(a - b for a, b in zip(_counts(), before)))
-        assert (got - ours).abs().max() <= 1e-12
-        assert_grads_close({n.replace("_orig_mod.", ""): g for n, g in got_g.items()}, ours_g, 1e-12)
-        if step < 2:  # against the plain rows, as the eager tests check
-            with torch.no_grad():
-                assert (got - plain(eager, groups)).abs().max() <= 1e-9
-            want = grads_of(eager, lambda: (plain(eager, groups) * w).sum())
-            assert_grads_close({n.replace("_orig_mod.", ""): g for n, g in got_g.items()}, want, 1e-9)
     assert all(b == 0 for b, _ in per_step), per_step
     assert all(g == 0 for _, g in per_step[2:]), per_step
     assert sum(g for _, g in per_step) >= 1, "the layers did not run compiled"
