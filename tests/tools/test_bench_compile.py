@@ -10,7 +10,7 @@ from sharedprefix.cli.main import main as cli_main
 from sharedprefix.tools import bench_compile
 
 
-@pytest.mark.slow  # about 8 CPU seconds (dynamo traces two layers); test_gpu_check.py parses recorded lines
+@pytest.mark.slow  # about 9 CPU seconds (dynamo traces two layers); test_gpu_check.py parses recorded lines
 def test_bench_compile_prints_its_runs_and_figures(monkeypatch, capsys):
     monkeypatch.setattr(bench_compile, "BACKEND", "eager")
     args = ["bench", "--compile", "--prompt", "24", "--completion", "4", "--G", "2", "--layers", "1"]
