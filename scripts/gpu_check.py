@@ -3,22 +3,27 @@
 Runs from the source tree (PYTHONPATH=src) with the machine's own python3 and packages (torch, transformers,
 pytest): the `gpu` tests (the varlen flash primitive and the cascade in bf16, sp.logprobs / sp.backward by the
 2x rule), the GPU benchmark (`sharedprefix bench --device cuda`, with its dense-dispatch ablation), the long-prompt
-table (`bench --device cuda --long --no-capacity`), the capacity line (`--long --capacity-only`) and the hybrid tree
-benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16`),
-each under its own timeout (together under 10 minutes), so that a hang still leaves a report. Writes
+table (`bench --device cuda --long --no-capacity`), the capacity line (`--long --capacity-only`), the hybrid tree
+benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16`) and
+eager against compiled decoder layers (`bench --device cuda --compile`), each under its own timeout (590 s
+together), so that a hang still leaves a report. Writes
 benchmarks/gpu_<device>.txt, whose last line is machine-readable (``summary_line``):
 
     gpu-summary gpu_tests=pass|fail|not_run flop_eff_8192_512_16=F flop_eff_min=F long_vs_inpass_min=F
                 long_peak_vs_plain_max=F capacity_vs_plain=F offload_vs_recompute_max=F
                 hybrid_tree_vs_tokens=F hybrid_tree_vs_flops=F hybrid_tree_flops_vs_tokens=F
+                compile_eager_x=F compile_compiled_x=F compile_vs_eager=F compile_timed_recompiles=F
 
 flop_eff: the speed-up over the plain rows divided by the FLOP ratio (at P=8192, T=512, G=16; the smallest over the
 table); long_vs_inpass_min: in-pass sharing's time over ours (keep), the smallest over the long shapes;
 long_peak_vs_plain_max: our peak (recompute) over the plain rows', the largest; capacity_vs_plain: our longest prompt
 over the plain rows'; offload_vs_recompute_max: offload's time over recompute's, the largest; hybrid_tree_vs_tokens,
 hybrid_tree_vs_flops: the hybrid packed tree's speed-up over plain rows divided by the ratio of tokens computed, and by
-the (estimated) FLOP ratio; hybrid_tree_flops_vs_tokens: that FLOP ratio over the token ratio. "nan" where a step did
-not report the figure (it failed, timed out or ran out of memory).
+the (estimated) FLOP ratio; hybrid_tree_flops_vs_tokens: that FLOP ratio over the token ratio; compile_eager_x,
+compile_compiled_x: our speed-up over the plain rows with eager and with compiled decoder layers (layer.compile());
+compile_vs_eager: the compiled speed-up over the eager one (the target: at least 1); compile_timed_recompiles: the
+graphs compiled plus the graph breaks seen during the compile step's timed runs (the target: 0). "nan" where a step
+did not report the figure (it failed, timed out or ran out of memory).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 import transformers
 
 from sharedprefix.attention.kernels import missing_cuda_ops
+from sharedprefix.tools.bench_compile import figures as compile_figures
 from sharedprefix.tools.bench_hybrid import tree_figures
 
 
@@ -59,7 +65,7 @@ def _run(cmd, env, timeout, keep=None, log=None):
     return rc, out + (stderr.strip().splitlines()[-20:] if rc != 0 else [])
 
 
-TIMEOUTS = {"tests": 110, "bench": 130, "long": 110, "capacity": 110, "hybrid": 110}  # seconds; 570 in all
+TIMEOUTS = {"tests": 100, "bench": 120, "long": 100, "capacity": 90, "hybrid": 90, "compile": 90}  # 590 s in all
 _NUM = r"(nan|inf|[0-9.]+)"
 
 
@@ -107,10 +113,13 @@ def _pick(values, how) -> float:
     return how(vals) if vals and len(vals) == len(list(values)) else float("nan")
 
 
-def summary_line(tests_ok: bool | None, bench_lines, long_lines, capacity_lines, hybrid_lines=()) -> str:
+def summary_line(
+    tests_ok: bool | None, bench_lines, long_lines, capacity_lines, hybrid_lines=(), compile_lines=()
+) -> str:
     """The machine-readable last line of benchmarks/gpu_<device>.txt (the module docstring defines each figure)."""
     eff = parse_flop_eff(bench_lines)
     hyb = tree_figures(hybrid_lines)
+    comp = compile_figures(compile_lines)
     long = parse_long(long_lines)
     cap = parse_capacity(capacity_lines)
     nan = float("nan")
@@ -127,6 +136,8 @@ def summary_line(tests_ok: bool | None, bench_lines, long_lines, capacity_lines,
             [_ratio(get(r, "offload", 0), get(r, "recompute", 0)) for r in long.values()], max
         ),
         **{f"hybrid_tree_{k}": hyb.get(k, nan) for k in ("vs_tokens", "vs_flops", "flops_vs_tokens")},
+        **{f"compile_{k}": comp.get(k, nan) for k in ("eager_x", "compiled_x", "vs_eager")},
+        "compile_timed_recompiles": comp.get("timed_graphs", nan) + comp.get("timed_breaks", nan),
     }
     tests = "not_run" if tests_ok is None else "pass" if tests_ok else "fail"
     return "gpu-summary gpu_tests=" + tests + "".join(f" {k}={v:.3f}" for k, v in figures.items())
@@ -200,6 +211,7 @@ def main() -> int:
             "sharedprefix bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16",
             [*bench, "--hybrid", "--tree", "--dims", "qwen3.5", "--layers", "16", "--repeats", "1"],
         ),
+        ("compile", "sharedprefix bench --device cuda --compile", [*bench, "--compile", "--repeats", "2"]),
     ]
     rcs = [rc_tests]
     for key, title, cmd in steps:
@@ -214,7 +226,12 @@ def main() -> int:
     lines += [
         "",
         summary_line(
-            rc_tests == 0 if ran_tests else None, outs["bench"], outs["long"], outs["capacity"], outs["hybrid"]
+            rc_tests == 0 if ran_tests else None,
+            outs["bench"],
+            outs["long"],
+            outs["capacity"],
+            outs["hybrid"],
+            outs["compile"],
         ),
     ]
     print(lines[-1], flush=True)

@@ -64,21 +64,35 @@ counted); \
 no weights built)
 """.splitlines()  # made-up figures in the format of tools.bench_hybrid.tree
 
+COMPILE = """\
+model: Qwen3-4B layer shapes, bf16, 4 layers, NVIDIA H200; group: prompt 4096, G=8 completions of 512; forward+backward
+           run |        s | compile s |           loss
+   eager plain |    0.300 |         - |   1.000000e+05
+compiled plain |    0.250 |      40.0 |   1.000000e+05
+    eager ours |    0.120 |         - |   1.000000e+05
+ compiled ours |    0.110 |      30.0 |   1.000000e+05
+speed-up: eager ours over eager plain 2.50x | compiled ours over compiled plain 2.27x | compiled / eager 0.909 (target \
+>= 1)
+compiling: plain 1.20x faster, ours 1.09x faster
+timed rounds: graphs compiled 0, graph breaks 1 | warm-up: graphs compiled 2, graph breaks 0
+""".splitlines()  # made-up figures in the format of tools.bench_compile.run
+
 CAPACITY = ["capacity (longest prompt that trains; G=16, T=1024, 8 layers, doubling from 16384 up to 131072): "
             "plain 65536 | in_pass 32768 | ours 131072 (the search's limit)"]  # fmt: skip
 
 
 def test_summary_line_from_recorded_output():
-    line = _gpu_check().summary_line(True, BENCH, LONG, CAPACITY, HYBRID)
+    line = _gpu_check().summary_line(True, BENCH, LONG, CAPACITY, HYBRID, COMPILE)
     assert line == (
         "gpu-summary gpu_tests=pass flop_eff_8192_512_16=0.733 flop_eff_min=0.719 long_vs_inpass_min=1.800 "
         "long_peak_vs_plain_max=0.400 capacity_vs_plain=2.000 offload_vs_recompute_max=1.200 "
-        "hybrid_tree_vs_tokens=0.750 hybrid_tree_vs_flops=0.940 hybrid_tree_flops_vs_tokens=0.797"
+        "hybrid_tree_vs_tokens=0.750 hybrid_tree_vs_flops=0.940 hybrid_tree_flops_vs_tokens=0.797 "
+        "compile_eager_x=2.500 compile_compiled_x=2.270 compile_vs_eager=0.909 compile_timed_recompiles=1.000"
     )
 
 
 def test_summary_line_says_nan_for_what_a_failed_step_did_not_report():
-    line = _gpu_check().summary_line(False, BENCH[:3], LONG[:5], [], HYBRID[:2])
+    line = _gpu_check().summary_line(False, BENCH[:3], LONG[:5], [], HYBRID[:2], COMPILE[:6])
     figures = dict(kv.split("=") for kv in line.split()[1:])
     assert figures["gpu_tests"] == "fail" and figures["flop_eff_min"] == "0.719"
     assert figures["hybrid_tree_vs_tokens"] == "0.750" and figures["hybrid_tree_flops_vs_tokens"] == "nan"
@@ -86,6 +100,7 @@ def test_summary_line_says_nan_for_what_a_failed_step_did_not_report():
     assert figures["flop_eff_8192_512_16"] == figures["capacity_vs_plain"] == "nan"
     assert figures["long_vs_inpass_min"] == "2.500"  # the one shape with both runs
     assert figures["long_peak_vs_plain_max"] == figures["offload_vs_recompute_max"] == "nan"  # recompute never ran
+    assert figures["compile_eager_x"] == figures["compile_timed_recompiles"] == "nan"  # the step stopped in its table
 
 
 def test_longest_doubles_until_it_does_not_fit():
@@ -150,5 +165,9 @@ def test_summary_figures_are_named_as_the_issue_specifies(figure):
         "hybrid_tree_vs_tokens",
         "hybrid_tree_vs_flops",
         "hybrid_tree_flops_vs_tokens",
+        "compile_eager_x",
+        "compile_compiled_x",
+        "compile_vs_eager",
+        "compile_timed_recompiles",
     ]
     assert figure in keys

@@ -5,6 +5,8 @@ Default (speed): forward+backward of one group, plain SDPA rows with logits only
 positions vs sharedprefix; Qwen3 architecture, hidden 512, 4 layers, 8 heads / 4 KV heads,
 head_dim 64, intermediate 1536, vocab 32000, float32; prompt 2048, completions 128, G = 8.
 
+--compile (tools/bench_compile.py): eager and compiled decoder layers, plain rows and sharedprefix, interleaved.
+
 --memory: prompt 4096, completions 256, G in 4 8 16 32, budget 6144 tokens: the plain run
 microbatched by whole rows under the budget; shared attention inside a pass only (a group
 split across passes recomputes its prompt, as Prefix Grouper and verl do); and the
@@ -73,6 +75,12 @@ def add_arguments(p):
         help="vision-language shape: 1024 visual + 256 text prompt tokens, "
         "G=8 x 256, Qwen2-VL architecture (plain rows with their images vs sharedprefix)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="eager and compiled decoder layers (layer.compile()): plain rows and sharedprefix, four runs interleaved "
+        "(tools/bench_compile.py; CPU shape: prompt 1024, G=8 x 128; on CUDA the GPU model, prompt 4096, G=8 x 512)",
+    )
     p.add_argument("--prompt", type=int, default=None, help="prompt length (default 2048, or 4096 with --memory)")
     p.add_argument("--completion", type=int, default=None, help="completion length (default 128, or 256)")
     p.add_argument("--G", type=int, nargs="+", default=None, help="group size(s) (default 8, or 4 8 16 32)")
@@ -122,6 +130,15 @@ def run(args):
         args.layers = 2 if args.long else 4
     if args.long:
         return _long(args)
+    if args.compile:
+        from sharedprefix.tools import bench_compile
+
+        shape = None
+        if args.prompt or args.completion or args.G:
+            P, T, G = bench_compile.CUDA_SHAPE if str(args.device).startswith("cuda") else bench_compile.CPU_SHAPE
+            shape = (args.prompt or P, args.completion or T, (args.G or [G])[0])
+        bench_compile.run(args.layers, args.repeats, args.device, shape, lambda line: print(line, flush=True))
+        return 0
     if args.memory and args.tree:
         from sharedprefix.tools import bench_tree
 
