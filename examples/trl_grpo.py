@@ -1,6 +1,6 @@
-"""SharedPrefixGRPOTrainer on the built-in kv task with a tiny model, runnable on CPU.
+"""SharedPrefixGRPOTrainer (or with --rloo SharedPrefixRLOOTrainer) on the built-in kv task with a tiny model, on CPU.
 
-Single process:      python examples/trl_grpo.py
+Single process:      python examples/trl_grpo.py [OUTPUT_DIR] [--rloo]
 Two CPU processes:   accelerate launch --multi_gpu --num_processes 2 examples/trl_grpo.py
                      or torchrun --standalone --nproc_per_node 2 examples/trl_grpo.py
                      (without GPUs, accelerate runs DDP over gloo on the CPU)
@@ -14,7 +14,12 @@ import datasets
 import torch
 import transformers as tf
 
-from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer
+from sharedprefix.integrations.trl import (
+    SharedPrefixGRPOConfig,
+    SharedPrefixGRPOTrainer,
+    SharedPrefixRLOOConfig,
+    SharedPrefixRLOOTrainer,
+)
 from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer
 
 task = KeyValueTask(records=12)
@@ -44,8 +49,12 @@ cfg = tf.Qwen3Config(
 )
 torch.manual_seed(0)
 model = tf.Qwen3ForCausalLM(cfg)
-out = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp()
-args = SharedPrefixGRPOConfig(
+rloo = "--rloo" in sys.argv[1:]
+Trainer, Config = (
+    (SharedPrefixRLOOTrainer, SharedPrefixRLOOConfig) if rloo else (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig)
+)
+out = next((a for a in sys.argv[1:] if a != "--rloo"), None) or tempfile.mkdtemp()
+args = Config(
     output_dir=out,
     num_generations=4,
     per_device_train_batch_size=8,
@@ -61,10 +70,11 @@ args = SharedPrefixGRPOConfig(
     sharedprefix_max_tokens=48,
     sharedprefix_prefix_activations="recompute",
 )
-trainer = SharedPrefixGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
+trainer = Trainer(model=model, reward_funcs=reward, args=args, train_dataset=data, processing_class=tok)
 trainer.train()
 if trainer.accelerator.is_main_process:
-    print(f"done: {trainer.state.global_step} steps on {trainer.accelerator.num_processes} process(es)")
+    steps, processes = trainer.state.global_step, trainer.accelerator.num_processes
+    print(f"done: {steps} steps of {type(trainer).__name__} on {processes} process(es)")
 if torch.distributed.is_available() and torch.distributed.is_initialized():
     # leave the process group before the interpreter exits: gloo's threads torn down at exit can abort the process
     trainer.accelerator.wait_for_everyone()

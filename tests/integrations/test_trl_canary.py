@@ -1,5 +1,5 @@
-"""Canary: the TRL code SharedPrefixGRPOTrainer and SharedPrefixAsyncGRPOTrainer mirror or rely on is the code they
-were checked against.
+"""Canary: the TRL code SharedPrefixGRPOTrainer, SharedPrefixRLOOTrainer and SharedPrefixAsyncGRPOTrainer mirror
+or rely on is the code they were checked against.
 
 Each entry is the SHA-256 (first 16 hex digits) of ``inspect.getsource`` of one TRL function in the tested release
 (``trl`` extra of pyproject.toml), with what to re-check when it changes. A failure is no bug by itself: re-read the
@@ -13,7 +13,7 @@ import pytest
 
 trl = pytest.importorskip("trl")
 
-from trl import GRPOTrainer  # noqa: E402
+from trl import GRPOTrainer, RLOOTrainer  # noqa: E402
 from trl.experimental.async_grpo import async_grpo_trainer, packing  # noqa: E402
 from trl.trainer import utils  # noqa: E402
 
@@ -31,6 +31,19 @@ MIRRORED = {
     GRPOTrainer._get_per_token_logps_and_entropies: (
         "ea73c3909275851d",
         "the hook we override: its signature, the (logps, entropies, aux_loss) it returns, the image layouts it slices",
+    ),
+    RLOOTrainer._prepare_inputs: (
+        "f824e7fb07147956",
+        "SharedPrefixHooks._prepare_inputs, shared with GRPO, mirrors this body too: it must stay GRPOTrainer's",
+    ),
+    RLOOTrainer._compute_loss: (
+        "c1f9fa0cd5a6948c",
+        "how RLOO calls the log-prob hook (compute_entropy=True for a metric only, so SharedPrefixRLOOTrainer detaches "
+        "the entropies; compute_aux_loss, image keys) and adds router_aux_loss_coef * aux_loss",
+    ),
+    RLOOTrainer._get_per_token_logps_and_entropies: (
+        "ea73c3909275851d",
+        "the hook we override, shared with GRPO: its signature, the (logps, entropies, aux_loss) it returns",
     ),
     utils.shuffle_sequence_dict: (
         "bab038755e57ed2b",
@@ -70,16 +83,21 @@ def test_mirrored_trl_code_is_unchanged(fn):
     )
 
 
-def test_trainer_attributes_we_read_exist():
-    """The GRPOTrainer attributes the trainer reads after TRL's __init__ (their names are not part of TRL's API)."""
-    src = inspect.getsource(GRPOTrainer.__init__)
-    for name in (
-        "self.aux_loss_enabled",
-        "self.router_aux_loss_coef",
-        "self._entropy_bonus_enabled",
-        "self.temperature",
-    ):
-        assert f"{name} =" in src, f"GRPOTrainer.__init__ no longer sets {name}; SharedPrefixGRPOTrainer reads it."
+@pytest.mark.parametrize(
+    "trainer, names",
+    [
+        (GRPOTrainer, ("aux_loss_enabled", "router_aux_loss_coef", "_entropy_bonus_enabled", "temperature")),
+        (RLOOTrainer, ("aux_loss_enabled", "router_aux_loss_coef", "temperature")),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_trainer_attributes_we_read_exist(trainer, names):
+    """The trainer attributes our hooks read after TRL's __init__ (their names are not part of TRL's API)."""
+    src = inspect.getsource(trainer.__init__)
+    for name in names:
+        assert f"self.{name} =" in src, (
+            f"{trainer.__name__}.__init__ no longer sets {name}; SharedPrefixHooks reads it."
+        )
 
 
 def test_async_trainer_attributes_we_read_exist():

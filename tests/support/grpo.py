@@ -31,10 +31,10 @@ def dataset():
     return datasets.Dataset.from_dict({"prompt": [s.prompt for s in samples], "answer": [s.answer for s in samples]})
 
 
-def build_trainer(model, tok, tmp_path, **kw):
-    """A SharedPrefixGRPOTrainer on ``dataset()`` and ``reward`` (CPU, float32, groups of 4);
-    ``kw``: settings to add."""
-    args = SharedPrefixGRPOConfig(
+def build_trainer(model, tok, tmp_path, trainer_cls=SharedPrefixGRPOTrainer, config_cls=SharedPrefixGRPOConfig, **kw):
+    """A SharedPrefixGRPOTrainer (or ``trainer_cls`` with ``config_cls``) on ``dataset()`` and ``reward`` (CPU,
+    float32, groups of 4); ``kw``: settings to add."""
+    args = config_cls(
         output_dir=str(tmp_path),
         num_generations=4,
         per_device_train_batch_size=8,
@@ -44,9 +44,7 @@ def build_trainer(model, tok, tmp_path, **kw):
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return SharedPrefixGRPOTrainer(
-            model=model, reward_funcs=reward, args=args, train_dataset=dataset(), processing_class=tok
-        )
+        return trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset(), processing_class=tok)
 
 
 def tiny_for_tokenizer(model_type: str, tok, cls):
@@ -86,10 +84,10 @@ def train(cls, args, **trainer_kwargs):
     return trainer
 
 
-def train_two_steps(cls, cfg_cls, model, tok, tmp_path, **kw):
-    """``cls`` (``GRPOTrainer`` or ``SharedPrefixGRPOTrainer``) trained 2 steps (``two_step_args``) on ``dataset()``
-    and ``reward``: groups of 4, 8 rows a step, completions of up to 3 tokens at temperature 1; ``kw``: settings to add
-    or override. Returns the trainer."""
+def train_two_steps(cls, cfg_cls, model, tok, tmp_path, peft_config=None, **kw):
+    """``cls`` (``GRPOTrainer``, ``RLOOTrainer`` or ours) trained 2 steps (``two_step_args``) on ``dataset()`` and
+    ``reward``: groups of 4, 8 rows a step, completions of up to 3 tokens at temperature 1; ``peft_config`` to the
+    trainer; ``kw``: settings to add or override. Returns the trainer."""
     settings = dict(
         num_generations=4,
         per_device_train_batch_size=8,
@@ -98,7 +96,8 @@ def train_two_steps(cls, cfg_cls, model, tok, tmp_path, **kw):
         max_completion_length=3,
     )
     args = two_step_args(cfg_cls, tmp_path, **{**settings, **kw})
-    return train(cls, args, model=model, reward_funcs=reward, train_dataset=dataset(), processing_class=tok)
+    peft = {} if peft_config is None else {"peft_config": peft_config}
+    return train(cls, args, model=model, reward_funcs=reward, train_dataset=dataset(), processing_class=tok, **peft)
 
 
 def qwen3_model(tok):
@@ -160,3 +159,42 @@ def moe_model(tmp_path, tok, kind):
     model = MOE_MODELS[kind]._from_config(cfg, attn_implementation=impl)
     model.save_pretrained(tmp_path / "init")
     return str(tmp_path / "init"), model.state_dict()
+
+
+def plain_rows(cls):
+    """``cls`` (a TRL trainer) whose log-prob hook is a plain transformers forward of each row alone, without its
+    padding (positions from 0), log-softmax in the model's dtype: with ``float64_qwen3_norms``, the float64 reference.
+    TRL's own hook runs its fused LM head in float32 even for a float64 model, so a float64 TRL run agrees with the
+    exact one to float32 rounding only. Text rows without holes, no aux loss."""
+
+    class PlainRows(cls):
+        def _get_per_token_logps_and_entropies(
+            self, model, input_ids, attention_mask, logits_to_keep, compute_entropy=False, **kw
+        ):
+            assert not kw.get("compute_aux_loss") and kw.get("pixel_values") is None
+            C = logits_to_keep
+            dtype = next(model.parameters()).dtype
+            lp = torch.zeros(input_ids.shape[0], C, dtype=dtype)
+            ent = torch.zeros_like(lp)
+            for b in range(input_ids.shape[0]):
+                n = int(attention_mask[b, -C:].sum())
+                if n == 0:
+                    continue
+                row = input_ids[b][attention_mask[b].bool()]
+                logp = (model(input_ids=row[None]).logits[0, -n - 1 : -1] / self.temperature).log_softmax(-1)
+                lp[b, :n] = logp.gather(-1, row[-n:, None]).squeeze(-1)
+                ent[b, :n] = -(logp.exp() * logp).sum(-1)
+            return lp, (ent if compute_entropy else None), None
+
+    return PlainRows
+
+
+def float64_qwen3_norms(monkeypatch):
+    """Qwen3's RMSNorm computed in its input's dtype for the rest of the test (transformers' rounds to float32 even in a
+    float64 model, so a float64 run is only float32-accurate there). Patched on the class, since TRL's ``train()``
+    drops a replacement set on the modules (``dtype_faithful_norms``); float32 inputs give what the original gives."""
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(tf.models.qwen3.modeling_qwen3.Qwen3RMSNorm, "forward", forward)

@@ -1,6 +1,8 @@
-"""``SharedPrefixGRPOTrainer``: TRL's ``GRPOTrainer`` with every log-prob computed by sharedprefix.
+"""``SharedPrefixGRPOTrainer`` and ``SharedPrefixRLOOTrainer``: TRL's ``GRPOTrainer`` and ``RLOOTrainer`` with every
+log-prob computed by sharedprefix.
 
-Only two hooks of ``GRPOTrainer`` are overridden, so TRL's own loss code (every ``loss_type``,
+Only two hooks are overridden (``SharedPrefixHooks``, mixed into both: the two TRL trainers share the hook's signature
+and the body of ``_prepare_inputs``), so TRL's own loss code (every ``loss_type``, RLOO's sequence-level ratio,
 clipping, KL, entropy bonus, masks, metrics) runs unchanged:
 
 - ``_get_per_token_logps_and_entropies`` turns the rows ``[left-padded prompt | completion]`` into a
@@ -20,11 +22,12 @@ Images (Qwen-style ``pixel_values`` with ``image_grid_thw``, or Llava-style ``pi
 vision tower and prompt run once. Hybrid models (``schedule.cache_path``, which takes groups, not trees): the rows
 are regrouped by prompt the same way.
 
-What TRL's loss asks of the hook, as GRPOTrainer computes it: the MoE load-balancing loss of the microbatch's rows
-(``compute_aux_loss``: ``sp.logprobs(aux_loss=True)``, exact under a budget, see ``model.router``); rows whose
-completion is all masked stay in the tree with nothing trained, so an all-masked microbatch gives a zero loss with
-a graph; entropies keep a graph only when the entropy bonus uses them; ``cast_lm_head_to_fp32`` runs the head in
-float32 outside autocast. What cannot be computed exactly is refused when the trainer is built.
+What TRL's loss asks of the hook, as GRPOTrainer and RLOOTrainer compute it: the MoE load-balancing loss of the
+microbatch's rows (``compute_aux_loss``: ``sp.logprobs(aux_loss=True)``, exact under a budget, see ``model.router``);
+rows whose completion is all masked stay in the tree with nothing trained, so an all-masked microbatch gives a zero
+loss with a graph; entropies keep a graph only when a loss uses them (GRPO's entropy bonus; RLOO logs them only);
+``cast_lm_head_to_fp32`` (GRPO) runs the head in float32 outside autocast. What cannot be computed exactly is
+refused when the trainer is built.
 
 Notation: B = rows of a microbatch, C = completion columns (``logits_to_keep``), N = non-empty rows,
 L = longest [prompt + completion] row.
@@ -35,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 import sharedprefix as sp
@@ -46,12 +49,20 @@ from sharedprefix.model.mixers import on_cache_path
 from sharedprefix.model.support import check_supported, inline_mixer_reason
 from sharedprefix.schedule.results import PREFIX_MODES
 
-__all__ = ["SharedPrefixGRPOConfig", "SharedPrefixGRPOTrainer", "tree_rows"]
+__all__ = [
+    "SharedPrefixGRPOConfig",
+    "SharedPrefixGRPOTrainer",
+    "SharedPrefixHooks",
+    "SharedPrefixRLOOConfig",
+    "SharedPrefixRLOOTrainer",
+    "SharedPrefixSettings",
+    "tree_rows",
+]
 
 
 @dataclass
-class SharedPrefixGRPOConfig(GRPOConfig):
-    """``GRPOConfig`` plus the token budget of sharedprefix.
+class SharedPrefixSettings:
+    """The settings of sharedprefix that ``SharedPrefixGRPOConfig`` and ``SharedPrefixRLOOConfig`` add to TRL's.
 
     Args:
         sharedprefix_max_tokens: tokens one pass may hold. None: every microbatch runs as one packed
@@ -67,25 +78,46 @@ class SharedPrefixGRPOConfig(GRPOConfig):
     sharedprefix_prefix_activations: str = field(default="keep", metadata={"help": "keep | offload | recompute"})
 
 
-class SharedPrefixGRPOTrainer(GRPOTrainer):
-    """``GRPOTrainer`` whose log-probs compute each prompt once; same constructor, same results."""
+@dataclass
+class SharedPrefixGRPOConfig(GRPOConfig, SharedPrefixSettings):
+    """``GRPOConfig`` plus the settings of sharedprefix (``SharedPrefixSettings``)."""
+
+
+@dataclass
+class SharedPrefixRLOOConfig(RLOOConfig, SharedPrefixSettings):
+    """``RLOOConfig`` plus the settings of sharedprefix (``SharedPrefixSettings``)."""
+
+
+def checked_settings(trainer) -> tuple[int | None, str]:
+    """(budget, prefix mode) of a sharedprefix TRL ``trainer``'s config, validated; fp16 loss scaling refused."""
+    a = trainer.args
+    budget = getattr(a, "sharedprefix_max_tokens", None)
+    mode = getattr(a, "sharedprefix_prefix_activations", "keep")
+    if mode not in PREFIX_MODES:
+        raise ValueError(f"sharedprefix_prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"sharedprefix_max_tokens={budget!r}; expected a positive int or None.")
+    if getattr(a, "fp16", False):
+        raise ValueError(
+            f"fp16=True (float16 mixed precision with loss scaling) is not supported by {type(trainer).__name__}: "
+            "its deferred backward runs inside sharedprefix, outside the gradient scaler. Use bf16=True (or "
+            "float32) instead."
+        )
+    return budget, mode
+
+
+class SharedPrefixHooks:
+    """The hooks a TRL trainer gets from sharedprefix, and the checks made when it is built; mixed in before the TRL
+    trainer (``class SharedPrefixGRPOTrainer(SharedPrefixHooks, GRPOTrainer)``). It needs of that trainer the hook's
+    signature and the ``_prepare_inputs`` body of GRPOTrainer, which RLOOTrainer shares."""
+
+    # whether TRL's loss backpropagates through the entropies (GRPOTrainer's entropy bonus); see _entropy_graph
+    _sp_entropy_in_loss = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         a = self.args
-        budget = getattr(a, "sharedprefix_max_tokens", None)
-        mode = getattr(a, "sharedprefix_prefix_activations", "keep")
-        if mode not in PREFIX_MODES:
-            raise ValueError(f"sharedprefix_prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"sharedprefix_max_tokens={budget!r}; expected a positive int or None.")
-        self._sp_budget, self._sp_mode = budget, mode
-        if getattr(a, "fp16", False):
-            raise ValueError(
-                "fp16=True (float16 mixed precision with loss scaling) is not supported by SharedPrefixGRPOTrainer: "
-                "its deferred backward runs inside sharedprefix, outside the gradient scaler. Use bf16=True (or "
-                "float32) instead."
-            )
+        self._sp_budget, self._sp_mode = checked_settings(self)
         self._refuse_at_construction()
         if getattr(a, "cast_lm_head_to_fp32", False):  # TRL cast the heads; sharedprefix runs them outside autocast
             for m in (self.model, getattr(self, "ref_model", None)):
@@ -97,11 +129,12 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         inner = unwrap(self.model)
         tp = getattr(inner, "_tp_size", None) or 1
         if tp > 1:
+            trl_name = next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("trl."))
             raise ValueError(
                 f"the model is tensor-parallel (tp_size={tp}). sharedprefix's own calls are verified exact under "
-                "transformers' tensor parallelism, but TRL's GRPOTrainer with it needs accelerate's ParallelismConfig, "
+                f"transformers' tensor parallelism, but TRL's {trl_name} with it needs accelerate's ParallelismConfig, "
                 "which refuses CPU processes (DistributedType.MULTI_CPU), so this trainer has never been run against "
-                "GRPOTrainer with tensor parallelism. Load the model without tp_plan, or call sp.logprobs / "
+                f"{trl_name} with tensor parallelism. Load the model without tp_plan, or call sp.logprobs / "
                 "sp.backward in your own loop (docs/distributed.md)."
             )
         hybrid = on_cache_path(inner)
@@ -122,7 +155,7 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
             raise ValueError(
                 f"{name} is {kind} with an MoE load-balancing loss (router_aux_loss_coef="
                 f"{self.router_aux_loss_coef}): sharedprefix reproduces that loss on the text path only, where it "
-                "reads each pass's router logits, so this trainer would train on another loss than GRPOTrainer. Set "
+                "reads each pass's router logits, so this trainer would train on another loss than TRL's. Set "
                 "router_aux_loss_coef=0.0 in the config (routing itself stays exact)."
             )
         router.check_available(inner)  # the model's module has a load-balancing loss to reproduce
@@ -200,10 +233,23 @@ class SharedPrefixGRPOTrainer(GRPOTrainer):
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
 
+class SharedPrefixGRPOTrainer(SharedPrefixHooks, GRPOTrainer):
+    """``GRPOTrainer`` whose log-probs compute each prompt once; same constructor, same results."""
+
+
+class SharedPrefixRLOOTrainer(SharedPrefixHooks, RLOOTrainer):
+    """``RLOOTrainer`` whose log-probs compute each prompt once; same constructor, same results. RLOO's loss reads
+    the entropies as a metric only, so they are returned without a graph."""
+
+    _sp_entropy_in_loss = False
+
+
 def _entropy_graph(trainer, ent):
-    """Entropies keep their graph only when a loss uses them (TRL's entropy bonus, static or adaptive); else they
-    are detached, so the entropy branch of the graph is freed at once and its backward never runs."""
-    if ent is None or getattr(trainer, "_entropy_bonus_enabled", True):
+    """Entropies keep their graph only when a loss uses them (GRPOTrainer's entropy bonus, static or adaptive); else
+    they are detached, so the entropy branch of the graph is freed at once and its backward never runs."""
+    if ent is None or (
+        getattr(trainer, "_sp_entropy_in_loss", True) and getattr(trainer, "_entropy_bonus_enabled", True)
+    ):
         return ent
     return ent.detach()
 

@@ -23,37 +23,26 @@ Notation: N = packed tokens of a rank's row, R = its leaf rows (samples up to id
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer
 
 import sharedprefix as sp
+from sharedprefix.integrations.trl import SharedPrefixSettings, checked_settings
 from sharedprefix.integrations.trl_async_layout import packed_tree, to_packed
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.support import check_supported
-from sharedprefix.schedule.results import PREFIX_MODES
 
 __all__ = ["PackedForward", "SharedPrefixAsyncGRPOConfig", "SharedPrefixAsyncGRPOTrainer"]
 
 
 @dataclass
-class SharedPrefixAsyncGRPOConfig(AsyncGRPOConfig):
-    """``AsyncGRPOConfig`` plus the token budget of sharedprefix.
-
-    Args:
-        sharedprefix_max_tokens: tokens one sharedprefix pass may hold. None: a rank's packed row runs as one pass.
-            Set it to bound memory: a group larger than the budget computes its prompt once and its completions in
-            several passes (exact; the values then cost one extra no-grad forward). TRL's ``token_budget`` still
-            decides which samples form a microbatch; with this budget it can be large enough to hold whole groups.
-        sharedprefix_prefix_activations: "keep" | "offload" | "recompute", see ``sp.backward``.
-    """
-
-    sharedprefix_max_tokens: int | None = field(
-        default=None, metadata={"help": "tokens one sharedprefix pass may hold"}
-    )
-    sharedprefix_prefix_activations: str = field(default="keep", metadata={"help": "keep | offload | recompute"})
+class SharedPrefixAsyncGRPOConfig(AsyncGRPOConfig, SharedPrefixSettings):
+    """``AsyncGRPOConfig`` plus the settings of sharedprefix (``SharedPrefixSettings``). TRL's ``token_budget`` still
+    decides which samples form a microbatch; with ``sharedprefix_max_tokens`` bounding a pass, it can be large enough
+    to hold whole groups."""
 
 
 class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
@@ -62,20 +51,7 @@ class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
     def __init__(self, *args, **kwargs):
         with _without_cuda_peak_flops():
             super().__init__(*args, **kwargs)
-        a = self.args
-        budget = getattr(a, "sharedprefix_max_tokens", None)
-        mode = getattr(a, "sharedprefix_prefix_activations", "keep")
-        if mode not in PREFIX_MODES:
-            raise ValueError(f"sharedprefix_prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"sharedprefix_max_tokens={budget!r}; expected a positive int or None.")
-        self._sp_budget, self._sp_mode = budget, mode
-        if getattr(a, "fp16", False):
-            raise ValueError(
-                "fp16=True (float16 mixed precision with loss scaling) is not supported by "
-                "SharedPrefixAsyncGRPOTrainer: its deferred backward runs inside sharedprefix, outside the gradient "
-                "scaler. Use bf16=True (or float32) instead."
-            )
+        self._sp_budget, self._sp_mode = checked_settings(self)
         inner = unwrap(self.model)
         if getattr(self, "is_fsdp_enabled", False):
             raise ValueError(

@@ -73,13 +73,13 @@ def check_image_inputs(extra: dict) -> bool:
                 return True
             raise ValueError(
                 f"pixel_values of shape {shape} for {n} images (num_images={list(extra['num_images'])}): without "
-                "image_grid_thw, SharedPrefixGRPOTrainer expects one (channels, height, width) entry per image, "
+                "image_grid_thw, the sharedprefix TRL trainers expect one (channels, height, width) entry per image, "
                 "(images, channels, height, width), or with image_sizes one (tiles, channels, height, width) entry per "
-                "image; other layouts (e.g. padded to one entry per row, Idefics-style) are not supported. It takes "
+                "image; other layouts (e.g. padded to one entry per row, Idefics-style) are not supported. They take "
                 f"{_SUPPORTED}."
             )
     raise ValueError(
-        f"multimodal inputs {sorted(used)} are not supported by SharedPrefixGRPOTrainer: it takes {_SUPPORTED}."
+        f"multimodal inputs {sorted(used)} are not supported by the sharedprefix TRL trainers: they take {_SUPPORTED}."
     )
 
 
