@@ -90,3 +90,35 @@ def test_installed_version_is_the_floor(name):
 def test_installed_verl_is_the_floor():
     got, want = Version(metadata.version("verl")), _claimed()["verl"]
     assert got == want, f"verl {got} is installed in the verl environment, the verl extra's floor is {want}"
+
+
+def _pin(path: pathlib.Path, name: str) -> str:
+    pins = [line.split("==")[1].strip() for line in path.read_text().splitlines() if line.startswith(f"{name}==")]
+    assert len(pins) == 1, f"{path.name} pins {name} {len(pins)} times"
+    return pins[0]
+
+
+def test_per_family_versions_are_the_tested_ones():
+    """``model.versions``: FLOOR is the floor job's transformers, CI the main environment's, and the families taken
+    from the floor are the ones the floor job's exactness tests build (``TEST_SETTINGS``)."""
+    from helpers import TEST_SETTINGS
+    from sharedprefix.model import versions
+
+    assert versions.FLOOR == _pin(FLOOR_FILE, "transformers")
+    assert versions.CI == _pin(ROOT / "scripts" / "constraints.txt", "transformers")
+    assert versions.AT_FLOOR == set(TEST_SETTINGS)
+    assert "tests/attention/test_exact.py" in (ROOT / "scripts" / "dev").read_text()
+
+
+def test_a_family_older_than_its_verified_release_is_refused():
+    from types import SimpleNamespace
+
+    from sharedprefix.model import versions
+
+    llama, doge = (SimpleNamespace(config=SimpleNamespace(model_type=t)) for t in ("llama", "doge"))
+    versions.check_version(llama, installed=versions.FLOOR)
+    versions.check_version(doge, installed=versions.CI)
+    with pytest.raises(ValueError, match=r"verified exact with transformers 5\.4\.0 .* Upgrade transformers"):
+        versions.check_version(llama, installed="5.3.0")
+    with pytest.raises(ValueError, match=rf"'doge'\) was verified exact with transformers {versions.CI}"):
+        versions.check_version(doge, installed=versions.VERL)

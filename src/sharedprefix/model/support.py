@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from sharedprefix.model import mixers, streams
+from sharedprefix.model import mixers, streams, versions
 from sharedprefix.model.adapter import ATTENTION_LAYER_TYPES, decoder, text_config
 
 # Layer types (config.layer_types / layers_block_type) by what sharedprefix does with them (the attending ones:
@@ -137,6 +137,7 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
     streams.num_streams(model)  # several token streams per position: one embedding and one linear head each
     if getattr(model.config, "model_type", None) in POOLING_MODEL_TYPES:
         raise ValueError(f"{name}: {POOLING_MODEL_TYPES[model.config.model_type]}; sharedprefix refuses the model.")
+    versions.check_version(model)  # last: a feature refused on every release is named first
 
 
 # Models whose decoder pools tokens into larger units before attention runs over those units.
