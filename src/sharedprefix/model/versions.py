@@ -5,7 +5,7 @@ the core path on a few families only; the other families were verified on newer 
 known to differ from the plain forward on older ones (Doge's dynamic mask, Gemma 3's image blocks on 5.4 and 5.10).
 A model type is therefore taken on the installed transformers only from the release it was verified on:
 
-- ``AT_FLOOR`` (``FLOOR``): the families of the floor job's exactness tests (``tests/helpers.TEST_SETTINGS``);
+- ``AT_FLOOR`` (``FLOOR``): the families of the floor job's exactness tests (``tests/attention/test_exact.py``);
 - ``AT_VERL`` (``VERL``): the families verl's tests run in verl's environment (its transformers, pinned below 5.11 by
   verl: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Qwen3-Next, LFM2), and the families exact in the zoo
   (``python -m sharedprefix.tools.zoo``, float64 log-probs and gradients against the plain rows) run on that release
@@ -21,7 +21,10 @@ import transformers
 from packaging.version import Version
 
 FLOOR = "5.4.0"
-AT_FLOOR = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2"})
+# tests/helpers.TEST_SETTINGS, and the families of the floor job's other exactness tests (tests/attention/test_exact.py)
+AT_FLOOR = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "granite", "cohere", "qwen2_moe", "exaone4"}
+)
 VERL = "5.10.4"
 AT_VERL = frozenset(
     {
@@ -38,7 +41,6 @@ AT_VERL = frozenset(
         "blenderbot",
         "blenderbot-small",
         "camembert",
-        "cohere",
         "cohere2",
         "cohere2_moe",
         "cwm",
@@ -51,7 +53,6 @@ AT_VERL = frozenset(
         "ernie",
         "ernie4_5",
         "ernie4_5_moe",
-        "exaone4",
         "exaone_moe",
         "flex_olmo",
         "fuyu",
@@ -70,7 +71,6 @@ AT_VERL = frozenset(
         "gpt_bigcode",
         "gpt_neox",
         "gpt_oss",
-        "granite",
         "granitemoe",
         "granitemoeshared",
         "helium",
@@ -109,7 +109,6 @@ AT_VERL = frozenset(
         "phimoe",
         "plbart",
         "qwen2_5_vl",
-        "qwen2_moe",
         "qwen2_vl",
         "qwen3_5_text",
         "qwen3_moe",
