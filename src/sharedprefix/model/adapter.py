@@ -33,16 +33,23 @@ HEADS: weakref.WeakKeyDictionary = (
 def unwrap(model: torch.nn.Module) -> PreTrainedModel:
     """The transformers causal LM inside DDP / PEFT / accelerate / ``torch.compile`` wrappers (a compiled wrapper's
     options are read by ``schedule.compiled``, which compiles the decoder layers with them)."""
-    m: Any = model  # walked through wrappers of any type
+    return wrappers(model)[-1]
+
+
+def wrappers(model: torch.nn.Module) -> list:
+    """``model`` and each wrapper inside it, down to the transformers causal LM (the last entry); TypeError where
+    there is none."""
+    chain: list[Any] = [model]  # walked through wrappers of any type
     for _ in range(8):
+        m = chain[-1]
         if isinstance(m, PreTrainedModel):
-            return m
+            return chain
         if isinstance(m, torch.nn.Module) and "_orig_mod" in m._modules:  # torch.compile's OptimizedModule
-            m = m._orig_mod
+            chain.append(m._orig_mod)
         elif hasattr(m, "get_base_model"):  # peft.PeftModel
-            m = m.get_base_model()
+            chain.append(m.get_base_model())
         elif hasattr(m, "module"):  # DistributedDataParallel, accelerate wrappers
-            m = m.module
+            chain.append(m.module)
         else:
             break
     raise TypeError(

@@ -21,7 +21,7 @@ import torch
 from sharedprefix.attention import compiled, probe
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.model import mixers
-from sharedprefix.model.adapter import decoder
+from sharedprefix.model.adapter import decoder, wrappers
 
 
 def compiled_path(run, pats: dict, given: torch.nn.Module) -> tuple[list | None, bool, tuple | None]:
@@ -101,19 +101,13 @@ def user_context(given: torch.nn.Module, model: torch.nn.Module):
     none is. A whole-model compile whose context cannot be read is refused, naming the fix."""
     from torch._dynamo.eval_frame import OptimizedModule, _TorchDynamoContext
 
-    m, found = given, []
-    for _ in range(8):  # the wrappers from the model as given down to the causal LM, then its decoder
+    found: list = []
+    for m in [*wrappers(given), decoder(model)]:  # the model as given, its wrappers, the causal LM, its decoder
         if isinstance(m, OptimizedModule):
             found.append(m.dynamo_ctx)
         elif (fn := getattr(m, "_compiled_call_impl", None)) is not None:  # module.compile(): torch.compile(fn)
             cells = [c.cell_contents for c in getattr(fn, "__closure__", None) or () if _filled(c)]
             found += [v for v in cells if isinstance(v, _TorchDynamoContext)] or [None]
-        if m is model:
-            m = decoder(model)
-        elif m is decoder(model) or m is None:
-            break
-        else:
-            m = getattr(m, "_orig_mod", None) or getattr(m, "module", None) or _base(m) or model
     ctx = next((c for c in found if c is not None), None)
     if found and ctx is None:
         raise TypeError(
@@ -130,10 +124,6 @@ def _filled(cell) -> bool:
         return cell.cell_contents is not None
     except ValueError:  # an empty cell
         return False
-
-
-def _base(m):
-    return m.get_base_model() if hasattr(m, "get_base_model") else None
 
 
 def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
