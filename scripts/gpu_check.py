@@ -4,9 +4,9 @@ Runs from the source tree (PYTHONPATH=src) with the machine's own python3 and pa
 pytest): the `gpu` tests (the varlen flash primitive and the cascade in bf16, sp.logprobs / sp.backward by the
 2x rule), the GPU benchmark (`sharedprefix bench --device cuda`, with its dense-dispatch ablation), the long-prompt
 table (`bench --device cuda --long --no-capacity`), the capacity line (`--long --capacity-only`), the hybrid tree
-benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16`) and
-eager against compiled decoder layers (`bench --device cuda --compile`), each under its own timeout (590 s
-together), so that a hang still leaves a report. Writes
+benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16`), with
+eager against compiled decoder layers (`bench --device cuda --compile`) run right after the tests; each under its own
+timeout (550 s together), so that a hang still leaves a report. Writes
 benchmarks/gpu_<device>.txt, whose last line is machine-readable (``summary_line``):
 
     gpu-summary gpu_tests=pass|fail|not_run flop_eff_8192_512_16=F flop_eff_min=F long_vs_inpass_min=F
@@ -65,7 +65,7 @@ def _run(cmd, env, timeout, keep=None, log=None):
     return rc, out + (stderr.strip().splitlines()[-20:] if rc != 0 else [])
 
 
-TIMEOUTS = {"tests": 100, "bench": 120, "long": 100, "capacity": 90, "hybrid": 90, "compile": 90}  # 590 s in all
+TIMEOUTS = {"tests": 150, "compile": 150, "bench": 90, "long": 60, "capacity": 40, "hybrid": 60}  # 550 s in all
 _NUM = r"(nan|inf|[0-9.]+)"
 
 
@@ -199,6 +199,7 @@ def main() -> int:
     outs: dict = {key: [] for key in TIMEOUTS}
     bench = [sys.executable, "-m", "sharedprefix.cli.main", "bench", "--device", "cuda"]
     steps = [
+        ("compile", "sharedprefix bench --device cuda --compile", [*bench, "--compile", "--repeats", "2"]),
         ("bench", "sharedprefix bench --device cuda", [*bench, "--repeats", "2"]),
         (
             "long",
@@ -211,7 +212,6 @@ def main() -> int:
             "sharedprefix bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16",
             [*bench, "--hybrid", "--tree", "--dims", "qwen3.5", "--layers", "16", "--repeats", "1"],
         ),
-        ("compile", "sharedprefix bench --device cuda --compile", [*bench, "--compile", "--repeats", "2"]),
     ]
     rcs = [rc_tests]
     for key, title, cmd in steps:
