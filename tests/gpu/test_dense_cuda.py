@@ -116,4 +116,7 @@ def test_offload_side_stream_gives_the_same_gradient(ahead):
     hooks.prefetch()
     (got,) = torch.autograd.grad(loss, x)
     assert torch.equal(got, want) and hooks.bytes_moved > 0 and len(junk) == 8
-    assert hooks.fetch_order == sorted(hooks.fetch_order, reverse=True)
+    assert sorted(hooks.fetch_order) == list(range(len(hooks.handles)))  # each packed tensor fetched once
+    if ahead:  # fetched ahead by prefetch(): newest first; on unpack the order is the engine's (on the first H200 run
+        # one mul's two saved tensors came back in packing order: [16, 17, 15, 13, 14, 12, ...])
+        assert hooks.fetch_order == sorted(hooks.fetch_order, reverse=True)

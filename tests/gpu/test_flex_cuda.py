@@ -1,18 +1,27 @@
-"""CUDA: Gemma 2's attention-score soft-capping through FlexAttention (``attention.kernels.flex``), by the bf16 2x rule,
-compiled once: no recompilation after warm-up while the layouts change from step to step (skipped without a GPU)."""
+"""CUDA: Gemma 2's attention-score soft-capping (in Gemma 2, and in Gemma 3 with the same caps) through
+FlexAttention (``attention.kernels.flex``), by the bf16 2x rule, compiled once: no recompilation after warm-up while
+the layouts change from step to step (skipped without a GPU)."""
 
 import pytest
 import torch
 import transformers as tf
+from packaging.version import Version
 
 import sharedprefix as sp
 from helpers import VOCAB, float64_faithful, plain_logprobs, random_groups
+from sharedprefix.model import versions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _gemma2(dtype):
-    cfg = tf.Gemma2Config(
+def _softcapped(model_type, dtype):
+    """A tiny soft-capped model of ``model_type`` (Gemma 2, or Gemma 3 with Gemma 2's caps set), skipped with the
+    reason where the installed transformers is older than the release sharedprefix verified the family on (the GPU
+    image's transformers 5.17 runs Gemma 3, verified from 5.10.4, and refuses Gemma 2, verified from 5.25)."""
+    need = versions.verified_from(model_type)
+    if Version(tf.__version__).release < Version(need).release:
+        pytest.skip(f"{model_type} runs from transformers {need}; {tf.__version__} is installed")
+    dims = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
@@ -25,15 +34,21 @@ def _gemma2(dtype):
         attn_logit_softcapping=20.0,
         final_logit_softcapping=30.0,
     )
+    if model_type == "gemma2":
+        cfg, cls = tf.Gemma2Config(**dims), tf.Gemma2ForCausalLM
+    else:
+        cfg = tf.Gemma3TextConfig(**dims, layer_types=["sliding_attention", "full_attention"])
+        cls = tf.Gemma3ForCausalLM
     cfg._attn_implementation = "eager"  # transformers' own soft-capped attention for the plain rows
     torch.manual_seed(0)
-    model = tf.Gemma2ForCausalLM(cfg).to(dtype).eval()
+    model = cls(cfg).to(dtype).eval()
     return float64_faithful(model) if dtype == torch.float64 else model.cuda()
 
 
-def test_softcapped_logprobs_and_backward_bf16_within_twice_plain_error():
-    model64 = _gemma2(torch.float64)
-    model16 = _gemma2(torch.bfloat16)
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_softcapped_logprobs_and_backward_bf16_within_twice_plain_error(model_type):
+    model64 = _softcapped(model_type, torch.float64)
+    model16 = _softcapped(model_type, torch.bfloat16)
     model16.load_state_dict({k: v.bfloat16() for k, v in model64.state_dict().items()})
     groups = random_groups(2, 2, [90, 40], [[30, 5, 12], [50, 3]])
     exact = plain_logprobs(model64, groups)[0]
@@ -55,10 +70,11 @@ def test_softcapped_logprobs_and_backward_bf16_within_twice_plain_error():
     )
 
 
-def test_no_recompilation_after_warm_up_while_layouts_change():
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_no_recompilation_after_warm_up_while_layouts_change(model_type):
     from torch._dynamo.utils import counters
 
-    model = _gemma2(torch.bfloat16)
+    model = _softcapped(model_type, torch.bfloat16)
     layouts = [random_groups(s, 2, [60 + 7 * s, 20 + s], [[10 + s, 3], [4, 9 + 2 * s]]) for s in range(6)]
     for groups in layouts[:2]:  # warm-up: the first compiles, the second may add the dynamic-shape graph
         sp.backward(model, groups, lambda b: (b.logprobs * b.mask).sum(), max_tokens=80)

@@ -71,10 +71,16 @@ LINEAR_CACHE = "linear_cache"  # MiniMaxCache: a list with each lightning-attent
 COUNTERS = ("cumulative_length_linear",)
 
 
+def _dummy_layer() -> type | tuple:
+    """transformers' placeholder for a layer that keeps no state (new in 5.25; ``()`` before, which no layer is)."""
+    from transformers import cache_utils
+
+    return getattr(cache_utils, "DummyLayer", ())
+
+
 def state_slots(cache) -> list[tuple[int, str, int | None]]:
     """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
     from transformers.cache_utils import (
-        DummyLayer,
         DynamicLayer,
         DynamicSlidingWindowLayer,
         LinearAttentionCacheLayerMixin,
@@ -83,7 +89,7 @@ def state_slots(cache) -> list[tuple[int, str, int | None]]:
     out: list[tuple[int, str, int | None]] = []
     for i, layer in enumerate(cache.layers):
         known = set()
-        if isinstance(layer, DummyLayer):
+        if isinstance(layer, _dummy_layer()):
             continue
         length = getattr(type(layer), "get_seq_length", None)
         full = isinstance(layer, DynamicLayer) and length in _delegating(DynamicLayer)
@@ -154,11 +160,9 @@ def check_counts(cache, length: int, name: str) -> None:
 def check_filled(name: str, cache, slots, length: int) -> None:
     """After a prompt of ``length`` tokens: every layer that mixes tokens left its state in the cache (none did
     silently without one), its token counts are the prompt's, and its K/V hold every prompt key (not compressed)."""
-    from transformers.cache_utils import DummyLayer
-
     have = {i for i, _, _ in slots}
     layers = cache.layers + [None] * (len(cache) - len(cache.layers))  # MiniMax: linear layers not in .layers
-    missing = [i for i, layer in enumerate(layers) if i not in have and not isinstance(layer, DummyLayer)]
+    missing = [i for i, layer in enumerate(layers) if i not in have and not isinstance(layer, _dummy_layer())]
     if missing:
         raise ValueError(
             f"{name}: after the prompt's forward, cache layers {missing} hold no state, so its "
