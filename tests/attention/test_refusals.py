@@ -7,7 +7,8 @@ import torch
 import transformers as tf
 
 import sharedprefix as sp
-from helpers import random_groups, tiny_model
+from helpers import float64_faithful, plain_logprobs, random_groups, tiny_model
+from sharedprefix.tools.reference import Float64Inside
 
 GROUPS = random_groups(0, 1, [5], [[2, 3]])
 
@@ -88,9 +89,57 @@ def test_attention_softcapping_refused_on_a_backend_without_it(monkeypatch):
 
     model = _tiny(tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=8, attn_logit_softcapping=50.0)
     monkeypatch.setattr(kernels.CPU, "SOFTCAP", False)  # stands for the 'cuda' backend on this CPU-only machine
-    with pytest.raises(ValueError, match=r"soft-capping \(softcap=50.0\).*backend 'cpu'.*backend='flash_attn'"):
+    match = r"soft-capping \(softcap=50.0\).*backend 'cpu'.*backend='flash_attn'.*FlexAttention is no way out here"
+    with pytest.raises(ValueError, match=match):
         sp.logprobs(model, GROUPS)
     assert not kernels.CUDA.SOFTCAP and kernels.FlashAttn.SOFTCAP
+
+
+def test_attention_softcapping_on_a_backend_without_it_takes_flex_attention_where_it_runs(monkeypatch):
+    """Where FlexAttention runs (CUDA), a backend without soft-capping is not refused before the passes: the attention
+    computes the capped layers with FlexAttention (``kernels.flex``). Here the CPU stands for CUDA (FlexAttention has
+    a CPU forward, no backward): the log-probs equal the plain rows' in float64. (The first H200 run found this path
+    refused before any pass by the up-front check, which predated it.)"""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from sharedprefix.attention import kernels
+    from sharedprefix.attention.kernels import flex
+
+    model = _tiny(tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=8, attn_logit_softcapping=0.5, sliding_window=4)
+    model = float64_faithful(model.double())
+    with torch.no_grad():  # scores of order one, so that the cap bites (checked below)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40)
+            layer.self_attn.k_proj.weight.mul_(40)
+    groups = random_groups(3, 2, [9, 6], [[4, 2], [3]])
+    with torch.no_grad():
+        cpu_kernel = sp.logprobs(model, groups, max_tokens=12).logprobs  # the CPU kernel's exact soft-capping
+    monkeypatch.setattr(kernels.CPU, "SOFTCAP", False)
+    monkeypatch.setattr(flex, "unavailable", lambda device: None)
+    # eager FlexAttention (CPU inductor cannot lower a score_mod that reads the cap); on CUDA it runs compiled
+    monkeypatch.setitem(flex._COMPILED, "flex", flex_attention)
+    used = []
+    row_attention = flex.flex_row_attention
+    monkeypatch.setattr(flex, "flex_row_attention", lambda *a, **k: used.append(1) or row_attention(*a, **k))
+    with torch.no_grad():
+        got = sp.logprobs(model, groups, max_tokens=12).logprobs  # the 9-token prompt cached: its K/V read back
+    assert used, "FlexAttention did not run"
+    with Float64Inside():  # the eager attention's float32 softmax kept float64 in the reference
+        want = plain_logprobs(model, groups)[0]
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = plain_logprobs(model, groups)[0]
+    assert (got - cpu_kernel).abs().max() <= 1e-12
+    # at scores of this size the plain forward differs from both kernels alike by 7e-9 (rounding inside transformers'
+    # Gemma 2 forward that Float64Inside does not reach; the CPU kernel is held to 1e-9 at ordinary scores)
+    assert (got - want).abs().max() <= 3e-8
+    assert (uncapped - want).abs().max() > 1e-3, "the cap does not bite: the test would not see it ignored"
+    for layer in model.model.layers:  # compiled layers: run eager around FlexAttention, with the warning
+        layer.self_attn.attn_logit_softcapping = 0.5
+        layer.compile()
+    with torch.no_grad(), pytest.warns(UserWarning, match="soft-capping on the 'cpu' backend runs FlexAttention"):
+        again = sp.logprobs(model, groups, max_tokens=12).logprobs
+    assert (again - got).abs().max() <= 1e-12
 
 
 def test_moe_router_loss_needs_its_coefficient_in_backward_and_is_returned_by_logprobs():

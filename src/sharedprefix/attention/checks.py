@@ -84,7 +84,7 @@ def checked(
         if not softcap > 0:
             refuse(f"{name} passed softcap={softcap}; expected a positive attention-score soft-cap or None.")
         if not getattr(impl, "SOFTCAP", False):
-            if (why := flex.unavailable(query)) is not None:
+            if (why := flex.unavailable(query.device)) is not None:
                 refuse(softcap_refusal(name, softcap, impl.name) + f" (FlexAttention is no way out here: {why}.)")
             use_flex = True
     indices = kwargs.pop("indices", None)

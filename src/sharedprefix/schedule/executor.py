@@ -122,6 +122,7 @@ class Executor:
             self.options,
             self.par,
             impl,
+            self.device,
             leaves,
             self.mm is not None,
             record,

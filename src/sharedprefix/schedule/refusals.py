@@ -14,6 +14,7 @@ import torch
 from sharedprefix.attention import indexed
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.interface import PassState
+from sharedprefix.attention.kernels import flex
 from sharedprefix.attention.layers import softcap_refusal
 from sharedprefix.attention.switch import implementation
 from sharedprefix.layout.groups import validate_groups
@@ -24,12 +25,12 @@ from sharedprefix.parallel.sequence import fsdp_mesh_refusal
 
 
 def check_call(
-    model, plan, options, par, impl, leaves: bool, images: bool, router_logits: bool, aux_grads: bool
+    model, plan, options, par, impl, device, leaves: bool, images: bool, router_logits: bool, aux_grads: bool
 ) -> None:
     """Every refusal of one call that its model, plan, settings (``CallOptions``) and parallelism decide, before any
-    pass. ``impl``: the attention primitive the call selected; ``leaves``: an ``sp.backward``; ``images``: groups
-    with ``prompt_inputs``; ``router_logits`` / ``aux_grads``: the call records the MoE router logits / adds the
-    load-balancing loss's gradient term to its passes."""
+    pass. ``impl``: the attention primitive the call selected, on ``device``; ``leaves``: an ``sp.backward``;
+    ``images``: groups with ``prompt_inputs``; ``router_logits`` / ``aux_grads``: the call records the MoE router
+    logits / adds the load-balancing loss's gradient term to its passes."""
     name, temperature = type(model).__name__, options.temperature
     if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
@@ -51,8 +52,10 @@ def check_call(
             "'recompute' does. Use prefix_activations='recompute' (or None, which picks it under FSDP2)."
         )
     cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
-    if cap is not None and not impl.SOFTCAP:  # refused here, before any pass (the attention would refuse too)
-        raise ValueError(softcap_refusal(name, cap, impl.name))
+    # refused here, before any pass, where neither the primitive nor FlexAttention (the attention's own way out on
+    # CUDA, ``attention.checks``) can soft-cap; the attention would refuse too
+    if cap is not None and not impl.SOFTCAP and (why := flex.unavailable(device)) is not None:
+        raise ValueError(softcap_refusal(name, cap, impl.name) + f" (FlexAttention is no way out here: {why}.)")
     if aux_grads and par.fsdp:
         raise ValueError(
             f"{name}'s MoE load-balancing loss with an FSDP2 model: sharedprefix adds its "

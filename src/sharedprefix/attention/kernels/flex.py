@@ -24,9 +24,9 @@ import torch
 _COMPILED: dict = {}  # "flex" -> the compiled flex_attention; softcap value -> its score_mod
 
 
-def unavailable(query: torch.Tensor) -> str | None:
-    """Why the FlexAttention path cannot run for ``query``'s device, or None."""
-    if query.device.type != "cuda":
+def unavailable(device: torch.device | str) -> str | None:
+    """Why the FlexAttention path cannot run on ``device``, or None."""
+    if torch.device(device).type != "cuda":
         return "FlexAttention runs only on CUDA here (on the CPU it has no backward)"
     try:
         from torch.nn.attention import flex_attention  # noqa: F401
