@@ -36,4 +36,5 @@ def test_flex_visibility_is_the_tree_mask(window, chunk, prompt_chunk, cached):
 
 
 def test_flex_is_refused_off_cuda():
-    assert "only on CUDA" in flex.unavailable(torch.zeros(1))
+    assert "only on CUDA" in flex.unavailable(torch.zeros(1).device)
+    assert "only on CUDA" in flex.unavailable("cpu")

@@ -43,10 +43,8 @@ def _write_fresh(cache):
     its initial state): autograd would then refuse the backward. Each update here first replaces the stored
     tensor by a copy, so the tensor a forward read stays as it was; the values are the same.
     """
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
-
     for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
+        if isinstance(layer, _cache_type("LinearAttentionCacheLayerMixin")):
             for name in ("conv_states", "recurrent_states"):
                 method = f"update_{name[:-1]}"
                 setattr(layer, method, _fresh_update(layer, name, getattr(type(layer), method)))
@@ -71,25 +69,24 @@ LINEAR_CACHE = "linear_cache"  # MiniMaxCache: a list with each lightning-attent
 COUNTERS = ("cumulative_length_linear",)
 
 
-def _dummy_layer() -> type | tuple:
-    """transformers' placeholder for a layer that keeps no state (new in 5.25; ``()`` before, which no layer is)."""
+def _cache_type(name: str) -> type | tuple:
+    """``transformers.cache_utils.<name>``, or ``()`` (which no layer is an instance of) on a release without it:
+    ``DummyLayer`` (a layer that keeps no state) is new in 5.25, ``LinearAttentionCacheLayerMixin`` after 5.4."""
     from transformers import cache_utils
 
-    return getattr(cache_utils, "DummyLayer", ())
+    return getattr(cache_utils, name, ())
 
 
 def state_slots(cache) -> list[tuple[int, str, int | None]]:
     """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
-    from transformers.cache_utils import (
-        DynamicLayer,
-        DynamicSlidingWindowLayer,
-        LinearAttentionCacheLayerMixin,
-    )
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    linear = _cache_type("LinearAttentionCacheLayerMixin")
 
     out: list[tuple[int, str, int | None]] = []
     for i, layer in enumerate(cache.layers):
         known = set()
-        if isinstance(layer, _dummy_layer()):
+        if isinstance(layer, _cache_type("DummyLayer")):
             continue
         length = getattr(type(layer), "get_seq_length", None)
         full = isinstance(layer, DynamicLayer) and length in _delegating(DynamicLayer)
@@ -98,7 +95,7 @@ def state_slots(cache) -> list[tuple[int, str, int | None]]:
             if getattr(layer, "is_initialized", False) and layer.keys is not None and layer.keys.numel():
                 out += [(i, "keys", None), (i, "values", None)]
             known |= {"keys", "values"} | ({"_sliding_window_tensor"} if sliding else set())
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
+        if isinstance(layer, linear):
             for name in ("conv_states", "recurrent_states"):
                 for s, t in getattr(layer, name).items():
                     if t is not None:
@@ -162,7 +159,9 @@ def check_filled(name: str, cache, slots, length: int) -> None:
     silently without one), its token counts are the prompt's, and its K/V hold every prompt key (not compressed)."""
     have = {i for i, _, _ in slots}
     layers = cache.layers + [None] * (len(cache) - len(cache.layers))  # MiniMax: linear layers not in .layers
-    missing = [i for i, layer in enumerate(layers) if i not in have and not isinstance(layer, _dummy_layer())]
+    missing = [
+        i for i, layer in enumerate(layers) if i not in have and not isinstance(layer, _cache_type("DummyLayer"))
+    ]
     if missing:
         raise ValueError(
             f"{name}: after the prompt's forward, cache layers {missing} hold no state, so its "
