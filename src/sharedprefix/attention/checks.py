@@ -14,13 +14,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sharedprefix.attention import dynamic_mask, indexed, kernels
-from sharedprefix.attention.kernels import flex
 from sharedprefix.attention.layers import (
     index_to_position_temperature,
     layer_chunk,
     layer_pattern,
     layer_window,
-    softcap_refusal,
+    softcap_refusal_on,
 )
 
 if TYPE_CHECKING:
@@ -83,10 +82,9 @@ def checked(
         softcap = float(softcap)
         if not softcap > 0:
             refuse(f"{name} passed softcap={softcap}; expected a positive attention-score soft-cap or None.")
-        if not getattr(impl, "SOFTCAP", False):
-            if (why := flex.unavailable(query.device)) is not None:
-                refuse(softcap_refusal(name, softcap, impl.name) + f" (FlexAttention is no way out here: {why}.)")
-            use_flex = True
+        if (why := softcap_refusal_on(name, softcap, impl, query.device)) is not None:
+            refuse(why)
+        use_flex = not getattr(impl, "SOFTCAP", False)
     indices = kwargs.pop("indices", None)
     sinks = kwargs.pop("s_aux", None)
     if sinks is not None and tuple(sinks.shape) != (query.shape[1],):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from sharedprefix.attention import probe
+from sharedprefix.attention.kernels import flex
 
 
 def softcap_refusal(name: str, softcap: float, backend: str) -> str:
@@ -19,6 +20,14 @@ def softcap_refusal(name: str, softcap: float, backend: str) -> str:
         "(its varlen kernels take softcap) and pass backend='flash_attn', or run on the CPU ('cpu' computes it "
         "exactly); do not set config.attn_logit_softcapping=None unless the model was trained without it."
     )
+
+
+def softcap_refusal_on(name: str, softcap: float | None, impl, device) -> str | None:
+    """The refusal of soft-capping ``softcap`` with the primitive ``impl`` on ``device``, or None where it is computed:
+    by the primitive itself, or, where the primitive cannot, by FlexAttention (``kernels.flex``, CUDA)."""
+    if softcap is None or getattr(impl, "SOFTCAP", False) or (why := flex.unavailable(device)) is None:
+        return None
+    return softcap_refusal(name, softcap, impl.name) + f" (FlexAttention is no way out here: {why}.)"
 
 
 def _temperature(module, x: torch.Tensor) -> torch.Tensor:

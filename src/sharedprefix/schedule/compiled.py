@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from sharedprefix.attention import compiled, kernels, probe
+from sharedprefix.attention import compiled, probe
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.model import mixers
 from sharedprefix.model.adapter import decoder, wrappers
@@ -77,10 +77,10 @@ def _eager_reasons(run, pats: dict) -> list[str]:
             "a grad-enabled sp.logprobs split under max_tokens keeps the prompt's K/V in one graph with the "
             "completions' (sp.backward, or defer=True, runs compiled)"
         )
-    impl = kernels.select(run.backend, run.device)
-    if getattr(run.model.config.get_text_config(), "attn_logit_softcapping", None) is not None and not impl.SOFTCAP:
+    if getattr(run.model.config.get_text_config(), "attn_logit_softcapping", None) is not None and not run.impl.SOFTCAP:
         out.append(
-            f"attention-score soft-capping on the {impl.name!r} backend runs FlexAttention, not inside compiled layers"
+            f"attention-score soft-capping on the {run.impl.name!r} backend runs FlexAttention, not inside compiled "
+            "layers"
         )
     if not isinstance(getattr(run.model, "get_input_embeddings", lambda: None)(), torch.nn.Module):
         out.append("the model has no input embedding module to route the cached keys' gradients through")

@@ -113,7 +113,7 @@ class Executor:
         if self.mm is not None:
             check_batchable(self.source, self.plan)
         self.device = self.par.compute_device(streams.head_device(self.model))
-        impl = select(backend, self.device)  # an unknown or unavailable backend fails before any computation
+        impl = self.impl = select(backend, self.device)  # an unknown or unavailable backend fails before any pass
         self.aux_grads = aux if isinstance(aux, dict) else None
         record = aux is True or (aux is None and router.enabled(self.model))
         refusals.check_call(

@@ -14,8 +14,7 @@ import torch
 from sharedprefix.attention import indexed
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.interface import PassState
-from sharedprefix.attention.kernels import flex
-from sharedprefix.attention.layers import softcap_refusal
+from sharedprefix.attention.layers import softcap_refusal_on
 from sharedprefix.attention.switch import implementation
 from sharedprefix.layout.groups import validate_groups
 from sharedprefix.layout.rows import Tree
@@ -52,10 +51,8 @@ def check_call(
             "'recompute' does. Use prefix_activations='recompute' (or None, which picks it under FSDP2)."
         )
     cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
-    # refused here, before any pass, where neither the primitive nor FlexAttention (the attention's own way out on
-    # CUDA, ``attention.checks``) can soft-cap; the attention would refuse too
-    if cap is not None and not impl.SOFTCAP and (why := flex.unavailable(device)) is not None:
-        raise ValueError(softcap_refusal(name, cap, impl.name) + f" (FlexAttention is no way out here: {why}.)")
+    if (why := softcap_refusal_on(name, cap, impl, device)) is not None:  # before any pass; the attention would too
+        raise ValueError(why)
     if aux_grads and par.fsdp:
         raise ValueError(
             f"{name}'s MoE load-balancing loss with an FSDP2 model: sharedprefix adds its "

@@ -81,12 +81,12 @@ def state_slots(cache) -> list[tuple[int, str, int | None]]:
     """Every tensor a filled cache holds: (layer, attribute, state index or None)."""
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    linear = _cache_type("LinearAttentionCacheLayerMixin")
+    linear, dummy = _cache_type("LinearAttentionCacheLayerMixin"), _cache_type("DummyLayer")
 
     out: list[tuple[int, str, int | None]] = []
     for i, layer in enumerate(cache.layers):
         known = set()
-        if isinstance(layer, _cache_type("DummyLayer")):
+        if isinstance(layer, dummy):
             continue
         length = getattr(type(layer), "get_seq_length", None)
         full = isinstance(layer, DynamicLayer) and length in _delegating(DynamicLayer)
@@ -157,11 +157,9 @@ def check_counts(cache, length: int, name: str) -> None:
 def check_filled(name: str, cache, slots, length: int) -> None:
     """After a prompt of ``length`` tokens: every layer that mixes tokens left its state in the cache (none did
     silently without one), its token counts are the prompt's, and its K/V hold every prompt key (not compressed)."""
-    have = {i for i, _, _ in slots}
+    have, dummy = {i for i, _, _ in slots}, _cache_type("DummyLayer")
     layers = cache.layers + [None] * (len(cache) - len(cache.layers))  # MiniMax: linear layers not in .layers
-    missing = [
-        i for i, layer in enumerate(layers) if i not in have and not isinstance(layer, _cache_type("DummyLayer"))
-    ]
+    missing = [i for i, layer in enumerate(layers) if i not in have and not isinstance(layer, dummy)]
     if missing:
         raise ValueError(
             f"{name}: after the prompt's forward, cache layers {missing} hold no state, so its "
