@@ -21,6 +21,7 @@ _PUBLIC = {
     "Tree": "sharedprefix.layout.rows",
     "LogProbs": "sharedprefix.api",
     "Plan": "sharedprefix.schedule.planner",
+    "allow_hook": "sharedprefix.model.hooks",
     "backward": "sharedprefix.api",
     "logprobs": "sharedprefix.api",
     "plan": "sharedprefix.schedule.planner",
@@ -36,6 +37,7 @@ __all__ = [
     "Plan",
     "Tree",
     "VerifyReport",
+    "allow_hook",
     "backward",
     "logprobs",
     "plan",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from sharedprefix.api import BackwardResult, Batch, LogProbs, backward, logprobs
     from sharedprefix.layout.groups import Group
     from sharedprefix.layout.rows import Tree
+    from sharedprefix.model.hooks import allow_hook
     from sharedprefix.parallel.sharding import shard_groups
     from sharedprefix.schedule.planner import Plan, plan
     from sharedprefix.tools.verify import VerifyReport, verify

@@ -35,6 +35,7 @@ from sharedprefix.layout.groups import Group
 from sharedprefix.layout.rows import Tree
 from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap, uses_checkpointing
+from sharedprefix.model.hooks import check_module_hooks
 from sharedprefix.parallel.detect import ddp_sync_enabled, detect
 from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
 from sharedprefix.schedule import rounds
@@ -115,6 +116,7 @@ def logprobs(
     """
     shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
     opts = CallOptions.build(**shared, defer=defer, aux_loss=aux_loss)
+    check_module_hooks(model)
     seq = opts.sequence_group
     if seq is not None and (mixers.on_cache_path(unwrap(model)) or mixers.on_packed_path(unwrap(model))):
         refuse_hybrid(type(unwrap(model)).__name__, seq)
@@ -198,6 +200,7 @@ def backward(
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     coef = router.check_coef(unwrap(model), aux_loss_coef)
+    check_module_hooks(model)
     seq = opts.sequence_group
     if seq is not None and (mixers.on_cache_path(unwrap(model)) or mixers.on_packed_path(unwrap(model))):
         refuse_hybrid(type(unwrap(model)).__name__, seq)
@@ -217,21 +220,24 @@ def backward(
     return _packed_backward(model, groups, loss_fn, opts, aux=aux, aux_coef=coef)
 
 
-def _packed_backward(model, groups, loss_fn, options: CallOptions, aux=None, aux_coef=0.0) -> BackwardResult:
-    """``aux``: (per-segment aux gradients scaled by ``aux_coef``, the aux loss's value or None), or None."""
+def _packed_backward(model, groups, loss_fn, options: CallOptions, aux=None, aux_coef=0.0, collect=False):
+    """``aux``: (per-segment aux gradients scaled by ``aux_coef``, the aux loss's value or None), or None.
+    ``collect``: see ``_deferred_backward``."""
     grads, value = aux if aux is not None else (False, None)
     # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
     run = Executor(model, groups, options, leaves=True, aux=grads)
-    return rounds.backward(run, loss_fn, value, aux_coef)
+    return rounds.backward(run, loss_fn, value, aux_coef, collect=collect)
 
 
-def _deferred_backward(model, groups, loss_fn, options: CallOptions, aux_grads=None) -> BackwardResult:
+def _deferred_backward(model, groups, loss_fn, options: CallOptions, aux_grads=None, collect=False):
     """The backward of deferred log-probs (``schedule.deferred``) under the deferred call's ``options``:
     ``sp.backward``'s path, with the aux loss's per-token gradients (already scaled by the gradient that reached it)
-    from the deferred call's own forward."""
+    from the deferred call's own forward. ``collect``: returns ``(result, {parameter: gradient})`` with ``.grad``
+    untouched (``schedule.grads``; under DDP ``.grad`` is written and the dict is empty)."""
     if mixers.on_cache_path(unwrap(model)):
-        return cache_path.hybrid_backward(model, groups, loss_fn, options)
-    return _packed_backward(model, groups, loss_fn, options, aux=None if aux_grads is None else (aux_grads, None))
+        return cache_path.hybrid_backward(model, groups, loss_fn, options, collect=collect)
+    aux = None if aux_grads is None else (aux_grads, None)
+    return _packed_backward(model, groups, loss_fn, options, aux=aux, collect=collect)
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------

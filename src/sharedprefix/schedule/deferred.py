@@ -2,6 +2,12 @@
 backpropagates, its per-token gradients dL/dlogp (and dL/dentropy) drive ``sp.backward`` under the token budget with
 the linear loss ``sum(dL/dlogp * logp)``, whose parameter gradient is exactly dL/dtheta.
 
+The parameters are inputs of the deferred node, and that gradient is returned as theirs (``schedule.grads``
+collects it instead of writing ``.grad``): autograd then adds it to whatever else the caller's loss gives the same
+parameters (a penalty on the weights, a second call) and runs each parameter's hooks once, on the sum, and
+``torch.autograd.grad`` sees it too, as for any other input. Under DDP the call synchronises the gradients itself
+and writes ``.grad`` (running the hooks) at the end of its backward.
+
 Notation: N = output rows, W = columns.
 """
 
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from sharedprefix.model.adapter import unwrap
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.results import LogProbs
 
@@ -17,7 +24,7 @@ class _Deferred(torch.autograd.Function):
     """Values computed without a graph; their backward runs ``backward`` with the incoming gradients."""
 
     @staticmethod
-    def forward(ctx, anchor, lp, ent, aux, spec):
+    def forward(ctx, anchor, lp, ent, aux, spec, *params):
         ctx.set_materialize_grads(False)  # an output no loss uses gets None: no work for it in the backward
         ctx.spec = spec
         return lp.clone(), ent.clone(), aux.clone()
@@ -30,8 +37,9 @@ class _Deferred(torch.autograd.Function):
         aux = (
             {s: [g * g_aux.to(g.dtype) for g in gs] for s, gs in grads.items()} if grads and g_aux is not None else None
         )
+        none = (None,) * (5 + len(spec["params"]))
         if g_lp is None and w_ent is None and aux is None:
-            return None, None, None, None, None
+            return none
 
         def loss_fn(b):
             loss = (
@@ -45,18 +53,21 @@ class _Deferred(torch.autograd.Function):
 
         with torch.enable_grad(), torch.autocast(**spec["autocast"]):
             opts = spec["options"].replace(entropy=w_ent is not None)
-            spec["backward"](spec["model"], spec["groups"], loss_fn, opts, aux_grads=aux)
-        return None, None, None, None, None
+            _, grads = spec["backward"](spec["model"], spec["groups"], loss_fn, opts, aux_grads=aux, collect=True)
+        return none[:5] + tuple(grads.get(p) for p in spec["params"])
 
 
 def defer_logprobs(backward, model, groups, out: LogProbs, options: CallOptions, aux_grads=None) -> LogProbs:
     """``out``'s values, computed without a graph, as outputs whose backward runs ``backward(model, groups, loss_fn,
-    options, aux_grads=...)`` (``sp.backward``'s path, passed in by the public call) under the call's ``options``
-    with the incoming per-token gradients as a linear loss (exact by the chain rule). ``aux_grads``: with
+    options, aux_grads=..., collect=True) -> (result, {parameter: gradient})`` (``sp.backward``'s path, passed in by
+    the public call) under the call's ``options`` with the incoming per-token gradients as a linear loss (exact by the
+    chain rule), and returns that gradient as the parameters' (see the module docstring). ``aux_grads``: with
     ``out.aux_loss``, each segment's per-layer gradient of it with respect to the router logits
     (``model.router.segment_grads``), scaled in the backward by the gradient that reaches ``aux_loss``."""
     dev = out.logprobs.device.type
+    params = list({id(p): p for p in unwrap(model).parameters() if p.requires_grad}.values())
     spec = dict(
+        params=params,
         backward=backward,
         model=model,
         groups=groups,
@@ -67,5 +78,5 @@ def defer_logprobs(backward, model, groups, out: LogProbs, options: CallOptions,
     )
     ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
     aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=out.logprobs.device)
-    lp, ent, aux = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, aux, spec)
+    lp, ent, aux = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, aux, spec, *params)
     return LogProbs(lp, out.mask, ent if out.entropy is not None else None, aux if out.aux_loss is not None else None)

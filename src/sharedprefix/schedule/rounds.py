@@ -67,11 +67,12 @@ def forward(run, entropy: bool) -> LogProbs:
     return LogProbs(lp, mask, ent, aux)
 
 
-def backward(run, loss_fn, aux_loss=None, aux_coef=0.0) -> BackwardResult:
+def backward(run, loss_fn, aux_loss=None, aux_coef=0.0, collect=False):
     """``sp.backward`` over ``run``: its plan as rounds (FSDP2: reordered and padded to the agreed counts), inside a
     gradient transaction and, under DDP, one synchronisation at the end; the settings are ``run.options``.
     ``aux_loss``: the MoE load-balancing loss's value (float) when ``run`` carries its gradient (``run.aux_grads``,
-    already scaled by ``aux_coef``)."""
+    already scaled by ``aux_coef``). ``collect``: a deferred call's backward, returns ``(result, {parameter:
+    gradient})`` with ``.grad`` untouched (``schedule.grads.synced``)."""
     opts = run.options
     entropy, prefix_activations, offload_device = opts.entropy, opts.prefix_activations, opts.offload_device
     sync, grad_reduction = opts.sync, opts.grad_reduction
@@ -89,15 +90,17 @@ def backward(run, loss_fn, aux_loss=None, aux_coef=0.0) -> BackwardResult:
     last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
     scale = par.loss_scale(grad_reduction)
-    total, calls = synced(
+    out = synced(
         par,
         run.model,
         sync,
         grad_reduction,
         lambda: run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb),
+        collect=collect,
     )
+    (total, calls), grads = out if collect else (out, None)
     peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
-    return BackwardResult(
+    result = BackwardResult(
         loss=total if aux_loss is None else total + aux_coef * aux_loss,
         aux_loss=aux_loss,
         tokens_computed=run.tokens,
@@ -108,6 +111,7 @@ def backward(run, loss_fn, aux_loss=None, aux_coef=0.0) -> BackwardResult:
         offloaded_bytes=hooks.bytes_moved if hooks else 0,
         dummy_rounds=dummies,
     )
+    return (result, grads) if collect else result
 
 
 def rounds_of(p: Plan) -> list[tuple[str, object]]:

@@ -19,7 +19,7 @@ from sharedprefix.schedule.compiled import user_context
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.grads import synced
 from sharedprefix.schedule.options import CallOptions
-from sharedprefix.schedule.results import BackwardResult, LogProbs
+from sharedprefix.schedule.results import LogProbs
 
 
 def hybrid_logprobs(model, groups, options: CallOptions, deferred_backward) -> LogProbs:
@@ -50,18 +50,29 @@ def hybrid_logprobs(model, groups, options: CallOptions, deferred_backward) -> L
     return out
 
 
-def hybrid_backward(model, groups, loss_fn, options: CallOptions) -> BackwardResult:
+def hybrid_backward(model, groups, loss_fn, options: CallOptions, collect: bool = False):
+    """``sp.backward`` on the cache path, inside the call's gradient transaction (``schedule.grads.synced``: hooks
+    once, ``.grad`` in place, DDP's one sync). ``collect``: a deferred call's backward (``api._deferred_backward``)."""
     inner = unwrap(model)
     o = options
+    check_hybrid(model, o.backend)
+    par = detect(model, inner)
+    par.start()  # the call's gradient hooks (``par.hooks``), run once by ``synced``
 
     def run():
         return cache_run.backward(
-            inner, groups, loss_fn, o.max_tokens, o.prefix_activations, o.temperature, o.entropy, o.offload_device
+            inner,
+            groups,
+            loss_fn,
+            o.max_tokens,
+            o.prefix_activations,
+            o.temperature,
+            o.entropy,
+            o.offload_device,
+            par.hooks,
         )
 
-    if check_hybrid(model, o.backend) != "ddp":
-        return run()
-    return synced(detect(model, inner), inner, o.sync, o.grad_reduction, run)  # the module, then one sync
+    return synced(par, inner, o.sync, o.grad_reduction, run, collect=collect)  # the module, then one sync
 
 
 def check_hybrid(model, backend: str) -> str:

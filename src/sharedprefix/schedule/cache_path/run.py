@@ -225,55 +225,51 @@ def logprobs(model, groups, temperature, entropy, max_tokens):
     return LogProbs(torch.cat(lps), torch.cat(masks), torch.cat(ents) if entropy else None)
 
 
-def backward(model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, offload_device):
-    """``sp.backward`` on a hybrid model, group by group (see the module docstring); returns the statistics."""
-    from sharedprefix.schedule.grads import GradTransaction
+def backward(
+    model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, offload_device, grad_hooks=None
+):
+    """``sp.backward`` on a hybrid model, group by group (see the module docstring); returns the statistics.
+    ``grad_hooks``: the call's ``DeferredGradHooks``, whose parameters' hooks are set aside during each backward; the
+    caller runs the call inside its gradient transaction (``schedule.grads.synced``), which runs them once."""
     from sharedprefix.schedule.results import BackwardResult
     from sharedprefix.schedule.rounds import check_loss
 
     run = HybridRun(model, groups, max_tokens, temperature, entropy)
     hooks = OffloadHooks(model, offload_device) if prefix_activations == "offload" else None
     recompute = prefix_activations == "recompute"
-    tx = GradTransaction(model, ddp=False)
-    deferred = DeferredGradHooks(model)  # post-accumulate-grad hooks once per call, as in one plain backward
+    deferred = grad_hooks if grad_hooks is not None else DeferredGradHooks(model)
     total, calls = 0.0, 0
-    try:
-        for g, first in zip(run.groups, run.offsets()):
-            with torch.set_grad_enabled(not recompute):
-                if hooks is not None:
-                    with hooks():
-                        cache, slots, tensors, h = run.prompt(g)
-                else:
+    for g, first in zip(run.groups, run.offsets()):
+        with torch.set_grad_enabled(not recompute):
+            if hooks is not None:
+                with hooks():
                     cache, slots, tensors, h = run.prompt(g)
-            outs = tensors + [h]
-            leaves = [x.detach().requires_grad_() for x in outs]
-            for rows in run.batches(g):
-                lp, ent = run.completions(g, rows, cache, slots, leaves[:-1], leaves[-1])
-                batch = Batch(
-                    logprobs=lp,
-                    mask=run.mask(g, rows),
-                    entropy=ent if entropy else None,
-                    index=torch.tensor([first + i for i in rows], dtype=torch.int64, device=run.device),
-                )
-                loss = check_loss(loss_fn(batch), calls)
-                calls += 1
-                with deferred.during_backward():
-                    loss.backward()
-                total += float(loss.detach())
-            got = [(o, x.grad) for o, x in zip(outs, leaves) if x.grad is not None]
-            if not got:
-                continue
-            if recompute:  # the prompt again, now with its graph, for its one backward
+            else:
                 cache, slots, tensors, h = run.prompt(g)
-                outs = tensors + [h]
-                got = [(o, x.grad) for o, x in zip(outs, leaves) if x.grad is not None]
+        outs = tensors + [h]
+        leaves = [x.detach().requires_grad_() for x in outs]
+        for rows in run.batches(g):
+            lp, ent = run.completions(g, rows, cache, slots, leaves[:-1], leaves[-1])
+            batch = Batch(
+                logprobs=lp,
+                mask=run.mask(g, rows),
+                entropy=ent if entropy else None,
+                index=torch.tensor([first + i for i in rows], dtype=torch.int64, device=run.device),
+            )
+            loss = check_loss(loss_fn(batch), calls)
+            calls += 1
             with deferred.during_backward():
-                torch.autograd.backward([o for o, _ in got], [gr for _, gr in got])
-    except BaseException:
-        tx.rollback()
-        raise
-    tx.commit(synced=True)
-    deferred.fire()
+                loss.backward()
+            total += float(loss.detach())
+        got = [(o, x.grad) for o, x in zip(outs, leaves) if x.grad is not None]
+        if not got:
+            continue
+        if recompute:  # the prompt again, now with its graph, for its one backward
+            cache, slots, tensors, h = run.prompt(g)
+            outs = tensors + [h]
+            got = [(o, x.grad) for o, x in zip(outs, leaves) if x.grad is not None]
+        with deferred.during_backward():
+            torch.autograd.backward([o for o, _ in got], [gr for _, gr in got])
     return BackwardResult(
         loss=total,
         tokens_computed=run.tokens,
