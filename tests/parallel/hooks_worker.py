@@ -3,7 +3,7 @@ reducing gradients, with sp.backward under a budget that splits a group, and a c
 gradient not at all (``sync=False``) or twice.
 
 Usage: torchrun --nproc_per_node=2 hooks_worker.py KIND OUT
-(KIND: ddp_unused | ddp_no_sync | fsdp_noreshard | fsdp_mixed | fsdp_lora)
+(KIND: ddp_unused | ddp_no_sync | ddp_bucket_view | fsdp_noreshard | fsdp_mixed | fsdp_lora)
 Rank 0 writes {"grads": whole gradients, "control": the control's, ...} to OUT.
 """
 
@@ -98,6 +98,34 @@ def main(kind, out):
         result["grads"] = whole_grads(ddp, accumulate)
         result["reduces"] = reduces["n"]
         result["control"] = whole_grads(ddp, lambda: accumulate(control=True))
+    elif kind == "ddp_bucket_view":  # .grad as views into DDP's buckets: each call adds into them in place
+        ddp = torch.nn.parallel.DistributedDataParallel(tiny_model("qwen3"), gradient_as_bucket_view=True)
+        ddp(input_ids=torch.tensor([[1, 2, 3]])).logits.sum().backward()  # DDP's own step makes .grad bucket views
+        named = list(ddp.module.named_parameters())
+        views = {n: p.grad for n, p in named}
+        result["views_before"] = all(g is not None and g._base is not None for g in views.values())
+        first, rest = mine[:1], mine[1:]
+        n1 = first[0].group_size
+        for name, calls in (
+            ("one_call", [(mine, loss_fn, False)]),
+            (
+                "accumulated",
+                [
+                    (first, loss_fn_for(first, gidx[:n1]), True),
+                    (
+                        rest or first,
+                        loss_fn_for(rest, gidx[n1:]) if rest else (lambda b: (b.logprobs * 0.0).sum()),
+                        False,
+                    ),
+                ],
+            ),
+        ):
+            ddp.zero_grad(set_to_none=False)  # zeros in the buckets, as optimizers leave them
+            for groups_, fn, in_no_sync in calls:
+                with ddp.no_sync() if in_no_sync else torch.enable_grad():
+                    sp.backward(ddp, groups_, fn, max_tokens=BUDGET)
+            result[f"{name}_same_tensors"] = all(p.grad is views[n] for n, p in named)
+            result[name] = {n: p.grad.detach().clone() for n, p in named}
     elif kind == "fsdp_noreshard":
         model = fsdp(tiny_model("qwen3"), reshard=False)
         result["grads"] = whole_grads(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))

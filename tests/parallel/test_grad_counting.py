@@ -64,6 +64,17 @@ def test_ddp_no_sync_accumulates_then_one_sync(tmp_path):
     exact_with_control(got["grads"], plain(tiny_model("qwen3")), got["control"])  # control: both calls in no_sync
 
 
+def test_ddp_bucket_views_stay_the_grad_tensors(tmp_path):
+    """DDP with ``gradient_as_bucket_view=True``: the bucket views present before a call (zeroed, not freed) are the
+    ``.grad`` after it, holding the whole gradient, for one syncing call and for a ``no_sync`` accumulation."""
+    got = launch("ddp_bucket_view", tmp_path)
+    want = plain(tiny_model("qwen3"))
+    assert got["views_before"]
+    for name in ("one_call", "accumulated"):
+        assert got[f"{name}_same_tensors"], name
+        assert_grads_close(present(got[name]), want, 1e-9)
+
+
 def test_fsdp_without_resharding_after_forward(tmp_path):
     got = launch("fsdp_noreshard", tmp_path)
     exact_with_control(got["grads"], plain(tiny_model("qwen3")), got["control"])  # control: sync=False

@@ -21,17 +21,22 @@ BUDGET = 8  # a chain of cached prompt segments (30 tokens), then each completio
 W = torch.randn(5, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
 MODES = ["keep", "offload", "recompute"]
 
+
 def loss_fn(b):
     return (b.logprobs * W[b.index, : b.logprobs.shape[1]]).sum()
+
 
 def plain_loss(model):
     return (plain_logprobs(model, GROUPS)[0] * W).sum()
 
+
 def run_sp(model, mode="keep", budget=BUDGET):
     sp.backward(model, GROUPS, loss_fn, max_tokens=budget, prefix_activations=mode)
 
+
 def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
 
 def clamped(model, bound):
     """A clamp of every parameter's incoming gradient to +-bound[0] (bound set later), counting the calls."""
@@ -45,11 +50,13 @@ def clamped(model, bound):
         p.register_hook(clamp)
     return calls
 
+
 def test_the_budget_runs_one_completion_per_pass():
     plan = sp.plan(GROUPS, BUDGET)
     assert any(isinstance(s, sp.schedule.PrefixBackward) for s in plan.steps)
     first = [s for s in plan.passes if any(r < 3 for r in s.rows)]
     assert len(first) == 3 and all(len(s.rows) == 1 for s in first)
+
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_nonlinear_tensor_hook_runs_once_on_the_calls_gradient(mode):
@@ -65,6 +72,7 @@ def test_a_nonlinear_tensor_hook_runs_once_on_the_calls_gradient(mode):
     run_sp(ours, mode)
     assert_grads_close(grads(ours), want, 1e-9)
     assert len(n_ours) == len(n_plain) == sum(1 for _ in plain.parameters())  # once per parameter
+
 
 def test_control_tensor_hooks_left_in_each_backward_differ(monkeypatch):
     """The tensor hooks left in place during each backward (what happened before): each pass's share is clamped
@@ -85,6 +93,7 @@ def test_control_tensor_hooks_left_in_each_backward_differ(monkeypatch):
     with pytest.raises(AssertionError, match="relative error"):
         assert_grads_close(grads(ours), grads(plain), 1e-3)
 
+
 def _flat_grads(model):
     """Every parameter's ``.grad`` a view into one flat buffer holding 0.5 (an earlier micro-step's share, as DDP's
     bucket views and fused optimizers keep them). Returns the buffer."""
@@ -95,6 +104,7 @@ def _flat_grads(model):
         p.grad = flat[off : off + p.numel()].view_as(p)
         off += p.numel()
     return flat
+
 
 @pytest.mark.parametrize("mode", MODES)
 def test_grad_is_accumulated_in_place_into_the_tensors_already_there(mode):
@@ -107,6 +117,7 @@ def test_grad_is_accumulated_in_place_into_the_tensors_already_there(mode):
     assert all(p.grad is before[n] for n, p in ours.named_parameters())  # the same tensors
     assert_grads_close(grads(ours), grads(plain), 1e-9)
     assert_grads_close({"flat": flat}, {"flat": torch.cat([p.grad.flatten() for p in plain.parameters()])}, 1e-9)
+
 
 def test_a_failing_call_leaves_the_flat_buffer_as_it_was():
     model = tiny_model("qwen3")
@@ -125,6 +136,7 @@ def test_a_failing_call_leaves_the_flat_buffer_as_it_was():
     assert all(p.grad is before[n] for n, p in model.named_parameters())
     assert bool((flat == 0.5).all())
 
+
 def test_grad_is_created_only_where_there_was_none():
     model = tiny_model("qwen3")
     first = next(model.parameters())
@@ -132,6 +144,7 @@ def test_grad_is_created_only_where_there_was_none():
     kept = first.grad
     run_sp(model)
     assert first.grad is kept and all(p.grad is not None for p in model.parameters())
+
 
 def _penalised(model, mode, defer):
     """An optimizer stepped in each parameter's post-accumulate hook; the policy's log-probs through sharedprefix
@@ -155,6 +168,7 @@ def _penalised(model, mode, defer):
     loss.backward()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, fired
 
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_deferred_call_and_a_direct_term_run_each_hook_once_on_their_sum(mode):
     init = {n: p.detach().clone() for n, p in tiny_model("qwen3").named_parameters()}
@@ -166,6 +180,7 @@ def test_a_deferred_call_and_a_direct_term_run_each_hook_once_on_their_sum(mode)
         assert moved > 0, n
         assert float((got[n] - want[n]).abs().max()) <= 1e-9 * moved, n
 
+
 def test_deferred_log_probs_give_their_gradient_to_autograd_grad():
     """``torch.autograd.grad`` through deferred log-probs returns the parameters' gradient (and writes no .grad)."""
     model = tiny_model("qwen3")
@@ -175,6 +190,7 @@ def test_deferred_log_probs_give_their_gradient_to_autograd_grad():
     got = torch.autograd.grad((lp * W).sum(), params)
     assert all(p.grad is None for p in params)
     assert_grads_close(dict(enumerate(got)), dict(enumerate(want)), 1e-9)
+
 
 def test_control_a_committing_deferred_call_fires_the_head_hook_twice(monkeypatch):
     """The deferred call writing .grad itself inside the caller's backward (what happened before): the head's hook
@@ -188,7 +204,9 @@ def test_control_a_committing_deferred_call_fires_the_head_hook_twice(monkeypatc
     _, fired = _penalised(tiny_model("qwen3"), "keep", defer=True)
     assert len(fired) > len(list(tiny_model("qwen3").parameters()))
 
+
 # -- module hooks ----------------------------------------------------------------------------------------------------
+
 
 def _register(model, kind, module, fn):
     m = {"layer": model.model.layers[0], "head": model.lm_head, "model": model, "norm": model.model.norm}[module]
@@ -200,8 +218,10 @@ def _register(model, kind, module, fn):
     }[kind]
     return register(fn)
 
+
 def user_hook(*args):  # returns None: an observer, still refused (what it observes differs)
     return None
+
 
 @pytest.mark.parametrize("kind", ["forward", "forward_pre", "full_backward", "full_backward_pre"])
 @pytest.mark.parametrize("module", ["layer", "head", "model", "norm"])
@@ -220,6 +240,7 @@ def test_module_hooks_are_refused_naming_the_hook_and_the_module(kind, module):
     h.remove()
     sp.logprobs(model, GROUPS)  # nothing left to refuse
 
+
 def test_a_global_module_hook_is_refused():
     model = tiny_model("qwen3")
     h = torch.nn.modules.module.register_module_forward_hook(user_hook)
@@ -228,6 +249,7 @@ def test_a_global_module_hook_is_refused():
             sp.logprobs(model, GROUPS)
     finally:
         h.remove()
+
 
 def test_a_declared_token_wise_hook_runs_and_is_exact():
     """An activation-steering vector added to every position of layer 0's output, declared with ``allow_hook``: the
@@ -249,6 +271,7 @@ def test_a_declared_token_wise_hook_runs_and_is_exact():
     plain_loss(free).backward()
     assert float((grads(free)["model.norm.weight"] - want["model.norm.weight"]).abs().max()) > 1e-6  # it steers
 
+
 def test_library_hooks_known_to_be_token_wise_run():
     """transformers' ``enable_input_require_grads`` (PEFT and TRL under gradient checkpointing) is allowed."""
     model = tiny_model("qwen3")
@@ -257,6 +280,7 @@ def test_library_hooks_known_to_be_token_wise_run():
     with torch.no_grad():
         out = sp.logprobs(model, GROUPS)
     assert (out.logprobs - plain_logprobs(model, GROUPS)[0]).abs().max() <= 1e-9
+
 
 def test_a_hook_registered_during_a_backward_is_refused():
     """A tensor hook that appears in the middle of a backward (a recomputed forward registering it) already ran on a
@@ -273,4 +297,3 @@ def test_a_hook_registered_during_a_backward_is_refused():
     with pytest.raises(RuntimeError, match="gained a gradient hook during a sharedprefix backward"):
         run_sp(model)
     assert all(p.grad is None for p in model.parameters())
-
