@@ -74,6 +74,23 @@ def test_a_nonlinear_tensor_hook_runs_once_on_the_calls_gradient(mode):
     assert len(n_ours) == len(n_plain) == sum(1 for _ in plain.parameters())  # once per parameter
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_an_in_place_post_accumulate_hook_runs_once_on_the_calls_gradient(mode):
+    """A post-accumulate hook doubling ``.grad`` in place (transformers' TP all-reduce over two equal ranks), with an
+    earlier micro-step's gradient present: it runs once per parameter, on earlier + this call's, as in the plain
+    run's second backward."""
+    plain, ours = tiny_model("qwen3"), tiny_model("qwen3")
+    counts = {id(plain): [], id(ours): []}
+    for m in (plain, ours):
+        _flat_grads(m)
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, c=counts[id(m)]: c.append(p.grad.mul_(2.0)) and None)
+    plain_loss(plain).backward()
+    run_sp(ours, mode)
+    assert len(counts[id(ours)]) == len(counts[id(plain)]) == sum(1 for _ in plain.parameters())
+    assert_grads_close(grads(ours), grads(plain), 1e-9)
+
+
 def test_control_tensor_hooks_left_in_each_backward_differ(monkeypatch):
     """The tensor hooks left in place during each backward (what happened before): each pass's share is clamped
     alone, and the gradients differ, so the test above can fail."""

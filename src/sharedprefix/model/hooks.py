@@ -63,7 +63,7 @@ _GLOBALS = (
 
 def allow_hook(fn):
     """Declare the module hook ``fn`` token-wise (see the module docstring), so that sharedprefix runs models that
-    carry it; returns ``fn``, so it also works as a decorator. The declaration is yours: sharedprefix cannot check it."""
+    carry it; returns ``fn``, so it also works as a decorator. The declaration is yours: nothing can check it."""
     if not callable(fn):
         raise TypeError(f"allow_hook takes the hook function itself; got a {type(fn).__name__}.")
     _USER_ALLOWED[id(fn)] = fn
