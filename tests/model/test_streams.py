@@ -211,7 +211,7 @@ def test_control_pads_not_excluded(monkeypatch):
 
 def _refused(model, source, match):
     calls = []
-    hook = model.get_decoder().register_forward_pre_hook(lambda *a: calls.append(1))
+    hook = model.get_decoder().register_forward_pre_hook(sp.allow_hook(lambda *a: calls.append(1)))
     try:
         with pytest.raises(ValueError, match=match):
             sp.logprobs(model, source)
@@ -254,7 +254,7 @@ def test_codes_outside_the_embeddings_or_heads_are_refused():
 def test_frames_for_a_one_stream_model_are_refused():
     model = tiny_model("llama")
     calls = []
-    hook = model.get_decoder().register_forward_pre_hook(lambda *a: calls.append(1))
+    hook = model.get_decoder().register_forward_pre_hook(sp.allow_hook(lambda *a: calls.append(1)))
     frames_group = sp.Group(torch.ones(2, 3, dtype=torch.long), [torch.ones(2, 2, dtype=torch.long)])
     with pytest.raises(ValueError, match=r"holds frames of 2 token streams .* reads one token per position"):
         sp.logprobs(model, [frames_group])

@@ -79,7 +79,7 @@ def one_wrapping(how, reshard, mode, mine, loss_fn):
     model = shard(tiny_model("qwen3"), how, reshard)
     during, before = [], {}
     # looks at the model from inside each pass (a layer's forward) and between passes (loss_fn)
-    model.model.layers[0].register_forward_hook(lambda *_: during.append(snapshot(model) == before))
+    model.model.layers[0].register_forward_hook(sp.allow_hook(lambda *_: during.append(snapshot(model) == before)))
     before.update(snapshot(model))
 
     def checked(b):
@@ -138,7 +138,7 @@ def failing(rank, world, out, kind):
         if rank == 1 and len(seen) == 1:
             raise ValueError("layer 1 refused this batch on rank 1 (inside a pass)")
 
-    handle = model.model.layers[1].register_forward_pre_hook(refuse) if kind == "inside" else None
+    handle = model.model.layers[1].register_forward_pre_hook(sp.allow_hook(refuse)) if kind == "inside" else None
     record = {}
     if kind == "midfail":  # a mode FSDP2 cannot run, where only rank 0's shard splits a group: refused on rank 0 only
         try:

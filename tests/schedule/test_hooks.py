@@ -83,8 +83,9 @@ def test_an_in_place_post_accumulate_hook_runs_once_on_the_calls_gradient(mode):
     counts = {id(plain): [], id(ours): []}
     for m in (plain, ours):
         _flat_grads(m)
+        c = counts[id(m)]
         for p in m.parameters():
-            p.register_post_accumulate_grad_hook(lambda p, c=counts[id(m)]: c.append(p.grad.mul_(2.0)) and None)
+            p.register_post_accumulate_grad_hook(lambda p, c=c: c.append(p.grad.mul_(2.0)) and None)
     plain_loss(plain).backward()
     run_sp(ours, mode)
     assert len(counts[id(ours)]) == len(counts[id(plain)]) == sum(1 for _ in plain.parameters())
