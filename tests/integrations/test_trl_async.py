@@ -211,7 +211,8 @@ def test_float32_within_twice_trl_own_error(setup):
 
 @pytest.mark.slow
 def test_refusals(setup, tmp_path):
-    """An MoE load-balancing loss (TRL's over the packed row's unique tokens) and a bad budget, refused when built."""
+    """An MoE load-balancing loss (TRL's over the packed row's unique tokens), a bad budget, and whole groups per
+    microbatch (a synchronous trainers' setting), refused when built."""
     import transformers as tf
 
     from sharedprefix.tools.zoo.configs import tiny_config
@@ -227,3 +228,7 @@ def test_refusals(setup, tmp_path):
         build(str(tmp_path / "moe"))
     with pytest.raises(ValueError, match="sharedprefix_max_tokens=0; expected a positive int or None"):
         build(setup.path, sharedprefix_max_tokens=0)
+    with pytest.raises(
+        ValueError, match="sharedprefix_group_microbatches=True is a setting of SharedPrefixGRPOTrainer"
+    ):
+        build(setup.path, sharedprefix_group_microbatches=True)  # TRL forms the microbatches: it would be ignored

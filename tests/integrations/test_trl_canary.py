@@ -20,13 +20,16 @@ from trl.trainer import utils  # noqa: E402
 MIRRORED = {
     GRPOTrainer._prepare_inputs: (
         "f824e7fb07147956",
-        "SharedPrefixGRPOTrainer._prepare_inputs copies its buffering and replaces shuffle_sequence_dict by a "
-        "group-preserving shuffle drawing the same permutation",
+        "by default SharedPrefixHooks._prepare_inputs calls this one; under sharedprefix_group_microbatches=True it "
+        "copies its buffering and replaces shuffle_sequence_dict by a group-preserving shuffle drawing the same "
+        "permutation, and membership_matters reads its micro-step schedule (which rows each micro-step trains)",
     ),
     GRPOTrainer._compute_loss: (
         "80295546bbdbf6f7",
         "how it calls the log-prob hook (compute_entropy, compute_aux_loss, image keys), adds "
-        "router_aux_loss_coef * aux_loss and uses the entropies (bonus on/off): _get_per_token_logps_and_entropies",
+        "router_aux_loss_coef * aux_loss and uses the entropies (bonus on/off): _get_per_token_logps_and_entropies; "
+        "which terms are normalised per microbatch (bnpo, entropy bonus, top_entropy_quantile, aux loss): "
+        "membership_matters",
     ),
     GRPOTrainer._get_per_token_logps_and_entropies: (
         "ea73c3909275851d",
@@ -39,7 +42,8 @@ MIRRORED = {
     RLOOTrainer._compute_loss: (
         "c1f9fa0cd5a6948c",
         "how RLOO calls the log-prob hook (compute_entropy=True for a metric only, so SharedPrefixRLOOTrainer detaches "
-        "the entropies; compute_aux_loss, image keys) and adds router_aux_loss_coef * aux_loss",
+        "the entropies; compute_aux_loss, image keys) and adds router_aux_loss_coef * aux_loss (per microbatch: "
+        "membership_matters)",
     ),
     RLOOTrainer._get_per_token_logps_and_entropies: (
         "ea73c3909275851d",
@@ -47,7 +51,7 @@ MIRRORED = {
     ),
     utils.shuffle_sequence_dict: (
         "bab038755e57ed2b",
-        "the single torch.randperm draw _group_preserving_shuffle repeats",
+        "the single torch.randperm draw _group_preserving_shuffle repeats (sharedprefix_group_microbatches=True)",
     ),
     utils.split_pixel_values_by_grid: (
         "3aca66e33a7978d3",

@@ -187,7 +187,7 @@ def _train(cls, cfg_cls, init, kind, tmp_path, **kw):
         temperature=1.0,
         beta=0.1,
     )
-    args = two_step_args(cfg_cls, tmp_path, **settings, **kw)
+    args = two_step_args(cfg_cls, tmp_path, **{**settings, **kw})
     return train(
         cls, args, model=init, reward_funcs=_reward, train_dataset=_dataset(), processing_class=_processor(kind)
     )
@@ -302,3 +302,40 @@ def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budge
         _train(_swap_images(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, init, kind, tmp_path / "swap", **budget)
     )
     assert float((swapped - plain).abs().max()) > 1e-3 * scale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, budget", [("qwen2_vl", 24), ("llava", 16)])
+def test_groups_split_across_microbatches_train_as_grpo_trainer(tmp_path, monkeypatch, kind, budget):
+    """TRL's own microbatches (the default): 3 rows each, drawn by TRL's shuffle from a generation batch of 3 groups
+    (steps_per_generation=3, an optimizer step per microbatch), so a microbatch holds part of a group. The hook
+    regroups each microbatch's rows by prompt and image, whatever rows it gets: the same parameters as GRPOTrainer
+    (float32; 1e-4 of the update as above), with the budgets above."""
+    calls = []
+    logprobs = sp.logprobs
+    monkeypatch.setattr(
+        sp,
+        "logprobs",
+        lambda model, source, **kw: calls.append((source, torch.is_grad_enabled())) or logprobs(model, source, **kw),
+    )
+    _model(kind).save_pretrained(tmp_path / "init")
+    init = str(tmp_path / "init")
+    init_state = type(_model(kind)).from_pretrained(init).state_dict()
+
+    def delta(trainer):
+        return torch.cat([(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters()])
+
+    split = dict(per_device_train_batch_size=3, steps_per_generation=3)
+    plain = delta(_train(GRPOTrainer, GRPOConfig, init, kind, tmp_path / "plain", **split))
+    budget = dict(sharedprefix_max_tokens=budget, sharedprefix_prefix_activations="recompute")
+    ours = delta(
+        _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, kind, tmp_path / "sp", **split, **budget)
+    )
+    policy = [groups for groups, grad in calls if grad]
+    assert policy and all(sum(len(g.completions) for g in groups) == 3 for groups in policy)
+    assert any(len(g.completions) < 3 for groups in policy for g in groups)  # part of a group in a microbatch
+    assert all(sum(len(g.completions) for g in groups) == 9 for groups, grad in calls if not grad)  # whole batch
+    scale = float(plain.abs().max())
+    assert scale > 1e-3
+    err = float((ours - plain).abs().max())
+    assert err <= 1e-4 * scale, (err, scale)

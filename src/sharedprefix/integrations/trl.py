@@ -14,8 +14,15 @@ clipping, KL, entropy bonus, masks, metrics) runs unchanged:
   backpropagates its loss, the incoming per-token gradients dL/dlogp (and dL/dentropy) drive
   ``sp.backward`` under the budget with the linear loss ``sum(dL/dlogp * logp)``, whose
   parameter gradient is exactly dL/dtheta (chain rule).
-- ``_prepare_inputs`` keeps whole groups inside one microbatch (TRL shuffles rows across the
-  generation batch): it draws the same random permutation as TRL, then orders groups by it.
+- ``_prepare_inputs`` is TRL's own by default: each microbatch holds the rows TRL's shuffle gives it (rows of one
+  prompt may fall in different microbatches; those in the same one still share their prompt through the tree), so
+  training follows ``GRPOTrainer``'s and ``RLOOTrainer``'s to rounding for every setting. The old-policy and
+  reference log-probs are computed by TRL over the whole (local) generation batch before its shuffle, in one call
+  of the hook (whose ``batch_size`` chunking is replaced by ``sharedprefix_max_tokens``), so those no-grad passes
+  compute each prompt once whatever the microbatches. ``sharedprefix_group_microbatches=True`` keeps whole groups
+  inside one microbatch instead (``_group_preserving_shuffle``: the same random draw as TRL, groups ordered by
+  it): the same distribution of rows in another order, fewer prompt recomputations in the policy pass, but not
+  TRL's parameters where microbatch membership matters (``membership_matters``), which it warns about.
 
 Images (Qwen-style ``pixel_values`` with ``image_grid_thw``, or Llava-style ``pixel_values`` per image; see
 ``trl_batch``): the rows are regrouped by prompt and image into ``sp.Group``s with ``prompt_inputs``, so each
@@ -35,6 +42,7 @@ L = longest [prompt + completion] row.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +64,7 @@ __all__ = [
     "SharedPrefixRLOOConfig",
     "SharedPrefixRLOOTrainer",
     "SharedPrefixSettings",
+    "membership_matters",
     "tree_rows",
 ]
 
@@ -70,12 +79,27 @@ class SharedPrefixSettings:
             their completions in several passes (exact; the policy pass then costs one extra
             no-grad forward of the packed layout).
         sharedprefix_prefix_activations: "keep" | "offload" | "recompute", see ``sp.backward``.
+        sharedprefix_group_microbatches: False (default): the microbatches are TRL's (its row shuffle across the
+            generation batch), so the parameters follow TRL's trainer's for every setting. True: each microbatch
+            holds whole groups (all ``num_generations`` rows of a prompt, as far as the microbatch size allows), so
+            the policy pass computes each prompt once per step instead of once per microbatch it falls in. The
+            same rows in another order: an equally valid sampling of GRPO/RLOO, but NOT TRL's trainer's result
+            wherever microbatch membership matters (``membership_matters``: more than one microbatch per generation
+            batch, and either an optimizer step inside a generation batch or a loss normalised per microbatch);
+            the trainer warns when built with it on in that case.
     """
 
     sharedprefix_max_tokens: int | None = field(
         default=None, metadata={"help": "tokens one sharedprefix pass may hold"}
     )
     sharedprefix_prefix_activations: str = field(default="keep", metadata={"help": "keep | offload | recompute"})
+    sharedprefix_group_microbatches: bool = field(
+        default=False,
+        metadata={
+            "help": "keep whole groups inside one microbatch (not TRL's microbatches: other parameters than TRL's "
+            "trainer wherever microbatch membership matters)"
+        },
+    )
 
 
 @dataclass
@@ -88,6 +112,61 @@ class SharedPrefixRLOOConfig(RLOOConfig, SharedPrefixSettings):
     """``RLOOConfig`` plus the settings of sharedprefix (``SharedPrefixSettings``)."""
 
 
+def membership_matters(trainer) -> list[str]:
+    """Why the rows each microbatch holds change what a TRL ``trainer`` trains to, one reason per entry; empty when
+    any split of each generation batch into microbatches gives the same parameters (up to rounding).
+
+    The rule, read from TRL 1.16's ``_prepare_inputs`` and ``_compute_loss`` (GRPOTrainer and RLOOTrainer):
+    TRL generates a (local) generation batch of ``per_device_train_batch_size * steps_per_generation`` rows every
+    ``steps_per_generation * num_iterations`` micro-steps, shuffles its rows and splits it into
+    ``steps_per_generation`` equal microbatches, and micro-step s trains on microbatch ``s % steps_per_generation``;
+    an optimizer step sums the gradients of ``gradient_accumulation_steps`` micro-steps. Advantages, reward
+    scaling (``scale_rewards``, RLOO's ``normalize_advantages``), old-policy and reference log-probs are computed
+    per row over the whole generation batch before the shuffle, so they do not depend on it. Membership matters
+    exactly when ``steps_per_generation > 1`` and at least one of:
+
+    - ``gradient_accumulation_steps`` is not a multiple of ``steps_per_generation``: some optimizer step sees only
+      part of a generation batch, so which rows are trained before the parameters move depends on membership
+      (``steps_per_generation > gradient_accumulation_steps``, TRL's usual multi-step setting, is one case);
+    - the loss is not a sum over rows with constant weights, because a microbatch normaliser or statistic enters:
+      GRPO's ``loss_type="bnpo"`` (divided by the microbatch's token count), GRPO's entropy bonus
+      (``entropy_coef`` != 0 or ``use_adaptive_entropy``: the microbatch's mean entropy), GRPO's
+      ``top_entropy_quantile`` < 1 (the entropy threshold is a quantile over the microbatch's tokens), and the MoE
+      load-balancing loss of either trainer (``router_aux_loss_coef`` with a router: the microbatch's routing
+      statistics).
+
+    Every other setting is a sum over rows with weights fixed for the generation batch, so membership does not
+    matter: ``loss_type`` "grpo", "sapo", "luspo" (per-row means over a microbatch of fixed size), "dr_grpo"
+    (divided by rows x ``max_completion_length``), "dapo", "cispo", "vespo" (divided by the generation batch's
+    token count), RLOO's per-sequence mean, ``importance_sampling_level``, ``epsilon``/``epsilon_high``,
+    ``delta``, ``beta``, ``mask_truncated_completions``, ``off_policy_mask_threshold``, and ``num_iterations``
+    (each pass reuses the same microbatches, each optimizer step still whole generation batches when the first
+    rule does not apply).
+    """
+    a = trainer.args
+    spg, ga = a.steps_per_generation or 1, a.gradient_accumulation_steps
+    if spg <= 1:  # one microbatch per generation batch: every order holds the same rows
+        return []
+    reasons = []
+    if ga % spg:
+        reasons.append(
+            f"gradient_accumulation_steps={ga} is not a multiple of steps_per_generation={spg}, so an optimizer step "
+            "falls inside a generation batch and the rows trained before it depend on membership"
+        )
+    if getattr(trainer, "loss_type", None) == "bnpo":
+        reasons.append("loss_type='bnpo' divides each microbatch's loss by that microbatch's token count")
+    if getattr(trainer, "_entropy_bonus_enabled", False):
+        reasons.append("the entropy bonus (entropy_coef or use_adaptive_entropy) is each microbatch's mean entropy")
+    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+        reasons.append(
+            f"top_entropy_quantile={trainer.top_entropy_quantile} takes its entropy threshold over each microbatch's "
+            "tokens"
+        )
+    if getattr(trainer, "aux_loss_enabled", False):
+        reasons.append("the MoE load-balancing loss (router_aux_loss_coef) is each microbatch's")
+    return reasons
+
+
 def checked_settings(trainer) -> tuple[int | None, str]:
     """(budget, prefix mode) of a sharedprefix TRL ``trainer``'s config, validated; fp16 loss scaling refused."""
     a = trainer.args
@@ -97,6 +176,12 @@ def checked_settings(trainer) -> tuple[int | None, str]:
         raise ValueError(f"sharedprefix_prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ValueError(f"sharedprefix_max_tokens={budget!r}; expected a positive int or None.")
+    grouped = getattr(a, "sharedprefix_group_microbatches", False)
+    if not isinstance(grouped, bool):
+        raise ValueError(
+            f"sharedprefix_group_microbatches={grouped!r}; expected True (whole groups per microbatch) or False "
+            "(TRL's own microbatches, the default)."
+        )
     if getattr(a, "fp16", False):
         raise ValueError(
             f"fp16=True (float16 mixed precision with loss scaling) is not supported by {type(trainer).__name__}: "
@@ -109,7 +194,8 @@ def checked_settings(trainer) -> tuple[int | None, str]:
 class SharedPrefixHooks:
     """The hooks a TRL trainer gets from sharedprefix, and the checks made when it is built; mixed in before the TRL
     trainer (``class SharedPrefixGRPOTrainer(SharedPrefixHooks, GRPOTrainer)``). It needs of that trainer the hook's
-    signature and the ``_prepare_inputs`` body of GRPOTrainer, which RLOOTrainer shares."""
+    signature and, under ``sharedprefix_group_microbatches`` only, the ``_prepare_inputs`` body of GRPOTrainer, which
+    RLOOTrainer shares."""
 
     # whether TRL's loss backpropagates through the entropies (GRPOTrainer's entropy bonus); see _entropy_graph
     _sp_entropy_in_loss = True
@@ -119,6 +205,16 @@ class SharedPrefixHooks:
         a = self.args
         self._sp_budget, self._sp_mode = checked_settings(self)
         self._refuse_at_construction()
+        reasons = membership_matters(self) if a.sharedprefix_group_microbatches else []
+        if reasons:
+            warnings.warn(
+                "sharedprefix_group_microbatches=True keeps whole groups inside one microbatch, so this trainer "
+                f"trains to other parameters than TRL's {_trl_name(self)} here: " + "; ".join(reasons) + ". The "
+                "same rows in another order, an equally valid sample, but not TRL's result. Set "
+                "sharedprefix_group_microbatches=False (the default) for TRL's own microbatches.",
+                UserWarning,
+                stacklevel=2,
+            )
         if getattr(a, "cast_lm_head_to_fp32", False):  # TRL cast the heads; sharedprefix runs them outside autocast
             for m in (self.model, getattr(self, "ref_model", None)):
                 if m is not None:
@@ -129,7 +225,7 @@ class SharedPrefixHooks:
         inner = unwrap(self.model)
         tp = getattr(inner, "_tp_size", None) or 1
         if tp > 1:
-            trl_name = next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("trl."))
+            trl_name = _trl_name(self)
             raise ValueError(
                 f"the model is tensor-parallel (tp_size={tp}). sharedprefix's own calls are verified exact under "
                 f"transformers' tensor parallelism, but TRL's {trl_name} with it needs accelerate's ParallelismConfig, "
@@ -219,9 +315,13 @@ class SharedPrefixHooks:
         ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
         return lp, _entropy_graph(self, ent), aux
 
-    # -- whole groups per microbatch ----------------------------------------------------------------------------
+    # -- microbatches: TRL's, or whole groups under sharedprefix_group_microbatches --------------------------------
 
     def _prepare_inputs(self, generation_batch):
+        """TRL's own ``_prepare_inputs`` (its row shuffle and split), unless ``sharedprefix_group_microbatches``:
+        then TRL's body with its row shuffle replaced by ``_group_preserving_shuffle``."""
+        if not getattr(self.args, "sharedprefix_group_microbatches", False):
+            return super()._prepare_inputs(generation_batch)
         if not self.model.training:
             return self._generate_and_score_completions(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
@@ -234,14 +334,21 @@ class SharedPrefixHooks:
 
 
 class SharedPrefixGRPOTrainer(SharedPrefixHooks, GRPOTrainer):
-    """``GRPOTrainer`` whose log-probs compute each prompt once; same constructor, same results."""
+    """``GRPOTrainer`` whose log-probs compute each prompt once per pass; same constructor, same results (with the
+    default ``sharedprefix_group_microbatches=False``)."""
 
 
 class SharedPrefixRLOOTrainer(SharedPrefixHooks, RLOOTrainer):
-    """``RLOOTrainer`` whose log-probs compute each prompt once; same constructor, same results. RLOO's loss reads
+    """``RLOOTrainer`` whose log-probs compute each prompt once per pass; same constructor, same results (with the
+    default ``sharedprefix_group_microbatches=False``). RLOO's loss reads
     the entropies as a metric only, so they are returned without a graph."""
 
     _sp_entropy_in_loss = False
+
+
+def _trl_name(trainer) -> str:
+    """The name of the TRL trainer class ``trainer`` extends (``GRPOTrainer``, ``RLOOTrainer``)."""
+    return next(c.__name__ for c in type(trainer).__mro__ if c.__module__.startswith("trl."))
 
 
 def _entropy_graph(trainer, ent):

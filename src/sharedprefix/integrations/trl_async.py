@@ -15,7 +15,9 @@ The model's own attention is switched from TRL's ``tree_fa3`` to ``sdpa`` (``eag
 nothing calls the model's forward with tree tensors any more, and sharedprefix's once-per-model head check runs the
 model's own forward on a plain row. Refused when built, each with the setting that removes it: an MoE
 load-balancing loss (TRL's is taken over the packed row's unique tokens, which no per-row computation reproduces),
-FSDP (grad-enabled ``sp.logprobs`` is refused under FSDP2), fp16 loss scaling, and what ``check_supported`` refuses.
+FSDP (grad-enabled ``sp.logprobs`` is refused under FSDP2), fp16 loss scaling, what ``check_supported`` refuses, and
+``sharedprefix_group_microbatches=True`` (nothing here forms or reorders microbatches: TRL's ``token_budget`` planner
+does, and the packed row is computed as given).
 
 Notation: N = packed tokens of a rank's row, R = its leaf rows (samples up to identical ones), L = longest row.
 """
@@ -52,6 +54,14 @@ class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
         with _without_cuda_peak_flops():
             super().__init__(*args, **kwargs)
         self._sp_budget, self._sp_mode = checked_settings(self)
+        if self.args.sharedprefix_group_microbatches:
+            raise ValueError(
+                "sharedprefix_group_microbatches=True is a setting of SharedPrefixGRPOTrainer and "
+                "SharedPrefixRLOOTrainer: SharedPrefixAsyncGRPOTrainer forms no microbatches (TRL's token_budget "
+                "planner does, and this trainer computes the packed row it is given, its rows in TRL's order), so the "
+                "setting would be ignored. Leave it False; to compute a group's prompt once, give token_budget room "
+                "for a group's unique tokens and bound memory with sharedprefix_max_tokens (docs/trl.md)."
+            )
         inner = unwrap(self.model)
         if getattr(self, "is_fsdp_enabled", False):
             raise ValueError(
