@@ -95,3 +95,53 @@ def test_no_core_module_over_300_lines():
         if _floor(m) is not None and (n := len(p.read_text().splitlines())) > 300:
             long[m] = n
     assert not long, long
+
+
+# A read of an engine's kind: a flag named after an engine (``par.fsdp``), the kind or the composed degrees read off
+# the engine (``par.kind``, ``run.par.tensor``), a comparison with an engine's name (``== "ddp"``), or an engine class
+# itself (imported from ``parallel.engines``, for ``isinstance``). The schedule asks the engine instead.
+ENGINE_FLAGS = {"fsdp", "ddp", "is_fsdp", "is_ddp"}
+ENGINE_FIELDS = {"kind", "tensor", "data_group", "data_size", "world_size", "root"}
+ENGINE_NAMES = {"ddp", "fsdp", "fsdp2", "single", "deepspeed", "zero"}
+
+
+def _engine_branches(source: str) -> list[str]:
+    """Where ``source`` (a module outside ``parallel``) branches on an engine kind instead of asking the engine."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", None)
+            if node.attr in ENGINE_FLAGS or (owner in ("par", "engine") and node.attr in ENGINE_FIELDS):
+                found.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Compare):
+            for c in [node.left, *node.comparators]:
+                items = c.elts if isinstance(c, (ast.Tuple, ast.List, ast.Set)) else [c]
+                names = [x.value for x in items if isinstance(x, ast.Constant) and isinstance(x.value, str)]
+                found += [f"line {node.lineno}: compared with {n!r}" for n in names if n.lower() in ENGINE_NAMES]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sharedprefix.parallel.engines"):
+            found.append(f"line {node.lineno}: imports {node.module}")
+    return found
+
+
+def test_engine_branch_rule_catches_planted_branches():
+    planted = {
+        'if par.kind == "ddp":\n    pass': 2,  # the kind read, and compared with a name
+        "x = 1 if run.par.fsdp else 0": 1,
+        "if self.par.tensor > 1:\n    pass": 1,
+        'if kind in ("fsdp", "none"):\n    pass': 1,
+        "from sharedprefix.parallel.engines.ddp import DDP": 1,
+    }
+    for source, n in planted.items():
+        assert len(_engine_branches(source)) == n, (source, _engine_branches(source))
+    clean = 'if pat.kind == "sliding":\n    pass\nif par.lockstep:\n    par.agree_on_error(None)\nx = par.sequence'
+    assert _engine_branches(clean) == []
+
+
+def test_no_engine_branch_outside_parallel():
+    """Outside ``parallel`` the core asks the call's engine (``parallel.engine.Engine``) what to do; it never branches
+    on which engine it is, so that adding an engine is one module under ``parallel/engines/`` and one registration."""
+    found = {}
+    for m, p in _modules().items():
+        if _floor(m) is not None and m.split(".")[1] != "parallel" and (hits := _engine_branches(p.read_text())):
+            found[m] = hits
+    assert not found, found

@@ -36,7 +36,7 @@ from sharedprefix.layout.rows import Tree
 from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap, uses_checkpointing
 from sharedprefix.model.hooks import check_module_hooks
-from sharedprefix.parallel.detect import ddp_sync_enabled, detect
+from sharedprefix.parallel.detect import detect, sync_enabled
 from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
 from sharedprefix.schedule import rounds
 from sharedprefix.schedule.cache_path import calls as cache_path
@@ -188,13 +188,13 @@ def backward(
     Failures under DDP / FSDP2: an error on one rank ends the call on every rank within seconds, the others
     raising a RuntimeError that names the failing rank and its message, and no rank keeps the call's gradient.
     The process group stays usable, except after an error inside FSDP2's own collectives (a forward or backward
-    failing part-way), where every rank closes it (see ``parallel.strategy``).
+    failing part-way), where every rank closes it (see ``parallel.engines.fsdp2``).
     """
     if prefix_activations is None:  # the default: "keep", or the mode FSDP2 needs
-        prefix_activations = "recompute" if detect(model, unwrap(model)).fsdp else "keep"
+        prefix_activations = detect(model, unwrap(model)).default_prefix_mode
     shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
     # inside DDP's no_sync(): accumulate, as DDP's own backward would
-    opts = CallOptions.build(**shared, sync=sync and ddp_sync_enabled(model), offload_device=offload_device)
+    opts = CallOptions.build(**shared, sync=sync and sync_enabled(model), offload_device=offload_device)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
@@ -271,14 +271,9 @@ def _defers(model, defer: bool | None, seq=None) -> bool:
     through ``sp.backward``: asked for (``defer=True``), or needed (gradient checkpointing, DDP, sequence
     parallelism). Refuses what cannot be exact either way (FSDP2; ``defer=False`` where it is needed)."""
     inner = unwrap(model)
-    kind = detect(model, inner).kind
-    if kind == "fsdp":
-        raise ValueError(
-            "sharedprefix.logprobs with grad enabled is not supported on an FSDP2 model: its backward would run "
-            "outside FSDP2's hooks. Use sharedprefix.backward for the policy step (and logprobs under "
-            "torch.no_grad() for old-policy and reference log-probs)."
-        )
-    needs = "a DDP model" if kind == "ddp" else "gradient checkpointing" if uses_checkpointing(inner) else None
+    engine = detect(model, inner)
+    engine.check_grad_logprobs()  # FSDP2: its backward would run outside FSDP2's hooks
+    needs = engine.must_defer or ("gradient checkpointing" if uses_checkpointing(inner) else None)
     needs = needs or ("sequence parallelism" if seq is not None else None)
     if defer is False and needs:
         raise ValueError(

@@ -58,8 +58,8 @@ def _eager_reasons(run, pats: dict) -> list[str]:
     out = []
     if run.par.sequence is not None:
         out.append("sequence parallelism exchanges heads inside attention")
-    if run.par.fsdp or run.par.tensor > 1:
-        out.append("FSDP2 and tensor parallelism are not yet run through compiled layers")
+    if (why := run.par.compiled_refusal()) is not None:  # FSDP2, tensor parallelism
+        out.append(why)
     if run.frames is not None:
         out.append("multi-stream (MusicGen) decoders are not yet run through compiled layers")
     if mixers.on_packed_path(run.model):

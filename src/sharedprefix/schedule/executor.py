@@ -1,6 +1,6 @@
 """Run a plan's passes: pack each row, run the decoder under the shared-prefix attention, read out rows.
 
-``Executor`` owns one call's state (the plan, the prefix cache, the parallel strategy) and is
+``Executor`` owns one call's state (the plan, the prefix cache, the parallel engine ``par``) and is
 dropped when the call ends; ``schedule.rounds`` runs ``sp.backward``'s rounds over it.
 
 Notation: L = row length, M = computed tokens of a pass, n = rows a pass reports, W = columns.
@@ -28,7 +28,6 @@ from sharedprefix.model.support import check_supported
 from sharedprefix.parallel import sequence
 from sharedprefix.parallel.detect import detect
 from sharedprefix.parallel.sequence import SequenceShard, refuse_features
-from sharedprefix.parallel.tensor import refuse_with_sequence_group
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.compiled import compiled_path, removed
@@ -50,9 +49,7 @@ class Executor:
         self.options = options
         self.model = unwrap(model)
         self.par = detect(model, self.model)
-        if sequence_group is not None and self.par.tensor > 1:
-            refuse_with_sequence_group(self.par.tensor)
-        self.par.sequence = sequence_group
+        self.par.use_sequence(sequence_group)
         self.par.start()
         self.last: tuple | None = (
             None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
@@ -70,14 +67,14 @@ class Executor:
                 else sequence.digest(self.plan, o.temperature, o.entropy, leaves, prefix_activations)
             )
             error = sequence.agree(sequence_group, error, key)
-        # FSDP2: the round counts every rank runs, agreed in the same all-reduce: (forward-only, forward+backward)
-        # rounds for sp.backward, passes for sp.logprobs
-        counts = [] if not self.par.fsdp else [0, 0] if leaves else [0]
-        if error is None and self.par.fsdp:
+        # in lockstep (FSDP2): the round counts every rank runs, agreed in the same all-reduce: (forward-only,
+        # forward+backward) rounds for sp.backward, passes for sp.logprobs
+        counts = [] if not self.par.lockstep else [0, 0] if leaves else [0]
+        if error is None and self.par.lockstep:
             counts = list(self.plan.fsdp_rounds) if leaves else [len(self.plan.passes)]
         self.rounds = self.par.agree_on_error(error, counts=counts)
         # the same model on every rank: a refusal here is raised by every rank together (no guard needed)
-        own = self.model.forward if self.par.fsdp else None
+        own = self.par.forward_in_call(self.model)
         with torch.compiler.set_stance("force_eager"):  # checks of the model's own forward: compiled layers run eager
             self.par.call(lambda: verify_head(self.model, own), guard=False)
         pats = {m: p for m in self.model.modules() if (p := probe.pattern(m)) is not None}
@@ -220,16 +217,18 @@ class Executor:
                     if s in layout.value_slot:
                         a, b = layout.value_slot[s]
                         self.cache.write_values(s, lp[a:b], ent[a:b] if ent is not None else None)
-            elif self.par.fsdp:
+            elif self.par.lockstep:
                 # FSDP2 may shard the output head as a unit of its own (verl does): every rank's pass must run it,
                 # forward and backward, whatever this rank's pass predicts, or the ranks' collectives differ.
                 # One row of logits, times zero: adds exactly nothing.
                 hidden = hidden + (head_logits(self.model, hidden[-1:]).sum() * 0.0).to(hidden.dtype)
             if surrogate is not None:
-                sur = self.cache.surrogate(surrogate, through_outputs=self.par.fsdp or self.layers is not None)
+                sur = self.cache.surrogate(
+                    surrogate, through_outputs=self.par.backward_through_outputs or self.layers is not None
+                )
                 if self.aux_term is not None:
                     sur, self.aux_term = (self.aux_term if sur is None else sur + self.aux_term), None
-                if self.par.fsdp and not layout.targets.numel() and torch.is_grad_enabled():
+                if self.par.backward_through_outputs and not layout.targets.numel() and torch.is_grad_enabled():
                     sur = (hidden[-1].sum() * 0.0) + (sur if sur is not None else 0.0)
                 return sur
             if not layout.rows:
@@ -266,7 +265,7 @@ class Executor:
     def recoverable(self) -> bool:
         """Whether an error outside the collectives lets this rank finish the call as dummy rounds (FSDP2 with
         several ranks and an intact process group) instead of raising at once."""
-        return self.par.fsdp and self.par.world_size > 1 and not self.par.broken
+        return self.par.recoverable()
 
     def finish_failed_round(self, grad: bool, dummy: bool = True) -> None:
         """After an error outside the collectives of a round: run the collectives the other ranks still run in it.
@@ -285,7 +284,8 @@ class Executor:
         return layout.out_mask.to(self.device)
 
     def dummy_round(self, grad: bool) -> None:
-        """A 2-token pass that takes part in FSDP2's collectives and adds exactly zero to every gradient."""
+        """A 2-token pass that takes part in a lockstep engine's (FSDP2's) collectives and adds exactly zero to every
+        gradient."""
         tree = SegmentTree([Group([0], [[0]])])
         with torch.set_grad_enabled(grad):
             state, res, _ = self.run_pass(Pass((0, 1), rows=(0,)), tree=tree)

@@ -20,22 +20,16 @@ Sequence parallelism: ``c`` is this rank's share, summed over the group before d
 sharded parameters through FSDP2's reduce-scatter, whose plain run fires no tensor hook on them; the unsharded
 parameters' post-accumulate hooks run in the call's last backward (``parallel.grad_hooks``).
 
-DDP (``sync=False`` accumulates, the syncing call all-reduces): the ``.grad`` held at the start of an accumulation
-(already synchronised) is kept aside across its ``sync=False`` calls, which accumulate into tensors of their own;
-the syncing call all-reduces their sum with its own contribution and adds the result into the tensors held at the
-start, so those are the ``.grad`` afterwards. The state kept between calls lives here, keyed weakly by the model.
+DDP: the engine finishes the transaction (``parallel.engines.ddp``: accumulation across ``sync=False`` calls, then
+one all-reduce at the syncing call); the other engines deliver it as above (``Engine.finish_grads``).
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
+from sharedprefix.parallel.engine import Engine
 from sharedprefix.parallel.grad_hooks import run_tensor_hooks
-from sharedprefix.parallel.sequence import reduce_grads
-
-_SYNCED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DDP: model -> {param: grad held at its start}
 
 
 class GradTransaction:
@@ -90,62 +84,32 @@ def _unique(model: torch.nn.Module) -> list[torch.Tensor]:
     return list({id(p): p for p in model.parameters()}.values())
 
 
-def _ddp_finish(tx: GradTransaction, par, model, sync: bool, grad_reduction: str) -> None:
-    """DDP: deliver this call's contribution into the accumulation's own tensors; at the syncing call, all-reduce
-    them and add the result into the ``.grad`` held at the accumulation's start."""
-    start = _SYNCED.get(model)
-    if start is None:  # this call starts an accumulation: what it holds was synchronised before
-        tx.deliver(into={})
-        start = tx.held
-    else:  # what it holds is the accumulation so far (earlier sync=False calls)
-        tx.deliver()
-    if not sync:
-        _SYNCED[model] = start
-        return
-    _SYNCED.pop(model, None)
-    par.all_reduce_grads(model)
-    with torch.no_grad():
-        if grad_reduction == "mean":
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(par.data_size)
-        for p, old in start.items():
-            if p.grad is None:
-                p.grad = old
-            elif old is not p.grad:
-                old.add_(p.grad)
-                p.grad = old
-
-
-def synced(par, model, sync: bool, grad_reduction: str, fn, collect: bool = False):
-    """``fn()`` inside a gradient transaction (a failure leaves ``.grad`` as it was); under DDP with ``sync``, whose
-    passes run no collective, the ranks agree on any error first (every rank raises, none waits), then one
-    all-reduce of the gradients (sum, or mean). ``collect``: a deferred call's backward (not under DDP, which
-    synchronises inside the call): returns ``(fn(), contribution)`` with ``.grad`` untouched and no hook run."""
-    ddp = par.kind == "ddp"
-    tx = GradTransaction(model, hooks=None if par.fsdp else par.hooks)
+def synced(par: Engine, model, sync: bool, grad_reduction: str, fn, collect: bool = False):
+    """``fn()`` inside a gradient transaction (a failure leaves ``.grad`` as it was), finished by the engine ``par``
+    (``Engine.finish_grads``). An engine that reduces the gradient after the rounds (DDP with ``sync``, whose passes
+    run no collective) has the ranks agree on any error first (every rank raises, none waits). ``collect``: a
+    deferred call's backward: returns ``(fn(), contribution)`` with ``.grad`` untouched and no hook run (under DDP,
+    which synchronises inside the call, ``.grad`` is written and the contribution is empty)."""
+    at_end = par.reduces_at_end(sync)
+    tx = GradTransaction(model, hooks=par.hooks if par.replays_tensor_hooks else None)
     try:
         error, out = None, None
         try:
             out = fn()
         except Exception as e:  # agreed on below, before the all-reduce the other ranks will join
-            if not (ddp and sync):
+            if not at_end:
                 raise
             error = e
-        if par.sequence is not None and not par.fsdp:  # this call's share of each rank, summed over the group
-            reduce_grads(model, par.sequence)
-        if ddp and sync:
+        par.sum_sequence_shares(model)  # this call's share of each rank, summed over the sequence group
+        if at_end:
             par.agree_on_error(error, where="during")
     except BaseException:
         tx.rollback()  # no partial gradient is left behind
         raise
     finally:
         par.set_sync(True)  # FSDP2's default, whatever happened
-    if collect and not ddp:
-        return out, tx.collect()
-    if ddp:
-        _ddp_finish(tx, par, model, sync, grad_reduction)
-    else:
-        tx.deliver()
+    grads = par.finish_grads(tx, model, sync, grad_reduction, collect)
+    if grads is not None:  # collected for the caller's backward, which runs the hooks
+        return out, grads
     par.fire_hooks()  # the plain run's one backward: each post-accumulate-grad hook once, on the whole gradient
     return (out, {}) if collect else out

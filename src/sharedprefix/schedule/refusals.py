@@ -20,16 +20,16 @@ from sharedprefix.layout.groups import validate_groups
 from sharedprefix.layout.rows import Tree
 from sharedprefix.model.adapter import decoder, num_attention_layers, uses_checkpointing, uses_reentrant_checkpointing
 from sharedprefix.model.positions import takes_position_ids
-from sharedprefix.parallel.sequence import fsdp_mesh_refusal
 
 
 def check_call(
     model, plan, options, par, impl, device, leaves: bool, images: bool, router_logits: bool, aux_grads: bool
 ) -> None:
     """Every refusal of one call that its model, plan, settings (``CallOptions``) and parallelism decide, before any
-    pass. ``impl``: the attention primitive the call selected, on ``device``; ``leaves``: an ``sp.backward``;
-    ``images``: groups with ``prompt_inputs``; ``router_logits`` / ``aux_grads``: the call records the MoE router
-    logits / adds the load-balancing loss's gradient term to its passes."""
+    pass; the engine ``par`` (``parallel.engine``) refuses what it cannot run. ``impl``: the attention primitive the
+    call selected, on ``device``; ``leaves``: an ``sp.backward``; ``images``: groups with ``prompt_inputs``;
+    ``router_logits`` / ``aux_grads``: the call records the MoE router logits / adds the load-balancing loss's
+    gradient term to its passes."""
     name, temperature = type(model).__name__, options.temperature
     if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
         raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
@@ -44,22 +44,13 @@ def check_call(
     if plan.splits and implementation(model) == indexed.NAME and not indexed.indexers(model):
         raise ValueError(indexed.split_refusal(name))
     mode = options.prefix_activations
-    if leaves and par.fsdp and plan.splits and mode != "recompute":
-        raise ValueError(
-            f"prefix_activations={mode!r} with an FSDP2 model and a budget that splits a group: a "
-            "prompt's deferred backward must run inside the root module's call under FSDP2, which only "
-            "'recompute' does. Use prefix_activations='recompute' (or None, which picks it under FSDP2)."
-        )
+    if leaves:
+        par.check_prefix_mode(mode, bool(plan.splits))
     cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
     if (why := softcap_refusal_on(name, cap, impl, device)) is not None:  # before any pass; the attention would too
         raise ValueError(why)
-    if aux_grads and par.fsdp:
-        raise ValueError(
-            f"{name}'s MoE load-balancing loss with an FSDP2 model: sharedprefix adds its "
-            "per-pass linear term to a tensor that is not among the outputs FSDP2 registers its pre-backward hooks "
-            "on, which it does not support. Use DDP or one process, or leave the loss out (aux_loss_coef=0.0; TRL: "
-            "router_aux_loss_coef=0.0)."
-        )
+    if aux_grads:
+        par.check_aux_term(name)
     if (router_logits or aux_grads) and images:
         raise ValueError(
             f"{name} has output_router_logits=True and the groups carry prompt_inputs: "
@@ -70,13 +61,7 @@ def check_call(
 
 def sequence_refusals(run) -> dict:
     """{feature: reason} of what this call uses that sequence parallelism does not reproduce."""
-    out = {}
-    if run.par.kind == "ddp":
-        out["DDP data parallelism"] = (
-            "DDP's all-reduce is not combined with the sum over the sequence group (use FSDP2)"
-        )
-    if run.par.fsdp and (why := fsdp_mesh_refusal(run.model, run.par.sequence)):
-        out["FSDP2"] = why
+    out = dict(run.par.sequence_refusals(run.model))  # the engine's first (DDP; FSDP2 without a mesh over every rank)
     if run.mm is not None:
         out["prompt_inputs"] = "the vision tower's features are placed into the whole row's embeddings"
     if run.frames is not None:

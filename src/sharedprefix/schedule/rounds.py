@@ -1,6 +1,6 @@
 """Drive an ``Executor`` through a plan: ``forward`` (``sp.logprobs``: every pass once, rows read out) and
 ``backward`` (``sp.backward``'s rounds: F records a segment, FB is a pass whose rows get a loss and a backward, PB a
-cached segment's deferred backward, REL releases it, DF / DFB are FSDP2 dummy rounds).
+cached segment's deferred backward, REL releases it, DF / DFB are a ``lockstep`` engine's dummy rounds).
 
 Notation: N = output rows, W = columns, n = rows a pass reports.
 """
@@ -23,9 +23,9 @@ def forward(run, entropy: bool) -> LogProbs:
     """Every pass of ``run``'s plan once (a split prompt's segments sealed without a graph, released at their
     backward step); the reported rows gathered back into output order: (N, W) tensors."""
     lps, ents, masks, order = [], [], [], []
-    # under FSDP2 every rank runs as many forwards (each all-gathers the parameters): agreed before any of them
-    pad = run.rounds[0] - len(run.plan.passes) if run.par.fsdp else 0
-    error = None  # under FSDP2, an error outside the collectives: the rank runs the rest as dummies, then all raise
+    # in lockstep (FSDP2) every rank runs as many forwards (each all-gathers the parameters): agreed before any of them
+    pad = run.rounds[0] - len(run.plan.passes) if run.par.lockstep else 0
+    error = None  # recoverable (FSDP2): an error outside the collectives; the rank runs the rest as dummies
     with activated(run.model), mixers.active(run.model), whole_compiled(run.whole):
         for step in run.plan.steps:
             if isinstance(step, PrefixBackward):
@@ -55,7 +55,7 @@ def forward(run, entropy: bool) -> LogProbs:
             order += layout.rows
         for _ in range(pad):
             run.dummy_round(grad=False)
-    if run.par.fsdp:
+    if run.par.lockstep:
         run.par.agree_on_error(error, where="during")
     inv = torch.empty(len(order), dtype=torch.int64)
     inv[torch.tensor(order)] = torch.arange(len(order))
@@ -68,8 +68,9 @@ def forward(run, entropy: bool) -> LogProbs:
 
 
 def backward(run, loss_fn, aux_loss=None, aux_coef=0.0, collect=False):
-    """``sp.backward`` over ``run``: its plan as rounds (FSDP2: reordered and padded to the agreed counts), inside a
-    gradient transaction and, under DDP, one synchronisation at the end; the settings are ``run.options``.
+    """``sp.backward`` over ``run``: its plan as rounds (a ``lockstep`` engine's: reordered and padded to the agreed
+    counts), inside a gradient transaction the engine finishes (DDP: one synchronisation at the end); the settings are
+    ``run.options``.
     ``aux_loss``: the MoE load-balancing loss's value (float) when ``run`` carries its gradient (``run.aux_grads``,
     already scaled by ``aux_coef``). ``collect``: a deferred call's backward, returns ``(result, {parameter:
     gradient})`` with ``.grad`` untouched (``schedule.grads.synced``)."""
@@ -77,13 +78,14 @@ def backward(run, loss_fn, aux_loss=None, aux_coef=0.0, collect=False):
     entropy, prefix_activations, offload_device = opts.entropy, opts.prefix_activations, opts.offload_device
     sync, grad_reduction = opts.sync, opts.grad_reduction
     par = run.par
-    recompute = prefix_activations == "recompute" or par.fsdp
+    mode = par.prefix_mode(prefix_activations)  # FSDP2 recomputes: a deferred backward runs inside the root's call
+    recompute = mode == "recompute"
     cuda = run.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(run.device)
-    hooks = OffloadHooks(run.model, offload_device) if prefix_activations == "offload" and not par.fsdp else None
+    hooks = OffloadHooks(run.model, offload_device) if mode == "offload" else None
     steps = run.plan
-    if par.fsdp:  # every rank runs the same collectives: the plan reordered and padded to the agreed counts
+    if par.lockstep:  # every rank runs the same collectives: the plan reordered and padded to the agreed counts
         steps = steps.for_fsdp(*run.rounds)
     rounds = rounds_of(steps)
     dummies = sum(k in ("DF", "DFB") for k, _ in rounds)
@@ -116,7 +118,7 @@ def backward(run, loss_fn, aux_loss=None, aux_coef=0.0, collect=False):
 
 def rounds_of(p: Plan) -> list[tuple[str, object]]:
     """The plan's steps as rounds, in order: F (record a segment), FB (rows, loss, backward), PB (a cached segment's
-    deferred backward), REL (release it), DF / DFB (dummy rounds of an FSDP2 plan, see ``Plan.for_fsdp``)."""
+    deferred backward), REL (release it), DF / DFB (dummy rounds of a ``lockstep`` plan, see ``Plan.for_fsdp``)."""
     out: list[tuple[str, object]] = []
     for step in p.steps:
         if isinstance(step, PrefixBackward):
@@ -131,11 +133,12 @@ def rounds_of(p: Plan) -> list[tuple[str, object]]:
 def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb):
     """Run ``rounds``; returns (total loss, loss_fn calls).
 
-    Under FSDP2 (several ranks) an error outside the collectives (in ``loss_fn``, a refusal after a pass's
-    forward) does not leave the other ranks waiting: this rank finishes the round's collectives with a backward of
-    zero, runs its remaining rounds as dummy rounds (the same collectives, nothing computed that is kept: the call's
-    gradients are rolled back), and at the end every rank learns of the error from one one-element all-reduce and
-    raises, with the process group intact. An error inside the collectives is ``Parallel.collectives``' case.
+    Under a ``recoverable`` engine (FSDP2, several ranks) an error outside the collectives (in ``loss_fn``, a refusal
+    after a pass's forward) does not leave the other ranks waiting: this rank finishes the round's collectives with a
+    backward of zero, runs its remaining rounds as dummy rounds (the same collectives, nothing computed that is kept:
+    the call's gradients are rolled back), and at the end every rank learns of the error from one one-element
+    all-reduce and raises, with the process group intact. An error inside the collectives is
+    ``Engine.collectives``' case.
     """
     par = run.par
     total, calls, error = 0.0, 0, None
@@ -159,7 +162,7 @@ def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, las
             if loss is not None:
                 total += loss
                 calls += 1
-    if par.fsdp:
+    if par.lockstep:
         par.agree_on_error(error, where="during")
     return total, calls
 

@@ -1,5 +1,5 @@
-"""The public calls' branch for hybrid models on the cache path (``cache_path.run``): the data-parallel checks,
-DDP's error agreement and the deferral decision around ``run.logprobs`` / ``run.backward``.
+"""The public calls' branch for hybrid models on the cache path (``cache_path.run``): the engine's checks, the
+ranks' error agreement and the deferral decision around ``run.logprobs`` / ``run.backward``.
 
 Notation: N = completions, W = the longest completion.
 """
@@ -14,6 +14,7 @@ from sharedprefix.attention.kernels import select
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.detect import detect
+from sharedprefix.parallel.engine import Engine
 from sharedprefix.schedule.cache_path import run as cache_run
 from sharedprefix.schedule.compiled import user_context
 from sharedprefix.schedule.deferred import defer_logprobs
@@ -26,24 +27,22 @@ def hybrid_logprobs(model, groups, options: CallOptions, deferred_backward) -> L
     """``sp.logprobs`` of a model on the cache path; ``deferred_backward``: what a deferred call's backward runs
     (``api._deferred_backward``)."""
     defer = options.defer
-    kind = check_hybrid(model, options.backend)
-    if torch.is_grad_enabled() and kind == "ddp" and defer is False:
+    engine = check_hybrid(model, options.backend)
+    needs = engine.must_defer  # the engine synchronises gradients inside a call (DDP)
+    if torch.is_grad_enabled() and needs and defer is False:
         raise ValueError(
-            "sharedprefix.logprobs with grad enabled and defer=False on a DDP model: the hybrid path runs the "
+            f"sharedprefix.logprobs with grad enabled and defer=False on {needs}: the hybrid path runs the "
             "wrapped module, so only a deferred backward (defer=None or True) synchronises the gradients over "
             "the ranks. Leave defer=None."
         )
-    deferred = torch.is_grad_enabled() and (defer or kind == "ddp")  # no graph now, cache_run.backward later
+    deferred = torch.is_grad_enabled() and (defer or needs is not None)  # no graph now, cache_run.backward later
     error, out = None, None
     try:
         with torch.no_grad() if deferred else contextlib.nullcontext():
             out = cache_run.logprobs(unwrap(model), groups, options.temperature, options.entropy, options.max_tokens)
-    except (ValueError, TypeError) as e:  # DDP: every rank stops, none waits in a later collective
-        if kind != "ddp":
-            raise
+    except (ValueError, TypeError) as e:  # several ranks (DDP): every rank stops, none waits in a later collective
         error = e
-    if kind == "ddp":
-        detect(model, unwrap(model)).agree_on_error(error)
+    engine.agree_on_error(error)  # one process: the error is raised here as it is
     assert out is not None  # an error was raised above, on every rank
     if deferred:
         return defer_logprobs(deferred_backward, model, groups, out, options)
@@ -75,9 +74,9 @@ def hybrid_backward(model, groups, loss_fn, options: CallOptions, collect: bool 
     return synced(par, inner, o.sync, o.grad_reduction, run, collect=collect)  # the module, then one sync
 
 
-def check_hybrid(model, backend: str) -> str:
-    """A hybrid model runs its own attention (``cache_path.run``): the backend name is checked, not used; FSDP2 is
-    refused, and so is tensor parallelism. Returns the data-parallel kind ("none" or "ddp")."""
+def check_hybrid(model, backend: str) -> Engine:
+    """A hybrid model runs its own attention (``cache_path.run``): the backend name is checked, not used; the engine
+    refuses what it cannot run there (FSDP2, tensor parallelism). Returns the call's engine."""
     select(backend, unwrap(model).get_input_embeddings().weight.device)
     if user_context(model, unwrap(model)) is not None:
         raise TypeError(
@@ -85,19 +84,7 @@ def check_hybrid(model, backend: str) -> str:
             "whole (torch.compile(model) or model.compile()); that path runs the model's own cache-aware forward, "
             "which has not been run compiled, so the compile would silently not apply. Pass the uncompiled model."
         )
-    par = detect(model, unwrap(model))
-    kind = par.kind
-    if par.tensor > 1:
-        raise ValueError(
-            f"{type(unwrap(model)).__name__} is a hybrid model on sharedprefix's cache path, loaded with tensor "
-            f"parallelism (tp_size={par.tensor}); that path runs the model's own cache-aware forward and has not been "
-            "verified exact under tensor parallelism. Load it without tp_plan (DDP is supported)."
-        )
-    if kind == "fsdp":
-        raise ValueError(
-            f"{type(unwrap(model)).__name__} is a hybrid model (layers that mix tokens outside attention) sharded with "
-            "FSDP2; sharedprefix's hybrid path runs the model's own cache-aware forward, which it does not run inside "
-            "FSDP2's unshard and reshard hooks (its cache path). Use DDP (supported) or a single process."
-            + inline_mixer_reason(getattr(unwrap(model).config, "model_type", None))
-        )
-    return kind
+    engine = detect(model, unwrap(model))
+    reason = inline_mixer_reason(getattr(unwrap(model).config, "model_type", None))
+    engine.check_cache_path(type(unwrap(model)).__name__, reason)
+    return engine
