@@ -235,11 +235,9 @@ def test_inline_mixers_stay_on_the_cache_path_and_every_refusal_says_why(monkeyp
         model.gradient_checkpointing_disable()
         model.eval()
 
-    class FSDP:
-        kind = "fsdp"
-        tensor = 1
+    from sharedprefix.parallel.engines.fsdp2 import FSDP2
 
-    monkeypatch.setattr(calls, "detect", lambda *a: FSDP())
+    monkeypatch.setattr(calls, "detect", lambda *a: FSDP2(model))  # the engine of an FSDP2 model, without processes
     with pytest.raises(ValueError, match=r"sharded with FSDP2.*" + why):
         sp.logprobs(model, gs)
     assert all(p.grad is None for p in model.parameters())
