@@ -39,8 +39,11 @@ def plain_loss(model, groups, w):
     return (torch.stack(rows) * w).sum()
 
 
-def engine_of(stage, gas=1):
+def engine_of(stage, gas=1, checkpointing=False):
     model = tiny_model("qwen3", dtype=torch.float32)
+    if checkpointing:
+        model.train()  # (no dropout in the tiny model: training mode changes nothing else)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": gas,
@@ -60,7 +63,7 @@ def run(stage, path, rank):
         return (b.logprobs * w[b.index, : b.logprobs.shape[1]]).sum()
 
     gas = 2 if path.startswith("accumulated") else 1
-    engine = engine_of(stage, gas)
+    engine = engine_of(stage, gas, checkpointing=path == "checkpointed")
     if path == "plain":
         engine.backward(plain_loss(engine, groups, w))
     elif path == "logprobs":
@@ -73,6 +76,17 @@ def run(stage, path, rank):
         sp.backward(engine, groups, loss_fn)
     elif path.startswith("backward_"):
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, prefix_activations=path.split("_")[1])
+    elif path == "checkpointed":  # non-reentrant gradient checkpointing, recomputed inside sharedprefix's backward
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+    elif path == "tree":  # the rows as a token trie, completion tokens trained; the same loss
+        rows = [torch.cat([g.prompt, c]) for g in groups for c in g.completions]
+        starts = [g.prompt.shape[0] for g in groups for _ in g.completions]
+        trained = [torch.arange(r.shape[0]) >= p for r, p in zip(rows, starts)]
+        wt = torch.zeros(len(rows), max(r.shape[0] for r in rows))
+        for i, (r, p) in enumerate(zip(rows, starts)):
+            wt[i, p : r.shape[0]] = w[i, : r.shape[0] - p]
+        tree = sp.Tree.from_rows(rows, trained=trained)
+        sp.backward(engine, tree, lambda b: (b.logprobs * wt[b.index, : b.logprobs.shape[1]]).sum(), max_tokens=BUDGET)
     elif path == "failed_then_backward":  # a call that raises on its second pass leaves no gradient behind
         seen = []
 
@@ -119,6 +133,8 @@ PATHS = [
     "backward_keep",
     "backward_offload",
     "backward_recompute",
+    "checkpointed",
+    "tree",
     "failed_then_backward",
     "accumulated_plain",
     "accumulated",
