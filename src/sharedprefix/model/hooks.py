@@ -16,6 +16,8 @@ that is not one of these, naming the hook and the module:
   and ``enable_input_require_grads`` (``requires_grad_`` on the embedding's output, per token);
 - PEFT's and TRL's copies of that input hook, and TRL's ``cast_outputs_to_original_dtype`` (``cast_lm_head_to_fp32``
   with tied embeddings: a dtype cast of the embedding's output, per token);
+- DeepSpeed's engine hooks (its forward prologue and epilogue: timers, profilers, ZeRO-3's parameter discovery) and
+  ZeRO's parameter gathering (``parallel.engines.deepspeed`` refuses what it cannot run exactly);
 - sharedprefix's own (registered for the duration of a call);
 - any hook the user declared token-wise with ``sharedprefix.allow_hook(fn)``: it acts on each token alone, whatever
   the batch's shape (an activation-steering vector added to every position, a cast), and a backward hook is linear
@@ -44,6 +46,9 @@ _ALLOWED_MODULES = (
     "sharedprefix.",
     "transformers.distributed.tensor_parallel",
     "transformers.integrations.tensor_parallel",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero",
+    "deepspeed.utils.nvtx",  # DeepSpeed's instrumentation wrapper around its ZeRO-3 hooks
 )
 _USER_ALLOWED: dict[int, object] = {}  # id -> the function (kept alive, so that the id stays its own)
 
@@ -71,12 +76,15 @@ def allow_hook(fn):
 
 
 def _function(hook):
-    """The plain function behind ``hook`` (through partials and bound methods), or the callable itself."""
+    """The plain function behind ``hook`` (through partials, bound methods and ``functools.wraps`` decorators), or
+    the callable itself."""
     for _ in range(8):
         if isinstance(hook, functools.partial):
             hook = hook.func
         elif hasattr(hook, "__func__"):
             hook = hook.__func__
+        elif hasattr(hook, "__wrapped__"):
+            hook = hook.__wrapped__
         else:
             break
     return hook

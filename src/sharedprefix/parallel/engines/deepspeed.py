@@ -1,0 +1,112 @@
+"""DeepSpeed ZeRO stages 1 and 2: a ``deepspeed.DeepSpeedEngine`` passed as the model.
+
+Passes run on the engine's module directly (ZeRO-1/2 keep every parameter whole on every rank, so a forward runs no
+collective). DeepSpeed reduces and partitions gradients in post-accumulate-grad hooks that must run *inside* a
+backward (they count the parameters of the running backward's graph and queue its epilogue on the autograd engine),
+so they cannot be fired after the call as the other engines fire them (``parallel.grad_hooks``): every backward of a
+call runs with them set aside, and the call's whole gradient is then delivered through one more backward of its own
+(``engine.backward`` of a scalar whose gradient is the call's), where autograd runs each parameter's tensor hooks,
+accumulates, and runs DeepSpeed's hooks once, on the total, as in the one ``engine.backward`` of a plain step. A
+failed call reaches none of them, so DeepSpeed's partitioned buffers stay as they were.
+
+So ``sp.backward(engine, ...)`` is ``engine.backward`` of the call's loss: DeepSpeed divides the gradient by its
+``gradient_accumulation_steps`` as it divides a loss, and accumulation over micro-steps and the step itself stay
+DeepSpeed's (``engine.step()``). Refused at the first call, each with its reason: ZeRO-3 (parameters
+partitioned outside a module's forward, which sharedprefix's head and checks read), and fp16 loss scaling.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from sharedprefix.parallel.engine import Engine, Transaction
+
+
+def _deepspeed_engine(model: torch.nn.Module):
+    """``model`` itself if it is a DeepSpeed engine (only looked for where deepspeed is imported already)."""
+    ds = sys.modules.get("deepspeed")
+    cls = getattr(ds, "DeepSpeedEngine", None) if ds is not None else None
+    return model if cls is not None and isinstance(model, cls) else None
+
+
+class DeepSpeed(Engine):
+    name = "DeepSpeed ZeRO"
+    lockstep = False
+    backward_through_outputs = False
+    default_prefix_mode = "keep"
+    replays_tensor_hooks = False  # autograd runs them in the delivering backward
+    must_defer = None
+
+    def __init__(self, root, world_size: int, engine, tensor: int = 1):
+        super().__init__(root, world_size, tensor=tensor, data_size=world_size)
+        self.ds = engine
+
+    @classmethod
+    def match(cls, model: torch.nn.Module, root: torch.nn.Module, world: int, tensor: int) -> Engine | None:
+        engine = _deepspeed_engine(model)
+        if engine is None:
+            return None
+        stage = int(engine.zero_optimization_stage())
+        if stage >= 3:
+            raise ValueError(
+                f"the model is a DeepSpeed engine with ZeRO stage {stage}: its parameters are partitioned across the "
+                "ranks outside each module's own forward, and sharedprefix reads some of them there (the LM head's "
+                "weight for its chunked log-probs, embedding sizes, its once-per-model checks), which ZeRO-3 leaves "
+                "empty. Use ZeRO stage 1 or 2 (exact), or FSDP2 (fully_shard) to shard the parameters."
+            )
+        if engine.fp16_enabled():
+            raise ValueError(
+                "the DeepSpeed engine has fp16 enabled (dynamic loss scaling): sharedprefix's backward runs outside "
+                'DeepSpeed\'s loss scaler. Use bf16 ("bf16": {"enabled": true}) or float32.'
+            )
+        if tensor > 1:
+            raise ValueError(
+                f"the DeepSpeed engine's model is tensor-parallel (tp_size={tensor}), which sharedprefix has not been "
+                "verified with under DeepSpeed. Use tensor parallelism alone or under FSDP2."
+            )
+        return cls(root, world, engine, tensor=tensor)
+
+    def finish_grads(
+        self, tx: Transaction, model: torch.nn.Module, sync: bool, grad_reduction: str, collect: bool
+    ) -> dict | None:
+        grads = tx.collect()  # ``.grad`` back as the call found it; the call's gradient by parameter
+        if collect:  # a deferred call: the caller's ``engine.backward`` scaled its loss and delivers the gradient
+            return grads
+        if grads:  # through DeepSpeed's own backward: its loss scaling, hooks inside a backward, epilogue
+            params = list(grads)
+            with torch.enable_grad():
+                out = _Deliver.apply([grads[p] for p in params], *params)
+            self.ds.backward(out)
+        return None
+
+    def fire_hooks(self) -> None:
+        """Nothing: the delivering backward (``finish_grads``) ran every hook once, inside a backward."""
+
+    def agree_on_error(
+        self, error: BaseException | None, where: str = "before any computation of", counts: Sequence[int] = ()
+    ) -> list[int]:
+        """The passes run no collective: an error is raised on its own rank (DeepSpeed's hooks never ran)."""
+        if error is not None:
+            raise error
+        return list(counts)
+
+
+class _Deliver(torch.autograd.Function):
+    """A scalar of the parameters whose backward returns the gradients it was given (``ctx.grads``), times the
+    gradient that reaches it (1, or what ``engine.backward`` scales the loss by: ``1 / gradient_accumulation_steps``).
+    Autograd then runs each parameter's tensor hooks on it, accumulates it into ``.grad`` and runs its
+    post-accumulate-grad hooks, inside the running backward."""
+
+    @staticmethod
+    def forward(ctx, grads, *params):
+        ctx.grads = grads
+        return torch.zeros((), dtype=params[0].dtype, device=params[0].device)
+
+    @staticmethod
+    def backward(ctx, g):
+        if bool(g == 1):
+            return (None, *ctx.grads)
+        return (None, *(x * g.to(x.dtype) for x in ctx.grads))

@@ -1,0 +1,175 @@
+"""DeepSpeed ZeRO-1/2 on 2 CPU processes (gloo): each path of sharedprefix against the plain per-row run under the same
+engine. Usage: torchrun --nproc_per_node=2 deepspeed_worker.py STAGE OUT. Rank 0 writes {path: {"grads": full
+gradients before the step, "params": parameters after ``engine.step()``}} to OUT; a path that raised has "error"."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deepspeed  # noqa: E402
+from deepspeed.utils import safe_get_full_grad  # noqa: E402
+
+import sharedprefix as sp  # noqa: E402
+from helpers import random_groups, tiny_model  # noqa: E402
+
+BUDGET = 8  # splits the first group: a chain of cached prompt segments, then one completion per pass
+
+
+def rank_groups(rank):
+    """Each rank's own groups (the data-parallel shard)."""
+    return random_groups(11 + rank, 2, [30, 5], [[6, 6, 6], [2, 3]])
+
+
+def weights(rank):
+    return torch.randn(5, 6, generator=torch.Generator().manual_seed(5 + rank))
+
+
+def plain_loss(model, groups, w):
+    """The plain run: one forward of each [prompt, completion] row, log-probs weighted by ``w``."""
+    rows = []
+    for g in groups:
+        for c in g.completions:
+            logits = model(input_ids=torch.cat([g.prompt, c])[None], use_cache=False).logits[0]
+            lp = logits[g.prompt.shape[0] - 1 : -1].float().log_softmax(-1).gather(-1, c[:, None])[:, 0]
+            rows.append(torch.nn.functional.pad(lp, (0, w.shape[1] - c.shape[0])))
+    return (torch.stack(rows) * w).sum()
+
+
+def engine_of(stage, gas=1, checkpointing=False):
+    model = tiny_model("qwen3", dtype=torch.float32)
+    if checkpointing:
+        model.train()  # (no dropout in the tiny model: training mode changes nothing else)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,  # DeepSpeed clips by default otherwise
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return engine
+
+
+def run(stage, path, rank):
+    groups, w = rank_groups(rank), weights(rank)
+
+    def loss_fn(b):
+        return (b.logprobs * w[b.index, : b.logprobs.shape[1]]).sum()
+
+    gas = 2 if path.startswith("accumulated") else 1
+    engine = engine_of(stage, gas, checkpointing=path == "checkpointed")
+    if path == "plain":
+        engine.backward(plain_loss(engine, groups, w))
+    elif path == "logprobs":
+        engine.backward((sp.logprobs(engine, groups).logprobs * w).sum())
+    elif path == "logprobs_split":
+        engine.backward((sp.logprobs(engine, groups, max_tokens=BUDGET).logprobs * w).sum())
+    elif path == "logprobs_deferred":
+        engine.backward((sp.logprobs(engine, groups, max_tokens=BUDGET, defer=True).logprobs * w).sum())
+    elif path == "backward":
+        sp.backward(engine, groups, loss_fn)
+    elif path.startswith("backward_"):
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, prefix_activations=path.split("_")[1])
+    elif path == "checkpointed":  # non-reentrant gradient checkpointing, recomputed inside sharedprefix's backward
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+    elif path == "tree":  # the rows as a token trie, completion tokens trained; the same loss
+        rows = [torch.cat([g.prompt, c]) for g in groups for c in g.completions]
+        starts = [g.prompt.shape[0] for g in groups for _ in g.completions]
+        trained = [torch.arange(r.shape[0]) >= p for r, p in zip(rows, starts)]
+        wt = torch.zeros(len(rows), max(r.shape[0] for r in rows))
+        for i, (r, p) in enumerate(zip(rows, starts)):
+            wt[i, p : r.shape[0]] = w[i, : r.shape[0] - p]
+        tree = sp.Tree.from_rows(rows, trained=trained)
+        sp.backward(engine, tree, lambda b: (b.logprobs * wt[b.index, : b.logprobs.shape[1]]).sum(), max_tokens=BUDGET)
+    elif path == "failed_then_backward":  # a call that raises on its second pass leaves no gradient behind
+        seen = []
+
+        def failing(b):
+            seen.append(1)
+            if len(seen) == 2:
+                raise ValueError("second pass refused")
+            return loss_fn(b)
+
+        try:
+            sp.backward(engine, groups, failing, max_tokens=BUDGET)
+        except ValueError:
+            pass
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+    elif path == "accumulated_plain":  # DeepSpeed's gradient_accumulation_steps=2: two micro-steps, one update
+        for half, rows in ((groups[:1], slice(0, 3)), (groups[1:], slice(3, 5))):
+            engine.backward(plain_loss(engine, half, w[rows]))
+            engine.step()
+    elif path == "accumulated":
+        first = groups[:1]
+        for half, rows in ((first, slice(0, 3)), (groups[1:], slice(3, 5))):
+            ws = w[rows]
+            sp.backward(
+                engine,
+                half,
+                lambda b, ws=ws: (b.logprobs * ws[b.index, : b.logprobs.shape[1]]).sum(),
+                max_tokens=BUDGET,
+            )
+            engine.step()
+    grads = None
+    if not path.startswith("accumulated"):
+        grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
+        engine.step()
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {"grads": grads, "params": params}
+
+
+PATHS = [
+    "plain",
+    "logprobs",
+    "logprobs_split",
+    "logprobs_deferred",
+    "backward",
+    "backward_keep",
+    "backward_offload",
+    "backward_recompute",
+    "checkpointed",
+    "tree",
+    "failed_then_backward",
+    "accumulated_plain",
+    "accumulated",
+]
+
+
+def main(stage, out):
+    # DeepSpeed's shared-memory all-reduce is a C++ op it compiles on first use (minutes): skipped, so its
+    # collectives go through torch.distributed (gloo), as every other test's
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    result = {}
+    if stage == "3":  # refused before any pass, naming the stage
+        try:
+            sp.logprobs(engine_of(3), rank_groups(rank))
+            result["refusal"] = None
+        except ValueError as e:
+            result["refusal"] = str(e)
+        if rank == 0:
+            torch.save(result, out)
+        dist.barrier()
+        return
+    for path in PATHS:
+        try:
+            result[path] = run(int(stage), path, rank)
+        except Exception as e:  # reported, so that the test names the path
+            import traceback
+
+            traceback.print_exc()
+            result[path] = {"error": f"{type(e).__name__}: {e}"}
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
