@@ -4,9 +4,10 @@ same engine, by the 2x rule (float32) against the float64 gradient of the same g
 Each rank trains on its own groups; DeepSpeed averages the ranks' gradients. Paths (``deepspeed_worker.py``):
 ``sp.logprobs`` whole, split over passes and deferred, each followed by ``engine.backward``; ``sp.backward`` whole
 and under a budget of one completion per pass in the three prefix modes (the call's gradient reaches DeepSpeed's
-reduction hooks inside a backward of its own); non-reentrant gradient checkpointing; the rows as a ``sp.Tree``; a call that fails on its second pass, then one that succeeds
-(nothing of the failed call left behind); DeepSpeed's ``gradient_accumulation_steps=2`` over two calls. The
-gradients before ``engine.step()`` and the parameters after it are compared.
+reduction hooks inside a backward of its own); non-reentrant gradient checkpointing; the rows as a ``sp.Tree``; a
+call that fails on its second pass, then one that succeeds (nothing of the failed call left behind); DeepSpeed's
+``gradient_accumulation_steps=2`` over two calls. The gradients before ``engine.step()`` and the parameters after
+it are compared.
 """
 
 import os
