@@ -39,8 +39,20 @@ def plain_loss(model, groups, w):
     return (torch.stack(rows) * w).sum()
 
 
-def engine_of(stage, gas=1, checkpointing=False):
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+
+
+def lora_model(dtype=torch.float32):
+    """A PEFT LoRA model on the tiny Qwen3 (random adapters, seed 1), in ``dtype``."""
+    import peft
+
     model = tiny_model("qwen3", dtype=torch.float32)
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(**LORA)).to(dtype)
+
+
+def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False):
+    model = lora_model() if lora else tiny_model("qwen3", dtype=torch.float32)
     if checkpointing:
         model.train()  # (no dropout in the tiny model: training mode changes nothing else)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -51,8 +63,10 @@ def engine_of(stage, gas=1, checkpointing=False):
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "bf16": {"enabled": bf16},
     }
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
     return engine
 
 
@@ -63,7 +77,7 @@ def run(stage, path, rank):
         return (b.logprobs * w[b.index, : b.logprobs.shape[1]]).sum()
 
     gas = 2 if path.startswith("accumulated") else 1
-    engine = engine_of(stage, gas, checkpointing=path == "checkpointed")
+    engine = engine_of(stage, gas, path == "checkpointed", path.startswith("lora"), path.startswith("bf16"))
     if path == "plain":
         engine.backward(plain_loss(engine, groups, w))
     elif path == "logprobs":
@@ -72,8 +86,17 @@ def run(stage, path, rank):
         engine.backward((sp.logprobs(engine, groups, max_tokens=BUDGET).logprobs * w).sum())
     elif path == "logprobs_deferred":
         engine.backward((sp.logprobs(engine, groups, max_tokens=BUDGET, defer=True).logprobs * w).sum())
-    elif path == "backward":
-        sp.backward(engine, groups, loss_fn)
+    elif path in ("backward", "bf16_backward"):
+        sp.backward(engine, groups, loss_fn, max_tokens=None if path == "backward" else BUDGET)
+    elif path in ("lora_plain", "bf16_plain"):
+        engine.backward(plain_loss(engine, groups, w))
+    elif path == "lora_backward":
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+    elif path == "sync_false":  # refused before any pass, with the DeepSpeed setting to use instead
+        try:
+            sp.backward(engine, groups, loss_fn, sync=False)
+        except ValueError as e:
+            return {"refusal": str(e)}
     elif path.startswith("backward_"):
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, prefix_activations=path.split("_")[1])
     elif path == "checkpointed":  # non-reentrant gradient checkpointing, recomputed inside sharedprefix's backward
@@ -118,9 +141,10 @@ def run(stage, path, rank):
             engine.step()
     grads = None
     if not path.startswith("accumulated"):
-        grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
+        named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+        grads = {n: safe_get_full_grad(p).detach().float().clone() for n, p in named}
         engine.step()
-    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
     return {"grads": grads, "params": params}
 
 
@@ -138,6 +162,11 @@ PATHS = [
     "failed_then_backward",
     "accumulated_plain",
     "accumulated",
+    "lora_plain",
+    "lora_backward",
+    "bf16_plain",
+    "bf16_backward",
+    "sync_false",
 ]
 
 

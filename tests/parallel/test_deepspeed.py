@@ -6,8 +6,8 @@ Each rank trains on its own groups; DeepSpeed averages the ranks' gradients. Pat
 and under a budget of one completion per pass in the three prefix modes (the call's gradient reaches DeepSpeed's
 reduction hooks inside a backward of its own); non-reentrant gradient checkpointing; the rows as a ``sp.Tree``; a
 call that fails on its second pass, then one that succeeds (nothing of the failed call left behind); DeepSpeed's
-``gradient_accumulation_steps=2`` over two calls. The gradients before ``engine.step()`` and the parameters after
-it are compared.
+``gradient_accumulation_steps=2`` over two calls; PEFT LoRA; DeepSpeed's bf16. The gradients before
+``engine.step()`` and the parameters after it are compared; ``sync=False`` is refused (DeepSpeed accumulates).
 """
 
 import os
@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from parallel.deepspeed_worker import PATHS, plain_loss, rank_groups, weights  # noqa: E402
+from parallel.deepspeed_worker import PATHS, lora_model, plain_loss, rank_groups, weights  # noqa: E402
 
 from helpers import tiny_model  # noqa: E402
 from support.torchrun import torchrun  # noqa: E402
@@ -35,14 +35,14 @@ def launch(stage, tmp_path):
     return torch.load(out, weights_only=False)
 
 
-def reference():
+def reference(model=None):
     """The float64 gradient DeepSpeed should hold: the mean over the two ranks of each rank's plain loss's."""
-    model = tiny_model("qwen3", dtype=torch.float64)
+    model = model if model is not None else tiny_model("qwen3", dtype=torch.float64)
     model.zero_grad(set_to_none=True)
     for rank in range(2):
         (plain_loss(model, rank_groups(rank), weights(rank).double()) / 2).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return grads, init
 
 
@@ -56,13 +56,13 @@ def err(got, want):
 def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(stage, tmp_path):
     got = launch(stage, tmp_path)
     assert set(got) == set(PATHS)
-    failed = {p: r["error"] for p, r in got.items() if "error" in r}
+    failed = {p: r["error"] for p, r in got.items() if "error" in r}  # sync_false: a refusal, checked below
     assert not failed, failed
     grads, init = reference()
     plain = err(got["plain"]["grads"], grads)
     assert 0 < plain < 1e-4, plain  # float32 rounding, not another loss
     for path in PATHS:
-        if path.startswith("accumulated") or path == "plain":
+        if path.startswith(("accumulated", "lora", "bf16", "sync")) or path == "plain":
             continue
         assert err(got[path]["grads"], grads) <= 2 * plain, (path, err(got[path]["grads"], grads), plain)
         step = {n: init[n] - LR * grads[n] for n in init}  # plain SGD: the parameters after engine.step()
@@ -77,6 +77,14 @@ def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(st
     acc = {n: init[n] - got["accumulated"]["params"][n].double() for n in init}
     assert err(acc_plain, moved) < 1e-4
     assert err(acc, moved) <= 2 * err(acc_plain, moved) + 1e-12
+    # PEFT LoRA (the adapters' gradients) and bf16 (DeepSpeed's bf16 compute, float32 master weights)
+    lora, _ = reference(lora_model(torch.float64))
+    lora_plain = err(got["lora_plain"]["grads"], lora)
+    assert 0 < lora_plain < 1e-4 and err(got["lora_backward"]["grads"], lora) <= 2 * lora_plain
+    bf16 = err(got["bf16_plain"]["grads"], grads)
+    assert 1e-4 < bf16 < 0.1, bf16  # bf16 rounding, not another loss
+    assert err(got["bf16_backward"]["grads"], grads) <= 2 * bf16
+    assert "gradient_accumulation_steps" in got["sync_false"]["refusal"]
     # the control: one rank's gradient instead of the mean fails the same rule
     model = tiny_model("qwen3", dtype=torch.float64)
     (plain_loss(model, rank_groups(0), weights(0).double())).backward()

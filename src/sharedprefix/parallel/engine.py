@@ -241,6 +241,11 @@ class Engine(abc.ABC):
         """Refuse a ``sp.backward`` prefix mode it cannot run (``splits``: the plan splits a group): none here."""
         return None
 
+    def check_sync(self, sync: bool) -> None:
+        """Refuse an ``sp.backward`` setting ``sync`` (False: accumulate without synchronising) the engine cannot
+        honour."""
+        return None
+
     def check_grad_logprobs(self) -> None:
         """Refuse a grad-enabled ``sp.logprobs`` on the packed path: not here."""
         return None

@@ -46,6 +46,7 @@ def check_call(
     mode = options.prefix_activations
     if leaves:
         par.check_prefix_mode(mode, bool(plan.splits))
+        par.check_sync(options.sync)
     cap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
     if (why := softcap_refusal_on(name, cap, impl, device)) is not None:  # before any pass; the attention would too
         raise ValueError(why)

@@ -85,6 +85,15 @@ class DeepSpeed(Engine):
     def fire_hooks(self) -> None:
         """Nothing: the delivering backward (``finish_grads``) ran every hook once, inside a backward."""
 
+    def check_sync(self, sync: bool) -> None:
+        if not sync:
+            raise ValueError(
+                "sync=False with a DeepSpeed engine: DeepSpeed accumulates gradients over its own "
+                "gradient_accumulation_steps (each sp.backward is one micro-step, reduced as engine.backward would; "
+                "engine.step() steps at the boundary), so sharedprefix has no synchronisation to skip. Leave "
+                "sync=True and set gradient_accumulation_steps in the DeepSpeed config."
+            )
+
     def agree_on_error(
         self, error: BaseException | None, where: str = "before any computation of", counts: Sequence[int] = ()
     ) -> list[int]:
