@@ -1,0 +1,63 @@
+"""TRL's trainers under DeepSpeed ZeRO (accelerate's DeepSpeed integration, through ``TrainingArguments.deepspeed``),
+one CPU process: GRPOTrainer / RLOOTrainer and ours, 2 SGD steps each. Usage: python trl_deepspeed_worker.py STAGE
+OUT. Writes {run: {parameter name: value after training}} and the initial parameters ("init") to OUT.
+
+One process, since accelerate's DeepSpeed plugin did not start on 2 CPU processes (a gloo all-gather error before any
+sharedprefix code); ZeRO-1/2 still run their reduction and partitioning hooks at world size 1."""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", DS_ACCELERATOR="cpu")
+os.environ.setdefault("MASTER_PORT", "29533")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+
+from sharedprefix.integrations.trl import (  # noqa: E402
+    SharedPrefixGRPOConfig,
+    SharedPrefixGRPOTrainer,
+    SharedPrefixRLOOConfig,
+    SharedPrefixRLOOTrainer,
+)
+from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
+from support.grpo import qwen3_model, train_two_steps  # noqa: E402
+
+RUNS = {
+    "grpo_plain": (GRPOTrainer, GRPOConfig, {}),
+    "grpo_ours": (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, {}),
+    "grpo_ours_budget": (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, {"sharedprefix_max_tokens": 24}),
+    "rloo_plain": (RLOOTrainer, RLOOConfig, {}),
+    "rloo_ours_budget": (SharedPrefixRLOOTrainer, SharedPrefixRLOOConfig, {"sharedprefix_max_tokens": 24}),
+}
+
+
+def main(stage, out):
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no C++ build: gloo collectives
+    tmp = Path(tempfile.mkdtemp())
+    tok = build_tokenizer()
+    model = qwen3_model(tok)
+    model.save_pretrained(tmp / "init")
+    result = {"init": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    ds = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",  # max_grad_norm=0.0 below: no clipping in either run
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {"stage": int(stage)},
+    }
+    for name, (cls, cfg, extra) in RUNS.items():
+        t = train_two_steps(
+            cls, cfg, str(tmp / "init"), tok, tmp / name, deepspeed=ds, max_grad_norm=0.0, beta=0.1, **extra
+        )
+        assert type(t.model_wrapped).__name__ == "DeepSpeedEngine", type(t.model_wrapped)
+        result[name] = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    torch.save(result, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
