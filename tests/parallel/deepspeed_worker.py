@@ -110,6 +110,26 @@ def run(stage, path, rank):
             wt[i, p : r.shape[0]] = w[i, : r.shape[0] - p]
         tree = sp.Tree.from_rows(rows, trained=trained)
         sp.backward(engine, tree, lambda b: (b.logprobs * wt[b.index, : b.logprobs.shape[1]]).sum(), max_tokens=BUDGET)
+    elif path == "failed_control":  # the same with the rollback replaced by a delivery: the partial gradient stays
+        from sharedprefix.schedule import grads as grads_module
+
+        seen = []
+
+        def failing_once(b):
+            seen.append(1)
+            if len(seen) == 2:
+                raise ValueError("second pass refused")
+            return loss_fn(b)
+
+        rollback = grads_module.GradTransaction.rollback
+        grads_module.GradTransaction.rollback = grads_module.GradTransaction.deliver
+        try:
+            sp.backward(engine, groups, failing_once, max_tokens=BUDGET)
+        except ValueError:
+            pass
+        finally:
+            grads_module.GradTransaction.rollback = rollback
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
     elif path == "failed_then_backward":  # a call that raises on its second pass leaves no gradient behind
         seen = []
 
@@ -160,6 +180,7 @@ PATHS = [
     "checkpointed",
     "tree",
     "failed_then_backward",
+    "failed_control",
     "accumulated_plain",
     "accumulated",
     "lora_plain",
