@@ -63,6 +63,20 @@ def grads_of(model, fn):
     return out
 
 
+def refused_on_second_call(loss_fn):
+    """``loss_fn`` that raises ``ValueError("second pass refused")`` on its second call, after a first call whose
+    backward accumulated gradients: a call that fails part-way."""
+    seen = []
+
+    def failing(b):
+        seen.append(1)
+        if len(seen) == 2:
+            raise ValueError("second pass refused")
+        return loss_fn(b)
+
+    return failing
+
+
 def assert_grads_close(got, want, rtol):
     """Every gradient within ``rtol`` of the reference, relative to its own largest entry; a tensor whose
     exact gradient is zero (e.g. q_proj when every query attends to a single key) is held to

@@ -14,7 +14,7 @@ import deepspeed  # noqa: E402
 from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
-from helpers import random_groups, tiny_model  # noqa: E402
+from helpers import random_groups, refused_on_second_call, tiny_model  # noqa: E402
 
 BUDGET = 8  # splits the first group: a chain of cached prompt segments, then one completion per pass
 
@@ -113,34 +113,18 @@ def run(stage, path, rank):
     elif path == "failed_control":  # the same with the rollback replaced by a delivery: the partial gradient stays
         from sharedprefix.schedule import grads as grads_module
 
-        seen = []
-
-        def failing_once(b):
-            seen.append(1)
-            if len(seen) == 2:
-                raise ValueError("second pass refused")
-            return loss_fn(b)
-
         rollback = grads_module.GradTransaction.rollback
         grads_module.GradTransaction.rollback = grads_module.GradTransaction.deliver
         try:
-            sp.backward(engine, groups, failing_once, max_tokens=BUDGET)
+            sp.backward(engine, groups, refused_on_second_call(loss_fn), max_tokens=BUDGET)
         except ValueError:
             pass
         finally:
             grads_module.GradTransaction.rollback = rollback
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
     elif path == "failed_then_backward":  # a call that raises on its second pass leaves no gradient behind
-        seen = []
-
-        def failing(b):
-            seen.append(1)
-            if len(seen) == 2:
-                raise ValueError("second pass refused")
-            return loss_fn(b)
-
         try:
-            sp.backward(engine, groups, failing, max_tokens=BUDGET)
+            sp.backward(engine, groups, refused_on_second_call(loss_fn), max_tokens=BUDGET)
         except ValueError:
             pass
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)

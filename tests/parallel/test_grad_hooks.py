@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import sharedprefix as sp
-from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
+from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, refused_on_second_call, tiny_model
 from sharedprefix.parallel import grad_hooks
 
 GROUPS = random_groups(11, 2, [30, 5], [[6, 6, 6], [2, 3]])
@@ -126,16 +126,8 @@ def test_a_failing_call_fires_no_hook():
     calls = []
     hooked(model, lambda p: calls.append(p))
 
-    seen = []
-
-    def failing(b):
-        seen.append(1)
-        if len(seen) == 2:
-            raise ValueError("second pass refused")
-        return loss_fn(b)
-
     with pytest.raises(ValueError, match="second pass refused"):
-        sp.backward(model, GROUPS, failing, max_tokens=BUDGET)
+        sp.backward(model, GROUPS, refused_on_second_call(loss_fn), max_tokens=BUDGET)
     assert calls == [] and all(p.grad is None for p in model.parameters())
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sharedprefix as sp
-from helpers import assert_grads_close, plain_logprobs, random_groups, tiny_model
+from helpers import assert_grads_close, plain_logprobs, random_groups, refused_on_second_call, tiny_model
 from sharedprefix.parallel import grad_hooks
 
 GROUPS = random_groups(11, 2, [30, 5], [[6, 6, 6], [2, 3]])
@@ -141,16 +141,8 @@ def test_a_failing_call_leaves_the_flat_buffer_as_it_was():
     model = tiny_model("qwen3")
     flat = _flat_grads(model)
     before = {n: p.grad for n, p in model.named_parameters()}
-    seen = []
-
-    def failing(b):
-        seen.append(1)
-        if len(seen) == 2:
-            raise ValueError("second pass refused")
-        return loss_fn(b)
-
     with pytest.raises(ValueError, match="second pass refused"):
-        sp.backward(model, GROUPS, failing, max_tokens=BUDGET)
+        sp.backward(model, GROUPS, refused_on_second_call(loss_fn), max_tokens=BUDGET)
     assert all(p.grad is before[n] for n, p in model.named_parameters())
     assert bool((flat == 0.5).all())
 

@@ -35,11 +35,11 @@ from sharedprefix.parallel.grad_hooks import run_tensor_hooks
 class GradTransaction:
     """One call's gradient: ``.grad`` held aside at the start; ``deliver`` / ``collect`` / ``rollback`` at the end.
 
-    ``hooks``: the call's ``DeferredGradHooks`` (its tensor hooks are run on delivery), or None (FSDP2, whose sharded
-    parameters get no tensor hook in a plain run either)."""
+    ``replay_hooks``: the parameters' tensor hooks run on delivery (not under FSDP2, whose sharded parameters get no
+    tensor hook in a plain run either, nor DeepSpeed, whose delivering backward runs them)."""
 
-    def __init__(self, model: torch.nn.Module, hooks=None):
-        self.model, self.hooks = model, hooks
+    def __init__(self, model: torch.nn.Module, replay_hooks: bool = True):
+        self.model, self.replay_hooks = model, replay_hooks
         self.held: dict[torch.Tensor, torch.Tensor] = {}
         for p in model.parameters():
             if p.grad is not None and p not in self.held:
@@ -67,7 +67,7 @@ class GradTransaction:
         into = self.held if into is None else into
         with torch.no_grad():
             for p, c in self.contribution().items():
-                if self.hooks is not None:
+                if self.replay_hooks:
                     c = run_tensor_hooks(p, c)
                 old = into.get(p)
                 if old is None:
@@ -91,7 +91,7 @@ def synced(par: Engine, model, sync: bool, grad_reduction: str, fn, collect: boo
     deferred call's backward: returns ``(fn(), contribution)`` with ``.grad`` untouched and no hook run (under DDP,
     which synchronises inside the call, ``.grad`` is written and the contribution is empty)."""
     at_end = par.reduces_at_end(sync)
-    tx = GradTransaction(model, hooks=par.hooks if par.replays_tensor_hooks else None)
+    tx = GradTransaction(model, replay_hooks=par.replays_tensor_hooks)
     try:
         error, out = None, None
         try:

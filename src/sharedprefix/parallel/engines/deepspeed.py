@@ -18,11 +18,11 @@ partitioned outside a module's forward, which sharedprefix's head and checks rea
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 
 import torch
 
 from sharedprefix.parallel.engine import Engine, Transaction
+from sharedprefix.parallel.engines.single import Single
 
 
 def _deepspeed_engine(model: torch.nn.Module):
@@ -32,13 +32,12 @@ def _deepspeed_engine(model: torch.nn.Module):
     return model if cls is not None and isinstance(model, cls) else None
 
 
-class DeepSpeed(Engine):
+class DeepSpeed(Single):
+    """One process's behaviour (passes without collectives, errors raised on their own rank: DeepSpeed's hooks never
+    ran), with DeepSpeed's delivery of the call's gradient."""
+
     name = "DeepSpeed ZeRO"
-    lockstep = False
-    backward_through_outputs = False
-    default_prefix_mode = "keep"
     replays_tensor_hooks = False  # autograd runs them in the delivering backward
-    must_defer = None
 
     def __init__(self, root, world_size: int, engine, tensor: int = 1):
         super().__init__(root, world_size, tensor=tensor, data_size=world_size)
@@ -93,14 +92,6 @@ class DeepSpeed(Engine):
                 "engine.step() steps at the boundary), so sharedprefix has no synchronisation to skip. Leave "
                 "sync=True and set gradient_accumulation_steps in the DeepSpeed config."
             )
-
-    def agree_on_error(
-        self, error: BaseException | None, where: str = "before any computation of", counts: Sequence[int] = ()
-    ) -> list[int]:
-        """The passes run no collective: an error is raised on its own rank (DeepSpeed's hooks never ran)."""
-        if error is not None:
-            raise error
-        return list(counts)
 
 
 class _Deliver(torch.autograd.Function):

@@ -54,8 +54,7 @@ def hybrid_backward(model, groups, loss_fn, options: CallOptions, collect: bool 
     once, ``.grad`` in place, DDP's one sync). ``collect``: a deferred call's backward (``api._deferred_backward``)."""
     inner = unwrap(model)
     o = options
-    check_hybrid(model, o.backend)
-    par = detect(model, inner)
+    par = check_hybrid(model, o.backend)
     par.start()  # the call's gradient hooks (``par.hooks``), run once by ``synced``
 
     def run():
