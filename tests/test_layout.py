@@ -1,7 +1,7 @@
 """The package's layout holds: no import circle between its modules, and no import from a lower floor up to a higher
 one (``api`` 0, ``schedule`` 1, ``model`` / ``layout`` / ``attention`` / ``parallel`` 2, ``attention.kernels`` 3),
-neither at module level nor inside a function; no private name is imported from another module. Read from the source
-(``ast``), nothing is imported."""
+neither at module level nor inside a function; no private name is imported from another module; no test file imports
+another. Read from the source (``ast``), nothing is imported."""
 
 import ast
 import pathlib
@@ -267,4 +267,43 @@ def test_no_engine_branch_outside_parallel():
     for m, p in _modules().items():
         if _floor(m) is not None and m.split(".")[1] != "parallel" and (hits := _engine_branches(p.read_text())):
             found[m] = hits
+    assert not found, found
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def _test_file_imports(source: str) -> list[str]:
+    """The test modules (``test_*``) that ``source`` imports: shared helpers live in ``tests/helpers.py`` and
+    ``tests/support/``, never in another test file (importing one runs its module-level set-up and couples the two)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        found += [n for n in names if n.split(".")[-1].startswith("test_")]
+    return found
+
+
+def test_test_import_rule_catches_planted_imports():
+    planted = [
+        "from tests.gpu.test_cuda import MODELS",
+        "from test_backward import _run",
+        "import tests.schedule.test_backward as tb",
+        "from .test_cuda import x",
+        "from tests.gpu import test_cuda",
+    ]
+    for source in planted:
+        assert _test_file_imports(source), source
+    assert _test_file_imports("from helpers import tiny_model\nfrom support.bf16 import MODELS") == []
+
+
+def test_no_test_file_imports_another():
+    found = {}
+    for p in TESTS.rglob("*.py"):
+        if hits := _test_file_imports(p.read_text()):
+            found[str(p.relative_to(TESTS))] = hits
     assert not found, found
