@@ -307,3 +307,16 @@ def test_no_test_file_imports_another():
         if hits := _test_file_imports(p.read_text()):
             found[str(p.relative_to(TESTS))] = hits
     assert not found, found
+
+
+def test_one_way_to_mark_a_slow_test():
+    """A slow test carries ``pytest.mark.slow`` where it is written (decorator, module ``pytestmark``,
+    ``pytest.param(marks=...)``): no hook adds marks by name, where a rename would drop one silently."""
+    found = []
+    for p in TESTS.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "pytest_collection_modifyitems":
+                found.append(f"{p.relative_to(TESTS)}: defines pytest_collection_modifyitems")
+            elif isinstance(node, ast.Attribute) and node.attr == "add_marker":
+                found.append(f"{p.relative_to(TESTS)}:{node.lineno}: add_marker")
+    assert not found, found

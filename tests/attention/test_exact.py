@@ -12,6 +12,7 @@ from helpers import (
     assert_grads_close,
     float64_faithful,
     grads_of,
+    on_kernel_paths,
     plain_logprobs,
     random_groups,
     tiny_model,
@@ -46,14 +47,25 @@ def _check(model, groups, temperature=1.0, entropy=False, rtol=1e-9, atol=1e-9, 
     return out
 
 
-@pytest.mark.parametrize("arch", sorted(TEST_SETTINGS))
+# the heaviest cases are slow (10-50 s each on a loaded 2-core machine); qwen3 and llama stay in the inner loop
+SLOW_ARCHS = [("cpu", a) for a in ("qwen2", "gemma", "gpt2", "mistral")]
+SLOW_ARCHS += [("reference", a) for a in ("gemma", "phi3", "qwen2", "gpt2")]
+
+
+@pytest.mark.parametrize(
+    "kernel_path, arch", on_kernel_paths(sorted(TEST_SETTINGS), slow=SLOW_ARCHS), indirect=["kernel_path"]
+)
 def test_float64_logprobs_and_grads_match_plain(arch, kernel_path):
     model = tiny_model(arch)
     out = _check(model, random_groups(0, 3, *LAYOUTS["mixed"]))
     assert out.logprobs.dtype == torch.float64 and out.logprobs.requires_grad
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "kernel_path, layout",
+    on_kernel_paths(sorted(LAYOUTS), slow=[("reference", "group_of_24")]),
+    indirect=["kernel_path"],
+)
 def test_layouts(layout, kernel_path):
     p, c = LAYOUTS[layout]
     _check(tiny_model("qwen3"), random_groups(2, len(p), p, c))
@@ -67,6 +79,7 @@ def test_eager_backend_temperature_and_entropy():
     _check(model, groups, temperature=1.3, entropy=True)
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     spec=st.lists(
@@ -260,6 +273,7 @@ def test_window_kept_on_the_module_is_applied(kernel_path):
     assert_grads_close(got, want, 1e-6)
 
 
+@pytest.mark.parametrize("kernel_path", ["cpu", pytest.param("reference", marks=pytest.mark.slow)], indirect=True)
 def test_full_layers_ignore_a_window_left_on_the_module(kernel_path):
     """Exaone4 keeps config.sliding_window on every attention module but passes sliding_window=None on its
     full-attention layers: which layers slide comes from config.layer_types, never from the module attribute."""

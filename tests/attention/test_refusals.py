@@ -161,6 +161,7 @@ def test_moe_router_loss_needs_its_coefficient_in_backward_and_is_returned_by_lo
     assert sp.logprobs(model, GROUPS).aux_loss.requires_grad
 
 
+@pytest.mark.slow
 def test_moe_without_router_loss_is_exact():
     from helpers import float64_faithful, plain_logprobs
 
