@@ -320,3 +320,59 @@ def test_one_way_to_mark_a_slow_test():
             elif isinstance(node, ast.Attribute) and node.attr == "add_marker":
                 found.append(f"{p.relative_to(TESTS)}:{node.lineno}: add_marker")
     assert not found, found
+
+
+# Test files that still spell out transformers configs, each for a reason tiny_model() and the zoo do not cover; the
+# number of config constructions in each is fixed, so that a new one fails here (and a removed one updates the count).
+CONFIG_ALLOWED = {
+    "cli/test_train.py": (1, "a ViT config for an image processor's folder, no causal LM"),
+    "model/test_registry.py": (1, "a subclass of LFM2's config registered under a new name: the registry is the test"),
+    "model/test_hybrid_edges.py": (3, "vision-language composites (LFM2-VL, LFM3-VL, MiniCPM-V 4.6) sized by hand"),
+    "integrations/test_trl_llava_next.py": (3, "LLaVA-NeXT with its CLIP tower sized for its tiles"),
+    "integrations/test_trl_vl_train.py": (2, "LLaVA-NeXT and Qwen2-VL composites saved for TRL's processors"),
+    "integrations/test_trl_refusals.py": (1, "a Qwen3.5 vision-language model around a text config"),
+    "integrations/test_verl.py": (1, "saved for verl, run in verl's own environment (older transformers)"),
+    "integrations/test_verl_hybrid.py": (4, "saved for verl, run in verl's own environment (older transformers)"),
+    "integrations/verl_support.py": (4, "saved for verl, run in verl's own environment (older transformers)"),
+}
+
+
+def _config_calls(source: str, is_config) -> list[str]:
+    """The transformers config classes ``source`` names (``tf.Qwen3Config(...)``, ``Qwen3Config``, a class handed to
+    a builder): each a config spelled out in the test."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else ""
+        if name.endswith("Config") and is_config(name):
+            found.append(f"line {node.lineno}: {name}")
+    return found
+
+
+def _is_transformers_config(name: str) -> bool:
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    base = transformers.PretrainedConfig
+    return isinstance(cls, type) and issubclass(cls, base) and cls is not base
+
+
+def test_config_rule_catches_planted_configs():
+    source = "cfg = tf.Qwen3Config(hidden_size=32)\nc = Gemma2Config()\nx = LoraConfig(r=4)\ny = TrainConfig()\n"
+    source += "m = build(tf.MambaConfig, state_size=8)"
+    want = ["line 1: Qwen3Config", "line 2: Gemma2Config", "line 5: MambaConfig"]
+    assert _config_calls(source, _is_transformers_config) == want
+
+
+def test_tiny_models_come_from_tiny_model_or_the_zoo():
+    """A test builds its tiny model with ``helpers.tiny_model(model_type, **overrides)`` (the zoo's tiny config,
+    ``sharedprefix.tools.zoo``), so that sizes live in one place; only ``helpers.py`` and ``support/`` (the shared
+    builders) construct transformers configs, and the files of ``CONFIG_ALLOWED`` for their reasons."""
+    found = {}
+    for p in TESTS.rglob("*.py"):
+        rel = str(p.relative_to(TESTS))
+        if rel == "helpers.py" or rel.startswith("support/"):
+            continue
+        calls = _config_calls(p.read_text(), _is_transformers_config)
+        if len(calls) != CONFIG_ALLOWED.get(rel, (0, ""))[0]:
+            found[rel] = calls
+    assert not found, found
