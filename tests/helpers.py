@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers as tf
 
@@ -40,6 +41,19 @@ def tiny_model(model_type="qwen3", dtype=torch.float64, seed=0, attn="sdpa", **o
     if dtype == torch.float64:
         float64_faithful(model)
     return model
+
+
+KERNEL_PATHS = ("cpu", "reference")  # the ``kernel_path`` fixture's parameters (conftest.py)
+
+
+def on_kernel_paths(values, slow=()) -> list:
+    """Each kernel path with each of ``values``, for ``@pytest.mark.parametrize("kernel_path, name", ...,
+    indirect=["kernel_path"])``; the (path, value) pairs in ``slow`` marked ``slow``. A pair that is not among them is
+    refused, so that renaming a case cannot drop its mark silently."""
+    pairs = [(k, v) for k in KERNEL_PATHS for v in values]
+    if unknown := set(slow) - set(pairs):
+        raise ValueError(f"slow cases {sorted(unknown)} are not among the parameters {pairs}")
+    return [pytest.param(k, v, marks=pytest.mark.slow) if (k, v) in slow else (k, v) for k, v in pairs]
 
 
 def random_groups(seed, n_groups, prompt_lens, completion_lens, vocab=VOCAB):

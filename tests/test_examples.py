@@ -62,3 +62,12 @@ def test_verl_example_is_valid_shell_and_sets_the_engine():
         text = f.read()
     assert "VERL_USE_EXTERNAL_MODULES=sharedprefix.integrations.verl" in text
     assert "actor_rollout_ref.actor.strategy=fsdp2" in text
+
+
+def test_readme_stays_short_and_keeps_its_two_commands():
+    """A README for a user (at most 200 lines: detail lives in docs/ and links from one line), with the two commands
+    that set up and run everything on a fresh machine."""
+    with open(os.path.join(EXAMPLES, "..", "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert len(readme.splitlines()) <= 200, len(readme.splitlines())
+    assert "scripts/dev run" in readme and "scripts/dev test" in readme

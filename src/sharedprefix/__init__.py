@@ -4,7 +4,8 @@ log-probs and gradients as the plain per-row computation.
 The public names are imported on first use (PEP 562 module ``__getattr__``), so that a
 submodule that needs no torch, the command line's argument parsing, loads without it:
 ``sharedprefix --help`` answers at once. ``import sharedprefix as sp; sp.backward`` works as
-before, and so does ``sp.schedule`` (a subpackage is imported on first access too).
+before, and so does ``sp.schedule`` (a subpackage is imported on first access too). Loading a name does nothing
+else: the opt-in self-check (``SHAREDPREFIX_SELF_CHECK``) is loaded by the calls themselves (``settings``).
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in _PUBLIC:
-        if _PUBLIC[name] == "sharedprefix.api":  # the public calls come with the checks ``tools`` registers
-            importlib.import_module("sharedprefix.tools.verify")
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value
         return value

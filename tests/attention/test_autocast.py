@@ -26,8 +26,15 @@ def _grad_error(got: dict, want: dict) -> float:
     return max(float((got[n].double() - want[n]).abs().max() / want[n].abs().max().clamp_min(1e-30)) for n in want)
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3"])
-@pytest.mark.parametrize("budget", [None, 12])
+@pytest.mark.parametrize(
+    "budget, arch",
+    [
+        pytest.param(None, "llama", marks=pytest.mark.slow),
+        (12, "llama"),
+        pytest.param(None, "phi3", marks=pytest.mark.slow),
+        pytest.param(12, "phi3", marks=pytest.mark.slow),
+    ],
+)
 def test_logprobs_and_gradients_under_autocast_by_the_2x_rule(arch, budget):
     exact = tiny_model(arch)  # float64
     model = copy.deepcopy(exact).float()
@@ -62,7 +69,7 @@ def test_without_the_cast_the_kernels_get_mixed_dtypes(monkeypatch):
         sp.logprobs(model, GROUPS)
 
 
-@pytest.mark.parametrize("budget", [None, 12])
+@pytest.mark.parametrize("budget", [pytest.param(None, marks=pytest.mark.slow), 12])
 def test_a_float64_model_under_autocast_stays_float64(budget):
     """Autocast casts no float64 tensor (a float64 model, or sp.verify's float64 copy, run inside a bf16=True training
     step runs in float64): neither does the shared-prefix attention (it cast them and crashed in o_proj)."""

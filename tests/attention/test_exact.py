@@ -10,8 +10,8 @@ import sharedprefix as sp
 from helpers import (
     TEST_SETTINGS,
     assert_grads_close,
-    float64_faithful,
     grads_of,
+    on_kernel_paths,
     plain_logprobs,
     random_groups,
     tiny_model,
@@ -46,14 +46,25 @@ def _check(model, groups, temperature=1.0, entropy=False, rtol=1e-9, atol=1e-9, 
     return out
 
 
-@pytest.mark.parametrize("arch", sorted(TEST_SETTINGS))
+# the heaviest cases are slow (10-50 s each on a loaded 2-core machine); qwen3 and llama stay in the inner loop
+SLOW_ARCHS = [("cpu", a) for a in ("qwen2", "gemma", "gpt2", "mistral")]
+SLOW_ARCHS += [("reference", a) for a in ("gemma", "phi3", "qwen2", "gpt2")]
+
+
+@pytest.mark.parametrize(
+    "kernel_path, arch", on_kernel_paths(sorted(TEST_SETTINGS), slow=SLOW_ARCHS), indirect=["kernel_path"]
+)
 def test_float64_logprobs_and_grads_match_plain(arch, kernel_path):
     model = tiny_model(arch)
     out = _check(model, random_groups(0, 3, *LAYOUTS["mixed"]))
     assert out.logprobs.dtype == torch.float64 and out.logprobs.requires_grad
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize(
+    "kernel_path, layout",
+    on_kernel_paths(sorted(LAYOUTS), slow=[("reference", "group_of_24")]),
+    indirect=["kernel_path"],
+)
 def test_layouts(layout, kernel_path):
     p, c = LAYOUTS[layout]
     _check(tiny_model("qwen3"), random_groups(2, len(p), p, c))
@@ -67,6 +78,7 @@ def test_eager_backend_temperature_and_entropy():
     _check(model, groups, temperature=1.3, entropy=True)
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     spec=st.lists(
@@ -156,42 +168,28 @@ def test_float32_within_twice_plain_error():
     assert our_err <= 2 * plain_err + 1e-6, (float(our_err), float(plain_err))
 
 
-def _head_model(cfg_cls, model_cls, **kw):
-    base = dict(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    cfg = cfg_cls(**{**base, **kw})
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = model_cls(cfg).double().eval()
+def _head_model(model_type, **overrides):
+    """``tiny_model(model_type)``, built with eager attention and its plain forward on SDPA (float64-exact)."""
+    model = tiny_model(model_type, attn="eager", **overrides)
     model.config._attn_implementation_internal = "sdpa"  # float64-exact reference attention
-    return float64_faithful(model)
+    return model
 
 
 @pytest.mark.parametrize(
-    "cfg_cls, model_cls, kw",
+    "model_type, kw",
     [
-        (
-            tf.Gemma2Config,
-            tf.Gemma2ForCausalLM,
-            dict(head_dim=8, attn_logit_softcapping=None, final_logit_softcapping=3.0),
-        ),
-        (tf.GraniteConfig, tf.GraniteForCausalLM, dict(logits_scaling=4.0)),
-        (tf.CohereConfig, tf.CohereForCausalLM, dict(logit_scale=0.3)),
+        ("gemma2", dict(attn_logit_softcapping=None, final_logit_softcapping=3.0, sliding_window=4096)),
+        ("granite", dict(logits_scaling=4.0)),
+        ("cohere", dict(logit_scale=0.3)),
     ],
     ids=["gemma2_final_softcap", "granite_logits_scaling", "cohere_logit_scale"],
 )
-def test_head_post_processing_matches_model_forward(cfg_cls, model_cls, kw):
+def test_head_post_processing_matches_model_forward(model_type, kw):
     # Cohere's rotary casts q/k to float32 even in a float64 model, so gradients summed over
     # completions sharing a prompt would round differently there; one completion per group
     # keeps the comparison about the head (logit_scale), which is what this test is for.
-    layout = ([5, 3], [[3], [2]]) if model_cls is tf.CohereForCausalLM else ([5, 3], [[3, 4], [2]])
-    _check(_head_model(cfg_cls, model_cls, **kw), random_groups(0, 2, *layout))
+    layout = ([5, 3], [[3], [2]]) if model_type == "cohere" else ([5, 3], [[3, 4], [2]])
+    _check(_head_model(model_type, **kw), random_groups(0, 2, *layout))
 
 
 def test_sliding_window_handled_exactly():
@@ -205,9 +203,7 @@ def test_sliding_window_handled_exactly():
 
 
 def test_gemma2_sliding_layers_exact():
-    model = _head_model(
-        tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=8, attn_logit_softcapping=None, sliding_window=3
-    )
+    model = _head_model("gemma2", attn_logit_softcapping=None, sliding_window=3)
     _check(model, random_groups(1, 2, [6, 2], [[4, 2], [5]]))
 
 
@@ -236,8 +232,8 @@ def test_attention_setting_restored_also_on_error():
 def test_window_kept_on_the_module_is_applied(kernel_path):
     """Qwen2-MoE keeps its sliding window on the attention module and applies it through the mask only."""
     model = _head_model(
-        tf.Qwen2MoeConfig,
-        tf.Qwen2MoeForCausalLM,
+        "qwen2_moe",
+        layer_types=["sliding_attention", "full_attention"],
         use_sliding_window=True,
         sliding_window=4,
         max_window_layers=2,
@@ -260,12 +256,12 @@ def test_window_kept_on_the_module_is_applied(kernel_path):
     assert_grads_close(got, want, 1e-6)
 
 
+@pytest.mark.parametrize("kernel_path", ["cpu", pytest.param("reference", marks=pytest.mark.slow)], indirect=True)
 def test_full_layers_ignore_a_window_left_on_the_module(kernel_path):
     """Exaone4 keeps config.sliding_window on every attention module but passes sliding_window=None on its
     full-attention layers: which layers slide comes from config.layer_types, never from the module attribute."""
     model = _head_model(
-        tf.Exaone4Config,
-        tf.Exaone4ForCausalLM,
+        "exaone4",
         sliding_window=3,
         num_hidden_layers=4,
         layer_types=["sliding_attention", "full_attention"] * 2,
@@ -278,8 +274,7 @@ def test_full_layers_ignore_a_window_left_on_the_module(kernel_path):
 
 def test_a_window_the_layer_passes_must_agree_with_layer_types():
     model = _head_model(
-        tf.Exaone4Config,
-        tf.Exaone4ForCausalLM,
+        "exaone4",
         sliding_window=3,
         num_hidden_layers=2,
         layer_types=["sliding_attention", "full_attention"],

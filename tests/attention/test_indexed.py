@@ -102,6 +102,7 @@ def test_the_selection_bites():
     assert (sparse - dense).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_deepseek_v32_several_groups_per_row_exact():
     """Log-probs (1e-9) and gradients (relative 1e-9) of three groups in one row, with the indexer's float32 scores
     as the model computes them."""
@@ -122,7 +123,9 @@ def _plain_rows(model, rows):
 TRIE_ROWS = [[5, 9, 11, 3, 4, 8, 2], [5, 9, 11, 3, 7, 7, 1, 6], [5, 9, 11, 3, 7, 7, 2], [5, 9, 40, 41, 42, 43, 44, 45]]
 
 
-@pytest.mark.parametrize("budget", [None, 8, 4])
+@pytest.mark.parametrize(
+    "budget", [None, pytest.param(8, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)]
+)
 def test_deepseek_v32_prefix_tree_exact(budget):
     """Rows sharing prefixes at several depths (segments with up to 3 ancestors): each token sees its ancestors' tokens,
     in one pass and with budgets that cache inner segments (and chunks of them) for later passes."""
@@ -132,6 +135,7 @@ def test_deepseek_v32_prefix_tree_exact(budget):
     assert_matches_plain_rows(MODEL, tree, budget=budget, plain=lambda m, _: _plain_rows(m, TRIE_ROWS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [None, 12])
 def test_gradient_checkpointing_exact(budget):
     """The checkpointed layers' recomputation (during backward) gets the same mask and reselects the same keys, also
@@ -147,6 +151,7 @@ def test_gradient_checkpointing_exact(budget):
     assert_grads_close(got, want, 1e-9)
 
 
+@pytest.mark.slow
 def test_sinks_and_a_shared_indexer_layer_exact():
     """HY-V4: attention sinks, and a layer that reuses the previous layer's selection (indexer_types 'shared'). Its
     hyper-connections compute in float32, so both runs keep them float64 (``Float64Inside``)."""
@@ -195,6 +200,7 @@ def test_visible_mask_over_cached_segments_is_the_tree_mask():
     assert n > len(rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["keep", "offload", "recompute"])
 @pytest.mark.parametrize("entry", ["deepseek_v32", "hy_v4"])
 def test_a_budget_that_splits_a_group_exact(entry, mode):
@@ -206,6 +212,7 @@ def test_a_budget_that_splits_a_group_exact(entry, mode):
         assert_matches_plain_rows(model, GROUPS, budget=12, mode=mode)
 
 
+@pytest.mark.slow
 def test_a_long_prompt_in_chunks_exact():
     """A prompt longer than the budget is computed in chunks, each reading the cached chunks before it: the indexer
     keys of several cached segments, in order."""
@@ -216,7 +223,9 @@ def test_a_long_prompt_in_chunks_exact():
     assert_matches_plain_rows(model, groups, budget=6, mode="keep")
 
 
-@pytest.mark.parametrize("broken", ["cached indexer keys zeroed", "cached keys invisible"])
+@pytest.mark.parametrize(
+    "broken", [pytest.param("cached indexer keys zeroed", marks=pytest.mark.slow), "cached keys invisible"]
+)
 def test_a_split_without_the_cached_prompt_is_caught(monkeypatch, broken):
     """Controls for the split: the completions' indexers scoring zeros instead of the cached prompt's keys, or their
     attention not seeing the cached keys, must not pass."""
@@ -270,6 +279,7 @@ def test_a_budget_that_splits_is_refused_when_no_indexer_is_reachable(monkeypatc
     assert (out.logprobs - plain_logprobs(model, GROUPS)[0]).abs().max() <= 1e-9
 
 
+@pytest.mark.slow
 def test_a_nested_call_on_the_same_model_exact():
     """A sharedprefix call inside another on the same model (a loss_fn that computes reference log-probs with the
     policy itself, e.g. PEFT with the adapter off): the outer call's indexer hooks are still installed, and the inner

@@ -25,7 +25,9 @@ class _Largest(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("window", [None, 64])
-@pytest.mark.parametrize("max_tokens", [None, 1500], ids=["one_row", "schedule"])
+@pytest.mark.parametrize(
+    "max_tokens", [pytest.param(None, id="one_row", marks=pytest.mark.slow), pytest.param(1500, id="schedule")]
+)
 def test_no_row_by_row_tensor(window, max_tokens):
     # the shape: one 1000-token prompt with 24 completions of 120 tokens (a 3880-token row)
     model = tiny_model("mistral", dtype=torch.float32, sliding_window=window)

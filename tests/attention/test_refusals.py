@@ -4,7 +4,6 @@ import types
 
 import pytest
 import torch
-import transformers as tf
 
 import sharedprefix as sp
 from helpers import float64_faithful, plain_logprobs, random_groups, tiny_model
@@ -13,20 +12,9 @@ from sharedprefix.tools.reference import Float64Inside
 GROUPS = random_groups(0, 1, [5], [[2, 3]])
 
 
-def _tiny(cfg_cls, model_cls, **kw):
-    base = dict(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    base.update(kw)
-    cfg = cfg_cls(**base)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return model_cls(cfg).eval()
+def _tiny(model_type, **overrides):
+    """``tiny_model(model_type)`` in float32 with eager attention."""
+    return tiny_model(model_type, dtype=torch.float32, attn="eager", **overrides)
 
 
 def test_attention_dropout_in_training_refused():
@@ -46,23 +34,22 @@ def test_hidden_dropout_in_training_refused():
 
 
 @pytest.mark.parametrize(
-    "cfg_cls, model_cls, kw, match",
+    "model_type, kw, match",
     [
         (
-            tf.MambaConfig,
-            tf.MambaForCausalLM,
-            dict(state_size=8),
+            "mamba",
+            dict(state_size=8, intermediate_size=48),
             "mix tokens outside attention.*'mamba' is not one.*Mamba \\(v1\\) selective scan starts every multi-token "
             "forward from a zero state",
         ),
     ],
     ids=["mamba"],
 )
-def test_token_mixing_layers_refused(cfg_cls, model_cls, kw, match):
+def test_token_mixing_layers_refused(model_type, kw, match):
     """Hybrids outside the packed path (LFM2, Falcon-H1, Qwen3-Next ...: tests/model/test_hybrid_packed.py,
     test_hybrid_ssm.py) and the cache path (tests/model/test_hybrid.py) keep their refusal."""
     with pytest.raises(ValueError, match=match):
-        sp.logprobs(_tiny(cfg_cls, model_cls, **kw), GROUPS)
+        sp.logprobs(_tiny(model_type, **kw), GROUPS)
 
 
 def test_convolution_module_refused_even_without_layer_types():
@@ -87,7 +74,7 @@ def test_attention_softcapping_refused_on_a_backend_without_it(monkeypatch):
     """torch's CUDA flash ops have no soft-capping: such a backend refuses before any pass, naming the fix."""
     from sharedprefix.attention import kernels
 
-    model = _tiny(tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=8, attn_logit_softcapping=50.0)
+    model = _tiny("gemma2", attn_logit_softcapping=50.0, sliding_window=4096)
     monkeypatch.setattr(kernels.CPU, "SOFTCAP", False)  # stands for the 'cuda' backend on this CPU-only machine
     match = r"soft-capping \(softcap=50.0\).*backend 'cpu'.*backend='flash_attn'.*FlexAttention is no way out here"
     with pytest.raises(ValueError, match=match):
@@ -105,7 +92,7 @@ def test_attention_softcapping_on_a_backend_without_it_takes_flex_attention_wher
     from sharedprefix.attention import kernels
     from sharedprefix.attention.kernels import flex
 
-    model = _tiny(tf.Gemma2Config, tf.Gemma2ForCausalLM, head_dim=8, attn_logit_softcapping=0.5, sliding_window=4)
+    model = _tiny("gemma2", attn_logit_softcapping=0.5, sliding_window=4)
     model = float64_faithful(model.double())
     with torch.no_grad():  # scores of order one, so that the cap bites (checked below)
         for layer in model.model.layers:
@@ -146,8 +133,7 @@ def test_moe_router_loss_needs_its_coefficient_in_backward_and_is_returned_by_lo
     """sp.backward asks for aux_loss_coef when the config turns the loss on (and runs once given it); sp.logprobs
     returns the loss whole (tests/model/test_router_aux.py holds both to the plain run)."""
     model = _tiny(
-        tf.Qwen3MoeConfig,
-        tf.Qwen3MoeForCausalLM,
+        "qwen3_moe",
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=16,
@@ -161,12 +147,11 @@ def test_moe_router_loss_needs_its_coefficient_in_backward_and_is_returned_by_lo
     assert sp.logprobs(model, GROUPS).aux_loss.requires_grad
 
 
+@pytest.mark.slow
 def test_moe_without_router_loss_is_exact():
     from helpers import float64_faithful, plain_logprobs
 
-    model = _tiny(
-        tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
-    ).double()
+    model = _tiny("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16).double()
     model.config._attn_implementation_internal = "sdpa"
     model.config._experts_implementation_internal = "eager"  # grouped_mm has no float64 kernel
     float64_faithful(model)

@@ -15,6 +15,7 @@ from helpers import plain_logprobs, random_groups, tiny_model
 from sharedprefix.attention import kernels
 from sharedprefix.attention.cascade import cascade_attention
 from sharedprefix.layout import SegmentTree, pack_row
+from support.bf16 import MODELS, backward_logprobs, bf16_rule
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CASES = {  # name -> (queries per entry, keys per entry, causal, window, D, Dv[, KV heads]); 8 query heads, 2 KV heads
@@ -204,31 +205,6 @@ def test_cuda_cascade_matches_cpu_cascade(window, chunk, blocks):
         assert (mine.grad.double().cpu() - ref.grad).abs().max() < 5e-2 * ref.grad.abs().max()
 
 
-def _bf16_rule(model64, groups, fn, arch="qwen3", **kw):
-    model16 = tiny_model(arch, dtype=torch.bfloat16, **kw).cuda()
-    model16.load_state_dict({k: v.bfloat16() for k, v in model64.state_dict().items()})
-    exact, _ = plain_logprobs(model64, groups)
-    with torch.no_grad():
-        plain16, _ = plain_logprobs(model16, groups)
-    ours = fn(model16)
-    plain_err = (plain16.double().cpu() - exact).abs().max()
-    ours_err = (ours.double().cpu() - exact).abs().max()
-    assert ours_err <= 2 * plain_err + 1e-6, (float(ours_err), float(plain_err))
-
-
-def _backward_logprobs(model, groups, mode):
-    """The log-probs sp.backward hands to the loss, batch by batch, put back in completion order."""
-    got = {}
-
-    def loss(b):
-        got.update({int(i): lp for i, lp in zip(b.index, b.logprobs.detach())})
-        return (b.logprobs * b.mask).sum()
-
-    res = sp.backward(model, groups, loss, max_tokens=256, prefix_activations=mode)
-    assert res.peak_memory_bytes is not None and res.peak_memory_bytes > 0
-    return torch.stack([got[i] for i in range(len(got))])
-
-
 def _grad_vector(model, names):
     return torch.cat([model.get_parameter(n).grad.double().cpu().flatten() for n in names])
 
@@ -261,23 +237,15 @@ def test_backward_gradients_bf16_within_twice_plain_error(mode):
     assert max(worst)[0] <= 4, sorted(worst)[-3:]
 
 
-# qwen3 with head_dim 12 (padded to 16 for flash) and with head_dim 128 (real models'); mistral with a window
-MODELS = {
-    "qwen3": ("qwen3", {}),
-    "qwen3_d128": ("qwen3", {"head_dim": 128}),
-    "mistral_window": ("mistral", {"sliding_window": 64}),
-}
-
-
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_logprobs_and_backward_bf16_within_twice_plain_error(model):
     arch, kw = MODELS[model]
     model64 = tiny_model(arch, dtype=torch.float64, **kw)
     groups = random_groups(4, 3, [300, 7, 180], [[120, 3, 90, 9], [20], [5, 50, 5, 1, 160]])
     with torch.no_grad():
-        _bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups).logprobs, arch, **kw)
+        bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups).logprobs, arch, **kw)
     for mode in ("keep", "offload", "recompute"):
-        _bf16_rule(model64, groups, lambda m, mode=mode: _backward_logprobs(m, groups, mode), arch, **kw)
+        bf16_rule(model64, groups, lambda m, mode=mode: backward_logprobs(m, groups, mode), arch, **kw)
 
 
 @pytest.mark.parametrize("budget", [None, 256])

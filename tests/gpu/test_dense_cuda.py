@@ -1,5 +1,5 @@
 """CUDA: the dense kernels under the cascade (cuDNN, dense flash), the head keeping its logits, offload on a side
-stream (skipped without a GPU). bf16 by the 2x rule of tests/gpu/test_cuda.py."""
+stream (skipped without a GPU). bf16 by the 2x rule of tests/support/bf16.py."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from sharedprefix.attention.kernels.dense import (
 )
 from sharedprefix.model.head import keep_logits, token_logprobs
 from sharedprefix.schedule.cache import OffloadHooks
-from tests.gpu.test_cuda import MODELS, _backward_logprobs, _bf16_rule
+from support.bf16 import MODELS, backward_logprobs, bf16_rule
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 CUDA = torch.device("cuda")
@@ -73,9 +73,9 @@ def test_logprobs_and_backward_bf16_with_dense_dispatch_off(model):
     model64 = tiny_model(arch, dtype=torch.float64, **kw)
     groups = random_groups(4, 3, [300, 7, 180], [[120, 3, 90, 9], [20], [5, 50, 5, 1, 160]])
     with dense_dispatch(False), torch.no_grad():
-        _bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups).logprobs, arch, **kw)
+        bf16_rule(model64, groups, lambda m: sp.logprobs(m, groups).logprobs, arch, **kw)
     with dense_dispatch(False):
-        _bf16_rule(model64, groups, lambda m: _backward_logprobs(m, groups, "recompute"), arch, **kw)
+        bf16_rule(model64, groups, lambda m: backward_logprobs(m, groups, "recompute"), arch, **kw)
 
 
 def test_head_keeps_or_recomputes_its_logits_alike_on_cuda():

@@ -8,7 +8,7 @@ import transformers as tf
 from packaging.version import Version
 
 import sharedprefix as sp
-from helpers import VOCAB, float64_faithful, plain_logprobs, random_groups
+from helpers import plain_logprobs, random_groups, tiny_model
 from sharedprefix.model import versions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -22,27 +22,20 @@ def _softcapped(model_type, dtype):
     if Version(tf.__version__).release < Version(need).release:
         pytest.skip(f"{model_type} runs from transformers {need}; {tf.__version__} is installed")
     dims = dict(
-        vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=64,
         max_position_embeddings=1024,
         sliding_window=32,
         attn_logit_softcapping=20.0,
         final_logit_softcapping=30.0,
     )
-    if model_type == "gemma2":
-        cfg, cls = tf.Gemma2Config(**dims), tf.Gemma2ForCausalLM
-    else:
-        cfg = tf.Gemma3TextConfig(**dims, layer_types=["sliding_attention", "full_attention"])
-        cls = tf.Gemma3ForCausalLM
-    cfg._attn_implementation = "eager"  # transformers' own soft-capped attention for the plain rows
-    torch.manual_seed(0)
-    model = cls(cfg).to(dtype).eval()
-    return float64_faithful(model) if dtype == torch.float64 else model.cuda()
+    if model_type == "gemma3_text":
+        dims["layer_types"] = ["sliding_attention", "full_attention"]
+    # eager: transformers' own soft-capped attention for the plain rows
+    model = tiny_model(model_type, dtype=dtype, attn="eager", **dims)
+    return model if dtype == torch.float64 else model.cuda()
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])

@@ -18,6 +18,7 @@ from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
 from support.grpo import dataset, lfm2_model, qwen3_model, reward, train_two_steps  # noqa: E402
 
 
+@pytest.mark.slow  # TRL's real train(), twice
 @pytest.mark.parametrize("loss_type, beta", [("grpo", 0.0), ("dapo", 0.0), ("grpo", 0.1), ("dapo", 0.1)])
 def test_same_parameters_as_grpo_trainer(tmp_path, loss_type, beta):
     tok = build_tokenizer()
@@ -49,6 +50,7 @@ def test_same_parameters_as_grpo_trainer(tmp_path, loss_type, beta):
     assert err <= 1e-4 * scale, (err, scale)
 
 
+@pytest.mark.slow  # TRL's real train(), twice
 def test_budget_schedule_matches_unscheduled(tmp_path):
     """With a token budget that splits groups, the policy step runs through sp.backward and still matches."""
     tok = build_tokenizer()
@@ -85,6 +87,7 @@ def test_tree_rows_keep_every_completion_and_share_every_prefix():
         tree_rows(ids, torch.tensor([[1, 1, 1, 0, 1]] * 5), 2)
 
 
+@pytest.mark.slow  # TRL's real train(), twice
 def test_lora_trainer_matches_grpo_trainer(tmp_path):
     """PEFT/LoRA (and TRL's default gradient checkpointing, on in all these runs) give the same update."""
     peft = pytest.importorskip("peft")
@@ -147,6 +150,7 @@ def _with_tool_mask(cls):
     return WithToolMask
 
 
+@pytest.mark.slow  # TRL's real train(), twice
 def test_multi_turn_tool_mask_trains_as_grpo_trainer(tmp_path):
     """Rows with tool results inside the completion (TRL's ``tool_mask``) give the same update as GRPOTrainer:
     sharedprefix computes every completion token's log-prob, TRL's loss masks the tool tokens, and whole-group
@@ -171,6 +175,7 @@ def test_multi_turn_tool_mask_trains_as_grpo_trainer(tmp_path):
     assert float((ours - plain).abs().max()) <= 1e-4 * scale
 
 
+@pytest.mark.slow  # TRL's real train(), twice
 def test_hybrid_model_trains_as_grpo_trainer(tmp_path, monkeypatch):
     """A hybrid model (LFM2) through the real train(), as TRL runs it by default (gradient checkpointing on), its rows
     as tree batches, with a budget that splits them: the same parameters as GRPOTrainer."""
@@ -205,6 +210,7 @@ def test_hybrid_model_trains_as_grpo_trainer(tmp_path, monkeypatch):
     assert float((do - dp).abs().max()) <= 1e-4 * scale, (float((do - dp).abs().max()), scale)
 
 
+@pytest.mark.slow  # TRL's real train(), twice
 def test_bf16_mixed_precision_trains_as_grpo_trainer(tmp_path):
     """bf16=True over float32 weights (accelerate's autocast, as many TRL configs run): the trainer crashed in the
     attention on mixed dtypes before the attention cast as autocast does. Both trainers sample the same completions

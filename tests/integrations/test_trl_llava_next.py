@@ -90,7 +90,7 @@ def _plain_hook(stub, model, input_ids, attention_mask, C, compute_entropy, pixe
     return torch.stack(lps), torch.stack(ents), None
 
 
-@pytest.mark.parametrize("budget, mode", [(None, "keep"), (36, "recompute")])
+@pytest.mark.parametrize("budget, mode", [(None, "keep"), pytest.param(36, "recompute", marks=pytest.mark.slow)])
 def test_llava_next_tiles_match_plain_rows_and_grpo_trainer(budget, mode):
     model = _llava_next()
     batch = _batch(model)

@@ -199,18 +199,17 @@ def test_cast_lm_head_to_fp32_trains_as_grpo_trainer(tmp_path):
 def _gemma2(dtype):
     """A tiny Gemma 2 (final-logit soft-capping at 30) with embeddings scaled up, so that bf16 and float32 logits
     differ well above the head check's tolerance."""
-    cfg = tf.Gemma2Config(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+    # Gemma 2's defaults for the window (4096), the score cap (50) and the positions; eager: its only attention
+    model = tiny_model(
+        "gemma2",
+        dtype=torch.float32,
+        attn="eager",
+        max_position_embeddings=8192,
+        sliding_window=4096,
+        attn_logit_softcapping=50.0,
+        bos_token_id=2,
+        eos_token_id=1,
     )
-    cfg._attn_implementation = "eager"  # Gemma 2's only one (soft-capped attention scores)
-    torch.manual_seed(0)
-    model = tf.Gemma2ForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
     return float64_faithful(model.double()) if dtype == torch.float64 else model.to(dtype)

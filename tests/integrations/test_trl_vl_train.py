@@ -38,6 +38,8 @@ from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGR
 from support.grpo import train, two_step_args  # noqa: E402
 from support.vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION, gemma3_config, llava_config  # noqa: E402
 
+pytestmark = pytest.mark.slow  # TRL's real train() on image datasets
+
 SPECIAL = {IMAGE: "<|image_pad|>", VIDEO: "<|video_pad|>", V_START: "<|vision_start|>", V_END: "<|vision_end|>"}
 LLAVA_SPECIAL = {IMAGE: "<image>"}
 GEMMA3_SPECIAL = {IMAGE: "<image_soft_token>", V_START: "<start_of_image>", V_END: "<end_of_image>"}
@@ -304,7 +306,6 @@ def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budge
     assert float((swapped - plain).abs().max()) > 1e-3 * scale
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind, budget", [("qwen2_vl", 24), ("llava", 16)])
 def test_groups_split_across_microbatches_train_as_grpo_trainer(tmp_path, monkeypatch, kind, budget):
     """TRL's own microbatches (the default): 3 rows each, drawn by TRL's shuffle from a generation batch of 3 groups

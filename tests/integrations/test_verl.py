@@ -54,6 +54,7 @@ from sharedprefix.integrations.verl import ENV_MAX_TOKENS, SharedPrefixFSDPEngin
 
 verl_cpu.allow_cpu_offload()  # verl's CPUOffloadPolicy, unpinned (pinning needs an accelerator)
 
+pytestmark = pytest.mark.slow  # verl's engine, one and two processes (its own environment: scripts/dev test-verl)
 # 3 prompts (a 4-token system prompt shared by all) x 4 completions of 1 to 8 tokens
 SPEC = Spec(prompts=[14, 20, 9], responses=[[5, 8, 3, 6], [7, 2, 8, 4], [6, 6, 1, 8]])
 ROWS = 12
@@ -414,7 +415,6 @@ def test_two_processes_torchrun(tmp_path):
     assert set(res) == {"static", "dynamic", "budget"}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("procs, sp_size", [(2, 2), (4, 4), (4, 2)], ids=["2x1dp", "4x1dp", "2x2dp"])
 def test_ulysses_sequence_parallel_matches_verl(tmp_path, procs, sp_size):
     """``ulysses_sequence_parallel_size`` 2 and 4 (and 2 data-parallel groups of 2): our engine, on the core's
@@ -437,7 +437,6 @@ def test_ulysses_sequence_parallel_matches_verl(tmp_path, procs, sp_size):
             assert err <= AGREE, (case, what, err)
 
 
-@pytest.mark.slow
 def test_use_torch_compile_compiles_the_head_and_matches_verl(process_group, path, monkeypatch):
     """``use_torch_compile=True`` (verl's default) compiles verl's ``entropy_from_logits``; ours, which computes
     entropies in its own head, runs that head's chunks compiled instead (``head.compiled_head``). Values and gradients

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import sharedprefix as sp
 from helpers import assert_grads_close, random_groups, tiny_model
-from tests.schedule.test_backward import BUDGETS, MODES, SPEC, _reference, _run, _weighted_loss
+from support.schedule import BUDGETS, MODES, SPEC, plain_reference, run_backward, weighted_loss
 
 _MODEL = tiny_model("qwen2", seed=3)
 
@@ -25,10 +25,10 @@ def test_budgets_and_modes_match_plain_float64(arch, mode, kernel_path):
     groups = random_groups(1, 3, *SPEC) if arch != "gpt2" else random_groups(1, 2, [12, 20], [[3, 4, 1, 5], [6, 2, 7]])
     n = sum(g.group_size for g in groups)
     W = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    want, want_loss = _reference(model, groups, W)
+    want, want_loss = plain_reference(model, groups, W)
     budgets = BUDGETS if arch == "qwen3" else [None, 20, 7]
     for budget in budgets:
-        res, got = _run(model, groups, _weighted_loss(W), max_tokens=budget, prefix_activations=mode)
+        res, got = run_backward(model, groups, weighted_loss(W), max_tokens=budget, prefix_activations=mode)
         assert math.isclose(res.loss, want_loss, rel_tol=1e-9), (budget, res.loss, want_loss)
         assert_grads_close(got, want, 1e-9)
         assert res.tokens_plain == sum(
@@ -45,13 +45,13 @@ def test_group_order_and_budget_leave_the_gradient_unchanged():
     groups = random_groups(7, 3, *SPEC)
     n = sum(g.group_size for g in groups)
     W = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    _, base = _run(model, groups, _weighted_loss(W), max_tokens=None)
+    _, base = run_backward(model, groups, weighted_loss(W), max_tokens=None)
     perm = [2, 0, 1]
     offsets = [0, 4, 5, 10]
     Wp = torch.cat([W[offsets[i] : offsets[i + 1]] for i in perm])
     for budget in (33, 8):
-        _, got = _run(
-            model, [groups[i] for i in perm], _weighted_loss(Wp), max_tokens=budget, prefix_activations="recompute"
+        _, got = run_backward(
+            model, [groups[i] for i in perm], weighted_loss(Wp), max_tokens=budget, prefix_activations="recompute"
         )
         assert_grads_close(got, base, 1e-9)
 
@@ -71,7 +71,7 @@ def test_random_layouts_budgets_and_modes_match_plain_float64(spec, budget, mode
     n = sum(len(s[1]) for s in spec)
     W = torch.randn(n, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     W = W[:, : max(max(s[1]) for s in spec)]
-    want, want_loss = _reference(model, groups, W)
-    res, got = _run(model, groups, _weighted_loss(W), max_tokens=budget, prefix_activations=mode)
+    want, want_loss = plain_reference(model, groups, W)
+    res, got = run_backward(model, groups, weighted_loss(W), max_tokens=budget, prefix_activations=mode)
     assert math.isclose(res.loss, want_loss, rel_tol=1e-9, abs_tol=1e-12)
     assert_grads_close(got, want, 1e-9)

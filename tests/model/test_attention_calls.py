@@ -4,29 +4,16 @@ prompt K/V per call, so a budget that splits groups stays exact (refused under g
 DiffLlama computes its lambda in float32 even in a float64 model: both runs keep it float64 (``Float64Inside``)."""
 
 import pytest
-import torch
-import transformers as tf
 
 import sharedprefix as sp
-from helpers import assert_matches_plain_rows, float64_faithful, random_groups
+from helpers import assert_matches_plain_rows, random_groups, tiny_model
 from sharedprefix.tools.reference import Float64Inside
 
 GROUPS = lambda: random_groups(0, 3, [9, 5, 7], [[4, 1, 6], [3, 2], [5]])  # noqa: E731
 
 
 def _diffllama():
-    cfg = tf.DiffLlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return float64_faithful(tf.DiffLlamaForCausalLM(cfg).double().eval())
+    return tiny_model("diffllama", max_position_embeddings=128)
 
 
 @pytest.mark.parametrize("mode", ["keep", "offload", "recompute"])

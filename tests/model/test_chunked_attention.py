@@ -11,11 +11,10 @@ tokens here), which sharedprefix rescales to the token's position.
 
 import pytest
 import torch
-import transformers as tf
 from transformers.models.llama4 import modeling_llama4
 
 import sharedprefix as sp
-from helpers import VOCAB, assert_matches_plain_rows, float64_faithful, plain_logprobs, random_groups
+from helpers import assert_matches_plain_rows, plain_logprobs, random_groups, tiny_model
 from sharedprefix.attention import checks
 
 CHUNK = 4
@@ -33,16 +32,13 @@ def _rotary64(xq, xk, freqs_cis):
 @pytest.fixture
 def model(monkeypatch):
     monkeypatch.setattr(modeling_llama4, "apply_rotary_emb", _rotary64)
-    cfg = tf.Llama4TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        intermediate_size_mlp=48,
+    m = tiny_model(
+        "llama4_text",
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
         max_position_embeddings=128,
+        intermediate_size_mlp=48,
+        num_local_experts=16,
+        num_experts_per_tok=1,
         attention_chunk_size=CHUNK,
         attn_temperature_tuning=True,
         floor_scale=4,
@@ -50,11 +46,8 @@ def model(monkeypatch):
         moe_layers=[],
         no_rope_layers=[1, 1, 1, 0],  # layers 0-2 chunked with RoPE, layer 3 full attention without
     )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    m = tf.Llama4ForCausalLM(cfg).to(torch.float64).eval()
     assert [str(t) for t in m.config.layer_types] == ["chunked_attention"] * 3 + ["full_attention"]
-    return float64_faithful(m)
+    return m
 
 
 def _groups():

@@ -2,28 +2,15 @@
 
 import pytest
 import torch
-import transformers as tf
 
 import sharedprefix as sp
-from helpers import assert_matches_plain_rows, float64_faithful, random_groups
+from helpers import assert_matches_plain_rows, float64_faithful, random_groups, tiny_model
 from sharedprefix.attention import dynamic_mask
 
 
 def _doge(window=None, keep=2048):
-    cfg = tf.DogeConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        sliding_window=window,
-        keep_window_size=keep,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = tf.DogeForCausalLM(cfg).double().eval()
+    # float32 first and float64_faithful last, so that A's draw below follows the weights' (float64_faithful draws)
+    model = tiny_model("doge", dtype=torch.float32, sliding_window=window, keep_window_size=keep).double()
     with torch.no_grad():  # A starts at zero (a bias of 1 on every key, which softmax ignores): make it bite
         for layer in model.model.layers:
             layer.self_attn.A.normal_(0.0, 1.0)

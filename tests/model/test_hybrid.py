@@ -243,6 +243,7 @@ ZOO_HYBRIDS = [  # the other zoo hybrids run on the packed path (test_hybrid_pac
 ALL_MODES = {"minimax", "zaya"}
 
 
+@pytest.mark.slow  # the zoo's hybrids
 @pytest.mark.parametrize("entry", ZOO_HYBRIDS)
 def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
     """The other listed hybrids, built as the zoo builds them but with weights of std 0.2 (states that matter), their

@@ -34,8 +34,8 @@ from support.hybrid import (
 from support.trees import ROW_SPEC, masks, tree_rows
 
 KDA = "kimi_linear"
-SLOW = pytest.mark.slow  # KDA's torch chunk loop and the delta nets' dominate; LFM3 and two KDA checks stay fast
-FAMILIES = ["lfm3"] + [pytest.param(f, marks=SLOW) for f in ("lara_mini", KDA, "bailing_hybrid")]
+# KDA's torch chunk loop and the delta nets' dominate; LFM3 and two KDA checks stay fast
+FAMILIES = ["lfm3"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("lara_mini", KDA, "bailing_hybrid")]
 
 
 def _inside(family):
@@ -65,7 +65,7 @@ def test_moved_families_match_plain_rows_in_one_pass_and_split(family):
         groups_check(model, gs, [(None, "keep")] + [(6, m) for m in modes])
 
 
-@SLOW
+@pytest.mark.slow
 @pytest.mark.parametrize("family", [KDA, "lfm3"])
 def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
     """The depth-5 trie of test_hybrid_packed (system prompt, prompts, completions, second turns): whole, under a
@@ -77,7 +77,7 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
         tree_check(model, DEEP_ROWS, trained, (None, 5, 3), modes)
 
 
-@SLOW
+@pytest.mark.slow
 @settings(
     max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
@@ -91,7 +91,7 @@ def test_random_tries_match_plain_rows(family, spec, budget, mode):
         tree_check(linear_model(family), rows, masks(rows, spec), (budget,), (mode,))
 
 
-@SLOW
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["lfm3", KDA])
 def test_gradient_checkpointing_and_defer(family):
     """Non-reentrant gradient checkpointing (split ``sp.backward`` and grad-enabled ``sp.logprobs``) and ``defer=True``
@@ -185,7 +185,7 @@ def _logprob_error(model, gs, budget):
         return float((sp.logprobs(model, gs, max_tokens=budget).logprobs - ref).abs().max())
 
 
-@pytest.mark.parametrize("budget", [None, pytest.param(6, marks=SLOW)])
+@pytest.mark.parametrize("budget", [None, pytest.param(6, marks=pytest.mark.slow)])
 def test_control_a_zeroed_carried_kda_state_is_caught(monkeypatch, budget):
     """A KDA that drops the state it is handed (the parent's, from the row or the cache) is 1000x beyond tolerance."""
     model, gs = linear_model(KDA), groups_of()
@@ -200,7 +200,7 @@ def test_control_a_zeroed_carried_kda_state_is_caught(monkeypatch, budget):
         assert _logprob_error(model, gs, budget) > 1e-6
 
 
-@SLOW
+@pytest.mark.slow
 def test_control_a_detached_cached_kda_state_is_caught(monkeypatch):
     """Cached KDA states and conv tails read detached: the log-probs stay exact, the gradient the later passes send
     into the prompt through them is lost, and the gradient comparison catches it."""
@@ -243,7 +243,7 @@ def test_inline_mixers_stay_on_the_cache_path_and_every_refusal_says_why(monkeyp
     assert all(p.grad is None for p in model.parameters())
 
 
-@SLOW
+@pytest.mark.slow
 def test_the_hybrid_tree_benchmark_runs_and_counts_tokens():
     """``sharedprefix bench --hybrid --tree`` on a tiny agentic shape: each run computes the tokens its layout implies
     (the tree: every segment once; the cache path: each group's prompt, system prompt included; plain: every row)."""

@@ -35,7 +35,10 @@ from support.hybrid import (
 from support.trees import ROW_SPEC, masks, tree_rows
 
 DELTA = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"}  # gated delta rule: float32 inside
-FAMILIES = ["lfm2", "qwen3_next", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"]
+# LFM2 and Qwen3-Next (one conv family, one delta-net family) stay in the inner loop
+FAMILIES = ["lfm2", "qwen3_next"] + [
+    pytest.param(f, marks=pytest.mark.slow) for f in ("lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
+]
 
 
 def _model(family):
@@ -64,7 +67,7 @@ def test_packed_families_match_plain_rows_in_one_pass_and_split(family):
         groups_check(model, gs, runs)
 
 
-@pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
+@pytest.mark.parametrize("family", ["lfm2", pytest.param("qwen3_next", marks=pytest.mark.slow)])
 def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
     """A trie of depth 5 (system prompt, prompts, completions, a shared second-turn token, second turns): whole, under
     a budget that caches some inner segments (5), and one that caches every inner segment of every depth (3), each
@@ -86,6 +89,7 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
         tree_check(model, DEEP_ROWS, trained, (None, 5, 3), modes)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
@@ -128,6 +132,7 @@ def test_gradient_checkpointing_and_defer():
         model.eval()
 
 
+@pytest.mark.slow
 def test_own_float32_delta_rule_within_twice_the_plain_error():
     """Without ``Float64Inside`` the delta rule runs in float32: log-probs and gradients within twice the plain run's
     own error against the float64-inside result, split into a chain and across passes."""
@@ -240,7 +245,7 @@ def test_a_config_without_attention_layers_runs_exactly(family, kind):
         groups_check(model, groups_of(), [(None, "keep"), (6, "keep")])
 
 
-@pytest.mark.parametrize("budget, mode", [(None, "keep"), (16, "recompute")])
+@pytest.mark.parametrize("budget, mode", [(None, "keep"), pytest.param(16, "recompute", marks=pytest.mark.slow)])
 def test_qwen3_5_with_images(budget, mode):
     """Qwen3.5 as a vision-language model: ``prompt_inputs`` (images) on the packed path, the vision tower trained
     through the shared prompt, in one pass and with the first group's prompt cached."""

@@ -38,9 +38,8 @@ from support.hybrid import (
 )
 from support.trees import ROW_SPEC, masks, tree_rows
 
-SLOW = pytest.mark.slow
 FAMILIES = ["nemotron_h"] + [
-    pytest.param(f, marks=SLOW) for f in ("falcon_h1", "mamba2", "zamba2", "bamba", "granitemoehybrid")
+    pytest.param(f, marks=pytest.mark.slow) for f in ("falcon_h1", "mamba2", "zamba2", "bamba", "granitemoehybrid")
 ]
 
 
@@ -66,7 +65,7 @@ def test_families_match_plain_rows_in_one_pass_and_split(family):
         groups_check(model, gs, runs)
 
 
-@SLOW
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["falcon_h1", "nemotron_h"])
 def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
     """The depth-5 trie of test_hybrid_packed (system prompt, prompts, completions, a shared second-turn token,
@@ -77,7 +76,7 @@ def test_a_depth_4_tree_under_budgets_that_split_every_depth(family):
         tree_check(ssm_model(family), DEEP_ROWS, trained, (None, 5, 3), ("keep", "offload", "recompute"))
 
 
-@SLOW
+@pytest.mark.slow
 @settings(
     max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
@@ -137,7 +136,7 @@ def _grad_error(got, truth):
     )
 
 
-@SLOW
+@pytest.mark.slow
 def test_gradient_checkpointing_and_defer():
     """Training mode with non-reentrant gradient checkpointing (``sp.backward`` whole and split, grad-enabled
     ``sp.logprobs``, deferred as checkpointing needs) and ``defer=True`` without it: the gradient of ``sp.backward``
@@ -190,7 +189,7 @@ def test_own_float32_scan_within_twice_the_plain_error():
 # -- controls that must fail --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("budget", [None, pytest.param(6, marks=SLOW)])
+@pytest.mark.parametrize("budget", [None, pytest.param(6, marks=pytest.mark.slow)])
 def test_control_a_zeroed_carried_state_is_caught(monkeypatch, budget):
     """A scan that drops the state it is handed (a parent in the row, or one from the cache) is 1000x beyond the
     tolerance."""

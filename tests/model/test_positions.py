@@ -8,10 +8,9 @@ in a prompt and in a completion, where the plain numbering stops counting.
 
 import pytest
 import torch
-import transformers as tf
 
 import sharedprefix as sp
-from helpers import VOCAB, assert_matches_plain_rows, plain_logprobs
+from helpers import assert_matches_plain_rows, plain_logprobs, tiny_model
 from sharedprefix.model import checks as modeling
 from sharedprefix.schedule import executor
 
@@ -19,21 +18,9 @@ PAD = 0
 
 
 def _roberta():
-    cfg = tf.RobertaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=64,
-        pad_token_id=PAD,
-        is_decoder=True,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+    return tiny_model(
+        "roberta", max_position_embeddings=64, bos_token_id=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
     )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return tf.RobertaForCausalLM(cfg).to(torch.float64).eval()
 
 
 @pytest.fixture(scope="module")

@@ -13,42 +13,22 @@ import torch
 import transformers as tf
 
 import sharedprefix as sp
-from helpers import VOCAB, assert_matches_plain_rows, plain_logprobs
+from helpers import assert_matches_plain_rows, plain_logprobs, tiny_model
 from sharedprefix.model import positions
 
-_SIZES = dict(
-    vocab_size=VOCAB,
-    d_model=32,
-    decoder_layers=2,
-    decoder_attention_heads=4,
-    decoder_ffn_dim=48,
-    encoder_layers=1,
-    encoder_attention_heads=4,
-    encoder_ffn_dim=48,
-    max_position_embeddings=64,
-    dropout=0.0,
-    attention_dropout=0.0,
-    activation_dropout=0.0,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    decoder_start_token_id=2,
-)
+# the zoo's tiny encoder-decoder families as causal LMs: their positions are renumbered (learned or sinusoidal)
 MODELS = {
-    "bart": (tf.BartConfig, tf.BartForCausalLM),  # learned, offset 2, (1, L, d)
-    "mbart": (tf.MBartConfig, tf.MBartForCausalLM),
-    "blenderbot": (tf.BlenderbotConfig, tf.BlenderbotForCausalLM),  # learned, no offset, (L, d)
-    "marian": (tf.MarianConfig, tf.MarianForCausalLM),  # sinusoidal, (L, d)
-    "pegasus": (tf.PegasusConfig, tf.PegasusForCausalLM),
+    "bart": "learned, offset 2, (1, L, d)",
+    "mbart": "learned, offset 2",
+    "blenderbot": "learned, no offset, (L, d)",
+    "marian": "sinusoidal, (L, d)",
+    "pegasus": "sinusoidal",
 }
 
 
 def _model(name, seed=0):
-    cfg_cls, model_cls = MODELS[name]
-    cfg = cfg_cls(**_SIZES)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return model_cls(cfg).to(torch.float64).eval()
+    """The zoo's tiny ``name`` with 64 positions, no dropout and one encoder layer (unused by the causal LM)."""
+    return tiny_model(name, seed=seed, max_position_embeddings=64, dropout=0.0, encoder_layers=1)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

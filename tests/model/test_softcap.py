@@ -8,11 +8,10 @@ scores are ~1e-3; sliding-window layers and final-logit soft-capping are on as i
 
 import pytest
 import torch
-import transformers as tf
 from transformers.models.gemma2 import modeling_gemma2
 
 import sharedprefix as sp
-from helpers import VOCAB, assert_matches_plain_rows, float64_faithful, plain_logprobs, random_groups
+from helpers import assert_matches_plain_rows, plain_logprobs, random_groups, tiny_model
 from sharedprefix.attention import interface
 from support.softcap import eager64
 
@@ -22,22 +21,16 @@ CAP = 0.002
 @pytest.fixture
 def model(monkeypatch):
     monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", eager64)
-    cfg = tf.Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
+    return tiny_model(
+        "gemma2",
+        attn="eager",
         max_position_embeddings=128,
+        bos_token_id=2,
+        eos_token_id=1,
         sliding_window=4,
         attn_logit_softcapping=CAP,
         final_logit_softcapping=30.0,
     )
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    return float64_faithful(tf.Gemma2ForCausalLM(cfg).to(torch.float64).eval())
 
 
 def _groups():

@@ -113,22 +113,18 @@ def run_fsdp():
 
 def refusals(group):
     """{case: message} of calls that must be refused under sequence parallelism (missing: not refused)."""
-    import transformers as tf
     from torch.nn.parallel import DistributedDataParallel
 
-    hybrid = tf.Lfm2ForCausalLM(
-        tf.Lfm2Config(
-            vocab_size=97,
-            hidden_size=32,
-            intermediate_size=48,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_hidden_layers=3,
-            layer_types=["conv", "full_attention", "conv"],
-            conv_L_cache=3,
-            block_auto_adjust_ff_dim=False,
-        )
-    )
+    hybrid = tiny_model(
+        "lfm2",
+        dtype=torch.float32,
+        num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"],
+        full_attn_idxs=None,
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+        max_position_embeddings=128000,
+    ).train()  # as built
     calls = {
         "heads": lambda: sp.logprobs(
             tiny_model("qwen3", num_attention_heads=6, num_key_value_heads=3), source("groups"), sequence_group=group

@@ -5,33 +5,7 @@ import torch
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
-
-MODES = ("keep", "offload", "recompute")
-# group 0: prompt 12, group 1: tiny, group 2: prompt 28 (longest completion 7)
-SPEC = ([12, 3, 28], [[3, 4, 1, 5], [2], [6, 6, 2, 1, 7]])
-
-
-def _weighted_loss(W):
-    return lambda b: (b.logprobs * W.to(b.logprobs.dtype)[b.index] * b.mask).sum()
-
-
-def _reference(model, groups, W):
-    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
-    with torch.no_grad():
-        loss = float((plain_logprobs(model, groups)[0] * W).sum())
-    return want, loss
-
-
-def _run(model, groups, loss_fn, **kw):
-    model.zero_grad(set_to_none=True)
-    res = sp.backward(model, groups, loss_fn, **kw)
-    got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return res, got
-
-
-# budgets: everything in one pass, groups split, one completion per pass, prompt in 4 chunks (28 -> 4 x 7)
-BUDGETS = [None, 80, 20, 7]
+from support.schedule import MODES, SPEC, plain_reference, run_backward, weighted_loss
 
 
 def test_prompt_split_into_four_chunks_runs_reverse_backward():
@@ -65,9 +39,9 @@ def test_float32_schedule_within_twice_plain_error():
     m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
     groups = random_groups(4, 2, [30, 18], [[12, 3, 9, 9], [5, 5, 5, 1, 16]])
     W = torch.randn(9, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    exact, _ = _reference(m64, groups, W)
+    exact, _ = plain_reference(m64, groups, W)
     plain32 = grads_of(m32, lambda: (plain_logprobs(m32, groups)[0] * W.float()).sum())
-    _, ours = _run(m32, groups, _weighted_loss(W), max_tokens=20, prefix_activations="offload")
+    _, ours = run_backward(m32, groups, weighted_loss(W), max_tokens=20, prefix_activations="offload")
     for name in exact:
         plain_err = (plain32[name].double() - exact[name]).abs().max()
         our_err = (ours[name].double() - exact[name]).abs().max()
@@ -116,15 +90,15 @@ def test_gradient_checkpointing_model_is_exact(reentrant):
     assert model.model.gradient_checkpointing
     groups = random_groups(1, 3, *SPEC)
     W = torch.randn(10, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    want, _ = _reference(model, groups, W)
-    _, got = _run(model, groups, _weighted_loss(W), max_tokens=None)  # whole groups: any checkpointing is exact
+    want, _ = plain_reference(model, groups, W)
+    _, got = run_backward(model, groups, weighted_loss(W), max_tokens=None)  # whole groups: any checkpointing is exact
     assert_grads_close(got, want, 1e-9)
     if reentrant:
         with pytest.raises(ValueError, match="use_reentrant=True is on, and this plan splits a group"):
-            _run(model, groups, _weighted_loss(W), max_tokens=7)
+            run_backward(model, groups, weighted_loss(W), max_tokens=7)
         return
     for mode in MODES:
-        _, got = _run(model, groups, _weighted_loss(W), max_tokens=7, prefix_activations=mode)
+        _, got = run_backward(model, groups, weighted_loss(W), max_tokens=7, prefix_activations=mode)
         assert_grads_close(got, want, 1e-9)
 
 

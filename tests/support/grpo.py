@@ -8,6 +8,7 @@ import warnings
 import torch
 import transformers as tf
 
+from helpers import tiny_model
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer
 from sharedprefix.recipes.grpo.tasks import KeyValueTask
 from sharedprefix.tools.zoo.configs import tiny_config
@@ -102,34 +103,29 @@ def train_two_steps(cls, cfg_cls, model, tok, tmp_path, peft_config=None, **kw):
 
 def qwen3_model(tok):
     """A tiny Qwen3 (2 layers, hidden size 32, sdpa) with ``tok``'s vocabulary and special tokens (seed 0)."""
-    cfg = tf.Qwen3Config(
+    model = tiny_model(
+        "qwen3",
+        dtype=torch.float32,
         vocab_size=len(tok),
-        hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=128,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return tf.Qwen3ForCausalLM(cfg)
+    return model.train()  # as built: TRL's trainer sets the mode
 
 
 def lfm2_model(tok):
     """A tiny LFM2 (short convolutions beside attention, on the packed path)."""
-    cfg = tf.Lfm2Config(
+    model = tiny_model(
+        "lfm2",
+        dtype=torch.float32,
         vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=48,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         layer_types=["conv", "full_attention", "conv"],
+        full_attn_idxs=None,
         conv_L_cache=3,
         block_auto_adjust_ff_dim=False,
         max_position_embeddings=128,
@@ -137,9 +133,7 @@ def lfm2_model(tok):
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return tf.Lfm2ForCausalLM(cfg)
+    return model.train()  # as built: TRL's trainer sets the mode
 
 
 MOE_MODELS = {"qwen3_moe": tf.Qwen3MoeForCausalLM, "gpt_oss": tf.GptOssForCausalLM}

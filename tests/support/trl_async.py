@@ -9,10 +9,11 @@ import warnings
 
 import numpy as np
 import torch
-import transformers as tf
 from trl.experimental.async_grpo import async_grpo_trainer, packing
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 from trl.trainer import utils as trl_utils
+
+from helpers import tiny_model
 
 
 def rollouts(vocab, n_groups, G, prompt_len, completion_lens, seed=0):
@@ -157,21 +158,19 @@ class UnsharedRow(packing.TreeRow):
 
 def save_tiny_qwen3(path, vocab, seed=0):
     """A tiny Qwen3 (2 layers, width 32, 4 heads over 2 K/V heads) with ``vocab`` tokens, saved to ``path``."""
-    cfg = tf.Qwen3Config(
+    model = tiny_model(
+        "qwen3",
+        dtype=torch.float32,
+        seed=seed,
         vocab_size=vocab,
-        hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,
     )
-    torch.manual_seed(seed)
-    tf.Qwen3ForCausalLM(cfg).save_pretrained(path)
+    model.train().save_pretrained(path)
     return str(path)
 
 

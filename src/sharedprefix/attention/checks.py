@@ -23,7 +23,7 @@ from sharedprefix.attention.layers import (
 )
 
 if TYPE_CHECKING:
-    from sharedprefix.attention.interface import PassState
+    from sharedprefix.attention.state import PassState
 
 # Keyword arguments transformers attention modules pass that do not change the attention result.
 NEUTRAL_KWARGS = {

@@ -43,7 +43,7 @@ L = longest [prompt + completion] row.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -51,11 +51,11 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 import sharedprefix as sp
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
+from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
 from sharedprefix.model.mixers import on_cache_path
 from sharedprefix.model.support import check_supported, inline_mixer_reason
-from sharedprefix.schedule.results import PREFIX_MODES
 
 __all__ = [
     "SharedPrefixGRPOConfig",
@@ -67,39 +67,6 @@ __all__ = [
     "membership_matters",
     "tree_rows",
 ]
-
-
-@dataclass
-class SharedPrefixSettings:
-    """The settings of sharedprefix that ``SharedPrefixGRPOConfig`` and ``SharedPrefixRLOOConfig`` add to TRL's.
-
-    Args:
-        sharedprefix_max_tokens: tokens one pass may hold. None: every microbatch runs as one packed
-            pass. Set it to bound memory: groups larger than the budget compute their prompt once and
-            their completions in several passes (exact; the policy pass then costs one extra
-            no-grad forward of the packed layout).
-        sharedprefix_prefix_activations: "keep" | "offload" | "recompute", see ``sp.backward``.
-        sharedprefix_group_microbatches: False (default): the microbatches are TRL's (its row shuffle across the
-            generation batch), so the parameters follow TRL's trainer's for every setting. True: each microbatch
-            holds whole groups (all ``num_generations`` rows of a prompt, as far as the microbatch size allows), so
-            the policy pass computes each prompt once per step instead of once per microbatch it falls in. The
-            same rows in another order: an equally valid sampling of GRPO/RLOO, but NOT TRL's trainer's result
-            wherever microbatch membership matters (``membership_matters``: more than one microbatch per generation
-            batch, and either an optimizer step inside a generation batch or a loss normalised per microbatch);
-            the trainer warns when built with it on in that case.
-    """
-
-    sharedprefix_max_tokens: int | None = field(
-        default=None, metadata={"help": "tokens one sharedprefix pass may hold"}
-    )
-    sharedprefix_prefix_activations: str = field(default="keep", metadata={"help": "keep | offload | recompute"})
-    sharedprefix_group_microbatches: bool = field(
-        default=False,
-        metadata={
-            "help": "keep whole groups inside one microbatch (not TRL's microbatches: other parameters than TRL's "
-            "trainer wherever microbatch membership matters)"
-        },
-    )
 
 
 @dataclass
@@ -165,30 +132,6 @@ def membership_matters(trainer) -> list[str]:
     if getattr(trainer, "aux_loss_enabled", False):
         reasons.append("the MoE load-balancing loss (router_aux_loss_coef) is each microbatch's")
     return reasons
-
-
-def checked_settings(trainer) -> tuple[int | None, str]:
-    """(budget, prefix mode) of a sharedprefix TRL ``trainer``'s config, validated; fp16 loss scaling refused."""
-    a = trainer.args
-    budget = getattr(a, "sharedprefix_max_tokens", None)
-    mode = getattr(a, "sharedprefix_prefix_activations", "keep")
-    if mode not in PREFIX_MODES:
-        raise ValueError(f"sharedprefix_prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-        raise ValueError(f"sharedprefix_max_tokens={budget!r}; expected a positive int or None.")
-    grouped = getattr(a, "sharedprefix_group_microbatches", False)
-    if not isinstance(grouped, bool):
-        raise ValueError(
-            f"sharedprefix_group_microbatches={grouped!r}; expected True (whole groups per microbatch) or False "
-            "(TRL's own microbatches, the default)."
-        )
-    if getattr(a, "fp16", False):
-        raise ValueError(
-            f"fp16=True (float16 mixed precision with loss scaling) is not supported by {type(trainer).__name__}: "
-            "its deferred backward runs inside sharedprefix, outside the gradient scaler. Use bf16=True (or "
-            "float32) instead."
-        )
-    return budget, mode
 
 
 class SharedPrefixHooks:

@@ -32,8 +32,8 @@ import torch
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer
 
 import sharedprefix as sp
-from sharedprefix.integrations.trl import SharedPrefixSettings, checked_settings
 from sharedprefix.integrations.trl_async_layout import packed_tree, to_packed
+from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.support import check_supported
 

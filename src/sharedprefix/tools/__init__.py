@@ -3,5 +3,6 @@ reference computation (``reference``), ``sp.verify`` (``verify``) and the model 
 
 The core (layout, attention, schedule, model, parallel, api) never imports this package; ``sp.verify`` is
 resolved lazily, and ``verify`` registers the opt-in first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) with
-``api.register_call_check`` when imported (``sp.logprobs`` / ``sp.backward`` import it with the public names).
+``api.register_call_check`` when imported. The calls import it by name when that setting is on (``settings``'
+``plugin``, the one way a setting implemented outside the core is loaded).
 """

@@ -58,6 +58,22 @@ def make_groups(n_groups, prompt_len, completion_len, group_size, vocab=32000, s
     ]
 
 
+def agentic(system=4096, prompts=8, prompt_len=512, G=8, completion=256, vocab=32000, seed=0):
+    """(groups, rows, trained): the agentic shape of ``bench --tree`` (``tools.bench_tree``), a system prompt shared
+    by ``prompts`` prompts, the same data as groups and as rows (completion tokens trained)."""
+    g = torch.Generator().manual_seed(seed)
+    sys_ids = torch.randint(0, vocab, (system,), generator=g)
+    groups, rows, trained = [], [], []
+    for _ in range(prompts):
+        p = torch.cat([sys_ids, torch.randint(0, vocab, (prompt_len,), generator=g)])
+        cs = [torch.randint(0, vocab, (completion,), generator=g) for _ in range(G)]
+        groups.append(sp.Group(p, cs))
+        for c in cs:
+            rows.append(torch.cat([p, c]))
+            trained.append(torch.arange(p.numel() + c.numel()) >= p.numel())
+    return groups, rows, trained
+
+
 def segment_counts(segments) -> tuple[int, int, int]:
     """(tokens, (query, key) pairs, predicted tokens) of computing ``segments``, (start, length, predicted) triples,
     each at positions start .. start + length - 1 of a causal row (a plain row is one segment from 0)."""
@@ -264,8 +280,6 @@ def child_run(kind: str, spec: dict) -> dict:
     model = bench_model(**spec.get("model", {})).to(device)
     # the agentic shape as rows, shared prefixes found by the trie (sharedprefix bench --tree --memory)
     if "tree" in spec:
-        from sharedprefix.tools.bench_tree import agentic
-
         _, rows, trained = agentic(**spec["tree"])
         groups = sp.Tree.from_rows(rows, trained)
     else:

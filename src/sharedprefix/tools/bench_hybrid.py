@@ -160,13 +160,13 @@ def flops_vs_tokens(cfg, tree_segments, plain_segments) -> float:
 def tree(
     layers=4, repeats=1, max_tokens=8192, plain_sample: int | None = 4, device="cpu", dims="bench", **shape
 ) -> list[str]:
-    """The agentic tree shape on the hybrid (see the module docstring); ``shape`` overrides ``bench_tree.agentic``'s.
+    """The agentic tree shape on the hybrid (see the module docstring); ``shape`` overrides ``bench.agentic``'s.
     On CUDA the model is bfloat16 and the times are wall seconds between synchronisations."""
     import inspect
     import time
 
     import sharedprefix as sp
-    from sharedprefix.tools.bench_tree import agentic
+    from sharedprefix.tools.bench import agentic
 
     cuda = str(device).startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -13,27 +13,11 @@ per (query, key) pair actually needed, the LM head per predicted token.
 
 from __future__ import annotations
 
-import torch
-
 import sharedprefix as sp
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.tools import bench
+from sharedprefix.tools.bench import agentic
 from sharedprefix.tools.timing import best_interleaved, timed
-
-
-def agentic(system=4096, prompts=8, prompt_len=512, G=8, completion=256, vocab=32000, seed=0):
-    """(groups, rows, trained): the same data as groups and as rows (completion tokens trained)."""
-    g = torch.Generator().manual_seed(seed)
-    sys_ids = torch.randint(0, vocab, (system,), generator=g)
-    groups, rows, trained = [], [], []
-    for _ in range(prompts):
-        p = torch.cat([sys_ids, torch.randint(0, vocab, (prompt_len,), generator=g)])
-        cs = [torch.randint(0, vocab, (completion,), generator=g) for _ in range(G)]
-        groups.append(sp.Group(p, cs))
-        for c in cs:
-            rows.append(torch.cat([p, c]))
-            trained.append(torch.arange(p.numel() + c.numel()) >= p.numel())
-    return groups, rows, trained
 
 
 def tree_flops(cfg, tree: SegmentTree) -> float:

@@ -1,0 +1,35 @@
+"""The schedule's shared test case: a three-group layout, the token budgets that split it every way, a weighted
+loss and its plain per-row reference (``tests/schedule/test_backward.py``, ``tests/invariant``)."""
+
+import torch
+
+import sharedprefix as sp
+from helpers import grads_of, plain_logprobs
+
+MODES = ("keep", "offload", "recompute")
+# group 0: prompt 12, group 1: tiny, group 2: prompt 28 (longest completion 7)
+SPEC = ([12, 3, 28], [[3, 4, 1, 5], [2], [6, 6, 2, 1, 7]])
+# budgets: everything in one pass, groups split, one completion per pass, prompt in 4 chunks (28 -> 4 x 7)
+BUDGETS = [None, 80, 20, 7]
+
+
+def weighted_loss(W):
+    """sum(W * log-probs) over a batch's rows: W (N, T) float, one weight per completion token."""
+    return lambda b: (b.logprobs * W.to(b.logprobs.dtype)[b.index] * b.mask).sum()
+
+
+def plain_reference(model, groups, W):
+    """(gradients, loss) of ``weighted_loss(W)`` by the plain per-row forward."""
+    want = grads_of(model, lambda: (plain_logprobs(model, groups)[0] * W).sum())
+    with torch.no_grad():
+        loss = float((plain_logprobs(model, groups)[0] * W).sum())
+    return want, loss
+
+
+def run_backward(model, groups, loss_fn, **kw):
+    """(``sp.backward``'s result, the gradients it accumulated), the model's ``.grad`` cleared before and after."""
+    model.zero_grad(set_to_none=True)
+    res = sp.backward(model, groups, loss_fn, **kw)
+    got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return res, got
