@@ -49,7 +49,7 @@ class DeepSpeed(Single):
         if engine is None:
             return None
         stage = int(engine.zero_optimization_stage())
-        if stage >= 3:
+        if stage >= 4:
             raise ValueError(
                 f"the model is a DeepSpeed engine with ZeRO stage {stage}: its parameters are partitioned across the "
                 "ranks outside each module's own forward, and sharedprefix reads some of them there (the LM head's "
@@ -76,10 +76,18 @@ class DeepSpeed(Single):
             return grads
         if grads:  # through DeepSpeed's own backward: its loss scaling, hooks inside a backward, epilogue
             params = list(grads)
-            with torch.enable_grad():
-                out = _Deliver.apply([grads[p] for p in params], *params)
-            self.ds.backward(out)
+            with self.gathered(params):  # ZeRO-3: whole while autograd records and accumulates them
+                with torch.enable_grad():
+                    out = _Deliver.apply([grads[p] for p in params], *params)
+                self.ds.backward(out)
         return None
+
+    def gathered(self, params):
+        """ZeRO-3's ``GatheredParameters`` over ``params`` (read-only: partitioned again on exit, nothing
+        broadcast); a no-op for stages 1 and 2, whose parameters are whole."""
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
 
     def fire_hooks(self) -> None:
         """Nothing: the delivering backward (``finish_grads``) ran every hook once, inside a backward."""
