@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 on 2 CPU processes (gloo): each path of sharedprefix against the plain per-row run under the same
+"""DeepSpeed ZeRO-1/2/3 on 2 CPU processes (gloo): each path of sharedprefix against the plain per-row run under the same
 engine. Usage: torchrun --nproc_per_node=2 deepspeed_worker.py STAGE OUT. Rank 0 writes {path: {"grads": full
 gradients before the step, "params": parameters after ``engine.step()``}} to OUT; a path that raised has "error"."""
 
@@ -51,8 +51,12 @@ def lora_model(dtype=torch.float32):
     return peft.get_peft_model(model, peft.LoraConfig(**LORA)).to(dtype)
 
 
-def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False):
+def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False, float32_head=False):
     model = lora_model() if lora else tiny_model("qwen3", dtype=torch.float32)
+    if float32_head:  # sharedprefix's float32 head (TRL's cast_lm_head_to_fp32): F.linear on the head's weight
+        from sharedprefix.model.adapter import mark_float32_head
+
+        mark_float32_head(model)
     if checkpointing:
         model.train()  # (no dropout in the tiny model: training mode changes nothing else)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -61,7 +65,8 @@ def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False):
         "gradient_accumulation_steps": gas,
         "gradient_clipping": 0.0,  # DeepSpeed clips by default otherwise
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage},
+        # ZeRO-3 keeps parameters under 1e5 entries whole (every one of the tiny model's): 0 partitions them all
+        "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
         "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
         "bf16": {"enabled": bf16},
     }
@@ -77,7 +82,8 @@ def run(stage, path, rank):
         return (b.logprobs * w[b.index, : b.logprobs.shape[1]]).sum()
 
     gas = 2 if path.startswith("accumulated") else 1
-    engine = engine_of(stage, gas, path == "checkpointed", path.startswith("lora"), path.startswith("bf16"))
+    lora, bf16 = path.startswith("lora"), path.startswith("bf16")
+    engine = engine_of(stage, gas, path == "checkpointed", lora, bf16, float32_head=path == "float32_head")
     if path == "plain":
         engine.backward(plain_loss(engine, groups, w))
     elif path == "logprobs":
@@ -99,6 +105,8 @@ def run(stage, path, rank):
             return {"refusal": str(e)}
     elif path.startswith("backward_"):
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, prefix_activations=path.split("_")[1])
+    elif path == "float32_head":
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
     elif path == "checkpointed":  # non-reentrant gradient checkpointing, recomputed inside sharedprefix's backward
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
     elif path == "tree":  # the rows as a token trie, completion tokens trained; the same loss
@@ -110,18 +118,32 @@ def run(stage, path, rank):
             wt[i, p : r.shape[0]] = w[i, : r.shape[0] - p]
         tree = sp.Tree.from_rows(rows, trained=trained)
         sp.backward(engine, tree, lambda b: (b.logprobs * wt[b.index, : b.logprobs.shape[1]]).sum(), max_tokens=BUDGET)
-    elif path == "failed_control":  # the same with the rollback replaced by a delivery: the partial gradient stays
+    elif path == "failed_control":  # the same with the failed call's partial gradient left for the next call
         from sharedprefix.schedule import grads as grads_module
 
-        rollback = grads_module.GradTransaction.rollback
-        grads_module.GradTransaction.rollback = grads_module.GradTransaction.deliver
+        rollback, collect, left = grads_module.GradTransaction.rollback, grads_module.GradTransaction.collect, {}
+
+        def leave(tx):  # as a rollback that leaves the first pass's share in .grad (ZeRO-3 holds no .grad)
+            left.update(tx.contribution())
+            rollback(tx)
+
+        def collect_with_left(tx):  # the next call's gradient with the left share added, as .grad would sum it
+            grads = collect(tx)
+            return {p: g + left[p] if p in left else g for p, g in grads.items()}
+
+        grads_module.GradTransaction.rollback = leave
         try:
             sp.backward(engine, groups, refused_on_second_call(loss_fn), max_tokens=BUDGET)
         except ValueError:
             pass
         finally:
             grads_module.GradTransaction.rollback = rollback
-        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+        assert left, "the failed call left no share: the control tests nothing"
+        grads_module.GradTransaction.collect = collect_with_left
+        try:
+            sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+        finally:
+            grads_module.GradTransaction.collect = collect
     elif path == "failed_then_backward":  # a call that raises on its second pass leaves no gradient behind
         try:
             sp.backward(engine, groups, refused_on_second_call(loss_fn), max_tokens=BUDGET)
@@ -148,7 +170,9 @@ def run(stage, path, rank):
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         grads = {n: safe_get_full_grad(p).detach().float().clone() for n, p in named}
         engine.step()
-    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in named]):  # ZeRO-3's partitions, whole (1/2: as they are)
+        params = {n: p.detach().float().clone() for n, p in named}
     return {"grads": grads, "params": params}
 
 
@@ -162,6 +186,7 @@ PATHS = [
     "backward_offload",
     "backward_recompute",
     "checkpointed",
+    "float32_head",
     "tree",
     "failed_then_backward",
     "failed_control",

@@ -68,6 +68,16 @@ class DeepSpeed(Single):
             )
         return cls(root, world, engine, tensor=tensor)
 
+    def start(self) -> None:
+        """As ``DeepSpeedEngine.forward`` begins a micro-step (sharedprefix runs the engine's module, not the engine):
+        the optimizer closes the previous micro-step's backward (ZeRO-3 counts it, so that this one's gradient is
+        added to it instead of replacing it; ZeRO-1/2 drop its accumulation buffers). Not inside a backward (a
+        deferred call's backward runs inside the caller's ``engine.backward``, whose micro-step it is)."""
+        super().start()
+        clear = getattr(self.ds.optimizer, "clear_backward_seen_flag", None)
+        if clear is not None and torch._C._current_graph_task_id() == -1:
+            clear()
+
     def finish_grads(
         self, tx: Transaction, model: torch.nn.Module, sync: bool, grad_reduction: str, collect: bool
     ) -> dict | None:
@@ -87,7 +97,16 @@ class DeepSpeed(Single):
         broadcast); a no-op for stages 1 and 2, whose parameters are whole."""
         import deepspeed
 
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+        return deepspeed.zero.GatheredParameters(_partitioned(params), modifier_rank=None)
+
+    def gather_until_backward_ends(self, params):
+        """Gathered now, partitioned again by a callback the running backward runs when it ends (after autograd
+        accumulated into them and DeepSpeed's hooks reduced it); a no-op for stages 1 and 2."""
+        import deepspeed
+
+        block = deepspeed.zero.GatheredParameters(_partitioned(params), modifier_rank=None)
+        block.__enter__()
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: block.__exit__(None, None, None))
 
     def fire_hooks(self) -> None:
         """Nothing: the delivering backward (``finish_grads``) ran every hook once, inside a backward."""
@@ -100,6 +119,14 @@ class DeepSpeed(Single):
                 "engine.step() steps at the boundary), so sharedprefix has no synchronisation to skip. Leave "
                 "sync=True and set gradient_accumulation_steps in the DeepSpeed config."
             )
+
+
+def _partitioned(params) -> list:
+    """The ZeRO-3 parameters among ``params`` that are partitioned now: those that are whole already (a persistent
+    one, or one a module's forward or backward holds) stay as their holder leaves them."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
 
 
 class _Deliver(torch.autograd.Function):
