@@ -51,7 +51,7 @@ def lora_model(dtype=torch.float32):
     return peft.get_peft_model(model, peft.LoraConfig(**LORA)).to(dtype)
 
 
-def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False, float32_head=False):
+def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False, float32_head=False, zero=None):
     model = lora_model() if lora else tiny_model("qwen3", dtype=torch.float32)
     if float32_head:  # sharedprefix's float32 head (TRL's cast_lm_head_to_fp32): F.linear on the head's weight
         from sharedprefix.model.adapter import mark_float32_head
@@ -66,7 +66,11 @@ def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False, float32
         "gradient_clipping": 0.0,  # DeepSpeed clips by default otherwise
         "zero_allow_untested_optimizer": True,
         # ZeRO-3 keeps parameters under 1e5 entries whole (every one of the tiny model's): 0 partitions them all
-        "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
+        "zero_optimization": {
+            "stage": stage,
+            **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}),
+            **(zero or {}),
+        },
         "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
         "bf16": {"enabled": bf16},
     }
@@ -83,7 +87,8 @@ def run(stage, path, rank):
 
     gas = 2 if path.startswith("accumulated") else 1
     lora, bf16 = path.startswith("lora"), path.startswith("bf16")
-    engine = engine_of(stage, gas, path == "checkpointed", lora, bf16, float32_head=path == "float32_head")
+    zero = ZERO_SETTINGS.get(path)
+    engine = engine_of(stage, gas, path == "checkpointed", lora, bf16, float32_head=path == "float32_head", zero=zero)
     if path == "plain":
         engine.backward(plain_loss(engine, groups, w))
     elif path == "logprobs":
@@ -105,7 +110,12 @@ def run(stage, path, rank):
             return {"refusal": str(e)}
     elif path.startswith("backward_"):
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, prefix_activations=path.split("_")[1])
-    elif path == "float32_head":
+    elif path == "zeropp_refused":  # ZeRO++ quantised gradients: refused before any pass, naming the setting
+        try:
+            sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+        except ValueError as e:
+            return {"refusal": str(e)}
+    elif path in ("float32_head", "offload_param"):
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
     elif path == "checkpointed":  # non-reentrant gradient checkpointing, recomputed inside sharedprefix's backward
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
@@ -176,6 +186,14 @@ def run(stage, path, rank):
     return {"grads": grads, "params": params}
 
 
+# DeepSpeed settings of a path, beside the stage: ZeRO-3's parameters and optimizer state kept on the CPU (on these
+# CPU processes that runs DeepSpeed's offload code, not a transfer), ZeRO++'s quantised gradients (refused)
+ZERO_SETTINGS = {
+    "offload_param": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+    "zeropp_refused": {"zero_quantized_gradients": True},
+}
+STAGE3_PATHS = ["offload_param", "zeropp_refused"]
+
 PATHS = [
     "plain",
     "logprobs",
@@ -207,8 +225,8 @@ def main(stage, out):
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     result = {}
-    only = os.environ.get("SP_DS_PATHS")
-    for path in only.split(",") if only else PATHS:
+    only = os.environ.get("SP_DS_PATHS")  # a comma-separated subset, when debugging one path
+    for path in only.split(",") if only else PATHS + (STAGE3_PATHS if stage == "3" else []):
         try:
             result[path] = run(int(stage), path, rank)
         except Exception as e:  # reported, so that the test names the path

@@ -1,18 +1,28 @@
-"""DeepSpeed ZeRO stages 1 and 2: a ``deepspeed.DeepSpeedEngine`` passed as the model.
+"""DeepSpeed ZeRO stages 1, 2 and 3: a ``deepspeed.DeepSpeedEngine`` passed as the model.
 
-Passes run on the engine's module directly (ZeRO-1/2 keep every parameter whole on every rank, so a forward runs no
-collective). DeepSpeed reduces and partitions gradients in post-accumulate-grad hooks that must run *inside* a
-backward (they count the parameters of the running backward's graph and queue its epilogue on the autograd engine),
-so they cannot be fired after the call as the other engines fire them (``parallel.grad_hooks``): every backward of a
-call runs with them set aside, and the call's whole gradient is then delivered through one more backward of its own
+Passes run on the engine's module directly, so DeepSpeed's module hooks run as in its own forward: ZeRO-1/2 keep
+every parameter whole (a forward runs no collective); ZeRO-3 gathers each module's parameters around its forward and
+again for its backward, and leaves them empty (shape ``[0]``) elsewhere, so sharedprefix reads sizes from the modules'
+declared sizes (``model.streams.declared_rows``) and runs its float32 head inside the head module's own call
+(``model.adapter.in_own_call``). Each call begins a micro-step as ``DeepSpeedEngine.forward`` would
+(``clear_backward_seen_flag``: ZeRO-3 otherwise replaces, instead of adding to, the previous micro-step's gradient).
+
+DeepSpeed reduces and partitions gradients in post-accumulate-grad hooks that must run *inside* a backward (they
+count the parameters of the running backward's graph and queue its epilogue on the autograd engine), so they cannot
+be fired after the call as the other engines fire them (``parallel.grad_hooks``): every backward of a call runs with
+them set aside, and the call's whole gradient is then delivered through one more backward of its own
 (``engine.backward`` of a scalar whose gradient is the call's), where autograd runs each parameter's tensor hooks,
-accumulates, and runs DeepSpeed's hooks once, on the total, as in the one ``engine.backward`` of a plain step. A
-failed call reaches none of them, so DeepSpeed's partitioned buffers stay as they were.
+accumulates, and runs DeepSpeed's hooks once, on the total, as in the one ``engine.backward`` of a plain step. Under
+ZeRO-3 that backward runs with the parameters gathered (``gathered``): autograd checks a gradient against the shape
+it recorded for the parameter and accumulates into whole ``.grad`` tensors, which ZeRO-3's hooks then reduce-scatter
+into its partitions. A deferred call's node takes the parameters the same way, and keeps them gathered until the
+caller's backward ends (``gather_until_backward_ends``). A failed call reaches none of the hooks, so DeepSpeed's
+partitioned buffers stay as they were.
 
 So ``sp.backward(engine, ...)`` is ``engine.backward`` of the call's loss: DeepSpeed divides the gradient by its
 ``gradient_accumulation_steps`` as it divides a loss, and accumulation over micro-steps and the step itself stay
-DeepSpeed's (``engine.step()``). Refused at the first call, each with its reason: ZeRO-3 (parameters
-partitioned outside a module's forward, which sharedprefix's head and checks read), and fp16 loss scaling.
+DeepSpeed's (``engine.step()``). Refused at the first call, each with its reason: fp16 loss scaling, ZeRO++
+(quantised weights or gradients, hierarchical partitioning: not verified), a tensor-parallel model.
 """
 
 from __future__ import annotations
@@ -48,13 +58,21 @@ class DeepSpeed(Single):
         engine = _deepspeed_engine(model)
         if engine is None:
             return None
-        stage = int(engine.zero_optimization_stage())
-        if stage >= 4:
+        zeropp = [
+            name
+            for name, on in (
+                ("zero_quantized_weights", engine.zero_quantized_weights()),
+                ("zero_quantized_gradients", engine.zero_quantized_gradients()),
+                ("zero_hpz_partition_size", int(engine.zero_hpz_partition_size()) > 1),
+            )
+            if on
+        ]
+        if zeropp:
             raise ValueError(
-                f"the model is a DeepSpeed engine with ZeRO stage {stage}: its parameters are partitioned across the "
-                "ranks outside each module's own forward, and sharedprefix reads some of them there (the LM head's "
-                "weight for its chunked log-probs, embedding sizes, its once-per-model checks), which ZeRO-3 leaves "
-                "empty. Use ZeRO stage 1 or 2 (exact), or FSDP2 (fully_shard) to shard the parameters."
+                f"the DeepSpeed engine uses ZeRO++ ({', '.join(zeropp)}): quantised weight gathers, quantised gradient "
+                "reduction and hierarchical partitioning change what the ranks exchange, and sharedprefix has not "
+                "verified its results against DeepSpeed's own run with them (which does not run on the CPU test "
+                "processes). Turn them off (ZeRO-3 without them is exact)."
             )
         if engine.fp16_enabled():
             raise ValueError(
