@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO-1/2/3 on 2 CPU processes (gloo): each path of sharedprefix against the plain per-row run under the same
-engine. Usage: torchrun --nproc_per_node=2 deepspeed_worker.py STAGE OUT. Rank 0 writes {path: {"grads": full
+"""DeepSpeed ZeRO-1/2/3 on 2 CPU processes (gloo): each path of sharedprefix against the plain per-row run under the
+same engine. Usage: torchrun --nproc_per_node=2 deepspeed_worker.py STAGE OUT. Rank 0 writes {path: {"grads": full
 gradients before the step, "params": parameters after ``engine.step()``}} to OUT; a path that raised has "error"."""
 
 import os
@@ -51,8 +51,34 @@ def lora_model(dtype=torch.float32):
     return peft.get_peft_model(model, peft.LoraConfig(**LORA)).to(dtype)
 
 
-def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False, float32_head=False, zero=None):
-    model = lora_model() if lora else tiny_model("qwen3", dtype=torch.float32)
+COEF = 0.3  # the MoE paths' aux_loss_coef
+
+
+def moe_model(dtype=torch.float32):
+    """A tiny Mixtral whose forward returns its load-balancing loss (``output_router_logits=True``), with eager
+    experts (``grouped_mm`` has no float64 kernel for the reference)."""
+    model = tiny_model("mixtral", dtype=dtype, output_router_logits=True)
+    model.config._experts_implementation = "eager"
+    return model
+
+
+def moe_loss(model, groups, w):
+    """The MoE plain run: one forward of every [prompt, completion] row, right-padded and masked (as
+    ``tools.zoo.checks.plain_aux_loss`` pads them), its weighted log-probs plus COEF times its aux loss."""
+    rows = [(torch.cat([g.prompt, c]), g.prompt.shape[0], c) for g in groups for c in g.completions]
+    width = max(r.shape[0] for r, _, _ in rows)
+    ids = torch.stack([torch.cat([r, r[:1].expand(width - r.shape[0])]) for r, _, _ in rows])
+    mask = (torch.arange(width)[None] < torch.tensor([r.shape[0] for r, _, _ in rows])[:, None]).long()
+    out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    lps = []
+    for i, (r, p, c) in enumerate(rows):
+        lp = out.logits[i, p - 1 : r.shape[0] - 1].float().log_softmax(-1).gather(-1, c[:, None])[:, 0]
+        lps.append(torch.nn.functional.pad(lp, (0, w.shape[1] - c.shape[0])))
+    return (torch.stack(lps) * w).sum() + COEF * out.aux_loss
+
+
+def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False, float32_head=False, zero=None, moe=False):
+    model = lora_model() if lora else moe_model() if moe else tiny_model("qwen3", dtype=torch.float32)
     if float32_head:  # sharedprefix's float32 head (TRL's cast_lm_head_to_fp32): F.linear on the head's weight
         from sharedprefix.model.adapter import mark_float32_head
 
@@ -88,7 +114,8 @@ def run(stage, path, rank):
     gas = 2 if path.startswith("accumulated") else 1
     lora, bf16 = path.startswith("lora"), path.startswith("bf16")
     zero = ZERO_SETTINGS.get(path)
-    engine = engine_of(stage, gas, path == "checkpointed", lora, bf16, float32_head=path == "float32_head", zero=zero)
+    flags = dict(float32_head=path == "float32_head", zero=zero, moe=path.startswith("moe"))
+    engine = engine_of(stage, gas, path == "checkpointed", lora, bf16, **flags)
     if path == "plain":
         engine.backward(plain_loss(engine, groups, w))
     elif path == "logprobs":
@@ -110,9 +137,18 @@ def run(stage, path, rank):
             return {"refusal": str(e)}
     elif path.startswith("backward_"):
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, prefix_activations=path.split("_")[1])
-    elif path == "zeropp_refused":  # ZeRO++ quantised gradients: refused before any pass, naming the setting
+    elif path == "moe_plain":
+        engine.backward(moe_loss(engine, groups, w))
+    elif path == "moe_backward":  # the aux term's per-pass gradient under a splitting budget
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, aux_loss_coef=COEF)
+    elif path == "moe_logprobs":
+        out = sp.logprobs(engine, groups, max_tokens=BUDGET)
+        engine.backward((out.logprobs * w).sum() + COEF * out.aux_loss)
+    elif path in ("moe_refused", "zeropp_refused"):  # refused before any pass, naming the setting
         try:
-            sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+            sp.backward(
+                engine, groups, loss_fn, max_tokens=BUDGET, aux_loss_coef=COEF if path == "moe_refused" else None
+            )
         except ValueError as e:
             return {"refusal": str(e)}
     elif path in ("float32_head", "offload_param"):
@@ -192,7 +228,8 @@ ZERO_SETTINGS = {
     "offload_param": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
     "zeropp_refused": {"zero_quantized_gradients": True},
 }
-STAGE3_PATHS = ["offload_param", "zeropp_refused"]
+STAGE3_PATHS = ["offload_param", "zeropp_refused", "moe_refused"]
+MOE_PATHS = ["moe_plain", "moe_backward", "moe_logprobs"]  # stages 1 and 2: ZeRO-3 makes the MoE block a leaf
 
 PATHS = [
     "plain",
@@ -226,7 +263,7 @@ def main(stage, out):
     rank = dist.get_rank()
     result = {}
     only = os.environ.get("SP_DS_PATHS")  # a comma-separated subset, when debugging one path
-    for path in only.split(",") if only else PATHS + (STAGE3_PATHS if stage == "3" else []):
+    for path in only.split(",") if only else PATHS + (STAGE3_PATHS if stage == "3" else MOE_PATHS):
         try:
             result[path] = run(int(stage), path, rank)
         except Exception as e:  # reported, so that the test names the path

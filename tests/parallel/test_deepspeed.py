@@ -19,7 +19,17 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from parallel.deepspeed_worker import PATHS, STAGE3_PATHS, lora_model, plain_loss, rank_groups, weights  # noqa: E402
+from parallel.deepspeed_worker import (
+    MOE_PATHS,
+    PATHS,
+    STAGE3_PATHS,
+    lora_model,
+    moe_loss,
+    moe_model,
+    plain_loss,
+    rank_groups,
+    weights,
+)  # noqa: E402
 
 from helpers import tiny_model  # noqa: E402
 from support.torchrun import torchrun  # noqa: E402
@@ -57,7 +67,7 @@ def err(got, want):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(stage, tmp_path):
     got = launch(stage, tmp_path)
-    paths = PATHS + (STAGE3_PATHS if stage == 3 else [])
+    paths = PATHS + (STAGE3_PATHS if stage == 3 else MOE_PATHS)
     assert set(got) == set(paths)
     failed = {p: r["error"] for p, r in got.items() if "error" in r}  # sync_false: a refusal, checked below
     assert not failed, failed
@@ -65,7 +75,10 @@ def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(st
     plain = err(got["plain"]["grads"], grads)
     assert 0 < plain < 1e-4, plain  # float32 rounding, not another loss
     for path in paths:
-        if path.startswith(("accumulated", "lora", "bf16", "sync", "zeropp")) or path in ("plain", "failed_control"):
+        if path.startswith(("accumulated", "lora", "bf16", "sync", "zeropp", "moe")) or path in (
+            "plain",
+            "failed_control",
+        ):
             continue
         assert err(got[path]["grads"], grads) <= 2 * plain, (path, err(got[path]["grads"], grads), plain)
         step = {n: init[n] - LR * grads[n] for n in init}  # plain SGD: the parameters after engine.step()
@@ -96,6 +109,23 @@ def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(st
     one_rank = {n: p.grad for n, p in model.named_parameters()}
     assert err(one_rank, grads) > 2 * plain
 
-    if stage == 3:  # ZeRO++ refused at the first call, naming the setting
+    if stage == 3:  # ZeRO++ and ZeRO-3's leaf modules (DeepSpeed's default for MoE blocks) refused, naming them
         refusal = got["zeropp_refused"]["refusal"]
         assert "ZeRO++" in refusal and "zero_quantized_gradients" in refusal and "Turn them off" in refusal
+        refusal = got["moe_refused"]["refusal"]
+        assert "leaf modules (MixtralSparseMoeBlock" in refusal and "ZeRO stage 1 or 2" in refusal
+    else:  # an MoE model with aux_loss_coef: the load-balancing loss's gradient carried through every pass
+        moe = moe_model(torch.float64)
+        for rank in range(2):
+            (moe_loss(moe, rank_groups(rank), weights(rank).double()) / 2).backward()
+        want = {n: p.grad.detach().clone() for n, p in moe.named_parameters() if p.grad is not None}
+        moe_plain = err(got["moe_plain"]["grads"], want)
+        assert 0 < moe_plain < 1e-4, moe_plain
+        for path in ("moe_backward", "moe_logprobs"):
+            assert err(got[path]["grads"], want) <= 2 * moe_plain, (path, err(got[path]["grads"], want), moe_plain)
+        # the control: the same loss without the aux term fails the same rule
+        moe.zero_grad(set_to_none=True)
+        for rank in range(2):
+            (plain_loss(moe, rank_groups(rank), weights(rank).double()) / 2).backward()
+        no_aux = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in moe.named_parameters()}
+        assert err(no_aux, want) > 2 * moe_plain

@@ -22,7 +22,9 @@ partitioned buffers stay as they were.
 So ``sp.backward(engine, ...)`` is ``engine.backward`` of the call's loss: DeepSpeed divides the gradient by its
 ``gradient_accumulation_steps`` as it divides a loss, and accumulation over micro-steps and the step itself stay
 DeepSpeed's (``engine.step()``). Refused at the first call, each with its reason: fp16 loss scaling, ZeRO++
-(quantised weights or gradients, hierarchical partitioning: not verified), a tensor-parallel model.
+(quantised weights or gradients, hierarchical partitioning: not verified), ZeRO-3 leaf modules (DeepSpeed's default
+for MoE blocks: their gradient is reduced in a module backward hook, which runs in every backward of a call), a
+tensor-parallel model.
 """
 
 from __future__ import annotations
@@ -58,32 +60,7 @@ class DeepSpeed(Single):
         engine = _deepspeed_engine(model)
         if engine is None:
             return None
-        zeropp = [
-            name
-            for name, on in (
-                ("zero_quantized_weights", engine.zero_quantized_weights()),
-                ("zero_quantized_gradients", engine.zero_quantized_gradients()),
-                ("zero_hpz_partition_size", int(engine.zero_hpz_partition_size()) > 1),
-            )
-            if on
-        ]
-        if zeropp:
-            raise ValueError(
-                f"the DeepSpeed engine uses ZeRO++ ({', '.join(zeropp)}): quantised weight gathers, quantised gradient "
-                "reduction and hierarchical partitioning change what the ranks exchange, and sharedprefix has not "
-                "verified its results against DeepSpeed's own run with them (which does not run on the CPU test "
-                "processes). Turn them off (ZeRO-3 without them is exact)."
-            )
-        if engine.fp16_enabled():
-            raise ValueError(
-                "the DeepSpeed engine has fp16 enabled (dynamic loss scaling): sharedprefix's backward runs outside "
-                'DeepSpeed\'s loss scaler. Use bf16 ("bf16": {"enabled": true}) or float32.'
-            )
-        if tensor > 1:
-            raise ValueError(
-                f"the DeepSpeed engine's model is tensor-parallel (tp_size={tensor}), which sharedprefix has not been "
-                "verified with under DeepSpeed. Use tensor parallelism alone or under FSDP2."
-            )
+        _refuse(engine, tensor)
         return cls(root, world, engine, tensor=tensor)
 
     def start(self) -> None:
@@ -145,6 +122,49 @@ def _partitioned(params) -> list:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     return [p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def _refuse(engine, tensor: int) -> None:
+    """Raise ValueError for a DeepSpeed setting sharedprefix does not run exactly (module docstring), naming it."""
+    stage = int(engine.zero_optimization_stage())
+    zeropp = [
+        name
+        for name, on in (
+            ("zero_quantized_weights", engine.zero_quantized_weights()),
+            ("zero_quantized_gradients", engine.zero_quantized_gradients()),
+            ("zero_hpz_partition_size", int(engine.zero_hpz_partition_size()) > 1),
+        )
+        if on
+    ]
+    if zeropp:
+        raise ValueError(
+            f"the DeepSpeed engine uses ZeRO++ ({', '.join(zeropp)}): quantised weight gathers, quantised gradient "
+            "reduction and hierarchical partitioning change what the ranks exchange, and sharedprefix has not "
+            "verified its results against DeepSpeed's own run with them (which does not run on the CPU test "
+            "processes). Turn them off (ZeRO-3 without them is exact)."
+        )
+    if stage == 3:
+        from deepspeed.utils import get_z3_leaf_modules
+
+        leaves = sorted({type(m).__name__ for m in get_z3_leaf_modules(engine.module)})
+        if leaves:
+            raise ValueError(
+                f"the DeepSpeed ZeRO-3 engine has leaf modules ({', '.join(leaves)}; DeepSpeed makes the MoE "
+                "blocks of Mixtral, Qwen-MoE and others leaves by default): ZeRO-3 reduces a leaf module's "
+                "gradients in that module's own backward hook, which would run in each of sharedprefix's "
+                "backwards on one pass's share instead of once on the call's whole gradient. Use ZeRO stage 1 or "
+                "2 (exact, MoE load-balancing loss included), or FSDP2 (fully_shard) to shard the parameters."
+            )
+    if engine.fp16_enabled():
+        raise ValueError(
+            "the DeepSpeed engine has fp16 enabled (dynamic loss scaling): sharedprefix's backward runs outside "
+            'DeepSpeed\'s loss scaler. Use bf16 ("bf16": {"enabled": true}) or float32.'
+        )
+    if tensor > 1:
+        raise ValueError(
+            f"the DeepSpeed engine's model is tensor-parallel (tp_size={tensor}), which sharedprefix has not been "
+            "verified with under DeepSpeed. Use tensor parallelism alone or under FSDP2."
+        )
 
 
 class _Deliver(torch.autograd.Function):
