@@ -39,6 +39,5 @@ def test_trainers_under_deepspeed_zero_equal_trls(stage, tmp_path):
         assert moved > 1e-3, (plain, moved)  # the parameters moved: the comparison is not vacuous
         err = max(float((got[ours][n] - got[plain][n]).abs().max()) for n in init)
         # float32: the same sums in another order (measured: 2.6e-7 to 1.5e-6 of the update under ZeRO-2, 3.5e-7 to
-        # 6.9e-7 under ZeRO-3); a 5%
-        # temperature error moves the updates by 4e-4 of their size (test_trl.py's measurement)
+        # 6.9e-7 under ZeRO-3); a 5% temperature error moves the updates by 4e-4 of their size (test_trl.py's)
         assert err <= 1e-4 * moved, (ours, err, moved)
