@@ -77,8 +77,11 @@ def moe_loss(model, groups, w):
     return (torch.stack(lps) * w).sum() + COEF * out.aux_loss
 
 
-def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False, float32_head=False, zero=None, moe=False):
-    model = lora_model() if lora else moe_model() if moe else tiny_model("qwen3", dtype=torch.float32)
+def engine_of(
+    stage, gas=1, checkpointing=False, lora=False, bf16=False, float32_head=False, zero=None, moe=False, model=None
+):
+    if model is None:
+        model = lora_model() if lora else moe_model() if moe else tiny_model("qwen3", dtype=torch.float32)
     if float32_head:  # sharedprefix's float32 head (TRL's cast_lm_head_to_fp32): F.linear on the head's weight
         from sharedprefix.model.adapter import mark_float32_head
 
@@ -144,6 +147,16 @@ def run(stage, path, rank):
     elif path == "moe_logprobs":
         out = sp.logprobs(engine, groups, max_tokens=BUDGET)
         engine.backward((out.logprobs * w).sum() + COEF * out.aux_loss)
+    elif path == "hybrid_refused":  # a hybrid model on the cache path under ZeRO-3: refused before any pass
+        import copy
+
+        from support.hybrid import groups_of, model_of
+
+        engine = engine_of(stage, model=copy.deepcopy(model_of("zaya")).float())
+        try:
+            sp.backward(engine, groups_of(), lambda b: b.logprobs.sum(), max_tokens=BUDGET)
+        except ValueError as e:
+            return {"refusal": str(e)}
     elif path in ("moe_refused", "zeropp_refused"):  # refused before any pass, naming the setting
         try:
             sp.backward(
@@ -228,7 +241,7 @@ ZERO_SETTINGS = {
     "offload_param": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
     "zeropp_refused": {"zero_quantized_gradients": True},
 }
-STAGE3_PATHS = ["offload_param", "zeropp_refused", "moe_refused"]
+STAGE3_PATHS = ["offload_param", "zeropp_refused", "moe_refused", "hybrid_refused"]
 MOE_PATHS = ["moe_plain", "moe_backward", "moe_logprobs"]  # stages 1 and 2: ZeRO-3 makes the MoE block a leaf
 
 PATHS = [

@@ -114,6 +114,8 @@ def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(st
         assert "ZeRO++" in refusal and "zero_quantized_gradients" in refusal and "Turn them off" in refusal
         refusal = got["moe_refused"]["refusal"]
         assert "leaf modules (MixtralSparseMoeBlock" in refusal and "ZeRO stage 1 or 2" in refusal
+        refusal = got["hybrid_refused"]["refusal"]
+        assert "ZayaForCausalLM is a hybrid model" in refusal and "ZeRO-3" in refusal and "Use DDP" in refusal
     else:  # an MoE model with aux_loss_coef: the load-balancing loss's gradient carried through every pass
         moe = moe_model(torch.float64)
         for rank in range(2):

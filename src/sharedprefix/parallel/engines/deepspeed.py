@@ -106,6 +106,16 @@ class DeepSpeed(Single):
     def fire_hooks(self) -> None:
         """Nothing: the delivering backward (``finish_grads``) ran every hook once, inside a backward."""
 
+    def check_cache_path(self, name: str, why_hybrid: str) -> None:
+        super().check_cache_path(name, why_hybrid)
+        if int(self.ds.zero_optimization_stage()) == 3:
+            raise ValueError(
+                f"{name} is a hybrid model on sharedprefix's cache path, passed as a DeepSpeed ZeRO-3 engine: that "
+                "path runs the model's own cache-aware forward and its own gradient plumbing, which have not been "
+                "verified with ZeRO-3's partitioned parameters. Use DDP (supported) or a single process."
+                f"{why_hybrid}"
+            )
+
     def check_sync(self, sync: bool) -> None:
         if not sync:
             raise ValueError(
