@@ -132,7 +132,7 @@ def logprobs(
             run = Executor(model, groups, opts, leaves=False, aux=aux_loss)
             out = rounds.forward(run, entropy)
             grads = router.segment_grads(run.model, run.router_logits) if run.router_logits else None
-        return defer_logprobs(_deferred_backward, model, groups, out, opts, grads)
+        return defer_logprobs(_deferred_backward, model, groups, out, opts, grads, engine=run.par)
     run = Executor(model, groups, opts, leaves=False, aux=aux_loss)
     return rounds.forward(run, entropy)
 

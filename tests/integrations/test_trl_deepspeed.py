@@ -1,4 +1,4 @@
-"""SharedPrefixGRPOTrainer and SharedPrefixRLOOTrainer under DeepSpeed ZeRO-1 and ZeRO-2
+"""SharedPrefixGRPOTrainer and SharedPrefixRLOOTrainer under DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3
 (``TrainingArguments.deepspeed``, accelerate's DeepSpeed integration), one CPU process (``trl_deepspeed_worker.py``,
 in a subprocess so that its process group stays out of this one): the same parameters after two steps as
 GRPOTrainer / RLOOTrainer under the same config, with and without a budget that splits groups (the deferred policy
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 WORKER = os.path.join(os.path.dirname(__file__), "trl_deepspeed_worker.py")
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_trainers_under_deepspeed_zero_equal_trls(stage, tmp_path):
     out = tmp_path / "params.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_PORT": str(29533 + stage)}
@@ -38,6 +38,6 @@ def test_trainers_under_deepspeed_zero_equal_trls(stage, tmp_path):
         moved = max(float((got[plain][n] - init[n]).abs().max()) for n in init)
         assert moved > 1e-3, (plain, moved)  # the parameters moved: the comparison is not vacuous
         err = max(float((got[ours][n] - got[plain][n]).abs().max()) for n in init)
-        # float32: the same sums in another order (measured under ZeRO-2: 2.6e-7 to 1.5e-6 of the update); a 5%
-        # temperature error moves the updates by 4e-4 of their size (test_trl.py's measurement)
+        # float32: the same sums in another order (measured: 2.6e-7 to 1.5e-6 of the update under ZeRO-2, 3.5e-7 to
+        # 6.9e-7 under ZeRO-3); a 5% temperature error moves the updates by 4e-4 of their size (test_trl.py's)
         assert err <= 1e-4 * moved, (ours, err, moved)

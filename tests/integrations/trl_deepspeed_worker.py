@@ -3,7 +3,8 @@ one CPU process: GRPOTrainer / RLOOTrainer and ours, 2 SGD steps each. Usage: py
 OUT. Writes {run: {parameter name: value after training}} and the initial parameters ("init") to OUT.
 
 One process, since accelerate's DeepSpeed plugin did not start on 2 CPU processes (a gloo all-gather error before any
-sharedprefix code); ZeRO-1/2 still run their reduction and partitioning hooks at world size 1."""
+sharedprefix code); ZeRO-1/2 still run their reduction and partitioning hooks at world size 1, and ZeRO-3 still
+partitions every parameter (empty outside its module's forward)."""
 
 import os
 import sys
@@ -48,14 +49,23 @@ def main(stage, out):
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",  # max_grad_norm=0.0 below: no clipping in either run
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": int(stage)},
+        # ZeRO-3 partitions every parameter (its default keeps those under 1e5 entries, all of these, whole)
+        "zero_optimization": {
+            "stage": int(stage),
+            **({"stage3_param_persistence_threshold": 0} if stage == "3" else {}),
+        },
     }
     for name, (cls, cfg, extra) in RUNS.items():
         t = train_two_steps(
             cls, cfg, str(tmp / "init"), tok, tmp / name, deepspeed=ds, max_grad_norm=0.0, beta=0.1, **extra
         )
         assert type(t.model_wrapped).__name__ == "DeepSpeedEngine", type(t.model_wrapped)
-        result[name] = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        assert t.model_wrapped.zero_optimization_stage() == int(stage)
+        named = list(t.model.named_parameters())
+        if stage == "3":  # partitioned (empty) outside a forward even at world size 1
+            assert all(p.numel() == 0 for _, p in named), [n for n, p in named if p.numel()]
+        with deepspeed.zero.GatheredParameters([p for _, p in named]):  # ZeRO-3's partitions whole; 1/2: as they are
+            result[name] = {n: p.detach().clone() for n, p in named}
     torch.save(result, out)
 
 

@@ -1,5 +1,5 @@
-"""DeepSpeed ZeRO-1/2 on 2 CPU processes (gloo): each path of sharedprefix against the plain per-row run under the same
-engine. Usage: torchrun --nproc_per_node=2 deepspeed_worker.py STAGE OUT. Rank 0 writes {path: {"grads": full
+"""DeepSpeed ZeRO-1/2/3 on 2 CPU processes (gloo): each path of sharedprefix against the plain per-row run under the
+same engine. Usage: torchrun --nproc_per_node=2 deepspeed_worker.py STAGE OUT. Rank 0 writes {path: {"grads": full
 gradients before the step, "params": parameters after ``engine.step()``}} to OUT; a path that raised has "error"."""
 
 import os
@@ -51,8 +51,41 @@ def lora_model(dtype=torch.float32):
     return peft.get_peft_model(model, peft.LoraConfig(**LORA)).to(dtype)
 
 
-def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False):
-    model = lora_model() if lora else tiny_model("qwen3", dtype=torch.float32)
+COEF = 0.3  # the MoE paths' aux_loss_coef
+
+
+def moe_model(dtype=torch.float32):
+    """A tiny Mixtral whose forward returns its load-balancing loss (``output_router_logits=True``), with eager
+    experts (``grouped_mm`` has no float64 kernel for the reference)."""
+    model = tiny_model("mixtral", dtype=dtype, output_router_logits=True)
+    model.config._experts_implementation = "eager"
+    return model
+
+
+def moe_loss(model, groups, w):
+    """The MoE plain run: one forward of every [prompt, completion] row, right-padded and masked (as
+    ``tools.zoo.checks.plain_aux_loss`` pads them), its weighted log-probs plus COEF times its aux loss."""
+    rows = [(torch.cat([g.prompt, c]), g.prompt.shape[0], c) for g in groups for c in g.completions]
+    width = max(r.shape[0] for r, _, _ in rows)
+    ids = torch.stack([torch.cat([r, r[:1].expand(width - r.shape[0])]) for r, _, _ in rows])
+    mask = (torch.arange(width)[None] < torch.tensor([r.shape[0] for r, _, _ in rows])[:, None]).long()
+    out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    lps = []
+    for i, (r, p, c) in enumerate(rows):
+        lp = out.logits[i, p - 1 : r.shape[0] - 1].float().log_softmax(-1).gather(-1, c[:, None])[:, 0]
+        lps.append(torch.nn.functional.pad(lp, (0, w.shape[1] - c.shape[0])))
+    return (torch.stack(lps) * w).sum() + COEF * out.aux_loss
+
+
+def engine_of(
+    stage, gas=1, checkpointing=False, lora=False, bf16=False, float32_head=False, zero=None, moe=False, model=None
+):
+    if model is None:
+        model = lora_model() if lora else moe_model() if moe else tiny_model("qwen3", dtype=torch.float32)
+    if float32_head:  # sharedprefix's float32 head (TRL's cast_lm_head_to_fp32): F.linear on the head's weight
+        from sharedprefix.model.adapter import mark_float32_head
+
+        mark_float32_head(model)
     if checkpointing:
         model.train()  # (no dropout in the tiny model: training mode changes nothing else)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -61,7 +94,12 @@ def engine_of(stage, gas=1, checkpointing=False, lora=False, bf16=False):
         "gradient_accumulation_steps": gas,
         "gradient_clipping": 0.0,  # DeepSpeed clips by default otherwise
         "zero_allow_untested_optimizer": True,
-        "zero_optimization": {"stage": stage},
+        # ZeRO-3 keeps parameters under 1e5 entries whole (every one of the tiny model's): 0 partitions them all
+        "zero_optimization": {
+            "stage": stage,
+            **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}),
+            **(zero or {}),
+        },
         "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
         "bf16": {"enabled": bf16},
     }
@@ -77,7 +115,10 @@ def run(stage, path, rank):
         return (b.logprobs * w[b.index, : b.logprobs.shape[1]]).sum()
 
     gas = 2 if path.startswith("accumulated") else 1
-    engine = engine_of(stage, gas, path == "checkpointed", path.startswith("lora"), path.startswith("bf16"))
+    lora, bf16 = path.startswith("lora"), path.startswith("bf16")
+    zero = ZERO_SETTINGS.get(path)
+    flags = dict(float32_head=path == "float32_head", zero=zero, moe=path.startswith("moe"))
+    engine = engine_of(stage, gas, path == "checkpointed", lora, bf16, **flags)
     if path == "plain":
         engine.backward(plain_loss(engine, groups, w))
     elif path == "logprobs":
@@ -99,6 +140,32 @@ def run(stage, path, rank):
             return {"refusal": str(e)}
     elif path.startswith("backward_"):
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, prefix_activations=path.split("_")[1])
+    elif path == "moe_plain":
+        engine.backward(moe_loss(engine, groups, w))
+    elif path == "moe_backward":  # the aux term's per-pass gradient under a splitting budget
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, aux_loss_coef=COEF)
+    elif path == "moe_logprobs":
+        out = sp.logprobs(engine, groups, max_tokens=BUDGET)
+        engine.backward((out.logprobs * w).sum() + COEF * out.aux_loss)
+    elif path == "hybrid_refused":  # a hybrid model on the cache path under ZeRO-3: refused before any pass
+        import copy
+
+        from support.hybrid import groups_of, model_of
+
+        engine = engine_of(stage, model=copy.deepcopy(model_of("zaya")).float())
+        try:
+            sp.backward(engine, groups_of(), lambda b: b.logprobs.sum(), max_tokens=BUDGET)
+        except ValueError as e:
+            return {"refusal": str(e)}
+    elif path in ("moe_refused", "zeropp_refused"):  # refused before any pass, naming the setting
+        try:
+            sp.backward(
+                engine, groups, loss_fn, max_tokens=BUDGET, aux_loss_coef=COEF if path == "moe_refused" else None
+            )
+        except ValueError as e:
+            return {"refusal": str(e)}
+    elif path in ("float32_head", "offload_param"):
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
     elif path == "checkpointed":  # non-reentrant gradient checkpointing, recomputed inside sharedprefix's backward
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
     elif path == "tree":  # the rows as a token trie, completion tokens trained; the same loss
@@ -110,18 +177,32 @@ def run(stage, path, rank):
             wt[i, p : r.shape[0]] = w[i, : r.shape[0] - p]
         tree = sp.Tree.from_rows(rows, trained=trained)
         sp.backward(engine, tree, lambda b: (b.logprobs * wt[b.index, : b.logprobs.shape[1]]).sum(), max_tokens=BUDGET)
-    elif path == "failed_control":  # the same with the rollback replaced by a delivery: the partial gradient stays
+    elif path == "failed_control":  # the same with the failed call's partial gradient left for the next call
         from sharedprefix.schedule import grads as grads_module
 
-        rollback = grads_module.GradTransaction.rollback
-        grads_module.GradTransaction.rollback = grads_module.GradTransaction.deliver
+        rollback, collect, left = grads_module.GradTransaction.rollback, grads_module.GradTransaction.collect, {}
+
+        def leave(tx):  # as a rollback that leaves the first pass's share in .grad (ZeRO-3 holds no .grad)
+            left.update(tx.contribution())
+            rollback(tx)
+
+        def collect_with_left(tx):  # the next call's gradient with the left share added, as .grad would sum it
+            grads = collect(tx)
+            return {p: g + left[p] if p in left else g for p, g in grads.items()}
+
+        grads_module.GradTransaction.rollback = leave
         try:
             sp.backward(engine, groups, refused_on_second_call(loss_fn), max_tokens=BUDGET)
         except ValueError:
             pass
         finally:
             grads_module.GradTransaction.rollback = rollback
-        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+        assert left, "the failed call left no share: the control tests nothing"
+        grads_module.GradTransaction.collect = collect_with_left
+        try:
+            sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+        finally:
+            grads_module.GradTransaction.collect = collect
     elif path == "failed_then_backward":  # a call that raises on its second pass leaves no gradient behind
         try:
             sp.backward(engine, groups, refused_on_second_call(loss_fn), max_tokens=BUDGET)
@@ -148,9 +229,20 @@ def run(stage, path, rank):
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         grads = {n: safe_get_full_grad(p).detach().float().clone() for n, p in named}
         engine.step()
-    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in named]):  # ZeRO-3's partitions, whole (1/2: as they are)
+        params = {n: p.detach().float().clone() for n, p in named}
     return {"grads": grads, "params": params}
 
+
+# DeepSpeed settings of a path, beside the stage: ZeRO-3's parameters and optimizer state kept on the CPU (on these
+# CPU processes that runs DeepSpeed's offload code, not a transfer), ZeRO++'s quantised gradients (refused)
+ZERO_SETTINGS = {
+    "offload_param": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+    "zeropp_refused": {"zero_quantized_gradients": True},
+}
+STAGE3_PATHS = ["offload_param", "zeropp_refused", "moe_refused", "hybrid_refused"]
+MOE_PATHS = ["moe_plain", "moe_backward", "moe_logprobs"]  # stages 1 and 2: ZeRO-3 makes the MoE block a leaf
 
 PATHS = [
     "plain",
@@ -162,6 +254,7 @@ PATHS = [
     "backward_offload",
     "backward_recompute",
     "checkpointed",
+    "float32_head",
     "tree",
     "failed_then_backward",
     "failed_control",
@@ -182,17 +275,8 @@ def main(stage, out):
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
     result = {}
-    if stage == "3":  # refused before any pass, naming the stage
-        try:
-            sp.logprobs(engine_of(3), rank_groups(rank))
-            result["refusal"] = None
-        except ValueError as e:
-            result["refusal"] = str(e)
-        if rank == 0:
-            torch.save(result, out)
-        dist.barrier()
-        return
-    for path in PATHS:
+    only = os.environ.get("SP_DS_PATHS")  # a comma-separated subset, when debugging one path
+    for path in only.split(",") if only else PATHS + (STAGE3_PATHS if stage == "3" else MOE_PATHS):
         try:
             result[path] = run(int(stage), path, rank)
         except Exception as e:  # reported, so that the test names the path

@@ -1,13 +1,15 @@
-"""DeepSpeed ZeRO-1 and ZeRO-2 on 2 CPU processes: every path of sharedprefix against the plain per-row run under the
-same engine, by the 2x rule (float32) against the float64 gradient of the same global loss; ZeRO-3 and fp16 refused.
+"""DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3 on 2 CPU processes: every path of sharedprefix against the plain per-row run
+under the same engine, by the 2x rule (float32) against the float64 gradient of the same global loss.
 
 Each rank trains on its own groups; DeepSpeed averages the ranks' gradients. Paths (``deepspeed_worker.py``):
 ``sp.logprobs`` whole, split over passes and deferred, each followed by ``engine.backward``; ``sp.backward`` whole
 and under a budget of one completion per pass in the three prefix modes (the call's gradient reaches DeepSpeed's
 reduction hooks inside a backward of its own); non-reentrant gradient checkpointing; the rows as a ``sp.Tree``; a
 call that fails on its second pass, then one that succeeds (nothing of the failed call left behind); DeepSpeed's
-``gradient_accumulation_steps=2`` over two calls; PEFT LoRA; DeepSpeed's bf16. The gradients before
-``engine.step()`` and the parameters after it are compared; ``sync=False`` is refused (DeepSpeed accumulates).
+``gradient_accumulation_steps=2`` over two calls; PEFT LoRA; DeepSpeed's bf16; sharedprefix's float32 head. ZeRO-3
+partitions every parameter (no persistence threshold) and adds parameter and optimizer offload to the CPU and a
+ZeRO++ setting (refused). The gradients before ``engine.step()`` (``safe_get_full_grad``) and the parameters after it
+(gathered) are compared; ``sync=False`` is refused (DeepSpeed accumulates).
 """
 
 import os
@@ -17,7 +19,17 @@ import torch
 
 pytest.importorskip("deepspeed")
 
-from parallel.deepspeed_worker import PATHS, lora_model, plain_loss, rank_groups, weights  # noqa: E402
+from parallel.deepspeed_worker import (
+    MOE_PATHS,
+    PATHS,
+    STAGE3_PATHS,
+    lora_model,
+    moe_loss,
+    moe_model,
+    plain_loss,
+    rank_groups,
+    weights,
+)  # noqa: E402
 
 from helpers import tiny_model  # noqa: E402
 from support.torchrun import torchrun  # noqa: E402
@@ -52,17 +64,19 @@ def err(got, want):
     return max(float((got[n].double() - want[n]).abs().max()) for n in want) / scale
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(stage, tmp_path):
     got = launch(stage, tmp_path)
-    assert set(got) == set(PATHS)
+    paths = PATHS + (STAGE3_PATHS if stage == 3 else MOE_PATHS)
+    assert set(got) == set(paths)
     failed = {p: r["error"] for p, r in got.items() if "error" in r}  # sync_false: a refusal, checked below
     assert not failed, failed
     grads, init = reference()
     plain = err(got["plain"]["grads"], grads)
     assert 0 < plain < 1e-4, plain  # float32 rounding, not another loss
-    for path in PATHS:
-        if path.startswith(("accumulated", "lora", "bf16", "sync")) or path in ("plain", "failed_control"):
+    for path in paths:
+        skipped = ("accumulated", "lora", "bf16", "sync", "moe")  # compared below
+        if path.startswith(skipped) or path.endswith("_refused") or path in ("plain", "failed_control"):
             continue
         assert err(got[path]["grads"], grads) <= 2 * plain, (path, err(got[path]["grads"], grads), plain)
         step = {n: init[n] - LR * grads[n] for n in init}  # plain SGD: the parameters after engine.step()
@@ -93,9 +107,25 @@ def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(st
     one_rank = {n: p.grad for n, p in model.named_parameters()}
     assert err(one_rank, grads) > 2 * plain
 
-
-def test_zero3_is_refused_naming_the_stage(tmp_path):
-    """ZeRO-3 partitions parameters outside each module's forward, where sharedprefix reads some: refused at the first
-    call with the stage and the fix, before any pass (it was refused with a false vocabulary message)."""
-    got = launch(3, tmp_path)
-    assert got["refusal"] is not None and "ZeRO stage 3" in got["refusal"] and "stage 1 or 2" in got["refusal"]
+    if stage == 3:  # ZeRO++ and ZeRO-3's leaf modules (DeepSpeed's default for MoE blocks) refused, naming them
+        refusal = got["zeropp_refused"]["refusal"]
+        assert "ZeRO++" in refusal and "zero_quantized_gradients" in refusal and "Turn them off" in refusal
+        refusal = got["moe_refused"]["refusal"]
+        assert "leaf modules (MixtralSparseMoeBlock" in refusal and "ZeRO stage 1 or 2" in refusal
+        refusal = got["hybrid_refused"]["refusal"]
+        assert "ZayaForCausalLM is a hybrid model" in refusal and "ZeRO-3" in refusal and "Use DDP" in refusal
+    else:  # an MoE model with aux_loss_coef: the load-balancing loss's gradient carried through every pass
+        moe = moe_model(torch.float64)
+        for rank in range(2):
+            (moe_loss(moe, rank_groups(rank), weights(rank).double()) / 2).backward()
+        want = {n: p.grad.detach().clone() for n, p in moe.named_parameters() if p.grad is not None}
+        moe_plain = err(got["moe_plain"]["grads"], want)
+        assert 0 < moe_plain < 1e-4, moe_plain
+        for path in ("moe_backward", "moe_logprobs"):
+            assert err(got[path]["grads"], want) <= 2 * moe_plain, (path, err(got[path]["grads"], want), moe_plain)
+        # the control: the same loss without the aux term fails the same rule
+        moe.zero_grad(set_to_none=True)
+        for rank in range(2):
+            (plain_loss(moe, rank_groups(rank), weights(rank).double()) / 2).backward()
+        no_aux = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in moe.named_parameters()}
+        assert err(no_aux, want) > 2 * moe_plain

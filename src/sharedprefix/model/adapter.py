@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -149,14 +150,37 @@ def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
         logits = torch.stack([h(hidden) for h in out]) if len(out) > 1 else out[0](hidden)
     elif getattr(out, _FLOAT32_HEAD, False):  # float32 outside autocast, as TRL's cast_lm_head_to_fp32 runs it
         with torch.autocast(hidden.device.type, enabled=False):
-            bias = None if out.bias is None else out.bias.float()
-            return _post_process(model, torch.nn.functional.linear(hidden.float(), out.weight.float(), bias))
+            return _post_process(model, in_own_call(out, _float32_linear, hidden))
     else:
         logits = out(hidden)
     return _post_process(model, logits)
 
 
 _FLOAT32_HEAD = "_sharedprefix_float32_head"
+
+
+def _float32_linear(out: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    bias = None if out.bias is None else out.bias.float()
+    return torch.nn.functional.linear(hidden.float(), out.weight.float(), bias)
+
+
+def in_own_call(mod: torch.nn.Module, fn: Callable, x: torch.Tensor) -> torch.Tensor:
+    """``fn(mod, x)`` run as ``mod``'s forward, inside ``mod``'s own call: the hooks an engine registers on the module
+    run around it as around the module's forward (DeepSpeed ZeRO-3 gathers the module's parameters there, and again
+    for its backward; outside them the parameters are empty). ``mod.forward`` is as it was afterwards (an instance
+    attribute, such as TRL's float32 head forward, included)."""
+    own = mod.__dict__.get("forward", _NONE)
+    mod.forward = lambda h: fn(mod, h)  # an instance attribute: shadows the class's forward for this call only
+    try:
+        return mod(x)
+    finally:
+        if own is _NONE:
+            del mod.forward
+        else:
+            mod.forward = own
+
+
+_NONE = object()
 
 
 def has_float32_head(model: PreTrainedModel) -> bool:

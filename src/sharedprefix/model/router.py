@@ -33,6 +33,8 @@ import weakref
 
 import torch
 
+from sharedprefix.model.streams import declared_rows
+
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (function, num_experts, top_k)
 
 
@@ -198,7 +200,7 @@ def verify(model, decoder, device) -> None:
 def _verify(model, decoder, device):
     name = type(model).__name__
     fn, num_experts, top_k = parts = _parts(model)
-    vocab = model.get_input_embeddings().weight.shape[0]
+    vocab = declared_rows(model.get_input_embeddings())
     a = (torch.arange(5, device=device) * 7 + 3).remainder(vocab)
     b = (torch.arange(3, device=device) * 11 + 5).remainder(vocab)
     pad = torch.zeros(2, dtype=a.dtype, device=device) + b[0]

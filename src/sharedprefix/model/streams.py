@@ -75,7 +75,17 @@ def head_vocab(model) -> int:
     """V: the rows of the (smallest) output embedding."""
     out: Any = model.get_output_embeddings()
     heads: list[Any] = list(out) if isinstance(out, torch.nn.ModuleList) else [out]
-    return min(int(h.weight.shape[0]) for h in heads)
+    return min(declared_rows(h) for h in heads)
+
+
+def declared_rows(mod) -> int:
+    """The rows of ``mod``'s weight as the module declares them (a linear's ``out_features``, an embedding's
+    ``num_embeddings``), which hold however an engine stores the parameter (ZeRO-3 leaves it empty outside the
+    module's forward); the weight's own shape only for a module that declares none."""
+    for name in ("out_features", "num_embeddings"):
+        if isinstance(getattr(mod, name, None), int):
+            return int(getattr(mod, name))
+    return int(mod.weight.shape[0])
 
 
 def head_device(model) -> torch.device:

@@ -133,6 +133,17 @@ class Engine(abc.ABC):
         ``collectives``; False only where every rank computes the same thing and so fails together."""
         return fn()
 
+    def gathered(self, params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
+        """A block in which ``params`` hold their whole values outside any module's forward (read-only: nothing
+        written inside reaches the engine's copy); here they always do. Autograd records a parameter's shape where
+        a graph takes it as an input, so a graph built outside a forward is built inside this block."""
+        return contextlib.nullcontext()
+
+    def gather_until_backward_ends(self, params: Sequence[torch.Tensor]) -> None:
+        """Inside a backward: ``params`` hold their whole values until it ends (autograd accumulates a gradient
+        returned for them into ``.grad`` after the node that returned it); here they always do."""
+        return None
+
     def forward_in_call(self, model: torch.nn.Module) -> Callable | None:
         """What computes ``model``'s own logits inside ``call`` (None: the model itself)."""
         return None

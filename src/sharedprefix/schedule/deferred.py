@@ -13,6 +13,8 @@ Notation: N = output rows, W = columns.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from sharedprefix.model.adapter import unwrap
@@ -54,16 +56,23 @@ class _Deferred(torch.autograd.Function):
         with torch.enable_grad(), torch.autocast(**spec["autocast"]):
             opts = spec["options"].replace(entropy=w_ent is not None)
             _, grads = spec["backward"](spec["model"], spec["groups"], loss_fn, opts, aux_grads=aux, collect=True)
+        if spec["engine"] is not None:  # autograd accumulates the gradients into whole parameters (ZeRO-3)
+            spec["engine"].gather_until_backward_ends(spec["params"])
         return none[:5] + tuple(grads.get(p) for p in spec["params"])
 
 
-def defer_logprobs(backward, model, groups, out: LogProbs, options: CallOptions, aux_grads=None) -> LogProbs:
+def defer_logprobs(
+    backward, model, groups, out: LogProbs, options: CallOptions, aux_grads=None, engine=None
+) -> LogProbs:
     """``out``'s values, computed without a graph, as outputs whose backward runs ``backward(model, groups, loss_fn,
     options, aux_grads=..., collect=True) -> (result, {parameter: gradient})`` (``sp.backward``'s path, passed in by
     the public call) under the call's ``options`` with the incoming per-token gradients as a linear loss (exact by the
     chain rule), and returns that gradient as the parameters' (see the module docstring). ``aux_grads``: with
     ``out.aux_loss``, each segment's per-layer gradient of it with respect to the router logits
-    (``model.router.segment_grads``), scaled in the backward by the gradient that reaches ``aux_loss``."""
+    (``model.router.segment_grads``), scaled in the backward by the gradient that reaches ``aux_loss``. ``engine``:
+    the call's ``Engine``: the node takes the parameters as inputs inside its ``gathered`` block (autograd records
+    their shapes there, and ZeRO-3 empties them outside a forward), and its backward keeps them gathered until the
+    caller's backward has accumulated the gradient into them (``gather_until_backward_ends``)."""
     dev = out.logprobs.device.type
     params = list({id(p): p for p in unwrap(model).parameters() if p.requires_grad}.values())
     spec = dict(
@@ -74,9 +83,11 @@ def defer_logprobs(backward, model, groups, out: LogProbs, options: CallOptions,
         options=options,
         entropy=out.entropy is not None,
         aux_grads=aux_grads,
+        engine=engine,
         autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)),
     )
     ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
     aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=out.logprobs.device)
-    lp, ent, aux = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, aux, spec, *params)
+    with engine.gathered(params) if engine is not None else contextlib.nullcontext():
+        lp, ent, aux = _Deferred.apply(torch.zeros((), requires_grad=True), out.logprobs, ent, aux, spec, *params)
     return LogProbs(lp, out.mask, ent if out.entropy is not None else None, aux if out.aux_loss is not None else None)

@@ -1,18 +1,30 @@
-"""DeepSpeed ZeRO stages 1 and 2: a ``deepspeed.DeepSpeedEngine`` passed as the model.
+"""DeepSpeed ZeRO stages 1, 2 and 3: a ``deepspeed.DeepSpeedEngine`` passed as the model.
 
-Passes run on the engine's module directly (ZeRO-1/2 keep every parameter whole on every rank, so a forward runs no
-collective). DeepSpeed reduces and partitions gradients in post-accumulate-grad hooks that must run *inside* a
-backward (they count the parameters of the running backward's graph and queue its epilogue on the autograd engine),
-so they cannot be fired after the call as the other engines fire them (``parallel.grad_hooks``): every backward of a
-call runs with them set aside, and the call's whole gradient is then delivered through one more backward of its own
+Passes run on the engine's module directly, so DeepSpeed's module hooks run as in its own forward: ZeRO-1/2 keep
+every parameter whole (a forward runs no collective); ZeRO-3 gathers each module's parameters around its forward and
+again for its backward, and leaves them empty (shape ``[0]``) elsewhere, so sharedprefix reads sizes from the modules'
+declared sizes (``model.streams.declared_rows``) and runs its float32 head inside the head module's own call
+(``model.adapter.in_own_call``). Each call begins a micro-step as ``DeepSpeedEngine.forward`` would
+(``clear_backward_seen_flag``: ZeRO-3 otherwise replaces, instead of adding to, the previous micro-step's gradient).
+
+DeepSpeed reduces and partitions gradients in post-accumulate-grad hooks that must run *inside* a backward (they
+count the parameters of the running backward's graph and queue its epilogue on the autograd engine), so they cannot
+be fired after the call as the other engines fire them (``parallel.grad_hooks``): every backward of a call runs with
+them set aside, and the call's whole gradient is then delivered through one more backward of its own
 (``engine.backward`` of a scalar whose gradient is the call's), where autograd runs each parameter's tensor hooks,
-accumulates, and runs DeepSpeed's hooks once, on the total, as in the one ``engine.backward`` of a plain step. A
-failed call reaches none of them, so DeepSpeed's partitioned buffers stay as they were.
+accumulates, and runs DeepSpeed's hooks once, on the total, as in the one ``engine.backward`` of a plain step. Under
+ZeRO-3 that backward runs with the parameters gathered (``gathered``): autograd checks a gradient against the shape
+it recorded for the parameter and accumulates into whole ``.grad`` tensors, which ZeRO-3's hooks then reduce-scatter
+into its partitions. A deferred call's node takes the parameters the same way, and keeps them gathered until the
+caller's backward ends (``gather_until_backward_ends``). A failed call reaches none of the hooks, so DeepSpeed's
+partitioned buffers stay as they were.
 
 So ``sp.backward(engine, ...)`` is ``engine.backward`` of the call's loss: DeepSpeed divides the gradient by its
 ``gradient_accumulation_steps`` as it divides a loss, and accumulation over micro-steps and the step itself stay
-DeepSpeed's (``engine.step()``). Refused at the first call, each with its reason: ZeRO-3 (parameters
-partitioned outside a module's forward, which sharedprefix's head and checks read), and fp16 loss scaling.
+DeepSpeed's (``engine.step()``). Refused at the first call, each with its reason: fp16 loss scaling, ZeRO++
+(quantised weights or gradients, hierarchical partitioning: not verified), ZeRO-3 leaf modules (DeepSpeed's default
+for MoE blocks: their gradient is reduced in a module backward hook, which runs in every backward of a call), a
+tensor-parallel model.
 """
 
 from __future__ import annotations
@@ -48,25 +60,18 @@ class DeepSpeed(Single):
         engine = _deepspeed_engine(model)
         if engine is None:
             return None
-        stage = int(engine.zero_optimization_stage())
-        if stage >= 3:
-            raise ValueError(
-                f"the model is a DeepSpeed engine with ZeRO stage {stage}: its parameters are partitioned across the "
-                "ranks outside each module's own forward, and sharedprefix reads some of them there (the LM head's "
-                "weight for its chunked log-probs, embedding sizes, its once-per-model checks), which ZeRO-3 leaves "
-                "empty. Use ZeRO stage 1 or 2 (exact), or FSDP2 (fully_shard) to shard the parameters."
-            )
-        if engine.fp16_enabled():
-            raise ValueError(
-                "the DeepSpeed engine has fp16 enabled (dynamic loss scaling): sharedprefix's backward runs outside "
-                'DeepSpeed\'s loss scaler. Use bf16 ("bf16": {"enabled": true}) or float32.'
-            )
-        if tensor > 1:
-            raise ValueError(
-                f"the DeepSpeed engine's model is tensor-parallel (tp_size={tensor}), which sharedprefix has not been "
-                "verified with under DeepSpeed. Use tensor parallelism alone or under FSDP2."
-            )
+        _refuse(engine, tensor)
         return cls(root, world, engine, tensor=tensor)
+
+    def start(self) -> None:
+        """As ``DeepSpeedEngine.forward`` begins a micro-step (sharedprefix runs the engine's module, not the engine):
+        the optimizer closes the previous micro-step's backward (ZeRO-3 counts it, so that this one's gradient is
+        added to it instead of replacing it; ZeRO-1/2 drop its accumulation buffers). Not inside a backward (a
+        deferred call's backward runs inside the caller's ``engine.backward``, whose micro-step it is)."""
+        super().start()
+        clear = getattr(self.ds.optimizer, "clear_backward_seen_flag", None)
+        if clear is not None and torch._C._current_graph_task_id() == -1:
+            clear()
 
     def finish_grads(
         self, tx: Transaction, model: torch.nn.Module, sync: bool, grad_reduction: str, collect: bool
@@ -76,13 +81,40 @@ class DeepSpeed(Single):
             return grads
         if grads:  # through DeepSpeed's own backward: its loss scaling, hooks inside a backward, epilogue
             params = list(grads)
-            with torch.enable_grad():
-                out = _Deliver.apply([grads[p] for p in params], *params)
-            self.ds.backward(out)
+            with self.gathered(params):  # ZeRO-3: whole while autograd records and accumulates them
+                with torch.enable_grad():
+                    out = _Deliver.apply([grads[p] for p in params], *params)
+                self.ds.backward(out)
         return None
+
+    def gathered(self, params):
+        """ZeRO-3's ``GatheredParameters`` over ``params`` (read-only: partitioned again on exit, nothing
+        broadcast); a no-op for stages 1 and 2, whose parameters are whole."""
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(_partitioned(params), modifier_rank=None)
+
+    def gather_until_backward_ends(self, params):
+        """Gathered now, partitioned again by a callback the running backward runs when it ends (after autograd
+        accumulated into them and DeepSpeed's hooks reduced it); a no-op for stages 1 and 2."""
+        import deepspeed
+
+        block = deepspeed.zero.GatheredParameters(_partitioned(params), modifier_rank=None)
+        block.__enter__()
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: block.__exit__(None, None, None))
 
     def fire_hooks(self) -> None:
         """Nothing: the delivering backward (``finish_grads``) ran every hook once, inside a backward."""
+
+    def check_cache_path(self, name: str, why_hybrid: str) -> None:
+        super().check_cache_path(name, why_hybrid)
+        if int(self.ds.zero_optimization_stage()) == 3:
+            raise ValueError(
+                f"{name} is a hybrid model on sharedprefix's cache path, passed as a DeepSpeed ZeRO-3 engine: that "
+                "path runs the model's own cache-aware forward and its own gradient plumbing, which have not been "
+                "verified with ZeRO-3's partitioned parameters. Use DDP (supported) or a single process."
+                f"{why_hybrid}"
+            )
 
     def check_sync(self, sync: bool) -> None:
         if not sync:
@@ -92,6 +124,57 @@ class DeepSpeed(Single):
                 "engine.step() steps at the boundary), so sharedprefix has no synchronisation to skip. Leave "
                 "sync=True and set gradient_accumulation_steps in the DeepSpeed config."
             )
+
+
+def _partitioned(params) -> list:
+    """The ZeRO-3 parameters among ``params`` that are partitioned now: those that are whole already (a persistent
+    one, or one a module's forward or backward holds) stay as their holder leaves them."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def _refuse(engine, tensor: int) -> None:
+    """Raise ValueError for a DeepSpeed setting sharedprefix does not run exactly (module docstring), naming it."""
+    stage = int(engine.zero_optimization_stage())
+    zeropp = [
+        name
+        for name, on in (
+            ("zero_quantized_weights", engine.zero_quantized_weights()),
+            ("zero_quantized_gradients", engine.zero_quantized_gradients()),
+            ("zero_hpz_partition_size", int(engine.zero_hpz_partition_size()) > 1),
+        )
+        if on
+    ]
+    if zeropp:
+        raise ValueError(
+            f"the DeepSpeed engine uses ZeRO++ ({', '.join(zeropp)}): quantised weight gathers, quantised gradient "
+            "reduction and hierarchical partitioning change what the ranks exchange, and sharedprefix has not "
+            "verified its results against DeepSpeed's own run with them (which does not run on the CPU test "
+            "processes). Turn them off (ZeRO-3 without them is exact)."
+        )
+    if stage == 3:
+        from deepspeed.utils import get_z3_leaf_modules
+
+        leaves = sorted({type(m).__name__ for m in get_z3_leaf_modules(engine.module)})
+        if leaves:
+            raise ValueError(
+                f"the DeepSpeed ZeRO-3 engine has leaf modules ({', '.join(leaves)}; DeepSpeed makes the MoE "
+                "blocks of Mixtral, Qwen-MoE and others leaves by default): ZeRO-3 reduces a leaf module's "
+                "gradients in that module's own backward hook, which would run in each of sharedprefix's "
+                "backwards on one pass's share instead of once on the call's whole gradient. Use ZeRO stage 1 or "
+                "2 (exact, MoE load-balancing loss included), or FSDP2 (fully_shard) to shard the parameters."
+            )
+    if engine.fp16_enabled():
+        raise ValueError(
+            "the DeepSpeed engine has fp16 enabled (dynamic loss scaling): sharedprefix's backward runs outside "
+            'DeepSpeed\'s loss scaler. Use bf16 ("bf16": {"enabled": true}) or float32.'
+        )
+    if tensor > 1:
+        raise ValueError(
+            f"the DeepSpeed engine's model is tensor-parallel (tp_size={tensor}), which sharedprefix has not been "
+            "verified with under DeepSpeed. Use tensor parallelism alone or under FSDP2."
+        )
 
 
 class _Deliver(torch.autograd.Function):

@@ -45,7 +45,7 @@ def hybrid_logprobs(model, groups, options: CallOptions, deferred_backward) -> L
     engine.agree_on_error(error)  # one process: the error is raised here as it is
     assert out is not None  # an error was raised above, on every rank
     if deferred:
-        return defer_logprobs(deferred_backward, model, groups, out, options)
+        return defer_logprobs(deferred_backward, model, groups, out, options, engine=engine)
     return out
 
 

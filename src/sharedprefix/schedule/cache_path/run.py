@@ -41,6 +41,7 @@ from sharedprefix.layout.rows import Tree
 from sharedprefix.model.adapter import decoder, uses_checkpointing
 from sharedprefix.model.checks import verify_head
 from sharedprefix.model.head import token_logprobs
+from sharedprefix.model.streams import head_vocab
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.grad_hooks import DeferredGradHooks
 from sharedprefix.schedule.cache import OffloadHooks
@@ -78,7 +79,7 @@ class HybridRun:
                 f"list of sp.Group.{why}"
             )
         emb = model.get_input_embeddings()
-        vocab = min(emb.num_embeddings, model.get_output_embeddings().weight.shape[0])
+        vocab = min(emb.num_embeddings, head_vocab(model))
         self.groups = validate_groups(groups, vocab)
         if any(g.prompt_inputs for g in self.groups):
             raise ValueError(
