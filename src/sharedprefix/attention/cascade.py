@@ -1,10 +1,10 @@
 """Run a row's attention cascade (``layout.calls``) on the primitive and merge it by log-sum-exp.
 
-Forward: each call gives (out_i, lse_i) for its rows; lse = logsumexp_i lse_i and
-out = sum_i exp(lse_i - lse) * out_i. Backward: each call's kernel backward, given the *merged*
-out and lse, is exactly that call's share of dQ, dK, dV (see ``attention.kernels``). Keys enter
-as views of the row's K/V, as the cached tensors of earlier passes (leaves that accumulate dK,
-dV), or, under a window, gathered by one index; autograd routes their gradients.
+Forward: each call (one ``KernelCall`` of the primitive) gives (out_i, lse_i) for its rows; lse = logsumexp_i
+lse_i and out = sum_i exp(lse_i - lse) * out_i (``attention.merge.merge_state``, call by call). Backward: each call's
+kernel backward, given the *merged* out and lse, is exactly that call's share of dQ, dK, dV (see
+``attention.kernels``). Keys enter as views of the row's K/V, as the cached tensors of earlier passes (leaves that
+accumulate dK, dV), or, under a window, gathered by one index; autograd routes their gradients.
 
 Notation: L = row length, H = query heads, Hkv = key/value heads, D / Dv = head dims.
 """
@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from sharedprefix.attention.kernels.contract import KernelCall
 from sharedprefix.attention.kernels.dense import dense_for
+from sharedprefix.attention.merge import merge_state
 from sharedprefix.layout.calls import Cascade
 
 
@@ -67,12 +69,10 @@ def merged_forward(impl, dense, calls, device, scale: float, softcap, sinks, q: 
         out, lse = outs[0], lses[0]
     else:
         lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
-        for c, m in zip(calls, lses):
-            lse[c.q_start : c.q_end] = torch.logaddexp(lse[c.q_start : c.q_end], m)
         merged = torch.zeros(q.shape[0], q.shape[1], outs[0].shape[-1], dtype=acc, device=q.device)
         for c, o, m in zip(calls, outs, lses):
-            w = torch.exp(m - lse[c.q_start : c.q_end]).nan_to_num_(0.0)  # -inf - -inf: rows with no key
-            merged[c.q_start : c.q_end] += w[..., None] * o.to(acc)
+            s = slice(c.q_start, c.q_end)
+            merged[s], lse[s] = merge_state(merged[s], lse[s], o, m)
         out = merged.to(q.dtype)
     if sinks is not None:
         lse_s = torch.logaddexp(lse, sinks.to(acc)[None, :])
@@ -105,15 +105,14 @@ def _call_forward(impl, dense, c, q, k, v, device, scale, softcap):
     parts = c.pieces(device) if dense is not None else None
     if parts is None:
         cu_q, cu_k, _ = c.on(device)
-        o, m, *aux = impl.forward(
-            q, k, v, cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, scale, **_cap(softcap)
-        )
+        call = KernelCall(q, k, v, cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, scale, softcap)
+        o, m, *aux = impl.forward(call)
         return o, m, aux[0] if aux else None
     outs, lses, auxes = [], [], []
     for p, (cu_q, cu_k), pad in parts:
         qp, kp, vp = q[p.q0 : p.q1], k[p.k0 : p.k1], v[p.k0 : p.k1]
         if p.shape is None:
-            o, m, *aux = impl.forward(qp, kp, vp, cu_q, cu_k, p.max_q, p.max_k, c.causal, None, scale)
+            o, m, *aux = impl.forward(KernelCall(qp, kp, vp, cu_q, cu_k, p.max_q, p.max_k, c.causal, None, scale))
             aux = aux[0] if aux else None
         else:
             bq, bk = (p.batch, p.shape[0]), (p.batch, p.shape[1])
@@ -138,14 +137,18 @@ def _call_backward(ctx, c, aux, dout, q, k, v, out, lse):
     parts = c.pieces(ctx.device) if ctx.dense is not None else None
     if parts is None:
         cu_q, cu_k, _ = c.on(ctx.device)
-        args = (cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ctx.scale)
-        return ctx.impl.backward(dout, q, k, v, out, lse, *args, aux=aux, **_cap(ctx.softcap))
+        call = KernelCall(
+            q, k, v, cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ctx.scale, ctx.softcap
+        )
+        return ctx.impl.backward(call, dout, out, lse, aux)
     dqs, dks, dvs = [], [], []
     for (p, (cu_q, cu_k), pad), a in zip(parts, aux):
         rq, rk = slice(p.q0, p.q1), slice(p.k0, p.k1)
         xs = [dout[rq], q[rq], k[rk], v[rk], out[rq], lse[rq]]
         if p.shape is None:
-            gq, gk, gv = ctx.impl.backward(*xs, cu_q, cu_k, p.max_q, p.max_k, c.causal, None, ctx.scale, aux=a)
+            d_o, qq, kk, vv, oo, mm = xs
+            call = KernelCall(qq, kk, vv, cu_q, cu_k, p.max_q, p.max_k, c.causal, None, ctx.scale)
+            gq, gk, gv = ctx.impl.backward(call, d_o, oo, mm, a)
         else:
             if pad is not None:
                 xs = [_padded(x, pad, p.batch * p.shape[0]) for x in xs]
@@ -166,11 +169,6 @@ def _call_backward(ctx, c, aux, dout, q, k, v, out, lse):
 def _padded(x: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
     """(n, ...) real rows -> (rows, ...) with them at ``index`` and zeros elsewhere (a right-padded batch)."""
     return x.new_zeros(rows, *x.shape[1:]).index_copy_(0, index, x)
-
-
-def _cap(softcap) -> dict:
-    """The kernels' softcap keyword, only when there is one (implementations without soft-capping lack it)."""
-    return {} if softcap is None else {"softcap": softcap}
 
 
 def call_keys(call, k: torch.Tensor, v: torch.Tensor, read_kv):

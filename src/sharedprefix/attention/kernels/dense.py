@@ -36,6 +36,7 @@ import torch
 
 from sharedprefix import settings
 from sharedprefix.attention.kernels.common import fold_heads, pad_last, repeat_heads
+from sharedprefix.attention.kernels.contract import KernelCall
 from sharedprefix.attention.kernels.reference import Reference
 
 _STATE: dict = {
@@ -279,14 +280,13 @@ class DenseReference:
         b, lq, h = q.shape[:3]
         cu_q, cu_k, mq, mk = DenseReference._cu(q, k)
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        o, m = Reference.forward(flat(q), flat(k), flat(v), cu_q, cu_k, mq, mk, causal, None, scale)
+        o, m = Reference.forward(KernelCall(flat(q), flat(k), flat(v), cu_q, cu_k, mq, mk, causal, None, scale))
         return o.view(b, lq, h, -1), m.view(b, lq, h), None
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal, scale, aux=None):
         cu_q, cu_k, mq, mk = DenseReference._cu(q, k)
         flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        g = Reference.backward(
-            flat(dout), flat(q), flat(k), flat(v), flat(out), flat(lse), cu_q, cu_k, mq, mk, causal, None, scale
-        )
+        call = KernelCall(flat(q), flat(k), flat(v), cu_q, cu_k, mq, mk, causal, None, scale)
+        g = Reference.backward(call, flat(dout), flat(out), flat(lse))
         return tuple(x.view(*y.shape) for x, y in zip(g, (q, k, v)))
