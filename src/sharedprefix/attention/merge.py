@@ -14,7 +14,8 @@ def merge_state(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention over the keys of a and of b, from the attention over each.
 
-    With lse = logaddexp(lse_a, lse_b): out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b. A query that sees
+    With lse = logaddexp(lse_a, lse_b): out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b, computed as
+    lerp(out_a, out_b, exp(lse_b - lse)) (the two weights sum to 1; one fused op). A query that sees
     no key in one part (lse -inf there, its out 0) keeps the other part's state; one that sees no key in either keeps
     lse = -inf and out = 0, never NaN.
 
@@ -44,6 +45,6 @@ def merge_state(
     """
     acc = lse_a.dtype
     lse = torch.logaddexp(lse_a, lse_b.to(acc))
-    w_a = torch.exp(lse_a - lse).nan_to_num_(0.0)  # -inf - -inf: a query with no key in either part
-    w_b = torch.exp(lse_b - lse).nan_to_num_(0.0)
-    return w_a[..., None] * out_a.to(acc) + w_b[..., None] * out_b.to(acc), lse
+    # w_a = 1 - w_b in exact arithmetic: out_a + w_b * (out_b - out_a), one fused op (lerp)
+    w_b = torch.exp(lse_b - lse).nan_to_num_(0.0)  # -inf - -inf: a query with no key in either part
+    return torch.lerp(out_a.to(acc), out_b.to(acc), w_b[..., None]), lse

@@ -1,17 +1,20 @@
 """Dense batched attention kernels for the cascade calls whose entries share one shape (``layout.dense``).
 
-The contract is the varlen primitive's (``attention.kernels``) on B equal entries, in the packed rows' own layout
-(a view, no copy, of the (B * L, H, D) rows):
+The contract is the varlen primitive's (``attention.kernels``) on B equal entries, in the kernels' own layout,
+batch, heads, tokens: the cascade hands them strided views (one ``as_strided`` op, no copy) of the (B * L, H, D)
+rows, as transformers hands plain SDPA its (B, H, L, D) views:
 
     forward(q, k, v, causal, scale) -> (out, lse, aux)
     backward(dout, q, k, v, out, lse, causal, scale, aux) -> (dq, dk, dv)
 
-    q: (B, Lq, H, D), k: (B, Lk, Hkv, D), v: (B, Lk, Hkv, Dv), one dtype; ``causal`` only with Lq == Lk (the dense
-        kernels align the diagonal top-left, the contract bottom-right: the same only for square entries).
-    out: (B, Lq, H, Dv) in q's dtype; lse: (B, Lq, H) natural-log log-sum-exp of the scaled scores, float32
-        (float64 for float64 inputs); aux: opaque, handed back to ``backward``.
-    ``backward`` takes the *merged* out and lse of the attention this call is one part of, and returns exactly
-    this part's share of dQ, dK, dV, as the varlen primitive does.
+    q: (B, H, Lq, D), k: (B, Hkv, Lk, D), v: (B, Hkv, Lk, Dv), one dtype, any strides with a unit last stride;
+        ``causal`` only with Lq == Lk (the dense kernels align the diagonal top-left, the contract bottom-right: the
+        same only for square entries).
+    out: (B, H, Lq, Dv) in q's dtype; lse: (B, H, Lq) natural-log log-sum-exp of the scaled scores, float32
+        (float64 for float64 inputs), -inf where a query sees no key; aux: opaque, handed back to ``backward``.
+    ``backward`` takes dout (B, H, Lq, Dv) and the *merged* out (B, H, Lq, Dv) and lse (B, H, Lq) of the attention
+    this call is one part of, and returns exactly this part's share of dQ, dK, dV, shaped as q, k, v, as the varlen
+    primitive does.
 
 Implementations: ``DenseCPU`` (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, GQA native),
 ``CuDNN`` (``aten._scaled_dot_product_cudnn_attention`` and its backward, which take out and logsumexp; not its
@@ -35,7 +38,7 @@ from contextlib import contextmanager
 import torch
 
 from sharedprefix import settings
-from sharedprefix.attention.kernels.common import fold_heads, pad_last, repeat_heads
+from sharedprefix.attention.kernels.common import pad_last
 from sharedprefix.attention.kernels.contract import KernelCall
 from sharedprefix.attention.kernels.reference import Reference
 
@@ -117,11 +120,11 @@ def disagreement(candidate, yardstick, device, dtype, b: int = 2, h: int = 4, hk
     rnd = lambda *s: torch.randn(*s, generator=g, device=device, dtype=torch.float32).to(dtype)  # noqa: E731
     scale = 0.3  # not d ** -0.5: a kernel that ignored the scale would pass with the default one
     for causal, lq, lk in ((True, 80, 80), (False, 48, 144)):
-        q, k, v = rnd(b, lq, h, d), rnd(b, lk, hkv, d), rnd(b, lk, hkv, d)
+        q, k, v = rnd(b, h, lq, d), rnd(b, hkv, lk, d), rnd(b, hkv, lk, d)
         o1, m1, _ = candidate.forward(q, k, v, causal, scale)
         o2, m2, _ = yardstick.forward(q, k, v, causal, scale)
-        if tuple(m1.shape) != (b, lq, h):
-            return f"returned a log-sum-exp of shape {tuple(m1.shape)}, expected {(b, lq, h)}"
+        if tuple(m1.shape) != (b, h, lq):
+            return f"returned a log-sum-exp of shape {tuple(m1.shape)}, expected {(b, h, lq)}"
         if (err := _rel(m1, m2)) > _tol(dtype):
             ratio = (m1.double() / m2.double()).median().item()
             return (
@@ -130,17 +133,17 @@ def disagreement(candidate, yardstick, device, dtype, b: int = 2, h: int = 4, hk
             )
         if (err := _rel(o1, o2)) > _tol(dtype):
             return f"returned outputs {err:.3g} away from {yardstick.name}'s"
-    dout = rnd(b, lq, h, d)
+    dout = rnd(b, h, lq, d)
     half = lk // 2
-    parts = [(k[:, :half], v[:, :half]), (k[:, half:], v[:, half:])]
+    parts = [(k[:, :, :half], v[:, :, :half]), (k[:, :, half:], v[:, :, half:])]
     fw = [candidate.forward(q, kk, vv, False, scale) for kk, vv in parts]
     lse = torch.logaddexp(fw[0][1], fw[1][1])
     out = sum(torch.exp(m - lse)[..., None] * o.to(lse.dtype) for o, m, _ in fw).to(dtype)
     grads = [candidate.backward(dout, q, kk, vv, out, lse, False, scale, a) for (kk, vv), (_, _, a) in zip(parts, fw)]
     mine = (
         grads[0][0] + grads[1][0],
-        torch.cat([grads[0][1], grads[1][1]], 1),
-        torch.cat([grads[0][2], grads[1][2]], 1),
+        torch.cat([grads[0][1], grads[1][1]], 2),
+        torch.cat([grads[0][2], grads[1][2]], 2),
     )
     o2, m2, a2 = yardstick.forward(q, k, v, False, scale)
     for name, x, y in zip(("dq", "dk", "dv"), mine, yardstick.backward(dout, q, k, v, o2, m2, False, scale, a2)):
@@ -155,62 +158,71 @@ def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
     return ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
 
 
-def _bhld(x: torch.Tensor, d: int) -> torch.Tensor:
-    """(B, L, H, d0) -> (B, H, L, d) contiguous, zero-padded to head size d."""
-    return pad_last(x, d).transpose(1, 2).contiguous()
+def _contiguous(x: torch.Tensor, d: int) -> torch.Tensor:
+    """(B, H, L, d0) -> contiguous, zero-padded to head size d (the CUDA dense ops want dense inputs)."""
+    return pad_last(x, d).contiguous()
 
 
-def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """(B, L, Hkv, d) -> (B, L, Hkv * n, d), each head repeated n times (the kernels without native GQA)."""
-    b, seq = x.shape[:2]
-    return repeat_heads(x.reshape(b * seq, *x.shape[2:]), n).view(b, seq, -1, x.shape[-1])
+def _repeat(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, Hkv, L, d) -> (B, Hkv * n, L, d), each head repeated n times (the kernels without native GQA)."""
+    return x if n == 1 else x.repeat_interleave(n, dim=1)
 
 
 def _fold(dx: torch.Tensor, n: int, d: int) -> torch.Tensor:
-    """(B, H, L, d') gradient of repeated, padded heads -> (B, L, Hkv, d)."""
-    b, _, seq, _ = dx.shape
-    g = dx.transpose(1, 2)[..., :d].reshape(b * seq, dx.shape[1], d)
-    return fold_heads(g, n).view(b, seq, -1, d)
+    """(B, H, L, d') gradient of repeated, padded heads -> (B, Hkv, L, d)."""
+    g = _cut(dx, d)
+    if n == 1:
+        return g
+    b, h, seq, _ = g.shape
+    return g.reshape(b, h // n, n, seq, d).sum(2)
 
 
 def _lse_in(lse: torch.Tensor) -> torch.Tensor:
-    """The contract's merged (B, Lq, H) lse -> (B, H, Lq) contiguous; -inf (no key) as +inf, so that P = 0 there."""
-    return lse.masked_fill(torch.isneginf(lse), float("inf")).transpose(1, 2).contiguous()
+    """The contract's merged (B, H, Lq) lse with -inf (no key) as +inf, so that the kernels' P = exp(S - lse) is 0
+    there, not NaN."""
+    inf = float("inf")
+    return lse.nan_to_num(posinf=inf, neginf=inf)
 
 
 class DenseCPU:
-    """torch's CPU flash op, GQA native; q, k, v zero-padded to one head size where D != Dv."""
+    """torch's CPU flash op, GQA native, on the strided views as they come (as plain SDPA hands it them: no copies);
+    q, k, v zero-padded to one head size where D != Dv."""
 
     name = "dense_cpu"
 
     @staticmethod
     def forward(q, k, v, causal, scale):
         d, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
-        t = lambda x: pad_last(x, d).transpose(1, 2)  # noqa: E731
+        t = lambda x: pad_last(x, d)  # noqa: E731
         o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(t(q), t(k), t(v), 0.0, causal, scale=scale)
-        return o.transpose(1, 2)[..., :dv], m.transpose(1, 2), None
+        return _cut(o, dv), m, None
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal, scale, aux=None):
         dh, dvh, d = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
         lse = _lse_in(lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32))
-        t = lambda x: _bhld(x, d)  # noqa: E731
+        t = lambda x: pad_last(x, d)  # noqa: E731
         bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         gq, gk, gv = bop(t(dout), t(q), t(k), t(v), t(out), lse, 0.0, causal, scale=scale)
-        return (gq.transpose(1, 2)[..., :dh], gk.transpose(1, 2)[..., :dh], gv.transpose(1, 2)[..., :dvh])
+        return _cut(gq, dh), _cut(gk, dh), _cut(gv, dvh)
+
+
+def _cut(x: torch.Tensor, d: int) -> torch.Tensor:
+    """The first ``d`` columns of the last dim; no op where that is all of them."""
+    return x if x.shape[-1] == d else x[..., :d]
 
 
 class _CudaDense:
-    """Shared by the CUDA dense ops: K/V heads repeated to H, one head size (a multiple of 8) for q, k, v."""
+    """Shared by the CUDA dense ops: K/V heads repeated to H, one head size (a multiple of 8) for q, k, v, dense."""
 
     @staticmethod
     def _inputs(q, k, v):
-        n, d = q.shape[2] // k.shape[2], -(-max(q.shape[-1], v.shape[-1]) // 8) * 8
-        return n, d, _bhld(q, d), _bhld(_rows(k, n), d), _bhld(_rows(v, n), d)
+        n, d = q.shape[1] // k.shape[1], -(-max(q.shape[-1], v.shape[-1]) // 8) * 8
+        return n, d, _contiguous(q, d), _contiguous(_repeat(k, n), d), _contiguous(_repeat(v, n), d)
 
     @staticmethod
     def _grads(q, k, v, n, gq, gk, gv):
-        return gq.transpose(1, 2)[..., : q.shape[-1]], _fold(gk, n, k.shape[-1]), _fold(gv, n, v.shape[-1])
+        return _cut(gq, q.shape[-1]), _fold(gk, n, k.shape[-1]), _fold(gv, n, v.shape[-1])
 
 
 class CuDNN(_CudaDense):
@@ -220,23 +232,39 @@ class CuDNN(_CudaDense):
 
     @staticmethod
     def forward(q, k, v, causal, scale):
-        b, lq, h = q.shape[:3]
+        b, h, lq = q.shape[:3]
         n, d, qq, kk, vv = CuDNN._inputs(q, k, v)
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             qq, kk, vv, None, True, 0.0, causal, False, scale=scale
         )
         out, lse = res[0], res[1]  # then cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset
         aux = (tuple(lse.shape), *res[2:8])
-        return out.transpose(1, 2)[..., : v.shape[-1]], lse.reshape(b, h, lq).transpose(1, 2).float(), aux
+        return _cut(out, v.shape[-1]), lse.reshape(b, h, lq).float(), aux
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal, scale, aux=None):
         shape, cq, ck, mq, mk, seed, offset = aux
         n, d, qq, kk, vv = CuDNN._inputs(q, k, v)
-        t = lambda x: _bhld(x, d)  # noqa: E731
-        m = _lse_in(lse.float()).view(shape)
+        m = _lse_in(lse.float()).contiguous().view(shape)
         bop = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
-        gq, gk, gv = bop(t(dout), qq, kk, vv, t(out), m, seed, offset, None, cq, ck, mq, mk, 0.0, causal, scale=scale)
+        gq, gk, gv = bop(
+            _contiguous(dout, d),
+            qq,
+            kk,
+            vv,
+            _contiguous(out, d),
+            m,
+            seed,
+            offset,
+            None,
+            cq,
+            ck,
+            mq,
+            mk,
+            0.0,
+            causal,
+            scale=scale,
+        )
         return CuDNN._grads(q, k, v, n, gq, gk, gv)
 
 
@@ -250,16 +278,30 @@ class DenseFlash(_CudaDense):
         n, d, qq, kk, vv = DenseFlash._inputs(q, k, v)
         res = torch.ops.aten._scaled_dot_product_flash_attention(qq, kk, vv, 0.0, causal, False, scale=scale)
         # (output, logsumexp (B, H, Lq), cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused, debug_attn_mask)
-        return res[0].transpose(1, 2)[..., : v.shape[-1]], res[1].transpose(1, 2).float(), tuple(res[2:8])
+        return _cut(res[0], v.shape[-1]), res[1].float(), tuple(res[2:8])
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal, scale, aux=None):
         cq, ck, mq, mk, rng, unused = aux
         n, d, qq, kk, vv = DenseFlash._inputs(q, k, v)
-        t = lambda x: _bhld(x, d)  # noqa: E731
+        m = _lse_in(lse.float()).contiguous()
         bop = torch.ops.aten._scaled_dot_product_flash_attention_backward
         gq, gk, gv = bop(
-            t(dout), qq, kk, vv, t(out), _lse_in(lse.float()), cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale
+            _contiguous(dout, d),
+            qq,
+            kk,
+            vv,
+            _contiguous(out, d),
+            m,
+            cq,
+            ck,
+            mq,
+            mk,
+            0.0,
+            causal,
+            rng,
+            unused,
+            scale=scale,
         )
         return DenseFlash._grads(q, k, v, n, gq, gk, gv)
 
@@ -270,23 +312,23 @@ class DenseReference:
     name = "dense_reference"
 
     @staticmethod
-    def _cu(q, k):
-        b, lq, lk = q.shape[0], q.shape[1], k.shape[1]
+    def _call(q, k, v, causal, scale) -> KernelCall:
+        b, lq, lk = q.shape[0], q.shape[2], k.shape[2]
         ar = torch.arange(b + 1, dtype=torch.int32, device=q.device)
-        return ar * lq, ar * lk, lq, lk
+        return KernelCall(_rows(q), _rows(k), _rows(v), ar * lq, ar * lk, lq, lk, causal, None, scale)
 
     @staticmethod
     def forward(q, k, v, causal, scale):
-        b, lq, h = q.shape[:3]
-        cu_q, cu_k, mq, mk = DenseReference._cu(q, k)
-        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        o, m = Reference.forward(KernelCall(flat(q), flat(k), flat(v), cu_q, cu_k, mq, mk, causal, None, scale))
-        return o.view(b, lq, h, -1), m.view(b, lq, h), None
+        b, h, lq = q.shape[:3]
+        o, m = Reference.forward(DenseReference._call(q, k, v, causal, scale))
+        return o.view(b, lq, h, -1).transpose(1, 2), m.view(b, lq, h).transpose(1, 2), None
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, causal, scale, aux=None):
-        cu_q, cu_k, mq, mk = DenseReference._cu(q, k)
-        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        call = KernelCall(flat(q), flat(k), flat(v), cu_q, cu_k, mq, mk, causal, None, scale)
-        g = Reference.backward(call, flat(dout), flat(out), flat(lse))
-        return tuple(x.view(*y.shape) for x, y in zip(g, (q, k, v)))
+        g = Reference.backward(DenseReference._call(q, k, v, causal, scale), _rows(dout), _rows(out), _rows(lse))
+        return tuple(x.view(y.shape[0], y.shape[2], y.shape[1], -1).transpose(1, 2) for x, y in zip(g, (q, k, v)))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, ...) -> (B * L, H, ...)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], *x.shape[3:])
