@@ -1,7 +1,7 @@
 """Run a row's attention cascade (``layout.calls``) on the primitive and merge it by log-sum-exp.
 
 Forward: each call (one ``KernelCall`` of the primitive) gives (out_i, lse_i) for its rows; lse = logsumexp_i
-lse_i and out = sum_i exp(lse_i - lse) * out_i (``attention.merge.merge_state``, call by call). Backward: each call's
+lse_i and out = sum_i exp(lse_i - lse) * out_i (``attention.merge``, piece by piece). Backward: each call's
 kernel backward, given the *merged* out and lse, is exactly that call's share of dQ, dK, dV (see
 ``attention.kernels``). Keys enter as views of the row's K/V, as the cached tensors of earlier passes (leaves that
 accumulate dK, dV), or, under a window, gathered by one index; autograd routes their gradients.
@@ -15,7 +15,7 @@ import torch
 
 from sharedprefix.attention.kernels.contract import KernelCall
 from sharedprefix.attention.kernels.dense import dense_for
-from sharedprefix.attention.merge import merge_state
+from sharedprefix.attention.merge import merge_parts, sum_parts
 from sharedprefix.layout.calls import Cascade
 
 
@@ -64,7 +64,7 @@ def merged_forward(impl, dense, calls, device, scale: float, softcap, sinks, q: 
         )
         parts += [(c.q_start + a, c.q_start + b, o, m) for a, b, o, m in ps]
         auxes.append(aux)
-    out, lse = _merge_parts(parts, q.shape[0], acc)
+    out, lse = merge_parts(parts, q.shape[0], acc)
     out = out.to(q.dtype)
     if sinks is not None:
         lse_s = torch.logaddexp(lse, sinks.to(acc)[None, :])
@@ -76,54 +76,6 @@ def merged_forward(impl, dense, calls, device, scale: float, softcap, sinks, q: 
 def _rows(x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
     """``x[r0:r1]``, without an op where that is all of ``x``."""
     return x if r0 == 0 and r1 == x.shape[0] else x[r0:r1]
-
-
-def _tiles(parts: list, length: int) -> list | None:
-    """The parts, in order, of the first call when they tile the row 0..length, else None."""
-    tiles, r = [], 0
-    for p in parts:
-        if p[0] != r:
-            break
-        tiles.append(list(p))
-        r = p[1]
-        if r == length:
-            return tiles
-    return None
-
-
-def _tile(tiles: list, r0: int, r1: int) -> list:
-    """The tile that holds rows r0..r1; where none does, the tiles are first joined into one (they tile the row)."""
-    for t in tiles:
-        if t[0] <= r0 and r1 <= t[1]:
-            return t
-    joined = [tiles[0][0], tiles[-1][1], *(torch.cat([t[i] for t in tiles]) for i in range(2, len(tiles[0])))]
-    tiles[:] = [joined]
-    return joined
-
-
-def _merge_parts(parts: list, length: int, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge (r0, r1, out (r1 - r0, H, Dv), lse (r1 - r0, H)) parts of the row's calls into (out (L, H, Dv), lse
-    (L, H)) in ``acc``: the first call's parts tile the row (its causal call over every segment); a later part on the
-    same rows as a tile merges into it (``merge_state``), one inside a tile merges into those rows of it."""
-    tiles = _tiles(parts, length)
-    if tiles is None:  # no call covers the row: merge everything into an empty state
-        h, dv, like = parts[0][3].shape[-1], parts[0][2].shape[-1], parts[0][3]
-        tiles = [[0, length, like.new_zeros(length, h, dv, dtype=acc), like.new_full((length, h), float("-inf"))]]
-        rest = parts
-    else:
-        rest = parts[len(tiles) :]
-    for r0, r1, o, m in rest:
-        t = _tile(tiles, r0, r1)
-        if (t[0], t[1]) == (r0, r1):
-            t[2], t[3] = merge_state(t[2], t[3].to(acc), o, m)
-            continue
-        to, tl = t[2].to(acc), t[3].to(acc)  # a copy where the dtype changes: written below
-        s = slice(r0 - t[0], r1 - t[0])
-        to[s], tl[s] = merge_state(to[s], tl[s], o, m)
-        t[2], t[3] = to, tl
-    if len(tiles) == 1:
-        return tiles[0][2], tiles[0][3].to(acc)
-    return torch.cat([t[2] for t in tiles]), torch.cat([t[3] for t in tiles]).to(acc)
 
 
 def merged_backward(ctx, dout, q, out, lse, sinks, kv, sinks_grad: bool) -> tuple:
@@ -150,23 +102,7 @@ def merged_backward(ctx, dout, q, out, lse, sinks, kv, sinks_grad: bool) -> tupl
         acc = lse.dtype
         delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (L, H)
         dsinks = -(torch.exp(sinks.to(acc)[None, :] - lse) * delta).sum(0).to(sinks.dtype)
-    return _sum_parts(parts, q), grads, dsinks
-
-
-def _sum_parts(parts: list, q: torch.Tensor) -> torch.Tensor:
-    """dq (L, H, D): the sum of the parts' (r0, r1, dq of rows r0..r1), as ``_merge_parts`` merged them."""
-    tiles = _tiles(parts, q.shape[0])
-    if tiles is None:
-        tiles, rest = [[0, q.shape[0], torch.zeros_like(q)]], parts
-    else:
-        rest = parts[len(tiles) :]
-    for r0, r1, g in rest:
-        t = _tile(tiles, r0, r1)
-        if (t[0], t[1]) == (r0, r1):
-            t[2] = t[2] + g
-        else:  # the tile is a fresh gradient of the kernels (or zeros): added to in place
-            t[2][r0 - t[0] : r1 - t[0]] += g
-    return tiles[0][2] if len(tiles) == 1 else torch.cat([t[2] for t in tiles])
+    return sum_parts(parts, q), grads, dsinks
 
 
 def _call_forward(impl, dense, c, q, k, v, device, scale, softcap) -> tuple[list, object]:
