@@ -17,7 +17,7 @@ from support.attention import check_cascade
 def _bqkv(b, lq, lk, h, hkv, d, dv, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dtype)  # noqa: E731
-    return r(b, lq, h, d), r(b, lk, hkv, d), r(b, lk, hkv, dv)
+    return r(b, h, lq, d), r(b, hkv, lk, d), r(b, hkv, lk, dv)
 
 
 @pytest.mark.parametrize("causal, lq, lk", [(True, 7, 7), (False, 5, 11)])
@@ -28,7 +28,7 @@ def test_dense_cpu_equals_reference(causal, lq, lk, h, hkv, d, dv):
     q, k, v = _bqkv(3, lq, lk, h, hkv, d, dv)
     out, lse, _ = DenseCPU.forward(q, k, v, causal, 0.4)
     want, want_lse, _ = DenseReference.forward(q, k, v, causal, 0.4)
-    assert out.shape == (3, lq, h, dv) and lse.shape == (3, lq, h) and lse.dtype == torch.float64
+    assert out.shape == (3, h, lq, dv) and lse.shape == (3, h, lq) and lse.dtype == torch.float64
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-12)
     dout = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
@@ -215,7 +215,7 @@ def test_dense_calls_per_layer(monkeypatch):
         "forward",
         staticmethod(
             lambda q, k, v, causal, scale: (
-                seen.append((*q.shape[:2], k.shape[1], causal)) or fwd(q, k, v, causal, scale)
+                seen.append((q.shape[0], q.shape[2], k.shape[2], causal)) or fwd(q, k, v, causal, scale)
             )
         ),
     )

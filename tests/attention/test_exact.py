@@ -126,9 +126,12 @@ def _spy_calls(monkeypatch):
     seen = []
     orig = kernels.CPU.forward
 
-    def spy(q, k, v, cu_q, cu_k, *rest):
-        seen.append((q.shape[0], k.shape[0], cu_q.numel() - 1, rest[2], rest[3], k._base is not None))
-        return orig(q, k, v, cu_q, cu_k, *rest)
+    def spy(call):
+        k = call.k
+        seen.append(
+            (call.q.shape[0], k.shape[0], call.cu_seqlens_q.numel() - 1, call.causal, call.window, k._base is not None)
+        )
+        return orig(call)
 
     monkeypatch.setattr(kernels.CPU, "forward", staticmethod(spy))
     return seen

@@ -62,13 +62,14 @@ def test_primitive_forward_and_backward_match_explicit_attention(impl, heads, di
     scale = 0.37
     q_, k_, v_ = (x.clone().requires_grad_(True) for x in (q, k, v))
     want, want_lse = dense_attention(q_, k_, v_, allowed, scale)
-    out, lse = impl.forward(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
+    call = kernels.KernelCall(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
+    out, lse = impl.forward(call)
     assert out.shape == want.shape and lse.shape == want_lse.shape and lse.dtype == torch.float64
     torch.testing.assert_close(out, want.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, want_lse.detach(), rtol=0, atol=1e-12)
     g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
     want.backward(g)
-    dq, dk, dvv = impl.backward(g, q, k, v, out, lse, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
+    dq, dk, dvv = impl.backward(call, g, out, lse)
     for got, ref in ((dq, q_.grad), (dk, k_.grad), (dvv, v_.grad)):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
 
@@ -101,12 +102,13 @@ def test_softcapped_primitive_matches_explicit_attention(impl, dims, case, monke
     plain, _ = dense_attention(q, k, v, allowed, 0.37)
     if case != "window_zero":  # (one key per query there: any scores give the same output)
         assert (plain - want).abs().max() > 1e-2  # the cap changes the result: the comparison below can fail
-    out, lse = impl.forward(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, 0.37, softcap=1.5)
+    call = kernels.KernelCall(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, 0.37, softcap=1.5)
+    out, lse = impl.forward(call)
     torch.testing.assert_close(out, want.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, want_lse.detach(), rtol=0, atol=1e-12)
     g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
     want.backward(g)
-    grads = impl.backward(g, q, k, v, out, lse, _cu(lq), _cu(lk), max(lq), max(lk), causal, window, 0.37, softcap=1.5)
+    grads = impl.backward(call, g, out, lse)
     for got, ref in zip(grads, (q_.grad, k_.grad, v_.grad)):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-10)
 
@@ -114,11 +116,12 @@ def test_softcapped_primitive_matches_explicit_attention(impl, dims, case, monke
 def test_softcapped_cpu_primitive_in_float32_and_bfloat16_stays_near_float64():
     lq = lk = [40, 3, 17]
     q, k, v = qkv(3, 60, 60, 4, 2, 16, 16)
-    want, want_lse = kernels.Reference.forward(q, k, v, _cu(lq), _cu(lk), 40, 40, True, None, 0.25, softcap=2.0)
+    want, want_lse = kernels.Reference.forward(
+        kernels.KernelCall(q, k, v, _cu(lq), _cu(lk), 40, 40, True, None, 0.25, softcap=2.0)
+    )
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-        out, lse = kernels.CPU.forward(
-            q.to(dtype), k.to(dtype), v.to(dtype), _cu(lq), _cu(lk), 40, 40, True, None, 0.25, softcap=2.0
-        )
+        x = (q.to(dtype), k.to(dtype), v.to(dtype))
+        out, lse = kernels.CPU.forward(kernels.KernelCall(*x, _cu(lq), _cu(lk), 40, 40, True, None, 0.25, softcap=2.0))
         assert out.dtype == dtype and lse.dtype == torch.float32
         assert (out.double() - want).abs().max() < tol and (lse.double() - want_lse).abs().max() < tol
 
@@ -126,11 +129,10 @@ def test_softcapped_cpu_primitive_in_float32_and_bfloat16_stays_near_float64():
 def test_cpu_primitive_in_float32_and_bfloat16_stays_near_float64():
     lq = lk = [40, 3, 17]
     q, k, v = qkv(3, 60, 60, 4, 2, 16, 16)
-    want, want_lse = kernels.Reference.forward(q, k, v, _cu(lq), _cu(lk), 40, 40, True, None, 0.25)
+    want, want_lse = kernels.Reference.forward(kernels.KernelCall(q, k, v, _cu(lq), _cu(lk), 40, 40, True, None, 0.25))
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
-        out, lse = kernels.CPU.forward(
-            q.to(dtype), k.to(dtype), v.to(dtype), _cu(lq), _cu(lk), 40, 40, True, None, 0.25
-        )
+        x = (q.to(dtype), k.to(dtype), v.to(dtype))
+        out, lse = kernels.CPU.forward(kernels.KernelCall(*x, _cu(lq), _cu(lk), 40, 40, True, None, 0.25))
         assert out.dtype == dtype and lse.dtype == torch.float32
         assert (out.double() - want).abs().max() < tol and (lse.double() - want_lse).abs().max() < tol
 
@@ -242,18 +244,38 @@ def test_a_row_without_any_key_gets_no_nan_in_backward():
     q, k, v = qkv(0, 3, 2, 2, 2, 4, 4)
     cu_q, cu_k = _cu([2, 1]), _cu([2, 0])  # the second entry's query sees no key
     for impl in IMPLS:
-        out, lse = impl.forward(q, k, v, cu_q, cu_k, 2, 2, False, None, 0.5)
+        call = kernels.KernelCall(q, k, v, cu_q, cu_k, 2, 2, False, None, 0.5)
+        out, lse = impl.forward(call)
         assert torch.isneginf(lse[2]).all() and (out[2] == 0).all()
-        grads = impl.backward(torch.ones_like(out), q, k, v, out, lse, cu_q, cu_k, 2, 2, False, None, 0.5)
+        grads = impl.backward(call, torch.ones_like(out), out, lse)
         assert all(torch.isfinite(g).all() for g in grads) and (grads[0][2] == 0).all()
 
 
-@pytest.mark.parametrize("name", sorted(kernels.IMPLEMENTATIONS))
+@pytest.mark.parametrize("name", sorted(kernels.BACKENDS))
 def test_every_backend_takes_the_contracts_arguments_in_order(name):
-    impl = kernels.IMPLEMENTATIONS[name]
-    assert isinstance(impl.name, str) and isinstance(impl.SOFTCAP, bool)
+    impl = kernels.BACKENDS[name].kernel
+    assert impl.name == name and isinstance(impl.SOFTCAP, bool)
     for fn in ("forward", "backward"):
         want = list(inspect.signature(getattr(kernels.AttentionKernel, fn)).parameters)
         got = list(inspect.signature(getattr(impl, fn)).parameters)
-        assert got[: len(want)] == want, (name, fn, got)
-        assert all(p in ("softcap",) for p in got[len(want) :]), (name, fn, got)
+        assert got == want, (name, fn, got)
+
+
+def test_backends_without_softcapping_refuse_a_softcapped_call():
+    q, k, v = qkv(0, 3, 3, 2, 2, 4, 4)
+    call = kernels.KernelCall(q, k, v, _cu([3]), _cu([3]), 3, 3, True, None, 0.5, softcap=2.0)
+    for name, b in kernels.BACKENDS.items():
+        if not b.softcap:
+            with pytest.raises(ValueError, match=f"backend {name!r} has no attention-score soft-capping"):
+                b.kernel.forward(call)
+
+
+def test_select_reads_the_backend_table():
+    assert kernels.select("auto", torch.device("cpu")) is kernels.CPU
+    assert kernels.select("eager", torch.device("cpu")) is kernels.Reference
+    for name, b in kernels.BACKENDS.items():
+        if "cpu" in b.devices:
+            assert kernels.select(name, torch.device("cpu"), torch.float64) is b.kernel
+        else:
+            with pytest.raises(ValueError, match=f"backend {name!r} needs CUDA tensors, got cpu"):
+                kernels.select(name, torch.device("cpu"))

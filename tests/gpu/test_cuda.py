@@ -78,12 +78,11 @@ def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
     v = torch.randn(sum(lk), hkv, dv, device="cuda", generator=g, dtype=torch.float64)
     q16, k16, v16 = (x.bfloat16().requires_grad_(True) for x in (q, k, v))
     scale = d**-0.5
-    ref, ref_lse = kernels.Reference.forward(
-        q16.double(), k16.double(), v16.double(), _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale
-    )
-    out, lse, *aux = impl.forward(
-        q16.detach(), k16.detach(), v16.detach(), _cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale
-    )
+    args = (_cu(lq), _cu(lk), max(lq), max(lk), causal, window, scale)
+    ref_call = kernels.KernelCall(q16.double(), k16.double(), v16.double(), *args)
+    ref, ref_lse = kernels.Reference.forward(ref_call)
+    call = kernels.KernelCall(q16.detach(), k16.detach(), v16.detach(), *args)
+    out, lse, *aux = impl.forward(call)
     plain = _math_entries(q16, k16, v16, lq, lk, causal, window, scale)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (sum(lq), 8)
     assert out.shape == (sum(lq), 8, dv)
@@ -91,37 +90,8 @@ def test_cuda_primitive_bf16_within_twice_plain_error(name, case):
     assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
     dout = torch.randn(out.shape, device="cuda", generator=g, dtype=torch.float64).bfloat16()
     plain.backward(dout)
-    rq, rk, rv = kernels.Reference.backward(
-        dout.double(),
-        q16.double(),
-        k16.double(),
-        v16.double(),
-        ref,
-        ref_lse,
-        _cu(lq),
-        _cu(lk),
-        max(lq),
-        max(lk),
-        causal,
-        window,
-        scale,
-    )
-    got = impl.backward(
-        dout,
-        q16.detach(),
-        k16.detach(),
-        v16.detach(),
-        out,
-        lse,
-        _cu(lq),
-        _cu(lk),
-        max(lq),
-        max(lk),
-        causal,
-        window,
-        scale,
-        aux=aux[0] if aux else None,
-    )
+    rq, rk, rv = kernels.Reference.backward(ref_call, dout.double(), ref, ref_lse)
+    got = impl.backward(call, dout, out, lse, aux[0] if aux else None)
     for mine, pl, r in zip(got, (q16.grad, k16.grad, v16.grad), (rq, rk, rv)):
         assert (mine.double() - r).abs().max() <= 2 * (pl.double() - r).abs().max() + 1e-6
 
@@ -139,8 +109,9 @@ def test_cuda_head_padding_changes_nothing():
     runs = []
     for pad in (0, 16 - d):
         x = [F.pad(t, (0, pad)) for t in (q, k, v, dout)]
-        out, lse, *aux = impl.forward(*x[:3], *args)
-        grads = impl.backward(x[3], *x[:3], out, lse, *args, aux=aux[0] if aux else None)
+        call = kernels.KernelCall(*x[:3], *args)
+        out, lse, *aux = impl.forward(call)
+        grads = impl.backward(call, x[3], out, lse, aux[0] if aux else None)
         runs.append([t[..., :d].float() for t in (out, *grads)] + [lse])
     for a, b in zip(*runs):
         assert (a - b).abs().max() <= 2**-8 * a.abs().max(), float((a - b).abs().max())
@@ -157,19 +128,19 @@ def test_cuda_primitive_rows_without_keys(name):
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(n, h, 64, device="cuda", generator=g).bfloat16() for n, h in ((14, 8), (12, 2), (12, 2)))
     args = (_cu(lq), _cu(lk), max(lq), max(lk), True, None, scale)
-    ref, ref_lse = kernels.Reference.forward(q.double(), k.double(), v.double(), *args)
-    out, lse, *aux = impl.forward(q, k, v, *args)
+    ref_call = kernels.KernelCall(q.double(), k.double(), v.double(), *args)
+    ref, ref_lse = kernels.Reference.forward(ref_call)
+    call = kernels.KernelCall(q, k, v, *args)
+    out, lse, *aux = impl.forward(call)
     none = torch.isinf(ref_lse)  # rows 0-2 and 6-8
     assert int(none.all(1).sum()) == 6
     assert torch.equal(torch.isinf(lse), none) and bool((lse[none] < 0).all())
     assert bool((out[none.all(1)] == 0).all())
     assert (out.double() - ref).abs().max() < 3e-2 and (lse.double() - ref_lse)[~none].abs().max() < 1e-3
     dout = torch.randn(out.shape, device="cuda", generator=g).bfloat16()
-    got = impl.backward(dout, q, k, v, out, lse, *args, aux=aux[0] if aux else None)
+    got = impl.backward(call, dout, out, lse, aux[0] if aux else None)
     # the float64 reference with +inf where no key (exp(S - lse) = 0 there; -inf would give NaN in its formula)
-    want = kernels.Reference.backward(
-        dout.double(), q.double(), k.double(), v.double(), ref, ref_lse.masked_fill(none, float("inf")), *args
-    )
+    want = kernels.Reference.backward(ref_call, dout.double(), ref, ref_lse.masked_fill(none, float("inf")))
     for mine, r in zip(got, want):
         assert mine.shape == r.shape and bool(torch.isfinite(mine).all())
         assert (mine.double() - r).abs().max() <= 0.05 * r.abs().max() + 1e-3

@@ -44,8 +44,13 @@ def test_dense_kernels_bf16_within_twice_plain_error(kernel, causal, lq, lk, hkv
         torch.randn(3, n, h, d, device="cuda", generator=g).bfloat16() for n, h in ((lq, 8), (lk, hkv), (lk, hkv))
     )
     scale = d**-0.5
-    ref, ref_lse, _ = DenseReference.forward(q16.double(), k16.double(), v16.double(), causal, scale)
-    out, lse, aux = kernel.forward(q16, k16, v16, causal, scale)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  (B, L, H, D) <-> the kernels' (B, H, L, D)
+    ref, ref_lse, _ = (
+        t(x) if x is not None else None
+        for x in DenseReference.forward(t(q16.double()), t(k16.double()), t(v16.double()), causal, scale)
+    )
+    out, lse, aux = kernel.forward(t(q16), t(k16), t(v16), causal, scale)
+    out, lse = t(out), t(lse)
     assert out.shape == (3, lq, 8, d) and lse.shape == (3, lq, 8) and lse.dtype == torch.float32
     assert (lse.double() - ref_lse).abs().max() < 1e-3
     xs = [x.clone().requires_grad_(True) for x in (q16, k16, v16)]
@@ -53,8 +58,11 @@ def test_dense_kernels_bf16_within_twice_plain_error(kernel, causal, lq, lk, hkv
     assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + 1e-6
     dout = torch.randn(out.shape, device="cuda", generator=g).bfloat16()
     plain.backward(dout)
-    want = DenseReference.backward(dout.double(), q16.double(), k16.double(), v16.double(), ref, ref_lse, causal, scale)
-    got = kernel.backward(dout, q16, k16, v16, out, lse, causal, scale, aux)
+    want = [
+        t(g)
+        for g in DenseReference.backward(*(t(x.double()) for x in (dout, q16, k16, v16, ref, ref_lse)), causal, scale)
+    ]
+    got = [t(g) for g in kernel.backward(*(t(x) for x in (dout, q16, k16, v16, out, lse)), causal, scale, aux)]
     for mine, x, r in zip(got, xs, want):
         assert mine.shape == x.shape
         assert (mine.double() - r).abs().max() <= 2 * (x.grad.double() - r).abs().max() + 1e-6

@@ -1,10 +1,10 @@
 """Run a row's attention cascade (``layout.calls``) on the primitive and merge it by log-sum-exp.
 
-Forward: each call gives (out_i, lse_i) for its rows; lse = logsumexp_i lse_i and
-out = sum_i exp(lse_i - lse) * out_i. Backward: each call's kernel backward, given the *merged*
-out and lse, is exactly that call's share of dQ, dK, dV (see ``attention.kernels``). Keys enter
-as views of the row's K/V, as the cached tensors of earlier passes (leaves that accumulate dK,
-dV), or, under a window, gathered by one index; autograd routes their gradients.
+Forward: each call (one ``KernelCall`` of the primitive) gives (out_i, lse_i) for its rows; lse = logsumexp_i
+lse_i and out = sum_i exp(lse_i - lse) * out_i (``attention.merge``, piece by piece). Backward: each call's
+kernel backward, given the *merged* out and lse, is exactly that call's share of dQ, dK, dV (see
+``attention.kernels``). Keys enter as views of the row's K/V, as the cached tensors of earlier passes (leaves that
+accumulate dK, dV), or, under a window, gathered by one index; autograd routes their gradients.
 
 Notation: L = row length, H = query heads, Hkv = key/value heads, D / Dv = head dims.
 """
@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from sharedprefix.attention.kernels.contract import KernelCall
 from sharedprefix.attention.kernels.dense import dense_for
+from sharedprefix.attention.merge import merge_parts, sum_parts
 from sharedprefix.layout.calls import Cascade
 
 
@@ -55,25 +57,15 @@ def merged_forward(impl, dense, calls, device, scale: float, softcap, sinks, q: 
     """(out (L, H, Dv) in q's dtype, lse (L, H) float32 / float64, per-call kernel aux) of the calls merged by
     log-sum-exp, with the sinks' logits; ``kv``: each call's keys and values in turn (k_0, v_0, k_1, v_1, ...)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    outs, lses, auxes = [], [], []
+    parts, auxes = [], []
     for i, c in enumerate(calls):
-        o, m, aux = _call_forward(
-            impl, dense, c, q[c.q_start : c.q_end], kv[2 * i], kv[2 * i + 1], device, scale, softcap
+        ps, aux = _call_forward(
+            impl, dense, c, _rows(q, c.q_start, c.q_end), kv[2 * i], kv[2 * i + 1], device, scale, softcap
         )
-        outs.append(o)
-        lses.append(m.to(acc))
+        parts += [(c.q_start + a, c.q_start + b, o, m) for a, b, o, m in ps]
         auxes.append(aux)
-    if len(calls) == 1:
-        out, lse = outs[0], lses[0]
-    else:
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device)
-        for c, m in zip(calls, lses):
-            lse[c.q_start : c.q_end] = torch.logaddexp(lse[c.q_start : c.q_end], m)
-        merged = torch.zeros(q.shape[0], q.shape[1], outs[0].shape[-1], dtype=acc, device=q.device)
-        for c, o, m in zip(calls, outs, lses):
-            w = torch.exp(m - lse[c.q_start : c.q_end]).nan_to_num_(0.0)  # -inf - -inf: rows with no key
-            merged[c.q_start : c.q_end] += w[..., None] * o.to(acc)
-        out = merged.to(q.dtype)
+    out, lse = merge_parts(parts, q.shape[0], acc)
+    out = out.to(q.dtype)
     if sinks is not None:
         lse_s = torch.logaddexp(lse, sinks.to(acc)[None, :])
         out = (torch.exp(lse - lse_s).nan_to_num_(0.0)[..., None] * out.to(acc)).to(q.dtype)
@@ -81,96 +73,127 @@ def merged_forward(impl, dense, calls, device, scale: float, softcap, sinks, q: 
     return out, lse, auxes
 
 
+def _rows(x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """``x[r0:r1]``, without an op where that is all of ``x``."""
+    return x if r0 == 0 and r1 == x.shape[0] else x[r0:r1]
+
+
 def merged_backward(ctx, dout, q, out, lse, sinks, kv, sinks_grad: bool) -> tuple:
     """(dq, [dk_0, dv_0, dk_1, ...], dsinks or None) of ``merged_forward``; ``ctx`` holds its impl, dense, calls,
     device, scale, softcap and auxes."""
-    dq = torch.zeros_like(q)
-    grads = []
+    parts, grads = [], []
     for i, c in enumerate(ctx.calls):
-        s = slice(c.q_start, c.q_end)
-        gq, gk, gv = _call_backward(ctx, c, ctx.auxes[i], dout[s], q[s], kv[2 * i], kv[2 * i + 1], out[s], lse[s])
-        dq[s] += gq
+        r = (c.q_start, c.q_end)
+        ps, gk, gv = _call_backward(
+            ctx,
+            c,
+            ctx.auxes[i],
+            _rows(dout, *r),
+            _rows(q, *r),
+            kv[2 * i],
+            kv[2 * i + 1],
+            _rows(out, *r),
+            _rows(lse, *r),
+        )
+        parts += [(c.q_start + a, c.q_start + b, g) for a, b, g in ps]
         grads += [gk, gv]
     dsinks = None
     if sinks_grad:
         acc = lse.dtype
         delta = (dout.to(acc) * out.to(acc)).sum(-1)  # (L, H)
         dsinks = -(torch.exp(sinks.to(acc)[None, :] - lse) * delta).sum(0).to(sinks.dtype)
-    return dq, grads, dsinks
+    return sum_parts(parts, q), grads, dsinks
 
 
-def _call_forward(impl, dense, c, q, k, v, device, scale, softcap):
-    """One call's (out, lse, aux): the varlen primitive, or, where ``dense`` is a kernel and the call splits into
-    dense pieces (``layout.dense``), each piece on its kernel, concatenated along the queries."""
+def _call_forward(impl, dense, c, q, k, v, device, scale, softcap) -> tuple[list, object]:
+    """One call's parts [(r0, r1, out, lse)] (rows r0..r1 of the call's queries) and its aux: the varlen primitive
+    (one part), or, where ``dense`` is a kernel and the call splits into dense pieces (``layout.dense``), each piece
+    on its kernel (a part each)."""
     parts = c.pieces(device) if dense is not None else None
     if parts is None:
         cu_q, cu_k, _ = c.on(device)
-        o, m, *aux = impl.forward(
-            q, k, v, cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, scale, **_cap(softcap)
-        )
-        return o, m, aux[0] if aux else None
-    outs, lses, auxes = [], [], []
+        call = KernelCall(q, k, v, cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, scale, softcap)
+        o, m, *aux = impl.forward(call)
+        return [(0, q.shape[0], o, m)], aux[0] if aux else None
+    outs, auxes = [], []
     for p, (cu_q, cu_k), pad in parts:
-        qp, kp, vp = q[p.q0 : p.q1], k[p.k0 : p.k1], v[p.k0 : p.k1]
         if p.shape is None:
-            o, m, *aux = impl.forward(qp, kp, vp, cu_q, cu_k, p.max_q, p.max_k, c.causal, None, scale)
+            qp, kp, vp = _rows(q, p.q0, p.q1), _rows(k, p.k0, p.k1), _rows(v, p.k0, p.k1)
+            o, m, *aux = impl.forward(KernelCall(qp, kp, vp, cu_q, cu_k, p.max_q, p.max_k, c.causal, None, scale))
             aux = aux[0] if aux else None
-        else:
-            bq, bk = (p.batch, p.shape[0]), (p.batch, p.shape[1])
-            if pad is not None:
-                qp, kp, vp = (_padded(x, pad, p.batch * p.shape[0]) for x in (qp, kp, vp))
-            o, m, aux = dense.forward(
-                qp.view(*bq, *qp.shape[1:]), kp.view(*bk, *kp.shape[1:]), vp.view(*bk, *vp.shape[1:]), c.causal, scale
-            )
-            o, m = o.reshape(-1, *o.shape[2:]), m.reshape(-1, m.shape[-1])  # (B * Lq, H, Dv), (B * Lq, H)
-            if pad is not None:
-                o, m = o.index_select(0, pad), m.index_select(0, pad)
-        outs.append(o)
-        lses.append(m)
+        elif pad is None:
+            (lq, lk), b = p.shape, p.batch
+            qb, kb, vb = _bhld(q, p.q0, b, lq), _bhld(k, p.k0, b, lk), _bhld(v, p.k0, b, lk)
+            o, m, aux = dense.forward(qb, kb, vb, c.causal, scale)
+            o, m = _unbhld(o), _unbhld(m)  # (B * Lq, H, Dv), (B * Lq, H)
+        else:  # right-padded to (B, W): every padded row a copy of a real one (``Piece.padding``)
+            gather, entry, at = pad
+            qb, kb, vb = (_bhld(x.index_select(0, gather), 0, p.batch, p.shape[0]) for x in (q, k, v))
+            o, m, aux = dense.forward(qb, kb, vb, c.causal, scale)
+            o, m = o.transpose(1, 2)[entry, at], m.transpose(1, 2)[entry, at]  # the real rows: (n, H, Dv), (n, H)
+        outs.append((p.q0, p.q1, o, m))
         auxes.append(aux)
-    return torch.cat(outs), torch.cat(lses), auxes
+    return outs, auxes
 
 
-def _call_backward(ctx, c, aux, dout, q, k, v, out, lse):
-    """One call's share (dq, dk, dv) of the merged attention's gradient, piece by piece as it ran forward. A padded
-    piece's pad rows get zero queries, zero dout, zero out and lse = 0: their probabilities are finite (exp(0 - 0)
-    over visible keys) and their dS = P * (dO V^T - rowsum(dO * out)) is exactly 0, so they add nothing."""
+def _bhld(x: torch.Tensor, r0: int, b: int, n: int) -> torch.Tensor:
+    """Rows r0 .. r0 + b * n of ``x`` (T, H, ...) as (b, H, n, ...): a strided view, one op."""
+    st = x.stride()
+    shape, stride = (b, x.shape[1], n, *x.shape[2:]), (n * st[0], st[1], st[0], *st[2:])
+    return x.as_strided(shape, stride, x.storage_offset() + r0 * st[0])
+
+
+def _unbhld(x: torch.Tensor) -> torch.Tensor:
+    """(b, H, n, ...) -> (b * n, H, ...): a strided view (one op) for b = 1, else a copy."""
+    b, h, n = x.shape[:3]
+    if b > 1:
+        return x.transpose(1, 2).reshape(b * n, h, *x.shape[3:])
+    st = x.stride()
+    return x.as_strided((n, h, *x.shape[3:]), (st[2], st[1], *st[3:]), x.storage_offset())
+
+
+def _call_backward(ctx, c, aux, dout, q, k, v, out, lse) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """One call's share of the merged attention's gradient, piece by piece as it ran forward: its dq parts
+    [(r0, r1, dq of the call's query rows r0..r1)], dk, dv. A padded piece's pad rows are copies of real rows
+    (``Piece.padding``), with zero dout: their dV share P^T dO is 0, their dS = P * (dO V^T - rowsum(dO * out)) is 0
+    (P <= 1: a pad query copies the last real query of its entry and sees only keys that query sees), so they add
+    nothing to dK, dV; their own dq, dk, dv are dropped."""
     parts = c.pieces(ctx.device) if ctx.dense is not None else None
     if parts is None:
         cu_q, cu_k, _ = c.on(ctx.device)
-        args = (cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ctx.scale)
-        return ctx.impl.backward(dout, q, k, v, out, lse, *args, aux=aux, **_cap(ctx.softcap))
+        call = KernelCall(
+            q, k, v, cu_q, cu_k, c.max_seqlen_q, c.max_seqlen_k, c.causal, c.window, ctx.scale, ctx.softcap
+        )
+        gq, gk, gv = ctx.impl.backward(call, dout, out, lse, aux)
+        return [(0, q.shape[0], gq)], gk, gv
     dqs, dks, dvs = [], [], []
     for (p, (cu_q, cu_k), pad), a in zip(parts, aux):
-        rq, rk = slice(p.q0, p.q1), slice(p.k0, p.k1)
-        xs = [dout[rq], q[rq], k[rk], v[rk], out[rq], lse[rq]]
         if p.shape is None:
-            gq, gk, gv = ctx.impl.backward(*xs, cu_q, cu_k, p.max_q, p.max_k, c.causal, None, ctx.scale, aux=a)
+            rq, rk = (p.q0, p.q1), (p.k0, p.k1)
+            d_o, qq, oo, mm = (_rows(x, *rq) for x in (dout, q, out, lse))
+            call = KernelCall(qq, _rows(k, *rk), _rows(v, *rk), cu_q, cu_k, p.max_q, p.max_k, c.causal, None, ctx.scale)
+            gq, gk, gv = ctx.impl.backward(call, d_o, oo, mm, a)
+        elif pad is None:
+            (lq, lk), b = p.shape, p.batch
+            d_o, qq, oo, mm = (_bhld(x, p.q0, b, lq) for x in (dout, q, out, lse))
+            kk, vv = _bhld(k, p.k0, b, lk), _bhld(v, p.k0, b, lk)
+            grads = ctx.dense.backward(d_o, qq, kk, vv, oo, mm, c.causal, ctx.scale, a)
+            gq, gk, gv = (_unbhld(g) for g in grads)
         else:
-            if pad is not None:
-                xs = [_padded(x, pad, p.batch * p.shape[0]) for x in xs]
-            lq, lk = p.shape
-            b = p.batch
-            d_o, qq, kk, vv, oo, mm = (x.view(b, lk if i in (2, 3) else lq, *x.shape[1:]) for i, x in enumerate(xs))
-            gq, gk, gv = (
-                g.reshape(-1, *g.shape[2:]) for g in ctx.dense.backward(d_o, qq, kk, vv, oo, mm, c.causal, ctx.scale, a)
-            )
-            if pad is not None:
-                gq, gk, gv = (g.index_select(0, pad) for g in (gq, gk, gv))
-        dqs.append(gq)
+            gather, entry, at = pad
+            qq, kk, vv, oo, mm = (_bhld(x.index_select(0, gather), 0, p.batch, p.shape[0]) for x in (q, k, v, out, lse))
+            d_o = dout.new_zeros(p.batch, p.shape[0], *dout.shape[1:])
+            d_o[entry, at] = _rows(dout, p.q0, p.q1)
+            grads = ctx.dense.backward(d_o.transpose(1, 2), qq, kk, vv, oo, mm, c.causal, ctx.scale, a)
+            gq, gk, gv = (g.transpose(1, 2)[entry, at] for g in grads)
+        dqs.append((p.q0, p.q1, gq))
         dks.append(gk)
         dvs.append(gv)
-    return torch.cat(dqs), torch.cat(dks), torch.cat(dvs)
+    return dqs, _cat(dks), _cat(dvs)
 
 
-def _padded(x: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
-    """(n, ...) real rows -> (rows, ...) with them at ``index`` and zeros elsewhere (a right-padded batch)."""
-    return x.new_zeros(rows, *x.shape[1:]).index_copy_(0, index, x)
-
-
-def _cap(softcap) -> dict:
-    """The kernels' softcap keyword, only when there is one (implementations without soft-capping lack it)."""
-    return {} if softcap is None else {"softcap": softcap}
+def _cat(xs: list[torch.Tensor]) -> torch.Tensor:
+    return xs[0] if len(xs) == 1 else torch.cat(xs)
 
 
 def call_keys(call, k: torch.Tensor, v: torch.Tensor, read_kv):

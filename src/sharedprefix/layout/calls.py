@@ -29,6 +29,7 @@ Notation: L = row length, B = entries of a call, K = keys of a call.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -82,14 +83,14 @@ class Call:
 
     def pieces(self, device) -> list | None:
         """The call's dense split (``layout.dense.pieces``), None where it stays one varlen call; each piece with
-        its index tensors on ``device``: (piece, (cu_q, cu_k) of a varlen piece, pad index of a padded piece)."""
+        its index tensors on ``device``: (piece, (cu_q, cu_k) of a varlen piece, ``Piece.padding()`` of a padded
+        piece or None)."""
         key = ("pieces", str(device))
         if key not in self._on:
             ps = dense_pieces(self)
             on = lambda t: None if t is None else t.to(device)  # noqa: E731
-            self._on[key] = (
-                None if ps is None else [(p, (on(p.cu_q), on(p.cu_k)), p.lens and on(p.pad_index())) for p in ps]
-            )
+            pad = lambda p: None if p.lens is None else tuple(on(t) for t in p.padding())  # noqa: E731
+            self._on[key] = None if ps is None else [(p, (on(p.cu_q), on(p.cu_k)), pad(p)) for p in ps]
         return self._on[key]
 
 
@@ -102,10 +103,8 @@ class Cascade:
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if lengths:
-        out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
-    return out
+    """(len(lengths) + 1,) int32 offsets 0, l0, l0 + l1, ...: summed on the host, one tensor (one op)."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
 
 
 def build_cascade(layout, window: int | None, repeat_prefix: bool = False, chunk: int | None = None) -> Cascade:
@@ -173,7 +172,8 @@ def _causal_cascade(layout, window: int | None, repeat_prefix: bool, chunk: int 
         return _windowed(layout, window)
     lens = [segs[s].length for s in order]
     row = [KeySource(start=0, end=layout.length)]
-    calls = [Call(0, layout.length, row, None, _cu(lens), _cu(lens), max(lens), max(lens), causal=True)]
+    cu = _cu(lens)  # one tensor for queries and keys: every segment on itself
+    calls = [Call(0, layout.length, row, None, cu, cu, max(lens), max(lens), causal=True)]
     for d in sorted({layout.depth[s] for s in order} - {0}):
         xs = [s for s in order if layout.depth[s] == d]
         q0, q1 = layout.row_start[xs[0]], layout.row_end[xs[-1]]

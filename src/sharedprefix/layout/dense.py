@@ -58,7 +58,23 @@ class Piece:
         """(sum lens,) int64: where each real row of a padded piece sits among its B * W padded rows."""
         assert self.shape is not None and self.lens is not None, "pad_index of a piece that is not padded"
         w = self.shape[0]
-        return torch.cat([torch.arange(n) + b * w for b, n in enumerate(self.lens)])
+        return torch.tensor([b * w + i for b, n in enumerate(self.lens) for i in range(n)], dtype=torch.int64)
+
+    def padding(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A padded piece's index tensors, int64: ``gather`` (B * W,), for each padded row the call's row it copies
+        (its own, or for a pad row the last real row of its entry: a pad query then sees only keys that row sees, so
+        its probabilities stay at most 1, and a pad key or value is never seen by a real query, causal); ``entry`` and
+        ``at`` (sum lens,), the entry and the place in it of each real row (where it sits in the (B, H, W) output)."""
+        assert self.shape is not None and self.lens is not None, "padding of a piece that is not padded"
+        assert self.q0 == self.k0, "a padded piece is causal with square entries: its queries and keys align"
+        w, gather, entry, at, r = self.shape[0], [], [], [], self.q0
+        for b, n in enumerate(self.lens):
+            gather += [r + min(i, n - 1) for i in range(w)]
+            entry += [b] * n
+            at += list(range(n))
+            r += n
+        g, e, a = (torch.tensor(x, dtype=torch.int64) for x in (gather, entry, at))
+        return g, e, a
 
 
 def pieces(call) -> list[Piece] | None:

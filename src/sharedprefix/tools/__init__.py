@@ -1,5 +1,6 @@
-"""Tools beside the library core: benchmarks (``bench``, ``bench_tree``, ``bench_vl``), the plain per-row
-reference computation (``reference``), ``sp.verify`` (``verify``) and the model zoo (``zoo``).
+"""Tools beside the library core: benchmarks (``bench``, ``bench_tree``, ``bench_vl``), the aten-op count of a step
+against the plain one (``opcount``), the plain per-row reference computation (``reference``), ``sp.verify``
+(``verify``) and the model zoo (``zoo``).
 
 The core (layout, attention, schedule, model, parallel, api) never imports this package; ``sp.verify`` is
 resolved lazily, and ``verify`` registers the opt-in first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) with

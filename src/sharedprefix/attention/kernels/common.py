@@ -60,3 +60,15 @@ def softcapped(s: torch.Tensor, softcap: float | None):
 
 def pad_last(x: torch.Tensor, d: int) -> torch.Tensor:
     return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
+
+
+def cut_last(x: torch.Tensor, d: int) -> torch.Tensor:
+    """The first ``d`` columns of the last dim; no op where that is all of them."""
+    return x if x.shape[-1] == d else x[..., :d]
+
+
+def lse_in(lse: torch.Tensor) -> torch.Tensor:
+    """A merged lse with -inf (a query that sees no key) as +inf, so that a kernel's backward P = exp(S - lse) is 0
+    there, not NaN (one op)."""
+    inf = float("inf")
+    return lse.nan_to_num(posinf=inf, neginf=inf)

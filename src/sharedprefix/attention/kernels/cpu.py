@@ -17,6 +17,7 @@ from sharedprefix.attention.kernels.common import (
     repeat_heads,
     softcapped,
 )
+from sharedprefix.attention.kernels.contract import KernelCall
 
 TILE = 256  # query rows per CPU kernel call when a local mask is needed
 KEY_BLOCK = 1024  # keys per block of the explicit soft-capped CPU path: (TILE, H, KEY_BLOCK) scores at most
@@ -52,9 +53,11 @@ class CPU:
         return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
 
     @staticmethod
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, softcap=None):
-        if softcap is not None:
-            return _softcap_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, scale, softcap)
+    def forward(call: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, causal, window, scale = call.q, call.k, call.v, call.causal, call.window, call.scale
+        cu_seqlens_q, cu_seqlens_k = call.cu_seqlens_q, call.cu_seqlens_k
+        if call.softcap is not None:
+            return _softcap_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, window, scale, call.softcap)
         op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
         n = q.shape[1] // k.shape[1]
         dv_, d = v.shape[-1], max(q.shape[-1], v.shape[-1])
@@ -79,26 +82,12 @@ class CPU:
         return out[..., :dv_], lse
 
     @staticmethod
-    def backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        window,
-        scale,
-        aux=None,
-        softcap=None,
-    ):
-        if softcap is not None:
+    def backward(call: KernelCall, dout, out, lse, aux=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, causal, window, scale = call.q, call.k, call.v, call.causal, call.window, call.scale
+        cu_seqlens_q, cu_seqlens_k = call.cu_seqlens_q, call.cu_seqlens_k
+        if call.softcap is not None:
             return _softcap_backward(
-                dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, window, scale, softcap
+                dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, causal, window, scale, call.softcap
             )
         bop = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         n = q.shape[1] // k.shape[1]

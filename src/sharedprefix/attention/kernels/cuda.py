@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from sharedprefix.attention.kernels.common import pad_last
+from sharedprefix.attention.kernels.contract import KernelCall, refuse_softcap
 
 
 def _flash_window(causal: bool, window: int | None, max_seqlen_k: int) -> tuple[int, int]:
@@ -55,22 +56,23 @@ class CUDA:
     SOFTCAP = False
 
     @staticmethod
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale):
-        wl, wr = _flash_window(causal, window, max_seqlen_k)
-        dv_, d = v.shape[-1], _flash_dim(q, v)
-        q, k, v = (pad_last(x, d).contiguous() for x in (q, k, v))
+    def forward(call: KernelCall) -> tuple:
+        refuse_softcap(CUDA.name, call)
+        wl, wr = _flash_window(call.causal, call.window, call.max_seqlen_k)
+        dv_, d = call.v.shape[-1], _flash_dim(call.q, call.v)
+        q, k, v = (pad_last(x, d).contiguous() for x in (call.q, call.k, call.v))
         res = torch.ops.aten._flash_attention_forward(
             q,
             k,
             v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
+            call.cu_seqlens_q,
+            call.cu_seqlens_k,
+            call.max_seqlen_q,
+            call.max_seqlen_k,
             0.0,
-            causal,
+            call.causal,
             False,
-            scale=scale,
+            scale=call.scale,
             window_size_left=wl,
             window_size_right=wr,
         )
@@ -78,10 +80,10 @@ class CUDA:
         return _cut_last(res[0], dv_), _lse_from_flash(res[1]), (res[2], res[3])
 
     @staticmethod
-    def backward(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, aux=None
-    ):
-        wl, wr = _flash_window(causal, window, max_seqlen_k)
+    def backward(call: KernelCall, dout, out, lse, aux=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        refuse_softcap(CUDA.name, call)
+        wl, wr = _flash_window(call.causal, call.window, call.max_seqlen_k)
+        q, k, v = call.q, call.k, call.v
         if aux is None:  # the kernel reads the RNG state only under dropout, which is 0 here
             aux = (torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device))
         rng, unused = aux
@@ -94,15 +96,15 @@ class CUDA:
             v,
             out,
             _lse_to_flash(lse),
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
+            call.cu_seqlens_q,
+            call.cu_seqlens_k,
+            call.max_seqlen_q,
+            call.max_seqlen_k,
             0.0,
-            causal,
+            call.causal,
             rng,
             unused,
-            scale=scale,
+            scale=call.scale,
             window_size_left=wl,
             window_size_right=wr,
         )
@@ -130,48 +132,33 @@ class FlashAttn:
     SOFTCAP = True  # flash-attn's varlen kernels take softcap (not run here: see the class docstring)
 
     @staticmethod
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, softcap=None):
+    def forward(call: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
         fa = _flash_attn_interface()
-        wl, wr = _flash_window(causal, window, max_seqlen_k)
-        dv_, d = v.shape[-1], _flash_dim(q, v)
-        q, k, v = (pad_last(x, d).contiguous() for x in (q, k, v))
+        wl, wr = _flash_window(call.causal, call.window, call.max_seqlen_k)
+        dv_, d = call.v.shape[-1], _flash_dim(call.q, call.v)
+        q, k, v = (pad_last(x, d).contiguous() for x in (call.q, call.k, call.v))
         out, lse, _, _ = fa._flash_attn_varlen_forward(
             q,
             k,
             v,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
+            call.cu_seqlens_q,
+            call.cu_seqlens_k,
+            call.max_seqlen_q,
+            call.max_seqlen_k,
             0.0,
-            scale,
-            causal=causal,
+            call.scale,
+            causal=call.causal,
             window_size_left=wl,
             window_size_right=wr,
-            softcap=float(softcap or 0.0),
+            softcap=float(call.softcap or 0.0),
         )
         return _cut_last(out, dv_), _lse_from_flash(lse)  # (out, softmax_lse (H, Tq), S_dmask, rng_state)
 
     @staticmethod
-    def backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        window,
-        scale,
-        aux=None,
-        softcap=None,
-    ):
+    def backward(call: KernelCall, dout, out, lse, aux=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         fa = _flash_attn_interface()
-        wl, wr = _flash_window(causal, window, max_seqlen_k)
+        wl, wr = _flash_window(call.causal, call.window, call.max_seqlen_k)
+        q, k, v = call.q, call.k, call.v
         dh, dvh, d = q.shape[-1], v.shape[-1], _flash_dim(q, v)
         q, k, v, dout, out = (pad_last(x, d).contiguous() for x in (q, k, v, dout, out))
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -186,16 +173,16 @@ class FlashAttn:
             dq,
             dk,
             dv,
-            cu_seqlens_q,
-            cu_seqlens_k,
-            max_seqlen_q,
-            max_seqlen_k,
+            call.cu_seqlens_q,
+            call.cu_seqlens_k,
+            call.max_seqlen_q,
+            call.max_seqlen_k,
             0.0,
-            scale,
-            causal,
+            call.scale,
+            call.causal,
             wl,
             wr,
-            float(softcap or 0.0),
+            float(call.softcap or 0.0),
             None,
             False,
         )

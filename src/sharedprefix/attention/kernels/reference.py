@@ -12,6 +12,7 @@ from sharedprefix.attention.kernels.common import (
     repeat_heads,
     softcapped,
 )
+from sharedprefix.attention.kernels.contract import KernelCall
 
 
 class Reference:
@@ -30,11 +31,20 @@ class Reference:
         return s.masked_fill(~ok, float("-inf")), dcap
 
     @staticmethod
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale, softcap=None):
+    def forward(call: KernelCall) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, causal, window, scale, softcap = (
+            call.q,
+            call.k,
+            call.v,
+            call.causal,
+            call.window,
+            call.scale,
+            call.softcap,
+        )
         h, n = q.shape[1], q.shape[1] // k.shape[1]
         out = q.new_zeros(q.shape[0], h, v.shape[-1], dtype=torch.float64)
         lse = torch.full((q.shape[0], h), float("-inf"), dtype=torch.float64, device=q.device)
-        for q0, q1, k0, k1 in entry_bounds(cu_seqlens_q, cu_seqlens_k):
+        for q0, q1, k0, k1 in entry_bounds(call.cu_seqlens_q, call.cu_seqlens_k):
             if q1 == q0 or k1 == k0:
                 continue
             s, _ = Reference._scores(
@@ -47,28 +57,21 @@ class Reference:
         return out.to(q.dtype), lse.to(lse_dtype(q))
 
     @staticmethod
-    def backward(
-        dout,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        window,
-        scale,
-        aux=None,
-        softcap=None,
-    ):
+    def backward(call: KernelCall, dout, out, lse, aux=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, causal, window, scale, softcap = (
+            call.q,
+            call.k,
+            call.v,
+            call.causal,
+            call.window,
+            call.scale,
+            call.softcap,
+        )
         n = q.shape[1] // k.shape[1]
         dq = torch.zeros_like(q, dtype=torch.float64)
         dk = torch.zeros(k.shape[0], q.shape[1], k.shape[2], dtype=torch.float64, device=q.device)
         dv = torch.zeros(v.shape[0], q.shape[1], v.shape[2], dtype=torch.float64, device=q.device)
-        for q0, q1, k0, k1 in entry_bounds(cu_seqlens_q, cu_seqlens_k):
+        for q0, q1, k0, k1 in entry_bounds(call.cu_seqlens_q, call.cu_seqlens_k):
             if q1 == q0 or k1 == k0:
                 continue
             s, dcap = Reference._scores(
