@@ -207,7 +207,8 @@ def validate_groups(groups, vocab_size: int | None = None, streams: bool = False
         raise TypeError(f"groups is a {type(groups).__name__}; expected a list of sharedprefix.Group.")
     if len(groups) == 0:
         raise ValueError("groups is empty; expected at least one sharedprefix.Group.")
-    out, seqs = [], []  # seqs: (name, token ids) for one vocabulary check, run before any later error
+    out: list[Group] = []
+    seqs: list[tuple[str, torch.Tensor]] = []  # (name, ids) for one vocabulary check, run before any later error
     for gi, g in enumerate(groups):
         if not isinstance(g, Group):
             check_all_in_vocab(seqs, vocab_size)
