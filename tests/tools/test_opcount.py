@@ -2,23 +2,33 @@
 1.5x), at 4 and 16 layers of the tests' tiny Qwen3 (``tools.opcount``). On a GPU every op is a launch, and a small
 model's step is all launches: this keeps the per-layer and per-call overhead of the cascade from growing back.
 
-Measured (Dec 2026, torch 2.13 CPU, transformers 5.x, one group of a 48-token prompt and 8 completions of 6-14
-tokens, float64): before issue 41, 2504 / 1420 ops (1.76x) at 4 layers and 8648 / 4768 (1.81x) at 16; after,
-1877 / 1420 (1.32x) and 6245 / 4768 (1.31x)."""
+Measured (Dec 2026, torch 2.13 CPU, transformers 5.x, float64, one group of a 48-token prompt and 8 completions),
+ours / plain ops at 4 and 16 layers:
 
+- "ragged" (completions of 6-14 tokens): before issue 41, 2504 / 1420 (1.76x) and 8648 / 4768 (1.81x); after the
+  per-layer cuts, 1877 / 1420 (1.32x) and 6245 / 4768 (1.31x); after the host-built packing indices (one op per
+  index tensor, one vocabulary check per call), 1587 / 1420 (1.12x) and 5955 / 4768 (1.25x).
+- "equal" (8 x 8 tokens, nothing padded in the plain step): after the per-layer cuts, 1830 / 1185 (1.54x) and
+  6066 / 4317 (1.41x); after the host-built indices, 1540 / 1185 (1.30x) and 5776 / 4317 (1.34x).
+
+Per call ours is now about 130 ops against plain's 141-304; what is left is per layer (353-364 against 261-279)."""
+
+import pytest
 import torch
 
 from sharedprefix.tools import opcount
 
-BOUND = 1.4  # what the code reaches (1.32x), with a small margin; the issue's target is 1.5x
+# what the code reaches (1.25x ragged, 1.34x equal, both at 16 layers), with a small margin; the issue's target is 1.5x
+BOUND = {"ragged": 1.3, "equal": 1.4}
 
 
-def test_backward_step_dispatches_at_most_bound_times_the_plain_steps_ops():
-    res = opcount.measure((4, 16), dtype=torch.float64)
+@pytest.mark.parametrize("name", sorted(opcount.GROUPS))
+def test_backward_step_dispatches_at_most_bound_times_the_plain_steps_ops(name):
+    res = opcount.measure((4, 16), group=opcount.one_group(**opcount.GROUPS[name]), dtype=torch.float64)
     print("\n" + opcount.report(res, top=10))
     for layers, (ours, plain) in res.items():
         ratio = ours.total / plain.total
-        assert ratio <= BOUND, (layers, ours.total, plain.total, opcount.report(res, top=15))
+        assert ratio <= BOUND[name], (name, layers, ours.total, plain.total, opcount.report(res, top=15))
         assert ours.ops["_scaled_dot_product_flash_attention_for_cpu"] == 3 * layers  # the counter sees the cascade
 
 

@@ -185,6 +185,18 @@ def check_in_vocab(ids: torch.Tensor, vocab_size: int, what: str) -> None:
         )
 
 
+def check_all_in_vocab(seqs: Sequence[tuple[str, torch.Tensor]], vocab_size: int | None) -> None:
+    """``check_in_vocab`` of every ``(what, ids)`` pair in ``seqs`` (nothing when ``vocab_size`` is None), with a
+    few ops over their concatenation; on a bad id, the first bad sequence raises ``check_in_vocab``'s error."""
+    if vocab_size is None or not seqs:
+        return
+    flat = [ids if ids.dim() == 1 else ids.reshape(-1) for _, ids in seqs]
+    lo, hi = torch.stack(torch.aminmax(torch.cat(flat))).tolist()
+    if lo < 0 or hi >= vocab_size:
+        for what, ids in seqs:
+            check_in_vocab(ids, vocab_size, what)
+
+
 def validate_groups(groups, vocab_size: int | None = None, streams: bool = False) -> list[Group]:
     """Check a list of groups (and token ids against ``vocab_size``); return it as a list. Groups of frames
     ((K, length) token streams) are refused when ``vocab_size`` is given (a one-stream model's check), and
@@ -195,20 +207,24 @@ def validate_groups(groups, vocab_size: int | None = None, streams: bool = False
         raise TypeError(f"groups is a {type(groups).__name__}; expected a list of sharedprefix.Group.")
     if len(groups) == 0:
         raise ValueError("groups is empty; expected at least one sharedprefix.Group.")
-    out = []
+    out: list[Group] = []
+    seqs: list[tuple[str, torch.Tensor]] = []  # (name, ids) for one vocabulary check, run before any later error
     for gi, g in enumerate(groups):
         if not isinstance(g, Group):
+            check_all_in_vocab(seqs, vocab_size)
             raise TypeError(
                 f"groups[{gi}] is a {type(g).__name__}; expected sharedprefix.Group(prompt=..., completions=...)."
             )
         if g.streams and vocab_size is not None and not streams:
+            check_all_in_vocab(seqs, vocab_size)
             raise ValueError(
                 f"groups[{gi}] holds frames of {g.streams} token streams per position (a prompt of shape "
                 f"{tuple(g.prompt.shape)}), but the model reads one token per position. Pass 1-D token ids "
                 "(frames are for models with several token streams per position, such as MusicGen)."
             )
         if vocab_size is not None:
-            for what, ids in [("prompt", g.prompt)] + [(f"completions[{i}]", c) for i, c in enumerate(g.completions)]:
-                check_in_vocab(ids, vocab_size, f"groups[{gi}].{what}")
+            seqs.append((f"groups[{gi}].prompt", g.prompt))
+            seqs += [(f"groups[{gi}].completions[{i}]", c) for i, c in enumerate(g.completions)]
         out.append(g)
+    check_all_in_vocab(seqs, vocab_size)
     return out

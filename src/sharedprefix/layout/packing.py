@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
 import torch
 
 from sharedprefix.layout.tree import SegmentTree
@@ -107,20 +108,18 @@ def pack_row(
         depth[s] = len(anc)
     # segment ids number the tree in preorder, so (depth, id) keeps every level in tree order
     order = sorted(segments, key=lambda s: (depth[s], s))
-    row_start, pos, ids, off = {}, [], [], 0
+    row_start, off = {}, 0
     for s in order:
-        seg = segs[s]
         row_start[s] = off
-        ids.append(seg.tokens)
-        pos.append(torch.arange(seg.start, seg.end))
-        off += seg.length
-    position = torch.cat(pos)
+        off += segs[s].length
     reads = []
     for s in order:
         for a in tree.ancestors(s):
             if a not in row_start and a not in reads:
                 reads.append(a)
     segments = order
+    ids = torch.cat([segs[s].tokens for s in order])  # (L,)
+    position = np.concatenate([np.arange(segs[s].start, segs[s].end, dtype=np.int64) for s in order])
 
     # Token values: token j of a segment is predicted by token j - 1, token 0 by the parent's last token.
     L = off
@@ -130,29 +129,31 @@ def pack_row(
         seg = segs[s]
         if seg.computed is None:
             continue
-        j = torch.nonzero(seg.computed)[:, 0]
+        j = seg.cols  # ascending: only j[0] can be 0
         r = row_start[s]
         at = r + j - 1
-        if bool((j == 0).any()):
+        if j.size and j[0] == 0:
             if seg.parent in row_start:
-                first = row_end_of(row_start, segs, seg.parent) - 1
+                at[0] = row_end_of(row_start, segs, seg.parent) - 1
             else:
                 parent = cast(int, seg.parent)  # a token 0 with a prediction has a parent
                 if parent not in h_sources:
                     h_sources.append(parent)
-                first = L + h_sources.index(parent)
-            at = torch.where(j == 0, first, at)
+                at[0] = L + h_sources.index(parent)
         pred.append(at)
-        tgt.append(seg.tokens[j])
-        slot[s] = (m, m + j.numel())
-        m += j.numel()
+        tgt.append(r + j)
+        slot[s] = (m, m + len(j))
+        m += len(j)
     out_index, out_mask, v_sources = _row_index(tree, list(rows), slot, m, cached)
-    empty = torch.zeros(0, dtype=torch.int64)
-    cat = lambda xs: torch.cat(xs) if xs else empty  # noqa: E731
+    if pred:  # each index is built on the host and becomes a tensor once
+        pred_index = torch.from_numpy(np.concatenate(pred))
+        targets = ids[torch.from_numpy(np.concatenate(tgt))]
+    else:
+        pred_index = targets = torch.zeros(0, dtype=torch.int64)
     return RowLayout(
         segments=list(segments),
-        input_ids=torch.cat(ids)[None],
-        position_ids=position[None],
+        input_ids=ids[None],
+        position_ids=torch.from_numpy(position[None]),
         row_start=row_start,
         row_end={s: row_end_of(row_start, segs, s) for s in segments},
         tree=tree,
@@ -160,8 +161,8 @@ def pack_row(
         cached_reads=reads,
         record=list(record),
         h_sources=h_sources,
-        pred_index=cat(pred),
-        targets=cat(tgt),
+        pred_index=pred_index,
+        targets=targets,
         value_slot=slot,
         rows=list(rows),
         v_sources=v_sources,
@@ -175,13 +176,17 @@ def row_end_of(row_start, segs, s) -> int:
 
 
 def _row_index(tree: SegmentTree, rows: list[int], slot: dict, m: int, cached: set[int]):
-    """(n, W) index into ``cat([values (m,), cached values of v_sources...])``, (n, W) mask, and v_sources."""
+    """(n, W) index into ``cat([values (m,), cached values of v_sources...])``, (n, W) mask, and v_sources.
+
+    Built with numpy on the host: a computed token's value is ``base + rank``, its segment's first value in the
+    concatenation plus the number of computed tokens before it in the segment (its place in ``Segment.cols``)."""
     segs, W = tree.segments, tree.width
-    index = torch.zeros(len(rows), W, dtype=torch.int64)
-    mask = torch.zeros(len(rows), W, dtype=torch.bool)
+    index = np.zeros((len(rows), W), dtype=np.int64)
+    mask = np.zeros((len(rows), W), dtype=np.bool_)
     v_sources, v_at, off = [], {}, m
     for i, r in enumerate(rows):
         out = tree.rows[r]
+        trained = None if out.trained is None else out.trained.numpy()
         for s in tree.path(out.end):
             seg = segs[s]
             if seg.computed is None or seg.end <= out.col0:
@@ -199,12 +204,11 @@ def _row_index(tree: SegmentTree, rows: list[int], slot: dict, m: int, cached: s
                     f"output row {r} needs segment {s}, which is neither in the pass nor cached; "
                     "the plan must report a row only once all of its segments ran."
                 )
-            keep = seg.computed.clone()
-            if out.trained is not None:
-                keep &= out.trained[seg.start : seg.end]
-            rank = seg.computed.cumsum(0) - 1
-            cols = torch.arange(seg.start, seg.end) - out.col0
-            keep &= cols >= 0
-            index[i, cols[keep]] = base + rank[keep]
-            mask[i, cols[keep]] = True
-    return index, mask, v_sources
+            pos = seg.start + seg.cols  # positions of the computed tokens
+            keep = pos >= out.col0
+            if trained is not None:
+                keep &= trained[pos]
+            cols = pos[keep] - out.col0
+            index[i, cols] = base + np.flatnonzero(keep)
+            mask[i, cols] = True
+    return torch.from_numpy(index), torch.from_numpy(mask), v_sources

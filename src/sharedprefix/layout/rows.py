@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sharedprefix.layout.groups import as_ids, check_in_vocab
+from sharedprefix.layout.groups import as_ids, check_all_in_vocab
 
 
 def _as_mask(value, n: int, what: str) -> torch.Tensor:
@@ -89,5 +89,4 @@ class Tree:
     def check_vocab(self, vocab_size: int) -> None:
         if not self.rows:
             raise ValueError("the tree has no rows (a shard with nothing on this rank?); expected at least one row.")
-        for i, r in enumerate(self.rows):
-            check_in_vocab(r, vocab_size, f"rows[{i}]")
+        check_all_in_vocab([(f"rows[{i}]", r) for i, r in enumerate(self.rows)], vocab_size)

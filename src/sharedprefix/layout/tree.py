@@ -21,9 +21,12 @@ Notation: S = segments, N = output rows, W = output width (longest row in column
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from sharedprefix.layout.groups import Group
@@ -60,9 +63,17 @@ class Segment:
     def end(self) -> int:
         return self.start + self.length
 
+    @cached_property
+    def cols(self) -> np.ndarray:
+        """(n_computed,) int64, the offsets in this segment of its computed tokens, ascending; read once from
+        ``computed`` on the host (packing builds its index tensors from it with numpy)."""
+        if self.computed is None:
+            return np.zeros(0, dtype=np.int64)
+        return np.flatnonzero(self.computed.numpy()).astype(np.int64, copy=False)
+
     @property
     def n_computed(self) -> int:
-        return 0 if self.computed is None else int(self.computed.sum())
+        return len(self.cols)
 
 
 @dataclass(frozen=True)
@@ -92,15 +103,16 @@ class SegmentTree:
         self.prompt_chain: list[list[int]] = []  # per group: ids of its prompt segments, root first
         self.completion_ids: list[int] = []  # per completion n: its segment id
         self.group_completions: list[list[int]] = []  # per group: completion indices n
+        # every completion token is computed: one mask for all completions, one view of it per completion
+        lengths = [int(c.numel()) for g in self.groups for c in g.completions]
+        masks = iter(torch.ones(sum(lengths), dtype=torch.bool).split(lengths) if lengths else ())
         for gi, g in enumerate(self.groups):
             chain = self.add(None, g.prompt, group=gi, chunk=prompt_chunk)
             self.prompt_chain.append(chain)
             ns = []
             for c in g.completions:
                 n = len(self.completion_ids)
-                (sid,) = self.add(
-                    chain[-1], c, computed=torch.ones(c.numel(), dtype=torch.bool), group=gi, completion=n
-                )
+                (sid,) = self.add(chain[-1], c, computed=next(masks), group=gi, completion=n)
                 self.completion_ids.append(sid)
                 self.rows.append(OutRow(sid, int(g.prompt.numel())))
                 ns.append(n)
@@ -117,28 +129,23 @@ class SegmentTree:
     ) -> list[int]:
         """Append ``tokens`` below ``parent`` (as a chain of pieces of at most ``chunk`` tokens); returns their ids."""
         start = 0 if parent is None else self.segments[parent].end
-        step = chunk or max(1, tokens.numel())
+        n = int(tokens.numel())
+        step = chunk or max(1, n)
+        whole = step >= n  # one piece: the tensors as given, no slices
         ids = []
-        for a in range(0, tokens.numel(), step):
-            part = computed[a : a + step] if computed is not None else None
+        for a in range(0, n, step):
+            part = computed if computed is None or whole else computed[a : a + step]
             sid = len(self.segments)
             if parent is not None and self._subtree_end(parent) != sid:
                 raise ValueError("segments must be added in preorder (a subtree contiguous); this is a bug.")
-            self.segments.append(
-                Segment(
-                    sid,
-                    tokens[a : a + step],
-                    parent,
-                    start,
-                    group,
-                    completion,
-                    part if part is not None and bool(part.any()) else None,
-                )
-            )
+            seg = Segment(sid, tokens if whole else tokens[a : a + step], parent, start, group, completion, part)
+            if part is not None and not seg.cols.size:  # nothing computed: None, as for a prompt
+                seg = dataclasses.replace(seg, computed=None)
+            self.segments.append(seg)
             self.children.append([])
             if parent is not None:
                 self.children[parent].append(sid)
-            start += min(step, tokens.numel() - a)
+            start += min(step, n - a)
             parent = sid
             ids.append(sid)
         return ids

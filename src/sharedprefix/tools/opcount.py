@@ -15,7 +15,10 @@ one batch with an attention mask, one transformers forward, the loss, one backwa
 
 Counted per step at several depths, ops(layers) = per_call + per_layer * layers; ``fit`` gives both terms.
 
-    PYTHONPATH=src python -m sharedprefix.tools.opcount --layers 4 16 [--top 25]
+Two groups are measured (``GROUPS``): "ragged", 8 completions of 6-14 tokens, and "equal", 8 completions of 8
+tokens (the plain step pads nothing there, so its per-call ops are fewest).
+
+    PYTHONPATH=src python -m sharedprefix.tools.opcount --layers 4 16 [--groups ragged equal] [--top 25]
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ def one_group(prompt_len: int = 48, lengths=(9, 14, 6, 11, 14, 8, 12, 10), vocab
     g = torch.Generator().manual_seed(seed)
     p = torch.randint(0, vocab, (prompt_len,), generator=g)
     return sp.Group(p, [torch.randint(0, vocab, (n,), generator=g) for n in lengths])
+
+
+GROUPS = {"ragged": {}, "equal": {"lengths": (8,) * 8}}  # the measured groups: one_group(**GROUPS[name])
 
 
 def _loss(b):
@@ -191,8 +197,12 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 16])
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    ap.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
     args = ap.parse_args(argv)
-    print(report(measure(tuple(args.layers), dtype=getattr(torch, args.dtype)), args.top))
+    for name in args.groups:
+        group = one_group(**GROUPS[name])
+        print(f"== group {name}: {group!r}")
+        print(report(measure(tuple(args.layers), group=group, dtype=getattr(torch, args.dtype)), args.top) + "\n")
 
 
 if __name__ == "__main__":
