@@ -34,7 +34,7 @@ from sharedprefix import settings
 from sharedprefix.layout.groups import Group
 from sharedprefix.layout.rows import Tree
 from sharedprefix.model import mixers, router
-from sharedprefix.model.adapter import unwrap, uses_checkpointing
+from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.hooks import check_module_hooks
 from sharedprefix.parallel.detect import detect, sync_enabled
 from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
@@ -43,6 +43,8 @@ from sharedprefix.schedule.cache_path import calls as cache_path
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.executor import Executor
 from sharedprefix.schedule.options import CallOptions
+from sharedprefix.schedule.path import Path, choose_backward_path, choose_logprobs_path
+from sharedprefix.schedule.refusals import stop_every_rank
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
 
 if TYPE_CHECKING:
@@ -115,19 +117,20 @@ def logprobs(
         grad is enabled.
     """
     shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
-    opts = CallOptions.build(**shared, defer=defer, aux_loss=aux_loss)
+    opts = _options(model, False, **shared, defer=defer, aux_loss=aux_loss)
     check_module_hooks(model)
     seq = opts.sequence_group
     if seq is not None and (mixers.on_cache_path(unwrap(model)) or mixers.on_packed_path(unwrap(model))):
         refuse_hybrid(type(unwrap(model)).__name__, seq)
     if seq is not None and (aux_loss or (aux_loss is None and router.enabled(unwrap(model)))):
         refuse_aux(type(unwrap(model)).__name__)
-    if mixers.on_cache_path(unwrap(model)):
+    path = choose_logprobs_path(model, opts)
+    if path is Path.HYBRID:
         if aux_loss:
             router.refuse_hybrid(unwrap(model))
-        return cache_path.hybrid_logprobs(model, groups, opts, _deferred_backward)
+        return cache_path.hybrid_logprobs(model, groups, opts)
     _run_call_checks(model, groups)
-    if torch.is_grad_enabled() and _defers(model, defer, seq):
+    if path is Path.DEFERRED:
         with torch.no_grad():
             run = Executor(model, groups, opts, leaves=False, aux=aux_loss)
             out = rounds.forward(run, entropy)
@@ -194,7 +197,7 @@ def backward(
         prefix_activations = detect(model, unwrap(model)).default_prefix_mode
     shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
     # inside DDP's no_sync(): accumulate, as DDP's own backward would
-    opts = CallOptions.build(**shared, sync=sync and sync_enabled(model), offload_device=offload_device)
+    opts = _options(model, True, **shared, sync=sync and sync_enabled(model), offload_device=offload_device)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
@@ -206,7 +209,7 @@ def backward(
         refuse_hybrid(type(unwrap(model)).__name__, seq)
     if seq is not None and coef:
         refuse_aux(type(unwrap(model)).__name__)
-    if mixers.on_cache_path(unwrap(model)):
+    if choose_backward_path(model) is Path.HYBRID:
         if coef:
             router.refuse_hybrid(unwrap(model))
         return cache_path.hybrid_backward(model, groups, loss_fn, opts)
@@ -230,12 +233,10 @@ def _packed_backward(model, groups, loss_fn, options: CallOptions, aux=None, aux
 
 
 def _deferred_backward(model, groups, loss_fn, options: CallOptions, aux_grads=None, collect=False):
-    """The backward of deferred log-probs (``schedule.deferred``) under the deferred call's ``options``:
-    ``sp.backward``'s path, with the aux loss's per-token gradients (already scaled by the gradient that reached it)
-    from the deferred call's own forward. ``collect``: returns ``(result, {parameter: gradient})`` with ``.grad``
-    untouched (``schedule.grads``; under DDP ``.grad`` is written and the dict is empty)."""
-    if mixers.on_cache_path(unwrap(model)):
-        return cache_path.hybrid_backward(model, groups, loss_fn, options, collect=collect)
+    """The backward of deferred log-probs on the packed path (``schedule.deferred``) under the deferred call's
+    ``options``: ``sp.backward``'s path, with the aux loss's per-token gradients (already scaled by the gradient that
+    reached it) from the deferred call's own forward. ``collect``: returns ``(result, {parameter: gradient})`` with
+    ``.grad`` untouched (``schedule.grads``; under DDP ``.grad`` is written and the dict is empty)."""
     aux = None if aux_grads is None else (aux_grads, None)
     return _packed_backward(model, groups, loss_fn, options, aux=aux, collect=collect)
 
@@ -266,21 +267,12 @@ def _run_call_checks(model, groups) -> None:
         check(model, groups)
 
 
-def _defers(model, defer: bool | None, seq=None) -> bool:
-    """Whether a grad-enabled ``logprobs`` on the packed path computes its values now and its backward later,
-    through ``sp.backward``: asked for (``defer=True``), or needed (gradient checkpointing, DDP, sequence
-    parallelism). Refuses what cannot be exact either way (FSDP2; ``defer=False`` where it is needed)."""
-    inner = unwrap(model)
-    engine = detect(model, inner)
-    engine.check_grad_logprobs()  # FSDP2: its backward would run outside FSDP2's hooks
-    needs = engine.must_defer or ("gradient checkpointing" if uses_checkpointing(inner) else None)
-    needs = needs or ("sequence parallelism" if seq is not None else None)
-    if defer is False and needs:
-        raise ValueError(
-            f"defer=False with grad enabled is not possible with {needs}: the backward must run inside "
-            "sharedprefix (to recompute checkpointed layers with its attention, to synchronise DDP "
-            "gradients, or to sum a sequence group's gradient shares). Leave defer=None."
-        )
-    if defer or (defer is None and needs):
-        return True
-    return False
+def _options(model, leaves: bool, **kw) -> CallOptions:
+    """``CallOptions.build(**kw)``; a bad setting on one rank is raised on every rank of the call (the others'
+    executors agree on it, ``refusals.stop_every_rank``), not left to make them wait in a collective. ``leaves``:
+    an ``sp.backward``."""
+    try:
+        return CallOptions.build(**kw)
+    except (ValueError, TypeError) as e:
+        stop_every_rank(model, e, kw.get("sequence_group"), leaves)
+        raise

@@ -59,20 +59,13 @@ class Executor:
             self._setup(source, leaves, prefix_activations, aux)
         except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank, before collectives
             error = e
-        if sequence_group is not None:  # the ranks of a sequence group: the same rows, or all of them raise
-            o = options
-            key = (
-                None
-                if error is not None
-                else sequence.digest(self.plan, o.temperature, o.entropy, leaves, prefix_activations)
-            )
-            error = sequence.agree(sequence_group, error, key)
-        # in lockstep (FSDP2): the round counts every rank runs, agreed in the same all-reduce: (forward-only,
-        # forward+backward) rounds for sp.backward, passes for sp.logprobs
-        counts = [] if not self.par.lockstep else [0, 0] if leaves else [0]
-        if error is None and self.par.lockstep:
-            counts = list(self.plan.fsdp_rounds) if leaves else [len(self.plan.passes)]
-        self.rounds = self.par.agree_on_error(error, counts=counts)
+        o = options
+        key = (
+            None
+            if error is not None or sequence_group is None
+            else sequence.digest(self.plan, o.temperature, o.entropy, leaves, prefix_activations)
+        )
+        self.rounds = refusals.agree_setup(self.par, sequence_group, error, key, leaves, None if error else self.plan)
         # the same model on every rank: a refusal here is raised by every rank together (no guard needed)
         own = self.par.forward_in_call(self.model)
         with torch.compiler.set_stance("force_eager"):  # checks of the model's own forward: compiled layers run eager

@@ -1,13 +1,12 @@
 """Refusals of one call, in the order a call meets them: ``validate_source`` (the groups or tree it was given),
 ``check_call`` (what its model, plan, settings and parallelism decide, before any pass), ``sequence_refusals`` (what
 sequence parallelism does not reproduce), ``check_after_probe`` (what the probe of the layers rules out) and
-``check_calls`` (after each pass: some attention bypassed sharedprefix). The last three take the call's ``Executor``
+``check_calls`` (after each pass: some attention bypassed sharedprefix); ``agree_setup`` / ``stop_every_rank``: the
+ranks' agreement on a refusal before any collective. The last three take the call's ``Executor``
 (``run``). Refusals inside one attention call are the attention function's (``attention.interface``).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -18,8 +17,16 @@ from sharedprefix.attention.layers import softcap_refusal_on
 from sharedprefix.attention.switch import implementation
 from sharedprefix.layout.groups import validate_groups
 from sharedprefix.layout.rows import Tree
-from sharedprefix.model.adapter import decoder, num_attention_layers, uses_checkpointing, uses_reentrant_checkpointing
+from sharedprefix.model.adapter import (
+    decoder,
+    num_attention_layers,
+    unwrap,
+    uses_checkpointing,
+    uses_reentrant_checkpointing,
+)
 from sharedprefix.model.positions import takes_position_ids
+from sharedprefix.parallel import sequence
+from sharedprefix.parallel.detect import detect
 
 
 def check_call(
@@ -30,9 +37,7 @@ def check_call(
     call selected, on ``device``; ``leaves``: an ``sp.backward``; ``images``: groups with ``prompt_inputs``;
     ``router_logits`` / ``aux_grads``: the call records the MoE router logits / adds the load-balancing loss's
     gradient term to its passes."""
-    name, temperature = type(model).__name__, options.temperature
-    if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
+    name = type(model).__name__
     if plan.splits and torch.is_grad_enabled() and uses_reentrant_checkpointing(model):
         raise ValueError(
             "gradient checkpointing with use_reentrant=True is on, and this plan splits a group across passes: "
@@ -124,3 +129,26 @@ def validate_source(source, vocab_size: int | None = None):
             source.check_vocab(vocab_size)
         return source
     return validate_groups(source, vocab_size)
+
+
+def agree_setup(par, sequence_group, error: BaseException | None, key: int | None, leaves: bool, plan):
+    """Before any collective of a call: every rank learns whether one failed (and, in a sequence group, whether the
+    ranks' inputs digest to the same ``key``), and all raise together. Returns the round counts a lockstep engine
+    (FSDP2) agreed in the same all-reduce: (forward-only, forward+backward) rounds for sp.backward (``leaves``),
+    passes for sp.logprobs; ``plan`` is None on a rank that failed."""
+    if sequence_group is not None:  # the ranks of a sequence group: the same rows, or all of them raise
+        error = sequence.agree(sequence_group, error, key)
+    counts = [] if not par.lockstep else [0, 0] if leaves else [0]
+    if error is None and par.lockstep and plan is not None:
+        counts = list(plan.fsdp_rounds) if leaves else [len(plan.passes)]
+    return par.agree_on_error(error, counts=counts)
+
+
+def stop_every_rank(model, error: BaseException, sequence_group, leaves: bool) -> None:
+    """Raise ``error`` on this rank, the call's settings being bad here (``CallOptions.build``), after the agreement
+    the other ranks' executors make (``agree_setup``), so that they raise with it instead of waiting."""
+    par = detect(model, unwrap(model))
+    par.use_sequence(sequence_group)
+    par.start()
+    agree_setup(par, sequence_group, error, None, leaves, None)
+    raise error

@@ -1,11 +1,15 @@
 """Drive an ``Executor`` through a plan: ``forward`` (``sp.logprobs``: every pass once, rows read out) and
-``backward`` (``sp.backward``'s rounds: F records a segment, FB is a pass whose rows get a loss and a backward, PB a
-cached segment's deferred backward, REL releases it, DF / DFB are a ``lockstep`` engine's dummy rounds).
+``backward`` (``sp.backward``'s rounds, ``Round``: a pass that records segments, a pass whose rows get a loss and a
+backward, a cached segment's deferred backward, its release, and a ``lockstep`` engine's dummy rounds).
 
 Notation: N = output rows, W = columns, n = rows a pass reports.
 """
 
 from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +21,41 @@ from sharedprefix.schedule.compiled import whole_compiled
 from sharedprefix.schedule.grads import synced
 from sharedprefix.schedule.planner import Dummy, Pass, Plan, PrefixBackward
 from sharedprefix.schedule.results import BackwardResult, Batch, LogProbs
+
+
+class Round(enum.Enum):
+    """The kinds of ``sp.backward``'s rounds (``rounds_of``)."""
+
+    RECORD = "F"  # a pass that records segments for later passes (its rows, if any, come later)
+    ROWS = "FB"  # a pass whose rows get a loss and a backward
+    PREFIX_BACKWARD = "PB"  # a cached segment's deferred backward
+    RELEASE = "REL"  # release cached segments after their backward
+    DUMMY_FORWARD = "DF"  # a ``lockstep`` engine's dummy forward round
+    DUMMY_BACKWARD = "DFB"  # a ``lockstep`` engine's dummy forward + backward round
+
+    @property
+    def has_backward(self) -> bool:
+        return self in (Round.ROWS, Round.PREFIX_BACKWARD, Round.DUMMY_BACKWARD)
+
+    @property
+    def dummy(self) -> bool:
+        return self in (Round.DUMMY_FORWARD, Round.DUMMY_BACKWARD)
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """What every round of one ``sp.backward`` needs besides the executor: ``loss_fn``; ``recompute``: the prefix
+    mode recomputes split prompts; ``hooks``: the offload hooks, or None; ``sync``: synchronise at the last backward
+    round; ``scale``: the factor of every backpropagated loss (``Engine.loss_scale``); ``last_backward``: the index of
+    the last round with a backward (-1: none)."""
+
+    loss_fn: Callable
+    entropy: bool
+    recompute: bool
+    hooks: OffloadHooks | None
+    sync: bool
+    scale: float
+    last_backward: int
 
 
 def forward(run, entropy: bool) -> LogProbs:
@@ -88,18 +127,12 @@ def backward(run, loss_fn, aux_loss=None, aux_coef=0.0, collect=False):
     if par.lockstep:  # every rank runs the same collectives: the plan reordered and padded to the agreed counts
         steps = steps.for_fsdp(*run.rounds)
     rounds = rounds_of(steps)
-    dummies = sum(k in ("DF", "DFB") for k, _ in rounds)
-    last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
+    dummies = sum(k.dummy for k, _ in rounds)
+    last_fb = max((i for i, r in enumerate(rounds) if r[0].has_backward), default=-1)
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
     scale = par.loss_scale(grad_reduction)
-    out = synced(
-        par,
-        run.model,
-        sync,
-        grad_reduction,
-        lambda: run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb),
-        collect=collect,
-    )
+    settings = RoundSettings(loss_fn, entropy, recompute, hooks, sync, scale, last_fb)
+    out = synced(par, run.model, sync, grad_reduction, lambda: run_rounds(run, rounds, settings), collect=collect)
     (total, calls), grads = out if collect else (out, None)
     peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
     result = BackwardResult(
@@ -116,21 +149,22 @@ def backward(run, loss_fn, aux_loss=None, aux_coef=0.0, collect=False):
     return (result, grads) if collect else result
 
 
-def rounds_of(p: Plan) -> list[tuple[str, object]]:
-    """The plan's steps as rounds, in order: F (record a segment), FB (rows, loss, backward), PB (a cached segment's
-    deferred backward), REL (release it), DF / DFB (dummy rounds of a ``lockstep`` plan, see ``Plan.for_fsdp``)."""
-    out: list[tuple[str, object]] = []
+def rounds_of(p: Plan) -> list[tuple[Round, object]]:
+    """The plan's steps as rounds, in order: RECORD (record a segment), ROWS (rows, loss, backward), PREFIX_BACKWARD
+    (a cached segment's deferred backward), RELEASE (release it), DUMMY_* (dummy rounds of a ``lockstep`` plan, see
+    ``Plan.for_fsdp``)."""
+    out: list[tuple[Round, object]] = []
     for step in p.steps:
         if isinstance(step, PrefixBackward):
-            out += [("PB", s) for s in reversed(step.segments)] + [("REL", step.segments)]
+            out += [(Round.PREFIX_BACKWARD, s) for s in reversed(step.segments)] + [(Round.RELEASE, step.segments)]
         elif isinstance(step, Dummy):
-            out.append(("DFB" if step.backward else "DF", None))
+            out.append((Round.DUMMY_BACKWARD if step.backward else Round.DUMMY_FORWARD, None))
         else:
-            out.append(("F" if step.record else "FB", step))
+            out.append((Round.RECORD if step.record else Round.ROWS, step))
     return out
 
 
-def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb):
+def run_rounds(run, rounds: list[tuple[Round, object]], settings: RoundSettings) -> tuple[float, int]:
     """Run ``rounds``; returns (total loss, loss_fn calls).
 
     Under a ``recoverable`` engine (FSDP2, several ranks) an error outside the collectives (in ``loss_fn``, a refusal
@@ -144,20 +178,21 @@ def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, las
     total, calls, error = 0.0, 0, None
     with activated(run.model), mixers.active(run.model), whole_compiled(run.whole):
         for i, (kind, x) in enumerate(rounds):
-            if kind in ("FB", "PB", "DFB"):
-                par.begin_backward_round(sync=sync and i == last_fb, last=i == last_fb)
+            last = i == settings.last_backward
+            if kind.has_backward:
+                par.begin_backward_round(sync=settings.sync and last, last=last)
             if error is not None:  # this rank failed earlier in the call: it only takes part in the collectives
-                if kind != "REL":
-                    run.dummy_round(grad=kind in ("FB", "PB", "DFB"))
+                if kind is not Round.RELEASE:
+                    run.dummy_round(grad=kind.has_backward)
                 continue
             run.begin_round()
             try:
-                loss = _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls)
+                loss = _round(run, kind, x, settings, calls)
             except Exception as e:
                 if not run.recoverable():
                     raise
                 error = e
-                run.finish_failed_round(grad=kind in ("FB", "PB", "DFB"), dummy=kind != "REL")
+                run.finish_failed_round(grad=kind.has_backward, dummy=kind is not Round.RELEASE)
                 continue
             if loss is not None:
                 total += loss
@@ -167,16 +202,16 @@ def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, las
     return total, calls
 
 
-def _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls) -> float | None:
-    """One round (see ``rounds_of``); returns the loss of an FB round that called ``loss_fn``, else None."""
-    par = run.par
-    if kind in ("DF", "DFB"):
-        run.dummy_round(grad=kind == "DFB")
-    elif kind == "REL":
+def _round(run, kind: Round, x, settings: RoundSettings, calls: int) -> float | None:
+    """One round (see ``rounds_of``); returns the loss of a ROWS round that called ``loss_fn``, else None."""
+    par, hooks = run.par, settings.hooks
+    if kind.dummy:
+        run.dummy_round(grad=kind is Round.DUMMY_BACKWARD)
+    elif kind is Round.RELEASE:
         for s in x:
             run.cache.release(s)
-    elif kind == "PB":
-        if recompute:
+    elif kind is Round.PREFIX_BACKWARD:
+        if settings.recompute:
             state, sur, _ = run.run_pass(Pass((x,), record=(x,)), surrogate=x)
         else:
             state = run.cache.states[x]
@@ -186,16 +221,16 @@ def _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls) -> fl
         if sur is not None:
             with pass_state(state):
                 par.backward(sur)
-    elif kind == "F":
-        with torch.set_grad_enabled(not recompute):
+    elif kind is Round.RECORD:
+        with torch.set_grad_enabled(not settings.recompute):
             if hooks is not None:
                 with hooks():
                     run.run_pass(x)
             else:
                 run.run_pass(x)
         for s in x.record:
-            run.cache.seal(s, keep_graph=not recompute)
-    else:  # FB
+            run.cache.seal(s, keep_graph=not settings.recompute)
+    else:  # ROWS
         state, res, layout = run.run_pass(x)
         aux = run.aux_term  # the MoE aux loss's linear term of this pass's tokens, or None
         if res is None:  # a pass with no rows to report (its values are cached for later rows)
@@ -206,13 +241,13 @@ def _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls) -> fl
         batch = Batch(
             logprobs=res[0],
             mask=run.mask(layout),
-            entropy=res[1] if entropy else None,
+            entropy=res[1] if settings.entropy else None,
             index=torch.tensor(layout.rows, dtype=torch.int64, device=run.device),
         )
-        loss = check_loss(loss_fn(batch), calls)
+        loss = check_loss(settings.loss_fn(batch), calls)
         total = loss if aux is None else loss + aux
         with pass_state(state):
-            par.backward(total * scale if scale != 1.0 else total)
+            par.backward(total * settings.scale if settings.scale != 1.0 else total)
         return float(loss.detach())
     return None
 
