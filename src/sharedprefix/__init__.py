@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "Batch": "sharedprefix.api",
     "BackwardResult": "sharedprefix.api",
+    "CallPlan": "sharedprefix.api",
     "Group": "sharedprefix.layout.groups",
     "Tree": "sharedprefix.layout.rows",
     "LogProbs": "sharedprefix.api",
@@ -25,6 +26,7 @@ _PUBLIC = {
     "backward": "sharedprefix.api",
     "logprobs": "sharedprefix.api",
     "plan": "sharedprefix.schedule.planner",
+    "plan_call": "sharedprefix.api",
     "shard_groups": "sharedprefix.parallel.sharding",
     "verify": "sharedprefix.tools.verify",
     "VerifyReport": "sharedprefix.tools.verify",
@@ -32,6 +34,7 @@ _PUBLIC = {
 __all__ = [
     "Batch",
     "BackwardResult",
+    "CallPlan",
     "Group",
     "LogProbs",
     "Plan",
@@ -41,6 +44,7 @@ __all__ = [
     "backward",
     "logprobs",
     "plan",
+    "plan_call",
     "shard_groups",
     "verify",
 ]
@@ -66,7 +70,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:
-    from sharedprefix.api import BackwardResult, Batch, LogProbs, backward, logprobs
+    from sharedprefix.api import BackwardResult, Batch, CallPlan, LogProbs, backward, logprobs, plan_call
     from sharedprefix.layout.groups import Group
     from sharedprefix.layout.rows import Tree
     from sharedprefix.model.hooks import allow_hook

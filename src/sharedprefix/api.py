@@ -25,6 +25,7 @@ first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) there, so that this module 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -36,15 +37,15 @@ from sharedprefix.layout.rows import Tree
 from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.hooks import check_module_hooks
-from sharedprefix.parallel.detect import detect, sync_enabled
-from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
-from sharedprefix.schedule import rounds
+from sharedprefix.parallel.detect import sync_enabled
+from sharedprefix.parallel.sequence import refuse_aux, refuse_hybrid
+from sharedprefix.schedule import call, rounds
 from sharedprefix.schedule.cache_path import calls as cache_path
+from sharedprefix.schedule.call_plan import CallPlan
 from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.executor import Executor
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.path import Path, choose_backward_path, choose_logprobs_path
-from sharedprefix.schedule.refusals import stop_every_rank
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
 
 if TYPE_CHECKING:
@@ -55,9 +56,11 @@ __all__ = [
     "REDUCTIONS",
     "BackwardResult",
     "Batch",
+    "CallPlan",
     "LogProbs",
     "backward",
     "logprobs",
+    "plan_call",
     "register_call_check",
 ]
 
@@ -70,9 +73,22 @@ def register_call_check(fn: Callable) -> None:
         _CALL_CHECKS.append(fn)
 
 
+def plan_call(model: torch.nn.Module, groups: Sequence[Group] | Tree, **options) -> CallPlan:
+    """Plan once, run many: the host-side work of a call on ``model`` (validation, the probe's findings, the passes
+    and their packed rows, the attention primitive, the refusals these decide), frozen into a ``CallPlan`` that
+    ``logprobs`` and ``backward`` take in place of ``groups``, any number of times, on ``model`` or any model of the
+    same configuration, dtype, device and parallel layout (a reference model; the policy with its adapter disabled).
+
+    ``options``: any keyword of ``logprobs`` / ``backward`` (``max_tokens``, ``backend``, ``sequence_group`` shape
+    the plan: a call that passes another value of one of them is refused; the others are the calls' defaults, which
+    a call may change). Under DDP / FSDP2 every rank calls it, and a refusal on one rank is raised on every rank.
+    """
+    return call.plan_agreed(model, groups, options)
+
+
 def logprobs(
     model: torch.nn.Module,
-    groups: Sequence[Group] | Tree,
+    groups: Sequence[Group] | Tree | CallPlan,
     temperature: float = 1.0,
     entropy: bool = False,
     max_tokens: int | None = None,
@@ -87,7 +103,8 @@ def logprobs(
 
     Args:
         model: a transformers causal LM (PEFT / DDP / FSDP2 wrappers are handled).
-        groups: list of ``sharedprefix.Group``, or a ``sharedprefix.Tree``.
+        groups: list of ``sharedprefix.Group``, a ``sharedprefix.Tree``, or a ``CallPlan`` (``plan_call``), whose
+            settings are this call's where it leaves them at their defaults.
         temperature: logits are divided by it before the log-softmax, as in TRL.
         entropy: also return the entropy of each predicted distribution.
         max_tokens: tokens one pass may hold (None: all groups in one pass). Groups larger than
@@ -116,8 +133,10 @@ def logprobs(
         ``LogProbs`` with (N, W) tensors, float32 (float64 for a float64 model), with grad when
         grad is enabled.
     """
-    shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
-    opts = _options(model, False, **shared, defer=defer, aux_loss=aux_loss)
+    given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, defer=defer)
+    given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, aux_loss=aux_loss)
+    opts = call.options(model, groups, False, {**given, "sequence_group": sequence_group}, _defaults(logprobs))
+    aux_loss, entropy = opts.aux_loss, opts.entropy
     check_module_hooks(model)
     seq = opts.sequence_group
     if seq is not None and (mixers.on_cache_path(unwrap(model)) or mixers.on_packed_path(unwrap(model))):
@@ -128,21 +147,24 @@ def logprobs(
     if path is Path.HYBRID:
         if aux_loss:
             router.refuse_hybrid(unwrap(model))
+        if isinstance(groups, CallPlan):
+            call.refuse_plan_on_cache_path(model)
         return cache_path.hybrid_logprobs(model, groups, opts)
-    _run_call_checks(model, groups)
+    _run_call_checks(model, call.source_of(groups))
+    cp, error = call.plan_or_error(model, groups, opts)
     if path is Path.DEFERRED:
         with torch.no_grad():
-            run = Executor(model, groups, opts, leaves=False, aux=aux_loss)
+            run = Executor(model, cp, opts, leaves=False, aux=aux_loss, error=error)
             out = rounds.forward(run, entropy)
             grads = router.segment_grads(run.model, run.router_logits) if run.router_logits else None
-        return defer_logprobs(_deferred_backward, model, groups, out, opts, grads)
-    run = Executor(model, groups, opts, leaves=False, aux=aux_loss)
+        return defer_logprobs(_deferred_backward, model, run.call_plan, out, opts, grads)
+    run = Executor(model, cp, opts, leaves=False, aux=aux_loss, error=error)
     return rounds.forward(run, entropy)
 
 
 def backward(
     model: torch.nn.Module,
-    groups: Sequence[Group] | Tree,
+    groups: Sequence[Group] | Tree | CallPlan,
     loss_fn: Callable[[Batch], torch.Tensor],
     max_tokens: int | None = None,
     prefix_activations: str | None = None,
@@ -158,7 +180,8 @@ def backward(
     """Accumulate into ``.grad`` the exact gradient of ``sum over passes of loss_fn(batch)``.
 
     ``loss_fn(batch) -> scalar tensor`` must be additive over completions (see the module
-    docstring): the total is then the loss of all completions at once, whatever the budget.
+    docstring): the total is then the loss of all completions at once, whatever the budget. ``groups``: as in
+    ``logprobs`` (a ``CallPlan`` too).
 
     Args:
         max_tokens: tokens one pass may hold; a group larger than that computes its prompt once,
@@ -193,11 +216,10 @@ def backward(
     The process group stays usable, except after an error inside FSDP2's own collectives (a forward or backward
     failing part-way), where every rank closes it (see ``parallel.engines.fsdp2``).
     """
-    if prefix_activations is None:  # the default: "keep", or the mode FSDP2 needs
-        prefix_activations = detect(model, unwrap(model)).default_prefix_mode
-    shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
-    # inside DDP's no_sync(): accumulate, as DDP's own backward would
-    opts = _options(model, True, **shared, sync=sync and sync_enabled(model), offload_device=offload_device)
+    given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, sync=sync)
+    given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, offload_device=offload_device)
+    opts = call.options(model, groups, True, {**given, "sequence_group": sequence_group}, _defaults(backward))
+    opts = opts.replace(sync=opts.sync and sync_enabled(model))  # inside DDP's no_sync(): accumulate, as DDP does
     if not callable(loss_fn):
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
@@ -212,49 +234,46 @@ def backward(
     if choose_backward_path(model) is Path.HYBRID:
         if coef:
             router.refuse_hybrid(unwrap(model))
+        if isinstance(groups, CallPlan):
+            call.refuse_plan_on_cache_path(model)
         return cache_path.hybrid_backward(model, groups, loss_fn, opts)
-    _run_call_checks(model, groups)
+    _run_call_checks(model, call.source_of(groups))
+    cp, error = call.plan_or_error(model, groups, opts)
     aux = None
     if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
         with torch.no_grad():
-            first = Executor(model, groups, opts.replace(entropy=False, sequence_group=None), leaves=False, aux=True)
+            first_opts = opts.replace(entropy=False, sequence_group=None)
+            first = Executor(model, cp, first_opts, leaves=False, aux=True, error=error)
             rounds.forward(first, False)
         aux = router.scaled_grads(first.model, first.router_logits, coef)
-    return _packed_backward(model, groups, loss_fn, opts, aux=aux, aux_coef=coef)
+    return _packed_backward(model, cp, loss_fn, opts, aux=aux, aux_coef=coef, error=error)
 
 
-def _packed_backward(model, groups, loss_fn, options: CallOptions, aux=None, aux_coef=0.0, collect=False):
-    """``aux``: (per-segment aux gradients scaled by ``aux_coef``, the aux loss's value or None), or None.
+def _packed_backward(model, cp, loss_fn, options: CallOptions, aux=None, aux_coef=0.0, collect=False, error=None):
+    """``cp``: the call's ``CallPlan`` (None with this rank's planning ``error``, which every rank raises).
+    ``aux``: (per-segment aux gradients scaled by ``aux_coef``, the aux loss's value or None), or None.
     ``collect``: see ``_deferred_backward``."""
     grads, value = aux if aux is not None else (False, None)
     # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
-    run = Executor(model, groups, options, leaves=True, aux=grads)
+    run = Executor(model, cp, options, leaves=True, aux=grads, error=error)
     return rounds.backward(run, loss_fn, value, aux_coef, collect=collect)
 
 
-def _deferred_backward(model, groups, loss_fn, options: CallOptions, aux_grads=None, collect=False):
+def _deferred_backward(model, cp: CallPlan, loss_fn, options: CallOptions, aux_grads=None, collect=False):
     """The backward of deferred log-probs on the packed path (``schedule.deferred``) under the deferred call's
     ``options``: ``sp.backward``'s path, with the aux loss's per-token gradients (already scaled by the gradient that
     reached it) from the deferred call's own forward. ``collect``: returns ``(result, {parameter: gradient})`` with
     ``.grad`` untouched (``schedule.grads``; under DDP ``.grad`` is written and the dict is empty)."""
     aux = None if aux_grads is None else (aux_grads, None)
-    return _packed_backward(model, groups, loss_fn, options, aux=aux, collect=collect)
+    return _packed_backward(model, cp, loss_fn, options, aux=aux, collect=collect)
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------
 
 
-def _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group) -> dict:
-    """The settings ``logprobs`` and ``backward`` share, as ``CallOptions.build`` keywords (the group checked)."""
-    return dict(
-        max_tokens=max_tokens,
-        backend=backend,
-        temperature=temperature,
-        entropy=entropy,
-        prefix_activations=prefix_activations,
-        grad_reduction=grad_reduction,
-        sequence_group=check_group(sequence_group),
-    )
+def _defaults(fn) -> dict:
+    """The default of every keyword of the public function ``fn``."""
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
 
 
 def _run_call_checks(model, groups) -> None:
@@ -265,14 +284,3 @@ def _run_call_checks(model, groups) -> None:
             importlib.import_module(setting.plugin)
     for check in _CALL_CHECKS:
         check(model, groups)
-
-
-def _options(model, leaves: bool, **kw) -> CallOptions:
-    """``CallOptions.build(**kw)``; a bad setting on one rank is raised on every rank of the call (the others'
-    executors agree on it, ``refusals.stop_every_rank``), not left to make them wait in a collective. ``leaves``:
-    an ``sp.backward``."""
-    try:
-        return CallOptions.build(**kw)
-    except (ValueError, TypeError) as e:
-        stop_every_rank(model, e, kw.get("sequence_group"), leaves)
-        raise

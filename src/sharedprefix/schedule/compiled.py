@@ -19,12 +19,11 @@ from contextlib import contextmanager
 import torch
 
 from sharedprefix.attention import compiled, probe
-from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.model import mixers
 from sharedprefix.model.adapter import decoder, wrappers
 
 
-def compiled_path(run, pats: dict, given: torch.nn.Module) -> tuple[list | None, bool, tuple | None]:
+def compiled_path(run, findings, given: torch.nn.Module) -> tuple[list | None, bool, tuple | None]:
     """(attention modules, force_eager, whole) for the executor ``run`` of the model as the user ``given`` it: the
     modules when the compiled layers run compiled, None when nothing is compiled or they run eager (then force_eager
     is True, after one warning); ``whole``: (the user's compile context, the decoder layers it compiles for the call)
@@ -33,7 +32,7 @@ def compiled_path(run, pats: dict, given: torch.nn.Module) -> tuple[list | None,
     ctx = user_context(given, model)
     if ctx is None and not compiled_modules(model):
         return None, False, None
-    reasons = _eager_reasons(run, pats)
+    reasons = _eager_reasons(run, findings)
     layers = None
     if not reasons:
         try:
@@ -53,8 +52,9 @@ def compiled_path(run, pats: dict, given: torch.nn.Module) -> tuple[list | None,
     return layers, False, (ctx, [b for b in decoder_blocks(model) if not compiled_modules(b)], outer)
 
 
-def _eager_reasons(run, pats: dict) -> list[str]:
-    """What the compiled path does not take (each runs exact in eager mode)."""
+def _eager_reasons(run, findings) -> list[str]:
+    """What the compiled path does not take (each runs exact in eager mode); ``findings``: the probe's
+    (``call_plan.Findings``)."""
     out = []
     if run.par.sequence is not None:
         out.append("sequence parallelism exchanges heads inside attention")
@@ -64,13 +64,13 @@ def _eager_reasons(run, pats: dict) -> list[str]:
         out.append("multi-stream (MusicGen) decoders are not yet run through compiled layers")
     if mixers.on_packed_path(run.model):
         out.append("token mixers outside attention (hybrid layers) are not yet run through compiled layers")
-    if any(p.indexed for p in pats.values()):
+    if findings.indexed:
         out.append("indexed (DeepSeek sparse) attention needs the row's mask")
-    if any(p.calls > 1 for p in pats.values()):
+    if findings.calls > 1:
         out.append("a layer runs attention several times per forward")
-    if any(has_dynamic_mask(m) for m in pats):
+    if findings.keep is not None:
         out.append("a dynamic-mask (Doge) layer folds its mask into the keys")
-    if any(getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True) for m in pats):
+    if findings.nope_rescale:
         out.append("Llama 4's NoPE layers rescale queries by their row index")
     if not run.cache.leaves and torch.is_grad_enabled() and any(p.record for p in run.plan.passes):
         out.append(

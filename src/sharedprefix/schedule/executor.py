@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from sharedprefix.attention import compiled, probe
-from sharedprefix.attention.dynamic_mask import has_dynamic_mask
+from sharedprefix.attention import compiled
 from sharedprefix.attention.interface import PassState, pass_state
-from sharedprefix.attention.kernels import select
 from sharedprefix.layout.groups import Group
 from sharedprefix.layout.packing import RowLayout, pack_row
-from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.model import mixers, router, streams
 from sharedprefix.model.adapter import decoder, head_logits, unwrap, uses_checkpointing
-from sharedprefix.model.checks import decoder_position_ids, verify_head
+from sharedprefix.model.checks import decoder_position_ids
 from sharedprefix.model.head import token_logprobs
-from sharedprefix.model.multimodal import Multimodal, check_batchable, check_prompt_fits
+from sharedprefix.model.multimodal import Multimodal
 from sharedprefix.model.positions import renumbered
 from sharedprefix.model.support import check_supported
 from sharedprefix.parallel import sequence
@@ -30,9 +27,10 @@ from sharedprefix.parallel.detect import detect
 from sharedprefix.parallel.sequence import SequenceShard, refuse_features
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache
+from sharedprefix.schedule.call_plan import CallPlan, probed
 from sharedprefix.schedule.compiled import compiled_path, removed
 from sharedprefix.schedule.options import CallOptions
-from sharedprefix.schedule.planner import Pass, Plan, plan_checked
+from sharedprefix.schedule.planner import Pass
 
 
 class Executor:
@@ -43,7 +41,15 @@ class Executor:
     scaled): add their linear term to what each pass backpropagates; None: as the config says
     (``output_router_logits``)."""
 
-    def __init__(self, model, source, options: CallOptions, leaves: bool, aux=None):
+    def __init__(
+        self,
+        model,
+        call_plan: CallPlan | None,
+        options: CallOptions,
+        leaves: bool,
+        aux=None,
+        error: BaseException | None = None,
+    ):
         prefix_activations = options.prefix_activations if leaves else None  # (a forward-only run has no prefix mode)
         sequence_group = options.sequence_group
         self.options = options
@@ -51,14 +57,13 @@ class Executor:
         self.par = detect(model, self.model)
         self.par.use_sequence(sequence_group)
         self.par.start()
-        self.last: tuple | None = (
-            None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
-        )
-        error: BaseException | None = None
-        try:
-            self._setup(source, leaves, prefix_activations, aux)
-        except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank, before collectives
-            error = e
+        self.last: tuple | None = None  # (state, result) of the latest pass whose forward ran (``finish_failed_round``)
+        if error is None:  # ``error``: this rank's plan failed (``make_plan``); agreed below like any refusal
+            assert call_plan is not None
+            try:
+                self._setup(call_plan, leaves, aux)
+            except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank
+                error = e
         o = options
         key = (
             None
@@ -67,43 +72,28 @@ class Executor:
         )
         self.rounds = refusals.agree_setup(self.par, sequence_group, error, key, leaves, None if error else self.plan)
         # the same model on every rank: a refusal here is raised by every rank together (no guard needed)
-        own = self.par.forward_in_call(self.model)
-        with torch.compiler.set_stance("force_eager"):  # checks of the model's own forward: compiled layers run eager
-            self.par.call(lambda: verify_head(self.model, own), guard=False)
-        pats = {m: p for m in self.model.modules() if (p := probe.pattern(m)) is not None}
-        mods = list(pats)
-        calls = max((p.calls for p in pats.values()), default=1)
-        keep = min((m.keep_window_size for m in mods if has_dynamic_mask(m)), default=None)
-        if keep is not None or (calls > 1 and uses_checkpointing(self.model)):  # the same on every rank
+        findings = probed(self.model, self.par, self.plan)
+        calls = findings.calls
+        if calls > 1 and uses_checkpointing(self.model):  # the same on every rank
             error = None
-            try:  # these depend on each rank's groups: agreed, so that a refusal on one rank stops every rank
-                refusals.check_after_probe(self, calls, keep)
+            try:  # this depends on each rank's groups: agreed, so that a refusal on one rank stops every rank
+                refusals.check_after_probe(self, calls)
             except ValueError as e:
                 error = e
             self.par.agree_on_error(error)
         if self.router_logits is not None or self.aux_grads is not None:
             with torch.compiler.set_stance("force_eager"):
                 self.par.call(lambda: router.verify(self.model, decoder(self.model), self.device), guard=False)
-        self.layers, self.force_eager, self.whole = compiled_path(self, pats, model)
+        self.layers, self.force_eager, self.whole = compiled_path(self, findings, model)
 
-    def _setup(self, source, leaves, prefix_activations, aux):
-        max_tokens, backend, temperature = self.options.max_tokens, self.options.backend, self.options.temperature
-        check_supported(self.model)
-        # a model with K token streams per position (MusicGen): frames checked, then one frame id per position
-        self.frames = None
-        if streams.num_streams(self.model) > 1:
-            source, self.frames = streams.encode(self.model, source)
-        vocab = None if self.frames else min(streams.embedding_size(self.model), streams.head_vocab(self.model))
-        self.source = refusals.validate_source(source, vocab)
-        self.mm: Multimodal | None = None
-        if not isinstance(self.source, Tree) and any(g.prompt_inputs for g in self.source):
-            check_prompt_fits(self.source, max_tokens)
-            self.mm = Multimodal(self.model, self.source)
-        self.plan: Plan = plan_checked(self.source, max_tokens)
-        if self.mm is not None:
-            check_batchable(self.source, self.plan)
-        self.device = self.par.compute_device(streams.head_device(self.model))
-        impl = self.impl = select(backend, self.device)  # an unknown or unavailable backend fails before any pass
+    def _setup(self, call_plan: CallPlan, leaves, aux):
+        self.call_plan = call_plan
+        check_supported(self.model)  # the model's state (training mode with dropout) may have changed since planning
+        call_plan.check_model(self.model, self.par)
+        self.frames, self.source, self.plan = call_plan.frames, call_plan.source, call_plan.plan
+        self.mm: Multimodal | None = Multimodal(self.model, self.source) if call_plan.images else None
+        self.device, impl = call_plan.device, call_plan.kernel
+        self.impl = impl
         self.aux_grads = aux if isinstance(aux, dict) else None
         record = aux is True or (aux is None and router.enabled(self.model))
         refusals.check_call(
@@ -118,11 +108,10 @@ class Executor:
             record,
             self.aux_grads is not None,
         )
-        self.backend = backend
-        self.temperature = float(temperature)
+        self.backend = self.options.backend
+        self.temperature = float(self.options.temperature)
         self.entropy = self.options.entropy
         self.cache = PrefixCache(leaves=leaves)
-        self.T = self.plan.tree.width
         self.tokens = 0
         self.aux_term = None  # the aux loss's linear term of the latest pass that computed one under grad
         self.router_logits: list | None = [] if record else None  # per pass: (router logits, multiplicities, spans)
@@ -139,7 +128,10 @@ class Executor:
         tree = tree or self.plan.tree
         mixers.check_active(self.model)
         self.last = None
-        layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record, step.rows)
+        if tree is self.plan.tree:  # the plan's rows are packed once per plan, whatever the calls
+            layout = self.call_plan.layout(step, self.cache.segments())
+        else:
+            layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record, step.rows)
         if self.mm is not None and tree is self.plan.tree:
             layout.blocks = self.mm.row_blocks(layout)
         state = PassState(

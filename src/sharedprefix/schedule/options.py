@@ -74,9 +74,9 @@ class CallOptions:
             )
         if self.grad_reduction not in REDUCTIONS:
             raise ValueError(f"grad_reduction={self.grad_reduction!r}; expected one of {REDUCTIONS}.")
-        if self.defer not in (None, True, False):
+        if not any(self.defer is v for v in (None, True, False)):
             raise TypeError(f"defer={self.defer!r}; expected None (as the model needs), True or False.")
-        if self.aux_loss not in (None, True, False):
+        if not any(self.aux_loss is v for v in (None, True, False)):
             raise TypeError(f"aux_loss={self.aux_loss!r}; expected None (as the config says), True or False.")
         if self.offload_device is not None and not isinstance(self.offload_device, (str, torch.device)):
             raise TypeError(f"offload_device={self.offload_device!r}; expected a device name or torch.device.")

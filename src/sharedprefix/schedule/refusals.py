@@ -1,6 +1,7 @@
 """Refusals of one call, in the order a call meets them: ``validate_source`` (the groups or tree it was given),
 ``check_call`` (what its model, plan, settings and parallelism decide, before any pass), ``sequence_refusals`` (what
-sequence parallelism does not reproduce), ``check_after_probe`` (what the probe of the layers rules out) and
+sequence parallelism does not reproduce), ``check_window`` and ``check_after_probe`` (what the probe of the layers
+rules out) and
 ``check_calls`` (after each pass: some attention bypassed sharedprefix); ``agree_setup`` / ``stop_every_rank``: the
 ranks' agreement on a refusal before any collective. The last three take the call's ``Executor``
 (``run``). Refusals inside one attention call are the attention function's (``attention.interface``).
@@ -81,9 +82,9 @@ def sequence_refusals(run) -> dict:
     return out
 
 
-def check_after_probe(run, calls: int, keep: int | None) -> None:
-    """Refusals that need the probe's view of the layers (``calls``: the most attention calls of a module per
-    forward; ``keep``: Doge's keep_window_size, or None), before any pass."""
+def check_after_probe(run, calls: int) -> None:
+    """A refusal that needs the probe's view of the layers (``calls``: the most attention calls of a module per
+    forward) and the model's state (gradient checkpointing), before any pass."""
     name = type(run.model).__name__
     if calls > 1 and run.plan.splits and uses_checkpointing(run.model):
         raise ValueError(
@@ -93,9 +94,14 @@ def check_after_probe(run, calls: int, keep: int | None) -> None:
             "reverse, so sharedprefix refuses the combination. Turn gradient checkpointing off, or raise "
             "max_tokens so that every group fits one pass."
         )
+
+
+def check_window(name: str, plan, keep: int | None) -> None:
+    """A dynamic-mask (Doge) model's refusals (``keep``: its keep_window_size, or None): rows or passes longer than
+    the keys it keeps, whose top-k selection over the plain row's keys is not reproduced."""
     if keep is None:
         return
-    longest, widest = run.plan.tree.longest_row(), max((run.plan.pass_tokens(p) for p in run.plan.passes), default=0)
+    longest, widest = plan.tree.longest_row(), max((plan.pass_tokens(p) for p in plan.passes), default=0)
     if longest > keep:
         raise ValueError(
             f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once a row is "
