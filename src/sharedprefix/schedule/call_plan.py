@@ -37,8 +37,22 @@ from sharedprefix.schedule import refusals
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.planner import Pass, Plan, plan_checked
 
-# config entries that name or describe a checkpoint rather than the computation it defines
-_NOT_COMPUTATION = {"_name_or_path", "name_or_path", "transformers_version", "architectures", "_commit_hash"}
+# config entries that name a checkpoint or set what a forward returns, not the computation sharedprefix runs (it
+# passes use_cache=False itself; TRL turns use_cache off on the policy only); the dtype is compared on the parameters
+_NOT_COMPUTATION = {
+    "_name_or_path",
+    "name_or_path",
+    "transformers_version",
+    "architectures",
+    "_commit_hash",
+    "use_cache",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "torchscript",
+    "dtype",
+    "torch_dtype",
+}
 # the options a plan is made under: a call that passes another value of one of them is refused (``agree``)
 PLAN_FIELDS = ("max_tokens", "backend", "sequence_group")
 
