@@ -1,9 +1,10 @@
 """The public calls: ``sp.logprobs`` (forward) and ``sp.backward`` (forward, loss, backward per pass).
 
-Each validates its settings, then dispatches: a hybrid model to ``schedule.cache_path``, a grad-enabled call that
-must run its backward inside sharedprefix to a deferred backward (``schedule.deferred``), and everything else to an
-``Executor`` driven over its plan by ``schedule.rounds``. Notation: N = output rows (completions in group order,
-or a tree's rows), W = columns, n = rows in one pass.
+Each prepares the call (``schedule.call``: its settings, refusals, path and plan; ``sp.plan_call`` makes the plan
+alone, for many calls), then dispatches: a hybrid model to ``schedule.cache_path``, a grad-enabled call that must run
+its backward inside sharedprefix to a deferred backward (``schedule.deferred``), and everything else to
+``schedule.rounds``, which runs the plan's passes through a ``PassRunner`` (``schedule.setup``). Notation: N = output
+rows (completions in group order, or a tree's rows), W = columns, n = rows in one pass.
 
 Hybrid models whose token mixers outside attention sharedprefix reaches (``model.mixers``: the gated delta-nets of
 Qwen3-Next, Qwen3.5 and OLMo-hybrid, LFM2's short convolutions, the Mamba2 families' scans) take the packed path
@@ -34,18 +35,15 @@ import torch
 from sharedprefix import settings
 from sharedprefix.layout.groups import Group
 from sharedprefix.layout.rows import Tree
-from sharedprefix.model import mixers, router
+from sharedprefix.model import router
 from sharedprefix.model.adapter import unwrap
-from sharedprefix.model.hooks import check_module_hooks
 from sharedprefix.parallel.detect import sync_enabled
-from sharedprefix.parallel.sequence import refuse_aux, refuse_hybrid
 from sharedprefix.schedule import call, rounds
 from sharedprefix.schedule.cache_path import calls as cache_path
 from sharedprefix.schedule.call_plan import CallPlan
 from sharedprefix.schedule.deferred import defer_logprobs
-from sharedprefix.schedule.executor import Executor
 from sharedprefix.schedule.options import CallOptions
-from sharedprefix.schedule.path import Path, choose_backward_path, choose_logprobs_path
+from sharedprefix.schedule.path import Path
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
 
 if TYPE_CHECKING:
@@ -135,31 +133,16 @@ def logprobs(
     """
     given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, defer=defer)
     given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, aux_loss=aux_loss)
-    opts = call.options(model, groups, False, {**given, "sequence_group": sequence_group}, _defaults(logprobs))
-    aux_loss, entropy = opts.aux_loss, opts.entropy
-    check_module_hooks(model)
-    seq = opts.sequence_group
-    if seq is not None and (mixers.on_cache_path(unwrap(model)) or mixers.on_packed_path(unwrap(model))):
-        refuse_hybrid(type(unwrap(model)).__name__, seq)
-    if seq is not None and (aux_loss or (aux_loss is None and router.enabled(unwrap(model)))):
-        refuse_aux(type(unwrap(model)).__name__)
-    path = choose_logprobs_path(model, opts)
+    given["sequence_group"] = sequence_group
+    opts, path, cp, error = call.prepare(model, groups, False, given, _defaults(logprobs), _call_checks())
     if path is Path.HYBRID:
-        if aux_loss:
-            router.refuse_hybrid(unwrap(model))
-        if isinstance(groups, CallPlan):
-            call.refuse_plan_on_cache_path(model)
         return cache_path.hybrid_logprobs(model, groups, opts)
-    _run_call_checks(model, call.source_of(groups))
-    cp, error = call.plan_or_error(model, groups, opts)
     if path is Path.DEFERRED:
         with torch.no_grad():
-            run = Executor(model, cp, opts, leaves=False, aux=aux_loss, error=error)
-            out = rounds.forward(run, entropy)
-            grads = router.segment_grads(run.model, run.router_logits) if run.router_logits else None
-        return defer_logprobs(_deferred_backward, model, run.call_plan, out, opts, grads)
-    run = Executor(model, cp, opts, leaves=False, aux=aux_loss, error=error)
-    return rounds.forward(run, entropy)
+            out, records = rounds.forward(model, cp, opts, aux=opts.aux_loss, error=error)
+            grads = router.segment_grads(unwrap(model), records) if records else None
+        return defer_logprobs(_deferred_backward, model, cp, out, opts, grads)
+    return rounds.forward(model, cp, opts, aux=opts.aux_loss, error=error)[0]
 
 
 def backward(
@@ -216,47 +199,25 @@ def backward(
     The process group stays usable, except after an error inside FSDP2's own collectives (a forward or backward
     failing part-way), where every rank closes it (see ``parallel.engines.fsdp2``).
     """
-    given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, sync=sync)
-    given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, offload_device=offload_device)
-    opts = call.options(model, groups, True, {**given, "sequence_group": sequence_group}, _defaults(backward))
-    opts = opts.replace(sync=opts.sync and sync_enabled(model))  # inside DDP's no_sync(): accumulate, as DDP does
     if not callable(loss_fn):
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     coef = router.check_coef(unwrap(model), aux_loss_coef)
-    check_module_hooks(model)
-    seq = opts.sequence_group
-    if seq is not None and (mixers.on_cache_path(unwrap(model)) or mixers.on_packed_path(unwrap(model))):
-        refuse_hybrid(type(unwrap(model)).__name__, seq)
-    if seq is not None and coef:
-        refuse_aux(type(unwrap(model)).__name__)
-    if choose_backward_path(model) is Path.HYBRID:
-        if coef:
-            router.refuse_hybrid(unwrap(model))
-        if isinstance(groups, CallPlan):
-            call.refuse_plan_on_cache_path(model)
+    given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, sync=sync)
+    given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, offload_device=offload_device)
+    given["sequence_group"] = sequence_group
+    opts, path, cp, error = call.prepare(model, groups, True, given, _defaults(backward), _call_checks(), coef)
+    opts = opts.replace(sync=opts.sync and sync_enabled(model))  # inside DDP's no_sync(): accumulate, as DDP does
+    if path is Path.HYBRID:
         return cache_path.hybrid_backward(model, groups, loss_fn, opts)
-    _run_call_checks(model, call.source_of(groups))
-    cp, error = call.plan_or_error(model, groups, opts)
     aux = None
     if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
         with torch.no_grad():
             first_opts = opts.replace(entropy=False, sequence_group=None)
-            first = Executor(model, cp, first_opts, leaves=False, aux=True, error=error)
-            rounds.forward(first, False)
-        aux = router.scaled_grads(first.model, first.router_logits, coef)
-    return _packed_backward(model, cp, loss_fn, opts, aux=aux, aux_coef=coef, error=error)
-
-
-def _packed_backward(model, cp, loss_fn, options: CallOptions, aux=None, aux_coef=0.0, collect=False, error=None):
-    """``cp``: the call's ``CallPlan`` (None with this rank's planning ``error``, which every rank raises).
-    ``aux``: (per-segment aux gradients scaled by ``aux_coef``, the aux loss's value or None), or None.
-    ``collect``: see ``_deferred_backward``."""
-    grads, value = aux if aux is not None else (False, None)
-    # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
-    run = Executor(model, cp, options, leaves=True, aux=grads, error=error)
-    return rounds.backward(run, loss_fn, value, aux_coef, collect=collect)
+            _, records = rounds.forward(model, cp, first_opts, aux=True, error=error)
+        aux = router.scaled_grads(unwrap(model), records, coef)
+    return rounds.backward(model, cp, opts, loss_fn, aux=aux, aux_coef=coef, error=error)
 
 
 def _deferred_backward(model, cp: CallPlan, loss_fn, options: CallOptions, aux_grads=None, collect=False):
@@ -265,7 +226,7 @@ def _deferred_backward(model, cp: CallPlan, loss_fn, options: CallOptions, aux_g
     reached it) from the deferred call's own forward. ``collect``: returns ``(result, {parameter: gradient})`` with
     ``.grad`` untouched (``schedule.grads``; under DDP ``.grad`` is written and the dict is empty)."""
     aux = None if aux_grads is None else (aux_grads, None)
-    return _packed_backward(model, cp, loss_fn, options, aux=aux, collect=collect)
+    return rounds.backward(model, cp, options, loss_fn, aux=aux, collect=collect)
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------
@@ -276,11 +237,11 @@ def _defaults(fn) -> dict:
     return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
 
 
-def _run_call_checks(model, groups) -> None:
-    """The registered checks, after importing the module of every setting that is on (``settings``: the
-    self-check's module registers itself), whichever way the public functions were imported."""
+def _call_checks() -> list[Callable]:
+    """The registered checks (run on the call's groups by ``call.prepare``), after importing the module of every
+    setting that is on (``settings``: the self-check's module registers itself), whichever way the public functions
+    were imported."""
     for name, setting in settings.SETTINGS.items():
         if setting.plugin is not None and settings.read(name) != setting.default:
             importlib.import_module(setting.plugin)
-    for check in _CALL_CHECKS:
-        check(model, groups)
+    return _CALL_CHECKS

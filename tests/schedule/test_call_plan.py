@@ -130,17 +130,17 @@ def test_plan_call_checks_its_settings_and_the_groups():
 def test_plan_holds_what_the_kernels_need():
     model = tiny_model()
     cp = sp.plan_call(model, GROUPS, max_tokens=24)
-    assert cp.refusals[:3] == ("check_supported", "validate_source", "select")
+    assert cp.refusals[:3] == ("check_supported", "validate", "select")
     assert cp.kernel.name == "cpu" and cp.device == torch.device("cpu") and cp.findings.calls == 1
     with pytest.raises(Exception):  # frozen
         cp.plan = None  # type: ignore[misc]
     with torch.no_grad():
         sp.logprobs(model, cp)
-    layouts = dict(cp._layouts)
-    assert len(layouts) == len(cp.passes)
+    layouts = dict(cp.rows.built)
+    assert len(cp.rows) == len(cp.passes)
     with torch.no_grad():
         sp.logprobs(model, cp)
-    assert all(cp._layouts[k] is v for k, v in layouts.items())  # packed once per plan
+    assert all(cp.rows.built[k] is v for k, v in layouts.items())  # packed once per plan
 
 
 @pytest.mark.parametrize(

@@ -85,14 +85,15 @@ class SegmentTree:
         if prompt_chunk is not None and prompt_chunk < 1:
             raise ValueError(f"prompt_chunk={prompt_chunk}; expected a positive number of tokens or None.")
         self.chunk = prompt_chunk
-        self.groups = list(groups)
+        groups = list(groups)
+        self.num_groups = len(groups)  # (the tree keeps its segments, not the groups)
         self.segments: list[Segment] = []
         self.children: list[list[int]] = []
         self.rows: list[OutRow] = []
         self.prompt_chain: list[list[int]] = []  # per group: ids of its prompt segments, root first
         self.completion_ids: list[int] = []  # per completion n: its segment id
         self.group_completions: list[list[int]] = []  # per group: completion indices n
-        for gi, g in enumerate(self.groups):
+        for gi, g in enumerate(groups):
             chain = self.add(None, g.prompt, group=gi, chunk=prompt_chunk)
             self.prompt_chain.append(chain)
             ns = []

@@ -21,21 +21,20 @@ import torch
 
 from sharedprefix.attention import probe
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
-from sharedprefix.attention.kernels import AttentionKernel, select
+from sharedprefix.attention.kernels import AttentionKernel
 from sharedprefix.layout.frames import Frames
 from sharedprefix.layout.groups import Group
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
+from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.model import streams
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.checks import verify_head
-from sharedprefix.model.multimodal import check_batchable, check_prompt_fits
-from sharedprefix.model.support import check_supported
 from sharedprefix.parallel.detect import detect
 from sharedprefix.parallel.engine import Engine
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.options import CallOptions
-from sharedprefix.schedule.planner import Pass, Plan, plan_checked
+from sharedprefix.schedule.planner import Pass, Plan
 
 # config entries that name a checkpoint or set what a forward returns, not the computation sharedprefix runs (it
 # passes use_cache=False itself; TRL turns use_cache off on the policy only); the dtype is compared on the parameters
@@ -118,6 +117,25 @@ class Findings:
         )
 
 
+class RowCache:
+    """The packed rows (``RowLayout``) of a plan's passes, each built on first use (with the index tensors of its
+    attention calls, ``RowLayout.cascade``) and the same object for every later call of the plan."""
+
+    def __init__(self, tree: SegmentTree):
+        self.tree = tree
+        self.built: dict[tuple[Pass, frozenset[int]], RowLayout] = {}
+
+    def layout(self, step: Pass, cached: set[int]) -> RowLayout:
+        """The packed row of ``step`` when ``cached`` segments are in the prefix cache."""
+        key = (step, frozenset(cached))
+        if key not in self.built:
+            self.built[key] = pack_row(self.tree, list(step.segments), cached, step.record, step.rows)
+        return self.built[key]
+
+    def __len__(self) -> int:
+        return len(self.built)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallPlan:
     """One call's host-side work, done once (``sp.plan_call``).
@@ -146,8 +164,8 @@ class CallPlan:
     findings: Findings | None
     images: bool
     refusals: tuple[str, ...]
+    rows: RowCache = dataclasses.field(repr=False, compare=False)
     given: tuple[tuple[str, Any], ...] = ()
-    _layouts: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def passes(self) -> list[Pass]:
@@ -158,47 +176,14 @@ class CallPlan:
         """Some group is split across passes (its prompt cached and backpropagated at the end)."""
         return self.plan.splits
 
-    def layout(self, step: Pass, cached: set[int]) -> RowLayout:
-        """The packed row of ``step`` when ``cached`` segments are in the prefix cache: built once per plan (with
-        the index tensors of its attention calls, ``RowLayout.cascade``), the same object for every call."""
-        key = (step, frozenset(cached))
-        if key not in self._layouts:
-            self._layouts[key] = pack_row(self.plan.tree, list(step.segments), cached, step.record, step.rows)
-        return self._layouts[key]
 
-    def check_model(self, model: torch.nn.Module, engine: Engine | None = None) -> None:
-        """Refuse a model this plan was not made for (another configuration, dtype, device or parallel layout)."""
-        inner = unwrap(model)
-        if (why := self.fingerprint.difference(fingerprint(model, engine))) is not None:
-            raise ValueError(
-                f"this CallPlan was made for another model than {type(inner).__name__}: {why}. A plan runs on the "
-                "model it was made for and on models of the same configuration (a reference model, the policy with "
-                "its adapter disabled); make one for this model with sp.plan_call(model, groups, ...)."
-            )
-
-    def agree(self, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-        """A call's settings: ``given`` (its keywords) where it set them, the plan's (``sp.plan_call``'s keywords)
-        where it left them at their ``defaults``; raises where it set one of ``PLAN_FIELDS`` to another value than
-        the plan's. The other settings (temperature, entropy, prefix_activations, ...) may change from call to call."""
-        out = dict(given)
-        planned = dict(self.given)
-        for name, theirs in given.items():
-            if name not in planned and name not in PLAN_FIELDS:
-                continue  # a per-call setting the plan says nothing about
-            mine = planned[name] if name in planned else getattr(self.options, name)
-            if _same(theirs, defaults.get(name)):  # left at its default: the plan's
-                out[name] = mine
-            elif not _same(theirs, mine) and name in PLAN_FIELDS:
-                raise ValueError(
-                    f"{name}={theirs!r} disagrees with the CallPlan's {name}={mine!r}: a plan runs under the settings "
-                    f"it was made with. Leave {name} out of this call (or pass {mine!r}), or make another plan with "
-                    f"sp.plan_call(model, groups, {name}={theirs!r})."
-                )
-        return out
-
-
-def _same(a, b) -> bool:
-    return a is b or (type(a) is type(b) and a == b)
+def refuse_other_model(inner: torch.nn.Module, why: str) -> None:
+    """Refuse a model a plan was not made for (``why``: ``Fingerprint.difference``)."""
+    raise ValueError(
+        f"this CallPlan was made for another model than {type(inner).__name__}: {why}. A plan runs on the model it "
+        "was made for and on models of the same configuration (a reference model, the policy with its adapter "
+        "disabled); make one for this model with sp.plan_call(model, groups, ...)."
+    )
 
 
 def fingerprint(model: torch.nn.Module, engine: Engine | None = None) -> Fingerprint:
@@ -206,38 +191,6 @@ def fingerprint(model: torch.nn.Module, engine: Engine | None = None) -> Fingerp
     inner = unwrap(model)
     engine = engine or detect(model, inner)
     return Fingerprint.of(inner, engine, engine.compute_device(streams.head_device(inner)))
-
-
-def make_plan(model: torch.nn.Module, source, options: CallOptions, given: dict | None = None) -> CallPlan:
-    """The ``CallPlan`` of ``source`` (a list of ``Group`` or a ``Tree``) on ``model`` under ``options`` (built and
-    checked by the public call; ``given``: the keywords ``sp.plan_call`` got); raises ``ValueError`` / ``TypeError``
-    for what no call could run."""
-    inner = unwrap(model)
-    engine = detect(model, inner)
-    done = ["check_supported"]
-    check_supported(inner)
-    frames = None
-    if streams.num_streams(inner) > 1:  # K token streams per position (MusicGen): frames checked, one id per position
-        source, frames = streams.encode(inner, source)
-        done.append("streams.encode")
-    vocab = None if frames else min(streams.embedding_size(inner), streams.head_vocab(inner))
-    source = refusals.validate_source(source, vocab)
-    done.append("validate_source")
-    images = not isinstance(source, Tree) and any(g.prompt_inputs for g in source)
-    if images:
-        check_prompt_fits(source, options.max_tokens)
-        done.append("check_prompt_fits")
-    plan = plan_checked(source, options.max_tokens)
-    if images:
-        check_batchable(source, plan)
-        done.append("check_batchable")
-    device = engine.compute_device(streams.head_device(inner))
-    kernel = select(options.backend, device)  # an unknown or unavailable backend fails before any pass
-    done.append("select")
-    fingerprint = Fingerprint.of(inner, engine, device)
-    findings = None  # the probe runs a forward, which every rank must reach: after the ranks agree (``probed``)
-    settings = tuple((given or {}).items())
-    return CallPlan(source, frames, plan, options, fingerprint, device, kernel, findings, images, tuple(done), settings)
 
 
 def probed(model: torch.nn.Module, engine: Engine, plan: Plan) -> Findings:

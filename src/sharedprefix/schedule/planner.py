@@ -109,7 +109,7 @@ class Plan:
                         f"c{seg.completion}"
                         if seg.completion is not None
                         else "prompt"
-                        if self.tree.groups
+                        if self.tree.num_groups
                         else f"s{s}"
                     )
                     kinds.append(f"g{seg.group}:{kind}[{seg.length}]")
@@ -121,7 +121,7 @@ class Plan:
                 lines.append(f"  step {i}: dummy 2-token {what} (FSDP2: matches another rank's collectives)")
             else:
                 g = segs[step.segments[0]].group
-                what = "prompt" if self.tree.groups else "prefix"
+                what = "prompt" if self.tree.num_groups else "prefix"
                 lines.append(f"  step {i}: {what} backward of group {g} (segment(s) {list(step.segments)})")
         ratio = self.plain_tokens / max(1, self.tokens_computed)
         lines.append(f"tokens computed {self.tokens_computed}, plain run {self.plain_tokens} ({ratio:.2f}x fewer)")

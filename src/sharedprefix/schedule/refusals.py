@@ -1,10 +1,9 @@
-"""Refusals of one call, in the order a call meets them: ``validate_source`` (the groups or tree it was given),
-``check_call`` (what its model, plan, settings and parallelism decide, before any pass), ``sequence_refusals`` (what
-sequence parallelism does not reproduce), ``check_window`` and ``check_after_probe`` (what the probe of the layers
-rules out) and
-``check_calls`` (after each pass: some attention bypassed sharedprefix); ``agree_setup`` / ``stop_every_rank``: the
-ranks' agreement on a refusal before any collective. The last three take the call's ``Executor``
-(``run``). Refusals inside one attention call are the attention function's (``attention.interface``).
+"""Refusals of one call, in the order a call meets them: ``check_window`` (what a plan rules out for a dynamic-mask
+model), ``check_call`` (what its model, plan, settings and parallelism decide, before any pass), ``sequence_refusals``
+(what sequence parallelism does not reproduce), ``check_after_probe`` (what the probe of the layers rules out with
+gradient checkpointing) and ``check_calls`` (after each pass: some attention bypassed sharedprefix); ``agree_setup`` /
+``stop_every_rank``: the ranks' agreement on a refusal before any collective. Refusals inside one attention call are
+the attention function's (``attention.interface``).
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.interface import PassState
 from sharedprefix.attention.layers import softcap_refusal_on
 from sharedprefix.attention.switch import implementation
-from sharedprefix.layout.groups import validate_groups
-from sharedprefix.layout.rows import Tree
 from sharedprefix.model.adapter import (
     decoder,
     num_attention_layers,
@@ -66,27 +63,29 @@ def check_call(
         )
 
 
-def sequence_refusals(run) -> dict:
-    """{feature: reason} of what this call uses that sequence parallelism does not reproduce."""
-    out = dict(run.par.sequence_refusals(run.model))  # the engine's first (DDP; FSDP2 without a mesh over every rank)
-    if run.mm is not None:
+def sequence_refusals(model, engine, images: bool, frames: bool, router_logits: bool) -> dict:
+    """{feature: reason} of what a call on ``model`` under ``engine`` uses that sequence parallelism does not
+    reproduce (``images``: groups with prompt_inputs; ``frames``: a multi-stream model; ``router_logits``: the call
+    records the MoE router logits)."""
+    out = dict(engine.sequence_refusals(model))  # the engine's first (DDP; FSDP2 without a mesh over every rank)
+    if images:
         out["prompt_inputs"] = "the vision tower's features are placed into the whole row's embeddings"
-    if run.frames is not None:
+    if frames:
         out["several token streams"] = "the frames are encoded per row"
-    if run.router_logits is not None:
+    if router_logits:
         out["output_router_logits=True"] = "the load-balancing loss counts the routing of the whole row"
-    if implementation(run.model) == indexed.NAME or any(has_dynamic_mask(m) for m in run.model.modules()):
+    if implementation(model) == indexed.NAME or any(has_dynamic_mask(m) for m in model.modules()):
         out["an indexer or a dynamic mask"] = "their key selection reads the whole row's visibility mask"
-    if not takes_position_ids(decoder(run.model)):
+    if not takes_position_ids(decoder(model)):
         out["a decoder that takes no position_ids"] = "its positions are renumbered by hooks over the whole row"
     return out
 
 
-def check_after_probe(run, calls: int) -> None:
+def check_after_probe(model, plan, calls: int) -> None:
     """A refusal that needs the probe's view of the layers (``calls``: the most attention calls of a module per
-    forward) and the model's state (gradient checkpointing), before any pass."""
-    name = type(run.model).__name__
-    if calls > 1 and run.plan.splits and uses_checkpointing(run.model):
+    forward) and the model's state (gradient checkpointing), before any pass of ``plan``."""
+    name = type(model).__name__
+    if calls > 1 and plan.splits and uses_checkpointing(model):
         raise ValueError(
             f"{name} runs an attention module {calls} times per forward (looped layers or differential attention) "
             "and gradient checkpointing is on, with a budget that splits a group: the prompt cache holds one K/V "
@@ -101,7 +100,7 @@ def check_window(name: str, plan, keep: int | None) -> None:
     the keys it keeps, whose top-k selection over the plain row's keys is not reproduced."""
     if keep is None:
         return
-    longest, widest = plan.tree.longest_row(), max((plan.pass_tokens(p) for p in plan.passes), default=0)
+    longest, widest = (plan.tree.longest_row(), max((plan.pass_tokens(p) for p in plan.passes), default=0))
     if longest > keep:
         raise ValueError(
             f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once a row is "
@@ -116,25 +115,16 @@ def check_window(name: str, plan, keep: int | None) -> None:
         )
 
 
-def check_calls(run, state: PassState) -> None:
+def check_calls(model, state: PassState) -> None:
     """Refuse a pass in which the sharedprefix attention did not run in every attention layer."""
-    want = num_attention_layers(run.model)
+    want = num_attention_layers(model)
     got = len(state.seen)
     if got != want:
         raise ValueError(
-            f"{type(run.model).__name__}: the sharedprefix attention ran in {got} of {want} layers; the model's "
+            f"{type(model).__name__}: the sharedprefix attention ran in {got} of {want} layers; the model's "
             "attention bypasses transformers' attention interface, so prompt sharing cannot be applied exactly. "
             "This model is not supported."
         )
-
-
-def validate_source(source, vocab_size: int | None = None):
-    """A ``Tree`` (token ids checked) or a validated list of groups."""
-    if isinstance(source, Tree):
-        if vocab_size is not None:
-            source.check_vocab(vocab_size)
-        return source
-    return validate_groups(source, vocab_size)
 
 
 def agree_setup(par, sequence_group, error: BaseException | None, key: int | None, leaves: bool, plan):
