@@ -44,3 +44,25 @@ def test_grpo_trainer_plans_once_per_batch(tmp_path, monkeypatch):
     )
     assert calls == [True] * 4
     assert plannings == [8, 8]  # old + reference: one plan; the policy's microbatch: one plan for both iterations
+
+
+def test_grpo_trainer_logs_what_sharedprefix_did(tmp_path):
+    """Each step's log (TRL's own metrics, averaged over the step's calls) says what sharedprefix computed."""
+    tok = build_tokenizer()
+    qwen3_model(tok).save_pretrained(tmp_path / "init")
+    trainer = train_two_steps(
+        SharedPrefixGRPOTrainer,
+        SharedPrefixGRPOConfig,
+        str(tmp_path / "init"),
+        tok,
+        tmp_path / "sp",
+        sharedprefix_max_tokens=32,
+        sharedprefix_prefix_activations="recompute",
+    )
+    logs = [h for h in trainer.state.log_history if "sharedprefix/tokens_computed" in h]
+    assert len(logs) == 2  # one per step
+    for h in logs:
+        assert 0 < h["sharedprefix/tokens_computed"] < h["sharedprefix/tokens_plain"]  # prompts computed once
+        assert h["sharedprefix/passes"] > 1  # the budget splits the batch
+        assert h["sharedprefix/prefix_mode"] == 2.0  # "recompute"
+        assert "sharedprefix/peak_memory_gib" not in h  # CPU: no device peak to report

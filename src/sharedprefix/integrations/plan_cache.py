@@ -19,6 +19,7 @@ import torch
 
 from sharedprefix.schedule.call import plan_unagreed
 from sharedprefix.schedule.call_plan import CallPlan, fingerprint
+from sharedprefix.schedule.results import PREFIX_MODES
 
 
 class PlanCache:
@@ -64,3 +65,23 @@ def plan_capacity(trainer) -> int:
     """How many plans a TRL ``trainer`` keeps: those of one generation batch (its old-policy and reference calls on
     the whole batch, one per policy microbatch) twice over."""
     return 2 * (int(getattr(trainer.args, "steps_per_generation", None) or 1) + 1)
+
+
+def log_plan(trainer, plan, mode: str | None = None) -> None:
+    """Put what sharedprefix computes for one call of ``plan`` (a ``CallPlan``) into TRL's own metrics
+    (``trainer._metrics[mode]``, averaged and logged by TRL each step): ``sharedprefix/tokens_computed`` against
+    ``sharedprefix/tokens_plain`` (what the plain per-row forward computes), ``sharedprefix/passes``,
+    ``sharedprefix/prefix_mode`` (the index of the trainer's ``sharedprefix_prefix_activations`` in "keep",
+    "offload", "recompute") and, on CUDA, ``sharedprefix/peak_memory_gib`` (the device's peak so far). Nothing for a
+    source that is not a plan (one whose planning failed, and raises)."""
+    if not isinstance(plan, CallPlan) or not hasattr(trainer, "_metrics"):
+        return
+    mode = mode or ("train" if trainer.model.training else "eval")
+    metrics = trainer._metrics[mode]
+    p = plan.plan
+    metrics["sharedprefix/tokens_computed"].append(float(sum(p.pass_tokens(s) for s in p.passes)))
+    metrics["sharedprefix/tokens_plain"].append(float(p.plain_tokens))
+    metrics["sharedprefix/passes"].append(float(len(p.passes)))
+    metrics["sharedprefix/prefix_mode"].append(float(PREFIX_MODES.index(trainer._sp_mode)))
+    if plan.device.type == "cuda":
+        metrics["sharedprefix/peak_memory_gib"].append(torch.cuda.max_memory_allocated(plan.device) / 2**30)

@@ -50,7 +50,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 import sharedprefix as sp
-from sharedprefix.integrations.plan_cache import PlanCache, plan_capacity
+from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
@@ -311,6 +311,7 @@ class SharedPrefixHooks:
                 grad_reduction="mean",
                 aux_loss=bool(compute_aux_loss) and not grouped,  # refused at construction where grouped
             )  # TRL's losses are per-rank means, averaged as DDP does
+        log_plan(self, source)  # into TRL's own metrics: tokens computed against plain, passes, the mode, memory
         aux = out.aux_loss if compute_aux_loss else None  # TRL's: the loss of this microbatch's rows
         if grouped:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
             order = torch.tensor([b for m in members for b in m], device=input_ids.device)

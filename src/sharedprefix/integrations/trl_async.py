@@ -32,7 +32,7 @@ import torch
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer
 
 import sharedprefix as sp
-from sharedprefix.integrations.plan_cache import PlanCache, plan_capacity
+from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
 from sharedprefix.integrations.trl import SharedPrefixSettings, checked_settings
 from sharedprefix.integrations.trl_async_layout import packed_tree, to_packed
 from sharedprefix.model.adapter import unwrap
@@ -148,6 +148,7 @@ class PackedForward:
                 grad_reduction="mean",  # TRL scales its loss for DDP's average over ranks
                 aux_loss=False,  # refused at construction
             )
+        log_plan(t, source, "train" if self.model.training else "eval")  # into TRL's own metrics
         # TRL reads the entropies for its metrics only
         entropy = None if out.entropy is None else to_packed(out.entropy.detach(), pt)
         return SimpleNamespace(log_probs=to_packed(out.logprobs, pt), entropy=entropy, aux_loss=None)
