@@ -27,12 +27,12 @@ from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.positions import renumbered
 from sharedprefix.parallel.engine import Engine
 from sharedprefix.parallel.sequence import SequenceShard
+from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.call_plan import RowCache
 from sharedprefix.schedule.compiled import removed
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.planner import Pass, Plan
-from sharedprefix.schedule.refusals import check_calls
 
 if TYPE_CHECKING:
     from sharedprefix.schedule.setup import CallSetup
@@ -94,7 +94,7 @@ class PassRunner:
 
         result = self.par.call(fn)
         self.last = (state, result)
-        check_calls(self.model, state)
+        refusals.check_calls(self.model, state)
         self.tokens += layout.length if own else 0
         for s in layout.record:
             self.cache.states[s] = state
