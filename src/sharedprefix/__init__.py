@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "Batch": "sharedprefix.api",
     "BackwardResult": "sharedprefix.api",
+    "CallPlan": "sharedprefix.api",
     "Group": "sharedprefix.layout.groups",
     "Tree": "sharedprefix.layout.rows",
     "LogProbs": "sharedprefix.api",
@@ -26,6 +27,7 @@ _PUBLIC = {
     "backward": "sharedprefix.api",
     "logprobs": "sharedprefix.api",
     "plan": "sharedprefix.schedule.planner",
+    "plan_call": "sharedprefix.api",
     "shard_groups": "sharedprefix.parallel.sharding",
     "verify": "sharedprefix.tools.verify",
     "VerifyReport": "sharedprefix.tools.verify",
@@ -33,6 +35,7 @@ _PUBLIC = {
 __all__ = [
     "Batch",
     "BackwardResult",
+    "CallPlan",
     "Group",
     "LogProbs",
     "Plan",
@@ -42,6 +45,7 @@ __all__ = [
     "backward",
     "logprobs",
     "plan",
+    "plan_call",
     "shard_groups",
     "verify",
 ]
@@ -65,7 +69,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:
-    from sharedprefix.api import BackwardResult, Batch, LogProbs, backward, logprobs
+    from sharedprefix.api import BackwardResult, Batch, CallPlan, LogProbs, backward, logprobs, plan_call
     from sharedprefix.layout.groups import Group
     from sharedprefix.layout.rows import Tree
     from sharedprefix.model.hooks import allow_hook

@@ -1,9 +1,10 @@
 """The public calls: ``sp.logprobs`` (forward) and ``sp.backward`` (forward, loss, backward per pass).
 
-Each validates its settings, then dispatches: a hybrid model to ``schedule.cache_path``, a grad-enabled call that
-must run its backward inside sharedprefix to a deferred backward (``schedule.deferred``), and everything else to an
-``Executor`` driven over its plan by ``schedule.rounds``. Notation: N = output rows (completions in group order,
-or a tree's rows), W = columns, n = rows in one pass.
+Each prepares the call (``schedule.call``: its settings, refusals, path and plan; ``sp.plan_call`` makes the plan
+alone, for many calls), then dispatches: a hybrid model to ``schedule.cache_path``, a grad-enabled call that must run
+its backward inside sharedprefix to a deferred backward (``schedule.deferred``), and everything else to
+``schedule.rounds``, which runs the plan's passes through a ``PassRunner`` (``schedule.setup``). Notation: N = output
+rows (completions in group order, or a tree's rows), W = columns, n = rows in one pass.
 
 Hybrid models whose token mixers outside attention sharedprefix reaches (``model.mixers``: the gated delta-nets of
 Qwen3-Next, Qwen3.5 and OLMo-hybrid, LFM2's short convolutions, the Mamba2 families' scans) take the packed path
@@ -25,6 +26,7 @@ first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) there, so that this module 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -33,16 +35,15 @@ import torch
 from sharedprefix import settings
 from sharedprefix.layout.groups import Group
 from sharedprefix.layout.rows import Tree
-from sharedprefix.model import mixers, router
-from sharedprefix.model.adapter import unwrap, uses_checkpointing
-from sharedprefix.model.hooks import check_module_hooks
+from sharedprefix.model import router
+from sharedprefix.model.adapter import unwrap
 from sharedprefix.parallel.detect import detect, sync_enabled
-from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
-from sharedprefix.schedule import rounds
+from sharedprefix.schedule import call, rounds
 from sharedprefix.schedule.cache_path import calls as cache_path
+from sharedprefix.schedule.call_plan import CallPlan
 from sharedprefix.schedule.deferred import defer_logprobs
-from sharedprefix.schedule.executor import Executor
 from sharedprefix.schedule.options import CallOptions
+from sharedprefix.schedule.path import Path
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
 
 if TYPE_CHECKING:
@@ -53,9 +54,11 @@ __all__ = [
     "REDUCTIONS",
     "BackwardResult",
     "Batch",
+    "CallPlan",
     "LogProbs",
     "backward",
     "logprobs",
+    "plan_call",
     "register_call_check",
 ]
 
@@ -68,9 +71,22 @@ def register_call_check(fn: Callable) -> None:
         _CALL_CHECKS.append(fn)
 
 
+def plan_call(model: torch.nn.Module, groups: Sequence[Group] | Tree, **options) -> CallPlan:
+    """Plan once, run many: the host-side work of a call on ``model`` (validation, the probe's findings, the passes
+    and their packed rows, the attention primitive, the refusals these decide), frozen into a ``CallPlan`` that
+    ``logprobs`` and ``backward`` take in place of ``groups``, any number of times, on ``model`` or any model of the
+    same configuration, dtype, device and parallel layout (a reference model; the policy with its adapter disabled).
+
+    ``options``: any keyword of ``logprobs`` / ``backward`` (``max_tokens``, ``backend``, ``sequence_group`` shape
+    the plan: a call that passes another value of one of them is refused; the others are the calls' defaults, which
+    a call may change). Under DDP / FSDP2 every rank calls it, and a refusal on one rank is raised on every rank.
+    """
+    return call.plan_agreed(model, groups, options)
+
+
 def logprobs(
     model: torch.nn.Module,
-    groups: Sequence[Group] | Tree,
+    groups: Sequence[Group] | Tree | CallPlan,
     temperature: float = 1.0,
     entropy: bool = False,
     max_tokens: int | None = None,
@@ -85,7 +101,8 @@ def logprobs(
 
     Args:
         model: a transformers causal LM (PEFT / DDP / FSDP2 wrappers are handled).
-        groups: list of ``sharedprefix.Group``, or a ``sharedprefix.Tree``.
+        groups: list of ``sharedprefix.Group``, a ``sharedprefix.Tree``, or a ``CallPlan`` (``plan_call``), whose
+            settings are this call's where it leaves them at their defaults.
         temperature: logits are divided by it before the log-softmax, as in TRL.
         entropy: also return the entropy of each predicted distribution.
         max_tokens: tokens one pass may hold (None: all groups in one pass). Groups larger than
@@ -114,32 +131,23 @@ def logprobs(
         ``LogProbs`` with (N, W) tensors, float32 (float64 for a float64 model), with grad when
         grad is enabled.
     """
-    shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
-    opts = CallOptions.build(**shared, defer=defer, aux_loss=aux_loss)
-    check_module_hooks(model)
-    seq = opts.sequence_group
-    if seq is not None and (mixers.on_cache_path(unwrap(model)) or mixers.on_packed_path(unwrap(model))):
-        refuse_hybrid(type(unwrap(model)).__name__, seq)
-    if seq is not None and (aux_loss or (aux_loss is None and router.enabled(unwrap(model)))):
-        refuse_aux(type(unwrap(model)).__name__)
-    if mixers.on_cache_path(unwrap(model)):
-        if aux_loss:
-            router.refuse_hybrid(unwrap(model))
-        return cache_path.hybrid_logprobs(model, groups, opts, _deferred_backward)
-    _run_call_checks(model, groups)
-    if torch.is_grad_enabled() and _defers(model, defer, seq):
+    given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, defer=defer)
+    given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, aux_loss=aux_loss)
+    given["sequence_group"] = sequence_group
+    opts, path, cp, error = call.prepare(model, groups, False, given, _defaults(logprobs), _call_checks())
+    if path is Path.HYBRID:
+        return cache_path.hybrid_logprobs(model, groups, opts)
+    if path is Path.DEFERRED:
         with torch.no_grad():
-            run = Executor(model, groups, opts, leaves=False, aux=aux_loss)
-            out = rounds.forward(run, entropy)
-            grads = router.segment_grads(run.model, run.router_logits) if run.router_logits else None
-        return defer_logprobs(_deferred_backward, model, groups, out, opts, grads, engine=run.par)
-    run = Executor(model, groups, opts, leaves=False, aux=aux_loss)
-    return rounds.forward(run, entropy)
+            out, records = rounds.forward(model, cp, opts, aux=opts.aux_loss, error=error)
+            grads = router.segment_grads(unwrap(model), records) if records else None
+        return defer_logprobs(_deferred_backward, model, cp, out, opts, grads, engine=detect(model, unwrap(model)))
+    return rounds.forward(model, cp, opts, aux=opts.aux_loss, error=error)[0]
 
 
 def backward(
     model: torch.nn.Module,
-    groups: Sequence[Group] | Tree,
+    groups: Sequence[Group] | Tree | CallPlan,
     loss_fn: Callable[[Batch], torch.Tensor],
     max_tokens: int | None = None,
     prefix_activations: str | None = None,
@@ -155,7 +163,8 @@ def backward(
     """Accumulate into ``.grad`` the exact gradient of ``sum over passes of loss_fn(batch)``.
 
     ``loss_fn(batch) -> scalar tensor`` must be additive over completions (see the module
-    docstring): the total is then the loss of all completions at once, whatever the budget.
+    docstring): the total is then the loss of all completions at once, whatever the budget. ``groups``: as in
+    ``logprobs`` (a ``CallPlan`` too).
 
     Args:
         max_tokens: tokens one pass may hold; a group larger than that computes its prompt once,
@@ -190,97 +199,49 @@ def backward(
     The process group stays usable, except after an error inside FSDP2's own collectives (a forward or backward
     failing part-way), where every rank closes it (see ``parallel.engines.fsdp2``).
     """
-    if prefix_activations is None:  # the default: "keep", or the mode FSDP2 needs
-        prefix_activations = detect(model, unwrap(model)).default_prefix_mode
-    shared = _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group)
-    # inside DDP's no_sync(): accumulate, as DDP's own backward would
-    opts = CallOptions.build(**shared, sync=sync and sync_enabled(model), offload_device=offload_device)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn is a {type(loss_fn).__name__}; expected a callable Batch -> scalar tensor.")
     if not torch.is_grad_enabled():
         raise RuntimeError("sharedprefix.backward was called under torch.no_grad(); it needs autograd enabled.")
     coef = router.check_coef(unwrap(model), aux_loss_coef)
-    check_module_hooks(model)
-    seq = opts.sequence_group
-    if seq is not None and (mixers.on_cache_path(unwrap(model)) or mixers.on_packed_path(unwrap(model))):
-        refuse_hybrid(type(unwrap(model)).__name__, seq)
-    if seq is not None and coef:
-        refuse_aux(type(unwrap(model)).__name__)
-    if mixers.on_cache_path(unwrap(model)):
-        if coef:
-            router.refuse_hybrid(unwrap(model))
+    given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, sync=sync)
+    given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, offload_device=offload_device)
+    given["sequence_group"] = sequence_group
+    opts, path, cp, error = call.prepare(model, groups, True, given, _defaults(backward), _call_checks(), coef)
+    opts = opts.replace(sync=opts.sync and sync_enabled(model))  # inside DDP's no_sync(): accumulate, as DDP does
+    if path is Path.HYBRID:
         return cache_path.hybrid_backward(model, groups, loss_fn, opts)
-    _run_call_checks(model, groups)
     aux = None
     if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
         with torch.no_grad():
-            first = Executor(model, groups, opts.replace(entropy=False, sequence_group=None), leaves=False, aux=True)
-            rounds.forward(first, False)
-        aux = router.scaled_grads(first.model, first.router_logits, coef)
-    return _packed_backward(model, groups, loss_fn, opts, aux=aux, aux_coef=coef)
+            first_opts = opts.replace(entropy=False, sequence_group=None)
+            _, records = rounds.forward(model, cp, first_opts, aux=True, error=error)
+        aux = router.scaled_grads(unwrap(model), records, coef)
+    return rounds.backward(model, cp, opts, loss_fn, aux=aux, aux_coef=coef, error=error)
 
 
-def _packed_backward(model, groups, loss_fn, options: CallOptions, aux=None, aux_coef=0.0, collect=False):
-    """``aux``: (per-segment aux gradients scaled by ``aux_coef``, the aux loss's value or None), or None.
-    ``collect``: see ``_deferred_backward``."""
-    grads, value = aux if aux is not None else (False, None)
-    # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
-    run = Executor(model, groups, options, leaves=True, aux=grads)
-    return rounds.backward(run, loss_fn, value, aux_coef, collect=collect)
-
-
-def _deferred_backward(model, groups, loss_fn, options: CallOptions, aux_grads=None, collect=False):
-    """The backward of deferred log-probs (``schedule.deferred``) under the deferred call's ``options``:
-    ``sp.backward``'s path, with the aux loss's per-token gradients (already scaled by the gradient that reached it)
-    from the deferred call's own forward. ``collect``: returns ``(result, {parameter: gradient})`` with ``.grad``
-    untouched (``schedule.grads``; under DDP ``.grad`` is written and the dict is empty)."""
-    if mixers.on_cache_path(unwrap(model)):
-        return cache_path.hybrid_backward(model, groups, loss_fn, options, collect=collect)
+def _deferred_backward(model, cp: CallPlan, loss_fn, options: CallOptions, aux_grads=None, collect=False):
+    """The backward of deferred log-probs on the packed path (``schedule.deferred``) under the deferred call's
+    ``options``: ``sp.backward``'s path, with the aux loss's per-token gradients (already scaled by the gradient that
+    reached it) from the deferred call's own forward. ``collect``: returns ``(result, {parameter: gradient})`` with
+    ``.grad`` untouched (``schedule.grads``; under DDP ``.grad`` is written and the dict is empty)."""
     aux = None if aux_grads is None else (aux_grads, None)
-    return _packed_backward(model, groups, loss_fn, options, aux=aux, collect=collect)
+    return rounds.backward(model, cp, options, loss_fn, aux=aux, collect=collect)
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------
 
 
-def _shared(max_tokens, backend, temperature, entropy, prefix_activations, grad_reduction, sequence_group) -> dict:
-    """The settings ``logprobs`` and ``backward`` share, as ``CallOptions.build`` keywords (the group checked)."""
-    return dict(
-        max_tokens=max_tokens,
-        backend=backend,
-        temperature=temperature,
-        entropy=entropy,
-        prefix_activations=prefix_activations,
-        grad_reduction=grad_reduction,
-        sequence_group=check_group(sequence_group),
-    )
+def _defaults(fn) -> dict:
+    """The default of every keyword of the public function ``fn``."""
+    return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
 
 
-def _run_call_checks(model, groups) -> None:
-    """The registered checks, after importing the module of every setting that is on (``settings``: the
-    self-check's module registers itself), whichever way the public functions were imported."""
+def _call_checks() -> list[Callable]:
+    """The registered checks (run on the call's groups by ``call.prepare``), after importing the module of every
+    setting that is on (``settings``: the self-check's module registers itself), whichever way the public functions
+    were imported."""
     for name, setting in settings.SETTINGS.items():
         if setting.plugin is not None and settings.read(name) != setting.default:
             importlib.import_module(setting.plugin)
-    for check in _CALL_CHECKS:
-        check(model, groups)
-
-
-def _defers(model, defer: bool | None, seq=None) -> bool:
-    """Whether a grad-enabled ``logprobs`` on the packed path computes its values now and its backward later,
-    through ``sp.backward``: asked for (``defer=True``), or needed (gradient checkpointing, DDP, sequence
-    parallelism). Refuses what cannot be exact either way (FSDP2; ``defer=False`` where it is needed)."""
-    inner = unwrap(model)
-    engine = detect(model, inner)
-    engine.check_grad_logprobs()  # FSDP2: its backward would run outside FSDP2's hooks
-    needs = engine.must_defer or ("gradient checkpointing" if uses_checkpointing(inner) else None)
-    needs = needs or ("sequence parallelism" if seq is not None else None)
-    if defer is False and needs:
-        raise ValueError(
-            f"defer=False with grad enabled is not possible with {needs}: the backward must run inside "
-            "sharedprefix (to recompute checkpointed layers with its attention, to synchronise DDP "
-            "gradients, or to sum a sequence group's gradient shares). Leave defer=None."
-        )
-    if defer or (defer is None and needs):
-        return True
-    return False
+    return _CALL_CHECKS

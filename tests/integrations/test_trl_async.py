@@ -21,6 +21,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer  # noq
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 
 from helpers import assert_grads_close, tiny_model  # noqa: E402
+from sharedprefix.integrations.plan_cache import PlanCache  # noqa: E402
 from sharedprefix.integrations.trl_async import (  # noqa: E402
     PackedForward,
     SharedPrefixAsyncGRPOConfig,
@@ -71,7 +72,9 @@ def _plain(model, samples):
 
 def _trainer_stub(budget):
     accelerator = types.SimpleNamespace(autocast=contextlib.nullcontext)
-    return types.SimpleNamespace(temperature=TEMPERATURE, accelerator=accelerator, _sp_budget=budget, _sp_mode="keep")
+    return types.SimpleNamespace(
+        temperature=TEMPERATURE, accelerator=accelerator, _sp_budget=budget, _sp_mode="keep", _sp_plans=PlanCache()
+    )
 
 
 def _grads(model, fn, weights):

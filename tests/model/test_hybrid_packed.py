@@ -262,10 +262,12 @@ def test_qwen3_5_with_images(budget, mode):
 def test_a_packed_pass_outside_the_mixers_context_is_refused():
     """A pass run outside ``mixers.active`` (a caller that skips ``schedule.rounds``) would let the model's own
     convolution read across the row: refused."""
-    from sharedprefix.schedule.executor import Executor
+    from sharedprefix.schedule.call import make_plan
     from sharedprefix.schedule.options import CallOptions
+    from sharedprefix.schedule.setup import start
 
     model = _model("lfm2")
-    run = Executor(model, groups_of(), CallOptions(), leaves=False)
+    cp = make_plan(model, groups_of(), CallOptions())
+    run, _ = start(model, cp, CallOptions(), leaves=False)
     with pytest.raises(RuntimeError, match=r"ran outside model\.mixers\.active"):
-        run.run_pass(run.plan.passes[0])
+        run.run_pass(cp.plan.passes[0])

@@ -50,6 +50,7 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 import sharedprefix as sp
+from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
 from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings
 from sharedprefix.model import router
@@ -147,6 +148,7 @@ class SharedPrefixHooks:
         super().__init__(*args, **kwargs)
         a = self.args
         self._sp_budget, self._sp_mode = checked_settings(self)
+        self._sp_plans = PlanCache(capacity=plan_capacity(self))
         self._refuse_at_construction()
         reasons = membership_matters(self) if a.sharedprefix_group_microbatches else []
         if reasons:
@@ -219,9 +221,14 @@ class SharedPrefixHooks:
             used = {k: extra[k] for k in MULTIMODAL if extra.get(k) is not None}
             groups, members = image_groups(input_ids, attention_mask, logits_to_keep, **used)
             source = groups
-        else:
-            tr = tree_rows(input_ids, attention_mask, logits_to_keep)
-            source = tr.tree
+        else:  # planned once per microbatch: the old-policy, reference and policy calls on it reuse the plan
+            source, tr = self._sp_plans.lookup(
+                model,
+                (input_ids, attention_mask),
+                (logits_to_keep,),
+                lambda: ((t := tree_rows(input_ids, attention_mask, logits_to_keep)).tree, t),
+                max_tokens=self._sp_budget,
+            )
         dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
         zeros = torch.zeros(B, C, dtype=dtype, device=input_ids.device)
         if not source:  # image or hybrid rows, every completion masked: a zero connected to the graph, as in TRL
@@ -247,6 +254,7 @@ class SharedPrefixHooks:
                 grad_reduction="mean",
                 aux_loss=bool(compute_aux_loss) and not grouped,  # refused at construction where grouped
             )  # TRL's losses are per-rank means, averaged as DDP does
+        log_plan(self, source)  # into TRL's own metrics: tokens computed against plain, passes, the mode, memory
         aux = out.aux_loss if compute_aux_loss else None  # TRL's: the loss of this microbatch's rows
         if grouped:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
             order = torch.tensor([b for m in members for b in m], device=input_ids.device)

@@ -32,6 +32,7 @@ import torch
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async_grpo_trainer
 
 import sharedprefix as sp
+from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
 from sharedprefix.integrations.trl_async_layout import packed_tree, to_packed
 from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings
 from sharedprefix.model.adapter import unwrap
@@ -54,6 +55,7 @@ class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
         with _without_cuda_peak_flops():
             super().__init__(*args, **kwargs)
         self._sp_budget, self._sp_mode = checked_settings(self)
+        self._sp_plans = PlanCache(capacity=plan_capacity(self))
         if self.args.sharedprefix_group_microbatches:
             raise ValueError(
                 "sharedprefix_group_microbatches=True is a setting of SharedPrefixGRPOTrainer and "
@@ -129,12 +131,15 @@ class PackedForward:
                 "sharedprefix's extra."
             )
         t = self.trainer
-        pt = packed_tree(input_ids, position_ids, shift_labels, tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k)
+        tensors = (input_ids, position_ids, shift_labels, tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k)
+        source, pt = t._sp_plans.lookup(  # planned once per packed row, whatever the calls on it
+            self.model, tensors, (), lambda: ((p := packed_tree(*tensors)).tree, p), max_tokens=t._sp_budget
+        )
         defer = True if (torch.is_grad_enabled() and t._sp_budget is not None) else None
         with t.accelerator.autocast():  # as TRL's own forward
             out = sp.logprobs(
                 self.model,
-                pt.tree,
+                source,
                 temperature=t.temperature,
                 entropy=True,
                 max_tokens=t._sp_budget,
@@ -143,6 +148,7 @@ class PackedForward:
                 grad_reduction="mean",  # TRL scales its loss for DDP's average over ranks
                 aux_loss=False,  # refused at construction
             )
+        log_plan(t, source, "train" if self.model.training else "eval")  # into TRL's own metrics
         # TRL reads the entropies for its metrics only
         entropy = None if out.entropy is None else to_packed(out.entropy.detach(), pt)
         return SimpleNamespace(log_probs=to_packed(out.logprobs, pt), entropy=entropy, aux_loss=None)

@@ -96,7 +96,8 @@ class SegmentTree:
         if prompt_chunk is not None and prompt_chunk < 1:
             raise ValueError(f"prompt_chunk={prompt_chunk}; expected a positive number of tokens or None.")
         self.chunk = prompt_chunk
-        self.groups = list(groups)
+        groups = list(groups)
+        self.num_groups = len(groups)  # (the tree keeps its segments, not the groups)
         self.segments: list[Segment] = []
         self.children: list[list[int]] = []
         self.rows: list[OutRow] = []
@@ -104,9 +105,9 @@ class SegmentTree:
         self.completion_ids: list[int] = []  # per completion n: its segment id
         self.group_completions: list[list[int]] = []  # per group: completion indices n
         # every completion token is computed: one mask for all completions, one view of it per completion
-        lengths = [int(c.numel()) for g in self.groups for c in g.completions]
+        lengths = [int(c.numel()) for g in groups for c in g.completions]
         masks = iter(torch.ones(sum(lengths), dtype=torch.bool).split(lengths) if lengths else ())
-        for gi, g in enumerate(self.groups):
+        for gi, g in enumerate(groups):
             chain = self.add(None, g.prompt, group=gi, chunk=prompt_chunk)
             self.prompt_chain.append(chain)
             ns = []

@@ -181,6 +181,10 @@ class Engine(abc.ABC):
     def sequence_size(self) -> int:
         return dist.get_world_size(self.sequence) if self.sequence is not None else 1
 
+    def layout(self) -> str:
+        """The engine's kind and sizes, for a plan's fingerprint (``schedule.call_plan.Fingerprint``)."""
+        return f"{type(self).__name__}(world={self.world_size}, tensor={self.tensor}, data={self.data_size})"
+
     def compute_device(self, fallback: torch.device) -> torch.device:
         """The device the passes run on: ``fallback`` (the head's device) unless the engine moves parameters."""
         return fallback

@@ -19,21 +19,22 @@ from contextlib import contextmanager
 import torch
 
 from sharedprefix.attention import compiled, probe
-from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.model import mixers
 from sharedprefix.model.adapter import decoder, wrappers
 
 
-def compiled_path(run, pats: dict, given: torch.nn.Module) -> tuple[list | None, bool, tuple | None]:
-    """(attention modules, force_eager, whole) for the executor ``run`` of the model as the user ``given`` it: the
-    modules when the compiled layers run compiled, None when nothing is compiled or they run eager (then force_eager
-    is True, after one warning); ``whole``: (the user's compile context, the decoder layers it compiles for the call)
-    for a model compiled as a whole, else None."""
-    model = run.model
+def compiled_path(
+    given: torch.nn.Module, model, engine, findings, kernel, frames, reasons: list[str]
+) -> tuple[list | None, bool, tuple | None]:
+    """(attention modules, force_eager, whole) for a call on the causal LM ``model`` as the user ``given`` it, under
+    the parallel ``engine``, with the probe's ``findings``, the attention ``kernel`` and a multi-stream model's
+    ``frames``: the modules when the compiled layers run compiled, None when nothing is compiled or they run eager
+    (then force_eager is True, after one warning naming why, ``reasons`` among them); ``whole``: (the user's compile
+    context, the decoder layers it compiles for the call) for a model compiled as a whole, else None."""
     ctx = user_context(given, model)
     if ctx is None and not compiled_modules(model):
         return None, False, None
-    reasons = _eager_reasons(run, pats)
+    reasons = reasons + _eager_reasons(model, engine, findings, kernel, frames)
     layers = None
     if not reasons:
         try:
@@ -53,36 +54,32 @@ def compiled_path(run, pats: dict, given: torch.nn.Module) -> tuple[list | None,
     return layers, False, (ctx, [b for b in decoder_blocks(model) if not compiled_modules(b)], outer)
 
 
-def _eager_reasons(run, pats: dict) -> list[str]:
-    """What the compiled path does not take (each runs exact in eager mode)."""
+def _eager_reasons(model, engine, findings, kernel, frames) -> list[str]:
+    """What the compiled path does not take (each runs exact in eager mode); ``findings``: the probe's
+    (``call_plan.Findings``)."""
     out = []
-    if run.par.sequence is not None:
+    if engine.sequence is not None:
         out.append("sequence parallelism exchanges heads inside attention")
-    if (why := run.par.compiled_refusal()) is not None:  # FSDP2, tensor parallelism
+    if (why := engine.compiled_refusal()) is not None:  # FSDP2, tensor parallelism
         out.append(why)
-    if run.frames is not None:
+    if frames is not None:
         out.append("multi-stream (MusicGen) decoders are not yet run through compiled layers")
-    if mixers.on_packed_path(run.model):
+    if mixers.on_packed_path(model):
         out.append("token mixers outside attention (hybrid layers) are not yet run through compiled layers")
-    if any(p.indexed for p in pats.values()):
+    if findings.indexed:
         out.append("indexed (DeepSeek sparse) attention needs the row's mask")
-    if any(p.calls > 1 for p in pats.values()):
+    if findings.calls > 1:
         out.append("a layer runs attention several times per forward")
-    if any(has_dynamic_mask(m) for m in pats):
+    if findings.keep is not None:
         out.append("a dynamic-mask (Doge) layer folds its mask into the keys")
-    if any(getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True) for m in pats):
+    if findings.nope_rescale:
         out.append("Llama 4's NoPE layers rescale queries by their row index")
-    if not run.cache.leaves and torch.is_grad_enabled() and any(p.record for p in run.plan.passes):
+    if getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None and not kernel.SOFTCAP:
         out.append(
-            "a grad-enabled sp.logprobs split under max_tokens keeps the prompt's K/V in one graph with the "
-            "completions' (sp.backward, or defer=True, runs compiled)"
-        )
-    if getattr(run.model.config.get_text_config(), "attn_logit_softcapping", None) is not None and not run.impl.SOFTCAP:
-        out.append(
-            f"attention-score soft-capping on the {run.impl.name!r} backend runs FlexAttention, not inside compiled "
+            f"attention-score soft-capping on the {kernel.name!r} backend runs FlexAttention, not inside compiled "
             "layers"
         )
-    if not isinstance(getattr(run.model, "get_input_embeddings", lambda: None)(), torch.nn.Module):
+    if not isinstance(getattr(model, "get_input_embeddings", lambda: None)(), torch.nn.Module):
         out.append("the model has no input embedding module to route the cached keys' gradients through")
     return out
 

@@ -14,12 +14,34 @@ Notation: N = output rows, W = columns.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.results import LogProbs
+
+
+@dataclass(frozen=True)
+class DeferredSpec:
+    """What a deferred call's backward needs: ``backward(model, source, loss_fn, options, aux_grads=..., collect=True)
+    -> (result, {parameter: gradient})``, the backward of the path the call took (chosen once by the public call);
+    ``params``: the model's trainable parameters (the deferred node's inputs); ``entropy``: the call computed
+    entropies; ``aux_grads``: see ``defer_logprobs``; ``engine``: the call's ``Engine`` (None: one process, parameters
+    always whole); ``autocast``: the autocast state of the call, restored for its backward."""
+
+    backward: Callable
+    model: torch.nn.Module
+    source: Any
+    options: CallOptions
+    params: list
+    entropy: bool
+    aux_grads: dict | None
+    engine: Any
+    autocast: dict
 
 
 class _Deferred(torch.autograd.Function):
@@ -33,13 +55,13 @@ class _Deferred(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, g_aux):
-        spec = ctx.spec
-        w_ent = g_ent if spec["entropy"] else None
-        grads = spec["aux_grads"]
+        spec: DeferredSpec = ctx.spec
+        w_ent = g_ent if spec.entropy else None
+        grads = spec.aux_grads
         aux = (
             {s: [g * g_aux.to(g.dtype) for g in gs] for s, gs in grads.items()} if grads and g_aux is not None else None
         )
-        none = (None,) * (5 + len(spec["params"]))
+        none = (None,) * (5 + len(spec.params))
         if g_lp is None and w_ent is None and aux is None:
             return none
 
@@ -53,12 +75,12 @@ class _Deferred(torch.autograd.Function):
                 loss = loss + (b.entropy * w_ent[b.index].to(b.entropy.dtype)).sum()
             return loss
 
-        with torch.enable_grad(), torch.autocast(**spec["autocast"]):
-            opts = spec["options"].replace(entropy=w_ent is not None)
-            _, grads = spec["backward"](spec["model"], spec["groups"], loss_fn, opts, aux_grads=aux, collect=True)
-        if spec["engine"] is not None:  # autograd accumulates the gradients into whole parameters (ZeRO-3)
-            spec["engine"].gather_until_backward_ends(spec["params"])
-        return none[:5] + tuple(grads.get(p) for p in spec["params"])
+        with torch.enable_grad(), torch.autocast(**spec.autocast):
+            opts = spec.options.replace(entropy=w_ent is not None)
+            _, grads = spec.backward(spec.model, spec.source, loss_fn, opts, aux_grads=aux, collect=True)
+        if spec.engine is not None:  # autograd accumulates the gradients into whole parameters (ZeRO-3)
+            spec.engine.gather_until_backward_ends(spec.params)
+        return none[:5] + tuple(grads.get(p) for p in spec.params)
 
 
 def defer_logprobs(
@@ -75,11 +97,11 @@ def defer_logprobs(
     caller's backward has accumulated the gradient into them (``gather_until_backward_ends``)."""
     dev = out.logprobs.device.type
     params = list({id(p): p for p in unwrap(model).parameters() if p.requires_grad}.values())
-    spec = dict(
+    spec = DeferredSpec(
         params=params,
         backward=backward,
         model=model,
-        groups=groups,
+        source=groups,
         options=options,
         entropy=out.entropy is not None,
         aux_grads=aux_grads,

@@ -1,140 +1,87 @@
 """Run a plan's passes: pack each row, run the decoder under the shared-prefix attention, read out rows.
 
-``Executor`` owns one call's state (the plan, the prefix cache, the parallel engine ``par``) and is
-dropped when the call ends; ``schedule.rounds`` runs ``sp.backward``'s rounds over it.
+``PassRunner`` owns one call's state (the prefix cache, the router's records, the statistics) and is dropped when the
+call ends. It is handed the plan's passes and packed rows (``schedule.call_plan``), the parallel engine
+(``parallel.engine``) and what the call-level checks decided (``schedule.setup``), never the groups themselves;
+``schedule.rounds`` drives it through its methods.
 
 Notation: L = row length, M = computed tokens of a pass, n = rows a pass reports, W = columns.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from sharedprefix.attention import compiled, probe
-from sharedprefix.attention.dynamic_mask import has_dynamic_mask
+from sharedprefix.attention import compiled
 from sharedprefix.attention.interface import PassState, pass_state
-from sharedprefix.attention.kernels import select
+from sharedprefix.layout.frames import Frames
 from sharedprefix.layout.groups import Group
 from sharedprefix.layout.packing import RowLayout, pack_row
-from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.model import mixers, router, streams
-from sharedprefix.model.adapter import decoder, head_logits, unwrap, uses_checkpointing
-from sharedprefix.model.checks import decoder_position_ids, verify_head
+from sharedprefix.model.adapter import decoder, head_logits
+from sharedprefix.model.checks import decoder_position_ids
 from sharedprefix.model.head import token_logprobs
-from sharedprefix.model.multimodal import Multimodal, check_batchable, check_prompt_fits
+from sharedprefix.model.multimodal import Multimodal
 from sharedprefix.model.positions import renumbered
-from sharedprefix.model.support import check_supported
-from sharedprefix.parallel import sequence
-from sharedprefix.parallel.detect import detect
-from sharedprefix.parallel.sequence import SequenceShard, refuse_features
+from sharedprefix.parallel.engine import Engine
+from sharedprefix.parallel.sequence import SequenceShard
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.cache import PrefixCache
-from sharedprefix.schedule.compiled import compiled_path, removed
+from sharedprefix.schedule.call_plan import RowCache
+from sharedprefix.schedule.compiled import removed
 from sharedprefix.schedule.options import CallOptions
-from sharedprefix.schedule.planner import Pass, Plan, plan_checked
+from sharedprefix.schedule.planner import Pass, Plan
 
 
-class Executor:
-    """``options``: the call's settings (validated by the public call; the temperature here, where the ranks agree on
-    errors). ``leaves``: an ``sp.backward`` (cached prompt
-    K/V are leaves whose gradient is accumulated). ``aux``: the MoE load-balancing loss. True: record each pass's
-    router logits (``router.aux_loss``); a dict ``{segment: per-layer (len, E) gradients}`` (``router.segment_grads``,
-    scaled): add their linear term to what each pass backpropagates; None: as the config says
-    (``output_router_logits``)."""
+@dataclasses.dataclass(frozen=True)
+class CallSetup:
+    """What a call decided before its first pass: ``rounds``: the round counts a lockstep engine (FSDP2) agreed;
+    ``record``: record each pass's router logits; ``aux_grads``: the MoE aux loss's per-segment gradients whose
+    linear term joins each pass, or None; ``layers`` / ``force_eager`` / ``whole``: the compiled path
+    (``schedule.compiled.compiled_path``); ``images``: the vision tower's view of the groups, or None."""
 
-    def __init__(self, model, source, options: CallOptions, leaves: bool, aux=None):
-        prefix_activations = options.prefix_activations if leaves else None  # (a forward-only run has no prefix mode)
-        sequence_group = options.sequence_group
-        self.options = options
-        self.model = unwrap(model)
-        self.par = detect(model, self.model)
-        self.par.use_sequence(sequence_group)
-        self.par.start()
-        self.last: tuple | None = (
-            None  # (state, result) of the latest pass whose forward completed (``finish_failed_round``)
-        )
-        error: BaseException | None = None
-        try:
-            self._setup(source, leaves, prefix_activations, aux)
-        except (ValueError, TypeError) as e:  # a refusal or bad input on one rank stops every rank, before collectives
-            error = e
-        if sequence_group is not None:  # the ranks of a sequence group: the same rows, or all of them raise
-            o = options
-            key = (
-                None
-                if error is not None
-                else sequence.digest(self.plan, o.temperature, o.entropy, leaves, prefix_activations)
-            )
-            error = sequence.agree(sequence_group, error, key)
-        # in lockstep (FSDP2): the round counts every rank runs, agreed in the same all-reduce: (forward-only,
-        # forward+backward) rounds for sp.backward, passes for sp.logprobs
-        counts = [] if not self.par.lockstep else [0, 0] if leaves else [0]
-        if error is None and self.par.lockstep:
-            counts = list(self.plan.fsdp_rounds) if leaves else [len(self.plan.passes)]
-        self.rounds = self.par.agree_on_error(error, counts=counts)
-        # the same model on every rank: a refusal here is raised by every rank together (no guard needed)
-        own = self.par.forward_in_call(self.model)
-        with torch.compiler.set_stance("force_eager"):  # checks of the model's own forward: compiled layers run eager
-            self.par.call(lambda: verify_head(self.model, own), guard=False)
-        pats = {m: p for m in self.model.modules() if (p := probe.pattern(m)) is not None}
-        mods = list(pats)
-        calls = max((p.calls for p in pats.values()), default=1)
-        keep = min((m.keep_window_size for m in mods if has_dynamic_mask(m)), default=None)
-        if keep is not None or (calls > 1 and uses_checkpointing(self.model)):  # the same on every rank
-            error = None
-            try:  # these depend on each rank's groups: agreed, so that a refusal on one rank stops every rank
-                refusals.check_after_probe(self, calls, keep)
-            except ValueError as e:
-                error = e
-            self.par.agree_on_error(error)
-        if self.router_logits is not None or self.aux_grads is not None:
-            with torch.compiler.set_stance("force_eager"):
-                self.par.call(lambda: router.verify(self.model, decoder(self.model), self.device), guard=False)
-        self.layers, self.force_eager, self.whole = compiled_path(self, pats, model)
+    rounds: list[int]
+    record: bool
+    aux_grads: dict | None
+    layers: list | None
+    force_eager: bool
+    whole: tuple | None
+    images: Multimodal | None
 
-    def _setup(self, source, leaves, prefix_activations, aux):
-        max_tokens, backend, temperature = self.options.max_tokens, self.options.backend, self.options.temperature
-        check_supported(self.model)
-        # a model with K token streams per position (MusicGen): frames checked, then one frame id per position
-        self.frames = None
-        if streams.num_streams(self.model) > 1:
-            source, self.frames = streams.encode(self.model, source)
-        vocab = None if self.frames else min(streams.embedding_size(self.model), streams.head_vocab(self.model))
-        self.source = refusals.validate_source(source, vocab)
-        self.mm: Multimodal | None = None
-        if not isinstance(self.source, Tree) and any(g.prompt_inputs for g in self.source):
-            check_prompt_fits(self.source, max_tokens)
-            self.mm = Multimodal(self.model, self.source)
-        self.plan: Plan = plan_checked(self.source, max_tokens)
-        if self.mm is not None:
-            check_batchable(self.source, self.plan)
-        self.device = self.par.compute_device(streams.head_device(self.model))
-        impl = self.impl = select(backend, self.device)  # an unknown or unavailable backend fails before any pass
-        self.aux_grads = aux if isinstance(aux, dict) else None
-        record = aux is True or (aux is None and router.enabled(self.model))
-        refusals.check_call(
-            self.model,
-            self.plan,
-            self.options,
-            self.par,
-            impl,
-            self.device,
-            leaves,
-            self.mm is not None,
-            record,
-            self.aux_grads is not None,
-        )
-        self.backend = backend
-        self.temperature = float(temperature)
-        self.entropy = self.options.entropy
+
+class PassRunner:
+    """Runs the passes of one call: handed the plan's passes and packed rows (``CallPlan.plan``, ``CallPlan.rows``),
+    the parallel ``engine`` and what the call-level checks decided (``setup.CallSetup``); it holds the prefix cache
+    and the call's statistics, not the groups. ``leaves``: an ``sp.backward`` (cached prompt K/V are leaves whose
+    gradient is accumulated). ``source``: the groups, for a call whose groups carry ``prompt_inputs`` only (the
+    vision tower reads them), else None."""
+
+    def __init__(
+        self,
+        model,
+        engine: Engine,
+        plan: Plan,
+        rows: RowCache,
+        setup: CallSetup,
+        options: CallOptions,
+        leaves: bool,
+        frames: Frames | None,
+        device: torch.device,
+        source=None,
+    ):
+        self.model, self.par, self.plan, self.rows, self.setup = (model, engine, plan, rows, setup)
+        self.frames, self.device, self.source, self.mm = (frames, device, source, setup.images)
+        self.backend, self.force_eager, self.layers = (options.backend, setup.force_eager, setup.layers)
+        self.temperature, self.entropy = float(options.temperature), options.entropy
         self.cache = PrefixCache(leaves=leaves)
-        self.T = self.plan.tree.width
         self.tokens = 0
+        self.aux_grads = setup.aux_grads
         self.aux_term = None  # the aux loss's linear term of the latest pass that computed one under grad
-        self.router_logits: list | None = [] if record else None  # per pass: (router logits, multiplicities, spans)
-        if self.par.sequence is not None:
-            refuse_features(type(self.model).__name__, refusals.sequence_refusals(self))
+        self.router_logits: list | None = [] if setup.record else None  # per pass: (logits, multiplicities, spans)
+        self.last: tuple | None = None  # (state, result) of the latest pass whose forward ran (``finish_failed_round``)
 
     def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | None = None):
         """Forward of one row (inside the root module's call under FSDP2).
@@ -144,108 +91,109 @@ class Executor:
         surrogate loss (see ``PrefixCache.surrogate``), computed inside the same call.
         """
         tree = tree or self.plan.tree
+        own = tree is self.plan.tree  # a pass of the plan (not a lockstep engine's dummy pass)
         mixers.check_active(self.model)
         self.last = None
-        layout = pack_row(tree, list(step.segments), self.cache.segments(), step.record, step.rows)
-        if self.mm is not None and tree is self.plan.tree:
+        cached = self.cache.segments()
+        layout = self.rows.layout(step, cached) if own else pack_row(tree, list(step.segments), cached, (), step.rows)
+        if self.mm is not None and own:
             layout.blocks = self.mm.row_blocks(layout)
-        state = PassState(
-            layout,
-            self.backend,
-            self.cache,
-            force_eager=self.force_eager,
-            sequence=SequenceShard(self.par.sequence, layout.length) if self.par.sequence is not None else None,
-        )
-        shard = state.sequence.shard if state.sequence is not None else (lambda t: t)  # (..., L) -> this rank's
+        seq = SequenceShard(self.par.sequence, layout.length) if self.par.sequence is not None else None
+        state = PassState(layout, self.backend, self.cache, force_eager=self.force_eager, sequence=seq)
 
         def fn():
-            hook = None
-            if self.layers is not None:  # compiled decoder layers: the pass's handle, and the cached K/V's gradients
-                compiled.register(state, self.layers)
-                if (bridge := compiled.bridge(state, self.layers, self.cache.read_kv)) is not None:
-                    hook = self.model.get_input_embeddings().register_forward_hook(bridge)
-            with pass_state(state), removed(hook):
-                if self.mm is not None and tree is self.plan.tree:  # the vision tower runs for this row's prompts
-                    extra = {k: v.to(self.device) for k, v in self.mm.inputs(layout, self.source).items()}
-                    out = self.mm.module(
-                        input_ids=layout.input_ids.to(self.device),
-                        position_ids=self.mm.positions(layout).to(self.device),
-                        use_cache=False,
-                        **extra,
-                    )
-                else:
-                    dec = decoder(self.model)
-                    with (
-                        renumbered(
-                            self.model, dec, shard(decoder_position_ids(self.model, layout)).to(self.device)
-                        ) as kw,
-                        streams.framed(self.model, dec, self.frames),
-                        router.recording(self.model, self.router_logits is not None or self.aux_grads is not None),
-                    ):
-                        out = dec(input_ids=shard(layout.input_ids).to(self.device), use_cache=False, **kw)
-            hidden = out.last_hidden_state[0]  # (L, d), or (Ls, d) of this rank's tokens
-            if state.sequence is not None:
-                hidden = state.sequence.gather(hidden)
-            self.aux_term = None
-            if self.router_logits is not None and tree is self.plan.tree:
-                self.router_logits.append((out.router_logits, router.multiplicity(layout), router.spans(layout)))
-            if self.aux_grads is not None and tree is self.plan.tree and torch.is_grad_enabled():
-                self.aux_term = router.linear_term(out.router_logits, router.spans(layout), self.aux_grads, 1.0)
-                if surrogate is None and layout.record:  # a recorded prompt: its term joins its deferred backward
-                    self.cache.add_term(layout.record[0], self.aux_term)
-                    self.aux_term = None
-            for s in layout.record:
-                self.cache.write_h(s, hidden[layout.row_end[s] - 1])
-            lp = ent = None
-            if layout.targets.numel():
-                sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
-                pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(
-                    0, layout.pred_index.to(hidden.device)
-                )
-                targets = layout.targets.to(hidden.device)
-                if self.frames is not None:  # (M,) frame ids -> (M, K) codes, one per head; pads add nothing
-                    targets = self.frames.codes(targets)
-                lp, ent = token_logprobs(
-                    self.model,
-                    pred,
-                    targets,
-                    self.temperature,
-                    self.entropy,
-                    ignore=streams.pad_id(self.model) if self.frames else None,
-                )
-                for s in layout.record:
-                    if s in layout.value_slot:
-                        a, b = layout.value_slot[s]
-                        self.cache.write_values(s, lp[a:b], ent[a:b] if ent is not None else None)
-            elif self.par.lockstep:
+            hidden = self._hidden(self._decode(state, layout, own), state, layout, own, surrogate)
+            lp, ent, hidden = self._predict(hidden, layout)
+            return self._result(hidden, layout, lp, ent, surrogate)
+
+        result = self.par.call(fn)
+        self.last = (state, result)
+        refusals.check_calls(self.model, state)
+        self.tokens += layout.length if own else 0
+        for s in layout.record:
+            self.cache.states[s] = state
+        return state, result, layout
+
+    def _decode(self, state: PassState, layout: RowLayout, own: bool):
+        """The decoder over the packed row under the pass's attention state: its output (``last_hidden_state``)."""
+        hook = None
+        if self.layers is not None:  # compiled decoder layers: the pass's handle, and the cached K/V's gradients
+            compiled.register(state, self.layers)
+            if (bridge := compiled.bridge(state, self.layers, self.cache.read_kv)) is not None:
+                hook = self.model.get_input_embeddings().register_forward_hook(bridge)
+        with pass_state(state), removed(hook):
+            if self.mm is not None and own:  # the vision tower runs for this row's prompts
+                extra = {k: v.to(self.device) for k, v in self.mm.inputs(layout, self.source).items()}
+                ids, pos = (layout.input_ids.to(self.device), self.mm.positions(layout).to(self.device))
+                return self.mm.module(input_ids=ids, position_ids=pos, use_cache=False, **extra)
+            shard = state.sequence.shard if state.sequence is not None else (lambda t: t)  # (..., L) -> this rank's
+            dec = decoder(self.model)
+            positions = shard(decoder_position_ids(self.model, layout)).to(self.device)
+            routed = self.router_logits is not None or self.aux_grads is not None
+            with (
+                renumbered(self.model, dec, positions) as kw,
+                streams.framed(self.model, dec, self.frames),
+                router.recording(self.model, routed),
+            ):
+                return dec(input_ids=shard(layout.input_ids).to(self.device), use_cache=False, **kw)
+
+    def _hidden(self, out, state: PassState, layout: RowLayout, own: bool, surrogate: int | None) -> torch.Tensor:
+        """(L, d) hidden states of the whole row; the router's records and the recorded segments' last states kept."""
+        hidden = out.last_hidden_state[0]  # (L, d), or (Ls, d) of this rank's tokens
+        if state.sequence is not None:
+            hidden = state.sequence.gather(hidden)
+        self.aux_term = None
+        if self.router_logits is not None and own:
+            self.router_logits.append((out.router_logits, router.multiplicity(layout), router.spans(layout)))
+        if self.aux_grads is not None and own and torch.is_grad_enabled():
+            self.aux_term = router.linear_term(out.router_logits, router.spans(layout), self.aux_grads, 1.0)
+            if surrogate is None and layout.record:  # a recorded prompt: its term joins its deferred backward
+                self.cache.add_term(layout.record[0], self.aux_term)
+                self.aux_term = None
+        for s in layout.record:
+            self.cache.write_h(s, hidden[layout.row_end[s] - 1])
+        return hidden
+
+    def _predict(self, hidden: torch.Tensor, layout: RowLayout):
+        """(M,) log-probs and entropies (or None) of the row's computed tokens, the recorded segments' kept; and the
+        hidden states (tied to the head by a zero under a lockstep engine when the row predicts nothing)."""
+        if not layout.targets.numel():
+            if self.par.lockstep:
                 # FSDP2 may shard the output head as a unit of its own (verl does): every rank's pass must run it,
                 # forward and backward, whatever this rank's pass predicts, or the ranks' collectives differ.
                 # One row of logits, times zero: adds exactly nothing.
                 hidden = hidden + (head_logits(self.model, hidden[-1:]).sum() * 0.0).to(hidden.dtype)
-            if surrogate is not None:
-                sur = self.cache.surrogate(
-                    surrogate, through_outputs=self.par.backward_through_outputs or self.layers is not None
-                )
-                if self.aux_term is not None:
-                    sur, self.aux_term = (self.aux_term if sur is None else sur + self.aux_term), None
-                if self.par.backward_through_outputs and not layout.targets.numel() and torch.is_grad_enabled():
-                    sur = (hidden[-1].sum() * 0.0) + (sur if sur is not None else 0.0)
-                return sur
-            if not layout.rows:
-                return None
-            dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-            return (
-                self._gather(layout, lp, 0, dtype, hidden),
-                self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None,
-            )
-
-        result = self.par.call(fn)
-        self.last = (state, result)
-        refusals.check_calls(self, state)
-        self.tokens += layout.length if tree is self.plan.tree else 0
+            return None, None, hidden
+        sources = [hidden] + [self.cache.h(s)[None] for s in layout.h_sources]
+        pred = (torch.cat(sources) if len(sources) > 1 else hidden).index_select(0, layout.pred_index.to(hidden.device))
+        targets = layout.targets.to(hidden.device)
+        if self.frames is not None:  # (M,) frame ids -> (M, K) codes, one per head; pads add nothing
+            targets = self.frames.codes(targets)
+        ignore = streams.pad_id(self.model) if self.frames else None
+        lp, ent = token_logprobs(self.model, pred, targets, self.temperature, self.entropy, ignore=ignore)
         for s in layout.record:
-            self.cache.states[s] = state
-        return state, result, layout
+            if s in layout.value_slot:
+                a, b = layout.value_slot[s]
+                self.cache.write_values(s, lp[a:b], ent[a:b] if ent is not None else None)
+        return lp, ent, hidden
+
+    def _result(self, hidden, layout: RowLayout, lp, ent, surrogate: int | None):
+        """What the pass returns: a segment's surrogate loss, or the reported rows' (n, W) values, or None."""
+        if surrogate is not None:
+            through = self.par.backward_through_outputs or self.layers is not None
+            sur = self.cache.surrogate(surrogate, through_outputs=through)
+            if self.aux_term is not None:
+                sur, self.aux_term = ((self.aux_term if sur is None else sur + self.aux_term), None)
+            if self.par.backward_through_outputs and not layout.targets.numel() and torch.is_grad_enabled():
+                sur = (hidden[-1].sum() * 0.0) + (sur if sur is not None else 0.0)
+            return sur
+        if not layout.rows:
+            return None
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        return (
+            self._gather(layout, lp, 0, dtype, hidden),
+            self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None,
+        )
 
     def _gather(self, layout: RowLayout, values, which: int, dtype, anchor) -> torch.Tensor:
         """(M,) values of this pass and the cached values of earlier ones -> (n, W) rows, zero where not reported."""
@@ -262,11 +210,6 @@ class Executor:
         """Forget the latest pass: ``finish_failed_round`` then knows whether the next round's forward ran."""
         self.last = None
 
-    def recoverable(self) -> bool:
-        """Whether an error outside the collectives lets this rank finish the call as dummy rounds (FSDP2 with
-        several ranks and an intact process group) instead of raising at once."""
-        return self.par.recoverable()
-
     def finish_failed_round(self, grad: bool, dummy: bool = True) -> None:
         """After an error outside the collectives of a round: run the collectives the other ranks still run in it.
         ``grad``: the round has a backward; ``dummy``: a round whose forward did not run is replaced by a dummy."""
@@ -282,6 +225,56 @@ class Executor:
 
     def mask(self, layout: RowLayout) -> torch.Tensor:
         return layout.out_mask.to(self.device)
+
+    # -- what the rounds ask of the call (``schedule.rounds``) --------------------------------------------------------
+
+    def seal(self, segments, keep_graph: bool) -> None:
+        """The recorded ``segments``' cache entries complete (``keep_graph``: their forward's graph is kept)."""
+        for s in segments:
+            self.cache.seal(s, keep_graph=keep_graph)
+
+    def release(self, segments) -> None:
+        for s in segments:
+            self.cache.release(s)
+
+    def prefix_backward(self, seg: int, recompute: bool, hooks) -> None:
+        """A cached segment's deferred backward: its forward again with grad (``recompute``), or its kept graph
+        (its offloaded activations brought back first by ``hooks``), given the gradients its readers accumulated."""
+        if recompute:
+            state, sur, _ = self.run_pass(Pass((seg,), record=(seg,)), surrogate=seg)
+        else:
+            state = self.cache.states[seg]
+            sur = self.cache.surrogate(seg, through_outputs=self.layers is not None)  # compiled: dK, dV at the layers
+            if hooks is not None:  # start bringing the offloaded activations back before the backward needs them
+                hooks.prefetch()
+        if sur is not None:
+            with pass_state(state):
+                self.par.backward(sur)
+
+    def backward(self, state: PassState, loss: torch.Tensor) -> None:
+        """The backward of ``loss`` inside pass ``state``'s attention context."""
+        with pass_state(state):
+            self.par.backward(loss)
+
+    def take_aux_term(self):
+        """The MoE aux loss's linear term of the latest pass (or None), handed over once."""
+        term, self.aux_term = self.aux_term, None
+        return term
+
+    def router_records(self) -> list | None:
+        """Per pass: (router logits, multiplicities, spans), when the call records them; else None."""
+        return self.router_logits
+
+    def tokens_computed(self) -> int:
+        return self.tokens
+
+    def agreed_rounds(self) -> list[int]:
+        """The round counts a lockstep engine's ranks agreed on (``CallSetup.rounds``)."""
+        return self.setup.rounds
+
+    def compile_context(self) -> tuple | None:
+        """A model compiled as a whole: what ``compiled.whole_compiled`` needs for the call (``CallSetup.whole``)."""
+        return self.setup.whole
 
     def dummy_round(self, grad: bool) -> None:
         """A 2-token pass that takes part in a lockstep engine's (FSDP2's) collectives and adds exactly zero to every

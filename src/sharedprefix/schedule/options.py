@@ -1,18 +1,24 @@
 """One call's settings, built and validated once by the public functions (``api.py``) and passed whole below.
 
-``sp.logprobs`` and ``sp.backward`` take their settings as keyword arguments; ``CallOptions.build`` checks each
-(value, expectation, fix) and returns a frozen object that the executor, the rounds, the deferred backward and the
-hybrid path read from, instead of rows of positional arguments that change names on the way down.
+``sp.logprobs`` and ``sp.backward`` take their settings as keyword arguments; ``CallOptions.build`` checks every one
+of them (value, expectation, fix) and returns a frozen object that the executor, the rounds, the deferred backward
+and the hybrid path read from, instead of rows of positional arguments that change names on the way down. Nothing
+below ``api.py`` checks a setting again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, Literal
 
 import torch
 
+from sharedprefix.attention.kernels import ALIASES, IMPLEMENTATIONS
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS
+
+PrefixMode = Literal["keep", "offload", "recompute"]
+Reduction = Literal["sum", "mean"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,36 +34,70 @@ class CallOptions:
     backend: str = "auto"
     temperature: float = 1.0
     entropy: bool = False
-    prefix_activations: str = "keep"
-    grad_reduction: str = "sum"
+    prefix_activations: PrefixMode = "keep"
+    grad_reduction: Reduction = "sum"
     sync: bool = True
-    offload_device: Any = "cpu"
+    offload_device: str | torch.device | None = "cpu"
     sequence_group: Any = None
     defer: bool | None = None
     aux_loss: bool | None = None
 
     @classmethod
     def build(cls, **kw) -> CallOptions:
-        """The options of one call, each checked; raises ``ValueError`` / ``TypeError`` naming the bad one. The
-        temperature is checked by the executor instead, inside the error agreement of the ranks: a value one rank
-        alone gets wrong must stop every rank, not leave the others waiting in a collective
+        """The options of one call, every field checked; raises ``ValueError`` / ``TypeError`` naming the bad one.
+        A public call builds them inside the ranks' error agreement (``api._options``): a value one rank alone gets
+        wrong (a temperature) stops every rank, not leave the others waiting in a collective
         (``tests/parallel/sequence_worker.py``'s ``one_rank_bad``)."""
         opts = cls(**kw)
-        if opts.prefix_activations not in PREFIX_MODES:
+        opts._check()
+        return opts
+
+    def _check(self) -> None:
+        check_budget(self.max_tokens)
+        if not isinstance(self.backend, str):
+            raise TypeError(f"backend={self.backend!r}; expected a backend name such as 'auto'.")
+        if self.backend not in backends():
             raise ValueError(
-                f"prefix_activations={opts.prefix_activations!r}; expected one of {PREFIX_MODES} or None: 'keep' holds "
+                f"attention backend {self.backend!r} is unknown; expected one of {backends()} "
+                "('auto' picks 'cuda' on CUDA tensors and 'cpu' otherwise)."
+            )
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or not math.isfinite(t):
+            raise ValueError(f"temperature={t!r}; expected a finite number > 0 (the sampling temperature).")
+        for name in ("entropy", "sync"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r}; expected True or False.")
+        if self.prefix_activations not in PREFIX_MODES:
+            raise ValueError(
+                f"prefix_activations={self.prefix_activations!r}; expected one of {PREFIX_MODES} or None: 'keep' holds "
                 "the prompt's activations, 'offload' moves them to host memory, 'recompute' recomputes them at the end."
             )
-        if opts.grad_reduction not in REDUCTIONS:
-            raise ValueError(f"grad_reduction={opts.grad_reduction!r}; expected one of {REDUCTIONS}.")
-        if opts.aux_loss not in (None, True, False):
-            raise TypeError(f"aux_loss={opts.aux_loss!r}; expected None (as the config says), True or False.")
-        if not isinstance(opts.backend, str):
-            raise TypeError(f"backend={opts.backend!r}; expected a backend name such as 'auto'.")
-        if opts.offload_device is not None and not isinstance(opts.offload_device, (str, torch.device)):
-            raise TypeError(f"offload_device={opts.offload_device!r}; expected a device name or torch.device.")
-        return opts
+        if self.grad_reduction not in REDUCTIONS:
+            raise ValueError(f"grad_reduction={self.grad_reduction!r}; expected one of {REDUCTIONS}.")
+        if not any(self.defer is v for v in (None, True, False)):
+            raise TypeError(f"defer={self.defer!r}; expected None (as the model needs), True or False.")
+        if not any(self.aux_loss is v for v in (None, True, False)):
+            raise TypeError(f"aux_loss={self.aux_loss!r}; expected None (as the config says), True or False.")
+        if self.offload_device is not None and not isinstance(self.offload_device, (str, torch.device)):
+            raise TypeError(f"offload_device={self.offload_device!r}; expected a device name or torch.device.")
 
     def replace(self, **kw) -> CallOptions:
         """A copy with ``kw`` changed (not re-validated: only the library's own derived settings)."""
         return dataclasses.replace(self, **kw)
+
+
+def backends() -> list[str]:
+    """The attention primitive's names ("auto": the device's own); which of them a device runs is decided by
+    ``kernels.select`` where the call's device is known."""
+    return ["auto", *sorted(IMPLEMENTATIONS), *sorted(ALIASES)]
+
+
+def check_budget(max_tokens) -> int | None:
+    """``max_tokens`` itself: a positive int or None (``sp.plan`` checks it here too)."""
+    if max_tokens is None:
+        return None
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
+        raise TypeError(f"max_tokens={max_tokens!r}; expected a positive int (tokens one pass may hold) or None.")
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens}; expected a positive number of tokens one pass may hold, or None.")
+    return max_tokens

@@ -22,6 +22,7 @@ from sharedprefix.layout import frames
 from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
+from sharedprefix.schedule.options import check_budget
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class Plan:
                         f"c{seg.completion}"
                         if seg.completion is not None
                         else "prompt"
-                        if self.tree.groups
+                        if self.tree.num_groups
                         else f"s{s}"
                     )
                     kinds.append(f"g{seg.group}:{kind}[{seg.length}]")
@@ -120,21 +121,11 @@ class Plan:
                 lines.append(f"  step {i}: dummy 2-token {what} (FSDP2: matches another rank's collectives)")
             else:
                 g = segs[step.segments[0]].group
-                what = "prompt" if self.tree.groups else "prefix"
+                what = "prompt" if self.tree.num_groups else "prefix"
                 lines.append(f"  step {i}: {what} backward of group {g} (segment(s) {list(step.segments)})")
         ratio = self.plain_tokens / max(1, self.tokens_computed)
         lines.append(f"tokens computed {self.tokens_computed}, plain run {self.plain_tokens} ({ratio:.2f}x fewer)")
         return "\n".join(lines)
-
-
-def _check_budget(max_tokens) -> int | None:
-    if max_tokens is None:
-        return None
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise TypeError(f"max_tokens={max_tokens!r}; expected a positive int (tokens one pass may hold) or None.")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens}; expected a positive number of tokens one pass may hold, or None.")
-    return max_tokens
 
 
 def segment_tree(source, chunk: int | None) -> SegmentTree:
@@ -147,12 +138,11 @@ def segment_tree(source, chunk: int | None) -> SegmentTree:
 def plan(source: Sequence[Group] | Tree, max_tokens: int | None = None) -> Plan:
     """Plan passes for ``source`` (a list of groups or a ``Tree``) so that no pass holds more than ``max_tokens``
     (``sp.plan``: the groups are checked here; a call checks them once and plans with ``plan_checked``)."""
-    return plan_checked(source if isinstance(source, Tree) else validate_groups(source), max_tokens)
+    return plan_checked(source if isinstance(source, Tree) else validate_groups(source), check_budget(max_tokens))
 
 
 def plan_checked(source, max_tokens: int | None = None) -> Plan:
-    """``plan`` of a ``Tree`` or of groups ``validate_groups`` returned."""
-    max_tokens = _check_budget(max_tokens)
+    """``plan`` of a ``Tree`` or of groups ``validate_groups`` returned, under a budget ``CallOptions`` checked."""
     if not isinstance(source, Tree):
         if any(g.streams for g in source):  # frames (K codes per position): planned as one frame id per position
             source = frames.encode(source)[0]

@@ -1,13 +1,12 @@
-"""Refusals of one call, in the order a call meets them: ``validate_source`` (the groups or tree it was given),
-``check_call`` (what its model, plan, settings and parallelism decide, before any pass), ``sequence_refusals`` (what
-sequence parallelism does not reproduce), ``check_after_probe`` (what the probe of the layers rules out) and
-``check_calls`` (after each pass: some attention bypassed sharedprefix). The last three take the call's ``Executor``
-(``run``). Refusals inside one attention call are the attention function's (``attention.interface``).
+"""Refusals of one call, in the order a call meets them: ``check_window`` (what a plan rules out for a dynamic-mask
+model), ``check_call`` (what its model, plan, settings and parallelism decide, before any pass), ``sequence_refusals``
+(what sequence parallelism does not reproduce), ``check_after_probe`` (what the probe of the layers rules out with
+gradient checkpointing) and ``check_calls`` (after each pass: some attention bypassed sharedprefix); ``agree_setup`` /
+``stop_every_rank``: the ranks' agreement on a refusal before any collective. Refusals inside one attention call are
+the attention function's (``attention.interface``).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -16,10 +15,16 @@ from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.interface import PassState
 from sharedprefix.attention.layers import softcap_refusal_on
 from sharedprefix.attention.switch import implementation
-from sharedprefix.layout.groups import validate_groups
-from sharedprefix.layout.rows import Tree
-from sharedprefix.model.adapter import decoder, num_attention_layers, uses_checkpointing, uses_reentrant_checkpointing
+from sharedprefix.model.adapter import (
+    decoder,
+    num_attention_layers,
+    unwrap,
+    uses_checkpointing,
+    uses_reentrant_checkpointing,
+)
 from sharedprefix.model.positions import takes_position_ids
+from sharedprefix.parallel import sequence
+from sharedprefix.parallel.detect import detect
 
 
 def check_call(
@@ -30,9 +35,7 @@ def check_call(
     call selected, on ``device``; ``leaves``: an ``sp.backward``; ``images``: groups with ``prompt_inputs``;
     ``router_logits`` / ``aux_grads``: the call records the MoE router logits / adds the load-balancing loss's
     gradient term to its passes."""
-    name, temperature = type(model).__name__, options.temperature
-    if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
+    name = type(model).__name__
     if plan.splits and torch.is_grad_enabled() and uses_reentrant_checkpointing(model):
         raise ValueError(
             "gradient checkpointing with use_reentrant=True is on, and this plan splits a group across passes: "
@@ -60,27 +63,29 @@ def check_call(
         )
 
 
-def sequence_refusals(run) -> dict:
-    """{feature: reason} of what this call uses that sequence parallelism does not reproduce."""
-    out = dict(run.par.sequence_refusals(run.model))  # the engine's first (DDP; FSDP2 without a mesh over every rank)
-    if run.mm is not None:
+def sequence_refusals(model, engine, images: bool, frames: bool, router_logits: bool) -> dict:
+    """{feature: reason} of what a call on ``model`` under ``engine`` uses that sequence parallelism does not
+    reproduce (``images``: groups with prompt_inputs; ``frames``: a multi-stream model; ``router_logits``: the call
+    records the MoE router logits)."""
+    out = dict(engine.sequence_refusals(model))  # the engine's first (DDP; FSDP2 without a mesh over every rank)
+    if images:
         out["prompt_inputs"] = "the vision tower's features are placed into the whole row's embeddings"
-    if run.frames is not None:
+    if frames:
         out["several token streams"] = "the frames are encoded per row"
-    if run.router_logits is not None:
+    if router_logits:
         out["output_router_logits=True"] = "the load-balancing loss counts the routing of the whole row"
-    if implementation(run.model) == indexed.NAME or any(has_dynamic_mask(m) for m in run.model.modules()):
+    if implementation(model) == indexed.NAME or any(has_dynamic_mask(m) for m in model.modules()):
         out["an indexer or a dynamic mask"] = "their key selection reads the whole row's visibility mask"
-    if not takes_position_ids(decoder(run.model)):
+    if not takes_position_ids(decoder(model)):
         out["a decoder that takes no position_ids"] = "its positions are renumbered by hooks over the whole row"
     return out
 
 
-def check_after_probe(run, calls: int, keep: int | None) -> None:
-    """Refusals that need the probe's view of the layers (``calls``: the most attention calls of a module per
-    forward; ``keep``: Doge's keep_window_size, or None), before any pass."""
-    name = type(run.model).__name__
-    if calls > 1 and run.plan.splits and uses_checkpointing(run.model):
+def check_after_probe(model, plan, calls: int) -> None:
+    """A refusal that needs the probe's view of the layers (``calls``: the most attention calls of a module per
+    forward) and the model's state (gradient checkpointing), before any pass of ``plan``."""
+    name = type(model).__name__
+    if calls > 1 and plan.splits and uses_checkpointing(model):
         raise ValueError(
             f"{name} runs an attention module {calls} times per forward (looped layers or differential attention) "
             "and gradient checkpointing is on, with a budget that splits a group: the prompt cache holds one K/V "
@@ -88,9 +93,14 @@ def check_after_probe(run, calls: int, keep: int | None) -> None:
             "reverse, so sharedprefix refuses the combination. Turn gradient checkpointing off, or raise "
             "max_tokens so that every group fits one pass."
         )
+
+
+def check_window(name: str, plan, keep: int | None) -> None:
+    """A dynamic-mask (Doge) model's refusals (``keep``: its keep_window_size, or None): rows or passes longer than
+    the keys it keeps, whose top-k selection over the plain row's keys is not reproduced."""
     if keep is None:
         return
-    longest, widest = run.plan.tree.longest_row(), max((run.plan.pass_tokens(p) for p in run.plan.passes), default=0)
+    longest, widest = (plan.tree.longest_row(), max((plan.pass_tokens(p) for p in plan.passes), default=0))
     if longest > keep:
         raise ValueError(
             f"{name}'s dynamic mask keeps only the top keep_window_size={keep} keys of each query once a row is "
@@ -105,22 +115,36 @@ def check_after_probe(run, calls: int, keep: int | None) -> None:
         )
 
 
-def check_calls(run, state: PassState) -> None:
+def check_calls(model, state: PassState) -> None:
     """Refuse a pass in which the sharedprefix attention did not run in every attention layer."""
-    want = num_attention_layers(run.model)
+    want = num_attention_layers(model)
     got = len(state.seen)
     if got != want:
         raise ValueError(
-            f"{type(run.model).__name__}: the sharedprefix attention ran in {got} of {want} layers; the model's "
+            f"{type(model).__name__}: the sharedprefix attention ran in {got} of {want} layers; the model's "
             "attention bypasses transformers' attention interface, so prompt sharing cannot be applied exactly. "
             "This model is not supported."
         )
 
 
-def validate_source(source, vocab_size: int | None = None):
-    """A ``Tree`` (token ids checked) or a validated list of groups."""
-    if isinstance(source, Tree):
-        if vocab_size is not None:
-            source.check_vocab(vocab_size)
-        return source
-    return validate_groups(source, vocab_size)
+def agree_setup(par, sequence_group, error: BaseException | None, key: int | None, leaves: bool, plan):
+    """Before any collective of a call: every rank learns whether one failed (and, in a sequence group, whether the
+    ranks' inputs digest to the same ``key``), and all raise together. Returns the round counts a lockstep engine
+    (FSDP2) agreed in the same all-reduce: (forward-only, forward+backward) rounds for sp.backward (``leaves``),
+    passes for sp.logprobs; ``plan`` is None on a rank that failed."""
+    if sequence_group is not None:  # the ranks of a sequence group: the same rows, or all of them raise
+        error = sequence.agree(sequence_group, error, key)
+    counts = [] if not par.lockstep else [0, 0] if leaves else [0]
+    if error is None and par.lockstep and plan is not None:
+        counts = list(plan.fsdp_rounds) if leaves else [len(plan.passes)]
+    return par.agree_on_error(error, counts=counts)
+
+
+def stop_every_rank(model, error: BaseException, sequence_group, leaves: bool) -> None:
+    """Raise ``error`` on this rank, the call's settings being bad here (``CallOptions.build``), after the agreement
+    the other ranks' executors make (``agree_setup``), so that they raise with it instead of waiting."""
+    par = detect(model, unwrap(model))
+    par.use_sequence(sequence_group)
+    par.start()
+    agree_setup(par, sequence_group, error, None, leaves, None)
+    raise error

@@ -1,36 +1,81 @@
-"""Drive an ``Executor`` through a plan: ``forward`` (``sp.logprobs``: every pass once, rows read out) and
-``backward`` (``sp.backward``'s rounds: F records a segment, FB is a pass whose rows get a loss and a backward, PB a
-cached segment's deferred backward, REL releases it, DF / DFB are a ``lockstep`` engine's dummy rounds).
+"""Drive a call's ``PassRunner`` (``schedule.setup.start``) through its plan: ``forward`` (``sp.logprobs``: every pass
+once, rows read out) and ``backward`` (``sp.backward``'s rounds, ``Round``: a pass that records segments, a pass whose
+rows get a loss and a backward, a cached segment's deferred backward, its release, and a ``lockstep`` engine's dummy
+rounds).
 
 Notation: N = output rows, W = columns, n = rows a pass reports.
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-from sharedprefix.attention.interface import pass_state
 from sharedprefix.attention.switch import activated
 from sharedprefix.model import mixers, router
+from sharedprefix.model.adapter import unwrap
 from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.compiled import whole_compiled
 from sharedprefix.schedule.grads import synced
-from sharedprefix.schedule.planner import Dummy, Pass, Plan, PrefixBackward
+from sharedprefix.schedule.options import CallOptions
+from sharedprefix.schedule.planner import Dummy, Plan, PrefixBackward
 from sharedprefix.schedule.results import BackwardResult, Batch, LogProbs
+from sharedprefix.schedule.setup import start
 
 
-def forward(run, entropy: bool) -> LogProbs:
-    """Every pass of ``run``'s plan once (a split prompt's segments sealed without a graph, released at their
-    backward step); the reported rows gathered back into output order: (N, W) tensors."""
+class Round(enum.Enum):
+    """The kinds of ``sp.backward``'s rounds (``rounds_of``)."""
+
+    RECORD = "F"  # a pass that records segments for later passes (its rows, if any, come later)
+    ROWS = "FB"  # a pass whose rows get a loss and a backward
+    PREFIX_BACKWARD = "PB"  # a cached segment's deferred backward
+    RELEASE = "REL"  # release cached segments after their backward
+    DUMMY_FORWARD = "DF"  # a ``lockstep`` engine's dummy forward round
+    DUMMY_BACKWARD = "DFB"  # a ``lockstep`` engine's dummy forward + backward round
+
+    @property
+    def has_backward(self) -> bool:
+        return self in (Round.ROWS, Round.PREFIX_BACKWARD, Round.DUMMY_BACKWARD)
+
+    @property
+    def dummy(self) -> bool:
+        return self in (Round.DUMMY_FORWARD, Round.DUMMY_BACKWARD)
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """What every round of one ``sp.backward`` needs besides the executor: ``loss_fn``; ``recompute``: the prefix
+    mode recomputes split prompts; ``hooks``: the offload hooks, or None; ``sync``: synchronise at the last backward
+    round; ``scale``: the factor of every backpropagated loss (``Engine.loss_scale``); ``last_backward``: the index of
+    the last round with a backward (-1: none)."""
+
+    loss_fn: Callable
+    entropy: bool
+    recompute: bool
+    hooks: OffloadHooks | None
+    sync: bool
+    scale: float
+    last_backward: int
+
+
+def forward(model, cp, options: CallOptions, aux=None, error=None) -> tuple[LogProbs, list | None]:
+    """``sp.logprobs`` of ``cp`` (a ``CallPlan``; None where this rank's planning raised ``error``) on ``model``:
+    every pass once (a split prompt's segments sealed without a graph, released at their backward step), the reported
+    rows gathered back into output order: (N, W) tensors; and the router's records (``PassRunner.router_records``).
+    ``aux``: see ``setup.start``."""
+    run, engine = start(model, cp, options, leaves=False, aux=aux, error=error)
+    plan, entropy, inner = cp.plan, options.entropy, unwrap(model)
     lps, ents, masks, order = [], [], [], []
     # in lockstep (FSDP2) every rank runs as many forwards (each all-gathers the parameters): agreed before any of them
-    pad = run.rounds[0] - len(run.plan.passes) if run.par.lockstep else 0
+    pad = run.agreed_rounds()[0] - len(plan.passes) if engine.lockstep else 0
     error = None  # recoverable (FSDP2): an error outside the collectives; the rank runs the rest as dummies
-    with activated(run.model), mixers.active(run.model), whole_compiled(run.whole):
-        for step in run.plan.steps:
+    with activated(inner), mixers.active(inner), whole_compiled(run.compile_context()):
+        for step in plan.steps:
             if isinstance(step, PrefixBackward):
-                for s in step.segments:
-                    run.cache.release(s)
+                run.release(step.segments)
                 continue
             if error is not None:
                 run.dummy_round(grad=False)
@@ -39,13 +84,12 @@ def forward(run, entropy: bool) -> LogProbs:
             try:
                 _, res, layout = run.run_pass(step)
             except Exception as e:
-                if not run.recoverable():
+                if not engine.recoverable():
                     raise
                 error = e
                 run.finish_failed_round(grad=False)  # a forward that did not run: its collectives, as a dummy
                 continue
-            for s in step.record:
-                run.cache.seal(s, keep_graph=False)
+            run.seal(step.record, keep_graph=False)
             if res is None:
                 continue
             lps.append(res[0])
@@ -55,59 +99,57 @@ def forward(run, entropy: bool) -> LogProbs:
             order += layout.rows
         for _ in range(pad):
             run.dummy_round(grad=False)
-    if run.par.lockstep:
-        run.par.agree_on_error(error, where="during")
+    if engine.lockstep:
+        engine.agree_on_error(error, where="during")
     inv = torch.empty(len(order), dtype=torch.int64)
     inv[torch.tensor(order)] = torch.arange(len(order))
-    inv = inv.to(run.device)
+    inv = inv.to(cp.device)
     lp = torch.cat(lps).index_select(0, inv)
     mask = torch.cat(masks).index_select(0, inv)
     ent = torch.cat(ents).index_select(0, inv) if entropy else None
-    aux = router.aux_loss(run.model, run.router_logits) if run.router_logits else None
-    return LogProbs(lp, mask, ent, aux)
+    records = run.router_records()
+    aux_loss = router.aux_loss(inner, records) if records else None
+    return LogProbs(lp, mask, ent, aux_loss), records
 
 
-def backward(run, loss_fn, aux_loss=None, aux_coef=0.0, collect=False):
-    """``sp.backward`` over ``run``: its plan as rounds (a ``lockstep`` engine's: reordered and padded to the agreed
-    counts), inside a gradient transaction the engine finishes (DDP: one synchronisation at the end); the settings are
-    ``run.options``.
-    ``aux_loss``: the MoE load-balancing loss's value (float) when ``run`` carries its gradient (``run.aux_grads``,
-    already scaled by ``aux_coef``). ``collect``: a deferred call's backward, returns ``(result, {parameter:
-    gradient})`` with ``.grad`` untouched (``schedule.grads.synced``)."""
-    opts = run.options
-    entropy, prefix_activations, offload_device = opts.entropy, opts.prefix_activations, opts.offload_device
-    sync, grad_reduction = opts.sync, opts.grad_reduction
-    par = run.par
-    mode = par.prefix_mode(prefix_activations)  # FSDP2 recomputes: a deferred backward runs inside the root's call
-    recompute = mode == "recompute"
-    cuda = run.device.type == "cuda"
+def backward(model, cp, options: CallOptions, loss_fn, aux=None, aux_coef=0.0, collect=False, error=None):
+    """``sp.backward`` of ``cp`` (a ``CallPlan``; None where this rank's planning raised ``error``) on ``model``
+    under ``options``: its plan as rounds (a ``lockstep`` engine's: reordered and padded to the agreed counts),
+    inside a gradient transaction the engine finishes (DDP: one synchronisation at the end). ``aux``: (per-segment
+    aux gradients already scaled by ``aux_coef``, the MoE load-balancing loss's value) or None. ``collect``: a
+    deferred call's backward, returns ``(result, {parameter: gradient})`` with ``.grad`` untouched
+    (``schedule.grads.synced``)."""
+    grads, aux_loss = aux if aux is not None else (False, None)
+    # (a refusal on one rank, e.g. a mode FSDP2 cannot run where only its shard splits a group, stops every rank)
+    run, par = start(model, cp, options, leaves=True, aux=grads, error=error)
+    inner, device, o = unwrap(model), cp.device, options
+    mode = par.prefix_mode(o.prefix_activations)  # FSDP2 recomputes: a deferred backward runs inside the root's call
+    cuda = device.type == "cuda"
     if cuda:
-        torch.cuda.reset_peak_memory_stats(run.device)
-    hooks = OffloadHooks(run.model, offload_device) if mode == "offload" else None
-    steps = run.plan
+        torch.cuda.reset_peak_memory_stats(device)
+    hooks = OffloadHooks(inner, o.offload_device) if mode == "offload" else None
+    steps = cp.plan
     if par.lockstep:  # every rank runs the same collectives: the plan reordered and padded to the agreed counts
-        steps = steps.for_fsdp(*run.rounds)
+        steps = steps.for_fsdp(*run.agreed_rounds())
     rounds = rounds_of(steps)
-    dummies = sum(k in ("DF", "DFB") for k, _ in rounds)
-    last_fb = max((i for i, r in enumerate(rounds) if r[0] in ("FB", "PB", "DFB")), default=-1)
+    dummies = sum(k.dummy for k, _ in rounds)
+    last_fb = max((i for i, r in enumerate(rounds) if r[0].has_backward), default=-1)
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
-    scale = par.loss_scale(grad_reduction)
-    out = synced(
-        par,
-        run.model,
-        sync,
-        grad_reduction,
-        lambda: run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb),
-        collect=collect,
-    )
+    scale = par.loss_scale(o.grad_reduction)
+    settings = RoundSettings(loss_fn, o.entropy, mode == "recompute", hooks, o.sync, scale, last_fb)
+
+    def run_all() -> tuple[float, int]:
+        return run_rounds(run, par, inner, rounds, settings)
+
+    out = synced(par, inner, o.sync, o.grad_reduction, run_all, collect=collect)
     (total, calls), grads = out if collect else (out, None)
-    peak = int(torch.cuda.max_memory_allocated(run.device)) if cuda else None
+    peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     result = BackwardResult(
         loss=total if aux_loss is None else total + aux_coef * aux_loss,
         aux_loss=aux_loss,
-        tokens_computed=run.tokens,
-        tokens_plain=run.plan.plain_tokens,
-        passes=len(run.plan.passes),
+        tokens_computed=run.tokens_computed(),
+        tokens_plain=cp.plan.plain_tokens,
+        passes=len(cp.plan.passes),
         loss_calls=calls,
         peak_memory_bytes=peak,
         offloaded_bytes=hooks.bytes_moved if hooks else 0,
@@ -116,21 +158,22 @@ def backward(run, loss_fn, aux_loss=None, aux_coef=0.0, collect=False):
     return (result, grads) if collect else result
 
 
-def rounds_of(p: Plan) -> list[tuple[str, object]]:
-    """The plan's steps as rounds, in order: F (record a segment), FB (rows, loss, backward), PB (a cached segment's
-    deferred backward), REL (release it), DF / DFB (dummy rounds of a ``lockstep`` plan, see ``Plan.for_fsdp``)."""
-    out: list[tuple[str, object]] = []
+def rounds_of(p: Plan) -> list[tuple[Round, object]]:
+    """The plan's steps as rounds, in order: RECORD (record a segment), ROWS (rows, loss, backward), PREFIX_BACKWARD
+    (a cached segment's deferred backward), RELEASE (release it), DUMMY_* (dummy rounds of a ``lockstep`` plan, see
+    ``Plan.for_fsdp``)."""
+    out: list[tuple[Round, object]] = []
     for step in p.steps:
         if isinstance(step, PrefixBackward):
-            out += [("PB", s) for s in reversed(step.segments)] + [("REL", step.segments)]
+            out += [(Round.PREFIX_BACKWARD, s) for s in reversed(step.segments)] + [(Round.RELEASE, step.segments)]
         elif isinstance(step, Dummy):
-            out.append(("DFB" if step.backward else "DF", None))
+            out.append((Round.DUMMY_BACKWARD if step.backward else Round.DUMMY_FORWARD, None))
         else:
-            out.append(("F" if step.record else "FB", step))
+            out.append((Round.RECORD if step.record else Round.ROWS, step))
     return out
 
 
-def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, last_fb):
+def run_rounds(run, par, model, rounds: list[tuple[Round, object]], settings: RoundSettings) -> tuple[float, int]:
     """Run ``rounds``; returns (total loss, loss_fn calls).
 
     Under a ``recoverable`` engine (FSDP2, several ranks) an error outside the collectives (in ``loss_fn``, a refusal
@@ -140,24 +183,24 @@ def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, las
     all-reduce and raises, with the process group intact. An error inside the collectives is
     ``Engine.collectives``' case.
     """
-    par = run.par
     total, calls, error = 0.0, 0, None
-    with activated(run.model), mixers.active(run.model), whole_compiled(run.whole):
+    with activated(model), mixers.active(model), whole_compiled(run.compile_context()):
         for i, (kind, x) in enumerate(rounds):
-            if kind in ("FB", "PB", "DFB"):
-                par.begin_backward_round(sync=sync and i == last_fb, last=i == last_fb)
+            last = i == settings.last_backward
+            if kind.has_backward:
+                par.begin_backward_round(sync=settings.sync and last, last=last)
             if error is not None:  # this rank failed earlier in the call: it only takes part in the collectives
-                if kind != "REL":
-                    run.dummy_round(grad=kind in ("FB", "PB", "DFB"))
+                if kind is not Round.RELEASE:
+                    run.dummy_round(grad=kind.has_backward)
                 continue
             run.begin_round()
             try:
-                loss = _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls)
+                loss = _round(run, kind, x, settings, calls)
             except Exception as e:
-                if not run.recoverable():
+                if not par.recoverable():
                     raise
                 error = e
-                run.finish_failed_round(grad=kind in ("FB", "PB", "DFB"), dummy=kind != "REL")
+                run.finish_failed_round(grad=kind.has_backward, dummy=kind is not Round.RELEASE)
                 continue
             if loss is not None:
                 total += loss
@@ -167,52 +210,40 @@ def run_rounds(run, rounds, loss_fn, entropy, recompute, hooks, sync, scale, las
     return total, calls
 
 
-def _round(run, kind, x, loss_fn, entropy, recompute, hooks, scale, calls) -> float | None:
-    """One round (see ``rounds_of``); returns the loss of an FB round that called ``loss_fn``, else None."""
-    par = run.par
-    if kind in ("DF", "DFB"):
-        run.dummy_round(grad=kind == "DFB")
-    elif kind == "REL":
-        for s in x:
-            run.cache.release(s)
-    elif kind == "PB":
-        if recompute:
-            state, sur, _ = run.run_pass(Pass((x,), record=(x,)), surrogate=x)
-        else:
-            state = run.cache.states[x]
-            sur = run.cache.surrogate(x, through_outputs=run.layers is not None)  # compiled: dK, dV join at the layers
-            if hooks is not None:  # start bringing the offloaded activations back before the backward needs them
-                hooks.prefetch()
-        if sur is not None:
-            with pass_state(state):
-                par.backward(sur)
-    elif kind == "F":
-        with torch.set_grad_enabled(not recompute):
+def _round(run, kind: Round, x, settings: RoundSettings, calls: int) -> float | None:
+    """One round (see ``rounds_of``); returns the loss of a ROWS round that called ``loss_fn``, else None."""
+    hooks = settings.hooks
+    if kind.dummy:
+        run.dummy_round(grad=kind is Round.DUMMY_BACKWARD)
+    elif kind is Round.RELEASE:
+        run.release(x)
+    elif kind is Round.PREFIX_BACKWARD:
+        run.prefix_backward(x, settings.recompute, hooks)
+    elif kind is Round.RECORD:
+        with torch.set_grad_enabled(not settings.recompute):
             if hooks is not None:
                 with hooks():
                     run.run_pass(x)
             else:
                 run.run_pass(x)
-        for s in x.record:
-            run.cache.seal(s, keep_graph=not recompute)
-    else:  # FB
+        run.seal(x.record, keep_graph=not settings.recompute)
+    else:  # ROWS
         state, res, layout = run.run_pass(x)
-        aux = run.aux_term  # the MoE aux loss's linear term of this pass's tokens, or None
+        aux = run.take_aux_term()  # the MoE aux loss's linear term of this pass's tokens, or None
         if res is None:  # a pass with no rows to report (its values are cached for later rows)
             if aux is not None:
-                with pass_state(state):
-                    par.backward(aux)
+                run.backward(state, aux)
             return None
+        mask = run.mask(layout)
         batch = Batch(
             logprobs=res[0],
-            mask=run.mask(layout),
-            entropy=res[1] if entropy else None,
-            index=torch.tensor(layout.rows, dtype=torch.int64, device=run.device),
+            mask=mask,
+            entropy=res[1] if settings.entropy else None,
+            index=torch.tensor(layout.rows, dtype=torch.int64, device=mask.device),
         )
-        loss = check_loss(loss_fn(batch), calls)
+        loss = check_loss(settings.loss_fn(batch), calls)
         total = loss if aux is None else loss + aux
-        with pass_state(state):
-            par.backward(total * scale if scale != 1.0 else total)
+        run.backward(state, total * settings.scale if settings.scale != 1.0 else total)
         return float(loss.detach())
     return None
 

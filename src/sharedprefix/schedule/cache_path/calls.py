@@ -23,9 +23,8 @@ from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.results import LogProbs
 
 
-def hybrid_logprobs(model, groups, options: CallOptions, deferred_backward) -> LogProbs:
-    """``sp.logprobs`` of a model on the cache path; ``deferred_backward``: what a deferred call's backward runs
-    (``api._deferred_backward``)."""
+def hybrid_logprobs(model, groups, options: CallOptions) -> LogProbs:
+    """``sp.logprobs`` of a model on the cache path; a deferred call's backward is ``hybrid_backward``."""
     defer = options.defer
     engine = check_hybrid(model, options.backend)
     needs = engine.must_defer  # the engine synchronises gradients inside a call (DDP)
@@ -39,38 +38,25 @@ def hybrid_logprobs(model, groups, options: CallOptions, deferred_backward) -> L
     error, out = None, None
     try:
         with torch.no_grad() if deferred else contextlib.nullcontext():
-            out = cache_run.logprobs(unwrap(model), groups, options.temperature, options.entropy, options.max_tokens)
+            out = cache_run.logprobs(unwrap(model), groups, options)
     except (ValueError, TypeError) as e:  # several ranks (DDP): every rank stops, none waits in a later collective
         error = e
     engine.agree_on_error(error)  # one process: the error is raised here as it is
     assert out is not None  # an error was raised above, on every rank
     if deferred:
-        return defer_logprobs(deferred_backward, model, groups, out, options, engine=engine)
+        return defer_logprobs(hybrid_backward, model, groups, out, options, engine=engine)
     return out
 
 
-def hybrid_backward(model, groups, loss_fn, options: CallOptions, collect: bool = False):
+def hybrid_backward(model, groups, loss_fn, options: CallOptions, aux_grads=None, collect: bool = False):
     """``sp.backward`` on the cache path, inside the call's gradient transaction (``schedule.grads.synced``: hooks
-    once, ``.grad`` in place, DDP's one sync). ``collect``: a deferred call's backward (``api._deferred_backward``)."""
+    once, ``.grad`` in place, DDP's one sync). ``collect``: a deferred call's backward (``defer_logprobs``);
+    ``aux_grads``: always None here (the load-balancing loss is refused on this path)."""
     inner = unwrap(model)
-    o = options
-    par = check_hybrid(model, o.backend)
+    par = check_hybrid(model, options.backend)
     par.start()  # the call's gradient hooks (``par.hooks``), run once by ``synced``
-
-    def run():
-        return cache_run.backward(
-            inner,
-            groups,
-            loss_fn,
-            o.max_tokens,
-            o.prefix_activations,
-            o.temperature,
-            o.entropy,
-            o.offload_device,
-            par.hooks,
-        )
-
-    return synced(par, inner, o.sync, o.grad_reduction, run, collect=collect)  # the module, then one sync
+    run = lambda: cache_run.backward(inner, groups, loss_fn, options, par.hooks)  # noqa: E731
+    return synced(par, inner, options.sync, options.grad_reduction, run, collect=collect)  # the module, then one sync
 
 
 def check_hybrid(model, backend: str) -> Engine:

@@ -32,7 +32,6 @@ Notation: G = completions of a group, P = prompt length, n = rows of one batch, 
 from __future__ import annotations
 
 import inspect
-import math
 
 import torch
 
@@ -54,6 +53,7 @@ from sharedprefix.schedule.cache_path.state import (
     repeated_states,
     state_slots,
 )
+from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.results import Batch
 
 MIN_WIDTH = 2  # a batch of width 1 would take the models' in-place single-token decode kernels
@@ -65,7 +65,8 @@ MIN_WIDTH = 2  # a batch of width 1 would take the models' in-place single-token
 class HybridRun:
     """One call's state on the hybrid path: the model, the groups, the budget and the statistics."""
 
-    def __init__(self, model, groups, max_tokens, temperature, entropy):
+    def __init__(self, model, groups, options: CallOptions):
+        max_tokens, temperature, entropy = options.max_tokens, options.temperature, options.entropy
         from sharedprefix.model.support import check_supported
 
         self.model = model
@@ -93,10 +94,8 @@ class HybridRun:
                 "recurrent state to its completions through that cache (its cache path). Disable gradient "
                 f"checkpointing for this model.{why}"
             )
-        if not isinstance(temperature, (int, float)) or not temperature > 0 or not math.isfinite(temperature):
-            raise ValueError(f"temperature={temperature!r}; expected a finite number > 0 (the sampling temperature).")
         if max_tokens is not None:
-            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < MIN_WIDTH + 1:
+            if max_tokens < MIN_WIDTH + 1:
                 raise ValueError(
                     f"max_tokens={max_tokens!r}; expected None or an int >= {MIN_WIDTH + 1} for a hybrid model, whose "
                     "prompt chunks and completion batches are at least 2 tokens wide."
@@ -210,11 +209,11 @@ class HybridRun:
         return out
 
 
-def logprobs(model, groups, temperature, entropy, max_tokens):
+def logprobs(model, groups, options: CallOptions):
     """``sp.logprobs`` on a hybrid model: (N, W) log-probs, mask and entropies; with grad enabled, one graph."""
     from sharedprefix.schedule.results import LogProbs
 
-    run = HybridRun(model, groups, max_tokens, temperature, entropy)
+    run = HybridRun(model, groups, options)
     lps, ents, masks = [], [], []
     for g in run.groups:
         cache, slots, tensors, h = run.prompt(g)
@@ -223,21 +222,20 @@ def logprobs(model, groups, temperature, entropy, max_tokens):
             lps.append(lp)
             ents.append(ent)
             masks.append(run.mask(g, rows))
-    return LogProbs(torch.cat(lps), torch.cat(masks), torch.cat(ents) if entropy else None)
+    return LogProbs(torch.cat(lps), torch.cat(masks), torch.cat(ents) if options.entropy else None)
 
 
-def backward(
-    model, groups, loss_fn, max_tokens, prefix_activations, temperature, entropy, offload_device, grad_hooks=None
-):
+def backward(model, groups, loss_fn, options: CallOptions, grad_hooks=None):
     """``sp.backward`` on a hybrid model, group by group (see the module docstring); returns the statistics.
     ``grad_hooks``: the call's ``DeferredGradHooks``, whose parameters' hooks are set aside during each backward; the
     caller runs the call inside its gradient transaction (``schedule.grads.synced``), which runs them once."""
     from sharedprefix.schedule.results import BackwardResult
     from sharedprefix.schedule.rounds import check_loss
 
-    run = HybridRun(model, groups, max_tokens, temperature, entropy)
-    hooks = OffloadHooks(model, offload_device) if prefix_activations == "offload" else None
-    recompute = prefix_activations == "recompute"
+    run = HybridRun(model, groups, options)
+    entropy, mode = options.entropy, options.prefix_activations
+    hooks = OffloadHooks(model, options.offload_device) if mode == "offload" else None
+    recompute = mode == "recompute"
     deferred = grad_hooks if grad_hooks is not None else DeferredGradHooks(model)
     total, calls = 0.0, 0
     for g, first in zip(run.groups, run.offsets()):

@@ -1,0 +1,161 @@
+"""``sp.plan_call``: a plan made once gives bit-identical log-probs and gradients to planning afresh, on the model it
+was made for and on a model of the same configuration; a different model or disagreeing settings are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import sharedprefix as sp
+from tests.helpers import random_groups, tiny_model
+
+GROUPS = random_groups(0, 3, [20, 7, 15], [[5, 3, 8], [4], [6, 2]])
+TREE = sp.Tree.from_rows([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9], [4, 5, 6, 7]])
+
+
+def _weights(out: sp.LogProbs) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(out.logprobs.shape, generator=g, dtype=out.logprobs.dtype)
+
+
+def _logprobs_and_grads(model, source, **kw):
+    """(log-probs, entropies, {name: grad}) of a grad-enabled sp.logprobs with a random linear loss."""
+    model.zero_grad(set_to_none=True)
+    out = sp.logprobs(model, source, entropy=True, **kw)
+    (out.logprobs * _weights(out)).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logprobs.detach(), out.entropy.detach(), grads
+
+
+def _backward_grads(model, source, **kw):
+    model.zero_grad(set_to_none=True)
+    res = sp.backward(model, source, lambda b: (b.logprobs * (b.index[:, None] + 1.0)).sum(), **kw)
+    return res.loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_equal(a, b):
+    if isinstance(a, tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_equal(x, y)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+CASES = {
+    "whole": (GROUPS, {}),
+    "split": (GROUPS, dict(max_tokens=24)),
+    "deferred": (GROUPS, dict(max_tokens=24, defer=True)),
+    "tree": (TREE, dict(max_tokens=8)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reused_plan_is_bit_identical_to_planning_afresh(name):
+    source, kw = CASES[name]
+    model = tiny_model()
+    want = _logprobs_and_grads(model, source, **kw)
+    cp = sp.plan_call(model, source, **kw)
+    for _ in range(2):  # the plan serves any number of calls
+        got = _logprobs_and_grads(model, cp)
+        for a, b in zip(got, want):
+            _assert_equal(a, b)
+    with torch.no_grad():
+        assert torch.equal(sp.logprobs(model, cp).logprobs, sp.logprobs(model, source, **kw).logprobs)
+
+
+@pytest.mark.parametrize("mode", ["keep", "offload", "recompute"])
+def test_reused_plan_backward_is_bit_identical_in_each_prefix_mode(mode):
+    model = tiny_model()
+    want = _backward_grads(model, GROUPS, max_tokens=24, prefix_activations=mode)
+    cp = sp.plan_call(model, GROUPS, max_tokens=24, prefix_activations=mode)
+    assert cp.splits and len(cp.passes) > 1
+    for _ in range(2):
+        got = _backward_grads(model, cp)
+        _assert_equal(got[0], want[0])
+        _assert_equal(got[1], want[1])
+    # a setting the plan does not shape may change from call to call
+    got = _backward_grads(model, cp, prefix_activations="keep")
+    _assert_equal(got[1], want[1])
+
+
+def test_plan_runs_on_a_reference_model_of_the_same_configuration():
+    policy, reference = tiny_model(seed=0), tiny_model(seed=1)
+    cp = sp.plan_call(policy, GROUPS, max_tokens=24)
+    with torch.no_grad():
+        got = sp.logprobs(reference, cp)
+        want = sp.logprobs(reference, GROUPS, max_tokens=24)
+        assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.mask, want.mask)
+        assert not torch.equal(got.logprobs, sp.logprobs(policy, cp).logprobs)
+    _assert_equal(_backward_grads(reference, cp), _backward_grads(reference, GROUPS, max_tokens=24))
+
+
+def test_plan_is_refused_on_a_model_of_another_configuration():
+    cp = sp.plan_call(tiny_model(), GROUPS, max_tokens=24)
+    with pytest.raises(ValueError, match=r"CallPlan was made for another model .* its configuration \(config"):
+        sp.logprobs(tiny_model(intermediate_size=40), cp)
+    with pytest.raises(ValueError, match=r"its config class differs: LlamaConfig here, Qwen3Config"):
+        sp.logprobs(tiny_model("llama"), cp)
+    with pytest.raises(ValueError, match=r"its parameters' dtype differs: torch.float32 here, torch.float64"):
+        sp.logprobs(tiny_model(dtype=torch.float32), cp)
+
+
+def test_disagreeing_settings_are_refused():
+    model = tiny_model()
+    cp = sp.plan_call(model, GROUPS, max_tokens=24)
+    with pytest.raises(ValueError, match=r"max_tokens=32 disagrees with the CallPlan's max_tokens=24"):
+        sp.logprobs(model, cp, max_tokens=32)
+    with pytest.raises(ValueError, match=r"backend='reference' disagrees with the CallPlan's backend='auto'"):
+        sp.backward(model, cp, lambda b: b.logprobs.sum(), backend="reference")
+    with torch.no_grad():  # the plan's own value, given again, agrees
+        assert torch.equal(sp.logprobs(model, cp, max_tokens=24).logprobs, sp.logprobs(model, cp).logprobs)
+
+
+def test_plan_call_checks_its_settings_and_the_groups():
+    model = tiny_model()
+    with pytest.raises(TypeError, match=r"sp.plan_call got \['budget'\]"):
+        sp.plan_call(model, GROUPS, budget=8)
+    with pytest.raises(ValueError, match="temperature=0; expected a finite number > 0"):
+        sp.plan_call(model, GROUPS, temperature=0)
+    with pytest.raises(ValueError, match=r"has 5 tokens but max_tokens=4; .* Set max_tokens >= 8"):
+        sp.plan_call(model, GROUPS, max_tokens=4)
+
+
+def test_plan_holds_what_the_kernels_need():
+    model = tiny_model()
+    cp = sp.plan_call(model, GROUPS, max_tokens=24)
+    assert cp.refusals[:3] == ("check_supported", "validate", "select")
+    assert cp.kernel.name == "cpu" and cp.device == torch.device("cpu") and cp.findings.calls == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):  # frozen
+        cp.plan = None  # type: ignore[misc]
+    with torch.no_grad():
+        sp.logprobs(model, cp)
+    layouts = dict(cp.rows.built)
+    assert len(cp.rows) == len(cp.passes)
+    with torch.no_grad():
+        sp.logprobs(model, cp)
+    assert all(cp.rows.built[k] is v for k, v in layouts.items())  # packed once per plan
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (dict(temperature=float("nan")), ValueError, r"temperature=nan; expected a finite number > 0"),
+        (dict(max_tokens=2.5), TypeError, r"max_tokens=2.5; expected a positive int"),
+        (dict(backend="fast"), ValueError, r"attention backend 'fast' is unknown; expected one of \['auto'"),
+        (dict(entropy="yes"), TypeError, r"entropy='yes'; expected True or False"),
+        (dict(defer=1), TypeError, r"defer=1; expected None"),
+        (dict(grad_reduction="avg"), ValueError, r"grad_reduction='avg'; expected one of \('sum', 'mean'\)"),
+    ],
+)
+def test_every_setting_is_checked_where_the_options_are_built(kw, error, match):
+    with pytest.raises(error, match=match):
+        sp.logprobs(tiny_model(), GROUPS, **kw)
