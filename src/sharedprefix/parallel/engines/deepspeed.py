@@ -68,7 +68,6 @@ class DeepSpeed(Single):
             # (``call``), which only a backward of sharedprefix's own then runs, once
             self.must_defer = f"a DeepSpeed ZeRO-3 engine with leaf modules ({_names(self.leaf_hooks)})"
 
-
     def call(self, fn, guard: bool = True):
         """A pass with ZeRO-3's leaf-module hooks set aside (module full backward hooks are taken when the module's
         forward runs: a pass without them leaves none in its graph). Each would reduce its module's gradient in every
