@@ -175,7 +175,7 @@ def run(stage, path, rank):
     lora, bf16 = path.startswith("lora"), path.startswith("bf16")
     zero = ZERO_SETTINGS.get(path)
     flags = dict(float32_head=path == "float32_head", zero=zero, moe=path.startswith("moe"))
-    engine = engine_of(stage, gas, path == "checkpointed", lora, bf16, **flags)
+    engine = engine_of(stage, gas, path in ("checkpointed", "moe_checkpointed"), lora, bf16, **flags)
     if path == "plain":
         engine.backward(plain_loss(engine, groups, w))
     elif path == "logprobs":
@@ -207,6 +207,9 @@ def run(stage, path, rank):
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, aux_loss_coef=COEF)
     elif path == "moe_backward_whole":
         sp.backward(engine, groups, loss_fn, aux_loss_coef=COEF)
+    elif path in ("moe_backward_offload", "moe_backward_recompute", "moe_checkpointed"):
+        mode = "keep" if path == "moe_checkpointed" else path.split("_")[2]
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, aux_loss_coef=COEF, prefix_activations=mode)
     elif path == "moe_logprobs_deferred":
         out = sp.logprobs(engine, groups, max_tokens=BUDGET, defer=True)
         engine.backward((out.logprobs * w).sum() + COEF * out.aux_loss)
@@ -311,7 +314,15 @@ ZERO_SETTINGS = {
     "offload_param": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
     "zeropp_refused": {"zero_quantized_gradients": True},
 }
-STAGE3_PATHS = ["offload_param", "zeropp_refused", "moe_leaf_control"]
+# the leaf modules' hooks through the recomputed forwards too (prefix modes, checkpointing), and their control
+STAGE3_PATHS = [
+    "offload_param",
+    "zeropp_refused",
+    "moe_backward_offload",
+    "moe_backward_recompute",
+    "moe_checkpointed",
+    "moe_leaf_control",
+]
 # at ZeRO-3 the MoE block is a leaf module (DeepSpeed's default): its hooks run once, in the delivering backward
 MOE_PATHS = ["moe_plain", "moe_backward", "moe_backward_whole", "moe_logprobs", "moe_logprobs_deferred"]
 HYBRID_CALLS = ["plain", "backward", "backward_split", "logprobs", "logprobs_deferred"]
