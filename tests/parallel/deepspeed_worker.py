@@ -327,7 +327,7 @@ STAGE3_PATHS = [
 MOE_PATHS = ["moe_plain", "moe_backward", "moe_backward_whole", "moe_logprobs", "moe_logprobs_deferred"]
 HYBRID_CALLS = ["plain", "backward", "backward_split", "logprobs", "logprobs_deferred"]
 HYBRID_PATHS = [f"{f}_{c}" for f in HYBRIDS for c in HYBRID_CALLS]
-# DeepSpeed's own ZeRO-3 run of a hybrid stops in its first forward on these 2 ranks (its prefetch trace check,
+# DeepSpeed's own ZeRO-3 run of a hybrid stops at a later forward's start on these 2 ranks (its prefetch trace check,
 # "Detected a disagreement on list length between rank0 and rank1: 63 / 65", then a hang): not run at stage 3
 HYBRID_STAGE3 = [p for p in HYBRID_PATHS if not p.endswith("_plain")] + ["zaya_leaf_refused"]
 
