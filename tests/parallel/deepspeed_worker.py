@@ -77,6 +77,61 @@ def moe_loss(model, groups, w):
     return (torch.stack(lps) * w).sum() + COEF * out.aux_loss
 
 
+HYBRIDS = ("qwen3_next", "zaya")  # the packed path (gated delta rule, convolutions, MoE) and the cache path
+
+
+def hybrid_groups(rank):
+    """Each rank's own hybrid groups (``support.hybrid.groups_of``: prompts of 9, 1 and 5 tokens, 7 completions) and
+    their weights (7, 6)."""
+    from support.hybrid import groups_of
+
+    return groups_of(seed=rank), torch.randn(7, 6, generator=torch.Generator().manual_seed(50 + rank))
+
+
+def hybrid_model(family, dtype=torch.float32):
+    """A copy of the tiny float64 hybrid of ``family`` (``support.hybrid.model_of``) in ``dtype``."""
+    import copy
+
+    from support.hybrid import model_of
+
+    return copy.deepcopy(model_of(family)).to(dtype)
+
+
+def run_hybrid(stage, path, rank):
+    """A hybrid path, FAMILY_CALL (``HYBRID_CALLS``): the plain run, ``sp.backward`` whole and under the budget (which
+    splits the 9-token prompt into a chain), ``sp.logprobs`` whole, and under the budget deferred, then
+    ``engine.backward``."""
+    family = next(f for f in HYBRIDS if path.startswith(f + "_"))
+    what = path[len(family) + 1 :]
+    groups, w = hybrid_groups(rank)
+    model = hybrid_model(family)
+    if what == "leaf_refused":  # a cache-path hybrid with its MoE block a ZeRO-3 leaf: refused before any pass
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, [type(model.model.layers[0].mlp)])
+    engine = engine_of(stage, model=model)
+
+    def loss_fn(b):
+        return (b.logprobs * w[b.index, : b.logprobs.shape[1]]).sum()
+
+    if what == "plain":
+        engine.backward(plain_loss(engine, groups, w))
+    elif what == "backward":
+        sp.backward(engine, groups, loss_fn)
+    elif what == "backward_split":
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+    elif what == "logprobs":
+        engine.backward((sp.logprobs(engine, groups).logprobs * w).sum())
+    elif what == "logprobs_deferred":
+        engine.backward((sp.logprobs(engine, groups, max_tokens=BUDGET, defer=True).logprobs * w).sum())
+    elif what == "leaf_refused":
+        try:
+            sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
+        except ValueError as e:
+            return {"refusal": str(e)}
+    return finish(engine, path)
+
+
 def engine_of(
     stage, gas=1, checkpointing=False, lora=False, bf16=False, float32_head=False, zero=None, moe=False, model=None
 ):
@@ -109,6 +164,8 @@ def engine_of(
 
 
 def run(stage, path, rank):
+    if path.startswith(HYBRIDS):
+        return run_hybrid(stage, path, rank)
     groups, w = rank_groups(rank), weights(rank)
 
     def loss_fn(b):
@@ -118,7 +175,7 @@ def run(stage, path, rank):
     lora, bf16 = path.startswith("lora"), path.startswith("bf16")
     zero = ZERO_SETTINGS.get(path)
     flags = dict(float32_head=path == "float32_head", zero=zero, moe=path.startswith("moe"))
-    engine = engine_of(stage, gas, path == "checkpointed", lora, bf16, **flags)
+    engine = engine_of(stage, gas, path in ("checkpointed", "moe_checkpointed"), lora, bf16, **flags)
     if path == "plain":
         engine.backward(plain_loss(engine, groups, w))
     elif path == "logprobs":
@@ -141,29 +198,40 @@ def run(stage, path, rank):
     elif path.startswith("backward_"):
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, prefix_activations=path.split("_")[1])
     elif path == "moe_plain":
+        if stage == 3:  # DeepSpeed made the MoE blocks ZeRO-3 leaf modules, as by default
+            from deepspeed.utils import get_z3_leaf_modules
+
+            assert {type(m).__name__ for m in get_z3_leaf_modules(engine.module)} == {"MixtralSparseMoeBlock"}
         engine.backward(moe_loss(engine, groups, w))
     elif path == "moe_backward":  # the aux term's per-pass gradient under a splitting budget
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, aux_loss_coef=COEF)
+    elif path == "moe_backward_whole":
+        sp.backward(engine, groups, loss_fn, aux_loss_coef=COEF)
+    elif path in ("moe_backward_offload", "moe_backward_recompute", "moe_checkpointed"):
+        mode = "keep" if path == "moe_checkpointed" else path.split("_")[2]
+        sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, aux_loss_coef=COEF, prefix_activations=mode)
+    elif path == "moe_logprobs_deferred":
+        out = sp.logprobs(engine, groups, max_tokens=BUDGET, defer=True)
+        engine.backward((out.logprobs * w).sum() + COEF * out.aux_loss)
     elif path == "moe_logprobs":
         out = sp.logprobs(engine, groups, max_tokens=BUDGET)
         engine.backward((out.logprobs * w).sum() + COEF * out.aux_loss)
-    elif path == "hybrid_refused":  # a hybrid model on the cache path under ZeRO-3: refused before any pass
-        import copy
-
-        from support.hybrid import groups_of, model_of
-
-        engine = engine_of(stage, model=copy.deepcopy(model_of("zaya")).float())
+    elif path == "zeropp_refused":  # refused before any pass, naming the setting
         try:
-            sp.backward(engine, groups_of(), lambda b: b.logprobs.sum(), max_tokens=BUDGET)
+            sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
         except ValueError as e:
             return {"refusal": str(e)}
-    elif path in ("moe_refused", "zeropp_refused"):  # refused before any pass, naming the setting
+    elif path == "moe_leaf_control":  # ZeRO-3's leaf-module reductions never fired: the control of their firing
+        from sharedprefix.parallel.engines.deepspeed import DeepSpeed
+
+        fire, DeepSpeed._fire_leaf_hooks = DeepSpeed._fire_leaf_hooks, lambda self: None
         try:
-            sp.backward(
-                engine, groups, loss_fn, max_tokens=BUDGET, aux_loss_coef=COEF if path == "moe_refused" else None
-            )
-        except ValueError as e:
-            return {"refusal": str(e)}
+            sp.backward(engine, groups, loss_fn, max_tokens=BUDGET, aux_loss_coef=COEF)
+        finally:
+            DeepSpeed._fire_leaf_hooks = fire
+        named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+        full = {n: safe_get_full_grad(p) for n, p in named}  # no step: DeepSpeed's own step raises on this state
+        return {"grads": {n: torch.zeros(p.ds_shape) if full[n] is None else full[n].float() for n, p in named}}
     elif path in ("float32_head", "offload_param"):
         sp.backward(engine, groups, loss_fn, max_tokens=BUDGET)
     elif path == "checkpointed":  # non-reentrant gradient checkpointing, recomputed inside sharedprefix's backward
@@ -224,6 +292,11 @@ def run(stage, path, rank):
                 max_tokens=BUDGET,
             )
             engine.step()
+    return finish(engine, path)
+
+
+def finish(engine, path):
+    """{"grads": the full gradients before ``engine.step()``, "params": the parameters after it}."""
     grads = None
     if not path.startswith("accumulated"):
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
@@ -241,8 +314,22 @@ ZERO_SETTINGS = {
     "offload_param": {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
     "zeropp_refused": {"zero_quantized_gradients": True},
 }
-STAGE3_PATHS = ["offload_param", "zeropp_refused", "moe_refused", "hybrid_refused"]
-MOE_PATHS = ["moe_plain", "moe_backward", "moe_logprobs"]  # stages 1 and 2: ZeRO-3 makes the MoE block a leaf
+# the leaf modules' hooks through the recomputed forwards too (prefix modes, checkpointing), and their control
+STAGE3_PATHS = [
+    "offload_param",
+    "zeropp_refused",
+    "moe_backward_offload",
+    "moe_backward_recompute",
+    "moe_checkpointed",
+    "moe_leaf_control",
+]
+# at ZeRO-3 the MoE block is a leaf module (DeepSpeed's default): its hooks run once, in the delivering backward
+MOE_PATHS = ["moe_plain", "moe_backward", "moe_backward_whole", "moe_logprobs", "moe_logprobs_deferred"]
+HYBRID_CALLS = ["plain", "backward", "backward_split", "logprobs", "logprobs_deferred"]
+HYBRID_PATHS = [f"{f}_{c}" for f in HYBRIDS for c in HYBRID_CALLS]
+# DeepSpeed's own ZeRO-3 run of a hybrid stops at a later forward's start on these 2 ranks (its prefetch trace check,
+# "Detected a disagreement on list length between rank0 and rank1: 63 / 65", then a hang): not run at stage 3
+HYBRID_STAGE3 = [p for p in HYBRID_PATHS if not p.endswith("_plain")] + ["zaya_leaf_refused"]
 
 PATHS = [
     "plain",
@@ -268,6 +355,11 @@ PATHS = [
 ]
 
 
+def paths_of(stage):
+    """The paths a launch at ``stage`` ("1", "2" or "3") runs."""
+    return PATHS + MOE_PATHS + (STAGE3_PATHS + HYBRID_STAGE3 if str(stage) == "3" else HYBRID_PATHS)
+
+
 def main(stage, out):
     # DeepSpeed's shared-memory all-reduce is a C++ op it compiles on first use (minutes): skipped, so its
     # collectives go through torch.distributed (gloo), as every other test's
@@ -276,7 +368,7 @@ def main(stage, out):
     rank = dist.get_rank()
     result = {}
     only = os.environ.get("SP_DS_PATHS")  # a comma-separated subset, when debugging one path
-    for path in only.split(",") if only else PATHS + (STAGE3_PATHS if stage == "3" else MOE_PATHS):
+    for path in only.split(",") if only else paths_of(stage):
         try:
             result[path] = run(int(stage), path, rank)
         except Exception as e:  # reported, so that the test names the path

@@ -8,7 +8,9 @@ reduction hooks inside a backward of its own); non-reentrant gradient checkpoint
 call that fails on its second pass, then one that succeeds (nothing of the failed call left behind); DeepSpeed's
 ``gradient_accumulation_steps=2`` over two calls; PEFT LoRA; DeepSpeed's bf16; sharedprefix's float32 head. ZeRO-3
 partitions every parameter (no persistence threshold) and adds parameter and optimizer offload to the CPU and a
-ZeRO++ setting (refused). The gradients before ``engine.step()`` (``safe_get_full_grad``) and the parameters after it
+ZeRO++ setting (refused). Every stage runs an MoE model with its load-balancing loss (at ZeRO-3 its MoE block a leaf
+module, as DeepSpeed makes it by default) and two hybrids, Qwen3-Next (packed path) and Zaya (cache path). The
+gradients before ``engine.step()`` (``safe_get_full_grad``) and the parameters after it
 (gathered) are compared; ``sync=False`` is refused (DeepSpeed accumulates).
 """
 
@@ -20,12 +22,14 @@ import torch
 pytest.importorskip("deepspeed")
 
 from parallel.deepspeed_worker import (
-    MOE_PATHS,
-    PATHS,
-    STAGE3_PATHS,
+    HYBRID_CALLS,
+    HYBRIDS,
+    hybrid_groups,
+    hybrid_model,
     lora_model,
     moe_loss,
     moe_model,
+    paths_of,
     plain_loss,
     rank_groups,
     weights,
@@ -67,7 +71,7 @@ def err(got, want):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(stage, tmp_path):
     got = launch(stage, tmp_path)
-    paths = PATHS + (STAGE3_PATHS if stage == 3 else MOE_PATHS)
+    paths = paths_of(stage)
     assert set(got) == set(paths)
     failed = {p: r["error"] for p, r in got.items() if "error" in r}  # sync_false: a refusal, checked below
     assert not failed, failed
@@ -75,7 +79,7 @@ def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(st
     plain = err(got["plain"]["grads"], grads)
     assert 0 < plain < 1e-4, plain  # float32 rounding, not another loss
     for path in paths:
-        skipped = ("accumulated", "lora", "bf16", "sync", "moe")  # compared below
+        skipped = ("accumulated", "lora", "bf16", "sync", "moe", *HYBRIDS)  # compared below
         if path.startswith(skipped) or path.endswith("_refused") or path in ("plain", "failed_control"):
             continue
         assert err(got[path]["grads"], grads) <= 2 * plain, (path, err(got[path]["grads"], grads), plain)
@@ -107,25 +111,62 @@ def test_every_path_by_the_2x_rule_against_the_plain_run_under_the_same_stage(st
     one_rank = {n: p.grad for n, p in model.named_parameters()}
     assert err(one_rank, grads) > 2 * plain
 
-    if stage == 3:  # ZeRO++ and ZeRO-3's leaf modules (DeepSpeed's default for MoE blocks) refused, naming them
+    if stage == 3:  # ZeRO++, and a cache-path hybrid with ZeRO-3 leaf modules, refused, naming them
         refusal = got["zeropp_refused"]["refusal"]
         assert "ZeRO++" in refusal and "zero_quantized_gradients" in refusal and "Turn them off" in refusal
-        refusal = got["moe_refused"]["refusal"]
-        assert "leaf modules (MixtralSparseMoeBlock" in refusal and "ZeRO stage 1 or 2" in refusal
-        refusal = got["hybrid_refused"]["refusal"]
-        assert "ZayaForCausalLM is a hybrid model" in refusal and "ZeRO-3" in refusal and "Use DDP" in refusal
-    else:  # an MoE model with aux_loss_coef: the load-balancing loss's gradient carried through every pass
-        moe = moe_model(torch.float64)
-        for rank in range(2):
-            (moe_loss(moe, rank_groups(rank), weights(rank).double()) / 2).backward()
-        want = {n: p.grad.detach().clone() for n, p in moe.named_parameters() if p.grad is not None}
-        moe_plain = err(got["moe_plain"]["grads"], want)
-        assert 0 < moe_plain < 1e-4, moe_plain
-        for path in ("moe_backward", "moe_logprobs"):
-            assert err(got[path]["grads"], want) <= 2 * moe_plain, (path, err(got[path]["grads"], want), moe_plain)
-        # the control: the same loss without the aux term fails the same rule
-        moe.zero_grad(set_to_none=True)
-        for rank in range(2):
-            (plain_loss(moe, rank_groups(rank), weights(rank).double()) / 2).backward()
-        no_aux = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in moe.named_parameters()}
-        assert err(no_aux, want) > 2 * moe_plain
+        refusal = got["zaya_leaf_refused"]["refusal"]
+        assert "ZayaForCausalLM is a hybrid model on sharedprefix's cache path" in refusal
+        assert "leaf modules (ZayaSparseMoeBlock)" in refusal and "ZeRO stage 1 or 2" in refusal
+    moe_paths_exact(got, stage)
+    for family in HYBRIDS:
+        hybrid_paths_exact(got, family, stage)
+
+
+def moe_paths_exact(got, stage):
+    """An MoE model with aux_loss_coef: the load-balancing loss's gradient carried through every pass; at ZeRO-3 the
+    MoE block is a leaf module (DeepSpeed's default), whose reduction hook runs once, in the delivering backward."""
+    moe = moe_model(torch.float64)
+    for rank in range(2):
+        (moe_loss(moe, rank_groups(rank), weights(rank).double()) / 2).backward()
+    want = {n: p.grad.detach().clone() for n, p in moe.named_parameters() if p.grad is not None}
+    moe_plain = err(got["moe_plain"]["grads"], want)
+    assert 0 < moe_plain < 1e-4, moe_plain
+    for path in (p for p in got if p.startswith("moe_") and p not in ("moe_plain", "moe_leaf_control")):
+        assert err(got[path]["grads"], want) <= 2 * moe_plain, (path, err(got[path]["grads"], want), moe_plain)
+    # the control: the same loss without the aux term fails the same rule
+    moe.zero_grad(set_to_none=True)
+    for rank in range(2):
+        (plain_loss(moe, rank_groups(rank), weights(rank).double()) / 2).backward()
+    no_aux = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in moe.named_parameters()}
+    assert err(no_aux, want) > 2 * moe_plain
+    if stage == 3:  # the control of the leaf hooks: never fired, the MoE blocks' gradients are not reduced
+        assert err(got["moe_leaf_control"]["grads"], want) > 2 * moe_plain
+
+
+def hybrid_paths_exact(got, family, stage):
+    """A hybrid's paths (Qwen3-Next on the packed path, Zaya on the cache path) by the 2x rule against the float64
+    gradient: the bar is the plain DeepSpeed run's error at ZeRO-1/2, and at ZeRO-3 (where DeepSpeed's own run of
+    the per-row forwards stops on 2 ranks: ``HYBRID_STAGE3``) the same plain run's in one process, in float32."""
+    want = hybrid_reference(family, torch.float64)
+    if stage == 3:
+        plain = err(hybrid_reference(family, torch.float32), want)
+    else:
+        plain = err(got[f"{family}_plain"]["grads"], want)
+    assert 0 < plain < 1e-5, (family, plain)  # float32 rounding, not another loss
+    for call in (c for c in HYBRID_CALLS if c != "plain"):
+        path = f"{family}_{call}"
+        assert err(got[path]["grads"], want) <= 2 * plain, (path, err(got[path]["grads"], want), plain)
+    # the control: one rank's gradient instead of the mean fails the same rule
+    model = hybrid_model(family, torch.float64)
+    groups, w = hybrid_groups(0)
+    plain_loss(model, groups, w.double()).backward()
+    assert err({n: p.grad for n, p in model.named_parameters()}, want) > 2 * plain
+
+
+def hybrid_reference(family, dtype):
+    """The mean over the two ranks of each rank's plain hybrid loss's gradient, in ``dtype``, in one process."""
+    model = hybrid_model(family, dtype)
+    for rank in range(2):
+        groups, w = hybrid_groups(rank)
+        (plain_loss(model, groups, w.to(dtype)) / 2).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}

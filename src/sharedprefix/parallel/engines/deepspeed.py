@@ -19,12 +19,21 @@ into its partitions. A deferred call's node takes the parameters the same way, a
 caller's backward ends (``gather_until_backward_ends``). A failed call reaches none of the hooks, so DeepSpeed's
 partitioned buffers stay as they were.
 
+ZeRO-3's leaf modules (``deepspeed.utils.set_z3_leaf_modules``; DeepSpeed's default for the MoE blocks of Mixtral and
+Qwen-MoE) reduce their parameters' gradients in a module full backward hook, not in the parameters' hooks: it would run
+in each backward of a call on that pass's share (DeepSpeed then finds a parameter twice in its reduce bucket). So each
+pass runs with those hooks set aside (``call``: autograd takes a module's full backward hooks when its forward runs),
+and the backward that delivers the call's gradient (``_Deliver``; a deferred call's: the caller's) queues them, once,
+to run when it ends, after autograd accumulated into ``.grad``. A grad-enabled ``sp.logprobs`` then defers
+(``must_defer``), so that its backward is one of sharedprefix's; the cache path, whose passes run outside ``call``,
+is refused with leaf modules.
+
 So ``sp.backward(engine, ...)`` is ``engine.backward`` of the call's loss: DeepSpeed divides the gradient by its
 ``gradient_accumulation_steps`` as it divides a loss, and accumulation over micro-steps and the step itself stay
-DeepSpeed's (``engine.step()``). Refused at the first call, each with its reason: fp16 loss scaling, ZeRO++
-(quantised weights or gradients, hierarchical partitioning: not verified), ZeRO-3 leaf modules (DeepSpeed's default
-for MoE blocks: their gradient is reduced in a module backward hook, which runs in every backward of a call), a
-tensor-parallel model.
+DeepSpeed's (``engine.step()``). Hybrid models, of the packed path and of the cache path, need nothing more: their
+passes are the modules' own calls too (tested at every stage). Refused at the first call, each with its reason: fp16
+loss scaling, ZeRO++ (quantised weights or gradients, hierarchical partitioning: not verified), a cache-path hybrid
+with ZeRO-3 leaf modules, a tensor-parallel model.
 """
 
 from __future__ import annotations
@@ -54,6 +63,34 @@ class DeepSpeed(Single):
     def __init__(self, root, world_size: int, engine, tensor: int = 1):
         super().__init__(root, world_size, tensor=tensor, data_size=world_size)
         self.ds = engine
+        self.leaf_hooks = _leaf_hooks(engine)  # ZeRO-3's leaf modules' reduction hooks: [(module, handle)]
+        if self.leaf_hooks:  # a grad-enabled ``sp.logprobs`` defers: its passes run without the leaves' hooks
+            # (``call``), which only a backward of sharedprefix's own then runs, once
+            self.must_defer = f"a DeepSpeed ZeRO-3 engine with leaf modules ({_names(self.leaf_hooks)})"
+
+    def call(self, fn, guard: bool = True):
+        """A pass with ZeRO-3's leaf-module hooks set aside (module full backward hooks are taken when the module's
+        forward runs: a pass without them leaves none in its graph). Each would reduce its module's gradient in every
+        backward of the call, on that pass's share; the delivering backward runs them once (``_fire_leaf_hooks``)."""
+        if not self.leaf_hooks:
+            return fn()
+        held = [(handle, handle.hooks_dict_ref().pop(handle.id)) for _, handle in self.leaf_hooks]
+        try:
+            return fn()
+        finally:
+            for handle, hook in held:
+                handle.hooks_dict_ref()[handle.id] = hook
+
+    def _fire_leaf_hooks(self) -> None:
+        """ZeRO-3's leaf-module reductions, once, on the call's whole gradient: queued from inside the backward that
+        delivers it, so that they run when it ends, after autograd accumulated into ``.grad`` (and before
+        DeepSpeed's own end-of-backward callback, which its parameter hooks queue later)."""
+
+        def fire():
+            for module, handle in self.leaf_hooks:
+                handle.hooks_dict_ref()[handle.id](module, None, None)
+
+        torch.autograd.Variable._execution_engine.queue_callback(fire)
 
     @classmethod
     def match(cls, model: torch.nn.Module, root: torch.nn.Module, world: int, tensor: int) -> Engine | None:
@@ -78,12 +115,15 @@ class DeepSpeed(Single):
     ) -> dict | None:
         grads = tx.collect()  # ``.grad`` back as the call found it; the call's gradient by parameter
         if collect:  # a deferred call: the caller's ``engine.backward`` scaled its loss and delivers the gradient
+            if grads and self.leaf_hooks:  # inside that backward
+                self._fire_leaf_hooks()
             return grads
         if grads:  # through DeepSpeed's own backward: its loss scaling, hooks inside a backward, epilogue
             params = list(grads)
+            then = self._fire_leaf_hooks if self.leaf_hooks else None
             with self.gathered(params):  # ZeRO-3: whole while autograd records and accumulates them
                 with torch.enable_grad():
-                    out = _Deliver.apply([grads[p] for p in params], *params)
+                    out = _Deliver.apply([grads[p] for p in params], then, *params)
                 self.ds.backward(out)
         return None
 
@@ -108,12 +148,12 @@ class DeepSpeed(Single):
 
     def check_cache_path(self, name: str, why_hybrid: str) -> None:
         super().check_cache_path(name, why_hybrid)
-        if int(self.ds.zero_optimization_stage()) == 3:
+        if self.leaf_hooks:
             raise ValueError(
-                f"{name} is a hybrid model on sharedprefix's cache path, passed as a DeepSpeed ZeRO-3 engine: that "
-                "path runs the model's own cache-aware forward and its own gradient plumbing, which have not been "
-                "verified with ZeRO-3's partitioned parameters. Use DDP (supported) or a single process."
-                f"{why_hybrid}"
+                f"{name} is a hybrid model on sharedprefix's cache path, passed as a DeepSpeed ZeRO-3 engine with leaf "
+                f"modules ({_names(self.leaf_hooks)}): that path runs the model's own forward outside the passes "
+                "that set the leaves' reduction hooks aside, so each would reduce one pass's share. Use ZeRO stage 1 "
+                f"or 2, or ZeRO-3 without leaf modules.{why_hybrid}"
             )
 
     def check_sync(self, sync: bool) -> None:
@@ -126,6 +166,19 @@ class DeepSpeed(Single):
             )
 
 
+def _leaf_hooks(engine) -> list:
+    """[(leaf module, handle of the full backward hook ZeRO-3 reduces its gradient in)] (none below ZeRO-3)."""
+    handles = getattr(engine.optimizer, "_leaf_module_hooks", None) or []
+    if int(engine.zero_optimization_stage()) != 3 or not handles:
+        return []
+    modules = {id(m._backward_hooks): m for m in engine.module.modules()}
+    return [(modules[id(h.hooks_dict_ref())], h) for h in handles]
+
+
+def _names(leaf_hooks) -> str:
+    return ", ".join(sorted({type(m).__name__ for m, _ in leaf_hooks}))
+
+
 def _partitioned(params) -> list:
     """The ZeRO-3 parameters among ``params`` that are partitioned now: those that are whole already (a persistent
     one, or one a module's forward or backward holds) stay as their holder leaves them."""
@@ -136,7 +189,6 @@ def _partitioned(params) -> list:
 
 def _refuse(engine, tensor: int) -> None:
     """Raise ValueError for a DeepSpeed setting sharedprefix does not run exactly (module docstring), naming it."""
-    stage = int(engine.zero_optimization_stage())
     zeropp = [
         name
         for name, on in (
@@ -153,18 +205,6 @@ def _refuse(engine, tensor: int) -> None:
             "verified its results against DeepSpeed's own run with them (which does not run on the CPU test "
             "processes). Turn them off (ZeRO-3 without them is exact)."
         )
-    if stage == 3:
-        from deepspeed.utils import get_z3_leaf_modules
-
-        leaves = sorted({type(m).__name__ for m in get_z3_leaf_modules(engine.module)})
-        if leaves:
-            raise ValueError(
-                f"the DeepSpeed ZeRO-3 engine has leaf modules ({', '.join(leaves)}; DeepSpeed makes the MoE "
-                "blocks of Mixtral, Qwen-MoE and others leaves by default): ZeRO-3 reduces a leaf module's "
-                "gradients in that module's own backward hook, which would run in each of sharedprefix's "
-                "backwards on one pass's share instead of once on the call's whole gradient. Use ZeRO stage 1 or "
-                "2 (exact, MoE load-balancing loss included), or FSDP2 (fully_shard) to shard the parameters."
-            )
     if engine.fp16_enabled():
         raise ValueError(
             "the DeepSpeed engine has fp16 enabled (dynamic loss scaling): sharedprefix's backward runs outside "
@@ -184,12 +224,14 @@ class _Deliver(torch.autograd.Function):
     post-accumulate-grad hooks, inside the running backward."""
 
     @staticmethod
-    def forward(ctx, grads, *params):
-        ctx.grads = grads
+    def forward(ctx, grads, then, *params):
+        ctx.grads, ctx.then = grads, then
         return torch.zeros((), dtype=params[0].dtype, device=params[0].device)
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.then is not None:  # inside this backward, before any parameter's hook
+            ctx.then()
         if bool(g == 1):
-            return (None, *ctx.grads)
-        return (None, *(x * g.to(x.dtype) for x in ctx.grads))
+            return (None, None, *ctx.grads)
+        return (None, None, *(x * g.to(x.dtype) for x in ctx.grads))

@@ -18,7 +18,7 @@ class Single(Engine):
     backward_through_outputs = False
     default_prefix_mode = "keep"
     replays_tensor_hooks = True
-    must_defer = None
+    must_defer: str | None = None
 
     @classmethod
     def match(cls, model: torch.nn.Module, root: torch.nn.Module, world: int, tensor: int) -> Engine | None:
