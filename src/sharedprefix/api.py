@@ -127,6 +127,8 @@ def logprobs(
             router.refuse_hybrid(unwrap(model))
         return cache_path.hybrid_logprobs(model, groups, opts, _deferred_backward)
     _run_call_checks(model, groups)
+    if torch.is_grad_enabled() and (aux_loss or (aux_loss is None and router.enabled(unwrap(model)))):
+        router.check_checkpointing(unwrap(model))
     if torch.is_grad_enabled() and _defers(model, defer, seq):
         with torch.no_grad():
             run = Executor(model, groups, opts, leaves=False, aux=aux_loss)
@@ -212,7 +214,8 @@ def backward(
         return cache_path.hybrid_backward(model, groups, loss_fn, opts)
     _run_call_checks(model, groups)
     aux = None
-    if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
+    if coef:
+        router.check_checkpointing(unwrap(model))  # one no-grad forward of every row: the aux loss and each token's gradient of it
         with torch.no_grad():
             first = Executor(model, groups, opts.replace(entropy=False, sequence_group=None), leaves=False, aux=True)
             rounds.forward(first, False)
