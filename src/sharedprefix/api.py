@@ -214,8 +214,8 @@ def backward(
         return cache_path.hybrid_backward(model, groups, loss_fn, opts)
     _run_call_checks(model, groups)
     aux = None
-    if coef:
-        router.check_checkpointing(unwrap(model))  # one no-grad forward of every row: the aux loss and each token's gradient of it
+    if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
+        router.check_checkpointing(unwrap(model))
         with torch.no_grad():
             first = Executor(model, groups, opts.replace(entropy=False, sequence_group=None), leaves=False, aux=True)
             rounds.forward(first, False)

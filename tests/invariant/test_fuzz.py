@@ -6,11 +6,22 @@ More seeds by hand: ``cd tests && PYTHONPATH=../src python -m support.fuzz 0 100
 """
 
 import pytest
+import torch
 
 from support import fuzz
 
 FAST = range(0, 24)
 SLOW = range(100, 400)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: each case's tensors are a few hundred numbers, where a second thread only costs the
+    pool's synchronisation (several times the work on a loaded machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("seed", FAST)

@@ -19,7 +19,6 @@ Run many seeds: ``python -m support.fuzz 0 200`` from ``tests/`` (PYTHONPATH=src
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import random
@@ -91,6 +90,7 @@ class Case:
     tensor_ids: bool = False  # token ids as int32 tensors instead of lists
     autocast: bool = False  # a float32 copy under bf16 autocast, held to twice the plain bf16 run's error
     reentrant: bool = False  # gradient checkpointing with use_reentrant=True
+    lora_extra: tuple = ()  # LoRA also on these (embed_tokens, lm_head), or modules_to_save copies of them
 
     def describe(self) -> str:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -184,6 +184,7 @@ def draw(seed: int) -> Case:
         tensor_ids=rng.random() < 0.2,
         autocast=rng.random() < 0.08,
         reentrant=rng.random() < 0.5,
+        lora_extra=rng.choice(((), (), ("embed_tokens",), ("lm_head",), ("save:embed_tokens", "save:lm_head"))),
     )
 
 
@@ -216,9 +217,15 @@ def build(case: Case) -> torch.nn.Module:
 
         names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
         targets = [t for t in ("q_proj", "v_proj", "c_attn") if t in names]
-        cfg = peft.LoraConfig(r=2, target_modules=targets, init_lora_weights=False)
+        targets += [t for t in case.lora_extra if t in names]
+        save = [t[5:] for t in case.lora_extra if t.startswith("save:") and t[5:] in names]
+        cfg = peft.LoraConfig(r=2, target_modules=targets, modules_to_save=save or None, init_lora_weights=False)
         torch.manual_seed(case.seed)
         model = peft.get_peft_model(model, cfg).to(torch.float64)
+        with torch.no_grad():  # saved copies unlike their originals, so that reading the wrong one shows
+            for n, p in model.named_parameters():
+                if "modules_to_save" in n:
+                    p.add_(0.1 * torch.randn_like(p))
     model.train(case.train)
     return model
 
@@ -242,7 +249,6 @@ class EagerSoftmax64(torch.overrides.TorchFunctionMode):
         ):
             kwargs = dict(kwargs, dtype=torch.float64)
         return func(*args, **kwargs)
-
 
 
 def plain(case: Case, model):
@@ -386,12 +392,16 @@ def _check(case: Case) -> str:
     inputs = _inputs(case)
     if case.nograd_first:
         with torch.no_grad():
-            out = sp.logprobs(model, inputs, temperature=case.temperature, entropy=case.entropy, max_tokens=case.max_tokens)
+            out = sp.logprobs(
+                model, inputs, temperature=case.temperature, entropy=case.entropy, max_tokens=case.max_tokens
+            )
         assert torch.equal(out.mask, want_mask), "no-grad mask differs"
         err = float((out.logprobs - want_lp).abs().max())
         assert err <= tol, f"no-grad log-probs differ by {err:.3g}"
         assert all(p.grad is None or n in pre for n, p in model.named_parameters()), "no-grad call touched .grad"
+    batches: list = []
     for _ in range(case.calls):
+        batches.clear()
         if case.api == "logprobs":
             out = sp.logprobs(
                 model,
@@ -420,7 +430,6 @@ def _check(case: Case) -> str:
             ent_out = out.entropy if case.entropy else None
             loss_of(out.logprobs, ent_out, out.aux_loss if coef else None).backward()
         else:
-            batches = []
 
             def loss_fn(b):
                 assert b.logprobs.shape[1] == want_lp.shape[1]
@@ -487,7 +496,9 @@ def _check_autocast(case: Case, model64) -> None:
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with torch.no_grad():
-            ours_lp = sp.logprobs(model, _inputs(case), temperature=case.temperature, max_tokens=case.max_tokens).logprobs
+            ours_lp = sp.logprobs(
+                model, _inputs(case), temperature=case.temperature, max_tokens=case.max_tokens
+            ).logprobs
         sp.backward(
             model,
             _inputs(case),
@@ -518,7 +529,8 @@ def _compare_grads(got, want, rtol):
         w = want.get(n)
         if g is None or w is None:
             other = g if w is None else w
-            assert float(other.abs().max()) == 0.0, f"{n}: gradient only on one side ({'ours' if w is None else 'plain'})"
+            side = "ours" if w is None else "plain"
+            assert float(other.abs().max()) == 0.0, f"{n}: gradient only on one side ({side})"
             continue
         scale = w.abs().max().clamp_min(floor)
         err = float((g - w).abs().max() / scale)

@@ -82,7 +82,7 @@ def check_coef(model, coef) -> float:
 def check_checkpointing(model) -> None:
     """Refuses the load-balancing loss's gradient under reentrant gradient checkpointing: transformers records the
     router logits inside each checkpointed layer, whose reentrant forward runs without grad, so the plain run's
-    ``aux_loss`` has no gradient at all (silently), and a pass's linear term (``linear_term``) would have none either."""
+    ``aux_loss`` has no gradient at all (silently), and a pass's linear term (``linear_term``) would be wrong."""
     if uses_reentrant_checkpointing(model):
         raise ValueError(
             f"{type(model).__name__} uses gradient checkpointing with use_reentrant=True, and this call trains its MoE "
