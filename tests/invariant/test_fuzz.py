@@ -11,7 +11,7 @@ import torch
 from support import fuzz
 
 FAST = range(0, 24)
-SLOW = range(100, 400)
+SLOW = range(100, 350)
 
 
 @pytest.fixture(autouse=True)
