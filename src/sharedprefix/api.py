@@ -137,6 +137,8 @@ def logprobs(
     opts, path, cp, error = call.prepare(model, groups, False, given, _defaults(logprobs), _call_checks())
     if path is Path.HYBRID:
         return cache_path.hybrid_logprobs(model, groups, opts)
+    if torch.is_grad_enabled() and (opts.aux_loss or (opts.aux_loss is None and router.enabled(unwrap(model)))):
+        router.check_checkpointing(unwrap(model))  # reentrant checkpointing drops the aux loss's gradient
     if path is Path.DEFERRED:
         with torch.no_grad():
             out, records = rounds.forward(model, cp, opts, aux=opts.aux_loss, error=error)
@@ -213,6 +215,7 @@ def backward(
         return cache_path.hybrid_backward(model, groups, loss_fn, opts)
     aux = None
     if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
+        router.check_checkpointing(unwrap(model))
         with torch.no_grad():
             first_opts = opts.replace(entropy=False, sequence_group=None)
             _, records = rounds.forward(model, cp, first_opts, aux=True, error=error)

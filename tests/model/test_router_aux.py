@@ -167,3 +167,35 @@ def test_a_model_without_a_load_balancing_loss_is_refused_when_asked_for_one():
     m.config.output_router_logits = True
     with pytest.raises(ValueError, match=r"finds no load_balancing_loss_func"), torch.no_grad():
         sp.logprobs(m, _groups())
+
+
+def test_reentrant_checkpointing_loses_the_aux_gradient_so_training_it_is_refused():
+    """Found by ``tests/invariant/test_fuzz.py``: under gradient checkpointing with use_reentrant=True, transformers
+    records the router logits inside the checkpointed layers, which run without grad, so the plain forward's
+    ``aux_loss`` has no gradient and sharedprefix's linear terms had a wrong one (a silent 1e-2 mismatch of
+    embed_tokens' gradient). Every call that trains the loss is refused before touching a gradient; without the loss,
+    or with non-reentrant checkpointing, the calls run."""
+    m, _ = build("mixtral+router_aux_loss")
+    groups = _groups()
+    m.train()
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    plain = m(input_ids=torch.cat([groups[0].prompt, groups[0].completions[0]])[None], use_cache=False)
+    assert not plain.aux_loss.requires_grad  # the control: transformers' own loss lost its gradient
+    match = "use_reentrant=True, and this call trains its MoE load-balancing loss"
+    with pytest.raises(ValueError, match=match):
+        sp.backward(m, groups, lambda b: b.logprobs.sum(), aux_loss_coef=0.5)
+    with pytest.raises(ValueError, match=match):
+        sp.logprobs(m, groups)
+    assert all(p.grad is None for p in m.parameters())
+    with torch.no_grad():  # no gradient asked for: the value is fine
+        assert sp.logprobs(m, groups).aux_loss is not None
+    sp.backward(m, groups, lambda b: b.logprobs.sum(), aux_loss_coef=0.0)  # the loss left out
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    w = torch.randn(plain_logprobs(m, groups)[0].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    m.gradient_checkpointing_disable()
+    want = grads_of(m, lambda: (plain_logprobs(m, groups)[0] * w).sum() + 0.5 * plain_aux_loss(m, groups))
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    got = grads_of(
+        m, lambda: sp.backward(m, groups, lambda b: (b.logprobs * w[b.index]).sum(), aux_loss_coef=0.5) and None
+    )
+    assert_grads_close(got, want, 1e-5)

@@ -33,6 +33,7 @@ import weakref
 
 import torch
 
+from sharedprefix.model.adapter import uses_reentrant_checkpointing
 from sharedprefix.model.streams import declared_rows
 
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (function, num_experts, top_k)
@@ -76,6 +77,20 @@ def check_coef(model, coef) -> float:
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
         raise TypeError(f"aux_loss_coef={coef!r}; expected a finite number (e.g. config.router_aux_loss_coef) or None.")
     return float(coef)
+
+
+def check_checkpointing(model) -> None:
+    """Refuses the load-balancing loss's gradient under reentrant gradient checkpointing: transformers records the
+    router logits inside each checkpointed layer, whose reentrant forward runs without grad, so the plain run's
+    ``aux_loss`` has no gradient at all (silently), and a pass's linear term (``linear_term``) would be wrong."""
+    if uses_reentrant_checkpointing(model):
+        raise ValueError(
+            f"{type(model).__name__} uses gradient checkpointing with use_reentrant=True, and this call trains its MoE "
+            "load-balancing loss: transformers records the router logits inside each checkpointed layer, whose "
+            "reentrant forward runs without grad, so the loss gets no gradient (in a plain forward too, silently). "
+            "Use gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or leave the loss "
+            "out (aux_loss=False / aux_loss_coef=0.0; TRL: router_aux_loss_coef=0.0)."
+        )
 
 
 def refuse_hybrid(model) -> None:

@@ -68,7 +68,16 @@ def embedding_size(model) -> int:
     """E: the entries of the (smallest) input embedding."""
     emb: Any = model.get_input_embeddings()
     embs: list[Any] = list(emb) if isinstance(emb, torch.nn.ModuleList) else [emb]
-    return min(int(e.num_embeddings) for e in embs)
+    return min(_embedding_rows(e) for e in embs)
+
+
+def _embedding_rows(emb) -> int:
+    """An input embedding's entries: its ``num_embeddings``, read through an adapter wrapper (PEFT's LoRA
+    ``Embedding`` keeps the wrapped ``nn.Embedding`` as its base layer, and declares ``out_features`` as the
+    embedding width, not the vocabulary), or its weight's rows for a module that declares none."""
+    base = emb.get_base_layer() if hasattr(emb, "get_base_layer") else emb
+    n = getattr(base, "num_embeddings", None)
+    return int(n) if isinstance(n, int) else int(base.weight.shape[0])
 
 
 def head_vocab(model) -> int:

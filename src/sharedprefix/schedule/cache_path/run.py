@@ -40,7 +40,7 @@ from sharedprefix.layout.rows import Tree
 from sharedprefix.model.adapter import decoder, uses_checkpointing
 from sharedprefix.model.checks import verify_head
 from sharedprefix.model.head import token_logprobs
-from sharedprefix.model.streams import head_vocab
+from sharedprefix.model.streams import embedding_size, head_vocab
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.grad_hooks import DeferredGradHooks
 from sharedprefix.schedule.cache import OffloadHooks
@@ -79,8 +79,7 @@ class HybridRun:
                 "group from each prompt's cached layer state (its cache path) and does not take an sp.Tree. Pass a "
                 f"list of sp.Group.{why}"
             )
-        emb = model.get_input_embeddings()
-        vocab = min(emb.num_embeddings, head_vocab(model))
+        vocab = min(embedding_size(model), head_vocab(model))
         self.groups = validate_groups(groups, vocab)
         if any(g.prompt_inputs for g in self.groups):
             raise ValueError(
@@ -111,7 +110,7 @@ class HybridRun:
         self.max_tokens = max_tokens
         self.temperature = float(temperature)
         self.entropy = entropy
-        self.device = emb.weight.device
+        self.device = model.get_input_embeddings().weight.device
         self.dec = decoder(model)
         self.cache_arg = cache_arg_name(self.dec)
         # a decoder without position_ids (a pure state-space model) has no positions to continue

@@ -1,0 +1,48 @@
+"""PEFT adapters on the input embedding and the LM head: a LoRA ``Embedding`` wrapper declares no
+``num_embeddings`` (and its ``out_features`` is the embedding width), which the vocabulary check read directly and
+crashed on (found by ``tests/invariant/test_fuzz.py``'s neighbourhood). Each adapter placement gives the plain
+per-row log-probs and gradients in float64."""
+
+import pytest
+import torch
+
+import sharedprefix as sp
+from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
+
+peft = pytest.importorskip("peft")
+
+GROUPS = [sp.Group([1, 2, 3, 96, 0], [[4, 5], [6], [7, 8, 9]]), sp.Group([5], [[1, 96]])]
+
+
+@pytest.mark.parametrize(
+    "adapter",
+    [
+        dict(target_modules=["q_proj", "embed_tokens"]),
+        dict(target_modules=["q_proj", "lm_head"]),
+        dict(target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"]),
+    ],
+    ids=["lora_embedding", "lora_head", "modules_to_save"],
+)
+def test_adapters_on_embedding_and_head_match_plain_rows(adapter):
+    torch.manual_seed(0)
+    model = peft.get_peft_model(tiny_model("qwen3"), peft.LoraConfig(r=2, init_lora_weights=False, **adapter))
+    model = model.double()
+    with torch.no_grad():  # the saved copies differ from the originals, so that reading the wrong one shows
+        for n, p in model.named_parameters():
+            if "modules_to_save" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    ref = plain_logprobs(model, GROUPS)[0].detach()
+    with torch.no_grad():
+        assert (sp.logprobs(model, GROUPS).logprobs - ref).abs().max() <= 1e-9
+    w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads_of(model, lambda: (plain_logprobs(model, GROUPS)[0] * w).sum())
+    got = grads_of(
+        model, lambda: sp.backward(model, GROUPS, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=6) and None
+    )
+    assert_grads_close(got, want, 1e-9)
+
+
+def test_token_ids_beyond_a_lora_embedding_are_refused_by_the_vocabulary():
+    model = peft.get_peft_model(tiny_model("qwen3"), peft.LoraConfig(r=2, target_modules=["embed_tokens"]))
+    with pytest.raises(ValueError, match="97"):
+        sp.logprobs(model.double(), [sp.Group([1, 97], [[2]])])
