@@ -51,6 +51,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 import sharedprefix as sp
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
+from sharedprefix.integrations.trl_checks import check_training_noise, warn_if_padding_moves_logits
 from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
@@ -148,6 +149,7 @@ class SharedPrefixHooks:
         a = self.args
         self._sp_budget, self._sp_mode = checked_settings(self)
         self._refuse_at_construction()
+        warn_if_padding_moves_logits(self, unwrap(self.model))
         reasons = membership_matters(self) if a.sharedprefix_group_microbatches else []
         if reasons:
             warnings.warn(
@@ -178,6 +180,7 @@ class SharedPrefixHooks:
             )
         hybrid = on_cache_path(inner)
         check_supported(inner, hybrid=hybrid)
+        check_training_noise(self, inner, hybrid)  # what TRL's training mode draws (dropout kept on)
         name = type(inner).__name__
         if hybrid and self.args.gradient_checkpointing:
             raise ValueError(
