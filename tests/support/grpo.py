@@ -45,9 +45,11 @@ def varied_dataset():
     return datasets.Dataset.from_dict({"prompt": prompts, "answer": d["answer"]})
 
 
-def build_trainer(model, tok, tmp_path, trainer_cls=SharedPrefixGRPOTrainer, config_cls=SharedPrefixGRPOConfig, **kw):
+def build_trainer(
+    model, tok, tmp_path, trainer_cls=SharedPrefixGRPOTrainer, config_cls=SharedPrefixGRPOConfig, peft_config=None, **kw
+):
     """A SharedPrefixGRPOTrainer (or ``trainer_cls`` with ``config_cls``) on ``dataset()`` and ``reward`` (CPU,
-    float32, groups of 4); ``kw``: settings to add."""
+    float32, groups of 4); ``peft_config`` to the trainer; ``kw``: settings to add."""
     args = config_cls(
         output_dir=str(tmp_path),
         num_generations=4,
@@ -56,9 +58,12 @@ def build_trainer(model, tok, tmp_path, trainer_cls=SharedPrefixGRPOTrainer, con
         use_cpu=True,
         **{"bf16": False, **kw},
     )
+    peft = {} if peft_config is None else {"peft_config": peft_config}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset(), processing_class=tok)
+        return trainer_cls(
+            model=model, reward_funcs=reward, args=args, train_dataset=dataset(), processing_class=tok, **peft
+        )
 
 
 def tiny_for_tokenizer(model_type: str, tok, cls):

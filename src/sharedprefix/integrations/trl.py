@@ -56,7 +56,7 @@ from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
 from sharedprefix.model.mixers import on_cache_path
-from sharedprefix.model.support import check_supported, inline_mixer_reason
+from sharedprefix.model.support import inline_mixer_reason
 
 __all__ = [
     "SharedPrefixGRPOConfig",
@@ -179,8 +179,7 @@ class SharedPrefixHooks:
                 "sp.backward in your own loop (docs/distributed.md)."
             )
         hybrid = on_cache_path(inner)
-        check_supported(inner, hybrid=hybrid)
-        check_training_noise(self, inner, hybrid)  # what TRL's training mode draws (dropout kept on)
+        check_training_noise(self, inner, hybrid)  # check_supported in eval and in training mode
         name = type(inner).__name__
         if hybrid and self.args.gradient_checkpointing:
             raise ValueError(

@@ -1,11 +1,13 @@
 """Checks the TRL trainers make when built, for settings where TRL's own trainer computes something the log-prob hook
 cannot, or should not, reproduce (``integrations.trl`` calls them from ``SharedPrefixHooks.__init__``).
 
-- ``check_training_noise``: TRL trains in training mode, and its ``disable_dropout=True`` (the default) sets only the
-  ``torch.nn.Dropout`` modules to p=0; attention dropout (``config.attention_dropout``, applied functionally by the
-  attention code) and layerdrop stay on, and with ``disable_dropout=False`` every dropout does. A prompt shared by G
-  completions would share one draw where TRL's G rows draw G, so the model's own check (``check_supported`` in
-  training mode) refuses it; made here at construction, not at the first training step, with TRL's settings named.
+- ``check_training_noise`` (in place of ``check_supported``): TRL trains in training mode with its default
+  ``disable_dropout=False`` (TRL 1.16), so every dropout of the model draws, LoRA's ``lora_dropout`` included; its
+  ``disable_dropout=True`` sets only the ``torch.nn.Dropout`` modules to p=0, so attention dropout
+  (``config.attention_dropout``, applied functionally by the attention code) and layerdrop still draw. A prompt
+  shared by G completions would share one draw where TRL's G rows draw G, so the model's own check
+  (``check_supported`` in training mode) refuses it; made here at construction, not at the first training
+  step, with TRL's settings named.
 - ``warn_if_padding_moves_logits``: TRL's hook runs its (B, L) rows ``[left-padded prompt | completion]`` through
   the model with an attention mask and no ``position_ids``, so a model that numbers positions ``0..L-1`` over the
   padded row and embeds them absolutely (GPT-2's ``wpe``) scores a padded prompt at other positions than generation
@@ -33,19 +35,22 @@ _LOW_PRECISION_TOLERANCE = 5e-2
 
 
 def check_training_noise(trainer, inner, hybrid: bool) -> None:
-    """Raise ValueError, naming TRL's settings, when ``inner`` (the unwrapped policy) draws random numbers in training
-    mode (dropout, attention dropout, layerdrop) that a shared prompt cannot reproduce; the model's mode is kept."""
+    """``check_supported`` of ``inner`` (the unwrapped policy) in eval mode, then in training mode, where TRL trains it:
+    what it draws there (dropout, attention dropout, layerdrop), which a shared prompt cannot reproduce, is refused
+    with TRL's settings named. The model's mode is kept."""
     was = inner.training
     try:
+        inner.train(False)
+        check_supported(inner, hybrid=hybrid)  # what is refused in any mode, as it is
         inner.train(True)
         check_supported(inner, hybrid=hybrid)
     except ValueError as e:
         raise ValueError(
             f"{e} TRL's {_trl_name(trainer)} trains the model in training mode (disable_dropout="
-            f"{trainer.args.disable_dropout}); its disable_dropout=True, the default, sets the torch.nn.Dropout "
-            "modules to p=0 but leaves config.attention_dropout and layerdrop as they are. Set disable_dropout=True "
-            "and attention_dropout=0.0 (and layerdrop=0.0) in the model's config (model_init_kwargs="
-            "{'attention_dropout': 0.0} when TRL loads the model)."
+            f"{trainer.args.disable_dropout}; TRL's default is False); its disable_dropout=True sets the "
+            "torch.nn.Dropout modules to p=0 but leaves config.attention_dropout and layerdrop as they are. Set "
+            "disable_dropout=True and attention_dropout=0.0 (and layerdrop=0.0) in the model's config "
+            "(model_init_kwargs={'attention_dropout': 0.0} when TRL loads the model)."
         ) from e
     finally:
         inner.train(was)
