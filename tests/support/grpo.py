@@ -103,10 +103,11 @@ def train(cls, args, **trainer_kwargs):
     return trainer
 
 
-def train_two_steps(cls, cfg_cls, model, tok, tmp_path, peft_config=None, data=None, **kw):
+def train_two_steps(cls, cfg_cls, model, tok, tmp_path, peft_config=None, data=None, eval_data=None, **kw):
     """``cls`` (``GRPOTrainer``, ``RLOOTrainer`` or ours) trained 2 steps (``two_step_args``) on ``data`` (default
     ``dataset()``) and ``reward``: groups of 4, 8 rows a step, completions of up to 3 tokens at temperature 1;
-    ``peft_config`` to the trainer; ``kw``: settings to add or override. Returns the trainer."""
+    ``peft_config`` and ``eval_data`` (its ``eval_dataset``) to the trainer; ``kw``: settings to add or override.
+    Returns the trainer."""
     settings = dict(
         num_generations=4,
         per_device_train_batch_size=8,
@@ -116,6 +117,8 @@ def train_two_steps(cls, cfg_cls, model, tok, tmp_path, peft_config=None, data=N
     )
     args = two_step_args(cfg_cls, tmp_path, **{**settings, **kw})
     peft = {} if peft_config is None else {"peft_config": peft_config}
+    if eval_data is not None:
+        peft["eval_dataset"] = eval_data
     data = dataset() if data is None else data
     return train(cls, args, model=model, reward_funcs=reward, train_dataset=data, processing_class=tok, **peft)
 
