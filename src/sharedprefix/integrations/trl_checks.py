@@ -69,8 +69,7 @@ def padding_moves_logits(inner, pad_token_id: int | None) -> float | None:
     if not params or any(p.numel() == 0 or p.device.type == "meta" for p in params):
         return None
     device = params[0].device
-    vocab = inner.get_input_embeddings().num_embeddings
-    ids = torch.arange(1, 5, device=device) % vocab  # (n,)
+    ids = torch.tensor(_plain_tokens(inner, 4), device=device)  # (n,)
     pad = torch.full((2,), pad_token_id if pad_token_id is not None else 0, device=device, dtype=ids.dtype)
     padded = torch.cat([pad, ids])[None]  # (1, k + n)
     mask = torch.cat([torch.zeros_like(pad), torch.ones_like(ids)])[None]
@@ -84,6 +83,18 @@ def padding_moves_logits(inner, pad_token_id: int | None) -> float | None:
         inner.train(was)
     moved = float((behind.double().log_softmax(-1) - alone).abs().max())
     return moved if math.isfinite(moved) else None
+
+
+def _plain_tokens(inner, n: int) -> list[int]:
+    """``n`` token ids from the middle of the vocabulary that no ``*token_id`` / ``*token_index`` of the model's
+    configs names (an image or audio placeholder would make the text-only probe fail)."""
+    special = set()
+    for cfg in {id(c): c for c in (inner.config, inner.config.get_text_config())}.values():
+        for key, value in cfg.to_dict().items():
+            if key.endswith(("token_id", "token_index", "token_ids")):
+                special.update(value if isinstance(value, list) else [value])
+    vocab = inner.get_input_embeddings().num_embeddings
+    return [t for t in range(vocab // 2, vocab) if t not in special][:n]
 
 
 def warn_if_padding_moves_logits(trainer, inner) -> None:
