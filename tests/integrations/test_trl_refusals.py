@@ -85,3 +85,21 @@ def test_a_tensor_parallel_model_is_refused_with_the_reason(tmp_path):
         ValueError, match=r"tensor-parallel \(tp_size=2\).*ParallelismConfig.*MULTI_CPU.*without tp_plan"
     ):
         trainer._refuse_at_construction()
+
+
+def test_dropout_that_trl_keeps_on_is_refused_when_built(tmp_path):
+    """TRL trains in training mode, with disable_dropout=False by default (TRL 1.16), and its disable_dropout=True
+    zeroes torch.nn.Dropout modules only: an attention_dropout in the config, or any dropout under
+    disable_dropout=False (LoRA's included), would share one draw across a group's prompt. Refused when built (before:
+    at the first training step), naming the settings; the control: LoRA's dropout under disable_dropout=True is zeroed
+    by TRL, and the trainer builds."""
+    peft = pytest.importorskip("peft")
+    tok = build_tokenizer()
+    model = qwen3_model(tok)
+    model.config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match=r"attention_dropout=0.1.*Set disable_dropout=True and attention_dropout=0.0"):
+        build_trainer(model, tok, tmp_path, disable_dropout=True)
+    lora = dict(r=4, lora_alpha=8, target_modules=["q_proj"], lora_dropout=0.1, task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match=r"dropout p=0.1 at .*lora_dropout.*\(disable_dropout=False;"):
+        build_trainer(qwen3_model(tok), tok, tmp_path, peft_config=peft.LoraConfig(**lora))  # TRL's default
+    assert build_trainer(qwen3_model(tok), tok, tmp_path, disable_dropout=True, peft_config=peft.LoraConfig(**lora))

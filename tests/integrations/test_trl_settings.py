@@ -16,13 +16,16 @@ The table covers every value, not every combination (CI time): every ``loss_type
 ``gradient_accumulation_steps`` 1 and 2, ``num_iterations`` 1 and 2, ``importance_sampling_level`` token and
 sequence, ``top_entropy_quantile`` < 1, ``mask_truncated_completions``, ``scale_rewards`` group, batch and none,
 ``epsilon_high``, ``delta``, the entropy bonus (static and adaptive), ``off_policy_mask_threshold``,
-``use_bias_correction_kl``, ``beta`` 0 and > 0, and without and with a ``sharedprefix_max_tokens`` budget that splits
-groups (16 or 24 tokens); for RLOO (which has no ``loss_type``, ``scale_rewards``, ``importance_sampling_level``,
-``delta`` or ``top_entropy_quantile``) its batching settings, ``normalize_advantages``, ``reward_clip_range``,
-``epsilon_high``, ``beta`` and ``mask_truncated_completions``. ``test_table_covers_every_value`` checks the coverage.
+``use_bias_correction_kl``, ``beta`` 0 and > 0, ``temperature`` 1 and 0.7, ``sync_ref_model`` (with
+``ref_model_mixup_alpha``, under reentrant gradient checkpointing, which refuses a budget that splits a group), and
+without and with a ``sharedprefix_max_tokens`` budget that splits groups (16 or 24 tokens); for RLOO (which has no
+``loss_type``, ``scale_rewards``, ``importance_sampling_level``, ``delta`` or ``top_entropy_quantile``) its batching
+settings, ``normalize_advantages``, ``reward_clip_range``, ``epsilon_high``, ``beta``, ``mask_truncated_completions``,
+``temperature`` and ``sync_ref_model``. ``test_evaluation_equals_the_exact_run`` checks TRL's evaluation
+(``eval_strategy``, ``num_generations_eval``). ``test_table_covers_every_value`` checks the coverage.
 Every row also checks what the hook was given: old-policy and reference log-probs over the whole generation batch in
 one call, the policy's over one microbatch of TRL's, and a budget that splits groups where one is set. A row takes
-about 1 s on 2 idle cores (``--durations``; 16 rows), far more when another process competes for the cores.
+about 1 s on 2 idle cores (``--durations``; 18 rows), far more when another process competes for the cores.
 """
 
 import dataclasses
@@ -48,7 +51,7 @@ from sharedprefix.integrations.trl import (  # noqa: E402
     membership_matters,
 )
 from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
-from support.grpo import float64_qwen3_norms, plain_rows, qwen3_model, train_two_steps  # noqa: E402
+from support.grpo import dataset, float64_qwen3_norms, plain_rows, qwen3_model, train_two_steps  # noqa: E402
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 G, ROWS = 3, 6  # num_generations, per_device_train_batch_size
@@ -194,6 +197,32 @@ TABLE = {
             sharedprefix_max_tokens=16,
         ),
     ),
+    "grpo-spg2-temperature-sync_ref-reentrant": (
+        "grpo",
+        dict(
+            loss_type="grpo",
+            steps_per_generation=2,
+            temperature=0.7,
+            sync_ref_model=True,
+            ref_model_sync_steps=1,
+            ref_model_mixup_alpha=0.5,
+            gradient_checkpointing_kwargs={"use_reentrant": True},
+            beta=0.04,
+        ),
+    ),
+    "rloo-spg2-temperature-sync_ref-reentrant": (
+        "rloo",
+        dict(
+            steps_per_generation=2,
+            gradient_accumulation_steps=2,
+            temperature=0.7,
+            sync_ref_model=True,
+            ref_model_sync_steps=1,
+            ref_model_mixup_alpha=0.5,
+            gradient_checkpointing_kwargs={"use_reentrant": True},
+            beta=0.04,
+        ),
+    ),
     "rloo-spg1-ga2-budget24": (
         "rloo",
         dict(steps_per_generation=1, gradient_accumulation_steps=2, beta=0.04, sharedprefix_max_tokens=24),
@@ -217,6 +246,8 @@ COVER = {
         "off_policy_mask_threshold": {None, 0.01},
         "use_bias_correction_kl": {False, True},
         "beta": {0.0, 0.04},
+        "temperature": {1.0, 0.7},
+        "sync_ref_model": {False, True},
         "sharedprefix_max_tokens": {None, 16, 24},
     },
     "rloo": {
@@ -228,6 +259,8 @@ COVER = {
         "epsilon_high": {None, 0.28},
         "reward_clip_range": {None, (0.0, 0.25)},
         "beta": {0.0, 0.04},
+        "temperature": {1.0, 0.7},
+        "sync_ref_model": {False, True},
         "sharedprefix_max_tokens": {None, 16, 24},
     },
 }
@@ -411,3 +444,30 @@ def test_whole_groups_differ_from_trl_where_membership_matters(setup, monkeypatc
     want = _exact(setup, kind, one)
     grouped = _ours(setup, kind, {**one, "sharedprefix_group_microbatches": True})
     assert float((grouped - want).abs().max()) <= 1e-9 * float(want.abs().max())
+
+
+@pytest.mark.slow
+def test_evaluation_equals_the_exact_run(setup, monkeypatch):
+    """TRL's evaluation (``eval_strategy="steps"`` after each step, ``num_generations_eval`` 2, eval batches of 4):
+    the logged eval loss and KL of ours equal the exact run's (measured: identical to the last printed digit)."""
+    float64_qwen3_norms(monkeypatch)
+    settings = dict(
+        eval_strategy="steps", eval_steps=1, num_generations_eval=2, per_device_eval_batch_size=4, beta=0.04
+    )
+    logs = []
+    for cls, cfg_cls in TRAINERS["grpo"]:
+        t = train_two_steps(
+            cls,
+            cfg_cls,
+            setup.path,
+            setup.tok,
+            setup.out.mktemp("eval"),
+            eval_data=dataset().select(range(4)),
+            **_common(setup.tok),
+            **settings,
+        )
+        logs.append([(h["eval_loss"], h["eval_kl"]) for h in t.state.log_history if "eval_loss" in h])
+    exact, ours = logs
+    assert len(exact) == 2 and len(ours) == 2
+    for (loss, kl), (our_loss, our_kl) in zip(exact, ours):
+        assert abs(our_loss - loss) <= 1e-9 * abs(loss) and abs(our_kl - kl) <= 1e-9 * abs(kl), (exact, ours)

@@ -32,9 +32,24 @@ def dataset():
     return datasets.Dataset.from_dict({"prompt": [s.prompt for s in samples], "answer": [s.answer for s in samples]})
 
 
-def build_trainer(model, tok, tmp_path, trainer_cls=SharedPrefixGRPOTrainer, config_cls=SharedPrefixGRPOConfig, **kw):
+def varied_dataset():
+    """``dataset()`` with prompts of 6 lengths: sample i keeps its last 6 - (i % 6) records (after ``<bos>``), so the
+    prompts of a generation batch differ in length and TRL left-pads them."""
+    import datasets
+
+    d = dataset()
+    prompts = []
+    for i, p in enumerate(d["prompt"]):
+        records = p.removeprefix("<bos> ").split(" ; ")
+        prompts.append("<bos> " + " ; ".join(records[i % 6 :]))
+    return datasets.Dataset.from_dict({"prompt": prompts, "answer": d["answer"]})
+
+
+def build_trainer(
+    model, tok, tmp_path, trainer_cls=SharedPrefixGRPOTrainer, config_cls=SharedPrefixGRPOConfig, peft_config=None, **kw
+):
     """A SharedPrefixGRPOTrainer (or ``trainer_cls`` with ``config_cls``) on ``dataset()`` and ``reward`` (CPU,
-    float32, groups of 4); ``kw``: settings to add."""
+    float32, groups of 4); ``peft_config`` to the trainer; ``kw``: settings to add."""
     args = config_cls(
         output_dir=str(tmp_path),
         num_generations=4,
@@ -43,9 +58,12 @@ def build_trainer(model, tok, tmp_path, trainer_cls=SharedPrefixGRPOTrainer, con
         use_cpu=True,
         **{"bf16": False, **kw},
     )
+    peft = {} if peft_config is None else {"peft_config": peft_config}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return trainer_cls(model=model, reward_funcs=reward, args=args, train_dataset=dataset(), processing_class=tok)
+        return trainer_cls(
+            model=model, reward_funcs=reward, args=args, train_dataset=dataset(), processing_class=tok, **peft
+        )
 
 
 def tiny_for_tokenizer(model_type: str, tok, cls):
@@ -85,10 +103,11 @@ def train(cls, args, **trainer_kwargs):
     return trainer
 
 
-def train_two_steps(cls, cfg_cls, model, tok, tmp_path, peft_config=None, **kw):
-    """``cls`` (``GRPOTrainer``, ``RLOOTrainer`` or ours) trained 2 steps (``two_step_args``) on ``dataset()`` and
-    ``reward``: groups of 4, 8 rows a step, completions of up to 3 tokens at temperature 1; ``peft_config`` to the
-    trainer; ``kw``: settings to add or override. Returns the trainer."""
+def train_two_steps(cls, cfg_cls, model, tok, tmp_path, peft_config=None, data=None, eval_data=None, **kw):
+    """``cls`` (``GRPOTrainer``, ``RLOOTrainer`` or ours) trained 2 steps (``two_step_args``) on ``data`` (default
+    ``dataset()``) and ``reward``: groups of 4, 8 rows a step, completions of up to 3 tokens at temperature 1;
+    ``peft_config`` and ``eval_data`` (its ``eval_dataset``) to the trainer; ``kw``: settings to add or override.
+    Returns the trainer."""
     settings = dict(
         num_generations=4,
         per_device_train_batch_size=8,
@@ -98,7 +117,10 @@ def train_two_steps(cls, cfg_cls, model, tok, tmp_path, peft_config=None, **kw):
     )
     args = two_step_args(cfg_cls, tmp_path, **{**settings, **kw})
     peft = {} if peft_config is None else {"peft_config": peft_config}
-    return train(cls, args, model=model, reward_funcs=reward, train_dataset=dataset(), processing_class=tok, **peft)
+    if eval_data is not None:
+        peft["eval_dataset"] = eval_data
+    data = dataset() if data is None else data
+    return train(cls, args, model=model, reward_funcs=reward, train_dataset=data, processing_class=tok, **peft)
 
 
 def qwen3_model(tok):
@@ -129,6 +151,21 @@ def lfm2_model(tok):
         conv_L_cache=3,
         block_auto_adjust_ff_dim=False,
         max_position_embeddings=128,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    return model.train()  # as built: TRL's trainer sets the mode
+
+
+def gpt2_model(tok):
+    """A tiny GPT-2 (learned absolute position embeddings, numbered 0..L-1 over a padded row) with ``tok``'s
+    vocabulary and special tokens (seed 0)."""
+    model = tiny_model(
+        "gpt2",
+        dtype=torch.float32,
+        vocab_size=len(tok),
+        n_positions=128,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,

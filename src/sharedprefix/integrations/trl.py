@@ -52,11 +52,12 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 import sharedprefix as sp
 from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
+from sharedprefix.integrations.trl_checks import check_training_noise, warn_if_padding_moves_logits
 from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
 from sharedprefix.model.mixers import on_cache_path
-from sharedprefix.model.support import check_supported, inline_mixer_reason
+from sharedprefix.model.support import inline_mixer_reason
 
 __all__ = [
     "SharedPrefixGRPOConfig",
@@ -150,6 +151,7 @@ class SharedPrefixHooks:
         self._sp_budget, self._sp_mode = checked_settings(self)
         self._sp_plans = PlanCache(capacity=plan_capacity(self))
         self._refuse_at_construction()
+        warn_if_padding_moves_logits(self, unwrap(self.model))
         reasons = membership_matters(self) if a.sharedprefix_group_microbatches else []
         if reasons:
             warnings.warn(
@@ -179,7 +181,7 @@ class SharedPrefixHooks:
                 "sp.backward in your own loop (docs/distributed.md)."
             )
         hybrid = on_cache_path(inner)
-        check_supported(inner, hybrid=hybrid)
+        check_training_noise(self, inner, hybrid)  # check_supported in eval and in training mode
         name = type(inner).__name__
         if hybrid and self.args.gradient_checkpointing:
             raise ValueError(
