@@ -56,6 +56,12 @@ def on_kernel_paths(values, slow=()) -> list:
     return [pytest.param(k, v, marks=pytest.mark.slow) if (k, v) in slow else (k, v) for k, v in pairs]
 
 
+def call_source(source):
+    """What a call was given, seen through a reused plan: a ``CallPlan``'s groups or tree (TRL's trainers pass plans
+    since they plan once per batch), anything else as it is."""
+    return source.source if isinstance(source, sp.CallPlan) else source
+
+
 def random_groups(seed, n_groups, prompt_lens, completion_lens, vocab=VOCAB):
     g = torch.Generator().manual_seed(seed)
     out = []

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sharedprefix as sp
+from tests.helpers import call_source
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -186,7 +187,7 @@ def test_hybrid_model_trains_as_grpo_trainer(tmp_path, monkeypatch):
     calls = []
     logprobs = sp.logprobs
     monkeypatch.setattr(
-        sp, "logprobs", lambda model, source, **kw: calls.append(source) or logprobs(model, source, **kw)
+        sp, "logprobs", lambda model, source, **kw: calls.append(call_source(source)) or logprobs(model, source, **kw)
     )
     plain = train_two_steps(
         GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", beta=0.1, gradient_checkpointing=True

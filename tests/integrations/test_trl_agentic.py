@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sharedprefix as sp
+from tests.helpers import call_source
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -46,7 +47,7 @@ def _check(tmp_path, tok, init, state, monkeypatch):
     sources = []
     logprobs = sp.logprobs
     monkeypatch.setattr(
-        sp, "logprobs", lambda model, source, **kw: sources.append(source) or logprobs(model, source, **kw)
+        sp, "logprobs", lambda model, source, **kw: sources.append(call_source(source)) or logprobs(model, source, **kw)
     )
     kw = dict(beta=0.0, max_completion_length=6, generation_kwargs={"suppress_tokens": [tok.eos_token_id]})
     plain = train_two_steps(_two_turn(GRPOTrainer), GRPOConfig, init, tok, tmp_path / "plain", **kw)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sharedprefix as sp
+from tests.helpers import call_source
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -35,9 +36,12 @@ def test_moe_aux_loss_trains_as_grpo_trainer_with_and_without_a_budget(tmp_path,
     ours = train_two_steps(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", beta=0.1)
     calls = []
     logprobs = sp.logprobs
-    monkeypatch.setattr(
-        sp, "logprobs", lambda model, source, **kw: calls.append((source, kw)) or logprobs(model, source, **kw)
-    )
+
+    def spy(model, source, **kw):
+        calls.append((call_source(source), kw))
+        return logprobs(model, source, **kw)
+
+    monkeypatch.setattr(sp, "logprobs", spy)
     budget = train_two_steps(
         SharedPrefixGRPOTrainer,
         SharedPrefixGRPOConfig,

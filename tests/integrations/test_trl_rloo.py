@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import sharedprefix as sp
+from tests.helpers import call_source
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -62,9 +63,12 @@ def _spy(monkeypatch):
     """Record every ``sp.logprobs`` call's source and settings (until ``monkeypatch`` is undone)."""
     calls = []
     logprobs = sp.logprobs
-    monkeypatch.setattr(
-        sp, "logprobs", lambda model, source, **kw: calls.append((source, kw)) or logprobs(model, source, **kw)
-    )
+
+    def spy(model, source, **kw):
+        calls.append((call_source(source), kw))
+        return logprobs(model, source, **kw)
+
+    monkeypatch.setattr(sp, "logprobs", spy)
     return calls
 
 

@@ -37,6 +37,7 @@ import pytest
 import torch
 
 import sharedprefix as sp
+from tests.helpers import call_source
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -309,8 +310,8 @@ def _ours(setup, kind, settings, calls=None):
             logprobs = sp.logprobs
 
             def spy(model, source, **kw):
-                plan = sp.plan(source, kw["max_tokens"]) if kw.get("max_tokens") else None
-                calls.append((len(source), torch.is_grad_enabled(), plan))
+                plan = sp.plan(call_source(source), kw["max_tokens"]) if kw.get("max_tokens") else None
+                calls.append((len(call_source(source)), torch.is_grad_enabled(), plan))
                 return logprobs(model, source, **kw)
 
             m.setattr(sp, "logprobs", spy)

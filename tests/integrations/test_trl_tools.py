@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import sharedprefix as sp
+from tests.helpers import call_source
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -142,7 +143,7 @@ def test_trl_tool_loop_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, sourc
     trees = []
     logprobs = sp.logprobs
     monkeypatch.setattr(
-        sp, "logprobs", lambda model, source, **kw: trees.append(source) or logprobs(model, source, **kw)
+        sp, "logprobs", lambda model, source, **kw: trees.append(call_source(source)) or logprobs(model, source, **kw)
     )
     plain = _train(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", source)
     ours = _train(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", source)

@@ -37,6 +37,7 @@ import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.trl import SharedPrefixGRPOConfig, SharedPrefixGRPOTrainer  # noqa: E402
 from support.grpo import train, two_step_args  # noqa: E402
 from support.vl import IMAGE, TEXT, V_END, V_START, VIDEO, VISION, gemma3_config, llava_config  # noqa: E402
+from tests.helpers import call_source  # noqa: E402
 
 pytestmark = pytest.mark.slow  # TRL's real train() on image datasets
 
@@ -251,7 +252,7 @@ def test_image_dataset_trains_as_grpo_trainer(tmp_path, monkeypatch, kind, budge
     calls = []
 
     def spy(model, source, **kw):
-        calls.append((source, sp.plan(source, kw["max_tokens"])))
+        calls.append((call_source(source), sp.plan(call_source(source), kw["max_tokens"])))
         return logprobs(model, source, **kw)
 
     logprobs = sp.logprobs
@@ -317,7 +318,9 @@ def test_groups_split_across_microbatches_train_as_grpo_trainer(tmp_path, monkey
     monkeypatch.setattr(
         sp,
         "logprobs",
-        lambda model, source, **kw: calls.append((source, torch.is_grad_enabled())) or logprobs(model, source, **kw),
+        lambda model, source, **kw: (
+            calls.append((call_source(source), torch.is_grad_enabled())) or logprobs(model, source, **kw)
+        ),
     )
     _model(kind).save_pretrained(tmp_path / "init")
     init = str(tmp_path / "init")

@@ -16,6 +16,7 @@ import torch
 import sharedprefix as sp
 from sharedprefix.model import mixers
 from sharedprefix.schedule.cache_path import run as cache_run
+from sharedprefix.schedule.options import CallOptions
 from sharedprefix.tools.reference import Float64Inside, plain_logprobs
 from support.hybrid import groups_of, model_of, zoo_model
 
@@ -271,7 +272,7 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
             model.zero_grad(set_to_none=True)
             assert _grad_error(got, want) <= 1e-9, (mode, max_tokens, _grad_error(got, want))
         read = cache_run.read_states
-        cache = cache_run.HybridRun(model, gs, None, 1.0, False).prompt(gs[0])[0]
+        cache = cache_run.HybridRun(model, gs, CallOptions.build()).prompt(gs[0])[0]
         kinds = sorted({name for _, name, _ in cache_run.state_slots(cache)})
         types = model.config.get_text_config().layer_types
         assert set(kinds) & {"conv_states", "recurrent_states", "linear_cache"}, kinds  # a state beside any K/V

@@ -89,8 +89,9 @@ def describe(cfg) -> str:
 def cache_path_step(model, groups, max_tokens=None):
     """The cache-driven path these families took before the packed one (``schedule.cache_path``)."""
     from sharedprefix.schedule.cache_path import run as cache_run
+    from sharedprefix.schedule.options import CallOptions
 
-    return cache_run.backward(model, groups, bench.bench_loss, max_tokens, "keep", 1.0, False, "cpu")
+    return cache_run.backward(model, groups, bench.bench_loss, CallOptions.build(max_tokens=max_tokens))
 
 
 def run(layers=4, repeats=2, prompt=2048, completion=128, G=8) -> list[str]:
