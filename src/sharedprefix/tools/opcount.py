@@ -171,19 +171,17 @@ def report(res: dict, top: int = 25) -> str:
     if len(ns) >= 2:
         a, b = ns[0], ns[-1]
         lines.append(f"\nours by place: per layer (from {a} and {b} layers), per call (top {top}):")
-        places = set(res[a][0].where) | set(res[b][0].where)
-        rows = []
-        for p in places:
-            c, per = fit((a, res[a][0].where.get(p, 0)), (b, res[b][0].where.get(p, 0)))
-            rows.append((per, c, p))
+
+        def fitted(field: str) -> list:
+            """(per layer, per call, key) of each key of ``Counts.<field>``, fitted from the two layer counts."""
+            at_a, at_b = getattr(res[a][0], field), getattr(res[b][0], field)
+            return [(*reversed(fit((a, at_a.get(k, 0)), (b, at_b.get(k, 0)))), k) for k in set(at_a) | set(at_b)]
+
+        rows = fitted("where")
         for per, c, p in sorted(rows, key=lambda r: -(abs(r[0]) * b + abs(r[1])))[:top]:
             lines.append(f"  {per:7.2f}/layer {c:8.1f}/call  {p}")
         lines.append(f"\nours by (place, op) per layer (top {top}):")
-        keys = set(res[a][0].both) | set(res[b][0].both)
-        rows = []
-        for k in keys:
-            c, per = fit((a, res[a][0].both.get(k, 0)), (b, res[b][0].both.get(k, 0)))
-            rows.append((per, c, k))
+        rows = fitted("both")
         for per, c, k in sorted(rows, key=lambda r: -abs(r[0]))[:top]:
             lines.append(f"  {per:7.2f}/layer {c:8.1f}/call  {k[0]}  {k[1]}")
         lines.append(f"\nours by (place, op) per call (top {top}):")
