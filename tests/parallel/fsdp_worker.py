@@ -206,6 +206,6 @@ def main(kind, out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
-    sys.stdout.flush()
-    os._exit(0)  # see worker.py: no interpreter teardown with a process group left behind
+    from support.torchrun import run_worker
+
+    run_worker(main, sys.argv[1], sys.argv[2])

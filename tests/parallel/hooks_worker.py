@@ -155,4 +155,6 @@ def main(kind, out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    from support.torchrun import run_worker
+
+    run_worker(main, sys.argv[1], sys.argv[2])

@@ -163,4 +163,6 @@ def main(kind, out, families="lfm2"):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    from support.torchrun import run_worker
+
+    run_worker(main, *sys.argv[1:])

@@ -172,4 +172,6 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    from support.torchrun import run_worker
+
+    run_worker(main, sys.argv[1])

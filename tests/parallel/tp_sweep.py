@@ -68,4 +68,6 @@ def main(root, entries):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    from support.torchrun import run_worker
+
+    run_worker(main, sys.argv[1], sys.argv[2:])

@@ -242,4 +242,6 @@ def main(names, out, robust=False):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], robust=len(sys.argv) > 3 and sys.argv[3] == "--robust")
+    from support.torchrun import run_worker
+
+    run_worker(main, sys.argv[1], sys.argv[2], len(sys.argv) > 3 and sys.argv[3] == "--robust")

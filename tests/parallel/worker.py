@@ -240,8 +240,6 @@ def main(kind, out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
-    # Everything is computed and saved; leave without interpreter teardown, where a DDP reducer left behind by a
-    # destroyed process group occasionally blocks exit on gloo (seen once in ~20 runs).
-    sys.stdout.flush()
-    os._exit(0)
+    from support.torchrun import run_worker
+
+    run_worker(main, sys.argv[1], sys.argv[2])

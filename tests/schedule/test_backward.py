@@ -120,6 +120,17 @@ def test_bad_loss_fn_results_are_refused_naming_the_call():
         sp.backward(model, groups, 3)
 
 
+def test_a_model_with_nothing_to_train_is_refused_before_any_pass():
+    model = tiny_model("llama").requires_grad_(False)
+    groups = random_groups(0, 1, [5], [[2, 3]])
+    for budget in (None, 6):  # whole, and a split whose cached prompt is a leaf with grad
+        with pytest.raises(ValueError, match=r"none of whose \d+ parameters requires grad.*requires_grad_\(True\)"):
+            sp.backward(model, groups, lambda b: b.logprobs.sum(), max_tokens=budget)
+    model.model.norm.weight.requires_grad_(True)  # one trainable parameter is enough
+    sp.backward(model, groups, lambda b: b.logprobs.sum(), max_tokens=6)
+    assert model.model.norm.weight.grad is not None
+
+
 def test_bad_budgets_and_modes_are_refused_with_the_fix():
     model = tiny_model("llama")
     groups = random_groups(0, 1, [5], [[2, 3, 9]])

@@ -17,3 +17,22 @@ def torchrun(worker: str, args: list[str], nproc: int = 2, timeout: float = 120)
             f"{nproc}-process run of {args} did not end in {timeout} s: {str(e.stderr)[-3000:]}"
         ) from None
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def run_worker(main, *args) -> None:
+    """Run a torchrun worker's ``main(*args)`` and leave without interpreter teardown: everything is computed, saved
+    and the process group destroyed by then, and a DDP reducer or gloo work still referenced at teardown has aborted a
+    rank after a passing run ("terminate called without an active exception", once in CI). A ``main`` that raises
+    still fails the run: its traceback is printed and the exit status is 1."""
+    import os
+    import traceback
+
+    status = 0
+    try:
+        main(*args)
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

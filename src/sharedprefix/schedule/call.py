@@ -39,6 +39,8 @@ def prepare(
     which the call raises on every rank together."""
     opts = _options(model, source, leaves, given, defaults)
     inner, seq = unwrap(model), opts.sequence_group
+    if leaves:
+        _check_trainable(model, seq)
     name = type(inner).__name__
     check_module_hooks(model)
     if seq is not None and (mixers.on_cache_path(inner) or mixers.on_packed_path(inner)):
@@ -57,6 +59,22 @@ def prepare(
         check(model, source.source if isinstance(source, CallPlan) else source)
     plan, error = _plan_or_error(model, source, opts)
     return opts, path, plan, error
+
+
+def _check_trainable(model, sequence_group) -> None:
+    """``sp.backward`` accumulates parameter gradients: a model none of whose parameters requires grad (frozen, or
+    a reference model) is refused on every rank of the call before anything runs."""
+    inner = unwrap(model)
+    params = list(inner.parameters())
+    if any(p.requires_grad for p in params):
+        return
+    error = ValueError(
+        f"sp.backward got a {type(inner).__name__} none of whose {len(params)} parameters requires grad, so no "
+        "gradient could be accumulated. Set requires_grad=True on the parameters you train "
+        "(model.requires_grad_(True), or a PEFT adapter's), or score without gradients: sp.logprobs under "
+        "torch.no_grad()."
+    )
+    refusals.stop_every_rank(model, error, sequence_group, True)
 
 
 def _options(model, source, leaves: bool, given: dict[str, Any], defaults: dict[str, Any]) -> CallOptions:
