@@ -125,6 +125,11 @@ def test_reentrant_checkpointing_with_a_budget_is_refused_when_built(tmp_path, t
         r"gradient_checkpointing_kwargs=\{'use_reentrant': False\} .*sharedprefix_max_tokens=None",
     ):
         build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=16, **reentrant, **cls)
+    with pytest.raises(ValueError, match=r"\{'preserve_rng_state': True\} \(reentrant: torch's checkpoint is where"):
+        build_trainer(
+            qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=16,
+            gradient_checkpointing_kwargs={"preserve_rng_state": True}, **cls,
+        )  # fmt: skip
     assert build_trainer(qwen3_model(tok), tok, tmp_path, **reentrant, **cls)  # no budget: one pass, as TRL
     non_reentrant = dict(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=16, **non_reentrant, **cls)

@@ -85,8 +85,13 @@ def check_reentrant_budget(trainer, budget: int | None) -> None:
         return
     if not kwargs.get("use_reentrant", True):
         return
+    why = (
+        "reentrant"
+        if "use_reentrant" in kwargs
+        else "reentrant: torch's checkpoint is where use_reentrant is not given"
+    )
     raise ValueError(
-        f"gradient_checkpointing=True with gradient_checkpointing_kwargs={kwargs!r} (reentrant) and "
+        f"gradient_checkpointing=True with gradient_checkpointing_kwargs={kwargs!r} ({why}) and "
         f"sharedprefix_max_tokens={budget}: a group (a prompt and its completions) larger than {budget} tokens is "
         "split across passes, and reentrant checkpointing returns gradients only to a layer's explicit inputs, so the "
         "cached prompt K/V would get none; the step that brings such a group would be refused. Which steps do depends "
