@@ -95,11 +95,11 @@ def _check_adapters(spec: DeferredSpec) -> None:
     off = lambda state: any(disabled for _, disabled, _ in state)  # noqa: E731
     raise ValueError(
         "deferred log-probs (sp.logprobs with grad enabled and defer=True, or gradient checkpointing or DDP on) are "
-        "backpropagated with "
-        f"other PEFT adapters taking part than when they were computed (adapters disabled: {off(spec.adapters)} "
-        f"then, {off(now)} now; active: {_active(spec.adapters)} then, {_active(now)} now). Their backward recomputes "
-        "the forward, so it would give the gradient of another model than the values'. Run the backward inside the "
-        "same model.disable_adapter() block (or with the same set_adapter), or call sp.logprobs with defer=False."
+        "backpropagated with other PEFT adapters taking part than when they were computed (adapters disabled: "
+        f"{off(spec.adapters)} then, {off(now)} now; active: {_active(spec.adapters)} then, {_active(now)} now). "
+        "Their backward recomputes the forward, so it would give the gradient of another model than the values'. "
+        "Run the backward inside the same model.disable_adapter() block (or with the same set_adapter), or call "
+        "sp.logprobs with defer=False."
     )
 
 
