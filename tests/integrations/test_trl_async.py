@@ -235,3 +235,26 @@ def test_refusals(setup, tmp_path):
         ValueError, match="sharedprefix_group_microbatches=True is a setting of SharedPrefixGRPOTrainer"
     ):
         build(setup.path, sharedprefix_group_microbatches=True)  # TRL forms the microbatches: it would be ignored
+
+
+def test_dropout_and_reentrant_budget_refused_when_built(setup, tmp_path):
+    """AsyncGRPOTrainer trains in training mode and has no disable_dropout: attention dropout is refused when built
+    (before: at the first step, the model being in eval mode when built), naming the model's setting as the fix;
+    reentrant checkpointing with a budget that can split a group too (before: at the first step that split one)."""
+    build = lambda **kw: stub.build(  # noqa: E731
+        SharedPrefixAsyncGRPOTrainer, SharedPrefixAsyncGRPOConfig, setup.path, setup.tok, tmp_path / "out", [], **kw
+    )
+    init = {"dtype": torch.float64, "use_kernels": False}
+    with pytest.raises(
+        ValueError,
+        match=r"in training mode with attention_dropout=0.1.* AsyncGRPOTrainer trains the model in training mode and "
+        r"has no disable_dropout setting.*model_init_kwargs=\{'attention_dropout': 0.0\}",
+    ):
+        build(model_init_kwargs={**init, "attention_dropout": 0.1})
+    with pytest.raises(
+        ValueError,
+        match=r"gradient_checkpointing_kwargs=\{'use_reentrant': True\} \(reentrant\) and sharedprefix_max_tokens=10: "
+        r".*so AsyncGRPOTrainer with these settings is refused when built",
+    ):
+        build(sharedprefix_max_tokens=10, gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert build(sharedprefix_max_tokens=10).model.config.attention_dropout == 0.0

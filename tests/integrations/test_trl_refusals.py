@@ -103,3 +103,33 @@ def test_dropout_that_trl_keeps_on_is_refused_when_built(tmp_path):
     with pytest.raises(ValueError, match=r"dropout p=0.1 at .*lora_dropout.*\(disable_dropout=False;"):
         build_trainer(qwen3_model(tok), tok, tmp_path, peft_config=peft.LoraConfig(**lora))  # TRL's default
     assert build_trainer(qwen3_model(tok), tok, tmp_path, disable_dropout=True, peft_config=peft.LoraConfig(**lora))
+
+
+@pytest.mark.parametrize("trl", ["grpo", "rloo"])
+def test_reentrant_checkpointing_with_a_budget_is_refused_when_built(tmp_path, trl):
+    """Under reentrant gradient checkpointing a pass that splits a group is refused (its cached prompt K/V would get
+    no gradient), and whether a step's groups fit ``sharedprefix_max_tokens`` depends on the lengths it brings: the
+    two together are refused when built (before: at the first step with a group over the budget), naming the values
+    and the settings that remove it; each of those settings builds."""
+    from sharedprefix.integrations.trl import SharedPrefixRLOOConfig, SharedPrefixRLOOTrainer
+
+    rloo = dict(trainer_cls=SharedPrefixRLOOTrainer, config_cls=SharedPrefixRLOOConfig, beta=0.0)  # no reference
+    cls = {} if trl == "grpo" else rloo
+    tok = build_tokenizer()
+    reentrant = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    name = "GRPOTrainer" if trl == "grpo" else "RLOOTrainer"
+    with pytest.raises(
+        ValueError,
+        match=r"gradient_checkpointing_kwargs=\{'use_reentrant': True\} \(reentrant\) and sharedprefix_max_tokens=16: "
+        rf".*so {name} with these settings is refused when built\. Expected use_reentrant=False with a budget\. Set "
+        r"gradient_checkpointing_kwargs=\{'use_reentrant': False\} .*sharedprefix_max_tokens=None",
+    ):
+        build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=16, **reentrant, **cls)
+    with pytest.raises(ValueError, match=r"\{'preserve_rng_state': True\} \(reentrant: torch's checkpoint is where"):
+        build_trainer(
+            qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=16,
+            gradient_checkpointing_kwargs={"preserve_rng_state": True}, **cls,
+        )  # fmt: skip
+    assert build_trainer(qwen3_model(tok), tok, tmp_path, **reentrant, **cls)  # no budget: one pass, as TRL
+    non_reentrant = dict(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=16, **non_reentrant, **cls)

@@ -46,3 +46,24 @@ def test_token_ids_beyond_a_lora_embedding_are_refused_by_the_vocabulary():
     model = peft.get_peft_model(tiny_model("qwen3"), peft.LoraConfig(r=2, target_modules=["embed_tokens"]))
     with pytest.raises(ValueError, match="97"):
         sp.logprobs(model.double(), [sp.Group([1, 97], [[2]])])
+
+
+def test_deferred_logprobs_refuse_a_backward_with_other_adapters():
+    """A deferred call's backward recomputes its forward: computed inside ``disable_adapter()`` and backpropagated
+    after it, that forward would run the adapter, so the gradient would be the adapter-on model's. Refused; inside the
+    block it is the plain adapter-off gradient."""
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_model("qwen3"), lora).double()
+    model.requires_grad_(True)
+    with model.disable_adapter():
+        ref = plain_logprobs(model, GROUPS)[0].detach()
+        w = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        want = grads_of(model, lambda: (plain_logprobs(model, GROUPS)[0] * w).sum())
+        got = grads_of(model, lambda: (sp.logprobs(model, GROUPS, max_tokens=6, defer=True).logprobs * w).sum())
+        out = sp.logprobs(model, GROUPS, max_tokens=6, defer=True)
+    assert_grads_close(got, want, 1e-9)
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match=r"other PEFT adapters .* \(adapters disabled: True then, False now; .*same "):
+        (out.logprobs * w).sum().backward()
+    assert all(p.grad is None for p in model.parameters())

@@ -98,6 +98,25 @@ def test_plan_runs_on_a_reference_model_of_the_same_configuration():
     _assert_equal(_backward_grads(reference, cp), _backward_grads(reference, GROUPS, max_tokens=24))
 
 
+def test_plan_runs_on_a_peft_model_with_its_adapter_disabled():
+    """TRL's reference log-probs of a PEFT policy run under ``disable_adapter()``: the plan made with the adapter on
+    gives there exactly what planning afresh there gives, log-probs and gradients, and not the adapter's values."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(tiny_model(), lora)  # init_lora_weights=False: the adapter changes the values
+    model.requires_grad_(True)  # the base weights too, so that the adapter-off backward has gradients to compare
+    cp = sp.plan_call(model, GROUPS, max_tokens=24)
+    assert cp.splits
+    on = _logprobs_and_grads(model, cp)
+    with model.disable_adapter():
+        off = _logprobs_and_grads(model, cp)
+        _assert_equal(off, _logprobs_and_grads(model, GROUPS, max_tokens=24))
+        _assert_equal(_backward_grads(model, cp), _backward_grads(model, GROUPS, max_tokens=24))
+    assert not torch.equal(on[0], off[0])
+    assert any("lora_" in n for n in on[2]) and not any("lora_" in n for n in off[2])  # the adapter took no part
+    _assert_equal(_logprobs_and_grads(model, cp), on)  # enabled again: the adapter's values
+
+
 def test_plan_is_refused_on_a_model_of_another_configuration():
     cp = sp.plan_call(tiny_model(), GROUPS, max_tokens=24)
     with pytest.raises(ValueError, match=r"CallPlan was made for another model .* its configuration \(config"):

@@ -52,7 +52,11 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 import sharedprefix as sp
 from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
-from sharedprefix.integrations.trl_checks import check_training_noise, warn_if_padding_moves_logits
+from sharedprefix.integrations.trl_checks import (
+    check_reentrant_budget,
+    check_training_noise,
+    warn_if_padding_moves_logits,
+)
 from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
@@ -182,6 +186,7 @@ class SharedPrefixHooks:
             )
         hybrid = on_cache_path(inner)
         check_training_noise(self, inner, hybrid)  # check_supported in eval and in training mode
+        check_reentrant_budget(self, self._sp_budget)
         name = type(inner).__name__
         if hybrid and self.args.gradient_checkpointing:
             raise ValueError(

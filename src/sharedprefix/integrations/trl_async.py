@@ -15,7 +15,9 @@ The model's own attention is switched from TRL's ``tree_fa3`` to ``sdpa`` (``eag
 nothing calls the model's forward with tree tensors any more, and sharedprefix's once-per-model head check runs the
 model's own forward on a plain row. Refused when built, each with the setting that removes it: an MoE
 load-balancing loss (TRL's is taken over the packed row's unique tokens, which no per-row computation reproduces),
-FSDP (grad-enabled ``sp.logprobs`` is refused under FSDP2), fp16 loss scaling, what ``check_supported`` refuses, and
+FSDP (grad-enabled ``sp.logprobs`` is refused under FSDP2), fp16 loss scaling, what ``check_supported`` refuses in
+eval or in training mode (dropout: TRL trains in training mode), reentrant gradient checkpointing with a
+``sharedprefix_max_tokens`` budget (``trl_checks``), and
 ``sharedprefix_group_microbatches=True`` (nothing here forms or reorders microbatches: TRL's ``token_budget`` planner
 does, and the packed row is computed as given).
 
@@ -34,9 +36,9 @@ from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async
 import sharedprefix as sp
 from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
 from sharedprefix.integrations.trl_async_layout import packed_tree, to_packed
+from sharedprefix.integrations.trl_checks import check_reentrant_budget, check_training_noise
 from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings
 from sharedprefix.model.adapter import unwrap
-from sharedprefix.model.support import check_supported
 
 __all__ = ["PackedForward", "SharedPrefixAsyncGRPOConfig", "SharedPrefixAsyncGRPOTrainer"]
 
@@ -79,7 +81,8 @@ class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
                 "each shared prompt token once, which sharedprefix (whose aux loss is the plain per-row one) does not "
                 "reproduce. Set router_aux_loss_coef=0.0 in the config (routing itself stays exact)."
             )
-        check_supported(inner)
+        check_training_noise(self, inner, hybrid=False)  # check_supported in eval and in training mode, as trained
+        check_reentrant_budget(self, self._sp_budget)
         # nothing calls the forward with TRL's tree tensors any more; the head check runs it on a plain row
         inner.set_attn_implementation("sdpa" if inner._supports_sdpa else "eager")
 

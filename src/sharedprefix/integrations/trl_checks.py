@@ -1,5 +1,6 @@
 """Checks the TRL trainers make when built, for settings where TRL's own trainer computes something the log-prob hook
-cannot, or should not, reproduce (``integrations.trl`` calls them from ``SharedPrefixHooks.__init__``).
+cannot, or should not, reproduce (``integrations.trl`` calls them from ``SharedPrefixHooks.__init__``,
+``integrations.trl_async`` from ``SharedPrefixAsyncGRPOTrainer.__init__``).
 
 - ``check_training_noise`` (in place of ``check_supported``): TRL trains in training mode with its default
   ``disable_dropout=False`` (TRL 1.16), so every dropout of the model draws, LoRA's ``lora_dropout`` included; its
@@ -7,7 +8,12 @@ cannot, or should not, reproduce (``integrations.trl`` calls them from ``SharedP
   (``config.attention_dropout``, applied functionally by the attention code) and layerdrop still draw. A prompt
   shared by G completions would share one draw where TRL's G rows draw G, so the model's own check
   (``check_supported`` in training mode) refuses it; made here at construction, not at the first training
-  step, with TRL's settings named.
+  step, with TRL's settings named. TRL's ``AsyncGRPOTrainer`` has no ``disable_dropout``: there the fix named is the
+  model's own dropout settings.
+- ``check_reentrant_budget``: reentrant gradient checkpointing (``use_reentrant=True``) with a
+  ``sharedprefix_max_tokens`` budget. A pass that splits a group is refused under reentrant checkpointing, and
+  whether a step splits one depends on the lengths of its prompts and completions, unknown when the trainer is built;
+  refused then, rather than at the first step that brings a group over the budget.
 - ``warn_if_padding_moves_logits``: TRL's hook runs its (B, L) rows ``[left-padded prompt | completion]`` through
   the model with an attention mask and no ``position_ids``, so a model that numbers positions ``0..L-1`` over the
   padded row and embeds them absolutely (GPT-2's ``wpe``) scores a padded prompt at other positions than generation
@@ -28,7 +34,7 @@ import torch
 
 from sharedprefix.model.support import check_supported
 
-__all__ = ["check_training_noise", "padding_moves_logits", "warn_if_padding_moves_logits"]
+__all__ = ["check_reentrant_budget", "check_training_noise", "padding_moves_logits", "warn_if_padding_moves_logits"]
 
 # |delta log p| above which the padded row's log-probs differ from the row's own beyond rounding: rotary models give
 # 1e-15 to 3e-8 (float64 models whose norms round to float32: Gemma 3, OLMo 2), absolute positions 0.08 (BioGPT) to
@@ -48,6 +54,13 @@ def check_training_noise(trainer, inner, hybrid: bool) -> None:
         inner.train(True)
         check_supported(inner, hybrid=hybrid)
     except ValueError as e:
+        if not hasattr(trainer.args, "disable_dropout"):  # AsyncGRPOTrainer: the model's own settings only
+            raise ValueError(
+                f"{e} TRL's {_trl_name(trainer)} trains the model in training mode and has no disable_dropout "
+                "setting, so every dropout of the model draws. Set the model's dropout to 0: attention_dropout=0.0 "
+                "(and any *_dropout and layerdrop) in its config (model_init_kwargs={'attention_dropout': 0.0} when "
+                "TRL loads the model), lora_dropout=0.0 in a LoRA adapter's config."
+            ) from e
         raise ValueError(
             f"{e} TRL's {_trl_name(trainer)} trains the model in training mode (disable_dropout="
             f"{trainer.args.disable_dropout}; TRL's default is False); its disable_dropout=True sets the "
@@ -57,6 +70,37 @@ def check_training_noise(trainer, inner, hybrid: bool) -> None:
         ) from e
     finally:
         inner.train(was)
+
+
+def check_reentrant_budget(trainer, budget: int | None) -> None:
+    """Refuse reentrant gradient checkpointing together with a ``sharedprefix_max_tokens`` ``budget`` (the trainer's
+    checked one): a grad-enabled pass that splits a group is refused under it (``schedule.refusals.check_call``), and
+    whether a step's groups fit the budget is known only at that step. The rule for "reentrant" is
+    ``model.adapter.uses_reentrant_checkpointing``'s, read from the config: transformers enables checkpointing with
+    ``gradient_checkpointing_kwargs`` as given, ``{"use_reentrant": False}`` when None, and torch's checkpoint is
+    reentrant when the key is missing."""
+    a = trainer.args
+    kwargs = getattr(a, "gradient_checkpointing_kwargs", None)
+    if budget is None or not getattr(a, "gradient_checkpointing", False) or kwargs is None:
+        return
+    if not kwargs.get("use_reentrant", True):
+        return
+    why = (
+        "reentrant"
+        if "use_reentrant" in kwargs
+        else "reentrant: torch's checkpoint is where use_reentrant is not given"
+    )
+    raise ValueError(
+        f"gradient_checkpointing=True with gradient_checkpointing_kwargs={kwargs!r} ({why}) and "
+        f"sharedprefix_max_tokens={budget}: a group (a prompt and its completions) larger than {budget} tokens is "
+        "split across passes, and reentrant checkpointing returns gradients only to a layer's explicit inputs, so the "
+        "cached prompt K/V would get none; the step that brings such a group would be refused. Which steps do depends "
+        f"on the lengths of the prompts and completions, unknown now, so {_trl_name(trainer)} with these settings is "
+        "refused when built. Expected use_reentrant=False with a budget. Set "
+        "gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default; TRL forces True only for "
+        "PEFT under DeepSpeed ZeRO-3), or sharedprefix_max_tokens=None (each microbatch one pass), or "
+        "gradient_checkpointing=False."
+    )
 
 
 def padding_moves_logits(inner, pad_token_id: int | None) -> float | None:

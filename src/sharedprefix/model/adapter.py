@@ -59,6 +59,18 @@ def wrappers(model: torch.nn.Module) -> list:
     )
 
 
+def adapter_state(model: torch.nn.Module) -> tuple:
+    """Which PEFT adapters take part in ``model``'s forward now: for each tuner layer (a module with PEFT's
+    ``disable_adapters`` and ``active_adapters``, LoRA layers and ``modules_to_save`` wrappers alike), in module
+    order, whether its adapters are disabled (``PeftModel.disable_adapter()``) and which are active (transformers'
+    own ``disable_adapters`` method is not such a layer). Empty for a model without adapters."""
+    return tuple(
+        (name, bool(m.disable_adapters), tuple(m.active_adapters))
+        for name, m in unwrap(model).named_modules()
+        if isinstance(getattr(type(m), "disable_adapters", None), property) and hasattr(m, "active_adapters")
+    )
+
+
 def peel_compiled(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` without the ``torch.compile`` wrappers (``OptimizedModule``) around it."""
     while isinstance(model, torch.nn.Module) and "_orig_mod" in model._modules:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from sharedprefix.model.adapter import unwrap
+from sharedprefix.model.adapter import adapter_state, unwrap
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.results import LogProbs
 
@@ -31,7 +31,8 @@ class DeferredSpec:
     -> (result, {parameter: gradient})``, the backward of the path the call took (chosen once by the public call);
     ``params``: the model's trainable parameters (the deferred node's inputs); ``entropy``: the call computed
     entropies; ``aux_grads``: see ``defer_logprobs``; ``engine``: the call's ``Engine`` (None: one process, parameters
-    always whole); ``autocast``: the autocast state of the call, restored for its backward."""
+    always whole); ``autocast``: the autocast state of the call, restored for its backward; ``adapters``: which PEFT
+    adapters took part in the call (``adapter_state``), which its backward must find again."""
 
     backward: Callable
     model: torch.nn.Module
@@ -42,6 +43,7 @@ class DeferredSpec:
     aux_grads: dict | None
     engine: Any
     autocast: dict
+    adapters: tuple = ()
 
 
 class _Deferred(torch.autograd.Function):
@@ -62,6 +64,7 @@ class _Deferred(torch.autograd.Function):
             {s: [g * g_aux.to(g.dtype) for g in gs] for s, gs in grads.items()} if grads and g_aux is not None else None
         )
         none = (None,) * (5 + len(spec.params))
+        _check_adapters(spec)
         if g_lp is None and w_ent is None and aux is None:
             return none
 
@@ -81,6 +84,28 @@ class _Deferred(torch.autograd.Function):
         if spec.engine is not None:  # autograd accumulates the gradients into whole parameters (ZeRO-3)
             spec.engine.gather_until_backward_ends(spec.params)
         return none[:5] + tuple(grads.get(p) for p in spec.params)
+
+
+def _check_adapters(spec: DeferredSpec) -> None:
+    """Refuse a backward that would recompute the call's forward with other PEFT adapters taking part than the call's
+    own: its gradient would be that of another model than the one the values came from."""
+    now = adapter_state(spec.model)
+    if now == spec.adapters:
+        return
+    off = lambda state: any(disabled for _, disabled, _ in state)  # noqa: E731
+    raise ValueError(
+        "deferred log-probs (sp.logprobs with grad enabled and defer=True, or gradient checkpointing or DDP on) are "
+        "backpropagated with other PEFT adapters taking part than when they were computed (adapters disabled: "
+        f"{off(spec.adapters)} then, {off(now)} now; active: {_active(spec.adapters)} then, {_active(now)} now). "
+        "Their backward recomputes the forward, so it would give the gradient of another model than the values'. "
+        "Run the backward inside the same model.disable_adapter() block (or with the same set_adapter), or call "
+        "sp.logprobs with defer=False."
+    )
+
+
+def _active(state: tuple) -> list[str]:
+    """The adapter names active in some tuner layer of ``state`` (``adapter_state``)."""
+    return sorted({a for _, _, active in state for a in active})
 
 
 def defer_logprobs(
@@ -107,6 +132,7 @@ def defer_logprobs(
         aux_grads=aux_grads,
         engine=engine,
         autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)),
+        adapters=adapter_state(model),
     )
     ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
     aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=out.logprobs.device)
