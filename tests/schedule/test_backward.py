@@ -209,3 +209,23 @@ def test_failed_deferred_logprobs_backward_leaves_no_partial_gradient():
     with pytest.raises(ValueError, match="expected a finite value"):
         (out.logprobs * w).sum().backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "lfm2"])  # the packed path, and a hybrid's cache path
+def test_deferred_logprobs_refuse_a_backward_after_the_parameters_changed(family):
+    """Plain autograd raises when a saved weight was modified in place before the backward; a deferred call, whose
+    backward recomputes the forward, would silently give the gradient at the new parameters instead."""
+    model = tiny_model(family)
+    groups = random_groups(1, 3, *SPEC)
+    out = sp.logprobs(model, groups, max_tokens=8, defer=True)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(1.5)  # an in-place update between the call and its backward
+    with pytest.raises(
+        RuntimeError, match=r"after 1 of the model's parameters were modified in place .*'(lm_head|model.embed_tokens)"
+    ):  # tied
+        out.logprobs.sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    # computed again after the change, the log-probs backpropagate
+    out = sp.logprobs(model, groups, max_tokens=8, defer=True)
+    out.logprobs.sum().backward()
+    assert model.get_output_embeddings().weight.grad is not None

@@ -32,7 +32,8 @@ class DeferredSpec:
     ``params``: the model's trainable parameters (the deferred node's inputs); ``entropy``: the call computed
     entropies; ``aux_grads``: see ``defer_logprobs``; ``engine``: the call's ``Engine`` (None: one process, parameters
     always whole); ``autocast``: the autocast state of the call, restored for its backward; ``adapters``: which PEFT
-    adapters took part in the call (``adapter_state``), which its backward must find again."""
+    adapters took part in the call (``adapter_state``), which its backward must find again; ``versions``: each
+    parameter's version counter after the call, which its backward must find unchanged."""
 
     backward: Callable
     model: torch.nn.Module
@@ -44,6 +45,7 @@ class DeferredSpec:
     engine: Any
     autocast: dict
     adapters: tuple = ()
+    versions: tuple = ()
 
 
 class _Deferred(torch.autograd.Function):
@@ -65,6 +67,7 @@ class _Deferred(torch.autograd.Function):
         )
         none = (None,) * (5 + len(spec.params))
         _check_adapters(spec)
+        _check_versions(spec)
         if g_lp is None and w_ent is None and aux is None:
             return none
 
@@ -103,6 +106,24 @@ def _check_adapters(spec: DeferredSpec) -> None:
     )
 
 
+def _check_versions(spec: DeferredSpec) -> None:
+    """Refuse a backward after a parameter of the call was modified in place (an optimizer step, a weight sync): its
+    recomputed forward would differ from the values', and plain autograd raises there too (a saved tensor's version
+    changed)."""
+    moved = [i for i, (p, v) in enumerate(zip(spec.params, spec.versions)) if p._version != v]
+    if not moved:
+        return
+    names = {id(p): n for n, p in unwrap(spec.model).named_parameters()}
+    first = spec.params[moved[0]]
+    raise RuntimeError(
+        f"deferred log-probs are backpropagated after {len(moved)} of the model's parameters were modified in place "
+        f"since the call (first {names.get(id(first), '?')!r}: version {spec.versions[moved[0]]} then, "
+        f"{first._version} now). Their backward recomputes the forward, so it would give the gradient at other "
+        "parameters than the values'; the plain forward's backward raises here too. Run the backward before the "
+        "parameters change (optimizer.step() after loss.backward()), or compute the log-probs again."
+    )
+
+
 def _active(state: tuple) -> list[str]:
     """The adapter names active in some tuner layer of ``state`` (``adapter_state``)."""
     return sorted({a for _, _, active in state for a in active})
@@ -133,6 +154,7 @@ def defer_logprobs(
         engine=engine,
         autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)),
         adapters=adapter_state(model),
+        versions=tuple(p._version for p in params),
     )
     ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
     aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=out.logprobs.device)
