@@ -48,6 +48,7 @@ def wrappers(model: torch.nn.Module) -> list:
         if isinstance(m, torch.nn.Module) and "_orig_mod" in m._modules:  # torch.compile's OptimizedModule
             chain.append(m._orig_mod)
         elif hasattr(m, "get_base_model"):  # peft.PeftModel
+            refuse_prompt_learning(m)
             chain.append(m.get_base_model())
         elif hasattr(m, "module"):  # DistributedDataParallel, accelerate wrappers
             chain.append(m.module)
@@ -69,6 +70,22 @@ def adapter_state(model: torch.nn.Module) -> tuple:
         for name, m in unwrap(model).named_modules()
         if isinstance(getattr(type(m), "disable_adapters", None), property) and hasattr(m, "active_adapters")
     )
+
+
+def refuse_prompt_learning(peft_model) -> None:
+    """Refuse a PEFT model whose active adapter is a prompt-learning method (prompt tuning, prefix tuning,
+    P-tuning, multitask prompt tuning): its ``PeftModel.forward`` puts virtual tokens before every row (their
+    embeddings, or K/V in every layer), which sharedprefix's run of the base model would leave out, silently."""
+    config = getattr(peft_model, "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        kind = getattr(getattr(config, "peft_type", None), "value", type(config).__name__)
+        raise ValueError(
+            f"the PEFT model's active adapter is {kind} (a prompt-learning method, "
+            f"{getattr(config, 'num_virtual_tokens', '?')} virtual tokens before every row, added by "
+            "PeftModel.forward); sharedprefix runs the base model's decoder itself and cannot add them, so its "
+            "log-probs and gradients would be those of the model without them. Use an adapter on the weights (LoRA "
+            "and the other tuner layers are supported) or the plain forward."
+        )
 
 
 def peel_compiled(model: torch.nn.Module) -> torch.nn.Module:
