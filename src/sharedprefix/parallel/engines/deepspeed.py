@@ -16,8 +16,8 @@ accumulates, and runs DeepSpeed's hooks once, on the total, as in the one ``engi
 ZeRO-3 that backward runs with the parameters gathered (``gathered``): autograd checks a gradient against the shape
 it recorded for the parameter and accumulates into whole ``.grad`` tensors, which ZeRO-3's hooks then reduce-scatter
 into its partitions. A deferred call's node takes the parameters the same way, and keeps them gathered until the
-caller's backward ends (``gather_until_backward_ends``). A failed call reaches none of the hooks, so DeepSpeed's
-partitioned buffers stay as they were.
+caller's backward ends (``gather_until_backward_ends``), or fails (``_Release``). A failed call reaches none of the
+hooks, so DeepSpeed's partitioned buffers stay as they were.
 
 ZeRO-3's leaf modules (``deepspeed.utils.set_z3_leaf_modules``; DeepSpeed's default for the MoE blocks of Mixtral and
 Qwen-MoE) reduce their parameters' gradients in a module full backward hook, not in the parameters' hooks: it would run
@@ -25,15 +25,17 @@ in each backward of a call on that pass's share (DeepSpeed then finds a paramete
 pass runs with those hooks set aside (``call``: autograd takes a module's full backward hooks when its forward runs),
 and the backward that delivers the call's gradient (``_Deliver``; a deferred call's: the caller's) queues them, once,
 to run when it ends, after autograd accumulated into ``.grad``. A grad-enabled ``sp.logprobs`` then defers
-(``must_defer``), so that its backward is one of sharedprefix's; the cache path, whose passes run outside ``call``,
-is refused with leaf modules.
+(``must_defer``; ``defer=False`` is refused, ``check_undeferred``), so that its backward is one of sharedprefix's; the
+cache path, whose passes run outside ``call``, is refused with leaf modules.
 
 So ``sp.backward(engine, ...)`` is ``engine.backward`` of the call's loss: DeepSpeed divides the gradient by its
 ``gradient_accumulation_steps`` as it divides a loss, and accumulation over micro-steps and the step itself stay
 DeepSpeed's (``engine.step()``). Hybrid models, of the packed path and of the cache path, need nothing more: their
 passes are the modules' own calls too (tested at every stage). Refused at the first call, each with its reason: fp16
 loss scaling, ZeRO++ (quantised weights or gradients, hierarchical partitioning: not verified), a cache-path hybrid
-with ZeRO-3 leaf modules, a tensor-parallel model.
+with ZeRO-3 leaf modules, a tensor-parallel model. DeepSpeed's tuned ``zero_optimization`` settings (``overlap_comm``,
+``contiguous_gradients``, ``reduce_scatter``, ``round_robin_gradients``, bucket and prefetch sizes, persistence,
+``zero.Init``) need nothing more: they change how DeepSpeed moves the gradient it is given, not which.
 """
 
 from __future__ import annotations
