@@ -18,7 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import deepspeed  # noqa: E402
-from parallel.deepspeed_worker import BUDGET, finish, moe_model, plain_loss, rank_groups, weights  # noqa: E402
+from parallel.deepspeed_worker import BUDGET, LR, finish, moe_model, plain_loss, rank_groups, weights  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402
@@ -101,7 +101,7 @@ def build(stage, zero, gas=1, moe=False):
         "gradient_clipping": 0.0,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": settings,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
     }
     model = moe_model() if moe else tiny_model("qwen3", dtype=torch.float32)
     return deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg)[0]
@@ -119,7 +119,7 @@ def build_under_zero_init(stage):
         "gradient_clipping": 0.0,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
     }
     with deepspeed.zero.Init(config_dict_or_path=cfg):
         model = tf.Qwen3ForCausalLM(whole.config)

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("deepspeed")
 
 from parallel.deepspeed_configs_worker import CALLS, CONFIGS, cells  # noqa: E402
-from parallel.test_deepspeed import LR, err, reference  # noqa: E402
+from parallel.deepspeed_worker import LR, err, reference  # noqa: E402
 
 from support.torchrun import torchrun  # noqa: E402
 
