@@ -6,7 +6,8 @@ against the plain per-row run under the same engine and settings (``deepspeed_co
 Beside them: ``gradient_accumulation_steps=2`` with ``overlap_comm`` (ZeRO-2); at ZeRO-3, a deferred call whose
 backward fails (a gradient hook of the caller's raises after the deferred node ran; sharedprefix's own pass raises;
 the caller's loss raises after DeepSpeed reduced the gradient) leaves every parameter partitioned, and the next call is
-exact; ``defer=False`` with MoE leaf modules is refused, naming them and the fix.
+exact; ``defer=False`` with MoE leaf modules is refused, naming them and the fix. The inner loop's sibling checks the
+mechanism of the failure path on one process, without DeepSpeed's engine.
 """
 
 import os
@@ -19,9 +20,8 @@ pytest.importorskip("deepspeed")
 from parallel.deepspeed_configs_worker import CALLS, CONFIGS, cells  # noqa: E402
 from parallel.deepspeed_worker import LR, err, reference  # noqa: E402
 
+from sharedprefix.parallel.engines.deepspeed import _Release  # noqa: E402
 from support.torchrun import torchrun  # noqa: E402
-
-pytestmark = pytest.mark.slow  # torchrun, 2 processes
 
 WORKER = os.path.join(os.path.dirname(__file__), "deepspeed_configs_worker.py")
 
@@ -47,6 +47,7 @@ def errors(got) -> dict:
     return out
 
 
+@pytest.mark.slow  # torchrun, 2 processes
 @pytest.mark.parametrize("stage", [2, 3])
 def test_tuned_zero_settings_by_the_2x_rule_against_the_plain_run_under_the_same_settings(stage, tmp_path):
     got = launch(stage, tmp_path)
@@ -88,3 +89,55 @@ def test_tuned_zero_settings_by_the_2x_rule_against_the_plain_run_under_the_same
         refusal = got["moe_leaf/defer_false_refused"]["refusal"]
         assert "defer=False on a DeepSpeed ZeRO-3 engine with leaf modules (MixtralSparseMoeBlock)" in refusal
         assert "Leave defer=None" in refusal and "never reduce the leaf modules' gradients" in refusal
+
+
+class _Queue(torch.autograd.Function):
+    """Its backward queues ``_Release(block, leftovers)`` on the running backward, as a deferred node's does."""
+
+    @staticmethod
+    def forward(ctx, x, block, leftovers):
+        ctx.block, ctx.leftovers = block, leftovers
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.autograd.Variable._execution_engine.queue_callback(_Release(ctx.block, ctx.leftovers))
+        return g, None, None
+
+
+class _Fail(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("the caller's loss fails")
+
+
+class _Block:
+    """A ``GatheredParameters`` block's exit, counted."""
+
+    def __init__(self):
+        self.exits = 0
+
+    def __exit__(self, *exc):
+        self.exits += 1
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_release_leaves_the_block_once_when_the_backward_ends_or_fails(fails):
+    """``gather_until_backward_ends``' callback: run at the end of a backward that succeeded; dropped unrun and freed
+    by autograd as the error of one that failed leaves ``backward`` (a later node raised), when it releases the
+    parameters and ZeRO-3's backward leftovers itself. A canary of that behaviour of torch's autograd."""
+
+    block, leftovers = _Block(), []
+    x = torch.ones(3, requires_grad=True)
+    bad = _Fail.apply(x) if fails else None  # made first: its backward runs after the queuing node's
+    loss = _Queue.apply(x, block, lambda: leftovers.append(1)).sum()
+    if fails:
+        with pytest.raises(RuntimeError, match="the caller's loss fails"):
+            (loss + bad.sum()).backward()
+    else:
+        loss.backward()
+    assert block.exits == 1 and leftovers == ([1] if fails else [])
