@@ -39,6 +39,26 @@ def plain_loss(model, groups, w):
     return (torch.stack(rows) * w).sum()
 
 
+LR = 0.5  # SGD's, in every engine's config: the parameters after engine.step() are init - LR * gradient
+
+
+def reference(model=None):
+    """The float64 gradient DeepSpeed should hold: the mean over the two ranks of each rank's plain loss's."""
+    model = model if model is not None else tiny_model("qwen3", dtype=torch.float64)
+    model.zero_grad(set_to_none=True)
+    for rank in range(2):
+        (plain_loss(model, rank_groups(rank), weights(rank).double()) / 2).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return grads, init
+
+
+def err(got, want):
+    """The largest error over all parameters, relative to the largest entry of the whole gradient."""
+    scale = max(float(w.abs().max()) for w in want.values())
+    return max(float((got[n].double() - want[n]).abs().max()) for n in want) / scale
+
+
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
 
 
@@ -155,7 +175,7 @@ def engine_of(
             **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}),
             **(zero or {}),
         },
-        "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
         "bf16": {"enabled": bf16},
     }
     params = [p for p in model.parameters() if p.requires_grad]

@@ -24,6 +24,8 @@ pytest.importorskip("deepspeed")
 from parallel.deepspeed_worker import (
     HYBRID_CALLS,
     HYBRIDS,
+    LR,
+    err,
     hybrid_groups,
     hybrid_model,
     lora_model,
@@ -32,6 +34,7 @@ from parallel.deepspeed_worker import (
     paths_of,
     plain_loss,
     rank_groups,
+    reference,
     weights,
 )  # noqa: E402
 
@@ -41,7 +44,6 @@ from support.torchrun import torchrun  # noqa: E402
 pytestmark = pytest.mark.slow  # torchrun, 2 processes
 
 WORKER = os.path.join(os.path.dirname(__file__), "deepspeed_worker.py")
-LR = 0.5
 
 
 def launch(stage, tmp_path):
@@ -49,23 +51,6 @@ def launch(stage, tmp_path):
     os.environ["DS_ACCELERATOR"] = "cpu"
     torchrun(WORKER, [str(stage), str(out)], timeout=600)
     return torch.load(out, weights_only=False)
-
-
-def reference(model=None):
-    """The float64 gradient DeepSpeed should hold: the mean over the two ranks of each rank's plain loss's."""
-    model = model if model is not None else tiny_model("qwen3", dtype=torch.float64)
-    model.zero_grad(set_to_none=True)
-    for rank in range(2):
-        (plain_loss(model, rank_groups(rank), weights(rank).double()) / 2).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    return grads, init
-
-
-def err(got, want):
-    """The largest error over all parameters, relative to the largest entry of the whole gradient."""
-    scale = max(float(w.abs().max()) for w in want.values())
-    return max(float((got[n].double() - want[n]).abs().max()) for n in want) / scale
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

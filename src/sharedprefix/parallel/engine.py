@@ -265,6 +265,11 @@ class Engine(abc.ABC):
         """Refuse a grad-enabled ``sp.logprobs`` on the packed path: not here."""
         return None
 
+    def check_undeferred(self) -> None:
+        """Refuse ``defer=False`` on a grad-enabled ``sp.logprobs`` with a reason of this engine's own, more precise
+        than the general refusal of ``must_defer``: not here."""
+        return None
+
     def check_aux_term(self, name: str) -> None:
         """Refuse the MoE load-balancing loss's per-pass gradient term on ``name`` (the model's class): not here."""
         return None

@@ -41,6 +41,8 @@ def choose_logprobs_path(model, options: CallOptions) -> Path:
     inner = unwrap(model)
     engine = detect(model, inner)
     engine.check_grad_logprobs()  # FSDP2: its backward would run outside FSDP2's hooks
+    if defer is False:
+        engine.check_undeferred()  # DeepSpeed ZeRO-3's leaf modules: their reduction, in words of their own
     needs = engine.must_defer or ("gradient checkpointing" if uses_checkpointing(inner) else None)
     needs = needs or ("sequence parallelism" if seq is not None else None)
     if defer is False and needs:

@@ -16,8 +16,8 @@ accumulates, and runs DeepSpeed's hooks once, on the total, as in the one ``engi
 ZeRO-3 that backward runs with the parameters gathered (``gathered``): autograd checks a gradient against the shape
 it recorded for the parameter and accumulates into whole ``.grad`` tensors, which ZeRO-3's hooks then reduce-scatter
 into its partitions. A deferred call's node takes the parameters the same way, and keeps them gathered until the
-caller's backward ends (``gather_until_backward_ends``). A failed call reaches none of the hooks, so DeepSpeed's
-partitioned buffers stay as they were.
+caller's backward ends (``gather_until_backward_ends``), or fails (``_Release``). A failed call reaches none of the
+hooks, so DeepSpeed's partitioned buffers stay as they were.
 
 ZeRO-3's leaf modules (``deepspeed.utils.set_z3_leaf_modules``; DeepSpeed's default for the MoE blocks of Mixtral and
 Qwen-MoE) reduce their parameters' gradients in a module full backward hook, not in the parameters' hooks: it would run
@@ -25,15 +25,17 @@ in each backward of a call on that pass's share (DeepSpeed then finds a paramete
 pass runs with those hooks set aside (``call``: autograd takes a module's full backward hooks when its forward runs),
 and the backward that delivers the call's gradient (``_Deliver``; a deferred call's: the caller's) queues them, once,
 to run when it ends, after autograd accumulated into ``.grad``. A grad-enabled ``sp.logprobs`` then defers
-(``must_defer``), so that its backward is one of sharedprefix's; the cache path, whose passes run outside ``call``,
-is refused with leaf modules.
+(``must_defer``; ``defer=False`` is refused, ``check_undeferred``), so that its backward is one of sharedprefix's; the
+cache path, whose passes run outside ``call``, is refused with leaf modules.
 
 So ``sp.backward(engine, ...)`` is ``engine.backward`` of the call's loss: DeepSpeed divides the gradient by its
 ``gradient_accumulation_steps`` as it divides a loss, and accumulation over micro-steps and the step itself stay
 DeepSpeed's (``engine.step()``). Hybrid models, of the packed path and of the cache path, need nothing more: their
 passes are the modules' own calls too (tested at every stage). Refused at the first call, each with its reason: fp16
 loss scaling, ZeRO++ (quantised weights or gradients, hierarchical partitioning: not verified), a cache-path hybrid
-with ZeRO-3 leaf modules, a tensor-parallel model.
+with ZeRO-3 leaf modules, a tensor-parallel model. DeepSpeed's tuned ``zero_optimization`` settings (``overlap_comm``,
+``contiguous_gradients``, ``reduce_scatter``, ``round_robin_gradients``, bucket and prefetch sizes, persistence,
+``zero.Init``) need nothing more: they change how DeepSpeed moves the gradient it is given, not which.
 """
 
 from __future__ import annotations
@@ -136,12 +138,14 @@ class DeepSpeed(Single):
 
     def gather_until_backward_ends(self, params):
         """Gathered now, partitioned again by a callback the running backward runs when it ends (after autograd
-        accumulated into them and DeepSpeed's hooks reduced it); a no-op for stages 1 and 2."""
+        accumulated into them and DeepSpeed's hooks reduced it), or, where that backward fails (a later node of the
+        caller's loss raises), when autograd drops the callback unrun (``_Release``); a no-op for stages 1 and 2."""
         import deepspeed
 
         block = deepspeed.zero.GatheredParameters(_partitioned(params), modifier_rank=None)
         block.__enter__()
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: block.__exit__(None, None, None))
+        leftovers = getattr(getattr(self.ds.optimizer, "parameter_offload", None), "release_backward_leftovers", None)
+        torch.autograd.Variable._execution_engine.queue_callback(_Release(block, leftovers))
 
     def fire_hooks(self) -> None:
         """Nothing: the delivering backward (``finish_grads``) ran every hook once, inside a backward."""
@@ -154,6 +158,18 @@ class DeepSpeed(Single):
                 f"modules ({_names(self.leaf_hooks)}): that path runs the model's own forward outside the passes "
                 "that set the leaves' reduction hooks aside, so each would reduce one pass's share. Use ZeRO stage 1 "
                 f"or 2, or ZeRO-3 without leaf modules.{why_hybrid}"
+            )
+
+    def check_undeferred(self) -> None:
+        if self.leaf_hooks:
+            raise ValueError(
+                f"sharedprefix.logprobs with grad enabled and defer=False on a DeepSpeed ZeRO-3 engine with leaf "
+                f"modules ({_names(self.leaf_hooks)}): ZeRO-3 reduces a leaf module's gradient in the module's full "
+                "backward hook, which sharedprefix's passes set aside so that it runs once, on the call's whole "
+                "gradient, in a backward of sharedprefix's own; the graph that defer=False would hand back has none "
+                "of those hooks, so your engine.backward would never reduce the leaf modules' gradients. Leave "
+                "defer=None (the call then defers by itself: its backward runs inside your engine.backward, exact), "
+                "or use sp.backward."
             )
 
     def check_sync(self, sync: bool) -> None:
@@ -215,6 +231,31 @@ def _refuse(engine, tensor: int) -> None:
             f"the DeepSpeed engine's model is tensor-parallel (tp_size={tensor}), which sharedprefix has not been "
             "verified with under DeepSpeed. Use tensor parallelism alone or under FSDP2."
         )
+
+
+class _Release:
+    """Leaves a ``GatheredParameters`` block (partitions its parameters again) once: when the backward it was queued
+    on ends, or when that backward fails. Autograd runs a queued callback only at the end of a backward that
+    succeeded; after a failure it drops it unrun with the failed graph task, as the error leaves
+    ``torch.autograd.backward``, and this object is freed then (nothing else refers to it). Without ``__del__`` the
+    parameters stayed gathered, and the next deferred call raised DeepSpeed's "Nested GatheredParameters contexts
+    cannot overlap parameters". On that failure it also releases what ZeRO-3's backward epilogue, which never ran,
+    would have (``leftovers``: ``release_backward_leftovers``, the modules whose post-backward hook never fires, such
+    as the embedding, fed token ids that need no gradient, in sharedprefix's passes)."""
+
+    def __init__(self, block, leftovers=None):
+        self.block, self.leftovers = block, leftovers
+
+    def __call__(self) -> None:
+        block, self.block = self.block, None
+        if block is not None:
+            block.__exit__(None, None, None)
+
+    def __del__(self) -> None:
+        if self.block is not None:  # dropped unrun: the backward failed
+            self()
+            if self.leftovers is not None:
+                self.leftovers()
 
 
 class _Deliver(torch.autograd.Function):
