@@ -11,7 +11,8 @@ import torch
 from support import fuzz
 
 FAST = [*range(0, 24), 38]  # 38: a cache-path hybrid (Zaya)
-SLOW = range(100, 220)  # 120 seeds in CI (about 1.5 min); more by hand, see above
+SLOW = range(100, 185)  # 85 seeds in CI (as long as 120 were before the plan, float32-parts, cache-path and
+# token-stream draws); more by hand, see above
 
 
 @pytest.fixture(autouse=True)

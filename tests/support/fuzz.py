@@ -220,10 +220,10 @@ def draw(seed: int) -> Case:
         autocast=rng.random() < 0.08,
         reentrant=rng.random() < 0.5,
         lora_extra=rng.choice(((), (), ("embed_tokens",), ("lm_head",), ("save:embed_tokens", "save:lm_head"))),
-        plan=rng.random() < 0.25,
+        plan=rng.random() < 0.1,
         plan_given=rng.random() < 0.5,
     )
-    if rng.random() < 0.2:  # a model with float32 parts (drawn last: the fields above stay as they were)
+    if rng.random() < 0.1:  # a model with float32 parts (drawn last: the fields above stay as they were)
         case.model = rng.choice(sorted(FLOAT32_PARTS))
         case.attn, case.force_aux = rng.choice(("sdpa", "eager")), False
     if rng.random() < 0.1 and not tree and not case.checkpointing:  # a cache-path hybrid, where it applies
@@ -721,16 +721,17 @@ def _check_plan(case: Case, model) -> None:
     fresh = dict(max_tokens=case.max_tokens, **opts)
     first = values(model, cp, with_plan)
     same(first, values(model, _inputs(case), fresh), "plan reused: no-grad log-probs")
-    same(grads(model, cp, with_plan), grads(model, _inputs(case), fresh), "plan reused: sp.backward after no_grad")
-    same(values(model, cp, with_plan), first, "plan run a third time")
+    backward = grads(model, cp, with_plan)
+    same(backward, grads(model, _inputs(case), fresh), "plan reused: sp.backward after no_grad")
     other = copy.deepcopy(model)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(case.seed + 4)
         for p in other.parameters():
             p.add_(0.05 * torch.randn(p.shape, dtype=p.dtype, generator=gen))
     same(values(other, cp, with_plan), values(other, _inputs(case), fresh), "plan on a second model")
-    same(grads(other, cp, with_plan), grads(other, _inputs(case), fresh), "plan on a second model: sp.backward")
-    step = grads(model, cp, with_plan)[1]
+    step = backward[1]  # the gradient above, for the optimizer step
+    for n, p in model.named_parameters():
+        p.grad = step.get(n)
     torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3).step()
     after = values(model, cp, with_plan)
     # (a zero gradient is possible: OLMo's parameter-free final norm of a padding embedding's zero hidden states)
