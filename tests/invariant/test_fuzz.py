@@ -10,8 +10,9 @@ import torch
 
 from support import fuzz
 
-FAST = range(0, 24)
-SLOW = range(100, 220)  # 120 seeds in CI (about 1.5 min); more by hand, see above
+FAST = [*range(0, 24), 38]  # 38: a cache-path hybrid (Zaya)
+SLOW = range(100, 185)  # 85 seeds in CI (as long as 120 were before the plan, float32-parts, cache-path and
+# token-stream draws); more by hand, see above
 
 
 @pytest.fixture(autouse=True)
@@ -38,9 +39,13 @@ def test_fuzz_case_matches_plain_rows_slow(seed):
 
 
 def test_every_model_of_the_fuzzer_is_drawn():
-    """The fast seeds reach several architectures, both APIs, trees and groups, and split budgets."""
+    """The fast seeds reach several architectures, both APIs, trees and groups, and split budgets, a reused
+    ``sp.plan_call``, a model with float32 parts, a cache-path hybrid and a model with several token streams."""
     cases = [fuzz.draw(s) for s in FAST]
     assert len({c.model for c in cases}) >= 6
     assert {c.api for c in cases} == {"logprobs", "backward"}
     assert {c.tree for c in cases} == {True, False}
     assert any(c.max_tokens is not None for c in cases) and any(c.checkpointing for c in cases)
+    assert any(c.plan for c in cases)
+    for kind in (fuzz.FLOAT32_PARTS, fuzz.CACHE_PATH, fuzz.STREAMS):
+        assert any(c.model in kind for c in cases), sorted(kind)

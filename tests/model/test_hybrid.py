@@ -164,6 +164,31 @@ def test_gradients_reach_the_prompt_through_its_state(monkeypatch):
     assert _grad_error(got, want) > 1e-6
 
 
+@pytest.mark.parametrize("trained, mode", [("model.norm.", "keep"), ("q_proj", "recompute")])
+def test_backward_with_frozen_layers_under_the_prompt_state(trained, mode):
+    """Only some parameters trained (LoRA, a frozen body): a prompt state that no trained parameter reaches (all of
+    it when only the final norm trains) needs no backward; ``sp.backward`` used to hand it to autograd and fail
+    ("element 1 of tensors does not require grad", found by the fuzzer). The trained parameters get the plain
+    gradient."""
+    model, gs = model_of("zaya"), groups_of()
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.requires_grad_(trained in n)
+    try:
+        with Float64Inside():
+            lp = plain_logprobs(model, gs)[0]
+            w = _weights(lp.shape)
+            want = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
+            model.zero_grad(set_to_none=True)
+            sp.backward(model, gs, lambda b: (b.logprobs * w[b.index]).sum(), max_tokens=7, prefix_activations=mode)
+            got = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+            model.zero_grad(set_to_none=True)
+        assert want and _grad_error(got, want) <= 1e-9
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(before[n])
+
+
 def test_refusals_name_the_value_and_the_fix():
     model, gs = model_of("zaya"), groups_of()
     with pytest.raises(ValueError, match=r"max_tokens=5 is below groups\[0\]'s longest completion \(6 tokens\)"):

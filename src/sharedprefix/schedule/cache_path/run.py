@@ -266,6 +266,9 @@ def backward(model, groups, loss_fn, options: CallOptions, grad_hooks=None):
             cache, slots, tensors, h = run.prompt(g)
             outs = tensors + [h]
             got = [(o, x.grad) for o, x in zip(outs, leaves) if x.grad is not None]
+        got = [(o, gr) for o, gr in got if o.requires_grad]  # state of frozen layers only (LoRA, frozen embeddings)
+        if not got:
+            continue
         with deferred.during_backward():
             torch.autograd.backward([o for o, _ in got], [gr for _, gr in got])
     return BackwardResult(
