@@ -41,3 +41,18 @@ def test_stashed_gradients_restored_after_an_error(one_rank_group):
     sp.backward(model, groups, lambda b: b.logprobs.sum())
     again = {n: p.grad for n, p in inner.named_parameters()}
     assert all(torch.allclose(again[n], before[n], rtol=1e-12, atol=0) for n in before)
+
+
+def test_a_ddp_communication_hook_is_refused(one_rank_group):
+    """A comm hook (here fp16 compression) runs in DDP's reducer, which sharedprefix's own all-reduce replaces: the
+    plain run's gradient would be the hook's, ours not, so the call refuses the model, naming the hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = torch.nn.parallel.DistributedDataParallel(tiny_model("llama"))
+    groups = random_groups(0, 2, [9, 4], [[3, 2], [5]])
+    sp.backward(model, groups, lambda b: b.logprobs.sum())  # without a hook: runs
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    with pytest.raises(ValueError, match=r"communication hook \(fp16_compress_hook\); .* without register_comm_hook"):
+        sp.backward(model, groups, lambda b: b.logprobs.sum())
+    with pytest.raises(ValueError, match=r"communication hook \(fp16_compress_hook\)"):
+        sp.logprobs(model, groups)

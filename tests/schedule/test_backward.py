@@ -149,6 +149,42 @@ def test_bad_budgets_and_modes_are_refused_with_the_fix():
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_torch_checkpoint_wrappers_are_checkpointing(reentrant):
+    """torch's ``apply_activation_checkpointing`` (accelerate's FSDP ``activation_checkpointing``, torchtitan) wraps
+    layers in ``CheckpointWrapper``s, which recompute them in the backward: unseen, grad-enabled log-probs ran
+    without deferring (non-reentrant: torch's CheckpointError; reentrant: gradients 1.2 away, silently) and a
+    reentrant split ran (0.98 away)."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as cw
+
+    model = tiny_model("llama")
+    impl = cw.CheckpointImpl.REENTRANT if reentrant else cw.CheckpointImpl.NO_REENTRANT
+    layer = type(model.model.layers[0])
+    wrap = functools.partial(cw.checkpoint_wrapper, checkpoint_impl=impl)
+    cw.apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrap, check_fn=lambda m: isinstance(m, layer))
+    assert isinstance(model.model.layers[0], cw.CheckpointWrapper)
+    groups = random_groups(1, 3, *SPEC)
+    W = torch.randn(10, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    want, _ = plain_reference(model, groups, W)
+    _, got = run_backward(model, groups, weighted_loss(W), max_tokens=None)
+    assert_grads_close(got, want, 1e-9)
+    got = grads_of(model, lambda: (sp.logprobs(model, groups).logprobs * W).sum())  # it defers
+    assert_grads_close(got, want, 1e-9)
+    if reentrant:
+        with pytest.raises(
+            ValueError, match="use_reentrant=True is on, .* checkpoint_impl=CheckpointImpl.NO_REENTRANT"
+        ):
+            run_backward(model, groups, weighted_loss(W), max_tokens=7)
+        return
+    for mode in MODES:
+        _, got = run_backward(model, groups, weighted_loss(W), max_tokens=7, prefix_activations=mode)
+        assert_grads_close(got, want, 1e-9)
+    got = grads_of(model, lambda: (sp.logprobs(model, groups, max_tokens=7).logprobs * W).sum())
+    assert_grads_close(got, want, 1e-9)
+
+
 def test_checkpointing_without_use_reentrant_counts_as_reentrant():
     """torch's checkpoint defaults to use_reentrant=True when the keyword is absent; that must be refused too."""
     model = tiny_model("llama")

@@ -143,21 +143,42 @@ def config_attention_layers(model: PreTrainedModel) -> int:
 
 
 def uses_checkpointing(model: PreTrainedModel) -> bool:
-    """True when gradient checkpointing is active (training mode), reentrant or not."""
-    return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    """True when activation checkpointing is active, reentrant or not: transformers' gradient checkpointing (in
+    training mode), or torch's checkpoint wrappers around modules (``checkpoint_wrappers``, in any mode)."""
+    hf = model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    return hf or bool(checkpoint_wrappers(model))
 
 
 def uses_reentrant_checkpointing(model: PreTrainedModel) -> bool:
-    """True when gradient checkpointing with ``use_reentrant=True`` is active in training mode."""
+    """True when checkpointing with ``use_reentrant=True`` is active: transformers' in training mode, or a torch
+    checkpoint wrapper's."""
+    if any(_reentrant(fn) for fn in checkpoint_wrappers(model).values()):
+        return True
     if not model.training:
         return False
     for mod in model.modules():
         if getattr(mod, "gradient_checkpointing", False):
-            fn = getattr(mod, "_gradient_checkpointing_func", None)
-            # torch.utils.checkpoint defaults to use_reentrant=True when it is not given
-            if getattr(fn, "keywords", {}).get("use_reentrant", True):
+            if _reentrant(getattr(mod, "_gradient_checkpointing_func", None)):
                 return True
     return False
+
+
+def checkpoint_wrappers(model: torch.nn.Module) -> dict:
+    """{module: its checkpoint function} of torch's activation-checkpointing wrappers inside ``model``
+    (``CheckpointWrapper``, put around layers by ``apply_activation_checkpointing``: accelerate's FSDP
+    ``activation_checkpointing``, torchtitan). They recompute their module in the backward whatever the mode, outside
+    any context of sharedprefix's unless the call defers, as transformers' own checkpointing does."""
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # a torch built without distributed
+        return {}
+    return {m: getattr(m, "checkpoint_fn", None) for m in model.modules() if isinstance(m, CheckpointWrapper)}
+
+
+def _reentrant(fn) -> bool:
+    """Whether a checkpoint function (a ``functools.partial`` of ``torch.utils.checkpoint.checkpoint``) runs
+    reentrant: torch.utils.checkpoint defaults to ``use_reentrant=True`` when it is not given."""
+    return fn is not None and getattr(fn, "keywords", {}).get("use_reentrant", True)
 
 
 def head_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:

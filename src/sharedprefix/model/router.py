@@ -88,7 +88,8 @@ def check_checkpointing(model) -> None:
             f"{type(model).__name__} uses gradient checkpointing with use_reentrant=True, and this call trains its MoE "
             "load-balancing loss: transformers records the router logits inside each checkpointed layer, whose "
             "reentrant forward runs without grad, so the loss gets no gradient (in a plain forward too, silently). "
-            "Use gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or leave the loss "
+            "Use gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default; for torch's "
+            "checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT), or leave the loss "
             "out (aux_loss=False / aux_loss_coef=0.0; TRL: router_aux_loss_coef=0.0)."
         )
 

@@ -41,8 +41,9 @@ def check_call(
             "gradient checkpointing with use_reentrant=True is on, and this plan splits a group across passes: "
             "reentrant checkpointing only returns gradients to a layer's explicit inputs, so the cached prompt "
             "K/V read inside each layer would get none. Enable it with "
-            "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default), or raise "
-            "max_tokens so that every group fits one pass."
+            "gradient_checkpointing_kwargs={'use_reentrant': False} (the transformers default; for torch's "
+            "checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT), or raise max_tokens so that every "
+            "group fits one pass."
         )
     if plan.splits and implementation(model) == indexed.NAME and not indexed.indexers(model):
         raise ValueError(indexed.split_refusal(name))

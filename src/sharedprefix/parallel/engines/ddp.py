@@ -48,6 +48,7 @@ class DDP(Engine):
                 "(fully_shard, or transformers' DistributedConfig(tp_size=..., fsdp_size=...)), not under DDP. Shard "
                 "the data dimension with FSDP2 instead."
             )
+        _refuse_comm_hook(model)
         group = getattr(model, "process_group", None)
         return cls(root, world, tensor, dist.get_world_size(group) if world > 1 else 1, group)
 
@@ -104,3 +105,18 @@ class DDP(Engine):
         return {
             "DDP data parallelism": "DDP's all-reduce is not combined with the sum over the sequence group (use FSDP2)"
         }
+
+
+def _refuse_comm_hook(ddp) -> None:
+    """Refuse a DDP model with a communication hook (``register_comm_hook``: fp16 / bf16 compression, PowerSGD, a
+    hook of the user's; or a built-in one): the call's gradient is reduced by sharedprefix's own all-reduce, so the
+    hook would never run and the result would not be the plain DDP run's. Read from DDP's logging data, where both
+    kinds of registration name their hook (private: ``_get_ddp_logging_data``; docs/internals.md)."""
+    hook = ddp._get_ddp_logging_data().get("comm_hook") if hasattr(ddp, "_get_ddp_logging_data") else None
+    if hook:
+        raise ValueError(
+            f"the DistributedDataParallel model has a communication hook ({hook}); sharedprefix runs its passes on "
+            "the wrapped module and reduces the call's gradient with one all-reduce of its own, so the hook would "
+            "never run and the gradients would not be the plain DDP run's (uncompressed, where the hook compresses). "
+            "Wrap the model in DistributedDataParallel without register_comm_hook."
+        )
