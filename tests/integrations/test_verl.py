@@ -453,3 +453,71 @@ def test_use_torch_compile_compiles_the_head_and_matches_verl(process_group, pat
     _check_grads(g_v, g_s, path, make(), lf)
     assert flags and all(flags), "the head did not run compiled"
     assert not head._COMPILED["on"]
+
+
+# -- verl's own (natural) micro-batches ---------------------------------------------------------------------------------
+# Our engine regroups rows by prompt and, with dynamic batch sizes, sets force_group_size, so its micro-batches hold
+# other rows than verl's engine puts together on its own. The tests above give verl's engine batches whose groups are
+# contiguous (or one micro-batch for all rows), where both micro-batchings coincide; these give it scattered rows and
+# leave its micro-batching alone (force_group_size at verl's default, 1).
+
+SCATTERED = [5, 0, 11, 2, 7, 1, 9, 4, 3, 10, 6, 8]
+AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def _ppo(loss_agg_mode="token-mean", loss_mode="vanilla", **policy):
+    """verl's ppo_loss as its worker binds it (``partial(ppo_loss, config=actor_config)``): clipping, the k3 KL loss
+    against the reference and the entropy bonus on."""
+    from functools import partial
+
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    cfg = FSDPActorConfig(
+        strategy="fsdp2",
+        rollout_n=1,
+        ppo_mini_batch_size=ROWS,
+        ppo_micro_batch_size_per_gpu=ROWS,
+        loss_agg_mode=loss_agg_mode,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        entropy_coeff=0.01,
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode, **policy),
+    )
+    return partial(ppo_loss, config=cfg)
+
+
+def _natural(td):
+    """verl's own micro-batches of ``td`` (row indices), as its engine forms them."""
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    mbs, indices = prepare_micro_batches(data=td, dp_group=None, same_micro_num_in_dp=True)
+    if indices is not None:
+        return [list(i) for i in indices]
+    sizes = [len(mb) for mb in mbs]
+    return [list(range(sum(sizes[:k]), sum(sizes[: k + 1]))) for k in range(len(sizes))]
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_gradients_match_verls_natural_micro_batches(engines, path, dynamic, mode):
+    """Rows of each group scattered over the batch; verl's engine micro-batches them its own way (groups split
+    across micro-batches), ours regroups them: every loss_agg_mode, with the KL loss and the entropy bonus, gives
+    verl's gradients and summed losses, since verl normalises each term by global constants (batch_num_tokens,
+    global_batch_size, dp_size, the batch's response width)."""
+    ev, es = engines
+    make, lf = _batch(dynamic, Spec(prompts=SPEC.prompts, responses=SPEC.responses, order=SCATTERED)), _ppo(mode)
+    group = [SCATTERED[i] // 4 for i in range(ROWS)]  # the group of each row of the batch
+    natural = _natural(make())
+    assert any(len({group[i] for i in mb}) > 1 for mb in natural)  # verl's micro-batches mix and split groups
+    (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
+    _check_grads(g_v, g_s, path, make(), lf)
+    assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
+    m_v, m_s = out_v["metrics"], out_s["metrics"]
+    for key in ("actor/pg_loss", "actor/entropy_loss", "kl_loss"):  # summed over micro-batches: the same
+        assert m_s[key].aggregate() == pytest.approx(m_v[key].aggregate(), rel=AGREE), key
+    # verl's per-micro-batch means (actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower: a masked mean per
+    # micro-batch, averaged over the micro-batches) depend on which rows share one, and differ (docs/verl.md)
