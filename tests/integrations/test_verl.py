@@ -455,7 +455,7 @@ def test_use_torch_compile_compiles_the_head_and_matches_verl(process_group, pat
     assert not head._COMPILED["on"]
 
 
-# -- verl's own (natural) micro-batches ---------------------------------------------------------------------------------
+# -- verl's own (natural) micro-batches --------------------------------------------------------------------------------
 # Our engine regroups rows by prompt and, with dynamic batch sizes, sets force_group_size, so its micro-batches hold
 # other rows than verl's engine puts together on its own. The tests above give verl's engine batches whose groups are
 # contiguous (or one micro-batch for all rows), where both micro-batchings coincide; these give it scattered rows and
@@ -521,3 +521,65 @@ def test_gradients_match_verls_natural_micro_batches(engines, path, dynamic, mod
         assert m_s[key].aggregate() == pytest.approx(m_v[key].aggregate(), rel=AGREE), key
     # verl's per-micro-batch means (actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower: a masked mean per
     # micro-batch, averaged over the micro-batches) depend on which rows share one, and differ (docs/verl.md)
+
+
+def _bypass_reinforce_normalised():
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    corr = RolloutCorrectionConfig(loss_type="reinforce", rollout_is="token", rollout_is_batch_normalize=True)
+    return _ppo(loss_mode="bypass_mode", rollout_correction=corr)
+
+
+# verl 0.9.1's policy losses whose value depends on the rows of each micro-batch (sharedprefix.integrations.verl_losses)
+MICRO_BATCH_LOSSES = {
+    "geo_mean": lambda: _ppo(loss_mode="geo_mean"),
+    "kl_cov": lambda: _ppo(loss_mode="kl_cov", kl_cov_ratio=0.1),
+    "clip_cov": lambda: _ppo(loss_mode="clip_cov"),
+    "bypass_reinforce_normalised": _bypass_reinforce_normalised,
+}
+
+
+@pytest.mark.parametrize("name", list(MICRO_BATCH_LOSSES))
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_micro_batch_dependent_losses_refused(engines, name, dynamic):
+    """Where our micro-batches hold other rows than verl's own, a loss that depends on them is refused per batch."""
+    _, es = engines
+    td = _batch(dynamic, Spec(prompts=SPEC.prompts, responses=SPEC.responses, order=SCATTERED))()
+    with pytest.raises(
+        ValueError,
+        match=r"policy_loss.loss_mode=.*depends on which rows share a micro-batch.*differ "
+        r"from the ones verl's engine forms.*use_dynamic_bsz=False",
+    ):
+        train(es, td, MICRO_BATCH_LOSSES[name]())
+    # the additive loss of the same batch runs (the other test above checks its values)
+    from sharedprefix.integrations.verl_losses import micro_batch_dependent
+
+    assert micro_batch_dependent(_ppo()) is None
+    assert micro_batch_dependent(_ppo(loss_mode="bypass_mode")) is None  # ppo_clip: the weights are metrics only
+
+
+@pytest.mark.parametrize("name", ["geo_mean", "kl_cov"])
+def test_micro_batch_dependent_losses_with_verls_micro_batches(engines, name):
+    """Static micro-batches of whole groups in verl's order are verl's own micro-batches: accepted, and exact."""
+    ev, es = engines
+    make, lf = _batch(False), MICRO_BATCH_LOSSES[name]()
+    (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
+    # (no float64 yardstick: the reference evaluates the loss on all rows at once, which these losses tell apart)
+    assert rel(g_s, g_v) <= AGREE
+    assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
+
+
+@pytest.mark.parametrize("name", ["geo_mean", "kl_cov"])
+def test_micro_batch_dependent_losses_would_differ(engines, name, monkeypatch):
+    """The refusal's reason, kept true: without it, ours (whole groups per micro-batch) and verl's engine (its own
+    dynamic micro-batches of the scattered rows) give other gradients."""
+    import sharedprefix.integrations.verl as integration
+
+    ev, es = engines
+    make, lf = (
+        _batch(True, Spec(prompts=SPEC.prompts, responses=SPEC.responses, order=SCATTERED)),
+        MICRO_BATCH_LOSSES[name](),
+    )
+    monkeypatch.setattr(integration, "micro_batch_dependent", lambda f: None)
+    (_, g_v), (_, g_s) = train(ev, make(), lf), train(es, make(), lf)
+    assert rel(g_s, g_v) > 1000 * AGREE  # measured: geo_mean 0.50, kl_cov 0.024
