@@ -91,7 +91,7 @@ from sharedprefix.integrations.verl_layout import (
     split_groups,
     to_verl,
 )
-from sharedprefix.integrations.verl_losses import micro_batch_dependent
+from sharedprefix.integrations.verl_losses import micro_batch_dependent, signature
 from sharedprefix.integrations.verl_vl import (
     check_mrope_positions,
     check_vl_config,
@@ -305,8 +305,10 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             raise ValueError(_split_message(split, dynamic, data))
         if natural is not None:
             ours = [[order[i] for i in mb] for mb in members]  # rows of verl's batch, in verl's order
-            if self._agree_max(int(ours != natural[1])):  # every rank raises, none waits for the others
-                raise ValueError(_membership_message(natural[0], ours, natural[1], dynamic))
+            dependence, theirs = natural
+            differ = signature(ours, dependence.on) != signature(theirs, dependence.on)
+            if self._agree_max(int(differ)):  # every rank raises, none waits for the others
+                raise ValueError(_membership_message(dependence.setting, ours, theirs, dynamic))
 
         outputs = []
         defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
@@ -381,8 +383,8 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
         return out
 
     def _natural_micro_batches(self, data, loss_function, forward_only):
-        """(the setting, verl's own micro-batches of ``data`` as row lists) when training with a loss of verl's that
-        depends on which rows share a micro-batch (``verl_losses.micro_batch_dependent``); None otherwise."""
+        """(the loss's ``Dependence``, verl's own micro-batches of ``data`` as row lists) when training with a loss of
+        verl's that depends on the micro-batches (``verl_losses.micro_batch_dependent``); None otherwise."""
         setting = None if forward_only or loss_function is None else micro_batch_dependent(loss_function)
         if setting is None:
             return None
