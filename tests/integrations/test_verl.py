@@ -460,9 +460,10 @@ def test_use_torch_compile_compiles_the_head_and_matches_verl(process_group, pat
 
 # -- verl's own (natural) micro-batches --------------------------------------------------------------------------------
 # Our engine regroups rows by prompt and, with dynamic batch sizes, sets force_group_size, so its micro-batches hold
-# other rows than verl's engine puts together on its own. The tests above give verl's engine batches whose groups are
-# contiguous (or one micro-batch for all rows), where both micro-batchings coincide; these give it scattered rows and
-# leave its micro-batching alone (force_group_size at verl's default, 1).
+# other rows than verl's engine puts together on its own. The tests above give verl's engine groups in order (static:
+# its micro-batches are ours; dynamic: its own, which mix groups, for three loss settings) or one micro-batch of every
+# row (test_rows_regrouped_by_prompt), which cannot tell the micro-batchings apart. These give it scattered rows and
+# leave its micro-batching alone (force_group_size at verl's default, 1), static and dynamic, for each loss_agg_mode.
 
 SCATTERED = [5, 0, 11, 2, 7, 1, 9, 4, 3, 10, 6, 8]
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
