@@ -615,7 +615,8 @@ def _float64_grads(path, td, loss, parts):
     """verl's loss of a float64 plain forward of each row, summed over the micro-batches ``parts`` (row lists), as
     verl's engine evaluates it micro-batch by micro-batch: the gradient, by parameter."""
     import transformers as tf
-    from verl_support import dtype_faithful_norms
+
+    from sharedprefix.tools.reference import dtype_faithful_norms
 
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
     dtype_faithful_norms(model)
