@@ -551,7 +551,7 @@ def _bypass_reinforce_normalised():
 MICRO_BATCH_LOSSES = {
     "geo_mean": lambda: _ppo(loss_mode="geo_mean"),
     "kl_cov": lambda: _ppo(loss_mode="kl_cov", kl_cov_ratio=0.1),
-    "clip_cov": lambda: _ppo(loss_mode="clip_cov"),
+    "clip_cov": lambda: _ppo(loss_mode="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-5.0),
     "bypass_reinforce_normalised": _bypass_reinforce_normalised,
 }
 
@@ -581,16 +581,37 @@ def test_micro_batch_dependent_losses_refused(engines, name, dynamic):
 
 @pytest.mark.parametrize(
     "name, spec",
-    [("geo_mean", SPEC), ("kl_cov", SPEC), ("geo_mean", NATURAL)],
-    ids=["geo_mean", "kl_cov", "geo_mean-scattered"],
+    [("geo_mean", SPEC), ("kl_cov", SPEC), ("clip_cov", SPEC), ("geo_mean", NATURAL)],
+    ids=["geo_mean", "kl_cov", "clip_cov", "geo_mean-scattered"],
 )
 def test_micro_batch_dependent_losses_with_verls_micro_batches(engines, name, spec):
     """Static micro-batches of whole groups in verl's order are verl's own micro-batches: accepted, and exact; so
-    are geo_mean's static micro-batches of scattered rows, which weigh every row as verl's (1 / micro-batch size)."""
+    are geo_mean's static micro-batches of scattered rows, which weigh every row as verl's (1 / micro-batch size).
+    clip_cov draws its clipped tokens at random: the same seed, the same micro-batches, the same draw."""
     ev, es = engines
     make, lf = _batch(False, spec), MICRO_BATCH_LOSSES[name]()
-    (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
+
+    def seeded(engine, seed=0):
+        torch.manual_seed(seed)
+        return train(engine, make(), lf)
+
+    (out_v, g_v), (out_s, g_s) = seeded(ev), seeded(es)
+    if name == "clip_cov":  # the draw matters: another seed, another gradient
+        assert rel(seeded(ev, 1)[1], g_v) > 1000 * AGREE
     # (no float64 yardstick: the reference evaluates the loss on all rows at once, which these losses tell apart)
+    assert rel(g_s, g_v) <= AGREE
+    assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
+
+
+def test_budget_with_verls_natural_micro_batches(process_group, path, monkeypatch):
+    """SHAREDPREFIX_MAX_TOKENS (verl's loss evaluated per micro-batch on values computed first, then its gradient
+    through sp.backward) against verl's own dynamic micro-batches of scattered rows."""
+    monkeypatch.setenv(ENV_MAX_TOKENS, "24")
+    es = build(SharedPrefixFSDPEngine, path)
+    monkeypatch.delenv(ENV_MAX_TOKENS)
+    ev = build(FSDPEngineWithLMHead, path)
+    make, lf = _batch(True, NATURAL), _ppo("seq-mean-token-sum-norm")
+    (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
     assert rel(g_s, g_v) <= AGREE
     assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
 
