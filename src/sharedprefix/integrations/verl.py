@@ -519,10 +519,9 @@ def _membership_message(setting: str, ours: list[list[int]], natural: list[list[
         f"{setting}, so its gradient depends on which rows share a micro-batch. sharedprefix's verl engine keeps each "
         f"prompt group in one micro-batch ({how}); for this batch its micro-batches (rows {_rows(ours)}) differ from "
         f"the ones verl's engine forms (rows {_rows(natural)}), and the result would differ from verl's. Use static "
-        "micro-batches "
-        "(actor_rollout_ref.actor.use_dynamic_bsz=False) of a multiple of rollout.n rows with the rows of each group "
-        "adjacent, as verl's rollout and uid-level balancing deliver them (actor_rollout_ref.actor.use_prefix_grouper="
-        "True, shuffle=False), or a policy loss normalised by global constants (vanilla, gspo, ...)."
+        "micro-batches (actor_rollout_ref.actor.use_dynamic_bsz=False) of a multiple of rollout.n rows with the rows "
+        "of each group adjacent, as verl's rollout and uid-level balancing deliver them (actor_rollout_ref.actor."
+        "use_prefix_grouper=True, shuffle=False), or a policy loss normalised by global constants (vanilla, gspo, ...)."
     )
 
 
