@@ -91,6 +91,7 @@ from sharedprefix.integrations.verl_layout import (
     split_groups,
     to_verl,
 )
+from sharedprefix.integrations.verl_losses import micro_batch_dependent, signature
 from sharedprefix.integrations.verl_vl import (
     check_mrope_positions,
     check_vl_config,
@@ -287,6 +288,7 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
             keys = [k + b"|" + m for k, m in zip(keys, image_keys(row_inputs(data, len(keys))))]
         order = grouping_order(keys)
         regrouped = order != list(range(len(order)))
+        natural = self._natural_micro_batches(data, loss_function, forward_only)
         if regrouped:
             data = tu.index_select_tensor_dict(data, order)
             keys = [keys[i] for i in order]
@@ -301,6 +303,12 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
         split = self._agree_max(len(split_groups(keys, members)))  # every rank raises, none waits for the others
         if split:
             raise ValueError(_split_message(split, dynamic, data))
+        if natural is not None:
+            ours = [[order[i] for i in mb] for mb in members]  # rows of verl's batch, in verl's order
+            dependence, theirs = natural
+            differ = signature(ours, dependence.on) != signature(theirs, dependence.on)
+            if self._agree_max(int(differ)):  # every rank raises, none waits for the others
+                raise ValueError(_membership_message(dependence.setting, ours, theirs, dynamic))
 
         outputs = []
         defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
@@ -373,6 +381,20 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
         if forward_only or tu.get_non_tensor_data(data=mb, key="return_model_output", default=False):
             out["model_output"] = detach_tree(outs)  # training drops it, as verl does (train_batch discards it)
         return out
+
+    def _natural_micro_batches(self, data, loss_function, forward_only):
+        """(the loss's ``Dependence``, verl's own micro-batches of ``data`` as row lists) when training with a loss of
+        verl's that depends on the micro-batches (``verl_losses.micro_batch_dependent``); None otherwise."""
+        setting = None if forward_only or loss_function is None else micro_batch_dependent(loss_function)
+        if setting is None:
+            return None
+        mbs, indices = prepare_micro_batches(
+            data=data, dp_group=self.get_data_parallel_group(), same_micro_num_in_dp=True
+        )
+        rows = (
+            [list(map(int, i)) for i in indices] if indices is not None else _chunks(len(data), [len(m) for m in mbs])
+        )
+        return setting, rows
 
     def _sequence_group(self):
         """verl's Ulysses group (``ulysses_sequence_parallel_size > 1``: its ranks hold the same micro-batches),
@@ -480,6 +502,27 @@ def _chunks(n: int, sizes: list[int]) -> list[list[int]]:
     if a != n:
         raise RuntimeError(f"micro-batches hold {a} rows of {n} (internal error).")
     return out
+
+
+def _rows(micro_batches: list[list[int]], shown: int = 4) -> str:
+    text = "; ".join(str(mb if len(mb) <= 2 * shown else mb[:shown] + ["..."]) for mb in micro_batches[:shown])
+    return text + ("; ..." if len(micro_batches) > shown else "")
+
+
+def _membership_message(setting: str, ours: list[list[int]], natural: list[list[int]], dynamic: bool) -> str:
+    how = (
+        "with dynamic batch sizes it sets force_group_size, so its micro-batches are formed from whole groups"
+        if dynamic
+        else "its static micro-batches hold the rows regrouped by prompt"
+    )
+    return (
+        f"{setting}, so its gradient depends on which rows share a micro-batch. sharedprefix's verl engine keeps each "
+        f"prompt group in one micro-batch ({how}); for this batch its micro-batches (rows {_rows(ours)}) differ from "
+        f"the ones verl's engine forms (rows {_rows(natural)}), and the result would differ from verl's. Use static "
+        "micro-batches (actor_rollout_ref.actor.use_dynamic_bsz=False) of a multiple of rollout.n rows with the rows "
+        "of each group adjacent, as verl's rollout and uid-level balancing deliver them (actor_rollout_ref.actor."
+        "use_prefix_grouper=True, shuffle=False), or a policy loss normalised by global constants (vanilla, gspo, ...)."
+    )
 
 
 def _split_message(n: int, dynamic: bool, data) -> str:
