@@ -36,7 +36,7 @@ from sharedprefix import settings
 from sharedprefix.layout.groups import Group
 from sharedprefix.layout.rows import Tree
 from sharedprefix.model import router
-from sharedprefix.model.adapter import unwrap
+from sharedprefix.model.adapter import in_forward_autocast, unwrap
 from sharedprefix.parallel.detect import detect, sync_enabled
 from sharedprefix.schedule import call, rounds
 from sharedprefix.schedule.cache_path import calls as cache_path
@@ -81,7 +81,8 @@ def plan_call(model: torch.nn.Module, groups: Sequence[Group] | Tree, **options)
     the plan: a call that passes another value of one of them is refused; the others are the calls' defaults, which
     a call may change). Under DDP / FSDP2 every rank calls it, and a refusal on one rank is raised on every rank.
     """
-    return call.plan_agreed(model, groups, options)
+    with in_forward_autocast(model):  # the probe runs a forward: as the model's own would (accelerate's)
+        return call.plan_agreed(model, groups, options)
 
 
 def logprobs(
@@ -134,17 +135,18 @@ def logprobs(
     given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, defer=defer)
     given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, aux_loss=aux_loss)
     given["sequence_group"] = sequence_group
-    opts, path, cp, error = call.prepare(model, groups, False, given, _defaults(logprobs), _call_checks())
-    if path is Path.HYBRID:
-        return cache_path.hybrid_logprobs(model, groups, opts)
-    if torch.is_grad_enabled() and (opts.aux_loss or (opts.aux_loss is None and router.enabled(unwrap(model)))):
-        router.check_checkpointing(unwrap(model))  # reentrant checkpointing drops the aux loss's gradient
-    if path is Path.DEFERRED:
-        with torch.no_grad():
-            out, records = rounds.forward(model, cp, opts, aux=opts.aux_loss, error=error)
-            grads = router.segment_grads(unwrap(model), records) if records else None
-        return defer_logprobs(_deferred_backward, model, cp, out, opts, grads, engine=detect(model, unwrap(model)))
-    return rounds.forward(model, cp, opts, aux=opts.aux_loss, error=error)[0]
+    with in_forward_autocast(model):  # accelerate's mixed precision wraps the forward, not the decoder we run
+        opts, path, cp, error = call.prepare(model, groups, False, given, _defaults(logprobs), _call_checks())
+        if path is Path.HYBRID:
+            return cache_path.hybrid_logprobs(model, groups, opts)
+        if torch.is_grad_enabled() and (opts.aux_loss or (opts.aux_loss is None and router.enabled(unwrap(model)))):
+            router.check_checkpointing(unwrap(model))  # reentrant checkpointing drops the aux loss's gradient
+        if path is Path.DEFERRED:
+            with torch.no_grad():
+                out, records = rounds.forward(model, cp, opts, aux=opts.aux_loss, error=error)
+                grads = router.segment_grads(unwrap(model), records) if records else None
+            return defer_logprobs(_deferred_backward, model, cp, out, opts, grads, engine=detect(model, unwrap(model)))
+        return rounds.forward(model, cp, opts, aux=opts.aux_loss, error=error)[0]
 
 
 def backward(
@@ -209,18 +211,19 @@ def backward(
     given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, sync=sync)
     given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, offload_device=offload_device)
     given["sequence_group"] = sequence_group
-    opts, path, cp, error = call.prepare(model, groups, True, given, _defaults(backward), _call_checks(), coef)
-    opts = opts.replace(sync=opts.sync and sync_enabled(model))  # inside DDP's no_sync(): accumulate, as DDP does
-    if path is Path.HYBRID:
-        return cache_path.hybrid_backward(model, groups, loss_fn, opts)
-    aux = None
-    if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
-        router.check_checkpointing(unwrap(model))
-        with torch.no_grad():
-            first_opts = opts.replace(entropy=False, sequence_group=None)
-            _, records = rounds.forward(model, cp, first_opts, aux=True, error=error)
-        aux = router.scaled_grads(unwrap(model), records, coef)
-    return rounds.backward(model, cp, opts, loss_fn, aux=aux, aux_coef=coef, error=error)
+    with in_forward_autocast(model):  # accelerate's mixed precision wraps the forward, not the decoder we run
+        opts, path, cp, error = call.prepare(model, groups, True, given, _defaults(backward), _call_checks(), coef)
+        opts = opts.replace(sync=opts.sync and sync_enabled(model))  # inside DDP's no_sync(): accumulate, as DDP does
+        if path is Path.HYBRID:
+            return cache_path.hybrid_backward(model, groups, loss_fn, opts)
+        aux = None
+        if coef:  # one no-grad forward of every row: the aux loss and each token's gradient of it
+            router.check_checkpointing(unwrap(model))
+            with torch.no_grad():
+                first_opts = opts.replace(entropy=False, sequence_group=None)
+                _, records = rounds.forward(model, cp, first_opts, aux=True, error=error)
+            aux = router.scaled_grads(unwrap(model), records, coef)
+        return rounds.backward(model, cp, opts, loss_fn, aux=aux, aux_coef=coef, error=error)
 
 
 def _deferred_backward(model, cp: CallPlan, loss_fn, options: CallOptions, aux_grads=None, collect=False):

@@ -13,6 +13,7 @@ Notation: M = predicted tokens, d = hidden size, V = vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from collections.abc import Callable
@@ -70,6 +71,50 @@ def adapter_state(model: torch.nn.Module) -> tuple:
         for name, m in unwrap(model).named_modules()
         if isinstance(getattr(type(m), "disable_adapters", None), property) and hasattr(m, "active_adapters")
     )
+
+
+def forward_autocast(model: torch.nn.Module) -> torch.autocast | None:
+    """The ``torch.autocast`` that a wrapper put around the forward of ``model`` or of a wrapper inside it
+    (accelerate's mixed precision: ``Accelerator.prepare`` replaces the model's ``forward`` with one that runs the
+    original under autocast and converts the outputs to float32), found in that instance-level ``forward``'s
+    closures; None where there is none. sharedprefix runs the decoder itself, not that ``forward``, so a call
+    applies this autocast itself (``api``), as the plain run would."""
+    for m in wrappers(model):
+        forward = vars(m).get("forward") if isinstance(m, torch.nn.Module) else None
+        if forward is not None and (found := _autocast_in(forward, 6)) is not None:
+            return found
+    return None
+
+
+def _autocast_in(fn, depth: int) -> torch.autocast | None:
+    """A ``torch.autocast`` among the closure cells (and ``model_forward`` / ``__wrapped__``) of the callable
+    ``fn`` and of the callables there, ``depth`` levels down."""
+    if fn is None or depth == 0:
+        return None
+    if isinstance(fn, torch.autocast):
+        return fn
+    fn = getattr(fn, "__func__", fn)
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, torch.autocast) or callable(v):
+            if (found := _autocast_in(v, depth - 1)) is not None:
+                return found
+    for attr in ("model_forward", "__wrapped__"):  # accelerate's ConvertOutputsToFp32, functools.wraps
+        if (found := _autocast_in(getattr(fn, attr, None), depth - 1)) is not None:
+            return found
+    return None
+
+
+def in_forward_autocast(model: torch.nn.Module):
+    """A context that enables the autocast around ``model``'s forward (``forward_autocast``) where the caller has
+    not enabled autocast on its device already; a null context otherwise."""
+    found = forward_autocast(model)
+    if found is None or not found._enabled or torch.is_autocast_enabled(found.device):
+        return contextlib.nullcontext()
+    return torch.autocast(found.device, dtype=found.fast_dtype, cache_enabled=found._cache_enabled)
 
 
 def refuse_prompt_learning(peft_model) -> None:
