@@ -63,3 +63,19 @@ def test_a_decoder_that_counts_padding_is_refused():
     )
     with pytest.raises(ValueError, match="numbers the positions of a row differently from 0..L-1"):
         sp.logprobs(counting, _groups())
+
+
+def test_a_forward_that_changes_state_is_refused_for_that_reason():
+    """spectral_norm in training mode runs a power iteration step per forward: the same row gives other hidden
+    states on a second forward, which the check names (it named the positions before). In eval mode it is exact."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    model = tiny_model()
+    for layer in model.model.layers:
+        spectral_norm(layer.self_attn.o_proj)
+    groups = [sp.Group([1, 2, 3, 4, 5, 6], [[7, 8], [9]]), sp.Group([4, 5], [[6, 7, 8]])]
+    model.eval()
+    assert_matches_plain_rows(model, groups, budget=7)
+    model.train()
+    with pytest.raises(ValueError, match="gives other hidden states for the same row on a second forward"):
+        sp.logprobs(model, groups)

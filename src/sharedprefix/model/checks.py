@@ -154,6 +154,14 @@ def _check_positions_and_convolutions(model, dec, ids, hidden, convolutions_allo
     if isinstance(pad, int) and _numbers_after_padding(dec, ids, hidden, pad, close):
         _PADDING_NUMBERED[model] = pad
         return False
+    again = dec(input_ids=ids, use_cache=False).last_hidden_state[0]
+    if not close(again, hidden):  # not the positions: the same forward twice differs
+        raise ValueError(
+            f"{name}'s decoder gives other hidden states for the same row on a second forward: its forward changes "
+            "the model's state (in training mode: spectral_norm's power iteration, BatchNorm's running statistics, "
+            "a buffer updated in place), once per row in the plain run and fewer times where rows share a prompt, "
+            "so sharedprefix cannot reproduce it. Call model.eval(), or remove what updates the state."
+        )
     raise ValueError(
         f"{name}'s decoder numbers the positions of a row differently from 0..L-1 when given no position_ids, and "
         "not as RoBERTa does (padding index + 1 + the count of non-padding tokens so far), so the position ids "
