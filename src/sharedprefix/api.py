@@ -36,7 +36,8 @@ from sharedprefix import settings
 from sharedprefix.layout.groups import Group
 from sharedprefix.layout.rows import Tree
 from sharedprefix.model import router
-from sharedprefix.model.adapter import in_forward_autocast, unwrap
+from sharedprefix.model.adapter import unwrap
+from sharedprefix.model.forward_mode import in_forward_autocast
 from sharedprefix.parallel.detect import detect, sync_enabled
 from sharedprefix.schedule import call, rounds
 from sharedprefix.schedule.cache_path import calls as cache_path

@@ -1,6 +1,6 @@
 """accelerate's mixed precision: ``Accelerator(mixed_precision="bf16").prepare(model)`` replaces the model's
 ``forward`` with one that runs under ``torch.autocast`` (and converts the outputs to float32). sharedprefix runs the
-decoder, not that forward, so each call applies the same autocast itself (``model.adapter.forward_autocast``): its
+decoder, not that forward, so each call applies the same autocast itself (``model.forward_mode.forward_autocast``): its
 log-probs and gradients are within twice the plain bf16 run's error against float64 (the bf16 rule), where before
 the head check compared the autocast forward with a float32 head and refused the model with a false reason."""
 
@@ -9,7 +9,7 @@ import torch
 
 import sharedprefix as sp
 from helpers import plain_logprobs, random_groups, tiny_model
-from sharedprefix.model import adapter
+from sharedprefix.model import forward_mode
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -42,7 +42,7 @@ def _err(got, want):
 
 def test_bf16_mixed_precision_follows_the_prepared_forward(prepared):
     model64, model = prepared
-    found = adapter.forward_autocast(model)
+    found = forward_mode.forward_autocast(model)
     assert found is not None and found.fast_dtype == torch.bfloat16
     exact = plain_logprobs(model64, GROUPS)[0]
     W = torch.randn(exact.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * (exact != 0)
@@ -83,8 +83,8 @@ def test_control_without_the_autocast_the_model_is_refused_falsely(prepared, mon
 def test_no_autocast_is_found_where_none_was_put():
     from accelerate.state import AcceleratorState
 
-    assert adapter.forward_autocast(tiny_model()) is None
+    assert forward_mode.forward_autocast(tiny_model()) is None
     try:
-        assert adapter.forward_autocast(accelerate.Accelerator(cpu=True).prepare(tiny_model())) is None
+        assert forward_mode.forward_autocast(accelerate.Accelerator(cpu=True).prepare(tiny_model())) is None
     finally:
         AcceleratorState._reset_state(True)

@@ -10,6 +10,8 @@ the plain forward and sharedprefix with those casts kept float64 (``Float64Insid
 second test holds the model's own float32 layers to the flash-attention rule (at most twice the plain run's error).
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -259,6 +261,18 @@ def test_deferred_logprobs_give_the_backward_gradient():
     want = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     got = _grads(model, lambda: (sp.logprobs(model, gs, max_tokens=6, defer=True).logprobs * w).sum())
     assert _grad_error(got, want) <= 1e-9
+
+
+def test_deferred_logprobs_refuse_a_backward_after_the_parameters_changed():
+    """The cache path's deferred backward recomputes the forward too: an in-place change of a parameter between the
+    call and its backward is refused, as plain autograd refuses it, and nothing is accumulated."""
+    model, gs = copy.deepcopy(model_of("zaya")), groups_of()
+    out = sp.logprobs(model, gs, max_tokens=6, defer=True)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    with pytest.raises(RuntimeError, match=r"after 1 of the model's parameters were modified in place .*'model.norm"):
+        out.logprobs.sum().backward()
+    assert all(p.grad is None for p in model.parameters())
 
 
 ZOO_HYBRIDS = [  # the other zoo hybrids run on the packed path (test_hybrid_packed.py, _ssm.py, _linear.py)

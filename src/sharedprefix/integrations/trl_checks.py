@@ -76,7 +76,7 @@ def check_reentrant_budget(trainer, budget: int | None) -> None:
     """Refuse reentrant gradient checkpointing together with a ``sharedprefix_max_tokens`` ``budget`` (the trainer's
     checked one): a grad-enabled pass that splits a group is refused under it (``schedule.refusals.check_call``), and
     whether a step's groups fit the budget is known only at that step. The rule for "reentrant" is
-    ``model.adapter.uses_reentrant_checkpointing``'s, read from the config: transformers enables checkpointing with
+    ``model.forward_mode.uses_reentrant_checkpointing``'s, read from the config: transformers enables checkpointing with
     ``gradient_checkpointing_kwargs`` as given, ``{"use_reentrant": False}`` when None, and torch's checkpoint is
     reentrant when the key is missing."""
     a = trainer.args

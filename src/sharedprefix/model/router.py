@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from sharedprefix.model.adapter import uses_reentrant_checkpointing
+from sharedprefix.model.forward_mode import uses_reentrant_checkpointing
 from sharedprefix.model.streams import declared_rows
 
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (function, num_experts, top_k)

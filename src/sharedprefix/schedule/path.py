@@ -8,7 +8,8 @@ import enum
 import torch
 
 from sharedprefix.model import mixers
-from sharedprefix.model.adapter import unwrap, uses_checkpointing
+from sharedprefix.model.adapter import unwrap
+from sharedprefix.model.forward_mode import uses_checkpointing
 from sharedprefix.parallel.detect import detect
 from sharedprefix.schedule.options import CallOptions
 

@@ -15,13 +15,8 @@ from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.interface import PassState
 from sharedprefix.attention.layers import softcap_refusal_on
 from sharedprefix.attention.switch import implementation
-from sharedprefix.model.adapter import (
-    decoder,
-    num_attention_layers,
-    unwrap,
-    uses_checkpointing,
-    uses_reentrant_checkpointing,
-)
+from sharedprefix.model.adapter import decoder, num_attention_layers, unwrap
+from sharedprefix.model.forward_mode import uses_checkpointing, uses_reentrant_checkpointing
 from sharedprefix.model.positions import takes_position_ids
 from sharedprefix.parallel import sequence
 from sharedprefix.parallel.detect import detect

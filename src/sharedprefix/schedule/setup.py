@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from sharedprefix.model import router
-from sharedprefix.model.adapter import decoder, unwrap, uses_checkpointing
+from sharedprefix.model.adapter import decoder, unwrap
+from sharedprefix.model.forward_mode import uses_checkpointing
 from sharedprefix.model.multimodal import Multimodal
 from sharedprefix.model.support import check_supported
 from sharedprefix.parallel import sequence

@@ -37,8 +37,9 @@ import torch
 
 from sharedprefix.layout.groups import validate_groups
 from sharedprefix.layout.rows import Tree
-from sharedprefix.model.adapter import decoder, uses_checkpointing
+from sharedprefix.model.adapter import decoder
 from sharedprefix.model.checks import verify_head
+from sharedprefix.model.forward_mode import uses_checkpointing
 from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.streams import embedding_size, head_vocab
 from sharedprefix.model.support import inline_mixer_reason
