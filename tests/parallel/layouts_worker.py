@@ -41,6 +41,8 @@ def plain_rows(model, groups, gidx, world, aux_rank=None):
     what the wrapper divides the summed gradient by."""
     _, W = groups_and_weights()
     rows = [torch.cat([g.prompt, c]) for g in groups for c in g.completions]
+    if not rows and aux_rank is None:  # a rank without groups (HSDP's 4 ranks, 3 groups): a zero loss, same collectives
+        return model(input_ids=torch.tensor([[1, 2]]), use_cache=False).logits.sum() * 0.0
     if aux_rank is not None:
         rows.append(aux_ids(aux_rank)[0])
     L = max(len(r) for r in rows)
@@ -65,12 +67,11 @@ def cell(result, name, model, fn):
     the error it raised (as a string)."""
     try:
         grads = whole_grads(model, fn)
-        result[name] = {
-            k.replace("._checkpoint_wrapped_", "."): v for k, v in grads.items()
-        }  # full_grads took "module."
+        result[name] = {k.replace("._checkpoint_wrapped_", "."): v for k, v in grads.items()}  # without "module."
     except (ValueError, RuntimeError, TypeError, AssertionError) as e:
         model.zero_grad(set_to_none=True)
         result[name] = f"{type(e).__name__}: {e}"
+        print(f"rank {dist.get_rank()}: {name}: {result[name][:300]}", file=sys.stderr)
 
 
 def logprobs_then_backward(model, mine, gidx):
@@ -155,7 +156,11 @@ def fsdp_cells(rank, world, result, mesh=None):
     loss_fn = loss_fn_for(mine, gidx)
 
     def run(model, mode):
-        sp.backward(model, mine, loss_fn, max_tokens=BUDGET, prefix_activations=mode)
+        if mine:
+            sp.backward(model, mine, loss_fn, max_tokens=BUDGET, prefix_activations=mode)
+        else:  # a rank without groups (HSDP: 4 ranks, 3 groups) joins with a zero loss
+            zero = lambda b: (b.logprobs * 0.0).sum()  # noqa: E731
+            sp.backward(model, groups_and_weights()[0][-1:], zero, max_tokens=BUDGET, prefix_activations=mode)
 
     def sharded(ac=None, **kw):
         model = tiny_model("qwen3")
@@ -225,7 +230,7 @@ def fsdp_cells(rank, world, result, mesh=None):
 def main(kind, out):
     import faulthandler
 
-    faulthandler.dump_traceback_later(250, exit=True)
+    faulthandler.dump_traceback_later(250 if kind != "hsdp" else 100, exit=True)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)

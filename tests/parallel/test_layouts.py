@@ -11,7 +11,8 @@ non-reentrant checkpoint wrappers on every layer (accelerate's ``activation_chec
 through the DDP module mixed with an sp.backward call before one step, in each order, inside and outside
 ``no_sync()``. FSDP2: the checkpoint wrappers applied before and after ``fully_shard``,
 ``set_reduce_scatter_divide_factor`` 1, 2 and 4 (and refused when the modules disagree), ``reshard_after_forward``
-as an int, and ``set_requires_gradient_sync(False)`` for the first of two calls.
+as an int, and ``set_requires_gradient_sync(False)`` for the first of two calls; HSDP (a 2-D replicate x shard mesh)
+on 4 ranks.
 """
 
 import os
@@ -109,3 +110,14 @@ def test_fsdp_divide_factors_that_disagree_are_refused(fsdp):
 )
 def test_fsdp_reshard_int_and_no_sync(fsdp, want, cell):
     exact(fsdp[cell], want[0])
+
+
+def test_hsdp_on_four_ranks(tmp_path, want):
+    """FSDP2 on a 2-D (replicate, shard) mesh, 4 ranks (one with no group, which joins with a zero loss): exact (it was
+    refused as "sharded along a second mesh dimension by something other than transformers' tensor parallelism")."""
+    out = tmp_path / "hsdp.pt"
+    torchrun(WORKER, ["hsdp", str(out)], nproc=4, timeout=300)
+    got = torch.load(out, weights_only=False)
+    for call in ("None", "recompute", "plain"):
+        exact(got[f"hsdp/{call}"], want[0])
+    assert "not supported on an FSDP2 model" in got["hsdp/logprobs"]
