@@ -90,7 +90,7 @@ def _divide_factor(root: torch.nn.Module, data_size: int) -> float:
     parameter group, docs/internals.md). Refused when the model's parameter groups disagree: no one scale of the loss
     gives every group the call's gradient."""
     fsdp_cls = _fsdp_module_cls()
-    factors = {}
+    factors: dict[float, str] = {}
     for name, m in root.named_modules():
         if fsdp_cls is not None and isinstance(m, fsdp_cls):
             for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []:
