@@ -81,6 +81,12 @@ def tensor_parallel_size(root: torch.nn.Module, model: torch.nn.Module | None = 
     return tp
 
 
+def _hsdp(placements: tuple) -> bool:
+    """FSDP2's HSDP placements: replicated over the mesh's first dimension, sharded on dim 0 over its second."""
+    kinds = [type(x).__name__ for x in placements]
+    return kinds == ["Replicate", "Shard"] and getattr(placements[1], "dim", None) == 0
+
+
 def _check_param(name: str, p, module, fsdp: bool, tp: int) -> None:
     mesh = p.device_mesh
     placements = tuple(p.placements)
@@ -90,6 +96,8 @@ def _check_param(name: str, p, module, fsdp: bool, tp: int) -> None:
         why = f"a {mesh.ndim}-dimensional device mesh {tuple(mesh.mesh_dim_names or ())}"
     elif not fsdp and not by_transformers:
         why = "a DTensor that neither transformers' tensor parallelism nor FSDP2 placed (a parallelize_module plan?)"
+    elif fsdp and mesh.ndim == 2 and _hsdp(placements) and not by_transformers:
+        return  # HSDP: FSDP2 on a (replicate, shard) mesh, every rank a data-parallel rank (test_layouts.py)
     elif fsdp and mesh.ndim == 2 and sharded_model_axis and not by_transformers:
         why = "sharded along a second mesh dimension by something other than transformers' tensor parallelism"
     else:

@@ -20,8 +20,9 @@ Sequence parallelism: ``c`` is this rank's share, summed over the group before d
 sharded parameters through FSDP2's reduce-scatter, whose plain run fires no tensor hook on them; the unsharded
 parameters' post-accumulate hooks run in the call's last backward (``parallel.grad_hooks``).
 
-DDP: the engine finishes the transaction (``parallel.engines.ddp``: accumulation across ``sync=False`` calls, then
-one all-reduce at the syncing call); the other engines deliver it as above (``Engine.finish_grads``).
+DDP: the engine finishes the transaction (``parallel.engines.ddp``: the contribution added as DDP's own backward
+would add it, every ``.grad`` averaged over the ranks by one all-reduce at the syncing call); the other engines
+deliver it as above (``Engine.finish_grads``).
 """
 
 from __future__ import annotations

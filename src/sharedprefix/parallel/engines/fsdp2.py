@@ -84,6 +84,29 @@ def _fsdp_data_size(root: torch.nn.Module, world: int) -> int:
     return world
 
 
+def _divide_factor(root: torch.nn.Module, data_size: int) -> float:
+    """What FSDP2 divides the summed gradient by: ``data_size``, or the factor set with FSDP2's
+    ``set_gradient_divide_factor`` / ``set_reduce_scatter_divide_factor`` (private ``gradient_divide_factor`` of each
+    parameter group, docs/internals.md). Refused when the model's parameter groups disagree: no one scale of the loss
+    gives every group the call's gradient."""
+    fsdp_cls = _fsdp_module_cls()
+    factors: dict[float, str] = {}
+    for name, m in root.named_modules():
+        if fsdp_cls is not None and isinstance(m, fsdp_cls):
+            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []:
+                f = getattr(group, "gradient_divide_factor", None)
+                factors.setdefault(float(data_size) if f is None else float(f), name or "the root")
+    if len(factors) > 1:
+        listed = ", ".join(f"{f:g} ({n})" for f, n in factors.items())
+        raise ValueError(
+            f"the FSDP2 modules divide their gradients by different factors ({listed}; set_gradient_divide_factor "
+            "or set_reduce_scatter_divide_factor on some modules only); sharedprefix scales a call's loss by one "
+            "factor so that the reduced gradient is the sum over ranks (or the mean with grad_reduction='mean'), "
+            "which no one factor does here. Set the same divide factor on every FSDP2 module, or none."
+        )
+    return next(iter(factors), float(data_size))
+
+
 class FSDP2(Engine):
     name = "FSDP2"
     lockstep = True
@@ -91,6 +114,7 @@ class FSDP2(Engine):
     default_prefix_mode = "recompute"
     replays_tensor_hooks = False
     must_defer = None
+    divide_factor: float | None = None  # what FSDP2 divides the summed gradient by (``_divide_factor``)
 
     @classmethod
     def match(cls, model: torch.nn.Module, root: torch.nn.Module, world: int, tensor: int) -> Engine | None:
@@ -106,7 +130,9 @@ class FSDP2(Engine):
                     "sharedprefix runs around each pass (the FSDP2 root's own hooks); use a torch version that has "
                     "them (torch 2.13, which this was tested with, does)."
                 )
-            return cls(root, world, tensor=tensor, data_size=_fsdp_data_size(root, world))
+            engine = cls(root, world, tensor=tensor, data_size=_fsdp_data_size(root, world))
+            engine.divide_factor = _divide_factor(root, engine.data_size)
+            return engine
         if fsdp_cls is not None and any(isinstance(m, fsdp_cls) for m in root.modules()):
             raise ValueError(
                 "the model has fully_shard (FSDP2) submodules but its root is not sharded; apply fully_shard to the "
@@ -142,10 +168,11 @@ class FSDP2(Engine):
         self.root.set_requires_gradient_sync(enabled)
 
     def loss_scale(self, grad_reduction: str = "sum") -> float:
-        """FSDP2 averages over its W ranks: "sum" scales by W / S (S: the sequence group's size, 1 without one; every
-        rank of a sequence group backpropagates the same loss, and FSDP2 sums their shares), "mean" by 1 (the mean
-        over the W / S data-parallel groups)."""
-        return float(self.data_size) / self.sequence_size() if grad_reduction == "sum" else 1.0
+        """FSDP2 divides the sum over its W ranks by F (W, or the user's ``set_gradient_divide_factor``): "sum" scales
+        by F / S (S: the sequence group's size, 1 without one; every rank of a sequence group backpropagates the same
+        loss, and FSDP2 sums their shares), "mean" by F / W (the mean over the W / S data-parallel groups)."""
+        factor = self.divide_factor or float(self.data_size)
+        return factor / self.sequence_size() if grad_reduction == "sum" else factor / self.data_size
 
     def compute_device(self, fallback: torch.device) -> torch.device:
         """FSDP2's compute device (its parameters may be offloaded to host memory, ``CPUOffloadPolicy``, and are
