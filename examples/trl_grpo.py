@@ -6,6 +6,7 @@ Two CPU processes:   accelerate launch --multi_gpu --num_processes 2 examples/tr
                      (without GPUs, accelerate runs DDP over gloo on the CPU)
 """
 
+import gc
 import random
 import sys
 import tempfile
@@ -76,6 +77,11 @@ if trainer.accelerator.is_main_process:
     steps, processes = trainer.state.global_step, trainer.accelerator.num_processes
     print(f"done: {steps} steps of {type(trainer).__name__} on {processes} process(es)")
 if torch.distributed.is_available() and torch.distributed.is_initialized():
-    # leave the process group before the interpreter exits: gloo's threads torn down at exit can abort the process
+    # leave the process group while the interpreter is whole: the DDP wrapper's reducer holds the process group, and
+    # gloo's threads torn down with it at interpreter exit can abort a rank ("terminate called without an active
+    # exception") after a run that finished. So free the wrapper first (accelerate keeps the prepared models too).
     trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.free_memory()
+    del trainer
+    gc.collect()
     torch.distributed.destroy_process_group()
