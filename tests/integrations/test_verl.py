@@ -469,28 +469,11 @@ NATURAL = Spec(prompts=SPEC.prompts, responses=[[5, 8, 3, 6], [7, 2, 3, 4], [6, 
 
 
 def _ppo(loss_agg_mode="token-mean", loss_mode="vanilla", **policy):
-    """verl's ppo_loss as its worker binds it (``partial(ppo_loss, config=actor_config)``): clipping, the k3 KL loss
-    against the reference and the entropy bonus on."""
-    from functools import partial
-
-    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
-    from verl.workers.utils.losses import ppo_loss
-
-    cfg = FSDPActorConfig(
-        strategy="fsdp2",
-        rollout_n=1,
-        ppo_mini_batch_size=ROWS,
-        ppo_micro_batch_size_per_gpu=ROWS,
-        loss_agg_mode=loss_agg_mode,
-        use_kl_loss=True,
-        kl_loss_coef=0.1,
-        entropy_coeff=0.01,
-        clip_ratio=0.2,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        policy_loss=PolicyLossConfig(loss_mode=loss_mode, **policy),
-    )
-    return partial(ppo_loss, config=cfg)
+    """verl's ppo_loss with clipping, the k3 KL loss against the reference and the entropy bonus on
+    (``LOSSES["clip_kl_entropy"]``) under ``loss_agg_mode`` and the policy loss ``loss_mode`` (``policy``: its
+    other PolicyLossConfig settings)."""
+    policy_loss = {"loss_mode": loss_mode, **policy}
+    return loss_fn("clip_kl_entropy", ROWS, loss_agg_mode=loss_agg_mode, policy_loss=policy_loss)
 
 
 def _natural(td):

@@ -187,8 +187,11 @@ LOSSES = {
 }
 
 
-def loss_fn(name: str, rows: int):
-    kw = dict(LOSSES[name])
+def loss_fn(name: str, rows: int, **overrides):
+    """verl's ``ppo_loss`` as its worker binds it (``partial(ppo_loss, config=actor_config)``) under the settings
+    ``LOSSES[name]``, with ``overrides`` replacing or adding settings (``policy_loss``: a dict of
+    PolicyLossConfig's)."""
+    kw = {**LOSSES[name], **overrides}
     if "policy_loss" in kw:
         from verl.workers.config import PolicyLossConfig
 
