@@ -28,6 +28,9 @@ _PUBLIC = {
     "logprobs": "sharedprefix.api",
     "plan": "sharedprefix.schedule.planner",
     "plan_call": "sharedprefix.api",
+    "plan_step": "sharedprefix.api",
+    "Step": "sharedprefix.api",
+    "Microbatch": "sharedprefix.api",
     "shard_groups": "sharedprefix.parallel.sharding",
     "verify": "sharedprefix.tools.verify",
     "VerifyReport": "sharedprefix.tools.verify",
@@ -38,7 +41,9 @@ __all__ = [
     "CallPlan",
     "Group",
     "LogProbs",
+    "Microbatch",
     "Plan",
+    "Step",
     "Tree",
     "VerifyReport",
     "allow_hook",
@@ -46,6 +51,7 @@ __all__ = [
     "logprobs",
     "plan",
     "plan_call",
+    "plan_step",
     "shard_groups",
     "verify",
 ]
@@ -69,7 +75,18 @@ def __dir__():
 
 
 if TYPE_CHECKING:
-    from sharedprefix.api import BackwardResult, Batch, CallPlan, LogProbs, backward, logprobs, plan_call
+    from sharedprefix.api import (
+        BackwardResult,
+        Batch,
+        CallPlan,
+        LogProbs,
+        Microbatch,
+        Step,
+        backward,
+        logprobs,
+        plan_call,
+        plan_step,
+    )
     from sharedprefix.layout.groups import Group
     from sharedprefix.layout.rows import Tree
     from sharedprefix.model.hooks import allow_hook

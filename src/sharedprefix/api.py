@@ -46,6 +46,7 @@ from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.path import Path
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
+from sharedprefix.schedule.step import Microbatch, Step, make_step
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -57,9 +58,12 @@ __all__ = [
     "Batch",
     "CallPlan",
     "LogProbs",
+    "Microbatch",
+    "Step",
     "backward",
     "logprobs",
     "plan_call",
+    "plan_step",
     "register_call_check",
 ]
 
@@ -86,9 +90,32 @@ def plan_call(model: torch.nn.Module, groups: Sequence[Group] | Tree, **options)
         return call.plan_agreed(model, groups, options)
 
 
+def plan_step(model: torch.nn.Module, microbatches: Sequence[Sequence[Group] | Tree], **options) -> Step:
+    """One optimizer step's microbatches, planned together: each shared prompt computed once for the step.
+
+    ``microbatches[k]``: the rows of the trainer's microbatch k (a list of ``sp.Group`` or an ``sp.Tree``; one kind
+    for all), in the order they are reported. Groups with the same prompt (and ``prompt_inputs``) in several
+    microbatches share it; a tree's rows share every common prefix across microbatches. ``options``: as
+    ``sp.plan_call``'s (``max_tokens`` bounds every pass; ``prefix_activations``: what the step holds between its
+    calls, "keep", "offload" or "recompute").
+
+    Then, for each k, ``sp.backward(model, step.microbatch(k), loss_fn)``, or ``sp.logprobs(model,
+    step.microbatch(k))`` with grad enabled (deferred: its backward runs when the caller's loss backpropagates):
+    results (n_k, W_k) for the microbatch's rows; gradients accumulated as a plain run of each microbatch would, the
+    shared prompts' share delivered inside the step's last microbatch's backward (before a DDP synchronisation at the
+    accumulation boundary). ``schedule.step`` gives the rules: hooks, failures, microbatches run twice or never.
+    Available on one process and under DDP; refused with the reason elsewhere.
+    """
+
+    def cp_of(source):
+        return plan_call(model, source, **options)
+
+    return make_step(model, microbatches, cp_of, options)
+
+
 def logprobs(
     model: torch.nn.Module,
-    groups: Sequence[Group] | Tree | CallPlan,
+    groups: Sequence[Group] | Tree | CallPlan | Microbatch,
     temperature: float = 1.0,
     entropy: bool = False,
     max_tokens: int | None = None,
@@ -136,6 +163,8 @@ def logprobs(
     given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, defer=defer)
     given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, aux_loss=aux_loss)
     given["sequence_group"] = sequence_group
+    if isinstance(groups, Microbatch):
+        return _step_logprobs(model, groups, given)
     with in_forward_autocast(model):  # accelerate's mixed precision wraps the forward, not the decoder we run
         opts, path, cp, error = call.prepare(model, groups, False, given, _defaults(logprobs), _call_checks())
         if path is Path.HYBRID:
@@ -152,7 +181,7 @@ def logprobs(
 
 def backward(
     model: torch.nn.Module,
-    groups: Sequence[Group] | Tree | CallPlan,
+    groups: Sequence[Group] | Tree | CallPlan | Microbatch,
     loss_fn: Callable[[Batch], torch.Tensor],
     max_tokens: int | None = None,
     prefix_activations: str | None = None,
@@ -212,6 +241,17 @@ def backward(
     given = dict(max_tokens=max_tokens, backend=backend, temperature=temperature, entropy=entropy, sync=sync)
     given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, offload_device=offload_device)
     given["sequence_group"] = sequence_group
+    if isinstance(groups, Microbatch):
+        if coef:
+            raise ValueError(f"aux_loss_coef={aux_loss_coef!r} with a step's microbatch; {_STEP_AUX}")
+        mb = groups
+        with in_forward_autocast(model):
+            planned = mb.step.begin(model, mb.k, backward=True)
+            opts, _, cp, error = call.prepare(model, planned, True, given, _defaults(backward), _call_checks())
+            opts = _step_options(mb, opts.replace(sync=opts.sync and sync_enabled(model)))
+            return mb.step.run(
+                model, planned.step, True, lambda: rounds.backward(model, cp, opts, loss_fn, error=error)
+            )
     with in_forward_autocast(model):  # accelerate's mixed precision wraps the forward, not the decoder we run
         opts, path, cp, error = call.prepare(model, groups, True, given, _defaults(backward), _call_checks(), coef)
         opts = opts.replace(sync=opts.sync and sync_enabled(model))  # inside DDP's no_sync(): accumulate, as DDP does
@@ -234,6 +274,58 @@ def _deferred_backward(model, cp: CallPlan, loss_fn, options: CallOptions, aux_g
     ``.grad`` untouched (``schedule.grads``; under DDP ``.grad`` is written and the dict is empty)."""
     aux = None if aux_grads is None else (aux_grads, None)
     return rounds.backward(model, cp, options, loss_fn, aux=aux, collect=collect)
+
+
+# -- a step's microbatches ------------------------------------------------------------------------------------------
+
+_STEP_AUX = (
+    "a step (sp.plan_step) does not carry the MoE load-balancing loss, which is each microbatch's own. Run each "
+    "microbatch as its own call (sp.backward(model, rows, ..., aux_loss_coef=...))."
+)
+
+
+def _step_options(mb: Microbatch, opts: CallOptions) -> CallOptions:
+    """A step's call runs under the step's prefix mode (what its cache holds between calls)."""
+    if opts.prefix_activations != mb.step.mode:
+        raise ValueError(
+            f"prefix_activations={opts.prefix_activations!r} in a call of a step planned with "
+            f"prefix_activations={mb.step.mode!r}: the step's shared prompts are held in one mode across its calls. "
+            "Leave prefix_activations out of the call, or pass it to sp.plan_step."
+        )
+    return opts
+
+
+def _step_logprobs(model, mb: Microbatch, given: dict) -> LogProbs:
+    """``sp.logprobs`` of a step's microbatch. With grad: deferred (its forward reads the step's cache, recording the
+    shared segments at the step's first call; its backward is the microbatch's ``sp.backward``). Without: a call on
+    the microbatch's own rows, outside the step."""
+    if not torch.is_grad_enabled():
+        kw = dict(given, max_tokens=mb.step.cp.options.max_tokens)
+        return logprobs(model, mb.step.sources[mb.k], **kw)
+    if given.get("defer") is False:
+        raise ValueError(
+            "defer=False with grad enabled on a step's microbatch: its backward must run inside sharedprefix, where "
+            "the step accumulates its shared prompts' gradient. Leave defer out (a step's log-probs defer)."
+        )
+    if given.get("aux_loss"):
+        raise ValueError(f"aux_loss=True with a step's microbatch; {_STEP_AUX}")
+    with in_forward_autocast(model):
+        planned = mb.step.begin(model, mb.k, backward=False)
+        opts, _, cp, error = call.prepare(model, planned, False, given, _defaults(logprobs), _call_checks())
+        opts = _step_options(mb, opts.replace(aux_loss=False))
+        with torch.no_grad():
+            out = mb.step.run(
+                model, planned.step, False, lambda: rounds.forward(model, cp, opts, aux=False, error=error)[0]
+            )
+        return defer_logprobs(_step_deferred_backward, model, mb, out, opts, None, engine=detect(model, unwrap(model)))
+
+
+def _step_deferred_backward(model, mb: Microbatch, loss_fn, options: CallOptions, aux_grads=None, collect=False):
+    """The backward of a step's deferred log-probs: the microbatch's ``sp.backward`` (``_deferred_backward``'s
+    contract), synchronising only outside DDP's ``no_sync()``, as DDP's own backward would."""
+    cp = mb.step.begin(model, mb.k, backward=True)
+    opts = options.replace(sync=options.sync and sync_enabled(model))
+    return mb.step.run(model, cp.step, True, lambda: rounds.backward(model, cp, opts, loss_fn, collect=collect))
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------

@@ -118,8 +118,11 @@ def pack_row(
             if a not in row_start and a not in reads:
                 reads.append(a)
     segments = order
-    ids = torch.cat([segs[s].tokens for s in order])  # (L,)
-    position = np.concatenate([np.arange(segs[s].start, segs[s].end, dtype=np.int64) for s in order])
+    # (L,); a step's row of cached values only (``planner.plan_step``) has no token: L = 0
+    ids = torch.cat([segs[s].tokens for s in order]) if order else torch.zeros(0, dtype=torch.int64)
+    position = np.concatenate(
+        [np.arange(segs[s].start, segs[s].end, dtype=np.int64) for s in order] or [np.zeros(0, np.int64)]
+    )
 
     # Token values: token j of a segment is predicted by token j - 1, token 0 by the parent's last token.
     L = off

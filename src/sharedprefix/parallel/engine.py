@@ -181,6 +181,11 @@ class Engine(abc.ABC):
     def sequence_size(self) -> int:
         return dist.get_world_size(self.sequence) if self.sequence is not None else 1
 
+    def step_refusal(self) -> str | None:
+        """Why ``sp.plan_step``'s steps (one prompt cache across several calls) cannot run on this engine, in words;
+        None where they can (one process, DDP)."""
+        return None
+
     def layout(self) -> str:
         """The engine's kind and sizes, for a plan's fingerprint (``schedule.call_plan.Fingerprint``)."""
         return f"{type(self).__name__}(world={self.world_size}, tensor={self.tensor}, data={self.data_size})"

@@ -151,6 +151,34 @@ class PrefixCache:
             total = self.terms[seg] if total is None else total + self.terms[seg]
         return total
 
+    def _leaves(self) -> list[torch.Tensor]:
+        """Every leaf later passes read (``seal``), whose ``.grad`` they accumulate."""
+        out = [t for kv in self.read_kv_.values() for pair in kv.values() for t in pair]
+        out += list(self.read_h.values())
+        out += [t for vals in self.read_vals.values() for t in vals if t is not None]
+        out += [t for mix in self.read_mix.values() for t in mix.values()]
+        return [t for t in out if t is not None and t.requires_grad]
+
+    def hold_grads(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Set every leaf's ``.grad`` aside (no copy) and return (leaf, held gradient) pairs: a call accumulates
+        from zero (``schedule.step``)."""
+        held = [(t, t.grad) for t in self._leaves()]
+        for t, _ in held:
+            t.grad = None
+        return held
+
+    def merge_grads(self, held: list) -> None:
+        """Add the ``held`` gradients to what accumulated since, out of place (the held tensors stay intact)."""
+        for t, g in held:
+            if g is not None:
+                t.grad = g if t.grad is None else t.grad + g
+
+    @staticmethod
+    def restore_grads(held: list) -> None:
+        """Every leaf's ``.grad`` as ``hold_grads`` found it."""
+        for t, g in held:
+            t.grad = g
+
     def release(self, seg: int) -> None:
         for d in (
             self.graph_kv,

@@ -27,6 +27,7 @@ from sharedprefix.schedule.call_plan import PLAN_FIELDS, CallPlan, RowCache, fin
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.path import Path, choose_backward_path, choose_logprobs_path
 from sharedprefix.schedule.planner import plan_checked
+from sharedprefix.schedule.step import check_other_step
 
 
 def prepare(
@@ -37,6 +38,8 @@ def prepare(
     ``checks``: the registered call checks (``api.register_call_check``); ``coef``: ``sp.backward``'s aux loss
     coefficient (checked). ``plan`` is None on the hybrid path, and where this rank's planning raised ``error``,
     which the call raises on every rank together."""
+    if not (isinstance(source, CallPlan) and source.step is not None):
+        check_other_step(model)  # a step of this model left unfinished before an optimizer step is named here
     opts = _options(model, source, leaves, given, defaults)
     inner, seq = unwrap(model), opts.sequence_group
     if leaves:

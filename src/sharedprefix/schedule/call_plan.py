@@ -152,6 +152,9 @@ class CallPlan:
             a plan made inside a call leaves them to the call, which probes first).
         images: the groups carry ``prompt_inputs``.
         refusals: the checks already run, by name, in order.
+        step: for a call of one microbatch of ``sp.plan_step``'s step, what its rounds need of the step
+            (``schedule.step.StepCall``: its cache, its offload hooks, the shared segments this call records); else
+            None.
     """
 
     source: list[Group] | Tree
@@ -166,6 +169,7 @@ class CallPlan:
     refusals: tuple[str, ...]
     rows: RowCache = dataclasses.field(repr=False, compare=False)
     given: tuple[tuple[str, Any], ...] = ()
+    step: Any = dataclasses.field(default=None, repr=False, compare=False)  # a step's microbatch call (StepCall)
 
     @property
     def passes(self) -> list[Pass]:

@@ -71,12 +71,13 @@ class PassRunner:
         frames: Frames | None,
         device: torch.device,
         source=None,
+        cache: PrefixCache | None = None,
     ):
         self.model, self.par, self.plan, self.rows, self.setup = (model, engine, plan, rows, setup)
         self.frames, self.device, self.source, self.mm = (frames, device, source, setup.images)
         self.backend, self.force_eager, self.layers = (options.backend, setup.force_eager, setup.layers)
         self.temperature, self.entropy = float(options.temperature), options.entropy
-        self.cache = PrefixCache(leaves=leaves)
+        self.cache = cache if cache is not None else PrefixCache(leaves=leaves)  # a step's, shared by its calls
         self.tokens = 0
         self.aux_grads = setup.aux_grads
         self.aux_term = None  # the aux loss's linear term of the latest pass that computed one under grad
@@ -96,6 +97,8 @@ class PassRunner:
         self.last = None
         cached = self.cache.segments()
         layout = self.rows.layout(step, cached) if own else pack_row(tree, list(step.segments), cached, (), step.rows)
+        if not step.segments:  # a step's rows whose every value is cached (``planner.plan_step``): nothing to run
+            return None, self._cached_rows(layout), layout
         if self.mm is not None and own:
             layout.blocks = self.mm.row_blocks(layout)
         seq = SequenceShard(self.par.sequence, layout.length) if self.par.sequence is not None else None
@@ -113,6 +116,16 @@ class PassRunner:
         for s in layout.record:
             self.cache.states[s] = state
         return state, result, layout
+
+    def _cached_rows(self, layout: RowLayout):
+        """The reported rows of a pass with no token, read from the cached values: ((n, W), (n, W) or None)."""
+        self.aux_term = None
+        anchor = self.cache.h(next(iter(self.cache.segments())))
+        dtype = torch.float64 if anchor.dtype == torch.float64 else torch.float32
+        return (
+            self._gather(layout, None, 0, dtype, anchor),
+            self._gather(layout, None, 1, dtype, anchor) if self.entropy else None,
+        )
 
     def _decode(self, state: PassState, layout: RowLayout, own: bool):
         """The decoder over the packed row under the pass's attention state: its output (``last_hidden_state``)."""
@@ -252,7 +265,10 @@ class PassRunner:
                 self.par.backward(sur)
 
     def backward(self, state: PassState, loss: torch.Tensor) -> None:
-        """The backward of ``loss`` inside pass ``state``'s attention context."""
+        """The backward of ``loss`` inside pass ``state``'s attention context (None: a pass that ran no token)."""
+        if state is None:
+            self.par.backward(loss)
+            return
         with pass_state(state):
             self.par.backward(loss)
 

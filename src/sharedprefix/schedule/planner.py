@@ -51,9 +51,13 @@ class Dummy:
 
 @dataclass
 class Plan:
+    """``steps`` over ``tree`` under ``max_tokens``; ``view``: the rows a step's microbatch reports (``RowView``), or
+    None for every row of the tree."""
+
     tree: SegmentTree
     steps: list
     max_tokens: int | None
+    view: RowView | None = None
 
     @property
     def splits(self) -> bool:
@@ -94,6 +98,8 @@ class Plan:
 
     @property
     def plain_tokens(self) -> int:
+        if self.view is not None:
+            return sum(self.tree.segments[self.tree.rows[r].end].end for r in self.view.rows)
         return self.tree.plain_tokens()
 
     def describe(self) -> str:
@@ -154,14 +160,115 @@ def plan_checked(source, max_tokens: int | None = None) -> Plan:
                         f"groups[{gi}].completions[{i}] has {t} tokens but max_tokens={max_tokens}; a completion is "
                         f"never split across passes, so no plan can make progress. Set max_tokens >= {max(lens)}."
                     )
-    tree = segment_tree(source, max_tokens)
+    return plan_tree(segment_tree(source, max_tokens), max_tokens)
+
+
+def plan_tree(tree: SegmentTree, max_tokens: int | None) -> Plan:
+    """The passes of a call over every row of ``tree``: a step of one microbatch (``plan_step``), whose units are the
+    tree's roots."""
+    roots = [seg.id for seg in tree.segments if seg.parent is None]
+    return Plan(tree, _plan_units(tree, roots, _ends(tree, range(tree.num_rows)), max_tokens), max_tokens)
+
+
+@dataclass(frozen=True)
+class RowView:
+    """The rows one microbatch of a step reports, out of its step's tree: ``rows[i]`` is the tree row of the
+    microbatch's row i; ``width``: its longest row in columns (its results are (n, width))."""
+
+    rows: tuple[int, ...]
+    width: int
+
+    @property
+    def local(self) -> dict[int, int]:
+        return {r: i for i, r in enumerate(self.rows)}
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The passes of one optimizer step of K microbatches over one segment tree (the seed's schedule across the
+    trainer's own microbatches, ``schedule.step``).
+
+    ``shared``: the segments the rows of two or more microbatches pass through, in preorder (ancestors first): each
+    is computed once for the step, by ``record`` (a pass per segment that caches it), read by every microbatch's
+    passes, and backpropagated once by ``backward`` after the step's last microbatch. ``microbatches[k]``: the steps
+    of microbatch k alone (what only its rows pass through, planned under the budget as a call's passes are, a part
+    larger than the budget expanded inside the microbatch); ``views[k]``: its rows. A call of one microbatch is the
+    special case with nothing shared: ``plan_tree``."""
+
+    tree: SegmentTree
+    shared: tuple[int, ...]
+    microbatches: tuple[tuple, ...]
+    views: tuple[RowView, ...]
+    max_tokens: int | None
+
+    @property
+    def record(self) -> list[Pass]:
+        return [Pass((s,), record=(s,)) for s in self.shared]
+
+    @property
+    def backward(self) -> list:
+        return [PrefixBackward(self.shared)] if self.shared else []
+
+    def describe(self) -> str:
+        """The step's plan, microbatch by microbatch (each as ``Plan.describe`` prints a call)."""
+        segs = self.tree.segments
+        shared = sum(segs[s].length for s in self.shared)
+        lines = [f"step: {len(self.views)} microbatches, {len(self.shared)} shared segment(s) of {shared} tokens"]
+        for k, steps in enumerate(self.microbatches):
+            lines.append(f"microbatch {k}: {len(self.views[k].rows)} row(s)")
+            lines += ["  " + ln for ln in Plan(self.tree, list(steps), self.max_tokens).describe().splitlines()[1:-1]]
+        return "\n".join(lines)
+
+
+def plan_step(tree: SegmentTree, members: Sequence[Sequence[int]], max_tokens: int | None) -> StepPlan:
+    """Plan a step whose microbatch k reports the rows ``members[k]`` of ``tree`` (each row in exactly one)."""
+    owner: dict[int, int] = {}
+    for k, rows in enumerate(members):
+        for r in rows:
+            owner[r] = k
+    users: list[set[int]] = [set() for _ in tree.segments]
+    for r, k in owner.items():
+        for s in tree.path(tree.rows[r].end):
+            users[s].add(k)
+    shared = tuple(s for s in range(len(tree.segments)) if len(users[s]) > 1)
+    inshared = set(shared)
+    per_mb = []
+    for k, rows in enumerate(members):
+        mine = set(rows)
+        units = [
+            s.id
+            for s in tree.segments
+            if s.id not in inshared and users[s.id] == {k} and (s.parent is None or s.parent in inshared)
+        ]
+        steps = _plan_units(tree, units, _ends(tree, [r for r in rows if tree.rows[r].end not in inshared]), max_tokens)
+        cached_rows = tuple(r for r in rows if tree.rows[r].end in inshared)
+        if cached_rows:  # rows that end in a shared segment: their values are cached; reported by a pass of theirs
+            last = max((i for i, st in enumerate(steps) if isinstance(st, Pass) and not st.record), default=None)
+            if last is None:
+                steps.append(Pass((), rows=cached_rows))  # values only: no token to compute
+            else:
+                st = steps[last]
+                steps[last] = Pass(st.segments, st.record, st.rows + cached_rows)
+        assert {r for st in steps if isinstance(st, Pass) for r in st.rows} == mine
+        per_mb.append(tuple(steps))
+    views = tuple(
+        RowView(tuple(rows), max(tree.segments[tree.rows[r].end].end - tree.rows[r].col0 for r in rows))
+        for rows in members
+    )
+    return StepPlan(tree, shared, tuple(per_mb), views, max_tokens)
+
+
+def _ends(tree: SegmentTree, rows) -> dict[int, list[int]]:
+    """Segment -> the ``rows`` that end at it."""
     ends: dict[int, list[int]] = {}
-    for i, row in enumerate(tree.rows):
-        ends.setdefault(row.end, []).append(i)
+    for i in rows:
+        ends.setdefault(tree.rows[i].end, []).append(i)
+    return ends
+
+
+def _plan_units(tree: SegmentTree, roots: list[int], ends: dict, max_tokens: int | None) -> list:
+    """Steps computing the subtrees of ``roots`` (their ancestors cached) and reporting the rows ``ends`` names."""
     nseg = len(tree.segments)
-    if max_tokens is None:
-        return Plan(tree, [Pass(tuple(range(nseg)), rows=tuple(range(tree.num_rows)))], None)
-    size = tree.subtree_tokens()
     count = [1] * nseg  # segments in each subtree (a contiguous id range: preorder)
     for seg in reversed(tree.segments):
         if seg.parent is not None:
@@ -171,7 +278,12 @@ def plan_checked(source, max_tokens: int | None = None) -> Plan:
         segs = tuple(x for v in ids for x in range(v, v + count[v]))
         return Pass(segs, rows=tuple(r for x in segs for r in ends.get(x, ())))
 
-    roots = [seg.id for seg in tree.segments if seg.parent is None]
+    if not roots:
+        return []
+    if max_tokens is None:
+        whole = unit(roots)
+        return [Pass(whole.segments, rows=tuple(sorted(whole.rows)))]
+    size = tree.subtree_tokens()
     bins: list[list[int]] = []
     used: list[int] = []
     split: list = []
@@ -186,7 +298,7 @@ def plan_checked(source, max_tokens: int | None = None) -> Plan:
             b = len(bins) - 1
         bins[b].append(r)
         used[b] += size[r]
-    return Plan(tree, [unit(b) for b in bins] + split, max_tokens)
+    return [unit(b) for b in bins] + split
 
 
 def _expand(tree: SegmentTree, v: int, size: list[int], budget: int, unit, ends: dict, steps: list) -> None:

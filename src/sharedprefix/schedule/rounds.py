@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.compiled import whole_compiled
 from sharedprefix.schedule.grads import synced
 from sharedprefix.schedule.options import CallOptions
-from sharedprefix.schedule.planner import Dummy, Plan, PrefixBackward
+from sharedprefix.schedule.planner import Dummy, Plan, PrefixBackward, RowView
 from sharedprefix.schedule.results import BackwardResult, Batch, LogProbs
 from sharedprefix.schedule.setup import start
 
@@ -50,7 +51,8 @@ class RoundSettings:
     """What every round of one ``sp.backward`` needs besides the executor: ``loss_fn``; ``recompute``: the prefix
     mode recomputes split prompts; ``hooks``: the offload hooks, or None; ``sync``: synchronise at the last backward
     round; ``scale``: the factor of every backpropagated loss (``Engine.loss_scale``); ``last_backward``: the index of
-    the last round with a backward (-1: none)."""
+    the last round with a backward (-1: none); ``view``: a step's microbatch rows (``planner.RowView``), whose
+    batches give the microbatch's row indices and width; ``step``: its ``schedule.step.StepCall``, or None."""
 
     loss_fn: Callable
     entropy: bool
@@ -59,6 +61,8 @@ class RoundSettings:
     sync: bool
     scale: float
     last_backward: int
+    view: RowView | None = None
+    step: Any = None
 
 
 def forward(model, cp, options: CallOptions, aux=None, error=None) -> tuple[LogProbs, list | None]:
@@ -68,6 +72,7 @@ def forward(model, cp, options: CallOptions, aux=None, error=None) -> tuple[LogP
     ``aux``: see ``setup.start``."""
     run, engine = start(model, cp, options, leaves=False, aux=aux, error=error)
     plan, entropy, inner = cp.plan, options.entropy, unwrap(model)
+    sc = cp.step  # a step's microbatch: its shared segments recorded as sp.backward records them, once per step
     lps, ents, masks, order = [], [], [], []
     # in lockstep (FSDP2) every rank runs as many forwards (each all-gathers the parameters): agreed before any of them
     pad = run.agreed_rounds()[0] - len(plan.passes) if engine.lockstep else 0
@@ -81,6 +86,11 @@ def forward(model, cp, options: CallOptions, aux=None, error=None) -> tuple[LogP
                 run.dummy_round(grad=False)
                 continue
             run.begin_round()
+            if sc is not None and step in sc.records:
+                with sc.recording():
+                    run.run_pass(step)
+                run.seal(step.record, keep_graph=sc.keep_graph)
+                continue
             try:
                 _, res, layout = run.run_pass(step)
             except Exception as e:
@@ -101,12 +111,13 @@ def forward(model, cp, options: CallOptions, aux=None, error=None) -> tuple[LogP
             run.dummy_round(grad=False)
     if engine.lockstep:
         engine.agree_on_error(error, where="during")
+    order, width = _local(plan.view, order, plan.tree.width)
     inv = torch.empty(len(order), dtype=torch.int64)
     inv[torch.tensor(order)] = torch.arange(len(order))
     inv = inv.to(cp.device)
-    lp = torch.cat(lps).index_select(0, inv)
-    mask = torch.cat(masks).index_select(0, inv)
-    ent = torch.cat(ents).index_select(0, inv) if entropy else None
+    lp = torch.cat(lps).index_select(0, inv)[:, :width]
+    mask = torch.cat(masks).index_select(0, inv)[:, :width]
+    ent = torch.cat(ents).index_select(0, inv)[:, :width] if entropy else None
     records = run.router_records()
     aux_loss = router.aux_loss(inner, records) if records else None
     return LogProbs(lp, mask, ent, aux_loss), records
@@ -127,7 +138,10 @@ def backward(model, cp, options: CallOptions, loss_fn, aux=None, aux_coef=0.0, c
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    hooks = OffloadHooks(inner, o.offload_device) if mode == "offload" else None
+    if cp.step is not None:  # a step's microbatch: the step's offload hooks hold its shared segments' activations
+        hooks = cp.step.hooks
+    else:
+        hooks = OffloadHooks(inner, o.offload_device) if mode == "offload" else None
     steps = cp.plan
     if par.lockstep:  # every rank runs the same collectives: the plan reordered and padded to the agreed counts
         steps = steps.for_fsdp(*run.agreed_rounds())
@@ -136,7 +150,9 @@ def backward(model, cp, options: CallOptions, loss_fn, aux=None, aux_coef=0.0, c
     last_fb = max((i for i, r in enumerate(rounds) if r[0].has_backward), default=-1)
     # under "mean", scale so that FSDP2's averaging (or our own all-reduce) gives the mean / the sum
     scale = par.loss_scale(o.grad_reduction)
-    settings = RoundSettings(loss_fn, o.entropy, mode == "recompute", hooks, o.sync, scale, last_fb)
+    settings = RoundSettings(
+        loss_fn, o.entropy, mode == "recompute", hooks, o.sync, scale, last_fb, cp.plan.view, cp.step
+    )
 
     def run_all() -> tuple[float, int]:
         return run_rounds(run, par, inner, rounds, settings)
@@ -218,6 +234,8 @@ def _round(run, kind: Round, x, settings: RoundSettings, calls: int) -> float | 
     elif kind is Round.RELEASE:
         run.release(x)
     elif kind is Round.PREFIX_BACKWARD:
+        if settings.step is not None:  # the step's earlier microbatches' gradients join before the backward
+            settings.step.step.merge_held()
         run.prefix_backward(x, settings.recompute, hooks)
     elif kind is Round.RECORD:
         with torch.set_grad_enabled(not settings.recompute):
@@ -234,18 +252,28 @@ def _round(run, kind: Round, x, settings: RoundSettings, calls: int) -> float | 
             if aux is not None:
                 run.backward(state, aux)
             return None
-        mask = run.mask(layout)
+        rows, width = _local(settings.view, layout.rows, layout.out_mask.shape[1])
+        mask = run.mask(layout)[:, :width]
         batch = Batch(
-            logprobs=res[0],
+            logprobs=res[0][:, :width],
             mask=mask,
-            entropy=res[1] if settings.entropy else None,
-            index=torch.tensor(layout.rows, dtype=torch.int64, device=mask.device),
+            entropy=res[1][:, :width] if settings.entropy else None,
+            index=torch.tensor(rows, dtype=torch.int64, device=mask.device),
         )
         loss = check_loss(settings.loss_fn(batch), calls)
         total = loss if aux is None else loss + aux
         run.backward(state, total * settings.scale if settings.scale != 1.0 else total)
         return float(loss.detach())
     return None
+
+
+def _local(view: RowView | None, rows, width: int) -> tuple[list[int], int]:
+    """The tree rows ``rows`` a pass reported as the call's row indices, and the call's width in columns (``width``:
+    the tree's): a step's microbatch (``view``) numbers its own rows from 0 and is as wide as its longest row."""
+    if view is None:
+        return list(rows), width
+    local = view.local
+    return [local[r] for r in rows], view.width
 
 
 def check_loss(loss, call: int) -> torch.Tensor:

@@ -71,7 +71,8 @@ def start(
     layers, force_eager, whole = compiled_path(model, inner, engine, findings, cp.kernel, cp.frames, eager_because)
     setup = CallSetup(rounds, record, aux_grads, layers, force_eager, whole, images)
     source = cp.source if images is not None else None
-    run = PassRunner(inner, engine, cp.plan, cp.rows, setup, options, leaves, cp.frames, cp.device, source)
+    cache = cp.step.cache if cp.step is not None else None  # a step's microbatch: the step's prefix cache
+    run = PassRunner(inner, engine, cp.plan, cp.rows, setup, options, leaves, cp.frames, cp.device, source, cache)
     return run, engine
 
 

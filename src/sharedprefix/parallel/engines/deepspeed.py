@@ -56,6 +56,9 @@ def _deepspeed_engine(model: torch.nn.Module):
 
 
 class DeepSpeed(Single):
+    def step_refusal(self) -> str | None:
+        return "a DeepSpeed engine (its own accumulation boundary and gradient partitions are not yet verified)"
+
     """One process's behaviour (passes without collectives, errors raised on their own rank: DeepSpeed's hooks never
     ran), with DeepSpeed's delivery of the call's gradient."""
 
