@@ -70,6 +70,15 @@ def test_ddp_accumulation_then_one_sync(tmp_path, reference):
     assert_grads_close({k: v for k, v in got["grads"].items() if v is not None}, reference, 1e-9)
 
 
+@pytest.mark.parametrize("kind", ["ddp_step", "ddp_step_recompute", "ddp_step_deferred"])
+def test_ddp_step_over_two_microbatches(kind, tmp_path, reference):
+    """sp.plan_step under DDP, accelerate's accumulation (the first micro-step inside no_sync()): every prompt once
+    for the step, its backward inside the syncing micro-step, one gradient all-reduce per rank, gradients exact."""
+    got = _launch(kind, tmp_path)
+    assert_grads_close({k: v for k, v in got["grads"].items() if v is not None}, reference, 1e-9)
+    assert [reduces for _, _, reduces in got["stats"]] == [1, 1]
+
+
 @pytest.mark.parametrize("kind", ["ddp_compiled", "ddp_accum_compiled"])
 def test_ddp_inside_torch_compile(kind, tmp_path, reference):
     """torch.compile(DDP(model)), accelerate's order: still DDP (one gradient all-reduce per step, none inside the

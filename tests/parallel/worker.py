@@ -5,6 +5,7 @@ Usage: torchrun --nproc_per_node=2 worker.py KIND OUT
 Rank 0 writes the full gradients (and statistics) to OUT.
 """
 
+import contextlib
 import gc
 import os
 import sys
@@ -55,6 +56,42 @@ def run_tree(kind, model, rank, world, vocab=97):
     glob = torch.tensor(mine.index)
     loss_fn = lambda b: (b.logprobs * W[glob[b.index], : b.logprobs.shape[1]]).sum()  # noqa: E731
     return sp.backward(model, mine, loss_fn, max_tokens=BUDGET, prefix_activations="recompute")
+
+
+def step_microbatches(mine, gidx):
+    """This rank's groups as two microbatches that split every group's completions (each prompt in both), and each
+    microbatch's global completion indices."""
+    mbs, idx = [[], []], [[], []]
+    at = 0
+    for g in mine:
+        half = (g.group_size + 1) // 2
+        for k, part in enumerate((range(half), range(half, g.group_size))):
+            if len(part):
+                mbs[k].append(sp.Group(g.prompt, [g.completions[i] for i in part]))
+                idx[k] += [int(gidx[at + i]) for i in part]
+        at += g.group_size
+    return mbs, [torch.tensor(i) for i in idx]
+
+
+def run_step(kind, model, mine, gidx):
+    """A step of two microbatches as accelerate accumulates: the first inside DDP's no_sync(), the second syncing
+    (``sp.backward``, or with ``_deferred``: grad-enabled log-probs and the caller's backward)."""
+    mbs, idx = step_microbatches(mine, gidx)
+    _, W = groups_and_weights()
+    step = sp.plan_step(
+        model, mbs, max_tokens=BUDGET, prefix_activations="recompute" if "recompute" in kind else "keep"
+    )
+    res = None
+    for k in range(2):
+        ctx = model.no_sync() if k == 0 else contextlib.nullcontext()
+        with ctx:
+            if kind.endswith("_deferred"):
+                out = sp.logprobs(model, step.microbatch(k))
+                (out.logprobs * W[idx[k], : out.logprobs.shape[1]]).sum().backward()
+            else:
+                res = sp.backward(model, step.microbatch(k), loss_fn_for(mbs[k], idx[k]))
+    assert step.state == "finished", step.state
+    return res
 
 
 def loss_fn_for(groups, gidx):
@@ -200,6 +237,8 @@ def main(kind, out):
             torch.save({"stats": [t.tolist() for t in gathered]}, out)
         dist.destroy_process_group()
         return
+    elif kind.startswith("ddp_step"):  # one sp.plan_step step over two microbatches, the first inside no_sync()
+        res = run_step(kind, model, mine, gidx)
     elif kind.startswith("ddp_accum"):  # accumulate without sync, then sync once: same as one call
         if kind == "ddp_accum_compiled":  # DDP's no_sync(), reached through the compiled wrapper
             with model.no_sync():

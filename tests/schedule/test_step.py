@@ -1,0 +1,318 @@
+"""sp.plan_step: one optimizer step's microbatches over one prefix cache, against the plain per-row run of each
+microbatch summed (float64), for groups and trees, every prefix mode and budget, sp.backward and deferred
+sp.logprobs; and the step's rules (microbatches run twice or never, hooks, failures)."""
+
+import pytest
+import torch
+
+import sharedprefix as sp
+from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
+from support.schedule import MODES
+
+
+def _sub(g, idx):
+    return sp.Group(g.prompt, [g.completions[i] for i in idx])
+
+
+def _split_groups():
+    """Two groups whose completions are spread over three microbatches (as TRL's shuffle spreads them)."""
+    g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]])
+    return [[_sub(g[0], [0, 1]), _sub(g[1], [0])], [_sub(g[0], [2, 3])], [_sub(g[1], [1, 2]), _sub(g[0], [4, 5])]]
+
+
+def _weights(mbs, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for mb in mbs:
+        if isinstance(mb, sp.Tree):
+            n, w = len(mb.rows), max(len(r) for r in mb.rows)
+        else:
+            n = sum(len(x.completions) for x in mb)
+            w = max(len(c) for x in mb for c in x.completions)
+        out.append(torch.randn(n, w, dtype=torch.float64, generator=gen))
+    return out
+
+
+def _plain(model, mbs, Ws):
+    """The plain accumulation: each microbatch's rows through the model's own forward, summed."""
+
+    def loss():
+        total = 0
+        for mb, W in zip(mbs, Ws):
+            lp = _plain_rows(model, mb)
+            total = total + (lp * W).sum()
+        return total
+
+    return grads_of(model, loss)
+
+
+def _plain_rows(model, mb):
+    if isinstance(mb, sp.Tree):
+        return plain_tree_logprobs(model, mb)
+    return plain_logprobs(model, mb)[0]
+
+
+def plain_tree_logprobs(model, tree):
+    """(N, L) log p(row[t] | row[:t]) where trained, by the model's own forward of each row."""
+    L = max(len(r) for r in tree.rows)
+    out = torch.zeros(len(tree.rows), L, dtype=torch.float64)
+    for i, (r, m) in enumerate(zip(tree.rows, tree.trained)):
+        logits = model(input_ids=r[None], use_cache=False).logits[0].double()
+        lp = torch.log_softmax(logits[:-1], -1).gather(1, r[1:, None])[:, 0]
+        row = torch.cat([torch.zeros(1, dtype=torch.float64), lp]) * m
+        out = out.index_put((torch.tensor([i]), torch.arange(len(r))), row)
+    return out
+
+
+def _loss(W):
+    return lambda b: (b.logprobs * W[b.index] * b.mask).sum()
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("budget", [None, 12, 6])
+def test_groups_split_over_microbatches_exact(model, mode, budget):
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    want = _plain(model, mbs, Ws)
+    model.zero_grad(set_to_none=True)
+    step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=mode)
+    tokens = 0
+    for k, W in enumerate(Ws):
+        tokens += sp.backward(model, step.microbatch(k), _loss(W)).tokens_computed
+    assert_grads_close(_grads(model), want, 1e-9)
+    # each prompt once for the step (recompute runs the shared prompts' forward again at the end)
+    prompts, completions = 20 + 9, 21 + 10
+    assert tokens == prompts + completions + (prompts if mode == "recompute" else 0)
+    assert step.state == "finished" and len(step.cache.segments()) == 0
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_deferred_logprobs_of_a_step_exact(model, mode):
+    """TRL's way: grad-enabled log-probs per microbatch, the caller's backward, the prompts' backward at the last."""
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    want = _plain(model, mbs, Ws)
+    model.zero_grad(set_to_none=True)
+    step = sp.plan_step(model, mbs, max_tokens=12, prefix_activations=mode)
+    for k, W in enumerate(Ws):
+        out = sp.logprobs(model, step.microbatch(k), entropy=True)
+        ref = plain_logprobs(model, mbs[k])[0]
+        assert out.logprobs.shape == ref.shape
+        assert (out.logprobs.detach() - ref).abs().max() <= 1e-9
+        assert step.state == "open"
+        (out.logprobs * W).sum().backward()
+    assert step.state == "finished"
+    assert_grads_close(_grads(model), want, 1e-9)
+    model.zero_grad(set_to_none=True)
+
+
+def _trees():
+    """Rows with a shared system prefix and shared turns across microbatches, a row repeated in two microbatches
+    (its every segment shared: reported from cached values only) and a row that is a prefix of another's."""
+    gen = torch.Generator().manual_seed(7)
+    sys_p = torch.randint(0, 100, (10,), generator=gen)
+    turn = torch.randint(0, 100, (6,), generator=gen)
+    tails = [torch.randint(0, 100, (n,), generator=gen) for n in (4, 3, 5, 2)]
+    a = torch.cat([sys_p, turn, tails[0]])
+    b = torch.cat([sys_p, turn, tails[1]])
+    c = torch.cat([sys_p, tails[2]])
+    d = torch.cat([sys_p, turn])  # a prefix of a and b
+    e = torch.cat([sys_p, tails[3]])
+    mask = lambda r, k: [t >= k for t in range(len(r))]  # noqa: E731
+    mb0 = sp.Tree.from_rows([a, c], [mask(a, 10), mask(c, 10)])
+    mb1 = sp.Tree.from_rows([a.clone()], [mask(a, 10)])  # a again: every value cached, no token to compute
+    mb2 = sp.Tree.from_rows([d, b, e], [mask(d, 1), mask(b, 12), mask(e, 1)])
+    return [mb0, mb1, mb2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("budget", [None, 9])
+def test_trees_with_repeated_and_prefix_rows_exact(model, mode, budget):
+    mbs = _trees()
+    Ws = _weights(mbs)
+    want = _plain(model, mbs, Ws)
+    model.zero_grad(set_to_none=True)
+    step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=mode)
+    assert any(s.segments == () for s in step.splan.microbatches[1])  # row a of microbatch 1: values only
+    for k, W in enumerate(Ws):
+        with torch.no_grad():
+            ref = plain_tree_logprobs(model, mbs[k])
+        out = sp.logprobs(model, step.microbatch(k))
+        assert (out.logprobs.detach() - ref).abs().max() <= 1e-9
+        (out.logprobs * W).sum().backward()
+    assert_grads_close(_grads(model), want, 1e-9)
+    model.zero_grad(set_to_none=True)
+
+
+def test_one_microbatch_is_a_budget_split_call(model):
+    """A step of one microbatch plans exactly the passes of a call (one schedule)."""
+    groups = random_groups(1, 3, [12, 3, 28], [[3, 4, 1, 5], [2], [6, 6, 2, 1, 7]])
+    for budget in (None, 20, 7):
+        step = sp.plan_step(model, [groups], max_tokens=budget)
+        assert step.splan.shared == ()
+        assert list(step.splan.microbatches[0]) == sp.plan(groups, budget).steps
+
+
+def test_microbatch_run_twice_refused(model):
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    step = sp.plan_step(model, mbs)
+    sp.backward(model, step.microbatch(0), _loss(Ws[0]))
+    with pytest.raises(RuntimeError, match="microbatch 0 of this step already ran"):
+        sp.backward(model, step.microbatch(0), _loss(Ws[0]))
+    for k in (1, 2):
+        sp.backward(model, step.microbatch(k), _loss(Ws[k]))
+    with pytest.raises(RuntimeError, match="run after its step finished"):
+        sp.backward(model, step.microbatch(1), _loss(Ws[1]))
+    model.zero_grad(set_to_none=True)
+
+
+def test_unfinished_step_named_by_the_next_step_and_call(model):
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    step = sp.plan_step(model, mbs)
+    sp.backward(model, step.microbatch(0), _loss(Ws[0]))
+    with pytest.raises(RuntimeError, match=r"microbatch\(es\) \[1, 2\] of 3 never ran"):
+        sp.plan_step(model, mbs)
+    # a call outside the step is fine while the parameters are unchanged (a metric, a reference pass) ...
+    with torch.no_grad():
+        sp.logprobs(model, mbs[0])
+        # ... but not once an optimizer step ran without the missing microbatches
+        next(model.parameters()).add_(0.0)
+    with pytest.raises(RuntimeError, match="never ran their backward"):
+        sp.logprobs(model, mbs[0])
+    with pytest.raises(RuntimeError, match="parameters changed in place"):
+        sp.backward(model, step.microbatch(1), _loss(Ws[1]))
+    step.release()
+    assert step.state == "released" and not step.cache.segments()
+    sp.plan_step(model, mbs)  # the model is free again
+    model.zero_grad(set_to_none=True)
+
+
+def test_finish_delivers_the_share_of_the_microbatches_that_ran(model):
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    want = _plain(model, mbs[:2], Ws[:2])
+    model.zero_grad(set_to_none=True)
+    step = sp.plan_step(model, mbs)
+    for k in (0, 1):
+        sp.backward(model, step.microbatch(k), _loss(Ws[k]))
+    partial = _grads(model)
+    with pytest.raises(AssertionError):  # control: without finish, the prompts' share is missing
+        assert_grads_close(partial, want, 1e-9)
+    step.finish(model)
+    assert_grads_close(_grads(model), want, 1e-9)
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("mode", ["keep", "offload"])
+def test_failure_leaves_the_plain_accumulation_of_what_ran(model, mode):
+    """A microbatch whose loss raises: .grad is the plain accumulation of the microbatches before it, the cache is
+    released, and the step is closed."""
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    want = _plain(model, mbs[:1], Ws[:1])
+    model.zero_grad(set_to_none=True)
+    step = sp.plan_step(model, mbs, max_tokens=6, prefix_activations=mode)
+    sp.backward(model, step.microbatch(0), _loss(Ws[0]))
+    calls = []
+
+    def failing(b):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("second pass refused")
+        return _loss(Ws[2])(b)
+
+    with pytest.raises(ValueError, match="second pass refused"):  # microbatch 2 (of several passes), not the last
+        sp.backward(model, step.microbatch(2), failing)
+    assert len(calls) == 2 and step.state == "failed" and not step.cache.segments()
+    assert_grads_close(_grads(model), want, 1e-9)
+    with pytest.raises(RuntimeError, match="run after its step failed"):
+        sp.backward(model, step.microbatch(1), _loss(Ws[1]))
+    model.zero_grad(set_to_none=True)
+
+
+def test_failure_in_the_last_microbatch_keeps_the_earlier_share(model):
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    want = _plain(model, mbs[:2], Ws[:2])
+    model.zero_grad(set_to_none=True)
+    step = sp.plan_step(model, mbs, max_tokens=6)
+    for k in (0, 1):
+        sp.backward(model, step.microbatch(k), _loss(Ws[k]))
+
+    def failing(b):
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        sp.backward(model, step.microbatch(2), failing)
+    assert_grads_close(_grads(model), want, 1e-9)
+    model.zero_grad(set_to_none=True)
+
+
+def test_parameter_hooks_refused_at_the_first_call(model):
+    p = next(model.parameters())
+    handle = p.register_hook(lambda g: g)
+    try:
+        step = sp.plan_step(model, _split_groups())
+        with pytest.raises(ValueError, match="tensor hooks .* once per microbatch"):
+            sp.backward(model, step.microbatch(0), _loss(_weights(_split_groups())[0]))
+        assert step.state == "planned"
+    finally:
+        handle.remove()
+    model.zero_grad(set_to_none=True)
+
+
+def test_microbatch_of_another_model_or_step_refused(model):
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    other = tiny_model("qwen3", seed=1)
+    step = sp.plan_step(model, mbs)
+    with pytest.raises(ValueError, match="planned for another model"):
+        sp.backward(other, step.microbatch(0), _loss(Ws[0]))
+    step2 = sp.plan_step(model, mbs)
+    sp.backward(model, step2.microbatch(0), _loss(Ws[0]))
+    with pytest.raises(RuntimeError, match="belongs to a step other than the one under way"):
+        sp.backward(model, step.microbatch(1), _loss(Ws[1]))
+    step2.release()
+    with pytest.raises(ValueError, match="defer=False"):
+        sp.logprobs(model, step.microbatch(0), defer=False)
+    with pytest.raises(ValueError, match="expected an int in"):
+        step.microbatch(3)
+    model.zero_grad(set_to_none=True)
+
+
+def test_bad_microbatches_refused(model):
+    g = random_groups(1, 1, [5], [[2, 3]])
+    with pytest.raises(TypeError, match="mixes sp.Tree"):
+        sp.plan_step(model, [g, sp.Tree.from_rows([[1, 2, 3]])])
+    with pytest.raises(TypeError, match="expected a non-empty list"):
+        sp.plan_step(model, g[0])
+
+
+def test_float32_step_within_twice_plain_error():
+    m64 = tiny_model("qwen3", dtype=torch.float64)
+    m32 = tiny_model("qwen3", dtype=torch.float32)
+    m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    exact = _plain(m64, mbs, Ws)
+    plain32 = grads_of(m32, lambda: sum((plain_logprobs(m32, mb)[0] * W.float()).sum() for mb, W in zip(mbs, Ws)))
+    step = sp.plan_step(m32, mbs, max_tokens=12, prefix_activations="offload")
+    for k, W in enumerate(Ws):
+        sp.backward(m32, step.microbatch(k), _loss(W.float()))
+    ours = _grads(m32)
+    for name in exact:
+        plain_err = (plain32[name].double() - exact[name]).abs().max()
+        our_err = (ours[name].double() - exact[name]).abs().max()
+        assert our_err <= 2 * plain_err + 1e-6 * exact[name].abs().max(), name
