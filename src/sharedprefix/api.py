@@ -104,7 +104,9 @@ def plan_step(model: torch.nn.Module, microbatches: Sequence[Sequence[Group] | T
     results (n_k, W_k) for the microbatch's rows; gradients accumulated as a plain run of each microbatch would, the
     shared prompts' share delivered inside the step's last microbatch's backward (before a DDP synchronisation at the
     accumulation boundary). ``schedule.step`` gives the rules: hooks, failures, microbatches run twice or never.
-    Available on one process and under DDP; refused with the reason elsewhere.
+    Available on one process, under DDP and under FSDP2 (``sp.backward``, prefix_activations "recompute": FSDP2's
+    mode); refused with the reason elsewhere (DeepSpeed, tensor and sequence parallelism, cache-path hybrids, the
+    MoE load-balancing loss).
     """
 
     def cp_of(source):

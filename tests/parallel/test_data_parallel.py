@@ -70,13 +70,15 @@ def test_ddp_accumulation_then_one_sync(tmp_path, reference):
     assert_grads_close({k: v for k, v in got["grads"].items() if v is not None}, reference, 1e-9)
 
 
-@pytest.mark.parametrize("kind", ["ddp_step", "ddp_step_recompute", "ddp_step_deferred"])
+@pytest.mark.parametrize("kind", ["ddp_step", "ddp_step_recompute", "ddp_step_deferred", "fsdp_step"])
 def test_ddp_step_over_two_microbatches(kind, tmp_path, reference):
     """sp.plan_step under DDP, accelerate's accumulation (the first micro-step inside no_sync()): every prompt once
-    for the step, its backward inside the syncing micro-step, one gradient all-reduce per rank, gradients exact."""
+    for the step, its backward inside the syncing micro-step, one gradient all-reduce per rank, gradients exact;
+    and under FSDP2 (its recompute mode, set_requires_gradient_sync(False) on the first micro-step)."""
     got = _launch(kind, tmp_path)
     assert_grads_close({k: v for k, v in got["grads"].items() if v is not None}, reference, 1e-9)
-    assert [reduces for _, _, reduces in got["stats"]] == [1, 1]
+    if kind.startswith("ddp"):
+        assert [reduces for _, _, reduces in got["stats"]] == [1, 1]
 
 
 @pytest.mark.parametrize("kind", ["ddp_compiled", "ddp_accum_compiled"])

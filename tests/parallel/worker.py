@@ -79,11 +79,18 @@ def run_step(kind, model, mine, gidx):
     mbs, idx = step_microbatches(mine, gidx)
     _, W = groups_and_weights()
     step = sp.plan_step(
-        model, mbs, max_tokens=BUDGET, prefix_activations="recompute" if "recompute" in kind else "keep"
+        model,
+        mbs,
+        max_tokens=BUDGET,
+        prefix_activations="recompute" if "recompute" in kind or "fsdp" in kind else "keep",
     )
     res = None
     for k in range(2):
-        ctx = model.no_sync() if k == 0 else contextlib.nullcontext()
+        if kind.startswith("fsdp"):  # FSDP2's accumulation: no reduce-scatter before the last micro-step
+            model.set_requires_gradient_sync(k == 1)
+            ctx = contextlib.nullcontext()
+        else:
+            ctx = model.no_sync() if k == 0 else contextlib.nullcontext()
         with ctx:
             if kind.endswith("_deferred"):
                 out = sp.logprobs(model, step.microbatch(k))
@@ -237,7 +244,9 @@ def main(kind, out):
             torch.save({"stats": [t.tolist() for t in gathered]}, out)
         dist.destroy_process_group()
         return
-    elif kind.startswith("ddp_step"):  # one sp.plan_step step over two microbatches, the first inside no_sync()
+    elif kind.startswith("ddp_step") or kind.startswith(
+        "fsdp_step"
+    ):  # one sp.plan_step step over two microbatches, the first inside no_sync()
         res = run_step(kind, model, mine, gidx)
     elif kind.startswith("ddp_accum"):  # accumulate without sync, then sync once: same as one call
         if kind == "ddp_accum_compiled":  # DDP's no_sync(), reached through the compiled wrapper

@@ -263,19 +263,22 @@ class Step:
     def _fail(self, model) -> None:
         """After a call of the step raised: deliver the completed microbatches' shared share, release, close."""
         try:
-            if self.done and self.recorded:
-                self._deliver_partial(model)
+            self._deliver_partial(model)
         finally:
             self._close("failed")
 
     def _deliver_partial(self, model) -> None:
         """The shared segments' backward with the gradients the completed microbatches accumulated, their forward
-        run again with grad (whatever the mode: a failed call may have consumed a kept graph)."""
-        if not (self.done and self.recorded and self.splan.shared):
+        run again with grad (whatever the mode: a failed call may have consumed a kept graph). A lockstep engine's
+        ranks (FSDP2: an error in a call is raised on every rank) all run it, with nothing to compute where a rank
+        has nothing to deliver, so that their collectives match."""
+        lockstep = detect(model, unwrap(model)).lockstep
+        if not self.done or not (lockstep or (self.recorded and self.splan.shared)):
             return
         from sharedprefix.schedule import rounds  # (rounds imports this module's types only)
 
-        plan = Plan(self.splan.tree, list(self.splan.backward), self.splan.max_tokens, self.views[0])
+        steps = list(self.splan.backward) if self.recorded else []
+        plan = Plan(self.splan.tree, steps, self.splan.max_tokens, self.views[0])
         cp = dataclasses.replace(self.cp, plan=plan, step=StepCall(self, -1, frozenset()))
         opts = self.cp.options.replace(prefix_activations="recompute", sync=False, entropy=False)
         with torch.enable_grad():
@@ -425,7 +428,7 @@ def refuse_engine(model) -> None:
     if why is not None:
         raise ValueError(
             f"sp.plan_step is not available with {why}: a step runs each shared prompt once across several calls, "
-            "which sharedprefix has verified only on one process and under DDP. Run each microbatch as its own call "
+            "which sharedprefix has verified on one process, under DDP and under FSDP2. Run each microbatch as its own call "
             "(sp.backward(model, rows, ...)): exact, each prompt once per microbatch."
         )
 

@@ -56,9 +56,6 @@ def _deepspeed_engine(model: torch.nn.Module):
 
 
 class DeepSpeed(Single):
-    def step_refusal(self) -> str | None:
-        return "a DeepSpeed engine (its own accumulation boundary and gradient partitions are not yet verified)"
-
     """One process's behaviour (passes without collectives, errors raised on their own rank: DeepSpeed's hooks never
     ran), with DeepSpeed's delivery of the call's gradient."""
 
@@ -72,6 +69,9 @@ class DeepSpeed(Single):
         if self.leaf_hooks:  # a grad-enabled ``sp.logprobs`` defers: its passes run without the leaves' hooks
             # (``call``), which only a backward of sharedprefix's own then runs, once
             self.must_defer = f"a DeepSpeed ZeRO-3 engine with leaf modules ({_names(self.leaf_hooks)})"
+
+    def step_refusal(self) -> str | None:
+        return "a DeepSpeed engine (its own accumulation boundary and gradient partitions are not verified with it)"
 
     def call(self, fn, guard: bool = True):
         """A pass with ZeRO-3's leaf-module hooks set aside (module full backward hooks are taken when the module's

@@ -115,9 +115,6 @@ class FSDP2(Engine):
     replays_tensor_hooks = False
     must_defer = None
 
-    def step_refusal(self) -> str | None:
-        return "FSDP2 (its lockstep rounds and reshards are agreed per call, not across a step's calls)"
-
     divide_factor: float | None = None  # what FSDP2 divides the summed gradient by (``_divide_factor``)
 
     @classmethod
