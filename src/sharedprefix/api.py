@@ -46,7 +46,7 @@ from sharedprefix.schedule.deferred import defer_logprobs
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.path import Path
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
-from sharedprefix.schedule.step import Microbatch, Step, make_step
+from sharedprefix.schedule.step import Microbatch, SplitStep, Step, make_step
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -59,6 +59,7 @@ __all__ = [
     "CallPlan",
     "LogProbs",
     "Microbatch",
+    "SplitStep",
     "Step",
     "backward",
     "logprobs",
@@ -90,7 +91,12 @@ def plan_call(model: torch.nn.Module, groups: Sequence[Group] | Tree, **options)
         return call.plan_agreed(model, groups, options)
 
 
-def plan_step(model: torch.nn.Module, microbatches: Sequence[Sequence[Group] | Tree], **options) -> Step:
+def plan_step(
+    model: torch.nn.Module,
+    microbatches: Sequence[Sequence[Group] | Tree],
+    max_cached_tokens: int | None = None,
+    **options,
+) -> Step | SplitStep:
     """One optimizer step's microbatches, planned together: each shared prompt computed once for the step.
 
     ``microbatches[k]``: the rows of the trainer's microbatch k (a list of ``sp.Group`` or an ``sp.Tree``; one kind
@@ -104,6 +110,11 @@ def plan_step(model: torch.nn.Module, microbatches: Sequence[Sequence[Group] | T
     results (n_k, W_k) for the microbatch's rows; gradients accumulated as a plain run of each microbatch would, the
     shared prompts' share delivered inside the step's last microbatch's backward (before a DDP synchronisation at the
     accumulation boundary). ``schedule.step`` gives the rules: hooks, failures, microbatches run twice or never.
+    ``max_cached_tokens``: the most tokens of shared segments the step may hold between its calls (None: no bound).
+    A step that would hold more runs as consecutive parts, each of as many microbatches as keep its shared tokens
+    within the bound (a ``SplitStep``: the same interface, ``.parts`` its steps); each part computes its shared
+    prompts once, so the bound trades memory for recomputation, and never fails.
+
     Available on one process, under DDP and under FSDP2 (``sp.backward``, prefix_activations "recompute": FSDP2's
     mode); refused with the reason elsewhere (DeepSpeed, tensor and sequence parallelism, cache-path hybrids, the
     MoE load-balancing loss).
@@ -112,7 +123,7 @@ def plan_step(model: torch.nn.Module, microbatches: Sequence[Sequence[Group] | T
     def cp_of(source):
         return plan_call(model, source, **options)
 
-    return make_step(model, microbatches, cp_of, options)
+    return make_step(model, microbatches, cp_of, options, max_cached_tokens)
 
 
 def logprobs(

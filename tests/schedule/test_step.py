@@ -316,3 +316,22 @@ def test_float32_step_within_twice_plain_error():
         plain_err = (plain32[name].double() - exact[name]).abs().max()
         our_err = (ours[name].double() - exact[name]).abs().max()
         assert our_err <= 2 * plain_err + 1e-6 * exact[name].abs().max(), name
+
+
+def test_max_cached_tokens_splits_the_step_into_parts(model):
+    """A bound on what the step caches: parts of consecutive microbatches, each within it, still exact."""
+    mbs = _split_groups()  # shared: group 0's prompt (20 tokens) and group 1's (9)
+    Ws = _weights(mbs)
+    want = _plain(model, mbs, Ws)
+    assert sp.plan_step(model, mbs, max_cached_tokens=29).splan.shared_tokens == 29  # within: one step
+    model.zero_grad(set_to_none=True)
+    step = sp.plan_step(model, mbs, max_cached_tokens=20)
+    assert isinstance(step, sp.SplitStep) and len(step) == 3
+    assert [p.offset for p in step.parts] == [0, 2] and step.tokens_cached <= 20
+    tokens = sum(sp.backward(model, step.microbatch(k), _loss(W)).tokens_computed for k, W in enumerate(Ws))
+    assert step.state == "finished" and step.missing == []
+    assert tokens > 20 + 9 + 31  # a prompt computed in two parts: the bound trades memory for recomputation
+    assert_grads_close(_grads(model), want, 1e-9)
+    with pytest.raises(ValueError, match="max_cached_tokens=-1"):
+        sp.plan_step(model, mbs, max_cached_tokens=-1)
+    model.zero_grad(set_to_none=True)

@@ -202,6 +202,11 @@ class StepPlan:
     max_tokens: int | None
 
     @property
+    def shared_tokens(self) -> int:
+        """Tokens of the shared segments: what the step's cache holds between its calls."""
+        return sum(self.tree.segments[s].length for s in self.shared)
+
+    @property
     def record(self) -> list[Pass]:
         return [Pass((s,), record=(s,)) for s in self.shared]
 

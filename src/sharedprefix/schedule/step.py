@@ -108,8 +108,11 @@ class Step:
         mode: the shared segments' ``prefix_activations``.
     """
 
-    def __init__(self, model: torch.nn.Module, cp: CallPlan, splan: StepPlan, mode: str, offload_device):
+    def __init__(
+        self, model: torch.nn.Module, cp: CallPlan, splan: StepPlan, mode: str, offload_device, offset: int = 0
+    ):
         self.inner = weakref.ref(unwrap(model))
+        self.offset = offset  # its first microbatch's index in a ``SplitStep`` (0 otherwise), for messages
         self.cp, self.splan, self.mode = cp, splan, mode
         self.views = splan.views
         self.sources: list = []  # each microbatch's rows as given (a no-grad call of one runs on them)
@@ -136,7 +139,12 @@ class Step:
     @property
     def missing(self) -> list[int]:
         """The microbatches whose backward has not run."""
-        return [k for k in range(len(self.views)) if k not in self.done]
+        return [self.offset + k for k in range(len(self.views)) if k not in self.done]
+
+    @property
+    def ran(self) -> list[int]:
+        """The microbatches whose backward ran."""
+        return sorted(self.offset + k for k in self.done)
 
     def describe(self) -> str:
         return self.splan.describe()
@@ -224,7 +232,7 @@ class Step:
         raise RuntimeError(
             f"{where} found an earlier sp.plan_step step of this model unfinished: microbatch(es) {self.missing} of "
             f"{len(self.views)} never ran their backward, so the shared prompts' gradient of the ones that ran "
-            f"({sorted(self.done)}) was never delivered and an optimizer step since would have missed it. Run every "
+            f"({self.ran}) was never delivered and an optimizer step since would have missed it. Run every "
             "microbatch of a step (sp.backward(model, step.microbatch(k), ...) for each k), or end it explicitly: "
             "step.finish(model) delivers the share of the microbatches that ran, step.release() drops it."
         )
@@ -232,33 +240,34 @@ class Step:
     # -- internals ---------------------------------------------------------------------------------------------
 
     def _check_call(self, inner, k: int, backward: bool) -> None:
+        g = k + self.offset  # its index in the user's list
         own = self.inner()
         if own is not inner:
             raise ValueError(
-                f"microbatch {k} of a step planned for another model than this {type(inner).__name__}: a step caches "
+                f"microbatch {g} of a step planned for another model than this {type(inner).__name__}: a step caches "
                 "its model's prompts and accumulates into its parameters. Plan a step for this model with "
                 "sp.plan_step(model, microbatches)."
             )
         if self.state in ("finished", "failed", "released"):
             raise RuntimeError(
-                f"microbatch {k} run after its step {self.state}: a step's shared prompts are backpropagated once, at "
+                f"microbatch {g} run after its step {self.state}: a step's shared prompts are backpropagated once, at "
                 "its last microbatch (or at a failure), and then released. Plan the next step with sp.plan_step."
             )
         other = _OPEN.get(inner)
         if other is not None and other is not self:
             raise RuntimeError(
-                f"microbatch {k} belongs to a step other than the one under way on this model (its microbatches "
-                f"{sorted(other.done)} ran, {other.missing} missing): the rows of two steps cannot mix. Finish that "
+                f"microbatch {g} belongs to a step other than the one under way on this model (its microbatches "
+                f"{other.ran} ran, {other.missing} missing): the rows of two steps cannot mix. Finish that "
                 "step first (or step.finish(model) / step.release() it)."
             )
         if k in self.done or (not backward and k in self.forwarded):
             raise RuntimeError(
-                f"microbatch {k} of this step already ran{'' if backward else ' its log-probs'}: each microbatch runs "
+                f"microbatch {g} of this step already ran{'' if backward else ' its log-probs'}: each microbatch runs "
                 "once per step (a plain accumulation would add its gradient twice). Plan a new step to train on it "
                 "again."
             )
         if self.state == "open":
-            _check_versions(inner, self.versions, k)
+            _check_versions(inner, self.versions, k + self.offset)
 
     def _fail(self, model) -> None:
         """After a call of the step raised: deliver the completed microbatches' shared share, release, close."""
@@ -428,19 +437,27 @@ def refuse_engine(model) -> None:
     if why is not None:
         raise ValueError(
             f"sp.plan_step is not available with {why}: a step runs each shared prompt once across several calls, "
-            "which sharedprefix has verified on one process, under DDP and under FSDP2. Run each microbatch as its own call "
-            "(sp.backward(model, rows, ...)): exact, each prompt once per microbatch."
+            "which sharedprefix has verified on one process, under DDP and under FSDP2. Run each microbatch as its own "
+            "call (sp.backward(model, rows, ...)): exact, each prompt once per microbatch."
         )
 
 
-def make_step(model, microbatches: Sequence, cp_of, options: dict) -> Step:
+def make_step(model, microbatches: Sequence, cp_of, options: dict, max_cached_tokens: int | None = None):
     """``sp.plan_step``: the step of ``microbatches`` on ``model``; ``cp_of(source)``: the ``CallPlan`` of all its rows
-    (``sp.plan_call``'s)."""
+    (``sp.plan_call``'s). ``max_cached_tokens``: the most tokens of shared segments one step may cache; a step that
+    would cache more runs as consecutive parts (``SplitStep``), each within it."""
     refuse_engine(model)
     if options.get("sequence_group") is not None:
         raise ValueError(
             "sp.plan_step got a sequence_group: a step is not available with Ulysses sequence parallelism. Run each "
             "microbatch as its own call with sequence_group."
+        )
+    if max_cached_tokens is not None and (
+        isinstance(max_cached_tokens, bool) or not isinstance(max_cached_tokens, int) or max_cached_tokens < 0
+    ):
+        raise ValueError(
+            f"max_cached_tokens={max_cached_tokens!r}; expected None (no bound) or a number of tokens >= 0: the most "
+            "tokens of shared prompts one step holds between its calls."
         )
     inner = unwrap(model)
     other = _OPEN.get(inner)
@@ -448,8 +465,78 @@ def make_step(model, microbatches: Sequence, cp_of, options: dict) -> Step:
         other.refuse_unfinished("sp.plan_step")
     source, members = combine(microbatches)
     cp = cp_of(source)
-    splan = plan_step(cp.plan.tree, members, cp.options.max_tokens)
-    mode = cp.options.prefix_activations
-    step = Step(model, cp, splan, mode, cp.options.offload_device)
-    step.sources = list(microbatches)
-    return step
+    mode, device = cp.options.prefix_activations, cp.options.offload_device
+    parts = _parts(cp.plan.tree, members, cp.options.max_tokens, max_cached_tokens)
+    steps = []
+    for first, splan in parts:
+        step = Step(model, cp, splan, mode, device, offset=first)
+        step.sources = list(microbatches[first : first + len(splan.views)])
+        steps.append(step)
+    return steps[0] if len(steps) == 1 or max_cached_tokens is None else SplitStep(steps, max_cached_tokens)
+
+
+def _parts(tree, members, max_tokens, cap) -> list[tuple[int, StepPlan]]:
+    """(first microbatch, plan) of each part: all microbatches in one plan, or, where its shared segments would hold
+    more than ``cap`` tokens, consecutive runs of microbatches each as long as its shared tokens stay within ``cap``
+    (one microbatch shares nothing)."""
+    whole = plan_step(tree, members, max_tokens)
+    if cap is None or whole.shared_tokens <= cap:
+        return [(0, whole)]
+    parts, first = [], 0
+    while first < len(members):
+        last = first + 1
+        best = plan_step(tree, members[first:last], max_tokens)
+        while last < len(members):
+            more = plan_step(tree, members[first : last + 1], max_tokens)
+            if more.shared_tokens > cap:
+                break
+            best, last = more, last + 1
+        parts.append((first, best))
+        first = last
+    return parts
+
+
+class SplitStep:
+    """A step whose shared segments would cache more than ``max_cached_tokens``, run as consecutive parts, each a
+    ``Step`` of its own (its shared prompts computed once for the part): the same interface as a ``Step``.
+    ``parts``: the ``Step`` of each part, in order."""
+
+    def __init__(self, parts: list[Step], max_cached_tokens: int):
+        self.parts, self.max_cached_tokens = parts, max_cached_tokens
+        self._at = [(p.offset, p) for p in parts]
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def microbatch(self, k: int) -> Microbatch:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self):
+            raise ValueError(f"microbatch {k!r} of a step of {len(self)}; expected an int in [0, {len(self)}).")
+        first, part = next((f, p) for f, p in reversed(self._at) if f <= k)
+        return part.microbatch(k - first)
+
+    @property
+    def missing(self) -> list[int]:
+        return [k for p in self.parts for k in p.missing]
+
+    @property
+    def state(self) -> str:
+        states = {p.state for p in self.parts}
+        return states.pop() if len(states) == 1 else "open"
+
+    @property
+    def tokens_cached(self) -> int:
+        return max(p.splan.shared_tokens for p in self.parts)
+
+    def describe(self) -> str:
+        head = (
+            f"step of {len(self)} microbatches in {len(self.parts)} parts (max_cached_tokens={self.max_cached_tokens})"
+        )
+        return "\n".join([head] + [f"part from microbatch {p.offset}: " + p.describe() for p in self.parts])
+
+    def finish(self, model) -> None:
+        for p in self.parts:
+            p.finish(model) if p.state == "open" else p.release()
+
+    def release(self) -> None:
+        for p in self.parts:
+            p.release()
