@@ -23,7 +23,7 @@ from sharedprefix.attention import probe
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.kernels import AttentionKernel
 from sharedprefix.layout.frames import Frames
-from sharedprefix.layout.groups import Group
+from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
@@ -152,6 +152,7 @@ class CallPlan:
             a plan made inside a call leaves them to the call, which probes first).
         images: the groups carry ``prompt_inputs``.
         refusals: the checks already run, by name, in order.
+        vocab: the vocabulary the token ids were checked against (None: frames, checked by ``streams.encode``).
     """
 
     source: list[Group] | Tree
@@ -166,6 +167,7 @@ class CallPlan:
     refusals: tuple[str, ...]
     rows: RowCache = dataclasses.field(repr=False, compare=False)
     given: tuple[tuple[str, Any], ...] = ()
+    vocab: int | None = None
 
     @property
     def passes(self) -> list[Pass]:
@@ -175,6 +177,19 @@ class CallPlan:
     def splits(self) -> bool:
         """Some group is split across passes (its prompt cached and backpropagated at the end)."""
         return self.plan.splits
+
+    def check_vocab(self, inner: torch.nn.Module) -> None:
+        """Refuse, as planning does (naming the token id and the vocabulary), to run on ``inner`` when its input
+        embedding or output head holds fewer entries than the plan's ids were checked against (one replaced by a
+        smaller one since, the config unchanged) and an id is outside them; a few attribute reads otherwise."""
+        if self.vocab is None:
+            return
+        vocab = min(streams.embedding_size(inner), streams.head_vocab(inner))
+        if vocab < self.vocab:
+            if isinstance(self.source, Tree):
+                self.source.check_vocab(vocab)
+            else:
+                validate_groups(self.source, vocab)
 
 
 def refuse_other_model(inner: torch.nn.Module, why: str) -> None:
