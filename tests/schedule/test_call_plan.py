@@ -7,9 +7,11 @@ import dataclasses
 
 import pytest
 import torch
+import transformers as tf
 
 import sharedprefix as sp
 from tests.helpers import random_groups, tiny_model
+from tests.support import vl
 
 GROUPS = random_groups(0, 3, [20, 7, 15], [[5, 3, 8], [4], [6, 2]])
 TREE = sp.Tree.from_rows([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9], [4, 5, 6, 7]])
@@ -119,12 +121,47 @@ def test_plan_runs_on_a_peft_model_with_its_adapter_disabled():
 
 def test_plan_is_refused_on_a_model_of_another_configuration():
     cp = sp.plan_call(tiny_model(), GROUPS, max_tokens=24)
-    with pytest.raises(ValueError, match=r"CallPlan was made for another model .* its configuration \(config"):
+    with pytest.raises(
+        ValueError,
+        match=r"CallPlan was made for another model .* its configuration \(config.to_dict\(\)\) differs at "
+        r"config.intermediate_size: 40 here, 48 where the plan was made",
+    ):
         sp.logprobs(tiny_model(intermediate_size=40), cp)
     with pytest.raises(ValueError, match=r"its config class differs: LlamaConfig here, Qwen3Config"):
         sp.logprobs(tiny_model("llama"), cp)
     with pytest.raises(ValueError, match=r"its parameters' dtype differs: torch.float32 here, torch.float64"):
         sp.logprobs(tiny_model(dtype=torch.float32), cp)
+
+
+def test_plan_ignores_names_versions_dtype_and_use_cache_at_every_depth_of_the_config(tmp_path):
+    """A Qwen2-VL reference saved and loaded in bfloat16, then cast (its ``dtype`` set in the config, ``text_config``
+    and ``vision_config``, with a checkpoint name and ``architectures``), and the policy with
+    ``text_config.use_cache=False`` (TRL turns it off on the policy only): the policy's plan runs on the reference,
+    bit-identical to planning afresh there. Before, the nested keys were compared: "configuration differs"."""
+    policy = vl.mrope_model("qwen2_vl")
+    policy.save_pretrained(tmp_path)
+    reference = tf.Qwen2VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.bfloat16).double().eval()
+    nested = reference.config.to_dict()
+    assert nested["text_config"]["dtype"] == nested["vision_config"]["dtype"] == "bfloat16"  # control: they differ
+    assert policy.config.to_dict()["text_config"]["dtype"] != "bfloat16"
+    policy.config.text_config.use_cache = False
+    groups = vl.MROPE_GROUPS()
+    cp = sp.plan_call(policy, groups)
+    with torch.no_grad():
+        assert torch.equal(sp.logprobs(reference, cp).logprobs, sp.logprobs(reference, groups).logprobs)
+
+
+def test_a_nested_config_difference_is_refused_naming_its_key_and_both_values():
+    policy, other = vl.mrope_model("qwen2_vl"), vl.mrope_model("qwen2_vl")
+    text = other.config.text_config  # a new dict: the two configs share the one they were built from
+    text.rope_parameters = {**text.rope_parameters, "rope_theta": 20000.0}
+    cp = sp.plan_call(policy, vl.MROPE_GROUPS())
+    with pytest.raises(
+        ValueError,
+        match=r"its configuration \(config.to_dict\(\)\) differs at config\.text_config\.rope_parameters\.rope_theta: "
+        r"20000\.0 here, 1000000\.0 where the plan was made",
+    ):
+        sp.logprobs(other, cp)
 
 
 def test_disagreeing_settings_are_refused():

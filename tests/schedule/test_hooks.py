@@ -9,6 +9,8 @@ declared token-wise; ``.grad`` tensors present before a call (views into one fla
 Each mechanism has a control that must fail.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -280,6 +282,51 @@ def test_a_declared_token_wise_hook_runs_and_is_exact():
     free = tiny_model("qwen3")
     plain_loss(free).backward()
     assert float((grads(free)["model.norm.weight"] - want["model.norm.weight"]).abs().max()) > 1e-6  # it steers
+
+
+class _Steering:
+    def __init__(self, vector):
+        self.vector = vector
+
+    def hook(self, module, args, out):
+        return _steer(module, args, out, self.vector)
+
+
+def _steer(module, args, out, vector, scale=1.0):
+    return (out[0] + scale * vector,) + tuple(out[1:]) if isinstance(out, tuple) else out + scale * vector
+
+
+@pytest.mark.parametrize("kind", ["bound method", "partial"])
+def test_a_declared_bound_method_or_partial_is_recognised_by_what_it_calls(kind):
+    """``sp.allow_hook(obj.method)`` then ``register_forward_hook(obj.method)``: each read of ``obj.method`` is a new
+    bound method, of the same function and instance, so it is allowed and the result is the plain run's with the
+    hook; a ``functools.partial`` likewise, by its function, arguments and keywords (an equal float, another
+    object). Control: the function bound to another instance, or a partial with another keyword, is refused."""
+    steer = torch.randn(32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    owner = _Steering(steer)
+    if kind == "bound method":
+        sp.allow_hook(owner.hook)
+        make, other = (lambda: owner.hook), _Steering(steer).hook  # another instance
+    else:
+        sp.allow_hook(functools.partial(_steer, vector=steer, scale=float("2")))
+        make = lambda: functools.partial(_steer, vector=steer, scale=float("2"))  # noqa: E731
+        other = functools.partial(_steer, vector=steer, scale=3.0)
+    plain, ours = tiny_model("qwen3"), tiny_model("qwen3")
+    for m in (plain, ours):
+        m.model.layers[0].register_forward_hook(make())
+    plain_loss(plain).backward()
+    run_sp(ours)
+    want = grads(plain)
+    assert_grads_close(grads(ours), want, 1e-9)
+    free = tiny_model("qwen3")
+    plain_loss(free).backward()
+    assert float((grads(free)["model.norm.weight"] - want["model.norm.weight"]).abs().max()) > 1e-6  # it steers
+    refused = tiny_model("qwen3")
+    refused.model.layers[0].register_forward_hook(other)
+    with pytest.raises(
+        ValueError, match=r"forward hook \S*(_steer|_Steering\.hook) is registered on model\.layers\.0 .*allow_hook"
+    ):
+        sp.logprobs(refused, GROUPS)
 
 
 def test_library_hooks_known_to_be_token_wise_run():

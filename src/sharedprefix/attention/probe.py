@@ -271,6 +271,14 @@ def _uses_interface(model) -> bool:
     return False
 
 
+def forget(model) -> None:
+    """Drop what the probe found for ``model`` and its modules (``model.checks.forget``): a module whose forward was
+    patched may no longer call attention at all."""
+    _BY_MODEL.pop(model, None)
+    for m in model.modules():
+        _PATTERNS.pop(m, None)
+
+
 def attention_modules(model) -> int | None:
     """How many distinct modules of ``model`` ran the attention interface in its probe (None: not probed)."""
     return _BY_MODEL.get(model)

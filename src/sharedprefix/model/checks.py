@@ -1,10 +1,12 @@
-"""Checks made once per model, before any pass: the head, randomness, position numbering and convolutions.
+"""Checks made before any pass, once per model as it is: the head, randomness, position numbering and convolutions.
 
 ``verify_head`` runs the model's own forward on a three-token probe row and checks that what sharedprefix relies on
 holds: the decoder followed by ``adapter.head_logits`` gives the model's own logits, the training-mode forward draws
 no random numbers, the decoder numbers positions 0..L-1 (or as RoBERTa does: ``padding_numbered``), and no
 convolution runs along the tokens outside the hybrid path; it then probes which attention each layer computes
-(``attention.probe``).
+(``attention.probe``). Its findings hold while the model computes what it computed then: they are kept with the
+model's ``identity.model_key`` and made again, from scratch, on a call whose key differs (a module or its
+``forward`` replaced, an embedding or head of another vocabulary).
 
 Notation: L = row length.
 """
@@ -28,23 +30,30 @@ from sharedprefix.model.adapter import (
     modules_after_decoder,
     text_config,
 )
+from sharedprefix.model.identity import model_key
 
-# model -> the (model.training, hybrid path) modes it was verified in
+# model -> (its ``model_key`` when verified, the (model.training, hybrid path) modes it was verified in under that key)
 _VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # model -> padding index of its RoBERTa-style position numbering
 _PADDING_NUMBERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def verify_head(model: PreTrainedModel, forward=None, hybrid: bool = False) -> None:
-    """Check once per model, before any pass, what sharedprefix relies on: base + ``head_logits`` equals the
-    model's own logits, the forward is not random, positions and token convolutions (see the helpers), and
-    which attention each layer computes (``attention.probe``). Raises ValueError for what cannot be exact.
-    The caller's random stream is left as it was. Once per model and mode (training mode adds a check).
+    """Check before any pass what sharedprefix relies on: base + ``head_logits`` equals the model's own logits, the
+    forward is not random, positions and token convolutions (see the helpers), and which attention each layer
+    computes (``attention.probe``). Raises ValueError for what cannot be exact. The caller's random stream is left
+    as it was. Once per model, mode (training mode adds a check) and ``model_key``: a model changed since it was
+    verified (a module or its ``forward`` replaced, another vocabulary) is verified again, its findings made anew.
     ``forward``: what computes the model's own logits (default: ``model``; inside an FSDP2 root call, where the
     root's hooks already ran, its bound ``model.forward``).
     ``hybrid``: the model runs on the hybrid path (its own attention and convolutions, no probe).
     """
-    modes = _VERIFIED.setdefault(model, set())
+    key = model_key(model)
+    entry = _VERIFIED.get(model)
+    if entry is None or entry[0] != key:
+        forget(model)
+        entry = _VERIFIED[model] = (key, set())
+    modes: set[tuple[bool, bool]] = entry[1]
     if (model.training, hybrid) in modes:
         return
     device = streams.head_device(model)
@@ -55,6 +64,16 @@ def verify_head(model: PreTrainedModel, forward=None, hybrid: bool = False) -> N
     ):  # a K-stream model reads these ids as frames of one code
         _verify(model, device, model if forward is None else forward, hybrid)
     modes.add((model.training, hybrid))
+
+
+def forget(model: PreTrainedModel) -> None:
+    """Drop what ``verify_head`` found for ``model`` (its head chain, position numbering and modules, the probed
+    attention of its modules), so that nothing of an earlier version of the model outlives its verification."""
+    _VERIFIED.pop(model, None)
+    _PADDING_NUMBERED.pop(model, None)
+    HEADS.pop(model, None)
+    positions.forget(model)
+    probe.forget(model)
 
 
 def _verify(model: PreTrainedModel, device, forward, hybrid: bool = False) -> None:

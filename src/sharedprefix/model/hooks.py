@@ -30,6 +30,7 @@ run's semantics (``parallel.grad_hooks``).
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -50,7 +51,8 @@ _ALLOWED_MODULES = (
     "deepspeed.runtime.zero",
     "deepspeed.utils.nvtx",  # DeepSpeed's instrumentation wrapper around its ZeRO-3 hooks
 )
-_USER_ALLOWED: dict[int, object] = {}  # id -> the function (kept alive, so that the id stays its own)
+# ``_calls(fn)`` -> fn, of each hook declared with ``allow_hook`` (kept alive, so that the ids in the key stay its own)
+_USER_ALLOWED: dict[tuple, object] = {}
 
 _KINDS = (
     ("_forward_pre_hooks", "forward pre-hook"),
@@ -68,11 +70,36 @@ _GLOBALS = (
 
 def allow_hook(fn):
     """Declare the module hook ``fn`` token-wise (see the module docstring), so that sharedprefix runs models that
-    carry it; returns ``fn``, so it also works as a decorator. The declaration is yours: nothing can check it."""
+    carry it; returns ``fn``, so it also works as a decorator. The declaration is yours: nothing can check it.
+
+    A hook is recognised by what it calls (``_calls``): ``allow_hook(obj.method)`` allows the bound method that a
+    later ``register_forward_hook(obj.method)`` gets (a new object each time ``obj.method`` is read), and
+    ``allow_hook(functools.partial(f, *args, **kw))`` a partial of the same function, arguments and keywords. A plain
+    function allowed allows every bound method and partial of it."""
     if not callable(fn):
         raise TypeError(f"allow_hook takes the hook function itself; got a {type(fn).__name__}.")
-    _USER_ALLOWED[id(fn)] = fn
+    _USER_ALLOWED[_calls(fn)] = fn
     return fn
+
+
+def _calls(fn) -> tuple:
+    """What ``fn`` calls, as a key: a bound method by its function and its instance (the same object), a partial by
+    its function, its arguments and its keywords (each by value where it hashes, else the same object), anything
+    else as the same object."""
+    if isinstance(fn, functools.partial):
+        keywords = tuple(sorted((k, _value(v)) for k, v in fn.keywords.items()))
+        return ("partial", _calls(fn.func), tuple(_value(a) for a in fn.args), keywords)
+    if isinstance(fn, types.MethodType):
+        return ("method", _calls(fn.__func__), id(fn.__self__))
+    return ("object", id(fn))
+
+
+def _value(x) -> tuple:
+    try:
+        hash(x)
+    except TypeError:
+        return ("object", id(x))
+    return ("value", type(x), x)
 
 
 def _function(hook):
@@ -91,10 +118,10 @@ def _function(hook):
 
 
 def allowed(hook) -> bool:
-    if id(hook) in _USER_ALLOWED:
+    if _calls(hook) in _USER_ALLOWED:
         return True
     fn = _function(hook)
-    if id(fn) in _USER_ALLOWED:
+    if _calls(fn) in _USER_ALLOWED:
         return True
     module = getattr(fn, "__module__", None) or type(fn).__module__ or ""
     name = getattr(fn, "__name__", type(fn).__name__)

@@ -193,6 +193,11 @@ def _tail(own: torch.Tensor, ours: torch.Tensor, s: int) -> torch.Tensor | None:
     return None if dim is None else own.narrow(dim, s, ours.shape[dim])
 
 
+def forget(model) -> None:
+    """Drop ``verify``'s findings for ``model`` (``checks.forget``)."""
+    _MODULES.pop(model, None)
+
+
 def verify(model, dec: torch.nn.Module, ids: torch.Tensor, positionless: bool = False) -> None:
     """Find and check the position modules of a decoder without ``position_ids`` (see the module docstring) on
     (1, n) token ``ids``; raise ValueError when they cannot be renumbered exactly. ``positionless``: the decoder has

@@ -34,9 +34,11 @@ import weakref
 import torch
 
 from sharedprefix.model.forward_mode import uses_reentrant_checkpointing
+from sharedprefix.model.identity import model_key
 from sharedprefix.model.streams import declared_rows
 
-_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (function, num_experts, top_k)
+# model -> (its ``model_key`` when verified, (function, num_experts, top_k))
+_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def enabled(model) -> bool:
@@ -117,7 +119,7 @@ def spans(layout) -> list[tuple[int, int, int]]:
 def segment_grads(model, records) -> dict[int, list[torch.Tensor]]:
     """From a no-grad forward's records: segment -> per MoE layer the (len, E) gradient d aux / d router logits of
     its tokens, where aux is ``aux_loss(model, records)`` (the model's own function, differentiated by autograd)."""
-    fn, num_experts, top_k = _VERIFIED[model]
+    fn, num_experts, top_k = _VERIFIED[model][1]
     layers = len(records[0][0])
     leaves = [[r[i].detach().requires_grad_(True) for i in range(layers)] for r, _, _ in records]
     with torch.enable_grad():
@@ -169,7 +171,7 @@ def aux_loss(model, records: list[tuple[tuple, torch.Tensor, object]]) -> torch.
     ``multiplicity``; ``spans``: from ``spans``. The rows of every pass are concatenated (the loss sums over tokens;
     order is irrelevant).
     """
-    fn, num_experts, top_k = _VERIFIED[model]
+    fn, num_experts, top_k = _VERIFIED[model][1]
     layers = len(records[0][0])
     if any(len(r) != layers for r, _, _ in records):
         raise RuntimeError("the passes of one call returned router logits of different numbers of layers.")
@@ -206,11 +208,14 @@ def check_available(model) -> None:
 
 
 def verify(model, decoder, device) -> None:
-    """Once per model: the model's own aux_loss over rows [A, A, A, B] equals ``aux_loss`` on [A, B] weighted 3, 1."""
-    if model in _VERIFIED:
+    """Once per model and ``model_key`` (again when a module or its ``forward`` changed): the model's own aux_loss
+    over rows [A, A, A, B] equals ``aux_loss`` on [A, B] weighted 3, 1."""
+    key = model_key(model)
+    if model in _VERIFIED and _VERIFIED[model][0] == key:
         return
+    _VERIFIED.pop(model, None)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        _VERIFIED[model] = _verify(model, decoder, device)
+        _VERIFIED[model] = key, _verify(model, decoder, device)
 
 
 def _verify(model, decoder, device):

@@ -173,7 +173,19 @@ def make_plan(model, source, options: CallOptions, given: dict | None = None) ->
     # the probe runs a forward, which every rank must reach: after the ranks agree (``call_plan.probed``)
     findings = None
     return CallPlan(
-        source, frames, plan, options, fp, device, kernel, findings, images, tuple(done), RowCache(plan.tree), settings
+        source,
+        frames,
+        plan,
+        options,
+        fp,
+        device,
+        kernel,
+        findings,
+        images,
+        tuple(done),
+        RowCache(plan.tree),
+        settings,
+        vocab=vocab,
     )
 
 

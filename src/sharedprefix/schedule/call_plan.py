@@ -23,7 +23,7 @@ from sharedprefix.attention import probe
 from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.kernels import AttentionKernel
 from sharedprefix.layout.frames import Frames
-from sharedprefix.layout.groups import Group
+from sharedprefix.layout.groups import Group, validate_groups
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
@@ -37,7 +37,8 @@ from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.planner import Pass, Plan
 
 # config entries that name a checkpoint or set what a forward returns, not the computation sharedprefix runs (it
-# passes use_cache=False itself; TRL turns use_cache off on the policy only); the dtype is compared on the parameters
+# passes use_cache=False itself; TRL turns use_cache off on the policy only); the dtype is compared on the parameters.
+# Dropped at every depth of ``config.to_dict()`` (a VL model's text_config and vision_config carry them too).
 _NOT_COMPUTATION = {
     "_name_or_path",
     "name_or_path",
@@ -59,22 +60,25 @@ PLAN_FIELDS = ("max_tokens", "backend", "sequence_group")
 @dataclasses.dataclass(frozen=True)
 class Fingerprint:
     """What a model must share with the one a plan was made for: its transformers config class and the config's
-    entries that define the computation (``to_dict`` without names, versions and private keys), the parameters'
-    dtype, the device the passes run on, and the parallel layout (engine kind, world, tensor and data sizes)."""
+    entries that define the computation (``to_dict`` without names, versions, private keys and what sets a
+    forward's outputs, at every depth: ``_computation``), the parameters' dtype, the device the passes run on, and
+    the parallel layout (engine kind, world, tensor and data sizes). ``config``: those entries as JSON, to name the
+    first one that differs (not compared: the digest is)."""
 
     config_class: str
     config_digest: str
     dtype: str
     device: str
     engine: str
+    config: str = dataclasses.field(default="{}", compare=False, repr=False)
 
     @classmethod
     def of(cls, inner: torch.nn.Module, engine: Engine, device: torch.device) -> Fingerprint:
         cfg = inner.config
-        entries = {k: v for k, v in cfg.to_dict().items() if not k.startswith("_") and k not in _NOT_COMPUTATION}
-        digest = hashlib.sha256(json.dumps(entries, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        text = json.dumps(_computation(cfg.to_dict()), sort_keys=True, default=str)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         dtype = next((p.dtype for p in inner.parameters()), torch.float32)
-        return cls(type(cfg).__name__, digest, str(dtype), str(device), engine.layout())
+        return cls(type(cfg).__name__, digest, str(dtype), str(device), engine.layout(), text)
 
     def difference(self, other: Fingerprint) -> str | None:
         """Why a plan made for ``self`` cannot run on a model of ``other``, or None."""
@@ -87,9 +91,51 @@ class Fingerprint:
         }
         for f, name in what.items():
             mine, theirs = getattr(self, f), getattr(other, f)
+            if f == "config_digest" and mine != theirs:
+                at = _first_difference(json.loads(self.config), json.loads(other.config), "config")
+                if at is not None:
+                    path, mine, theirs = at
+                    return f"{name} differs at {path}: {theirs} here, {mine} where the plan was made"
             if mine != theirs:
                 return f"{name} differs: {theirs} here, {mine} where the plan was made"
         return None
+
+
+def _computation(entries: Any) -> Any:
+    """``entries`` (a ``config.to_dict()``) without the keys that do not define the computation, at every depth:
+    private keys and ``_NOT_COMPUTATION`` (names, versions, dtype, use_cache, ...), in sub-configs and lists too."""
+    if isinstance(entries, dict):
+        return {
+            k: _computation(v)
+            for k, v in entries.items()
+            if not (isinstance(k, str) and (k.startswith("_") or k in _NOT_COMPUTATION))
+        }
+    if isinstance(entries, (list, tuple)):
+        return [_computation(v) for v in entries]
+    return entries
+
+
+_ABSENT = "(absent)"
+
+
+def _first_difference(mine: Any, theirs: Any, path: str) -> tuple[str, str, str] | None:
+    """(the path of the first entry, in key order, where two ``_computation`` trees differ, its value in ``mine``,
+    its value in ``theirs``), values as JSON; None where they are equal."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for k in sorted(set(mine) | set(theirs), key=str):
+            a, b = mine.get(k, _ABSENT), theirs.get(k, _ABSENT)
+            if (at := _first_difference(a, b, f"{path}.{k}")) is not None:
+                return at
+        return None
+    if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if (at := _first_difference(a, b, f"{path}[{i}]")) is not None:
+                return at
+        return None
+    if mine == theirs and type(mine) is type(theirs):
+        return None
+    show = lambda v: v if v is _ABSENT else json.dumps(v, sort_keys=True)  # noqa: E731
+    return path, show(mine), show(theirs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +198,7 @@ class CallPlan:
             a plan made inside a call leaves them to the call, which probes first).
         images: the groups carry ``prompt_inputs``.
         refusals: the checks already run, by name, in order.
+        vocab: the vocabulary the token ids were checked against (None: frames, checked by ``streams.encode``).
         step: for a call of one microbatch of ``sp.plan_step``'s step, what its rounds need of the step
             (``schedule.step.StepCall``: its cache, its offload hooks, the shared segments this call records); else
             None.
@@ -169,6 +216,7 @@ class CallPlan:
     refusals: tuple[str, ...]
     rows: RowCache = dataclasses.field(repr=False, compare=False)
     given: tuple[tuple[str, Any], ...] = ()
+    vocab: int | None = None
     step: Any = dataclasses.field(default=None, repr=False, compare=False)  # a step's microbatch call (StepCall)
 
     @property
@@ -179,6 +227,19 @@ class CallPlan:
     def splits(self) -> bool:
         """Some group is split across passes (its prompt cached and backpropagated at the end)."""
         return self.plan.splits
+
+    def check_vocab(self, inner: torch.nn.Module) -> None:
+        """Refuse, as planning does (naming the token id and the vocabulary), to run on ``inner`` when its input
+        embedding or output head holds fewer entries than the plan's ids were checked against (one replaced by a
+        smaller one since, the config unchanged) and an id is outside them; a few attribute reads otherwise."""
+        if self.vocab is None:
+            return
+        vocab = min(streams.embedding_size(inner), streams.head_vocab(inner))
+        if vocab < self.vocab:
+            if isinstance(self.source, Tree):
+                self.source.check_vocab(vocab)
+            else:
+                validate_groups(self.source, vocab)
 
 
 def refuse_other_model(inner: torch.nn.Module, why: str) -> None:

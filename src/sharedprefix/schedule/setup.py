@@ -82,6 +82,7 @@ def _check(model, engine: Engine, cp: CallPlan, options, leaves: bool, record: b
     check_supported(inner)
     if (why := cp.fingerprint.difference(fingerprint(model, engine))) is not None:
         refuse_other_model(inner, why)
+    cp.check_vocab(inner)  # an embedding or head replaced by a smaller one since planning, the config unchanged
     images = Multimodal(inner, cp.source) if cp.images else None
     refusals.check_call(
         inner, cp.plan, options, engine, cp.kernel, cp.device, leaves, images is not None, record, aux_grads is not None
