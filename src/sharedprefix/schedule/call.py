@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sharedprefix.attention.kernels import select
-from sharedprefix.layout.groups import validate_groups
+from sharedprefix.layout.groups import Group, validate_groups
+from sharedprefix.layout.once import outside_inference_mode
 from sharedprefix.layout.rows import Tree
 from sharedprefix.model import mixers, router, streams
 from sharedprefix.model.adapter import unwrap
@@ -147,7 +148,27 @@ def _plan_or_error(model, source, opts: CallOptions) -> tuple[CallPlan | None, B
 def make_plan(model, source, options: CallOptions, given: dict | None = None) -> CallPlan:
     """The ``CallPlan`` of ``source`` (a list of ``Group`` or a ``Tree``) on ``model`` under ``options`` (built and
     checked by the public call; ``given``: the keywords ``sp.plan_call`` got); raises ``ValueError`` / ``TypeError``
-    for what no call could run."""
+    for what no call could run.
+
+    The plan is frozen when made: it plans a copy of ``source`` (``_copied``), so that no later in-place edit of the
+    caller's tensors reaches its calls (nor the backward of a deferred call), and it is built outside inference mode
+    (as are the rows packed from it at first use, ``RowCache``), so that calls with and without grad may use it
+    whatever mode it was made or first run in."""
+    with outside_inference_mode():
+        return _make_plan(model, _copied(source), options, given)
+
+
+def _copied(source):
+    """``source`` sharing no tensor with the caller's: a ``Tree``'s or each ``Group``'s copy (token ids and
+    ``prompt_inputs``); anything else as it is, for validation to refuse."""
+    if isinstance(source, Tree):
+        return source.copy()
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+        return [g.copy() if isinstance(g, Group) else g for g in source]
+    return source
+
+
+def _make_plan(model, source, options: CallOptions, given: dict | None) -> CallPlan:
     inner = unwrap(model)
     engine = detect(model, inner)
     done = ["check_supported"]
