@@ -26,7 +26,6 @@ first-use self-check (``SHAREDPREFIX_SELF_CHECK=1``) there, so that this module 
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -43,7 +42,7 @@ from sharedprefix.schedule import call, rounds
 from sharedprefix.schedule.cache_path import calls as cache_path
 from sharedprefix.schedule.call_plan import CallPlan
 from sharedprefix.schedule.deferred import defer_logprobs
-from sharedprefix.schedule.options import CallOptions
+from sharedprefix.schedule.options import CallOptions, Default, default, passed
 from sharedprefix.schedule.path import Path
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
 from sharedprefix.schedule.step import Microbatch, SplitStep, Step, make_step
@@ -84,8 +83,11 @@ def plan_call(model: torch.nn.Module, groups: Sequence[Group] | Tree, **options)
     same configuration, dtype, device and parallel layout (a reference model; the policy with its adapter disabled).
 
     ``options``: any keyword of ``logprobs`` / ``backward`` (``max_tokens``, ``backend``, ``sequence_group`` shape
-    the plan: a call that passes another value of one of them is refused; the others are the calls' defaults, which
-    a call may change). Under DDP / FSDP2 every rank calls it, and a refusal on one rank is raised on every rank.
+    the plan: a call that passes another value of one of them is refused, the documented default included; the others
+    are the calls' defaults: a call that leaves one out runs under the plan's value, a call that passes one under its
+    own, whatever it is). The plan keeps its own copy of ``groups`` (token ids, ``prompt_inputs``): editing them in
+    place afterwards changes none of its calls. Under DDP / FSDP2 every rank calls it, and a refusal on one rank is
+    raised on every rank.
     """
     with in_forward_autocast(model):  # the probe runs a forward: as the model's own would (accelerate's)
         return call.plan_agreed(model, groups, options)
@@ -129,22 +131,22 @@ def plan_step(
 def logprobs(
     model: torch.nn.Module,
     groups: Sequence[Group] | Tree | CallPlan | Microbatch,
-    temperature: float = 1.0,
-    entropy: bool = False,
-    max_tokens: int | None = None,
-    backend: str = "auto",
-    defer: bool | None = None,
-    prefix_activations: str = "recompute",
-    grad_reduction: str = "sum",
-    aux_loss: bool | None = None,
-    sequence_group: ProcessGroup | None = None,
+    temperature: float = default(1.0),
+    entropy: bool = default(False),
+    max_tokens: int | None = default(None),
+    backend: str = default("auto"),
+    defer: bool | None = default(None),
+    prefix_activations: str = default("recompute"),
+    grad_reduction: str = default("sum"),
+    aux_loss: bool | None = default(None),
+    sequence_group: ProcessGroup | None = default(None),
 ) -> LogProbs:
     """Log-probs of every completion token, each prompt computed once.
 
     Args:
         model: a transformers causal LM (PEFT / DDP / FSDP2 wrappers are handled).
         groups: list of ``sharedprefix.Group``, a ``sharedprefix.Tree``, or a ``CallPlan`` (``plan_call``), whose
-            settings are this call's where it leaves them at their defaults.
+            settings are this call's where it leaves them out (a keyword passed wins, at its default too).
         temperature: logits are divided by it before the log-softmax, as in TRL.
         entropy: also return the entropy of each predicted distribution.
         max_tokens: tokens one pass may hold (None: all groups in one pass). Groups larger than
@@ -179,7 +181,7 @@ def logprobs(
     if isinstance(groups, Microbatch):
         return _step_logprobs(model, groups, given)
     with in_forward_autocast(model):  # accelerate's mixed precision wraps the forward, not the decoder we run
-        opts, path, cp, error = call.prepare(model, groups, False, given, _defaults(logprobs), _call_checks())
+        opts, path, cp, error = call.prepare(model, groups, False, given, _call_checks())
         if path is Path.HYBRID:
             return cache_path.hybrid_logprobs(model, groups, opts)
         if torch.is_grad_enabled() and (opts.aux_loss or (opts.aux_loss is None and router.enabled(unwrap(model)))):
@@ -196,16 +198,16 @@ def backward(
     model: torch.nn.Module,
     groups: Sequence[Group] | Tree | CallPlan | Microbatch,
     loss_fn: Callable[[Batch], torch.Tensor],
-    max_tokens: int | None = None,
-    prefix_activations: str | None = None,
-    temperature: float = 1.0,
-    entropy: bool = False,
-    backend: str = "auto",
-    offload_device: str | torch.device = "cpu",
-    sync: bool = True,
-    grad_reduction: str = "sum",
+    max_tokens: int | None = default(None),
+    prefix_activations: str | None = default(None),
+    temperature: float = default(1.0),
+    entropy: bool = default(False),
+    backend: str = default("auto"),
+    offload_device: str | torch.device = default("cpu"),
+    sync: bool = default(True),
+    grad_reduction: str = default("sum"),
     aux_loss_coef: float | None = None,
-    sequence_group: ProcessGroup | None = None,
+    sequence_group: ProcessGroup | None = default(None),
 ) -> BackwardResult:
     """Accumulate into ``.grad`` the exact gradient of ``sum over passes of loss_fn(batch)``.
 
@@ -260,13 +262,13 @@ def backward(
         mb = groups
         with in_forward_autocast(model):
             planned = mb.step.begin(model, mb.k, backward=True)
-            opts, _, cp, error = call.prepare(model, planned, True, given, _defaults(backward), _call_checks())
+            opts, _, cp, error = call.prepare(model, planned, True, given, _call_checks())
             opts = _step_options(mb, opts.replace(sync=opts.sync and sync_enabled(model)))
             return mb.step.run(
                 model, planned.step, True, lambda: rounds.backward(model, cp, opts, loss_fn, error=error)
             )
     with in_forward_autocast(model):  # accelerate's mixed precision wraps the forward, not the decoder we run
-        opts, path, cp, error = call.prepare(model, groups, True, given, _defaults(backward), _call_checks(), coef)
+        opts, path, cp, error = call.prepare(model, groups, True, given, _call_checks(), coef)
         opts = opts.replace(sync=opts.sync and sync_enabled(model))  # inside DDP's no_sync(): accumulate, as DDP does
         if path is Path.HYBRID:
             return cache_path.hybrid_backward(model, groups, loss_fn, opts)
@@ -312,19 +314,21 @@ def _step_logprobs(model, mb: Microbatch, given: dict) -> LogProbs:
     """``sp.logprobs`` of a step's microbatch. With grad: deferred (its forward reads the step's cache, recording the
     shared segments at the step's first call; its backward is the microbatch's ``sp.backward``). Without: a call on
     the microbatch's own rows, outside the step."""
-    if not torch.is_grad_enabled():
-        kw = dict(given, max_tokens=mb.step.cp.options.max_tokens)
+    if not torch.is_grad_enabled():  # the keywords left out are the step's (sp.plan_step's), as on a CallPlan
+        made = dict(mb.step.cp.given, max_tokens=mb.step.cp.options.max_tokens)
+        kw = {k: made.get(k, v) if isinstance(v, Default) else v for k, v in given.items()}
         return logprobs(model, mb.step.sources[mb.k], **kw)
-    if given.get("defer") is False:
+    own = passed(given)  # the keywords the call passed
+    if own.get("defer") is False:
         raise ValueError(
             "defer=False with grad enabled on a step's microbatch: its backward must run inside sharedprefix, where "
             "the step accumulates its shared prompts' gradient. Leave defer out (a step's log-probs defer)."
         )
-    if given.get("aux_loss"):
+    if own.get("aux_loss"):
         raise ValueError(f"aux_loss=True with a step's microbatch; {_STEP_AUX}")
     with in_forward_autocast(model):
         planned = mb.step.begin(model, mb.k, backward=False)
-        opts, _, cp, error = call.prepare(model, planned, False, given, _defaults(logprobs), _call_checks())
+        opts, _, cp, error = call.prepare(model, planned, False, given, _call_checks())
         opts = _step_options(mb, opts.replace(aux_loss=False))
         with torch.no_grad():
             out = mb.step.run(
@@ -342,11 +346,6 @@ def _step_deferred_backward(model, mb: Microbatch, loss_fn, options: CallOptions
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------
-
-
-def _defaults(fn) -> dict:
-    """The default of every keyword of the public function ``fn``."""
-    return {k: p.default for k, p in inspect.signature(fn).parameters.items() if p.default is not p.empty}
 
 
 def _call_checks() -> list[Callable]:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sharedprefix.layout.dense import pieces as dense_pieces
+from sharedprefix.layout.once import built_once
 
 
 @dataclass(frozen=True)
@@ -75,23 +76,25 @@ class Call:
 
     def on(self, device) -> tuple:
         """(cu_seqlens_q, cu_seqlens_k, k_index) on ``device``, moved once per pass."""
-        key = str(device)
-        if key not in self._on:
+
+        def build():
             ki = None if self.k_index is None else self.k_index.to(device)
-            self._on[key] = (self.cu_seqlens_q.to(device), self.cu_seqlens_k.to(device), ki)
-        return self._on[key]
+            return (self.cu_seqlens_q.to(device), self.cu_seqlens_k.to(device), ki)
+
+        return built_once(self._on, str(device), build)
 
     def pieces(self, device) -> list | None:
         """The call's dense split (``layout.dense.pieces``), None where it stays one varlen call; each piece with
         its index tensors on ``device``: (piece, (cu_q, cu_k) of a varlen piece, ``Piece.padding()`` of a padded
         piece or None)."""
-        key = ("pieces", str(device))
-        if key not in self._on:
+
+        def build():
             ps = dense_pieces(self)
             on = lambda t: None if t is None else t.to(device)  # noqa: E731
             pad = lambda p: None if p.lens is None else tuple(on(t) for t in p.padding())  # noqa: E731
-            self._on[key] = None if ps is None else [(p, (on(p.cu_q), on(p.cu_k)), pad(p)) for p in ps]
-        return self._on[key]
+            return None if ps is None else [(p, (on(p.cu_q), on(p.cu_k)), pad(p)) for p in ps]
+
+        return built_once(self._on, ("pieces", str(device)), build)
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from sharedprefix.layout.groups import Group
+from sharedprefix.layout.once import built_once
 
 
 class Frames:
@@ -31,9 +32,7 @@ class Frames:
 
     def codes(self, ids: torch.Tensor) -> torch.Tensor:
         """(...,) int64 frame ids -> (..., K) int64 codes, on the ids' device."""
-        table = self._on.get(ids.device)
-        if table is None:
-            table = self._on[ids.device] = self.table.to(ids.device)
+        table = built_once(self._on, ids.device, lambda: self.table.to(ids.device))
         same = ids[..., None].expand(*ids.shape, self.streams)  # an id below the offset, in every stream
         if not len(self.table):
             return same

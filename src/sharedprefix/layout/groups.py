@@ -158,6 +158,16 @@ class Group:
         object.__setattr__(self, "completions", tuple(cs))
         object.__setattr__(self, "prompt_inputs", prompt_inputs)
 
+    def copy(self) -> Group:
+        """This group sharing no tensor with it: its token ids and ``prompt_inputs`` copied (detached, on their own
+        devices), as ``sp.plan_call`` keeps it, so that an in-place edit of this group reaches no plan."""
+        out = object.__new__(Group)
+        inputs = None if self.prompt_inputs is None else {k: v.detach().clone() for k, v in self.prompt_inputs.items()}
+        object.__setattr__(out, "prompt", self.prompt.clone())
+        object.__setattr__(out, "completions", tuple(c.clone() for c in self.completions))
+        object.__setattr__(out, "prompt_inputs", inputs)
+        return out
+
     @property
     def group_size(self) -> int:
         return len(self.completions)

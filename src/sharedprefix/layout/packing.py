@@ -21,6 +21,7 @@ from typing import cast
 import numpy as np
 import torch
 
+from sharedprefix.layout.once import built_once
 from sharedprefix.layout.tree import SegmentTree
 
 
@@ -80,9 +81,7 @@ class RowLayout:
         ``chunk`` positions (both None: full), built once."""
         from sharedprefix.layout.calls import build_cascade
 
-        if (window, chunk) not in self._cascades:
-            self._cascades[window, chunk] = build_cascade(self, window, chunk=chunk)
-        return self._cascades[window, chunk]
+        return built_once(self._cascades, (window, chunk), lambda: build_cascade(self, window, chunk=chunk))
 
 
 def pack_row(

@@ -50,6 +50,10 @@ class Tree:
             tuple(self.rows[i] for i in rows), tuple(self.trained[i] for i in rows), tuple(self.index[i] for i in rows)
         )
 
+    def copy(self) -> Tree:
+        """This tree sharing no tensor with it (its rows and masks copied), as ``sp.plan_call`` keeps it."""
+        return Tree(tuple(r.clone() for r in self.rows), tuple(m.clone() for m in self.trained), self.index)
+
     @classmethod
     def from_rows(cls, rows, trained=None) -> Tree:
         """Args:

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sharedprefix.attention.kernels import select
-from sharedprefix.layout.groups import validate_groups
+from sharedprefix.layout.groups import Group, validate_groups
+from sharedprefix.layout.once import outside_inference_mode
 from sharedprefix.layout.rows import Tree
 from sharedprefix.model import mixers, router, streams
 from sharedprefix.model.adapter import unwrap
@@ -24,23 +25,23 @@ from sharedprefix.parallel.detect import detect
 from sharedprefix.parallel.sequence import check_group, refuse_aux, refuse_hybrid
 from sharedprefix.schedule import refusals
 from sharedprefix.schedule.call_plan import PLAN_FIELDS, CallPlan, RowCache, fingerprint, probed, refuse_other_model
-from sharedprefix.schedule.options import CallOptions
+from sharedprefix.schedule.options import CallOptions, Default, passed
 from sharedprefix.schedule.path import Path, choose_backward_path, choose_logprobs_path
 from sharedprefix.schedule.planner import plan_checked
 from sharedprefix.schedule.step import check_other_step
 
 
 def prepare(
-    model, source, leaves: bool, given: dict[str, Any], defaults: dict[str, Any], checks: Sequence[Callable], coef=None
+    model, source, leaves: bool, given: dict[str, Any], checks: Sequence[Callable], coef=None
 ) -> tuple[CallOptions, Path, CallPlan | None, BaseException | None]:
     """(options, path, plan, error) of one public call on ``model``: ``source`` (groups, a ``Tree`` or a
-    ``CallPlan``); ``leaves``: an ``sp.backward``; ``given`` / ``defaults``: its keywords and their defaults;
-    ``checks``: the registered call checks (``api.register_call_check``); ``coef``: ``sp.backward``'s aux loss
+    ``CallPlan``); ``leaves``: an ``sp.backward``; ``given``: its keywords, a ``Default`` where the caller left one
+    out; ``checks``: the registered call checks (``api.register_call_check``); ``coef``: ``sp.backward``'s aux loss
     coefficient (checked). ``plan`` is None on the hybrid path, and where this rank's planning raised ``error``,
     which the call raises on every rank together."""
     if not (isinstance(source, CallPlan) and source.step is not None):
         check_other_step(model)  # a step of this model left unfinished before an optimizer step is named here
-    opts = _options(model, source, leaves, given, defaults)
+    opts, planned = _options(model, source, leaves, given)
     inner, seq = unwrap(model), opts.sequence_group
     if leaves:
         _check_trainable(model, seq)
@@ -51,7 +52,7 @@ def prepare(
     aux = bool(coef) if leaves else opts.aux_loss or (opts.aux_loss is None and router.enabled(inner))
     if seq is not None and aux:
         refuse_aux(name)
-    path = choose_backward_path(model) if leaves else choose_logprobs_path(model, opts)
+    path = choose_backward_path(model) if leaves else choose_logprobs_path(model, opts, planned)
     if path is Path.HYBRID:
         if coef if leaves else opts.aux_loss:
             router.refuse_hybrid(inner)
@@ -80,45 +81,54 @@ def _check_trainable(model, sequence_group) -> None:
     refusals.stop_every_rank(model, error, sequence_group, True)
 
 
-def _options(model, source, leaves: bool, given: dict[str, Any], defaults: dict[str, Any]) -> CallOptions:
-    """The call's ``CallOptions`` from the keywords ``given`` to it: with a ``CallPlan`` as ``source``, the settings
-    left at their default are the plan's and one of ``PLAN_FIELDS`` set otherwise is refused (``_agree``).
-    ``prefix_activations=None``: the engine's default ("keep", or "recompute" under FSDP2). A bad one on one rank is
-    raised on every rank of the call (``refusals.stop_every_rank``)."""
-    kw = dict(given)
-    if isinstance(source, CallPlan) and given.get("sequence_group") is None:
-        kw["sequence_group"] = source.options.sequence_group
-    kw["sequence_group"] = seq = check_group(kw.get("sequence_group"))  # a bad group cannot agree: raised at once
+def _options(model, source, leaves: bool, given: dict[str, Any]) -> tuple[CallOptions, frozenset[str]]:
+    """The call's ``CallOptions`` from the keywords ``given`` to it (a ``Default`` where it left one out), and the
+    names of those taken from a ``CallPlan`` given as ``source`` (``_resolve``). ``prefix_activations=None``: the
+    engine's default ("keep", or "recompute" under FSDP2). A bad one on one rank is raised on every rank of the call
+    (``refusals.stop_every_rank``)."""
+    seq = given.get("sequence_group")
+    if isinstance(seq, Default):  # left out: the plan's group, whose ranks a refusal must reach
+        seq = source.options.sequence_group if isinstance(source, CallPlan) else None
+    else:
+        seq = check_group(seq)  # a bad group cannot agree: raised at once
+    kw, planned = dict(given), frozenset[str]()
     try:
-        if isinstance(source, CallPlan):
-            kw = _agree(source, kw, defaults)
+        kw, planned = _resolve(source, given, seq)
+        seq = kw.get("sequence_group")
         if kw.get("prefix_activations", "keep") is None:
             kw["prefix_activations"] = detect(model, unwrap(model)).default_prefix_mode
-        return CallOptions.build(**kw)
+        return CallOptions.build(**kw), planned
     except (ValueError, TypeError) as e:
         refusals.stop_every_rank(model, e, seq, leaves)
         raise
 
 
-def _agree(cp: CallPlan, given: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """A call's settings: ``given`` (its keywords) where it set them, the plan's (``sp.plan_call``'s keywords)
-    where it left them at their ``defaults``; raises where it set one of ``PLAN_FIELDS`` to another value than
-    the plan's. The other settings (temperature, entropy, prefix_activations, ...) may change from call to call."""
-    out = dict(given)
-    planned = dict(cp.given)
-    for name, theirs in given.items():
+def _resolve(source, given: dict[str, Any], seq) -> tuple[dict[str, Any], frozenset[str]]:
+    """A call's settings from its keywords ``given``, and the names taken from ``source``'s plan: each keyword it
+    passed as it passed it (``seq``: its ``sequence_group``, checked); each it left out (a ``Default``), with a
+    ``CallPlan`` as ``source``, the plan's (``sp.plan_call``'s keyword, or for one of ``PLAN_FIELDS`` the plan's
+    option), else its default. Raises where the call passed one of ``PLAN_FIELDS`` with another value than the plan's
+    (the other settings may change from call to call)."""
+    out = {k: v.value if isinstance(v, Default) else v for k, v in given.items()}
+    if "sequence_group" in given and not isinstance(given["sequence_group"], Default):
+        out["sequence_group"] = seq
+    if not isinstance(source, CallPlan):
+        return out, frozenset()
+    planned, taken = dict(source.given), set()
+    for name, value in given.items():
         if name not in planned and name not in PLAN_FIELDS:
-            continue  # a per-call setting the plan says nothing about
-        mine = planned[name] if name in planned else getattr(cp.options, name)
-        if _same(theirs, defaults.get(name)):  # left at its default: the plan's
+            continue  # a per-call setting the plan says nothing about: the call's, or its default
+        mine = getattr(source.options, name) if name in PLAN_FIELDS else planned[name]
+        if isinstance(value, Default):
             out[name] = mine
-        elif not _same(theirs, mine) and name in PLAN_FIELDS:
+            taken.add(name)
+        elif name in PLAN_FIELDS and not _same(out[name], mine):
             raise ValueError(
-                f"{name}={theirs!r} disagrees with the CallPlan's {name}={mine!r}: a plan runs under the settings "
+                f"{name}={value!r} disagrees with the CallPlan's {name}={mine!r}: a plan runs under the settings "
                 f"it was made with. Leave {name} out of this call (or pass {mine!r}), or make another plan with "
-                f"sp.plan_call(model, groups, {name}={theirs!r})."
+                f"sp.plan_call(model, groups, {name}={value!r})."
             )
-    return out
+    return out, frozenset(taken)
 
 
 def _same(a, b) -> bool:
@@ -141,7 +151,27 @@ def _plan_or_error(model, source, opts: CallOptions) -> tuple[CallPlan | None, B
 def make_plan(model, source, options: CallOptions, given: dict | None = None) -> CallPlan:
     """The ``CallPlan`` of ``source`` (a list of ``Group`` or a ``Tree``) on ``model`` under ``options`` (built and
     checked by the public call; ``given``: the keywords ``sp.plan_call`` got); raises ``ValueError`` / ``TypeError``
-    for what no call could run."""
+    for what no call could run.
+
+    The plan is frozen when made: it plans a copy of ``source`` (``_copied``), so that no later in-place edit of the
+    caller's tensors reaches its calls (nor the backward of a deferred call), and it is built outside inference mode
+    (as are the rows packed from it at first use, ``RowCache``), so that calls with and without grad may use it
+    whatever mode it was made or first run in."""
+    with outside_inference_mode():
+        return _make_plan(model, _copied(source), options, given)
+
+
+def _copied(source):
+    """``source`` sharing no tensor with the caller's: a ``Tree``'s or each ``Group``'s copy (token ids and
+    ``prompt_inputs``); anything else as it is, for validation to refuse."""
+    if isinstance(source, Tree):
+        return source.copy()
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+        return [g.copy() if isinstance(g, Group) else g for g in source]
+    return source
+
+
+def _make_plan(model, source, options: CallOptions, given: dict | None) -> CallPlan:
     inner = unwrap(model)
     engine = detect(model, inner)
     done = ["check_supported"]
@@ -202,6 +232,7 @@ def plan_agreed(model, source, given: dict[str, Any]) -> CallPlan:
     small all-reduce when there are several)."""
     if mixers.on_cache_path(unwrap(model)):
         refuse_plan_on_cache_path(model)
+    given = passed(given)  # a public signature's Default, forwarded: left out
     unknown = sorted(set(given) - {f.name for f in dataclasses.fields(CallOptions)})
     if unknown:
         raise TypeError(
@@ -221,6 +252,7 @@ def plan_agreed(model, source, given: dict[str, Any]) -> CallPlan:
 def plan_unagreed(model, source, given: dict[str, Any]) -> tuple[CallPlan | None, BaseException | None]:
     """(``source``'s plan under the settings ``given``, None) or (None, the error planning raised), with no agreement
     across ranks: for a caller whose calls raise that error on every rank together (``integrations.plan_cache``)."""
+    given = passed(given)
     try:
         return make_plan(model, source, CallOptions.build(**given), given), None
     except (ValueError, TypeError) as e:

@@ -4,8 +4,11 @@
 the attention primitive, reads the probe's findings and runs the refusals that depend on these alone. A plan serves
 any number of ``sp.logprobs`` / ``sp.backward`` calls, on the model it was made for and on every model with the same
 ``Fingerprint`` (the policy and its reference model, a PEFT adapter with it disabled): the old-policy, reference and
-policy log-probs of one GRPO batch plan once. The packed rows of its passes (``RowLayout``, with the index tensors
-of their attention calls) are built on first use and kept with the plan, so a reused plan packs nothing again.
+policy log-probs of one GRPO batch plan once. A plan is frozen when made: it holds its own copy of the groups or
+tree (``call.make_plan``), so no in-place edit of the caller's tensors reaches it. The packed rows of its passes
+(``RowLayout``, with the index tensors of their attention calls) are built from that copy on first use and kept with
+the plan, so a reused plan packs nothing again; they are built outside inference mode (``layout.once.built_once``), so
+that a plan first run under ``torch.inference_mode()`` serves calls with grad too.
 
 Notation: L = row length of a pass.
 """
@@ -24,6 +27,7 @@ from sharedprefix.attention.dynamic_mask import has_dynamic_mask
 from sharedprefix.attention.kernels import AttentionKernel
 from sharedprefix.layout.frames import Frames
 from sharedprefix.layout.groups import Group, validate_groups
+from sharedprefix.layout.once import built_once
 from sharedprefix.layout.packing import RowLayout, pack_row
 from sharedprefix.layout.rows import Tree
 from sharedprefix.layout.tree import SegmentTree
@@ -173,10 +177,8 @@ class RowCache:
 
     def layout(self, step: Pass, cached: set[int]) -> RowLayout:
         """The packed row of ``step`` when ``cached`` segments are in the prefix cache."""
-        key = (step, frozenset(cached))
-        if key not in self.built:
-            self.built[key] = pack_row(self.tree, list(step.segments), cached, step.record, step.rows)
-        return self.built[key]
+        build = lambda: pack_row(self.tree, list(step.segments), cached, step.record, step.rows)  # noqa: E731
+        return built_once(self.built, (step, frozenset(cached)), build)  # no inference tensor, in any mode
 
     def __len__(self) -> int:
         return len(self.built)

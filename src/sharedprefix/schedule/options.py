@@ -4,13 +4,18 @@
 of them (value, expectation, fix) and returns a frozen object that the executor, the rounds, the deferred backward
 and the hybrid path read from, instead of rows of positional arguments that change names on the way down. Nothing
 below ``api.py`` checks a setting again.
+
+A keyword the caller left out is told from one passed by its default, a ``Default`` (``default(1.0)`` in the
+signature, shown as ``1.0`` by ``help()``), never by comparing values: a call on a ``CallPlan`` takes the plan's
+setting where it left a keyword out and its own wherever it passed one, the default's value included
+(``schedule.call``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
@@ -19,6 +24,30 @@ from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS
 
 PrefixMode = Literal["keep", "offload", "recompute"]
 Reduction = Literal["sum", "mean"]
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Default:
+    """The default of a public keyword, marking it as left out: ``value`` is the documented default, and the repr is
+    the value's, so that ``help(sp.logprobs)`` reads ``temperature: float = 1.0``. A call's ``given`` keywords that
+    are a ``Default`` were not passed (``passed``); ``schedule.call`` resolves them, to a ``CallPlan``'s setting or to
+    ``value``."""
+
+    value: Any
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def default(value: T) -> T:
+    """``Default(value)``, typed as ``value`` for the signature it is the default of."""
+    return cast(T, Default(value))
+
+
+def passed(given: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of ``given`` that the caller passed (those not left at their ``Default``)."""
+    return {k: v for k, v in given.items() if not isinstance(v, Default)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,11 +29,11 @@ def choose_backward_path(model) -> Path:
     return Path.HYBRID if mixers.on_cache_path(unwrap(model)) else Path.PACKED
 
 
-def choose_logprobs_path(model, options: CallOptions) -> Path:
+def choose_logprobs_path(model, options: CallOptions, planned: frozenset[str] = frozenset()) -> Path:
     """``sp.logprobs``' path, chosen once: the cache path of a hybrid model (which defers on its own terms,
     ``cache_path.calls``); with grad enabled, deferred when asked for (``defer=True``) or needed (gradient
     checkpointing, DDP, sequence parallelism); else packed. Refuses what cannot be exact either way (FSDP2;
-    ``defer=False`` where deferral is needed)."""
+    ``defer=False`` where deferral is needed, named as the call's or, in ``planned``, its ``CallPlan``'s)."""
     if mixers.on_cache_path(unwrap(model)):
         return Path.HYBRID
     if not torch.is_grad_enabled():
@@ -47,9 +47,14 @@ def choose_logprobs_path(model, options: CallOptions) -> Path:
     needs = engine.must_defer or ("gradient checkpointing" if uses_checkpointing(inner) else None)
     needs = needs or ("sequence parallelism" if seq is not None else None)
     if defer is False and needs:
+        whose, fix = (
+            ("the CallPlan's defer=False (from sp.plan_call)", "Pass defer=None to this call, or plan without defer")
+            if "defer" in planned
+            else ("defer=False", "Pass defer=None, or leave defer out")
+        )
         raise ValueError(
-            f"defer=False with grad enabled is not possible with {needs}: the backward must run inside "
+            f"{whose} with grad enabled is not possible with {needs}: the backward must run inside "
             "sharedprefix (to recompute checkpointed layers with its attention, to synchronise DDP "
-            "gradients, or to sum a sequence group's gradient shares). Leave defer=None."
+            f"gradients, or to sum a sequence group's gradient shares). {fix}."
         )
     return Path.DEFERRED if defer or (defer is None and needs) else Path.PACKED

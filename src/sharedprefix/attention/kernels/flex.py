@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from sharedprefix.layout.once import built_once
+
 _COMPILED: dict = {}  # "flex" -> the compiled flex_attention; softcap value -> its score_mod
 
 
@@ -92,13 +94,11 @@ def block_mask(layout, window: int | None, chunk: int | None, device):
     """The row's block mask for ``window`` / ``chunk``, built once per layout (every layer reuses it)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key = ("flex", window, chunk, str(device))
-    if key not in layout._cascades:
+    def build():
         mask_mod, n_keys = visibility(layout, layout.cached_reads, window, chunk, device)
-        layout._cascades[key] = create_block_mask(
-            mask_mod, None, None, layout.length, n_keys, device=device, _compile=True
-        )
-    return layout._cascades[key]
+        return create_block_mask(mask_mod, None, None, layout.length, n_keys, device=device, _compile=True)
+
+    return built_once(layout._cascades, ("flex", window, chunk, str(device)), build)
 
 
 def flex_row_attention(layout, query, key, value, read_kv, scale: float, softcap: float, window, chunk) -> torch.Tensor:

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from sharedprefix.layout.once import built_once
 from sharedprefix.layout.recurrence import Level, level_index
 
 
 def memo(layout, key, build):
-    """``layout.derived[key]``, built once per layout by ``build()``."""
-    if key not in layout.derived:
-        layout.derived[key] = build()
-    return layout.derived[key]
+    """``layout.derived[key]``, built once per layout by ``build()`` (``layout.once.built_once``)."""
+    return built_once(layout.derived, key, build)
 
 
 def by_levels(state, slot, first, tensors, call):
