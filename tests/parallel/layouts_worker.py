@@ -127,10 +127,25 @@ def ddp_cells(rank, world, result):
             aux().backward()
         sp_call()
 
-    def aux_forward_around():
+    def aux_forward_around():  # refused: DDP's reducer, armed by the forward, fires in the call's backward
         a = aux()
         sp_call()
         a.backward()
+
+    def refused_keeps_grad():  # the refusal leaves .grad as the call found it: the first auxiliary term, averaged
+        aux().backward()
+        a = aux()
+        try:
+            sp_call()
+        except ValueError:
+            pass
+        del a
+
+    def aux_with_deferred_logprobs():  # the auxiliary term in the same backward as a deferred call's log-probs
+        _, W = groups_and_weights()
+        a = aux()
+        out = sp.logprobs(ddp, mine, max_tokens=BUDGET)
+        ((out.logprobs * W[gidx, : out.logprobs.shape[1]] * out.mask).sum() + a).backward()
 
     def sp_in_no_sync_first():
         with ddp.no_sync():
@@ -143,10 +158,12 @@ def ddp_cells(rank, world, result):
         "aux_no_sync_first": aux_in_no_sync_first,
         "sp_no_sync_first": sp_in_no_sync_first,
         "aux_forward_before_sp": aux_forward_around,
+        "aux_with_deferred_logprobs": aux_with_deferred_logprobs,
     }
     for name, fn in orders.items():
         cell(result, f"mixed/{name}", ddp, fn)
         cell(result, f"mixed/{name}/plain", ddp, lambda: plain_rows(ddp, mine, gidx, world, aux_rank=rank).backward())
+    cell(result, "mixed/refused_keeps_grad", ddp, refused_keeps_grad)
 
 
 def fsdp_cells(rank, world, result, mesh=None):

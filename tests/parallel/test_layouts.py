@@ -9,7 +9,8 @@ DDP: ``static_graph=True`` (refused: sharedprefix's backwards corrupt the reduce
 later plain DDP backward reduced wrong gradients, 1.55 relative error), ``broadcast_buffers=False``, torch's
 non-reentrant checkpoint wrappers on every layer (accelerate's ``activation_checkpointing``), and an auxiliary loss
 through the DDP module mixed with an sp.backward call before one step, in each order, inside and outside
-``no_sync()``. FSDP2: the checkpoint wrappers applied before and after ``fully_shard``,
+``no_sync()`` (and refused where the auxiliary forward's backward is still to come when the call runs, or is the
+backward of a deferred sp.logprobs' loss). FSDP2: the checkpoint wrappers applied before and after ``fully_shard``,
 ``set_reduce_scatter_divide_factor`` 1, 2 and 4 (and refused when the modules disagree), ``reshard_after_forward``
 as an int, and ``set_requires_gradient_sync(False)`` for the first of two calls; HSDP (a 2-D replicate x shard mesh)
 on 4 ranks.
@@ -48,11 +49,13 @@ def fsdp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def want():
-    """One process's plain float64 gradient of every row; and with the auxiliary loss averaged over the 2 ranks."""
+    """One process's plain float64 gradient of every row; with the auxiliary loss averaged over the 2 ranks; and of
+    that auxiliary loss alone."""
     groups, W = groups_and_weights()
     model = tiny_model("qwen3")
     rows = lambda: (plain_logprobs(model, groups)[0] * W).sum()  # noqa: E731
-    return grads_of(model, rows), grads_of(model, lambda: rows() + 0.5 * (aux_loss(model, 0) + aux_loss(model, 1)))
+    aux = lambda: 0.5 * (aux_loss(model, 0) + aux_loss(model, 1))  # noqa: E731
+    return grads_of(model, rows), grads_of(model, lambda: rows() + aux()), grads_of(model, aux)
 
 
 def exact(got, want):
@@ -81,9 +84,24 @@ def test_ddp_an_auxiliary_loss_through_ddp_and_a_call_in_one_step(ddp, want, ord
     exact(ddp[f"mixed/{order}/plain"], want[1])
 
 
-@pytest.mark.xfail(strict=True, reason="known: a DDP forward whose backward runs after the call (docs/distributed.md)")
-def test_ddp_a_forward_through_ddp_pending_across_a_call(ddp, want):
-    exact(ddp["mixed/aux_forward_before_sp"], want[1])
+@pytest.mark.parametrize("order", ["aux_forward_before_sp", "aux_with_deferred_logprobs"])
+def test_ddp_a_forward_through_ddp_pending_across_a_call_is_refused(ddp, want, order):
+    """``aux = ddp(...)`` whose backward runs after the call's (``aux_forward_before_sp``) or is the backward of a
+    deferred sp.logprobs' loss (``aux_with_deferred_logprobs``): DDP's reducer, armed by that forward, fired in the
+    call's backward and the auxiliary term reached ``.grad`` unaveraged (before: 0.26 and 0.12 relative error of the
+    whole gradient, silently). Refused on every rank; the plain run of the same step stays exact (the control for the
+    orders that are not refused is ``test_ddp_an_auxiliary_loss_through_ddp_and_a_call_in_one_step``)."""
+    assert ddp[f"mixed/{order}"].startswith("ValueError: DistributedDataParallel's reducer fired during"), ddp[
+        f"mixed/{order}"
+    ]
+    assert "aux.backward(); sp.backward(...)" in ddp[f"mixed/{order}"]
+    exact(ddp[f"mixed/{order}/plain"], want[1])
+
+
+def test_ddp_the_refusal_leaves_grad_as_it_was(ddp, want):
+    """An averaged auxiliary backward, then a pending auxiliary forward across a refused call: ``.grad`` holds the
+    first auxiliary term alone (without the refusal: that term plus the call's, 0.99 away)."""
+    exact(ddp["mixed/refused_keeps_grad"], want[2])
 
 
 @pytest.mark.parametrize("layout", ["ac_before_shard", "ac_after_shard"])

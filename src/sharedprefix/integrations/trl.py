@@ -53,11 +53,12 @@ import sharedprefix as sp
 from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
 from sharedprefix.integrations.trl_checks import (
+    check_neftune,
     check_reentrant_budget,
     check_training_noise,
     warn_if_padding_moves_logits,
 )
-from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings
+from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings, setting
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
 from sharedprefix.model.mixers import on_cache_path
@@ -156,7 +157,7 @@ class SharedPrefixHooks:
         self._sp_plans = PlanCache(capacity=plan_capacity(self))
         self._refuse_at_construction()
         warn_if_padding_moves_logits(self, unwrap(self.model))
-        reasons = membership_matters(self) if a.sharedprefix_group_microbatches else []
+        reasons = membership_matters(self) if setting(a, "sharedprefix_group_microbatches") else []
         if reasons:
             warnings.warn(
                 "sharedprefix_group_microbatches=True keeps whole groups inside one microbatch, so this trainer "
@@ -185,6 +186,7 @@ class SharedPrefixHooks:
                 "sp.backward in your own loop (docs/distributed.md)."
             )
         hybrid = on_cache_path(inner)
+        check_neftune(self)
         check_training_noise(self, inner, hybrid)  # check_supported in eval and in training mode
         check_reentrant_budget(self, self._sp_budget)
         name = type(inner).__name__
@@ -293,12 +295,13 @@ class SharedPrefixHooks:
 
 class SharedPrefixGRPOTrainer(SharedPrefixHooks, GRPOTrainer):
     """``GRPOTrainer`` whose log-probs compute each prompt once per pass; same constructor, same results (with the
-    default ``sharedprefix_group_microbatches=False``)."""
+    default ``sharedprefix_group_microbatches=False``). TRL's own ``GRPOConfig`` is accepted: our settings at their
+    defaults."""
 
 
 class SharedPrefixRLOOTrainer(SharedPrefixHooks, RLOOTrainer):
     """``RLOOTrainer`` whose log-probs compute each prompt once per pass; same constructor, same results (with the
-    default ``sharedprefix_group_microbatches=False``). RLOO's loss reads
+    default ``sharedprefix_group_microbatches=False``); TRL's own ``RLOOConfig`` is accepted. RLOO's loss reads
     the entropies as a metric only, so they are returned without a graph."""
 
     _sp_entropy_in_loss = False

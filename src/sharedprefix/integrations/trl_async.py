@@ -15,11 +15,11 @@ The model's own attention is switched from TRL's ``tree_fa3`` to ``sdpa`` (``eag
 nothing calls the model's forward with tree tensors any more, and sharedprefix's once-per-model head check runs the
 model's own forward on a plain row. Refused when built, each with the setting that removes it: an MoE
 load-balancing loss (TRL's is taken over the packed row's unique tokens, which no per-row computation reproduces),
-FSDP (grad-enabled ``sp.logprobs`` is refused under FSDP2), fp16 loss scaling, what ``check_supported`` refuses in
-eval or in training mode (dropout: TRL trains in training mode), reentrant gradient checkpointing with a
-``sharedprefix_max_tokens`` budget (``trl_checks``), and
-``sharedprefix_group_microbatches=True`` (nothing here forms or reorders microbatches: TRL's ``token_budget`` planner
-does, and the packed row is computed as given).
+FSDP (grad-enabled ``sp.logprobs`` is refused under FSDP2), fp16 loss scaling, ``neftune_noise_alpha``, what
+``check_supported`` refuses in eval or in training mode (dropout: TRL trains in training mode), reentrant gradient
+checkpointing with a ``sharedprefix_max_tokens`` budget (``trl_checks``), and ``sharedprefix_group_microbatches=True``
+(nothing here forms or reorders microbatches: TRL's ``token_budget`` planner does, and the packed row is computed as
+given). TRL's own ``AsyncGRPOConfig`` is accepted (``trl_settings.setting``).
 
 Notation: N = packed tokens of a rank's row, R = its leaf rows (samples up to identical ones), L = longest row.
 """
@@ -36,8 +36,8 @@ from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async
 import sharedprefix as sp
 from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
 from sharedprefix.integrations.trl_async_layout import packed_tree, to_packed
-from sharedprefix.integrations.trl_checks import check_reentrant_budget, check_training_noise
-from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings
+from sharedprefix.integrations.trl_checks import check_neftune, check_reentrant_budget, check_training_noise
+from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings, setting
 from sharedprefix.model.adapter import unwrap
 
 __all__ = ["PackedForward", "SharedPrefixAsyncGRPOConfig", "SharedPrefixAsyncGRPOTrainer"]
@@ -58,7 +58,7 @@ class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
             super().__init__(*args, **kwargs)
         self._sp_budget, self._sp_mode = checked_settings(self)
         self._sp_plans = PlanCache(capacity=plan_capacity(self))
-        if self.args.sharedprefix_group_microbatches:
+        if setting(self.args, "sharedprefix_group_microbatches"):
             raise ValueError(
                 "sharedprefix_group_microbatches=True is a setting of SharedPrefixGRPOTrainer and "
                 "SharedPrefixRLOOTrainer: SharedPrefixAsyncGRPOTrainer forms no microbatches (TRL's token_budget "
@@ -81,6 +81,7 @@ class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
                 "each shared prompt token once, which sharedprefix (whose aux loss is the plain per-row one) does not "
                 "reproduce. Set router_aux_loss_coef=0.0 in the config (routing itself stays exact)."
             )
+        check_neftune(self)
         check_training_noise(self, inner, hybrid=False)  # check_supported in eval and in training mode, as trained
         check_reentrant_budget(self, self._sp_budget)
         # nothing calls the forward with TRL's tree tensors any more; the head check runs it on a plain row

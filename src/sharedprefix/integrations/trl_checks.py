@@ -10,6 +10,11 @@ cannot, or should not, reproduce (``integrations.trl`` calls them from ``SharedP
   (``check_supported`` in training mode) refuses it; made here at construction, not at the first training
   step, with TRL's settings named. TRL's ``AsyncGRPOTrainer`` has no ``disable_dropout``: there the fix named is the
   model's own dropout settings.
+- ``check_neftune``: transformers' ``neftune_noise_alpha`` (a setting of every TRL config, from ``TrainingArguments``)
+  adds uniform noise to the input embeddings in training, one draw per token of each row, through a forward hook on
+  the embedding module that ``Trainer.train()`` registers. A prompt shared by G completions would share one draw
+  where TRL's G rows draw G, and sharedprefix refuses the hook at the first training step (after the first
+  generation); refused here, when built, with the setting named.
 - ``check_reentrant_budget``: reentrant gradient checkpointing (``use_reentrant=True``) with a
   ``sharedprefix_max_tokens`` budget. A pass that splits a group is refused under reentrant checkpointing, and
   whether a step splits one depends on the lengths of its prompts and completions, unknown when the trainer is built;
@@ -34,7 +39,13 @@ import torch
 
 from sharedprefix.model.support import check_supported
 
-__all__ = ["check_reentrant_budget", "check_training_noise", "padding_moves_logits", "warn_if_padding_moves_logits"]
+__all__ = [
+    "check_neftune",
+    "check_reentrant_budget",
+    "check_training_noise",
+    "padding_moves_logits",
+    "warn_if_padding_moves_logits",
+]
 
 # |delta log p| above which the padded row's log-probs differ from the row's own beyond rounding: rotary models give
 # 1e-15 to 3e-8 (float64 models whose norms round to float32: Gemma 3, OLMo 2), absolute positions 0.08 (BioGPT) to
@@ -70,6 +81,22 @@ def check_training_noise(trainer, inner, hybrid: bool) -> None:
         ) from e
     finally:
         inner.train(was)
+
+
+def check_neftune(trainer) -> None:
+    """Refuse ``neftune_noise_alpha`` (NEFTune's embedding noise, which transformers' ``Trainer.train()`` adds through a
+    forward hook on the input embeddings): a shared prompt would draw its noise once for its G completions."""
+    alpha = getattr(trainer.args, "neftune_noise_alpha", None)
+    if alpha is None:
+        return
+    raise ValueError(
+        f"neftune_noise_alpha={alpha!r}: transformers' Trainer adds NEFTune noise to the input embeddings in training "
+        "(a forward hook on the embedding module, registered by train()), one draw per token of each row. "
+        f"{type(trainer).__name__} computes a prompt shared by a group's completions once, so it would draw one noise "
+        f"sample where TRL's {_trl_name(trainer)} draws one per completion, and it refuses the hook at the first "
+        "training step anyway. Expected neftune_noise_alpha=None. Set neftune_noise_alpha=None (the default) in the "
+        "config; NEFTune is a supervised fine-tuning technique and TRL's RL trainers do not need it."
+    )
 
 
 def check_reentrant_budget(trainer, budget: int | None) -> None:

@@ -1,15 +1,20 @@
 """The settings sharedprefix adds to a TRL config (``SharedPrefixSettings``) and their check (``checked_settings``),
 shared by the synchronous trainers (``integrations.trl``) and the asynchronous one (``integrations.trl_async``),
 which import them from here so that neither imports the other.
+
+A trainer may be given TRL's own config (``GRPOConfig``, ``RLOOConfig``, ``AsyncGRPOConfig``), as a user swapping
+only the trainer class writes: every setting is read through ``setting``, which gives the field's default where the
+config does not have it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 from sharedprefix.schedule.results import PREFIX_MODES
 
-__all__ = ["SharedPrefixSettings", "checked_settings"]
+__all__ = ["SharedPrefixSettings", "checked_settings", "setting"]
 
 
 @dataclass
@@ -45,16 +50,25 @@ class SharedPrefixSettings:
     )
 
 
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(SharedPrefixSettings) if f.default is not MISSING}
+
+
+def setting(args: Any, name: str) -> Any:
+    """The sharedprefix setting ``name`` (a field of ``SharedPrefixSettings``) of a trainer's config ``args``: its
+    value, or the field's default where ``args`` is TRL's own config, which has no such field."""
+    return getattr(args, name, _DEFAULTS[name])
+
+
 def checked_settings(trainer) -> tuple[int | None, str]:
     """(budget, prefix mode) of a sharedprefix TRL ``trainer``'s config, validated; fp16 loss scaling refused."""
     a = trainer.args
-    budget = getattr(a, "sharedprefix_max_tokens", None)
-    mode = getattr(a, "sharedprefix_prefix_activations", "keep")
+    budget = setting(a, "sharedprefix_max_tokens")
+    mode = setting(a, "sharedprefix_prefix_activations")
     if mode not in PREFIX_MODES:
         raise ValueError(f"sharedprefix_prefix_activations={mode!r}; expected one of {PREFIX_MODES}.")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ValueError(f"sharedprefix_max_tokens={budget!r}; expected a positive int or None.")
-    grouped = getattr(a, "sharedprefix_group_microbatches", False)
+    grouped = setting(a, "sharedprefix_group_microbatches")
     if not isinstance(grouped, bool):
         raise ValueError(
             f"sharedprefix_group_microbatches={grouped!r}; expected True (whole groups per microbatch) or False "

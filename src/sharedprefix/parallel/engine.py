@@ -240,6 +240,11 @@ class Engine(abc.ABC):
         in them is agreed on first (``agree_on_error``) and ``finish_grads`` reduces."""
         return False
 
+    def check_rounds(self) -> None:
+        """After the call's rounds, inside its gradient transaction: refuse what the rounds revealed (a raise here
+        rolls ``.grad`` back and, where the engine reduces at the end, is agreed on over the ranks); nothing here."""
+        return None
+
     def sum_sequence_shares(self, model: torch.nn.Module) -> None:
         """After the rounds: this rank's share of the call's gradient summed over the sequence group."""
         if self.sequence is not None:

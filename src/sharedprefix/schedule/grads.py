@@ -97,6 +97,7 @@ def synced(par: Engine, model, sync: bool, grad_reduction: str, fn, collect: boo
         error, out = None, None
         try:
             out = fn()
+            par.check_rounds()  # the engine's refusals of what the rounds revealed (DDP: its reducer fired)
         except Exception as e:  # agreed on below, before the all-reduce the other ranks will join
             if not at_end:
                 raise

@@ -9,6 +9,14 @@ since the last sync is averaged; what was synchronised already is the same on ev
 ``sync=False`` or inside DDP's ``no_sync()`` only adds, as DDP's backward does there; whichever syncing backward comes
 next, the call's or DDP's own, averages it. Reads DDP's ``require_backward_grad_sync``, ``process_group`` and
 ``static_graph`` (docs/internals.md).
+
+A forward through the DDP model whose backward has not run when a call starts (``aux = ddp(...); sp.backward(...);
+aux.backward()``, or ``aux`` in the same backward as a grad-enabled ``sp.logprobs``' loss) arms DDP's reducer for
+that backward; the reducer's hooks sit on the parameters' gradient accumulators, so the call's own first backward
+fires them instead, and the auxiliary gradient reaches ``.grad`` unreduced (measured: 0.26 relative error). Whether
+the reducer is armed cannot be read (its ``expect_autograd_hooks_`` is not exposed), but an armed reducer that fires
+records each parameter's readiness time in ``reducer.get_backward_stats()``, which nothing else writes: the call
+reads them at its start and after its rounds, and refuses (``.grad`` rolled back) when they moved.
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ class DDP(Engine):
     replays_tensor_hooks = True
     must_defer = "a DDP model"
 
-    def __init__(self, root: Any, world_size: int, tensor: int, data_size: int, data_group: Any):
+    def __init__(self, root: Any, world_size: int, tensor: int, data_size: int, data_group: Any, ddp: Any = None):
         super().__init__(root, world_size, tensor=tensor, data_size=data_size)
         self.data_group = data_group  # DDP's process group (None: every rank)
+        self.ddp = ddp  # the DistributedDataParallel wrapper (its reducer is read, never driven)
+        self._reducer_stats: list[int] | None = None  # the reducer's backward stats at the call's start
 
     @classmethod
     def match(cls, model: torch.nn.Module, root: torch.nn.Module, world: int, tensor: int) -> Engine | None:
@@ -51,7 +61,7 @@ class DDP(Engine):
         _refuse_comm_hook(model)
         _refuse_static_graph(model)
         group = getattr(model, "process_group", None)
-        return cls(root, world, tensor, dist.get_world_size(group) if world > 1 else 1, group)
+        return cls(root, world, tensor, dist.get_world_size(group) if world > 1 else 1, group, model)
 
     @classmethod
     def wrapper_syncs(cls, model: torch.nn.Module) -> bool:
@@ -65,6 +75,26 @@ class DDP(Engine):
 
     def reduces_at_end(self, sync: bool) -> bool:
         return sync
+
+    def start(self) -> None:
+        super().start()
+        self._reducer_stats = _reducer_stats(self.ddp)
+
+    def check_rounds(self) -> None:
+        """Refuse the call when DDP's reducer fired in its backwards: a forward through the DDP model had armed it
+        for a backward still to come (the module's docstring)."""
+        if self._reducer_stats is None or _reducer_stats(self.ddp) == self._reducer_stats:
+            return
+        raise ValueError(
+            "DistributedDataParallel's reducer fired during this sharedprefix call's backward: a forward through the "
+            "DDP model with gradient sync (an auxiliary loss, aux = ddp(...)) ran before the call and its backward "
+            "had not (it was still to come, or is the same backward as a grad-enabled sp.logprobs' loss), so DDP's "
+            "reducer, armed for that backward, ran on this call's, and the auxiliary gradient would reach .grad "
+            "without being averaged over the ranks. The call's gradient was rolled back. Expected the auxiliary "
+            "term's own backward to run before the call (aux = ddp(...); aux.backward(); sp.backward(...)) or its "
+            "forward after it (sp.backward(...); ddp(...).backward()), each order exact; with sp.logprobs, call "
+            "aux.backward() before building the call's loss, or compute aux after that loss's backward."
+        )
 
     def finish_grads(
         self, tx: Transaction, model: torch.nn.Module, sync: bool, grad_reduction: str, collect: bool
@@ -106,6 +136,14 @@ class DDP(Engine):
         return {
             "DDP data parallelism": "DDP's all-reduce is not combined with the sum over the sequence group (use FSDP2)"
         }
+
+
+def _reducer_stats(ddp: Any) -> list[int] | None:
+    """DDP's reducer's per-parameter readiness times of its last reduced backward (``Reducer.get_backward_stats``,
+    docs/internals.md), written only when an armed reducer's hook fires; None where DDP keeps no such reducer."""
+    reducer = getattr(ddp, "reducer", None)
+    stats = getattr(reducer, "get_backward_stats", None)
+    return list(stats()) if callable(stats) else None
 
 
 def _refuse_comm_hook(ddp) -> None:
