@@ -96,7 +96,7 @@ def _counting(cls):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             self.seen, self.prompts, self.completion_tokens = {}, {}, {}
-            unwrap(self.model).model.layers[0].register_forward_pre_hook(self._count, with_kwargs=True)
+            unwrap(self.model).model.layers[0].register_forward_pre_hook(sp.allow_hook(self._count), with_kwargs=True)
 
         def _count(self, module, args, kwargs):
             if torch.is_grad_enabled():
@@ -200,7 +200,7 @@ def test_steps_off_and_fallbacks_train_per_microbatch(setup, monkeypatch, caplog
     assert planned == []
     assert [r.getMessage() for r in caplog.records if "use_reentrant=True" in r.getMessage()], caplog.records
     with pytest.raises(ValueError, match=r"sharedprefix_step='yes'; expected True"):
-        _run(setup, cls, cfg_cls, sharedprefix_step="yes")
+        _run(setup, cls, cfg_cls, **settings, sharedprefix_step="yes")
 
 
 def test_a_plain_trl_config_uses_steps(setup, monkeypatch):
@@ -208,7 +208,5 @@ def test_a_plain_trl_config_uses_steps(setup, monkeypatch):
     planned = []
     plan_step = sp.plan_step
     monkeypatch.setattr(sp, "plan_step", lambda *a, **kw: planned.append(1) or plan_step(*a, **kw))
-    _run(
-        setup, SharedPrefixGRPOTrainer, GRPOConfig, steps_per_generation=2, gradient_accumulation_steps=2, max_steps=1
-    )
+    _run(setup, SharedPrefixGRPOTrainer, GRPOConfig, steps_per_generation=2, gradient_accumulation_steps=2, max_steps=1)
     assert planned == [1]
