@@ -235,8 +235,9 @@ class SharedPrefixHooks:
     ):
         images = check_image_inputs(extra)
         B, C = input_ids.shape[0], logits_to_keep
-        policy = torch.is_grad_enabled() and unwrap(model) is unwrap(self.model)
-        if policy and self._sp_step.current is not None and not images:  # a micro-step of an optimizer step's step
+        state = getattr(self, "_sp_step", None)  # None on a stand-in that has only what the hook reads
+        policy = torch.is_grad_enabled() and state is not None  # the policy's pass: TRL's only one with grad
+        if policy and state.current is not None and not images:  # a micro-step of a window: its step's microbatch
             return self._step_logprobs(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
         grouped = images or on_cache_path(unwrap(model))  # the hybrid path takes groups of one prompt, not trees
         if grouped:
@@ -277,7 +278,7 @@ class SharedPrefixHooks:
                 aux_loss=bool(compute_aux_loss) and not grouped,  # refused at construction where grouped
             )  # TRL's losses are per-rank means, averaged as DDP does
         log_plan(self, source)  # into TRL's own metrics: tokens computed against plain, passes, the mode, memory
-        if policy and self.model.training and isinstance(source, sp.CallPlan):
+        if policy and isinstance(source, sp.CallPlan):
             add_tokens(self, source.plan.tokens_computed, source.plan.plain_tokens)
         aux = out.aux_loss if compute_aux_loss else None  # TRL's: the loss of this microbatch's rows
         if grouped:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
@@ -295,6 +296,12 @@ class SharedPrefixHooks:
         (``integrations.trl_step``): deferred, the shared prompts read from the step's cache."""
         state = self._sp_step
         w, k = state.window, state.current
+        if unwrap(model) is not w.step.inner():
+            raise RuntimeError(
+                f"the log-prob hook ran with grad enabled on {type(unwrap(model)).__name__}, not the policy model the "
+                "micro-step's step was planned on; TRL computes only the policy's log-probs with grad. Set "
+                "sharedprefix_step=False to run each microbatch on its own."
+            )
         check_rows(w, k, input_ids, attention_mask, logits_to_keep)
         first = not w.step.recorded  # this call records the step's shared segments
         with self.accelerator.autocast():  # as TRL's own forward
