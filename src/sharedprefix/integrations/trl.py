@@ -1,9 +1,12 @@
 """``SharedPrefixGRPOTrainer`` and ``SharedPrefixRLOOTrainer``: TRL's ``GRPOTrainer`` and ``RLOOTrainer`` with every
 log-prob computed by sharedprefix.
 
-Only two hooks are overridden (``SharedPrefixHooks``, mixed into both: the two TRL trainers share the hook's signature
-and the body of ``_prepare_inputs``), so TRL's own loss code (every ``loss_type``, RLOO's sequence-level ratio,
-clipping, KL, entropy bonus, masks, metrics) runs unchanged:
+Only the log-prob hook, ``_prepare_inputs`` and ``training_step`` are overridden (``SharedPrefixHooks``, mixed into
+both: the two TRL trainers share the hook's signature and the body of ``_prepare_inputs``), so TRL's own loss code
+(every ``loss_type``, RLOO's sequence-level ratio, clipping, KL, entropy bonus, masks, metrics) runs unchanged. By
+default (``sharedprefix_step``) the policy passes of an optimizer step's micro-steps from one generation batch run as
+one ``sp.plan_step`` step, each prompt once per optimizer step (``integrations.trl_step``: the window, its checks and
+when it falls back); otherwise:
 
 - ``_get_per_token_logps_and_entropies`` turns the rows ``[left-padded prompt | completion]`` into a
   ``sharedprefix.Tree`` (a token trie: a system prompt common to every prompt of the microbatch is
