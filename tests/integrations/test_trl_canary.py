@@ -35,6 +35,12 @@ MIRRORED = {
         "ea73c3909275851d",
         "the hook we override: its signature, the (logps, entropies, aux_loss) it returns, the image layouts it slices",
     ),
+    GRPOTrainer.training_step: (
+        "9e18632f7dd8e8d8",
+        "integrations.trl_step: _prepare_inputs runs inside it before self._step += 1, so the window of micro-step "
+        "self._step is planned there; SharedPrefixHooks.training_step wraps it",
+    ),
+    RLOOTrainer.training_step: ("9e18632f7dd8e8d8", "the same as GRPOTrainer.training_step (integrations.trl_step)"),
     RLOOTrainer._prepare_inputs: (
         "f824e7fb07147956",
         "SharedPrefixHooks._prepare_inputs, shared with GRPO, mirrors this body too: it must stay GRPOTrainer's",

@@ -73,18 +73,24 @@ def test_grpo_plans_once_per_batch_over_several_microbatches(tmp_path, monkeypat
     TRL generates every steps_per_generation * num_iterations = 4 micro-steps a generation batch of
     per_device_train_batch_size * steps_per_generation = 16 rows, computes its old-policy log-probs (as
     gradient_accumulation_steps % 4 != 0) and reference log-probs over all 16 in one call each, then splits it into 2
-    microbatches of 8 trained at micro-steps 0, 1 (iteration 1) and again at 2, 3 (iteration 2). So: 2 + 4 calls,
-    3 plans (the 16 rows; each microbatch once)."""
-    plannings, calls = _count(monkeypatch)
+    microbatches of 8 trained at micro-steps 0, 1 (iteration 1) and again at 2, 3 (iteration 2). Each microbatch on
+    its own (``sharedprefix_step=False``): 2 + 4 calls, 3 plans (the 16 rows; each microbatch once). As steps (the
+    default): the 16 rows planned once for the no-grad calls, and each optimizer step (micro-steps 0, 1 and 2, 3) one
+    ``sp.plan_step`` of its 2 microbatches, whose calls take the step's microbatches."""
+    settings = dict(beta=0.1, num_iterations=2, steps_per_generation=2, gradient_accumulation_steps=2)
     tok = build_tokenizer()
     init = _saved(tmp_path, qwen3_model(tok))
-    trainer = train_two_steps(
-        *GRPO, init, tok, tmp_path / "sp", beta=0.1, num_iterations=2, steps_per_generation=2,
-        gradient_accumulation_steps=2,
-    )  # fmt: skip
+    plannings, calls = _count(monkeypatch)
+    trainer = train_two_steps(*GRPO, init, tok, tmp_path / "sp", sharedprefix_step=False, **settings)
     assert trainer.state.global_step == 2 and trainer._step == 4
     assert [c.planned for c in calls] == [True] * 6
     assert plannings == [16, 8, 8]
+    monkeypatch.undo()
+    plannings, calls = _count(monkeypatch)
+    steps, plan_step = [], sp.plan_step
+    monkeypatch.setattr(sp, "plan_step", lambda m, mbs, **kw: steps.append(len(mbs)) or plan_step(m, mbs, **kw))
+    train_two_steps(*GRPO, init, tok, tmp_path / "steps", **settings)
+    assert [c.planned for c in calls] == [True] * 2 + [False] * 4 and plannings == [16] and steps == [2, 2]
 
 
 def test_async_trainer_plans_each_packed_row_once(tmp_path, monkeypatch):

@@ -7,7 +7,8 @@ exact run (TRL's own trainer with a plain transformers forward of each row as it
 Qwen3's RMSNorm kept in float64, ``float64_qwen3_norms``) and ours. The parameters must agree to a relative 1e-9 of
 the largest update (measured: at most 1.3e-15 for GRPO, 5.8e-15 for RLOO), and the update must be larger than 1e-3,
 so no row passes by not moving.
-Groups of 3, 6 rows a microbatch, prompts of about 20 tokens, completions of up to 3 tokens; EOS is made likely
+Groups of 3, 6 rows a microbatch (three rows: groups of 6 over 3 rows, every group split across microbatches),
+prompts of about 20 tokens, completions of up to 3 tokens; EOS is made likely
 during sampling (``sequence_bias``; the log-probs are not biased), so completions end at 1, 2 or 3 tokens and some
 are truncated, which gives ``mask_truncated_completions`` and the token-count normalisers something to do.
 
@@ -23,6 +24,8 @@ without and with a ``sharedprefix_max_tokens`` budget that splits groups (16 or 
 settings, ``normalize_advantages``, ``reward_clip_range``, ``epsilon_high``, ``beta``, ``mask_truncated_completions``,
 ``temperature`` and ``sync_ref_model``. ``test_evaluation_equals_the_exact_run`` checks TRL's evaluation
 (``eval_strategy``, ``num_generations_eval``). ``test_table_covers_every_value`` checks the coverage.
+Rows with ``steps_per_generation`` = ``gradient_accumulation_steps`` > 1 run each optimizer step as one sharedprefix
+step (``sharedprefix_step``, the default; rows with ``use_reentrant=True`` fall back to per-microbatch calls).
 Every row also checks what the hook was given: old-policy and reference log-probs over the whole generation batch in
 one call, the policy's over one microbatch of TRL's, and a budget that splits groups where one is set. A row takes
 about 1 s on 2 idle cores (``--durations``; 18 rows), far more when another process competes for the cores.
@@ -228,6 +231,45 @@ TABLE = {
         "rloo",
         dict(steps_per_generation=1, gradient_accumulation_steps=2, beta=0.04, sharedprefix_max_tokens=24),
     ),
+    # groups of 6 over microbatches of 3 (every group split across microbatches), one optimizer step per generation
+    # batch: each optimizer step one sharedprefix step (sharedprefix_step, the default)
+    "bnpo-g6-rows3-spg2-ga2-masked-budget16": (
+        "grpo",
+        dict(
+            num_generations=6,
+            per_device_train_batch_size=3,
+            loss_type="bnpo",
+            steps_per_generation=2,
+            gradient_accumulation_steps=2,
+            mask_truncated_completions=True,
+            beta=0.04,
+            sharedprefix_max_tokens=16,
+        ),
+    ),
+    "grpo-g6-rows3-spg4-ga4-entropy_bonus-top_entropy": (
+        "grpo",
+        dict(
+            num_generations=6,
+            per_device_train_batch_size=3,
+            loss_type="grpo",
+            steps_per_generation=4,
+            gradient_accumulation_steps=4,
+            entropy_coef=0.01,
+            top_entropy_quantile=0.5,
+            beta=0.04,
+        ),
+    ),
+    "rloo-g6-rows3-spg4-ga4-budget24": (
+        "rloo",
+        dict(
+            num_generations=6,
+            per_device_train_batch_size=3,
+            steps_per_generation=4,
+            gradient_accumulation_steps=4,
+            beta=0.04,
+            sharedprefix_max_tokens=24,
+        ),
+    ),
 }
 # every value of every setting the table must hold, per trainer (the defaults count where a row leaves them)
 COVER = {
@@ -296,27 +338,32 @@ def _exact(setup, kind, settings):
     if key not in setup.exact:
         cls, cfg_cls = TRAINERS[kind][0]
         t = train_two_steps(
-            cls, cfg_cls, setup.path, setup.tok, setup.out.mktemp("exact"), **_common(setup.tok), **theirs
+            cls, cfg_cls, setup.path, setup.tok, setup.out.mktemp("exact"), **{**_common(setup.tok), **theirs}
         )
         setup.exact[key] = _delta(t, setup.init)
     return setup.exact[key]
 
 
 def _ours(setup, kind, settings, calls=None):
-    """Our update for ``settings``; ``calls`` (a list) records each sp.logprobs call's rows, grad mode and plan."""
+    """Our update for ``settings``; ``calls`` (a list) records each sp.logprobs call's rows, grad mode and whether a
+    group's prompt ran apart from its completions (a budget's split, or a step's shared prompt)."""
     cls, cfg_cls = TRAINERS[kind][1]
     with pytest.MonkeyPatch.context() as m:
         if calls is not None:
             logprobs = sp.logprobs
 
             def spy(model, source, **kw):
-                plan = sp.plan(call_source(source), kw["max_tokens"]) if kw.get("max_tokens") else None
-                calls.append((len(call_source(source)), torch.is_grad_enabled(), plan))
+                if isinstance(source, sp.Microbatch):  # a step's microbatch: the prompts its step shares
+                    split = bool(source.step.splan.shared)
+                    calls.append((len(source.step.views[source.k].rows), torch.is_grad_enabled(), split))
+                    return logprobs(model, source, **kw)
+                split = bool(kw.get("max_tokens")) and sp.plan(call_source(source), kw["max_tokens"]).splits
+                calls.append((len(call_source(source)), torch.is_grad_enabled(), split))
                 return logprobs(model, source, **kw)
 
             m.setattr(sp, "logprobs", spy)
         t = train_two_steps(
-            cls, cfg_cls, setup.path, setup.tok, setup.out.mktemp("ours"), **_common(setup.tok), **settings
+            cls, cfg_cls, setup.path, setup.tok, setup.out.mktemp("ours"), **{**_common(setup.tok), **settings}
         )
     return _delta(t, setup.init)
 
@@ -336,12 +383,13 @@ def test_float64_parameters_equal_the_exact_run(setup, monkeypatch, row):
     # what the hook was given: TRL's no-grad old-policy / reference log-probs over the whole generation batch (one
     # tree of every row, so each prompt once), the policy's over one of TRL's microbatches
     spg = settings.get("steps_per_generation", settings.get("gradient_accumulation_steps", 1))
-    assert {n for n, grad, _ in calls if grad} == {ROWS}
-    assert {n for n, grad, _ in calls if not grad} <= {ROWS * spg}
+    rows = settings.get("per_device_train_batch_size", ROWS)
+    assert {n for n, grad, _ in calls if grad} == {rows}
+    assert {n for n, grad, _ in calls if not grad} <= {rows * spg}
     if kind == "rloo" or settings.get("beta"):
         assert any(not grad for _, grad, _ in calls)
-    if settings.get("sharedprefix_max_tokens"):
-        assert any(plan.splits for _, grad, plan in calls if grad)  # the budget splits groups
+    if settings.get("sharedprefix_max_tokens") or settings.get("num_generations", G) > rows:
+        assert any(split for _, grad, split in calls if grad)  # the budget splits groups, or a step shares prompts
 
 
 def test_table_covers_every_value():

@@ -215,6 +215,8 @@ def plain_rows(cls):
                 logp = (model(input_ids=row[None]).logits[0, -n - 1 : -1] / self.temperature).log_softmax(-1)
                 lp[b, :n] = logp.gather(-1, row[-n:, None]).squeeze(-1)
                 ent[b, :n] = -(logp.exp() * logp).sum(-1)
+            if not lp.requires_grad and torch.is_grad_enabled():  # every row masked: a zero with a graph, as TRL's
+                lp = lp + 0.0 * sum(p.reshape(-1)[:1].sum() for p in model.parameters() if p.requires_grad)
             return lp, (ent if compute_entropy else None), None
 
     return PlainRows

@@ -1,9 +1,12 @@
 """``SharedPrefixGRPOTrainer`` and ``SharedPrefixRLOOTrainer``: TRL's ``GRPOTrainer`` and ``RLOOTrainer`` with every
 log-prob computed by sharedprefix.
 
-Only two hooks are overridden (``SharedPrefixHooks``, mixed into both: the two TRL trainers share the hook's signature
-and the body of ``_prepare_inputs``), so TRL's own loss code (every ``loss_type``, RLOO's sequence-level ratio,
-clipping, KL, entropy bonus, masks, metrics) runs unchanged:
+Only the log-prob hook, ``_prepare_inputs`` and ``training_step`` are overridden (``SharedPrefixHooks``, mixed into
+both: the two TRL trainers share the hook's signature and the body of ``_prepare_inputs``), so TRL's own loss code
+(every ``loss_type``, RLOO's sequence-level ratio, clipping, KL, entropy bonus, masks, metrics) runs unchanged. By
+default (``sharedprefix_step``) the policy passes of an optimizer step's micro-steps from one generation batch run as
+one ``sp.plan_step`` step, each prompt once per optimizer step (``integrations.trl_step``: the window, its checks and
+when it falls back); otherwise:
 
 - ``_get_per_token_logps_and_entropies`` turns the rows ``[left-padded prompt | completion]`` into a
   ``sharedprefix.Tree`` (a token trie: a system prompt common to every prompt of the microbatch is
@@ -59,6 +62,17 @@ from sharedprefix.integrations.trl_checks import (
     warn_if_padding_moves_logits,
 )
 from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings, setting
+from sharedprefix.integrations.trl_step import (
+    StepState,
+    add_tokens,
+    check_rows,
+    flush_tokens,
+    log_call,
+    log_off_once,
+    off_reason,
+    plan_window,
+    window_of,
+)
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
 from sharedprefix.model.mixers import on_cache_path
@@ -155,6 +169,7 @@ class SharedPrefixHooks:
         a = self.args
         self._sp_budget, self._sp_mode = checked_settings(self)
         self._sp_plans = PlanCache(capacity=plan_capacity(self))
+        self._sp_step = StepState()
         self._refuse_at_construction()
         warn_if_padding_moves_logits(self, unwrap(self.model))
         reasons = membership_matters(self) if setting(a, "sharedprefix_group_microbatches") else []
@@ -225,6 +240,10 @@ class SharedPrefixHooks:
     ):
         images = check_image_inputs(extra)
         B, C = input_ids.shape[0], logits_to_keep
+        state = getattr(self, "_sp_step", None)  # None on a stand-in that has only what the hook reads
+        policy = torch.is_grad_enabled() and state is not None  # the policy's pass: TRL's only one with grad
+        if policy and state.current is not None and not images:  # a micro-step of a window: its step's microbatch
+            return self._step_logprobs(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
         grouped = images or on_cache_path(unwrap(model))  # the hybrid path takes groups of one prompt, not trees
         if grouped:
             used = {k: extra[k] for k in MULTIMODAL if extra.get(k) is not None}
@@ -264,6 +283,8 @@ class SharedPrefixHooks:
                 aux_loss=bool(compute_aux_loss) and not grouped,  # refused at construction where grouped
             )  # TRL's losses are per-rank means, averaged as DDP does
         log_plan(self, source)  # into TRL's own metrics: tokens computed against plain, passes, the mode, memory
+        if policy and isinstance(source, sp.CallPlan):
+            add_tokens(self, source.plan.tokens_computed, source.plan.plain_tokens)
         aux = out.aux_loss if compute_aux_loss else None  # TRL's: the loss of this microbatch's rows
         if grouped:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
             order = torch.tensor([b for m in members for b in m], device=input_ids.device)
@@ -275,13 +296,45 @@ class SharedPrefixHooks:
         ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
         return lp, _entropy_graph(self, ent), aux
 
+    def _step_logprobs(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
+        """The policy log-probs of the micro-step running now, microbatch k of its window's step
+        (``integrations.trl_step``): deferred, the shared prompts read from the step's cache."""
+        state = self._sp_step
+        w, k = state.window, state.current
+        if unwrap(model) is not w.step.inner():
+            raise RuntimeError(
+                f"the log-prob hook ran with grad enabled on {type(unwrap(model)).__name__}, not the policy model the "
+                "micro-step's step was planned on; TRL computes only the policy's log-probs with grad. Set "
+                "sharedprefix_step=False to run each microbatch on its own."
+            )
+        check_rows(w, k, input_ids, attention_mask, logits_to_keep)
+        first = not w.step.recorded  # this call records the step's shared segments
+        with self.accelerator.autocast():  # as TRL's own forward
+            out = sp.logprobs(
+                model,
+                w.step.microbatch(k),
+                temperature=self.temperature,
+                entropy=compute_entropy,
+                grad_reduction="mean",
+            )  # TRL's losses are per-rank means, averaged as DDP does
+        log_call(self, w, k, first)
+        B, C = input_ids.shape[0], logits_to_keep
+        lp = to_rows(out.logprobs, w.rows[k], B, C)
+        ent = to_rows(out.entropy, w.rows[k], B, C) if compute_entropy else None
+        return lp, _entropy_graph(self, ent), None
+
     # -- microbatches: TRL's, or whole groups under sharedprefix_group_microbatches --------------------------------
 
     def _prepare_inputs(self, generation_batch):
         """TRL's own ``_prepare_inputs`` (its row shuffle and split), unless ``sharedprefix_group_microbatches``:
-        then TRL's body with its row shuffle replaced by ``_group_preserving_shuffle``."""
+        then TRL's body with its row shuffle replaced by ``_group_preserving_shuffle``. In training, the micro-step's
+        window of its optimizer step is planned as one ``sp.plan_step`` step at its first micro-step
+        (``integrations.trl_step``)."""
         if not getattr(self.args, "sharedprefix_group_microbatches", False):
-            return super()._prepare_inputs(generation_batch)
+            inputs = super()._prepare_inputs(generation_batch)
+            if self.model.training:
+                self._begin_micro_step()
+            return inputs
         if not self.model.training:
             return self._generate_and_score_completions(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
@@ -291,6 +344,63 @@ class SharedPrefixHooks:
             batches = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _begin_micro_step(self):
+        """Micro-step ``self._step``: plan its window's step at the window's first micro-step, check the accumulation
+        boundary, and point the hook at its microbatch (``state.current``); outside a window of two or more
+        micro-steps, or where steps are off, the hook runs per microbatch."""
+        state, t = self._sp_step, self._step
+        state.current = None
+        if state.update_start is None or state.update_start > t:
+            state.update_start = t
+        size = getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps
+        micro = window_of(t, state.update_start, size, self.args.steps_per_generation, self.num_iterations)
+        if len(micro) < 2:
+            return
+        model = self.model_wrapped if self.model_wrapped is not None else self.model
+        if t == micro.start:
+            state.window = None
+            if state.off is None:
+                state.off = off_reason(self, model)
+                log_off_once(self, state.off)
+            if state.off:
+                return
+            state.window = plan_window(self, model, micro)
+        w = state.window
+        if w is None or w.micro_steps != micro:
+            return
+        last = state.update_start + size - 1
+        if bool(self.accelerator.sync_gradients) != (t == last):
+            raise RuntimeError(
+                f"micro-step {t} runs with accelerator.sync_gradients={self.accelerator.sync_gradients}, but the "
+                f"optimizer step it belongs to ends at micro-step {last} (started at {state.update_start}, "
+                f"{size} micro-steps): the accumulation boundary is not where sharedprefix planned its step over "
+                f"micro-steps {list(micro)}, so the step's shared prompts could miss the optimizer step. Set "
+                "sharedprefix_step=False (each microbatch on its own) and report this setting."
+            )
+        state.current = w.k(t)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        """TRL's micro-step; after it, a window's step must have finished at the window's last micro-step, and at an
+        optimizer step's last micro-step its policy tokens are logged (``trl_step.flush_tokens``)."""
+        state, t = self._sp_step, self._step
+        try:
+            out = super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            state.current = None
+        w = state.window
+        if w is not None and t == w.micro_steps[-1]:
+            state.window = None
+            if w.step.state != "finished":
+                raise RuntimeError(
+                    f"the step over micro-steps {list(w.micro_steps)} did not finish at its last micro-step (state "
+                    f"{w.step.state!r}, microbatches {w.step.missing} never ran their backward): TRL's loss did not "
+                    "backpropagate through their log-probs. Set sharedprefix_step=False."
+                )
+        if self.accelerator.sync_gradients:
+            state.update_start = t + 1
+            flush_tokens(self)
+        return out
 
 
 class SharedPrefixGRPOTrainer(SharedPrefixHooks, GRPOTrainer):

@@ -35,6 +35,10 @@ class SharedPrefixSettings:
             wherever microbatch membership matters (``membership_matters``: more than one microbatch per generation
             batch, and either an optimizer step inside a generation batch or a loss normalised per microbatch);
             the trainer warns when built with it on in that case.
+        sharedprefix_step: True (default): the micro-steps of one optimizer step that come from one generation batch
+            run their policy passes as one ``sp.plan_step`` step (``integrations.trl_step``): each prompt computed
+            once per optimizer step, TRL's microbatches kept, the same parameters. False: each microbatch's policy
+            pass on its own (each prompt once per microbatch it has rows in).
     """
 
     sharedprefix_max_tokens: int | None = field(
@@ -47,6 +51,10 @@ class SharedPrefixSettings:
             "help": "keep whole groups inside one microbatch (not TRL's microbatches: other parameters than TRL's "
             "trainer wherever microbatch membership matters)"
         },
+    )
+    sharedprefix_step: bool = field(
+        default=True,
+        metadata={"help": "run an optimizer step's microbatches as one sharedprefix step (each prompt once per step)"},
     )
 
 
@@ -73,6 +81,12 @@ def checked_settings(trainer) -> tuple[int | None, str]:
         raise ValueError(
             f"sharedprefix_group_microbatches={grouped!r}; expected True (whole groups per microbatch) or False "
             "(TRL's own microbatches, the default)."
+        )
+    step = getattr(a, "sharedprefix_step", True)
+    if not isinstance(step, bool):
+        raise ValueError(
+            f"sharedprefix_step={step!r}; expected True (an optimizer step's microbatches as one sharedprefix step, "
+            "the default) or False (each microbatch on its own)."
         )
     if getattr(a, "fp16", False):
         raise ValueError(

@@ -1,0 +1,212 @@
+"""SharedPrefixGRPOTrainer and SharedPrefixRLOOTrainer run an optimizer step's micro-steps from one generation batch as
+one ``sp.plan_step`` step (``sharedprefix_step``, the default; ``integrations.trl_step``): the same parameters as the
+exact float64 run, and each prompt computed once per optimizer step.
+
+Groups of 8 over microbatches of 4 rows, so every group is split across microbatches (TRL's shuffle mixes two groups'
+rows at ``steps_per_generation`` 4); ``steps_per_generation`` equal to ``gradient_accumulation_steps`` (2 and 4: one
+window per optimizer step), larger (4 over 2: two optimizer steps per generation batch) and smaller with
+``num_iterations`` 2 (2 over 4: one buffered microbatch twice in one step). Tokens: the tokens the first decoder layer
+sees with grad enabled, per optimizer step, against the ideal (each distinct prompt of the step once, each completion
+token once).
+"""
+
+import logging
+import types
+import warnings
+
+import pytest
+import torch
+
+import sharedprefix as sp
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer  # noqa: E402
+
+from sharedprefix.integrations.trl import (  # noqa: E402
+    SharedPrefixGRPOConfig,
+    SharedPrefixGRPOTrainer,
+    SharedPrefixRLOOConfig,
+    SharedPrefixRLOOTrainer,
+)
+from sharedprefix.integrations.trl_step import window_of  # noqa: E402
+from sharedprefix.model.adapter import unwrap  # noqa: E402
+from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
+from support.grpo import float64_qwen3_norms, plain_rows, qwen3_model, train_two_steps  # noqa: E402
+
+G, ROWS = 8, 4  # num_generations, per_device_train_batch_size: groups larger than a microbatch
+TRAINERS = {
+    "grpo": ((plain_rows(GRPOTrainer), GRPOConfig), (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig)),
+    "rloo": ((plain_rows(RLOOTrainer), RLOOConfig), (SharedPrefixRLOOTrainer, SharedPrefixRLOOConfig)),
+}
+CASES = {
+    "grpo-spg2-ga2": ("grpo", dict(steps_per_generation=2, gradient_accumulation_steps=2, beta=0.04)),
+    "grpo-spg4-ga4-dapo": ("grpo", dict(steps_per_generation=4, gradient_accumulation_steps=4, loss_type="dapo")),
+    "grpo-spg4-ga2": ("grpo", dict(steps_per_generation=4, gradient_accumulation_steps=2, beta=0.04)),
+    "grpo-spg2-ga2-iter2-budget16": (
+        "grpo",
+        dict(steps_per_generation=2, gradient_accumulation_steps=2, num_iterations=2, sharedprefix_max_tokens=16),
+    ),
+    "grpo-spg2-ga4-iter2": ("grpo", dict(steps_per_generation=2, gradient_accumulation_steps=4, num_iterations=2)),
+    "rloo-spg2-ga2": ("rloo", dict(steps_per_generation=2, gradient_accumulation_steps=2, beta=0.04)),
+    "rloo-spg4-ga4-iter2-recompute": (
+        "rloo",
+        dict(
+            steps_per_generation=4,
+            gradient_accumulation_steps=4,
+            num_iterations=2,
+            sharedprefix_prefix_activations="recompute",
+        ),
+    ),
+}
+F64 = {"model_init_kwargs": {"dtype": torch.float64}}
+
+
+def _common(tok):
+    eos = {"sequence_bias": [[[tok.eos_token_id], 3.0]]}  # completions of 1 to 3 tokens, some truncated
+    return dict(num_generations=G, per_device_train_batch_size=ROWS, generation_kwargs=eos, **F64)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tok = build_tokenizer()
+    path = tmp_path_factory.mktemp("init")
+    model = qwen3_model(tok)
+    model.save_pretrained(path)
+    init = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    return types.SimpleNamespace(tok=tok, path=str(path), init=init, out=tmp_path_factory)
+
+
+def _delta(trainer, init):
+    return torch.cat([(p.detach().double() - init[n]).flatten() for n, p in trainer.model.named_parameters()])
+
+
+def _run(setup, cls, cfg_cls, **settings):
+    return train_two_steps(
+        cls, cfg_cls, setup.path, setup.tok, setup.out.mktemp("run"), **{**_common(setup.tok), **settings}
+    )
+
+
+def _counting(cls):
+    """``cls`` that counts, per optimizer step (``state.global_step``), the tokens its first decoder layer sees with
+    grad enabled, and the ideal: each distinct prompt of the step's microbatches once, each completion token once."""
+
+    class Counting(cls):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.seen, self.prompts, self.completion_tokens = {}, {}, {}
+            unwrap(self.model).model.layers[0].register_forward_pre_hook(sp.allow_hook(self._count), with_kwargs=True)
+
+        def _count(self, module, args, kwargs):
+            if torch.is_grad_enabled():
+                h = args[0] if args else kwargs["hidden_states"]
+                step = self.state.global_step
+                self.seen[step] = self.seen.get(step, 0) + h.shape[0] * h.shape[1]
+
+        def _prepare_inputs(self, batch):
+            inputs = super()._prepare_inputs(batch)
+            if self.model.training:
+                step = self.state.global_step
+                for ids, mask in zip(inputs["prompt_ids"], inputs["prompt_mask"]):
+                    self.prompts.setdefault(step, set()).add(tuple(ids[mask.bool()].tolist()))
+                n = int(inputs["completion_mask"].sum())
+                self.completion_tokens[step] = self.completion_tokens.get(step, 0) + n
+            return inputs
+
+        def ideal(self, step):
+            return sum(len(p) for p in self.prompts[step]) + self.completion_tokens[step]
+
+    return Counting
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_float64_parameters_equal_the_exact_run(setup, monkeypatch, case):
+    """Two optimizer steps: our parameters equal the exact run's (TRL's trainer with a plain float64 forward of each
+    row as its hook) to 1e-9 of the largest update, and every policy call of ours was a step's microbatch."""
+    kind, settings = CASES[case]
+    float64_qwen3_norms(monkeypatch)
+    theirs = {k: v for k, v in settings.items() if not k.startswith("sharedprefix_")}
+    want = _delta(_run(setup, *TRAINERS[kind][0], **theirs), setup.init)
+    calls = []
+    logprobs = sp.logprobs
+
+    def spy(model, source, **kw):
+        if torch.is_grad_enabled():
+            calls.append(type(source).__name__)
+        return logprobs(model, source, **kw)
+
+    monkeypatch.setattr(sp, "logprobs", spy)
+    got = _delta(_run(setup, *TRAINERS[kind][1], **settings), setup.init)
+    scale = float(want.abs().max())
+    assert scale > 1e-3
+    err = float((got - want).abs().max())
+    assert err <= 1e-9 * scale, (err, scale)
+    assert calls and set(calls) == {"Microbatch"}, calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, spg, ga",
+    [("grpo", 2, 2), ("grpo", 4, 4), ("grpo", 4, 2), ("rloo", 4, 4)],
+)
+def test_each_prompt_is_computed_once_per_optimizer_step(setup, kind, spg, ga):
+    """Tokens through the first decoder layer with grad enabled, per optimizer step: at most 1.02x the ideal with
+    steps (measured: at most 1.0x: completions sharing a first token share it), and more per microbatch (the control:
+    each prompt once per microbatch it has rows in)."""
+    cls, cfg_cls = TRAINERS[kind][1]
+    settings = dict(steps_per_generation=spg, gradient_accumulation_steps=ga, gradient_checkpointing=False)
+    ratios = {}
+    for on in (True, False):
+        t = _run(setup, _counting(cls), cfg_cls, sharedprefix_step=on, **settings)
+        assert sorted(t.seen) == [0, 1]
+        ratios[on] = [t.seen[s] / t.ideal(s) for s in (0, 1)]
+        logged = [h["sharedprefix/step_tokens_computed"] for h in t.state.log_history if "loss" in h]
+        assert len(logged) == 2 and all(v > 0 for v in logged)
+    assert max(ratios[True]) <= 1.02, ratios
+    assert min(ratios[False]) > 1.2, ratios  # groups of 8 over 4 rows: each prompt in 2 or more microbatches
+
+
+def test_windows_follow_trl_micro_steps():
+    """``window_of``: the micro-steps of an optimizer step that share a generation batch."""
+    # spg 2 = GA 2: windows [0, 2), [2, 4)
+    assert [window_of(t, t - t % 2, 2, 2, 1) for t in range(4)] == [range(0, 2)] * 2 + [range(2, 4)] * 2
+    # spg 4, GA 2: two optimizer steps per generation batch
+    assert window_of(2, 2, 2, 4, 1) == range(2, 4)
+    # spg 2, GA 4, num_iterations 2: the generation batch's microbatches twice in one window
+    assert window_of(1, 0, 4, 2, 2) == range(0, 4)
+    # spg 2, GA 4, num_iterations 1: an optimizer step spans two generation batches, one window each
+    assert window_of(1, 0, 4, 2, 1) == range(0, 2) and window_of(2, 0, 4, 2, 1) == range(2, 4)
+    # an epoch's shorter last optimizer step (3 micro-steps from 6)
+    assert window_of(7, 6, 3, 4, 1) == range(6, 8) and window_of(8, 6, 3, 4, 1) == range(8, 9)
+
+
+def test_steps_off_and_fallbacks_train_per_microbatch(setup, monkeypatch, caplog):
+    """``sharedprefix_step=False`` and whole groups per microbatch call the hook per microbatch (no step planned);
+    reentrant gradient checkpointing falls back, saying why once."""
+    planned = []
+    plan_step = sp.plan_step
+    monkeypatch.setattr(sp, "plan_step", lambda *a, **kw: planned.append(1) or plan_step(*a, **kw))
+    cls, cfg_cls = TRAINERS["grpo"][1]
+    settings = dict(steps_per_generation=2, gradient_accumulation_steps=2, max_steps=1)
+    for extra in (dict(sharedprefix_step=False), dict(sharedprefix_group_microbatches=True)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _run(setup, cls, cfg_cls, **settings, **extra)
+    assert planned == []
+    with caplog.at_level(logging.WARNING, logger="sharedprefix.integrations.trl_step"):
+        _run(setup, cls, cfg_cls, **settings, gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert planned == []
+    assert [r.getMessage() for r in caplog.records if "use_reentrant=True" in r.getMessage()], caplog.records
+    with pytest.raises(ValueError, match=r"sharedprefix_step='yes'; expected True"):
+        _run(setup, cls, cfg_cls, **settings, sharedprefix_step="yes")
+
+
+def test_a_plain_trl_config_uses_steps(setup, monkeypatch):
+    """TRL's own ``GRPOConfig`` (without sharedprefix's fields) takes the defaults: steps on."""
+    planned = []
+    plan_step = sp.plan_step
+    monkeypatch.setattr(sp, "plan_step", lambda *a, **kw: planned.append(1) or plan_step(*a, **kw))
+    _run(setup, SharedPrefixGRPOTrainer, GRPOConfig, steps_per_generation=2, gradient_accumulation_steps=2, max_steps=1)
+    assert planned == [1]
