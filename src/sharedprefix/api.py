@@ -263,7 +263,7 @@ def backward(
         with in_forward_autocast(model):
             planned = mb.step.begin(model, mb.k, backward=True)
             opts, _, cp, error = call.prepare(model, planned, True, given, _call_checks())
-            opts = _step_options(mb, opts.replace(sync=opts.sync and sync_enabled(model)))
+            opts = _step_options(mb, opts.replace(sync=opts.sync and sync_enabled(model)), given)
             return mb.step.run(
                 model, planned.step, True, lambda: rounds.backward(model, cp, opts, loss_fn, error=error)
             )
@@ -299,8 +299,11 @@ _STEP_AUX = (
 )
 
 
-def _step_options(mb: Microbatch, opts: CallOptions) -> CallOptions:
-    """A step's call runs under the step's prefix mode (what its cache holds between calls)."""
+def _step_options(mb: Microbatch, opts: CallOptions, given: dict) -> CallOptions:
+    """A step's call runs under the step's prefix mode (what its cache holds between calls); ``given``: the call's
+    keywords (a ``prefix_activations`` it passed must be the step's)."""
+    if "prefix_activations" not in passed(given):
+        return opts.replace(prefix_activations=mb.step.mode)
     if opts.prefix_activations != mb.step.mode:
         raise ValueError(
             f"prefix_activations={opts.prefix_activations!r} in a call of a step planned with "
@@ -312,24 +315,28 @@ def _step_options(mb: Microbatch, opts: CallOptions) -> CallOptions:
 
 def _step_logprobs(model, mb: Microbatch, given: dict) -> LogProbs:
     """``sp.logprobs`` of a step's microbatch. With grad: deferred (its forward reads the step's cache, recording the
-    shared segments at the step's first call; its backward is the microbatch's ``sp.backward``). Without: a call on
-    the microbatch's own rows, outside the step."""
+    shared segments at the step's first call; its backward is the microbatch's ``sp.backward``), or with
+    ``defer=False`` the graph of its own passes kept (one process without checkpointing: no second forward), the
+    shared segments' backward queued at the end of the caller's backward through the step's last microbatch
+    (``Step.graph_outputs``). Without grad: a call on the microbatch's own rows, outside the step."""
     if not torch.is_grad_enabled():  # the keywords left out are the step's (sp.plan_step's), as on a CallPlan
         made = dict(mb.step.cp.given, max_tokens=mb.step.cp.options.max_tokens)
         kw = {k: made.get(k, v) if isinstance(v, Default) else v for k, v in given.items()}
         return logprobs(model, mb.step.sources[mb.k], **kw)
     own = passed(given)  # the keywords the call passed
-    if own.get("defer") is False:
-        raise ValueError(
-            "defer=False with grad enabled on a step's microbatch: its backward must run inside sharedprefix, where "
-            "the step accumulates its shared prompts' gradient. Leave defer out (a step's log-probs defer)."
-        )
     if own.get("aux_loss"):
         raise ValueError(f"aux_loss=True with a step's microbatch; {_STEP_AUX}")
+    if own.get("defer") is False:
+        mb.step.check_graph_path(mb.k)
     with in_forward_autocast(model):
         planned = mb.step.begin(model, mb.k, backward=False)
         opts, _, cp, error = call.prepare(model, planned, False, given, _call_checks())
-        opts = _step_options(mb, opts.replace(aux_loss=False))
+        opts = _step_options(mb, opts.replace(aux_loss=False), given)
+        if own.get("defer") is False:  # the graph kept (one process, no checkpointing: ``call.prepare`` refused those)
+            out = mb.step.run(
+                model, planned.step, False, lambda: rounds.forward(model, cp, opts, aux=False, error=error)[0]
+            )
+            return mb.step.graph_outputs(model, mb.k, out)
         with torch.no_grad():
             out = mb.step.run(
                 model, planned.step, False, lambda: rounds.forward(model, cp, opts, aux=False, error=error)[0]

@@ -335,3 +335,49 @@ def test_max_cached_tokens_splits_the_step_into_parts(model):
     with pytest.raises(ValueError, match="max_cached_tokens=-1"):
         sp.plan_step(model, mbs, max_cached_tokens=-1)
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_graph_kept_logprobs_of_a_step_exact(model, mode):
+    """defer=False (one process): each microbatch's graph kept, the shared prompts' backward at the end of the
+    caller's backward through the last microbatch; no second forward of the completions."""
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    want = _plain(model, mbs, Ws)
+    model.zero_grad(set_to_none=True)
+    step = sp.plan_step(model, mbs, max_tokens=12, prefix_activations=mode)
+    for k, W in enumerate(Ws):
+        out = sp.logprobs(model, step.microbatch(k), defer=False, entropy=True)
+        assert out.logprobs.grad_fn is not None
+        assert (out.logprobs.detach() - plain_logprobs(model, mbs[k])[0]).abs().max() <= 1e-9
+        ((out.logprobs * W).sum() + 0.0 * out.entropy.sum()).backward()
+        assert step.state == ("finished" if k == 2 else "open")
+    assert_grads_close(_grads(model), want, 1e-9)
+    model.zero_grad(set_to_none=True)
+
+
+def test_graph_kept_logprobs_refuse_autograd_grad_and_a_second_backward(model):
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    step = sp.plan_step(model, mbs)
+    out = sp.logprobs(model, step.microbatch(0), defer=False)
+    loss = (out.logprobs * Ws[0]).sum()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(RuntimeError, match="did not reach the step's cached prompts"):
+        torch.autograd.grad(loss, params, retain_graph=True)
+    assert step.state == "failed"
+    step = sp.plan_step(model, mbs)
+    out = sp.logprobs(model, step.microbatch(0), defer=False)
+    loss = (out.logprobs * Ws[0]).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagated again"):
+        loss.backward()
+    step.release()
+    # a group of microbatch 0 alone, larger than the budget: its prompt is cached inside the microbatch's own call
+    alone = random_groups(5, 1, [10], [[5, 5]])
+    big = sp.plan_step(model, [alone + mbs[0], mbs[1]], max_tokens=8)
+    assert any(st.record for st in big.splan.microbatches[0] if isinstance(st, sp.schedule.Pass))
+    with pytest.raises(ValueError, match="defer=False on microbatch 0 of a step whose own rows are larger"):
+        sp.logprobs(model, big.microbatch(0), defer=False)
+    assert big.state == "planned"  # refused before the step began
+    model.zero_grad(set_to_none=True)

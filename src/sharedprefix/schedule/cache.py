@@ -151,12 +151,13 @@ class PrefixCache:
             total = self.terms[seg] if total is None else total + self.terms[seg]
         return total
 
-    def _leaves(self) -> list[torch.Tensor]:
-        """Every leaf later passes read (``seal``), whose ``.grad`` they accumulate."""
-        out = [t for kv in self.read_kv_.values() for pair in kv.values() for t in pair]
-        out += list(self.read_h.values())
-        out += [t for vals in self.read_vals.values() for t in vals if t is not None]
-        out += [t for mix in self.read_mix.values() for t in mix.values()]
+    def _leaves(self, segments=None) -> list[torch.Tensor]:
+        """Every leaf later passes read (``seal``), whose ``.grad`` they accumulate (``segments``: theirs only)."""
+        keep = (lambda s: True) if segments is None else (lambda s: s in segments)  # noqa: E731
+        out = [t for s, kv in self.read_kv_.items() if keep(s) for pair in kv.values() for t in pair]
+        out += [t for s, t in self.read_h.items() if keep(s)]
+        out += [t for s, vals in self.read_vals.items() if keep(s) for t in vals if t is not None]
+        out += [t for s, mix in self.read_mix.items() if keep(s) for t in mix.values()]
         return [t for t in out if t is not None and t.requires_grad]
 
     def hold_grads(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -166,6 +167,15 @@ class PrefixCache:
         for t, _ in held:
             t.grad = None
         return held
+
+    def grad_marks(self, segments) -> list:
+        """(leaf, its ``.grad`` object, that gradient's version) of every leaf of ``segments``: ``grads_moved``
+        tells whether a backward accumulated into any of them since."""
+        return [(t, t.grad, None if t.grad is None else t.grad._version) for t in self._leaves(segments)]
+
+    @staticmethod
+    def grads_moved(marks: list) -> bool:
+        return any(t.grad is not g or (g is not None and g._version != v) for t, g, v in marks)
 
     def merge_grads(self, held: list) -> None:
         """Add the ``held`` gradients to what accumulated since, out of place (the held tensors stay intact)."""

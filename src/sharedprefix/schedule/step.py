@@ -210,6 +210,69 @@ class Step:
             self.cache.merge_grads(self._held)
             self._merged = True
 
+    # -- grad-enabled log-probs that keep their graph (defer=False) -----------------------------------------------
+
+    def check_graph_path(self, k: int) -> None:
+        """``sp.logprobs(model, step.microbatch(k), defer=False)`` keeps the graph of microbatch k's own passes, read
+        from the step's cache: refused where k expands a part larger than the budget inside itself (its cached
+        segments would be leaves no backward of the caller reaches)."""
+        if any(getattr(st, "record", ()) for st in self.splan.microbatches[k]):
+            raise ValueError(
+                f"defer=False on microbatch {k + self.offset} of a step whose own rows are larger than "
+                f"max_tokens={self.splan.max_tokens}: their prompt would be cached inside the call, where only a "
+                "deferred backward reaches it. Leave defer out (the microbatch defers), or raise max_tokens."
+            )
+
+    def graph_outputs(self, model, k: int, out):
+        """``out`` (microbatch k's grad-enabled log-probs, their graph reading the step's cache) as outputs whose
+        backward, once the caller's backward has ended, marks k done, and at the step's last microbatch runs the
+        shared segments' backward (``_after_backward``)."""
+        view, tree = self.views[k], self.splan.tree
+        read = {s for r in view.rows for s in tree.path(tree.rows[r].end)} & set(self.splan.shared)
+        leaves = self.cache.grad_marks(read)
+        tensors = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
+        wrapped = _AfterBackward.apply(_Tail(self, model, k, leaves), *tensors)
+        if not isinstance(wrapped, tuple):
+            wrapped = (wrapped,)
+        ent = wrapped[1] if out.entropy is not None else None
+        return dataclasses.replace(out, logprobs=wrapped[0], entropy=ent)
+
+    def _after_backward(self, model, k: int, marks: list) -> None:
+        """At the end of the caller's backward through microbatch k's outputs: k is done; a backward that did not
+        reach the shared leaves it read (``torch.autograd.grad``, which accumulates into no leaf) is refused, since
+        their gradient would be dropped; at the step's last microbatch, the shared segments' backward."""
+        if k in self.done or self.state != "open":
+            raise RuntimeError(
+                f"microbatch {k + self.offset}'s log-probs were backpropagated again (or after their step ended): each "
+                "microbatch's gradient joins its step once. Compute them again in a new step to train on them again."
+            )
+        if marks and not self.cache.grads_moved(marks):
+            self._close("failed")
+            raise RuntimeError(
+                f"the backward through microbatch {k + self.offset}'s log-probs (sp.logprobs with defer=False) did not "
+                "reach the step's cached prompts, whose gradient would then be dropped: torch.autograd.grad "
+                "accumulates into no leaf. Use loss.backward(), or leave defer out (deferred log-probs return the "
+                "parameters' gradient to autograd.grad too). The step is closed."
+            )
+        self.forwarded.discard(k)
+        self.done.add(k)
+        if len(self.done) < len(self.views):
+            return
+        try:
+            if self.splan.shared:
+                from sharedprefix.schedule import rounds
+
+                plan = Plan(self.splan.tree, list(self.splan.backward), self.splan.max_tokens, self.views[k])
+                cp = dataclasses.replace(self.cp, plan=plan, step=StepCall(self, k, frozenset()))
+                opts = self.cp.options.replace(prefix_activations=self.mode, entropy=False)
+                with torch.enable_grad():
+                    rounds.backward(model, cp, opts, _no_rows)
+        except BaseException:
+            self.done.discard(k)
+            self._fail(model)
+            raise
+        self._close("finished")
+
     # -- ending a step early ----------------------------------------------------------------------------------
 
     def finish(self, model: torch.nn.Module) -> None:
@@ -300,6 +363,33 @@ class Step:
         inner = self.inner()
         if inner is not None and _OPEN.get(inner) is self:
             del _OPEN[inner]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tail:
+    """What ``_AfterBackward`` calls back: ``step._after_backward(model, k, marks)``."""
+
+    step: Step
+    model: torch.nn.Module
+    k: int
+    marks: list
+
+
+class _AfterBackward(torch.autograd.Function):
+    """The identity on a microbatch's outputs; its backward queues ``_Tail`` to run when the caller's backward ends
+    (after autograd accumulated every gradient, the shared leaves' included), once per backward."""
+
+    @staticmethod
+    def forward(ctx, tail, *tensors):
+        ctx.tail = tail
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in tensors) if len(tensors) > 1 else tensors[0].view_as(tensors[0])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        t = ctx.tail
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: t.step._after_backward(t.model, t.k, t.marks))
+        return (None, *grads)
 
 
 def _no_rows(batch):
