@@ -49,7 +49,31 @@ CASES = {
         dict(steps_per_generation=2, gradient_accumulation_steps=2, num_iterations=2, sharedprefix_max_tokens=16),
     ),
     "grpo-spg2-ga4-iter2": ("grpo", dict(steps_per_generation=2, gradient_accumulation_steps=4, num_iterations=2)),
+    # without checkpointing: the policy passes keep their graph (defer=False), no second forward
+    "grpo-spg4-ga4-graph": (
+        "grpo",
+        dict(steps_per_generation=4, gradient_accumulation_steps=4, gradient_checkpointing=False, beta=0.04),
+    ),
+    "grpo-spg2-ga4-iter2-graph-offload": (
+        "grpo",
+        dict(
+            steps_per_generation=2,
+            gradient_accumulation_steps=4,
+            num_iterations=2,
+            gradient_checkpointing=False,
+            sharedprefix_prefix_activations="offload",
+        ),
+    ),
+    # a bound on what a step caches: the step runs in parts
+    "grpo-spg4-ga4-cached-bound": (
+        "grpo",
+        dict(steps_per_generation=4, gradient_accumulation_steps=4, sharedprefix_step_cached_tokens=12),
+    ),
     "rloo-spg2-ga2": ("rloo", dict(steps_per_generation=2, gradient_accumulation_steps=2, beta=0.04)),
+    "rloo-spg4-ga4-graph": (
+        "rloo",
+        dict(steps_per_generation=4, gradient_accumulation_steps=4, gradient_checkpointing=False),
+    ),
     "rloo-spg4-ga4-iter2-recompute": (
         "rloo",
         dict(
@@ -134,7 +158,7 @@ def test_float64_parameters_equal_the_exact_run(setup, monkeypatch, case):
 
     def spy(model, source, **kw):
         if torch.is_grad_enabled():
-            calls.append(type(source).__name__)
+            calls.append((type(source).__name__, kw.get("defer")))
         return logprobs(model, source, **kw)
 
     monkeypatch.setattr(sp, "logprobs", spy)
@@ -143,7 +167,9 @@ def test_float64_parameters_equal_the_exact_run(setup, monkeypatch, case):
     assert scale > 1e-3
     err = float((got - want).abs().max())
     assert err <= 1e-9 * scale, (err, scale)
-    assert calls and set(calls) == {"Microbatch"}, calls
+    assert calls and {kind for kind, _ in calls} == {"Microbatch"}, calls
+    graph = settings.get("gradient_checkpointing") is False  # one process without checkpointing: the graph kept
+    assert {defer for _, defer in calls} == ({False} if graph else {None}), calls
 
 
 @pytest.mark.slow

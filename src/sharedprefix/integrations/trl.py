@@ -75,8 +75,10 @@ from sharedprefix.integrations.trl_step import (
 )
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
+from sharedprefix.model.forward_mode import uses_checkpointing
 from sharedprefix.model.mixers import on_cache_path
 from sharedprefix.model.support import inline_mixer_reason
+from sharedprefix.parallel.detect import detect
 
 __all__ = [
     "SharedPrefixGRPOConfig",
@@ -301,14 +303,19 @@ class SharedPrefixHooks:
         (``integrations.trl_step``): deferred, the shared prompts read from the step's cache."""
         state = self._sp_step
         w, k = state.window, state.current
-        if unwrap(model) is not w.step.inner():
+        if unwrap(model) is not w.step.inner():  # (a SplitStep's parts share one model)
             raise RuntimeError(
                 f"the log-prob hook ran with grad enabled on {type(unwrap(model)).__name__}, not the policy model the "
                 "micro-step's step was planned on; TRL computes only the policy's log-probs with grad. Set "
                 "sharedprefix_step=False to run each microbatch on its own."
             )
         check_rows(w, k, input_ids, attention_mask, logits_to_keep)
-        first = not w.step.recorded  # this call records the step's shared segments
+        part, kk = w.step.part_of(k)
+        first = not part.recorded  # this call records the step's (or its part's) shared segments
+        # one process without checkpointing: the graph kept (TRL backpropagates with loss.backward()), no second
+        # forward; else deferred (DDP synchronises, checkpointing recomputes inside sharedprefix's backward)
+        inner = unwrap(model)
+        graph = part.keeps_graph(kk) and not detect(model, inner).must_defer and not uses_checkpointing(inner)
         with self.accelerator.autocast():  # as TRL's own forward
             out = sp.logprobs(
                 model,
@@ -316,6 +323,7 @@ class SharedPrefixHooks:
                 temperature=self.temperature,
                 entropy=compute_entropy,
                 grad_reduction="mean",
+                **({"defer": False} if graph else {}),
             )  # TRL's losses are per-rank means, averaged as DDP does
         log_call(self, w, k, first)
         B, C = input_ids.shape[0], logits_to_keep

@@ -39,6 +39,10 @@ class SharedPrefixSettings:
             run their policy passes as one ``sp.plan_step`` step (``integrations.trl_step``): each prompt computed
             once per optimizer step, TRL's microbatches kept, the same parameters. False: each microbatch's policy
             pass on its own (each prompt once per microbatch it has rows in).
+        sharedprefix_step_cached_tokens: the most tokens of shared prompts one step holds between its micro-steps
+            (``sp.plan_step``'s ``max_cached_tokens``). None (default): no bound. A step that would hold more runs as
+            consecutive parts within the bound (each part computes its shared prompts once), which the logged
+            ``sharedprefix/step_tokens_computed`` shows; never an error.
     """
 
     sharedprefix_max_tokens: int | None = field(
@@ -55,6 +59,10 @@ class SharedPrefixSettings:
     sharedprefix_step: bool = field(
         default=True,
         metadata={"help": "run an optimizer step's microbatches as one sharedprefix step (each prompt once per step)"},
+    )
+    sharedprefix_step_cached_tokens: int | None = field(
+        default=None,
+        metadata={"help": "the most tokens of shared prompts one sharedprefix step holds (None: no bound)"},
     )
 
 
@@ -82,7 +90,13 @@ def checked_settings(trainer) -> tuple[int | None, str]:
             f"sharedprefix_group_microbatches={grouped!r}; expected True (whole groups per microbatch) or False "
             "(TRL's own microbatches, the default)."
         )
-    step = getattr(a, "sharedprefix_step", True)
+    cap = setting(a, "sharedprefix_step_cached_tokens")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+        raise ValueError(
+            f"sharedprefix_step_cached_tokens={cap!r}; expected None (no bound) or a number of tokens >= 0: the most "
+            "tokens of shared prompts one step holds between its micro-steps."
+        )
+    step = setting(a, "sharedprefix_step")
     if not isinstance(step, bool):
         raise ValueError(
             f"sharedprefix_step={step!r}; expected True (an optimizer step's microbatches as one sharedprefix step, "

@@ -54,16 +54,17 @@ def window_of(t: int, update_start: int, update_size: int, steps_per_generation:
 
 @dataclass
 class Window:
-    """One window's step: ``micro_steps`` (TRL's ``_step`` values), ``step`` (``sp.Step``, one microbatch per
-    micro-step), per microbatch its hook ``inputs`` (input_ids (B, L), attention_mask (B, L), logits_to_keep) and its
-    ``rows`` (``TreeRows``, for ``to_rows``); token counts from the plan: ``shared`` (the shared segments, computed
-    once), ``own[k]`` (microbatch k's own passes), ``plain[k]`` (a plain per-row forward of its rows)."""
+    """One window's step: ``micro_steps`` (TRL's ``_step`` values), ``step`` (``sp.Step``, or an ``sp.SplitStep``
+    under ``sharedprefix_step_cached_tokens``; one microbatch per micro-step), per microbatch its hook ``inputs``
+    (input_ids (B, L), attention_mask (B, L), logits_to_keep) and its ``rows`` (``TreeRows``, for ``to_rows``); token
+    counts from the plan: ``shared[k]`` (the shared segments of microbatch k's step or part, computed once by its first
+    call), ``own[k]`` (microbatch k's own passes), ``plain[k]`` (a plain per-row forward of its rows)."""
 
     micro_steps: range
     step: sp.Step
     inputs: list[tuple[torch.Tensor, torch.Tensor, int]]
     rows: list[TreeRows]
-    shared: int
+    shared: list[int]
     own: list[int]
     plain: list[int]
 
@@ -129,13 +130,20 @@ def plan_window(trainer, model, micro_steps: range) -> Window | None:
         inputs.append((input_ids, attention_mask, logits_to_keep))
         rows.append(tree_rows(input_ids, attention_mask, logits_to_keep))
     step = sp.plan_step(
-        model, [r.tree for r in rows], max_tokens=trainer._sp_budget, prefix_activations=trainer._sp_mode
+        model,
+        [r.tree for r in rows],
+        max_tokens=trainer._sp_budget,
+        prefix_activations=trainer._sp_mode,
+        max_cached_tokens=getattr(trainer.args, "sharedprefix_step_cached_tokens", None),
     )
-    splan = step.splan
-    tree = splan.tree
-    shared = sum(tree.segments[s].length for s in splan.shared)
-    own = [sum(sum(tree.segments[s].length for s in p.segments) for p in _passes(mb)) for mb in splan.microbatches]
-    plain = [sum(tree.segments[tree.rows[r].end].end for r in view.rows) for view in splan.views]
+    shared, own, plain = [], [], []
+    for k in range(len(micro_steps)):
+        part, kk = step.part_of(k)  # a step bounded by sharedprefix_step_cached_tokens may run in parts
+        splan, tree = part.splan, part.splan.tree
+        shared.append(splan.shared_tokens)
+        own.append(sum(sum(tree.segments[s].length for s in p.segments) for p in _passes(splan.microbatches[kk])))
+        view = splan.views[kk]
+        plain.append(sum(tree.segments[tree.rows[r].end].end for r in view.rows))
     return Window(micro_steps, step, inputs, rows, shared, own, plain)
 
 
@@ -167,12 +175,13 @@ def check_rows(window: Window, k: int, input_ids, attention_mask, logits_to_keep
 def log_call(trainer, window: Window, k: int, first: bool) -> None:
     """Microbatch ``k``'s policy call into TRL's metrics, as ``log_plan`` logs a call (the shared segments' tokens on
     the window's first call), and into the optimizer step's token counts."""
-    computed = window.own[k] + (window.shared if first else 0)
+    computed = window.own[k] + (window.shared[k] if first else 0)
     metrics = trainer._metrics["train"]
     metrics["sharedprefix/tokens_computed"].append(float(computed))
     metrics["sharedprefix/tokens_plain"].append(float(window.plain[k]))
+    part, kk = window.step.part_of(k)
     metrics["sharedprefix/passes"].append(
-        float(len(_passes(window.step.splan.microbatches[k])) + first * bool(window.step.splan.shared))
+        float(len(_passes(part.splan.microbatches[kk])) + first * bool(part.splan.shared))
     )
     metrics["sharedprefix/prefix_mode"].append(float(PREFIX_MODES.index(trainer._sp_mode)))
     add_tokens(trainer, computed, window.plain[k])

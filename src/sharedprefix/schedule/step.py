@@ -136,6 +136,10 @@ class Step:
     def __len__(self) -> int:
         return len(self.views)
 
+    def part_of(self, k: int) -> tuple[Step, int]:
+        """The ``Step`` that runs microbatch ``k`` and its index there (a ``SplitStep``'s part; here: itself)."""
+        return self, k
+
     @property
     def missing(self) -> list[int]:
         """The microbatches whose backward has not run."""
@@ -212,11 +216,15 @@ class Step:
 
     # -- grad-enabled log-probs that keep their graph (defer=False) -----------------------------------------------
 
+    def keeps_graph(self, k: int) -> bool:
+        """Whether microbatch ``k``'s grad-enabled log-probs can keep their graph (``check_graph_path``)."""
+        return not any(getattr(st, "record", ()) for st in self.splan.microbatches[k])
+
     def check_graph_path(self, k: int) -> None:
         """``sp.logprobs(model, step.microbatch(k), defer=False)`` keeps the graph of microbatch k's own passes, read
         from the step's cache: refused where k expands a part larger than the budget inside itself (its cached
         segments would be leaves no backward of the caller reaches)."""
-        if any(getattr(st, "record", ()) for st in self.splan.microbatches[k]):
+        if not self.keeps_graph(k):
             raise ValueError(
                 f"defer=False on microbatch {k + self.offset} of a step whose own rows are larger than "
                 f"max_tokens={self.splan.max_tokens}: their prompt would be cached inside the call, where only a "
@@ -601,8 +609,16 @@ class SplitStep:
     def microbatch(self, k: int) -> Microbatch:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self):
             raise ValueError(f"microbatch {k!r} of a step of {len(self)}; expected an int in [0, {len(self)}).")
+        part, local = self.part_of(k)
+        return part.microbatch(local)
+
+    def part_of(self, k: int) -> tuple[Step, int]:
         first, part = next((f, p) for f, p in reversed(self._at) if f <= k)
-        return part.microbatch(k - first)
+        return part, k - first
+
+    @property
+    def inner(self):
+        return self.parts[0].inner
 
     @property
     def missing(self) -> list[int]:
