@@ -38,3 +38,21 @@ def test_trainer_runs_on_two_processes(tmp_path, trainer):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"done: 4 steps of {trainer} on 2 process(es)" in proc.stdout
+
+
+def test_grpo_steps_under_ddp_equal_the_exact_run(tmp_path):
+    """SharedPrefixGRPOTrainer's default steps under DDP (2 gloo processes, accelerate's accumulation at
+    gradient_accumulation_steps=2, groups split across the micro-steps): float64 parameters after two optimizer steps
+    equal TRL's GRPOTrainer with a plain per-row hook to 1e-9 of the update; every policy call was a step's
+    microbatch, deferred (DDP synchronises inside sharedprefix's backward)."""
+    import torch
+
+    from support.torchrun import torchrun
+
+    out = tmp_path / "trl_step.pt"
+    torchrun(os.path.join(os.path.dirname(__file__), "trl_step_worker.py"), [str(out)], timeout=400)
+    got = torch.load(out, weights_only=False)
+    scale = float(got["exact"].abs().max())
+    assert scale > 1e-3
+    assert float((got["ours"] - got["exact"]).abs().max()) <= 1e-9 * scale
+    assert got["calls"] and set(got["calls"]) == {("Microbatch", None)}, got["calls"]
