@@ -84,7 +84,7 @@ class PassRunner:
         self.router_logits: list | None = [] if setup.record else None  # per pass: (logits, multiplicities, spans)
         self.last: tuple | None = None  # (state, result) of the latest pass whose forward ran (``finish_failed_round``)
 
-    def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | None = None):
+    def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | tuple[int, ...] | None = None):
         """Forward of one row (inside the root module's call under FSDP2).
 
         Returns (state, result, layout): result is ((n, W) log-probs, (n, W) entropies or None) of the
@@ -150,7 +150,9 @@ class PassRunner:
             ):
                 return dec(input_ids=shard(layout.input_ids).to(self.device), use_cache=False, **kw)
 
-    def _hidden(self, out, state: PassState, layout: RowLayout, own: bool, surrogate: int | None) -> torch.Tensor:
+    def _hidden(
+        self, out, state: PassState, layout: RowLayout, own: bool, surrogate: int | tuple[int, ...] | None
+    ) -> torch.Tensor:
         """(L, d) hidden states of the whole row; the router's records and the recorded segments' last states kept."""
         hidden = out.last_hidden_state[0]  # (L, d), or (Ls, d) of this rank's tokens
         if state.sequence is not None:
@@ -190,11 +192,11 @@ class PassRunner:
                 self.cache.write_values(s, lp[a:b], ent[a:b] if ent is not None else None)
         return lp, ent, hidden
 
-    def _result(self, hidden, layout: RowLayout, lp, ent, surrogate: int | None):
+    def _result(self, hidden, layout: RowLayout, lp, ent, surrogate: int | tuple[int, ...] | None):
         """What the pass returns: a segment's surrogate loss, or the reported rows' (n, W) values, or None."""
         if surrogate is not None:
             through = self.par.backward_through_outputs or self.layers is not None
-            sur = self.cache.surrogate(surrogate, through_outputs=through)
+            sur = self._surrogate(surrogate, through)
             if self.aux_term is not None:
                 sur, self.aux_term = ((self.aux_term if sur is None else sur + self.aux_term), None)
             if self.par.backward_through_outputs and not layout.targets.numel() and torch.is_grad_enabled():
@@ -207,6 +209,16 @@ class PassRunner:
             self._gather(layout, lp, 0, dtype, hidden),
             self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None,
         )
+
+    def _surrogate(self, segs, through: bool):
+        """The sum of ``segs``' surrogate losses (``PrefixCache.surrogate``; ``segs``: one segment or a tuple of those
+        one pass recorded), or None where none has any."""
+        total = None
+        for s in segs if isinstance(segs, tuple) else (segs,):
+            sur = self.cache.surrogate(s, through_outputs=through)
+            if sur is not None:
+                total = sur if total is None else total + sur
+        return total
 
     def _gather(self, layout: RowLayout, values, which: int, dtype, anchor) -> torch.Tensor:
         """(M,) values of this pass and the cached values of earlier ones -> (n, W) rows, zero where not reported."""
@@ -250,14 +262,16 @@ class PassRunner:
         for s in segments:
             self.cache.release(s)
 
-    def prefix_backward(self, seg: int, recompute: bool, hooks) -> None:
+    def prefix_backward(self, seg: int | tuple[int, ...], recompute: bool, hooks) -> None:
         """A cached segment's deferred backward: its forward again with grad (``recompute``), or its kept graph
-        (its offloaded activations brought back first by ``hooks``), given the gradients its readers accumulated."""
+        (its offloaded activations brought back first by ``hooks``), given the gradients its readers accumulated.
+        ``seg`` a tuple: segments one pass recorded together, one backward for all (``PrefixBackward.together``)."""
+        segs = seg if isinstance(seg, tuple) else (seg,)
         if recompute:
-            state, sur, _ = self.run_pass(Pass((seg,), record=(seg,)), surrogate=seg)
+            state, sur, _ = self.run_pass(Pass(segs, record=segs), surrogate=segs)
         else:
-            state = self.cache.states[seg]
-            sur = self.cache.surrogate(seg, through_outputs=self.layers is not None)  # compiled: dK, dV at the layers
+            state = self.cache.states[segs[0]]
+            sur = self._surrogate(segs, through=self.layers is not None)  # compiled: dK, dV at the layers
             if hooks is not None:  # start bringing the offloaded activations back before the backward needs them
                 hooks.prefetch()
         if sur is not None:

@@ -37,9 +37,11 @@ class Pass:
 
 @dataclass(frozen=True)
 class PrefixBackward:
-    """Backward of cached segments (runs in reverse order), then release them."""
+    """Backward of cached segments (runs in reverse order), then release them. ``together``: the segments were
+    recorded by one pass, and their backward is one (the sum of their surrogates through that pass's graph)."""
 
     segments: tuple[int, ...]
+    together: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,11 @@ class Plan:
         """(forward-only rounds, forward+backward rounds) this plan runs under FSDP2."""
         n_f = sum(isinstance(s, Pass) and bool(s.record) for s in self.steps)
         n_fb = sum(
-            1 if isinstance(s, Pass) and not s.record else len(s.segments) if isinstance(s, PrefixBackward) else 0
+            1
+            if isinstance(s, Pass) and not s.record
+            else (1 if s.together else len(s.segments))
+            if isinstance(s, PrefixBackward)
+            else 0
             for s in self.steps
         )
         return n_f, n_fb
@@ -208,11 +214,33 @@ class StepPlan:
 
     @property
     def record(self) -> list[Pass]:
-        return [Pass((s,), record=(s,)) for s in self.shared]
+        """The shared segments' recording passes: level by level (a segment after its parent), the segments of one
+        level packed first-fit under the budget, so that K shared prompts take one pass, not K."""
+        depth: dict[int, int] = {}
+        for s in self.shared:  # preorder: a parent before its children
+            p = self.tree.segments[s].parent
+            depth[s] = 0 if p is None else depth[p] + 1
+        out: list[Pass] = []
+        for d in sorted(set(depth.values())):
+            bins: list[list[int]] = []
+            used: list[int] = []
+            for s in (s for s in self.shared if depth[s] == d):
+                n = self.tree.segments[s].length
+                cap = self.max_tokens
+                b = next((i for i, u in enumerate(used) if cap is None or u + n <= cap), None)
+                if b is None:
+                    bins.append([])
+                    used.append(0)
+                    b = len(bins) - 1
+                bins[b].append(s)
+                used[b] += n
+            out += [Pass(tuple(b), record=tuple(b)) for b in bins]
+        return out
 
     @property
     def backward(self) -> list:
-        return [PrefixBackward(self.shared)] if self.shared else []
+        """The shared segments' backward: one per recording pass, the last recorded first."""
+        return [PrefixBackward(p.record, together=True) for p in reversed(self.record)]
 
     def describe(self) -> str:
         """The step's plan, microbatch by microbatch (each as ``Plan.describe`` prints a call)."""

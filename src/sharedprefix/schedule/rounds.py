@@ -181,7 +181,8 @@ def rounds_of(p: Plan) -> list[tuple[Round, object]]:
     out: list[tuple[Round, object]] = []
     for step in p.steps:
         if isinstance(step, PrefixBackward):
-            out += [(Round.PREFIX_BACKWARD, s) for s in reversed(step.segments)] + [(Round.RELEASE, step.segments)]
+            backs = [step.segments] if step.together else list(reversed(step.segments))
+            out += [(Round.PREFIX_BACKWARD, s) for s in backs] + [(Round.RELEASE, step.segments)]
         elif isinstance(step, Dummy):
             out.append((Round.DUMMY_BACKWARD if step.backward else Round.DUMMY_FORWARD, None))
         else:
