@@ -428,8 +428,8 @@ def refuse_engine(model) -> None:
     if why is not None:
         raise ValueError(
             f"sp.plan_step is not available with {why}: a step runs each shared prompt once across several calls, "
-            "which sharedprefix has verified on one process, under DDP and under FSDP2. Run each microbatch as its own call "
-            "(sp.backward(model, rows, ...)): exact, each prompt once per microbatch."
+            "which sharedprefix has verified on one process, under DDP and under FSDP2. Run each microbatch as its own "
+            "call (sp.backward(model, rows, ...)): exact, each prompt once per microbatch."
         )
 
 
