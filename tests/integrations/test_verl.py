@@ -57,6 +57,7 @@ verl_cpu.allow_cpu_offload()  # verl's CPUOffloadPolicy, unpinned (pinning needs
 pytestmark = pytest.mark.slow  # verl's engine, one and two processes (its own environment: scripts/dev test-verl)
 # 3 prompts (a 4-token system prompt shared by all) x 4 completions of 1 to 8 tokens
 SPEC = Spec(prompts=[14, 20, 9], responses=[[5, 8, 3, 6], [7, 2, 8, 4], [6, 6, 1, 8]])
+SPEC_ROWS = (SPEC.prompts, SPEC.responses)
 ROWS = 12
 TEMPERATURE = 0.7
 AGREE = 1e-5  # ours vs verl, relative to the largest value (float32 rounding is about 1e-6 here)
@@ -113,11 +114,11 @@ def test_infer_batch_matches_verl(engines, path, dynamic):
     plen = td["input_ids"].offsets().diff() - _resp(td).sum(1)
     for row, p in zip(lp.unbind(), plen):
         assert bool((row[: p - 1] == 0).all()) and float(row[-1]) == 0.0
-    # each micro-batch is one group here: its prompt once plus its completions, vs G full rows
-    computed = sorted(ours["metrics"]["sharedprefix/tokens_computed"])
-    plain = sorted(ours["metrics"]["sharedprefix/tokens_plain"])
-    assert computed == sorted(float(p + sum(r)) for p, r in zip(SPEC.prompts, SPEC.responses))
-    assert plain == sorted(float(len(r) * p + sum(r)) for p, r in zip(SPEC.prompts, SPEC.responses))
+    # one call over the mini-batch (its tokens reported in the first micro-batch): every prompt once, the system
+    # prompt the three share once, every response token once; vs G full rows per group in each micro-batch
+    computed = ours["metrics"]["sharedprefix/tokens_computed"]
+    assert sum(computed) == sum(p + sum(r) for p, r in zip(SPEC.prompts, SPEC.responses)) - 2 * SPEC.shared_system
+    assert sum(ours["metrics"]["sharedprefix/tokens_plain"]) == sum(len(r) * p + sum(r) for p, r in zip(*SPEC_ROWS))
 
 
 @pytest.mark.parametrize("loss", list(LOSSES))
@@ -132,11 +133,10 @@ def test_gradients_match_verl(engines, path, dynamic, loss):
     assert m_v["actor/pg_clipfrac"].aggregate() > 0  # clipping is active in this batch
     if LOSSES[loss].get("use_kl_loss"):
         assert m_v["kl_loss"].aggregate() > 0
-    if not dynamic:  # the same micro-batches as verl's: every metric of verl's loss agrees too
-        for key, value in m_v.items():
-            a = value.aggregate() if hasattr(value, "aggregate") else value
-            b = m_s[key].aggregate() if hasattr(m_s[key], "aggregate") else m_s[key]
-            assert b == pytest.approx(a, rel=AGREE, abs=1e-6), key
+    for key, value in m_v.items():  # verl's own micro-batches: every metric of verl's loss agrees too
+        a = value.aggregate() if hasattr(value, "aggregate") else value
+        b = m_s[key].aggregate() if hasattr(m_s[key], "aggregate") else m_s[key]
+        assert b == pytest.approx(a, rel=AGREE, abs=1e-6), key
 
 
 def test_budget_that_splits_groups(process_group, path, monkeypatch):
@@ -151,14 +151,17 @@ def test_budget_that_splits_groups(process_group, path, monkeypatch):
     (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
     _check_grads(g_v, g_s, path, make(), lf)
     assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
-    # the split path evaluates verl's loss once per micro-batch on values computed first, then backpropagates
-    # through sp.backward: one more forward, and the split prompts' recomputation, are counted
-    one_pass = [float(p + sum(r)) for p, r in zip(SPEC.prompts, SPEC.responses)]
-    assert all(c > 2 * o for c, o in zip(sorted(out_s["metrics"]["sharedprefix/tokens_computed"]), sorted(one_pass)))
+    # each micro-batch (one group) is its prompt's pass, recorded without a graph, then its completions in one pass
+    # (21 or 22 tokens), where verl's loss is evaluated, then the prompt's backward, recomputed with grad: with grad,
+    # every token once; without, every prompt once (the system prompt the three share, recorded by the step)
+    unique = sum(p + sum(r) for p, r in zip(*SPEC_ROWS)) - 2 * SPEC.shared_system
+    metrics = out_s["metrics"]
+    assert sum(metrics["sharedprefix/tokens_computed"]) == unique
+    assert sum(metrics["sharedprefix/tokens_no_grad"]) == sum(SPEC.prompts) - 2 * SPEC.shared_system
 
 
-def test_rows_regrouped_by_prompt(engines, path):
-    """Rows of a group scattered over the batch: regrouped for the computation, returned in verl's order."""
+def test_scattered_rows_in_one_micro_batch(engines, path):
+    """Rows of a group scattered over the batch, one micro-batch: computed where verl puts them, in verl's order."""
     ev, es = engines
     order = [5, 0, 11, 2, 7, 1, 9, 4, 3, 10, 6, 8]
     spec = Spec(prompts=SPEC.prompts, responses=SPEC.responses, order=order)
@@ -169,17 +172,6 @@ def test_rows_regrouped_by_prompt(engines, path):
     (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
     assert rel(g_s, g_v) <= AGREE
     assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
-
-
-def test_groups_split_across_micro_batches_are_refused(engines):
-    _, es = engines
-    with pytest.raises(ValueError, match="split across micro-batches.*multiples of rollout.n"):
-        infer(es, rl_batch(SPEC, micro=2))
-    with pytest.raises(ValueError, match="holds 101 tokens as plain rows.*ppo_max_token_len_per_gpu"):
-        infer(es, rl_batch(SPEC, dynamic=True, max_tokens=100))
-    uneven = Spec(prompts=[14, 20], responses=[[5, 8, 3], [7, 2, 8, 4]])
-    with pytest.raises(ValueError, match="split across micro-batches.*same number of rows"):
-        infer(es, rl_batch(uneven, dynamic=True, max_tokens=40))
 
 
 REFUSED_BUILDS = [
@@ -393,7 +385,8 @@ def test_registered_through_verl_external_modules():
 
 
 def test_two_processes_torchrun(tmp_path):
-    """2 gloo processes: each rank holds whole groups (verl's uid-level balancing); same gradients as verl's engine."""
+    """2 gloo processes: each rank holds whole groups (verl's uid-level balancing), in micro-batches of whole groups
+    and of half groups (one step per mini-batch, geo_mean's per-micro-batch means too); same gradients as verl's."""
     result = tmp_path / "result.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     cmd = [
@@ -412,7 +405,7 @@ def test_two_processes_torchrun(tmp_path):
     for case, errs in res.items():
         for what, err in errs.items():
             assert err <= AGREE, (case, what, err)
-    assert set(res) == {"static", "dynamic", "budget"}
+    assert set(res) == {"static", "dynamic", "budget", "split", "split_geo_mean"}
 
 
 @pytest.mark.parametrize("procs, sp_size", [(2, 2), (4, 4), (4, 2)], ids=["2x1dp", "4x1dp", "2x2dp"])
@@ -453,212 +446,3 @@ def test_use_torch_compile_compiles_the_head_and_matches_verl(process_group, pat
     _check_grads(g_v, g_s, path, make(), lf)
     assert flags and all(flags), "the head did not run compiled"
     assert not head._COMPILED["on"]
-
-
-# -- verl's own (natural) micro-batches --------------------------------------------------------------------------------
-# Our engine regroups rows by prompt and, with dynamic batch sizes, sets force_group_size, so its micro-batches hold
-# other rows than verl's engine puts together on its own. The tests above give verl's engine groups in order (static:
-# its micro-batches are ours; dynamic: its own, which mix groups, for three loss settings) or one micro-batch of every
-# row (test_rows_regrouped_by_prompt), which cannot tell the micro-batchings apart. These give it scattered rows and
-# leave its micro-batching alone (force_group_size at verl's default, 1), static and dynamic, for each loss_agg_mode.
-
-SCATTERED = [5, 0, 11, 2, 7, 1, 9, 4, 3, 10, 6, 8]
-AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-# the groups' longest responses differ (8, 7, 6 tokens), so that micro-batches of other rows have other widths
-NATURAL = Spec(prompts=SPEC.prompts, responses=[[5, 8, 3, 6], [7, 2, 3, 4], [6, 2, 1, 5]], order=SCATTERED)
-
-
-def _ppo(loss_agg_mode="token-mean", loss_mode="vanilla", **policy):
-    """verl's ppo_loss with clipping, the k3 KL loss against the reference and the entropy bonus on
-    (``LOSSES["clip_kl_entropy"]``) under ``loss_agg_mode`` and the policy loss ``loss_mode`` (``policy``: its
-    other PolicyLossConfig settings)."""
-    policy_loss = {"loss_mode": loss_mode, **policy}
-    return loss_fn("clip_kl_entropy", ROWS, loss_agg_mode=loss_agg_mode, policy_loss=policy_loss)
-
-
-def _natural(td):
-    """verl's own micro-batches of ``td`` (row indices), as its engine forms them."""
-    from verl.workers.engine.utils import prepare_micro_batches
-
-    mbs, indices = prepare_micro_batches(data=td, dp_group=None, same_micro_num_in_dp=True)
-    if indices is not None:
-        return [list(i) for i in indices]
-    sizes = [len(mb) for mb in mbs]
-    return [list(range(sum(sizes[:k]), sum(sizes[: k + 1]))) for k in range(len(sizes))]
-
-
-@pytest.mark.parametrize("mode", AGG_MODES)
-@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_gradients_match_verls_natural_micro_batches(engines, dynamic, mode):
-    """Rows of each group scattered over the batch; verl's engine micro-batches them its own way (groups split
-    across micro-batches), ours regroups them: every loss_agg_mode, with the KL loss and the entropy bonus, gives
-    verl's gradients and summed losses, since verl normalises each term by global constants (batch_num_tokens,
-    global_batch_size, dp_size, the batch's response width)."""
-    ev, es = engines
-    make, lf = _batch(dynamic, NATURAL), _ppo(mode)
-    group = [SCATTERED[i] // 4 for i in range(ROWS)]  # the group of each row of the batch
-    td = make()
-    natural = _natural(td)
-    assert any(len({group[i] for i in mb}) > 1 for mb in natural)  # verl's micro-batches mix and split groups
-    # seq-mean-token-sum-norm without loss_scale_factor divides by response_mask's width, which verl keeps padded to
-    # the batch's longest response (left_right_2_no_padding) in every micro-batch, its own and ours: 8, although
-    # verl's micro-batches hold rows of other longest responses
-    width = td["response_mask"].shape[1]
-    assert width == 8 and not td["response_mask"].is_nested
-    lengths = [r for group_lengths in NATURAL.responses for r in group_lengths]
-    assert {max(lengths[SCATTERED[i]] for i in mb) for mb in natural} != {width}
-    (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
-    # ours against verl's float32 engine; the float64 yardstick of the micro-batchings is the test below. (On this
-    # batch the 2x rule against a float64 forward misses even with the rows in group order, where both engines form
-    # the same micro-batches: ours 2.0e-6, verl's 9.7e-7, in float32 reductions such as the norms' weight gradients;
-    # on SPEC's batch it holds, test_gradients_match_verl.)
-    assert rel(g_s, g_v) <= AGREE
-    assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
-    m_v, m_s = out_v["metrics"], out_s["metrics"]
-    for key in ("actor/pg_loss", "actor/entropy_loss", "kl_loss"):  # summed over micro-batches: the same
-        assert m_s[key].aggregate() == pytest.approx(m_v[key].aggregate(), rel=AGREE), key
-    # verl's per-micro-batch means (actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower: a masked mean per
-    # micro-batch, averaged over the micro-batches) depend on which rows share one, and differ (docs/verl.md)
-
-
-def _bypass_reinforce_normalised():
-    from verl.trainer.config.algorithm import RolloutCorrectionConfig
-
-    corr = RolloutCorrectionConfig(loss_type="reinforce", rollout_is="token", rollout_is_batch_normalize=True)
-    return _ppo(loss_mode="bypass_mode", rollout_correction=corr)
-
-
-# verl 0.9.1's policy losses whose value depends on the rows of each micro-batch (sharedprefix.integrations.verl_losses)
-MICRO_BATCH_LOSSES = {
-    "geo_mean": lambda: _ppo(loss_mode="geo_mean"),
-    "kl_cov": lambda: _ppo(loss_mode="kl_cov", kl_cov_ratio=0.1),
-    "clip_cov": lambda: _ppo(loss_mode="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-5.0),
-    "bypass_reinforce_normalised": _bypass_reinforce_normalised,
-}
-
-
-REFUSED_LOSSES = [(n, d) for n in MICRO_BATCH_LOSSES for d in (False, True) if d or n != "geo_mean"]
-
-
-@pytest.mark.parametrize(
-    "name, dynamic", REFUSED_LOSSES, ids=[f"{n}-{'dyn' if d else 'static'}" for n, d in REFUSED_LOSSES]
-)
-def test_micro_batch_dependent_losses_refused(engines, name, dynamic):
-    """Where our micro-batches hold other rows than verl's own, a loss that depends on them is refused per batch."""
-    _, es = engines
-    td = _batch(dynamic, NATURAL)()
-    with pytest.raises(
-        ValueError,
-        match=r"policy_loss.loss_mode=.*depends on which rows share a micro-batch.*differ "
-        r"from the ones verl's engine forms.*use_dynamic_bsz=False",
-    ):
-        train(es, td, MICRO_BATCH_LOSSES[name]())
-    # the additive loss of the same batch runs (the other test above checks its values)
-    from sharedprefix.integrations.verl_losses import micro_batch_dependent
-
-    assert micro_batch_dependent(_ppo()) is None
-    assert micro_batch_dependent(_ppo(loss_mode="bypass_mode")) is None  # ppo_clip: the weights are metrics only
-
-
-@pytest.mark.parametrize(
-    "name, spec",
-    [("geo_mean", SPEC), ("kl_cov", SPEC), ("clip_cov", SPEC), ("geo_mean", NATURAL)],
-    ids=["geo_mean", "kl_cov", "clip_cov", "geo_mean-scattered"],
-)
-def test_micro_batch_dependent_losses_with_verls_micro_batches(engines, name, spec):
-    """Static micro-batches of whole groups in verl's order are verl's own micro-batches: accepted, and exact; so
-    are geo_mean's static micro-batches of scattered rows, which weigh every row as verl's (1 / micro-batch size).
-    clip_cov draws its clipped tokens at random: the same seed, the same micro-batches, the same draw."""
-    ev, es = engines
-    make, lf = _batch(False, spec), MICRO_BATCH_LOSSES[name]()
-
-    def seeded(engine, seed=0):
-        torch.manual_seed(seed)
-        return train(engine, make(), lf)
-
-    (out_v, g_v), (out_s, g_s) = seeded(ev), seeded(es)
-    if name == "clip_cov":  # the draw matters: another seed, another gradient
-        assert rel(seeded(ev, 1)[1], g_v) > 1000 * AGREE
-    # (no float64 yardstick: the reference evaluates the loss on all rows at once, which these losses tell apart)
-    assert rel(g_s, g_v) <= AGREE
-    assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
-
-
-def test_budget_with_verls_natural_micro_batches(process_group, path, monkeypatch):
-    """SHAREDPREFIX_MAX_TOKENS (verl's loss evaluated per micro-batch on values computed first, then its gradient
-    through sp.backward) against verl's own dynamic micro-batches of scattered rows."""
-    monkeypatch.setenv(ENV_MAX_TOKENS, "24")
-    es = build(SharedPrefixFSDPEngine, path)
-    monkeypatch.delenv(ENV_MAX_TOKENS)
-    ev = build(FSDPEngineWithLMHead, path)
-    make, lf = _batch(True, NATURAL), _ppo("seq-mean-token-sum-norm")
-    (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
-    assert rel(g_s, g_v) <= AGREE
-    assert sum(out_s["loss"]) == pytest.approx(sum(out_v["loss"]), rel=AGREE)
-
-
-@pytest.mark.parametrize("name", ["geo_mean", "kl_cov"])
-def test_micro_batch_dependent_losses_would_differ(engines, name, monkeypatch):
-    """The refusal's reason, kept true: without it, ours (whole groups per micro-batch) and verl's engine (its own
-    dynamic micro-batches of the scattered rows) give other gradients."""
-    import sharedprefix.integrations.verl as integration
-
-    ev, es = engines
-    make, lf = (
-        _batch(True, NATURAL),
-        MICRO_BATCH_LOSSES[name](),
-    )
-    monkeypatch.setattr(integration, "micro_batch_dependent", lambda f: None)
-    (_, g_v), (_, g_s) = train(ev, make(), lf), train(es, make(), lf)
-    assert rel(g_s, g_v) > 1000 * AGREE  # measured: geo_mean 0.50, kl_cov 0.024
-
-
-def _float64_grads(path, td, loss, parts):
-    """verl's loss of a float64 plain forward of each row, summed over the micro-batches ``parts`` (row lists), as
-    verl's engine evaluates it micro-batch by micro-batch: the gradient, by parameter."""
-    import transformers as tf
-
-    from sharedprefix.tools.reference import dtype_faithful_norms
-
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
-    dtype_faithful_norms(model)
-    lps, ents = [], []
-    for row in td["input_ids"].unbind():
-        logp = torch.log_softmax(model(input_ids=row[None]).logits[0] / TEMPERATURE, -1)  # (len, V)
-        lps.append(logp.gather(1, torch.roll(row, -1)[:, None])[:, 0])
-        ents.append(-(logp.exp() * logp).sum(-1))
-    tu.assign_non_tensor(td, batch_num_tokens=int(td["loss_mask"].sum()), dp_size=1)
-    total = 0.0
-    for part in parts:
-        offsets = torch.tensor([0] + [len(lps[i]) for i in part]).cumsum(0)
-        out = {
-            key: torch.nested.nested_tensor_from_jagged(torch.cat([values[i] for i in part]), offsets)
-            for key, values in (("log_probs", lps), ("entropy", ents))
-        }
-        total = total + loss(model_output=out, data=tu.index_select_tensor_dict(td, part), dp_group=None)[0]
-    names = [n for n, _ in model.named_parameters()]
-    return dict(zip(names, torch.autograd.grad(total, list(model.parameters()))))
-
-
-@pytest.mark.parametrize("loss", AGG_MODES + ["geo_mean", "kl_cov"])
-def test_verl_loss_over_micro_batches_float64(process_group, path, loss):
-    """The question behind the tests above, in float64 without the engines: verl's loss summed over verl's own
-    micro-batches of scattered rows (static and dynamic) equals its sum over whole-group micro-batches (ours) and
-    over one micro-batch of every row, to 1e-12, for every loss_agg_mode (KL loss and entropy bonus on); the
-    micro-batch-dependent policy losses differ by orders of magnitude more (and are refused)."""
-    lf = _ppo(loss) if loss in AGG_MODES else MICRO_BATCH_LOSSES[loss]()
-    group = [SCATTERED[i] // 4 for i in range(ROWS)]
-    parts = {
-        "static": _natural(_batch(False, NATURAL)()),
-        "dynamic": _natural(_batch(True, NATURAL)()),
-        "groups": [[i for i in range(ROWS) if group[i] == g] for g in range(3)],
-        "one": [list(range(ROWS))],
-    }
-    grads = {name: _float64_grads(path, _batch(False, NATURAL)(), lf, p) for name, p in parts.items()}
-    errors = {name: rel(g, grads["groups"]) for name, g in grads.items()}
-    if loss in AGG_MODES:
-        assert max(errors.values()) <= 1e-12, errors
-    else:  # measured (dynamic, one micro-batch, static): geo_mean 0.66, 1.3, 0; kl_cov 0.23, 0.24, 0.16
-        assert min(errors["dynamic"], errors["one"]) > 1e-3, errors
-        # geo_mean's micro-batch means weigh each row by 1 / its micro-batch's size, equal in static micro-batches
-        assert (errors["static"] == 0.0) == (loss == "geo_mean"), errors

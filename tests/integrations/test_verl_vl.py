@@ -172,6 +172,20 @@ def test_vl_same_prompt_tokens_other_images_scattered_dynamic(engines, path):
         assert err <= AGREE, (key, err)
 
 
+def test_vl_rows_regrouped_and_their_refusals(engines, path):
+    """Vision-language rows keep a call per micro-batch, rows regrouped by prompt (no step: ``verl_step`` serves text
+    models), with that path's refusals: static micro-batches that split a group, and a loss that reads each
+    micro-batch's rows (``kl_cov``) where the regrouped micro-batches hold other rows than verl's own."""
+    _, es = engines
+    spec = VLSpec(prompts=[((1, 4, 4), 2, 3), (None, 5, 0), (None, 4, 1)], responses=[[3, 1], [2, 5], [4, 2]])
+    kw = dict(temperature=TEMPERATURE, order=[0, 2, 4, 1, 3, 5])
+    with pytest.raises(ValueError, match="split across micro-batches.*multiples of rollout.n"):
+        infer(es, vl_batch(path, spec, micro=1, **kw))
+    kl_cov = loss_fn("clip_kl_entropy", 6, policy_loss={"loss_mode": "kl_cov", "kl_cov_ratio": 0.1})
+    with pytest.raises(ValueError, match="loss_mode='kl_cov'.*differ from the ones verl's engine forms"):
+        train(es, vl_batch(path, spec, micro=2, **kw), kl_cov)
+
+
 def test_vl_budget_that_splits_groups(path, monkeypatch):
     """SHAREDPREFIX_MAX_TOKENS below a micro-batch's tokens: several passes (an image prompt stays in one)."""
     monkeypatch.setenv("SHAREDPREFIX_MAX_TOKENS", "20")

@@ -1,8 +1,10 @@
-"""One rank of the 2-process verl test (torchrun, gloo): our engine against verl's on this rank's whole groups.
+"""One rank of the 2-process verl test (torchrun, gloo): our engine against verl's on this rank's groups.
 
 Usage: torchrun --standalone --nproc_per_node=2 verl_worker.py WORKDIR RESULT_JSON
 Each rank gets different groups (as verl's uid-level balancing hands them out) of different lengths, so that
-the ranks run different numbers of sharedprefix passes; gradients are FSDP2-averaged across the ranks.
+the ranks run different numbers of sharedprefix passes; gradients are FSDP2-averaged across the ranks. Micro-batches
+of 4 rows hold one group each, of 2 rows half of one: each rank's mini-batch is one step whose prompts are shared by
+two micro-batches.
 Rank 0 writes {case: {what: relative error}} (ours vs verl) to RESULT_JSON.
 """
 
@@ -26,9 +28,19 @@ def main(workdir: str, result: str) -> None:
     )
     rows = 8 * size  # the global mini-batch
     out = {}
-    for case, engine, dynamic in (("static", es, False), ("dynamic", es, True), ("budget", budget, False)):
-        make = lambda dynamic=dynamic: rl_batch(spec, temperature=0.7, dynamic=dynamic, micro=4, max_tokens=128)  # noqa: E731
-        out[case] = case_errors(ev, engine, make, loss_fn("clip_kl_entropy", rows))
+    geo_mean = {"policy_loss": {"loss_mode": "geo_mean"}}
+    cases = (
+        ("static", es, False, 4, {}),
+        ("dynamic", es, True, 4, {}),
+        ("budget", budget, False, 4, {}),
+        ("split", es, False, 2, {}),  # micro-batches of 2 rows: each group's rows in two of them, one step
+        ("split_geo_mean", budget, False, 2, geo_mean),  # a loss that reads each micro-batch's rows, under a budget
+    )
+    for case, engine, dynamic, micro, loss in cases:
+        make = lambda dynamic=dynamic, micro=micro: rl_batch(  # noqa: E731
+            spec, temperature=0.7, dynamic=dynamic, micro=micro, max_tokens=128
+        )
+        out[case] = case_errors(ev, engine, make, loss_fn("clip_kl_entropy", rows, **loss))
     finish_worker(result, out)
 
 

@@ -1,4 +1,4 @@
-"""sharedprefix inside verl (0.9.1): an FSDP2 engine whose micro-batches compute each prompt once.
+"""sharedprefix inside verl (0.9.1): an FSDP2 engine that computes each prompt once per mini-batch.
 
 Importing this module (``VERL_USE_EXTERNAL_MODULES=sharedprefix.integrations.verl``, read by every
 verl process when it imports ``verl``; verl's ``actor_rollout_ref.model.external_lib`` imports it
@@ -14,25 +14,33 @@ Per call (one mini-batch of one data-parallel rank):
 
 1. verl's global normalisers, as verl computes them: ``batch_num_tokens`` (all-reduced) and
    ``dp_size``; ``loss_function`` (e.g. ``ppo_loss``) is verl's, unchanged.
-2. Rows are regrouped by prompt (rows with the same prompt made contiguous, stable; the identity
-   when verl's uid-level balancing already delivers whole groups), and with dynamic batch sizes
-   verl's ``force_group_size`` is set to the group size, so that verl's own micro-batching
-   (``prepare_micro_batches``) keeps each group inside one micro-batch. A group that still ends up
-   in two micro-batches raises (naming the setting to change): it would be exact but compute its
-   prompt twice.
-3. Each micro-batch becomes a ``sharedprefix.Tree`` of its rows (a token trie: every shared
-   prefix once, across groups too), response tokens trained. Forward-only calls (old-policy and
-   reference log-probs, entropy) run ``sp.logprobs``. Training runs ``sp.backward`` with verl's
-   loss: if the micro-batch is one pass (no ``SHAREDPREFIX_MAX_TOKENS``, or it fits), verl's
-   ``loss_function`` is called once on the micro-batch's log-probs inside that pass; if the budget
-   needs several passes, the values are computed first without a graph, verl's loss is evaluated
-   and differentiated with respect to them, and ``sp.backward`` runs the linear loss
-   ``sum(dL/dlogp * logp + dL/dH * H)`` under the budget (exact by the chain rule, for every
-   ``loss_agg_mode`` and policy loss; one extra forward). Gradients are averaged over ranks as
-   FSDP2 does (``grad_reduction="mean"``), and synchronised in the same micro-batches as verl.
+2. verl's own micro-batches (``prepare_micro_batches``, exactly as verl's engine calls it: static
+   ``micro_batch_size_per_gpu`` of any size, below rollout.n too, or dynamic token-budget micro-batches; no
+   regrouping, ``force_group_size`` left alone), so that every loss of verl's (``geo_mean``, ``kl_cov``,
+   ``clip_cov`` and bypass mode's batch-normalised importance weights too, which read the rows of each micro-batch)
+   and every per-micro-batch metric is verl's.
+3. Each micro-batch becomes a ``sharedprefix.Tree`` of its rows (a token trie: every shared prefix once, across
+   groups too), response tokens trained; ``verl_step`` runs them. Training plans all micro-batches of the call as one
+   ``sp.plan_step`` step, so that each prompt is computed once per mini-batch however its rows are spread over the
+   micro-batches, and runs micro-batch k's backward as ``sp.backward(model, step.microbatch(k), loss_fn)`` with
+   verl's loss: called once on the micro-batch's log-probs inside its pass, or, where ``SHAREDPREFIX_MAX_TOKENS``
+   splits a micro-batch into several passes, evaluated on values computed first (one no-grad call over the
+   mini-batch) and differentiated with respect to them, ``sp.backward`` then running the linear loss
+   ``sum(dL/dlogp * logp + dL/dH * H)`` (exact by the chain rule). Gradients are averaged over ranks as FSDP2 does
+   (``grad_reduction="mean"``) and reduced in the same micro-batches as verl. Forward-only calls (old-policy and
+   reference log-probs, entropy) run one no-grad ``sp.logprobs`` over the mini-batch under a budget of verl's
+   largest micro-batch, cut back into verl's micro-batches. A call that raises releases its step.
 4. Outputs are verl's: ``log_probs`` / ``entropy`` as jagged tensors shifted by one (see
    ``verl_layout``), zero at the prompt positions (verl computes those too, but no loss reads
-   them); the metrics gain ``sharedprefix/tokens_computed`` and ``sharedprefix/tokens_plain``.
+   them); the metrics gain ``sharedprefix/tokens_computed`` (with grad, when training),
+   ``sharedprefix/tokens_no_grad`` and ``sharedprefix/tokens_plain`` (``verl_step``).
+
+Ulysses and vision-language models keep a call per micro-batch (the core refuses a step with a sequence group; the
+VL path builds groups with ``prompt_inputs`` per micro-batch): rows are regrouped by prompt (stable), with dynamic
+batch sizes verl's ``force_group_size`` is set to the group size, a group split across micro-batches is refused
+(naming the setting to change), and so is a loss of verl's that depends on the micro-batches where ours differ from
+verl's (``verl_losses``); each micro-batch runs ``sp.logprobs`` / ``sp.backward`` on its own (the values-first path
+under a budget, as above).
 
 Ulysses (``ulysses_sequence_parallel_size > 1``): verl hands every rank of a sequence group the same
 micro-batches; the engine passes verl's own Ulysses group as the core's ``sequence_group``
@@ -58,8 +66,8 @@ parameters FSDP2 keeps in host memory (``CPUOffloadPolicy``: a forward-only engi
 which verl always offloads, and ``offload_policy=True``) compute where verl computes them.
 
 Setting: ``SHAREDPREFIX_MAX_TOKENS`` (environment, read when the engine is built): tokens one
-sharedprefix pass may hold; unset = one pass per micro-batch (whose computed tokens are at most
-the plain count verl bounds).
+sharedprefix pass may hold; unset = one pass per micro-batch's own rows (whose computed tokens are at most the plain
+count verl bounds), plus the step's shared prompts, recorded one segment at a time.
 
 Notation: B = rows of a micro-batch, L = longest row, total = its tokens.
 """
@@ -67,7 +75,7 @@ Notation: B = rows of a micro-batch, L = longest row, total = its tokens.
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import ExitStack
 
 import torch
 import torch.distributed as dist
@@ -82,6 +90,7 @@ from verl.workers.engine.utils import detach_tree, postprocess_batch_func, prepa
 
 import sharedprefix as sp
 from sharedprefix import settings
+from sharedprefix.integrations import verl_step
 from sharedprefix.integrations.verl_layout import (
     check_positions,
     group_keys,
@@ -281,7 +290,41 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
         batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
         dist.all_reduce(batch_num_tokens, op=dist.ReduceOp.SUM, group=group)
         tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
+        if self.sp_vl or self.use_ulysses_sp:  # no step there (the core refuses one with a sequence group)
+            return self._regrouped_batch(data, group, loss_function, forward_only)
+        return self._step_batch(data, group, loss_function, forward_only)
 
+    # the mini-batch as one step over verl's own micro-batches (verl_step) -----------------------------------------
+
+    def _step_batch(self, data, group, loss_function, forward_only):
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=group, same_micro_num_in_dp=True)
+        temperature = _temperature(data)
+        entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
+        mbs = verl_step.micro_batches_of(micro_batches, get_device_id())
+        defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
+        syncs = [k == len(mbs) - 1 or not defer_sync for k in range(len(mbs))]
+        kw = dict(temperature=temperature)
+        with self._sp_context():
+            if forward_only:
+                outputs = verl_step.forward_only(self, mbs, loss_function, entropy, kw)
+            else:
+                outputs = verl_step.train(self, mbs, loss_function, entropy, syncs, kw)
+        return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+    def _sp_context(self):
+        """Around sharedprefix's calls: verl's autocast, the model's own class functions (verl's VL patches undone),
+        and the head compiled as verl compiles its entropy (``use_torch_compile``)."""
+        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        stack = ExitStack()
+        if dtype != torch.float32:
+            stack.enter_context(torch.autocast(device_type=get_device_name(), dtype=dtype))
+        stack.enter_context(own_forward())
+        stack.enter_context(compiled_head(bool(getattr(self.engine_config, "use_torch_compile", False))))
+        return stack
+
+    # Ulysses and vision-language rows: each micro-batch its own call, rows regrouped by prompt --------------------
+
+    def _regrouped_batch(self, data, group, loss_function, forward_only):
         resp = response_lengths(data["responses"], data.get("attention_mask", None))
         keys = group_keys(data["input_ids"], data["input_ids"].offsets().diff().cpu() - resp)
         if self.sp_vl:  # images belong to the prompt: a group is its prompt tokens and its inputs
@@ -349,13 +392,8 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
                 out["entropy"] = torch.nested.nested_tensor_from_jagged(to_verl(align(ent), rows.lengths), offsets)
             return out
 
-        dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
-        autocast = (
-            nullcontext() if dtype == torch.float32 else torch.autocast(device_type=get_device_name(), dtype=dtype)
-        )
         kw = dict(temperature=temperature, max_tokens=self.sp_max_tokens, sequence_group=self._sequence_group())
-        compile_head = compiled_head(bool(getattr(self.engine_config, "use_torch_compile", False)))  # as verl's entropy
-        with autocast, own_forward(), compile_head:  # the model's own class functions (verl's patches undone)
+        with self._sp_context():
             if forward_only:
                 with torch.no_grad():
                     res = sp.logprobs(self.module, source, entropy=entropy, **kw)

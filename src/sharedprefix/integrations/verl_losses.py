@@ -1,13 +1,16 @@
 """Which of verl's losses depend on the rows that share a micro-batch: pure functions, no verl import.
 
-sharedprefix's verl engine regroups each rank's rows by prompt and, with dynamic batch sizes, sets verl's
-``force_group_size`` so that every group lands in one micro-batch; its micro-batches therefore hold other rows than
-the ones verl's engine forms on its own. That changes nothing for a loss that is a sum over rows with global
-normalisers. verl 0.9.1's ``ppo_loss`` (``verl/workers/utils/losses.py:57``) is one: its policy, entropy and KL terms
-go through ``agg_loss`` (``verl/trainer/ppo/core_algos.py:1140``) with the mini-batch's ``batch_num_tokens``
-(token-mean), ``global_batch_size`` (the seq-mean modes), ``dp_size`` and, for seq-mean-token-sum-norm without
-``loss_scale_factor``, the padded width of ``response_mask`` (the mini-batch's longest response: verl keeps that mask
-padded, ``verl/workers/utils/padding.py:23``, and the engine's row selection keeps its width).
+sharedprefix's verl engine computes verl's own micro-batches (one ``sp.plan_step`` step per mini-batch,
+``verl_step``), where every loss reads the rows verl's does; this module serves its two paths that keep a call per
+micro-batch, Ulysses and vision-language rows. There the engine regroups each rank's rows by prompt and, with dynamic
+batch sizes, sets verl's ``force_group_size`` so that every group lands in one micro-batch; its micro-batches
+therefore hold other rows than the ones verl's engine forms on its own. That changes nothing for a loss that is a sum
+over rows with global normalisers. verl 0.9.1's ``ppo_loss`` (``verl/workers/utils/losses.py:57``) is one: its
+policy, entropy and KL terms go through ``agg_loss`` (``verl/trainer/ppo/core_algos.py:1140``) with the mini-batch's
+``batch_num_tokens`` (token-mean), ``global_batch_size`` (the seq-mean modes), ``dp_size`` and, for
+seq-mean-token-sum-norm without ``loss_scale_factor``, the padded width of ``response_mask`` (the mini-batch's longest
+response: verl keeps that mask padded, ``verl/workers/utils/padding.py:23``, and the engine's row selection keeps its
+width).
 
 Four policy losses of verl 0.9.1 are not sums over rows (``core_algos.py``):
 
@@ -23,7 +26,8 @@ Four policy losses of verl 0.9.1 are not sums over rows (``core_algos.py``):
   (``verl/trainer/ppo/rollout_corr_helper.py:628``). (With ``loss_type='ppo_clip'`` the weights are computed for
   metrics only.)
 
-For these the engine compares its micro-batches with verl's own and raises where they differ (``verl.py``), as far
+For these the engine's regrouping paths compare their micro-batches with verl's own and raise where they differ
+(``verl.py``), as far
 as the loss can tell them apart (``signature``): geo_mean only by the size of each row's micro-batch (a sum of means
 of equally large micro-batches weighs every row alike, so static micro-batches of whole groups give verl's gradient),
 kl_cov and the normalised importance weights by which rows share one, clip_cov by the rows and their order (its
