@@ -38,14 +38,15 @@ from sharedprefix.model import router
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.forward_mode import in_forward_autocast
 from sharedprefix.parallel.detect import detect, sync_enabled
-from sharedprefix.schedule import call, rounds
+from sharedprefix.schedule import call, rounds, step_calls
 from sharedprefix.schedule.cache_path import calls as cache_path
 from sharedprefix.schedule.call_plan import CallPlan
 from sharedprefix.schedule.deferred import defer_logprobs
-from sharedprefix.schedule.options import CallOptions, Default, default, passed
+from sharedprefix.schedule.options import CallOptions, default
 from sharedprefix.schedule.path import Path
 from sharedprefix.schedule.results import PREFIX_MODES, REDUCTIONS, BackwardResult, Batch, LogProbs
-from sharedprefix.schedule.step import Microbatch, SplitStep, Step, make_step
+from sharedprefix.schedule.step import Microbatch, Step
+from sharedprefix.schedule.step_make import SplitStep, make_step
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -179,7 +180,7 @@ def logprobs(
     given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, aux_loss=aux_loss)
     given["sequence_group"] = sequence_group
     if isinstance(groups, Microbatch):
-        return _step_logprobs(model, groups, given)
+        return step_calls.logprobs(model, groups, given, _call_checks(), logprobs)
     with in_forward_autocast(model):  # accelerate's mixed precision wraps the forward, not the decoder we run
         opts, path, cp, error = call.prepare(model, groups, False, given, _call_checks())
         if path is Path.HYBRID:
@@ -257,16 +258,7 @@ def backward(
     given.update(prefix_activations=prefix_activations, grad_reduction=grad_reduction, offload_device=offload_device)
     given["sequence_group"] = sequence_group
     if isinstance(groups, Microbatch):
-        if coef:
-            raise ValueError(f"aux_loss_coef={aux_loss_coef!r} with a step's microbatch; {_STEP_AUX}")
-        mb = groups
-        with in_forward_autocast(model):
-            planned = mb.step.begin(model, mb.k, backward=True)
-            opts, _, cp, error = call.prepare(model, planned, True, given, _call_checks())
-            opts = _step_options(mb, opts.replace(sync=opts.sync and sync_enabled(model)), given)
-            return mb.step.run(
-                model, planned.step, True, lambda: rounds.backward(model, cp, opts, loss_fn, error=error)
-            )
+        return step_calls.backward(model, groups, loss_fn, given, _call_checks(), coef)
     with in_forward_autocast(model):  # accelerate's mixed precision wraps the forward, not the decoder we run
         opts, path, cp, error = call.prepare(model, groups, True, given, _call_checks(), coef)
         opts = opts.replace(sync=opts.sync and sync_enabled(model))  # inside DDP's no_sync(): accumulate, as DDP does
@@ -289,67 +281,6 @@ def _deferred_backward(model, cp: CallPlan, loss_fn, options: CallOptions, aux_g
     ``.grad`` untouched (``schedule.grads``; under DDP ``.grad`` is written and the dict is empty)."""
     aux = None if aux_grads is None else (aux_grads, None)
     return rounds.backward(model, cp, options, loss_fn, aux=aux, collect=collect)
-
-
-# -- a step's microbatches ------------------------------------------------------------------------------------------
-
-_STEP_AUX = (
-    "a step (sp.plan_step) does not carry the MoE load-balancing loss, which is each microbatch's own. Run each "
-    "microbatch as its own call (sp.backward(model, rows, ..., aux_loss_coef=...))."
-)
-
-
-def _step_options(mb: Microbatch, opts: CallOptions, given: dict) -> CallOptions:
-    """A step's call runs under the step's prefix mode (what its cache holds between calls); ``given``: the call's
-    keywords (a ``prefix_activations`` it passed must be the step's)."""
-    if "prefix_activations" not in passed(given):
-        return opts.replace(prefix_activations=mb.step.mode)
-    if opts.prefix_activations != mb.step.mode:
-        raise ValueError(
-            f"prefix_activations={opts.prefix_activations!r} in a call of a step planned with "
-            f"prefix_activations={mb.step.mode!r}: the step's shared prompts are held in one mode across its calls. "
-            "Leave prefix_activations out of the call, or pass it to sp.plan_step."
-        )
-    return opts
-
-
-def _step_logprobs(model, mb: Microbatch, given: dict) -> LogProbs:
-    """``sp.logprobs`` of a step's microbatch. With grad: deferred (its forward reads the step's cache, recording the
-    shared segments at the step's first call; its backward is the microbatch's ``sp.backward``), or with
-    ``defer=False`` the graph of its own passes kept (one process without checkpointing: no second forward), the
-    shared segments' backward queued at the end of the caller's backward through the step's last microbatch
-    (``Step.graph_outputs``). Without grad: a call on the microbatch's own rows, outside the step."""
-    if not torch.is_grad_enabled():  # the keywords left out are the step's (sp.plan_step's), as on a CallPlan
-        made = dict(mb.step.cp.given, max_tokens=mb.step.cp.options.max_tokens)
-        kw = {k: made.get(k, v) if isinstance(v, Default) else v for k, v in given.items()}
-        return logprobs(model, mb.step.sources[mb.k], **kw)
-    own = passed(given)  # the keywords the call passed
-    if own.get("aux_loss"):
-        raise ValueError(f"aux_loss=True with a step's microbatch; {_STEP_AUX}")
-    if own.get("defer") is False:
-        mb.step.check_graph_path(mb.k)
-    with in_forward_autocast(model):
-        planned = mb.step.begin(model, mb.k, backward=False)
-        opts, _, cp, error = call.prepare(model, planned, False, given, _call_checks())
-        opts = _step_options(mb, opts.replace(aux_loss=False), given)
-        if own.get("defer") is False:  # the graph kept (one process, no checkpointing: ``call.prepare`` refused those)
-            out = mb.step.run(
-                model, planned.step, False, lambda: rounds.forward(model, cp, opts, aux=False, error=error)[0]
-            )
-            return mb.step.graph_outputs(model, mb.k, out)
-        with torch.no_grad():
-            out = mb.step.run(
-                model, planned.step, False, lambda: rounds.forward(model, cp, opts, aux=False, error=error)[0]
-            )
-        return defer_logprobs(_step_deferred_backward, model, mb, out, opts, None, engine=detect(model, unwrap(model)))
-
-
-def _step_deferred_backward(model, mb: Microbatch, loss_fn, options: CallOptions, aux_grads=None, collect=False):
-    """The backward of a step's deferred log-probs: the microbatch's ``sp.backward`` (``_deferred_backward``'s
-    contract), synchronising only outside DDP's ``no_sync()``, as DDP's own backward would."""
-    cp = mb.step.begin(model, mb.k, backward=True)
-    opts = options.replace(sync=options.sync and sync_enabled(model))
-    return mb.step.run(model, cp.step, True, lambda: rounds.backward(model, cp, opts, loss_fn, collect=collect))
 
 
 # -- validation and the deferral decision --------------------------------------------------------------------------

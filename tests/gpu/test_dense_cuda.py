@@ -15,7 +15,7 @@ from sharedprefix.attention.kernels.dense import (
     disagreement,
 )
 from sharedprefix.model.head import keep_logits, token_logprobs
-from sharedprefix.schedule.cache import OffloadHooks
+from sharedprefix.schedule.offload import OffloadHooks
 from support.bf16 import MODELS, backward_logprobs, bf16_rule
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

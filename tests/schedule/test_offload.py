@@ -3,7 +3,7 @@ streams): tensors come back newest first, the backward's order, with at most ``a
 
 import torch
 
-from sharedprefix.schedule.cache import OffloadHooks
+from sharedprefix.schedule.offload import OffloadHooks
 
 
 def _graph(x):

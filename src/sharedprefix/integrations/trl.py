@@ -79,6 +79,7 @@ from sharedprefix.model.forward_mode import uses_checkpointing
 from sharedprefix.model.mixers import on_cache_path
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.detect import detect
+from sharedprefix.schedule.step_graph import keeps_graph
 
 __all__ = [
     "SharedPrefixGRPOConfig",
@@ -315,7 +316,7 @@ class SharedPrefixHooks:
         # one process without checkpointing: the graph kept (TRL backpropagates with loss.backward()), no second
         # forward; else deferred (DDP synchronises, checkpointing recomputes inside sharedprefix's backward)
         inner = unwrap(model)
-        graph = part.keeps_graph(kk) and not detect(model, inner).must_defer and not uses_checkpointing(inner)
+        graph = keeps_graph(part, kk) and not detect(model, inner).must_defer and not uses_checkpointing(inner)
         with self.accelerator.autocast():  # as TRL's own forward
             out = sp.logprobs(
                 model,

@@ -36,7 +36,7 @@ from sharedprefix.integrations.trl_batch import MULTIMODAL, TreeRows, tree_rows
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.forward_mode import uses_reentrant_checkpointing
 from sharedprefix.schedule.results import PREFIX_MODES
-from sharedprefix.schedule.step import refuse_engine
+from sharedprefix.schedule.step_make import refuse_engine
 
 logger = logging.getLogger(__name__)
 

@@ -56,6 +56,7 @@ class Engine(abc.ABC):
     tensor parallelism splits the world)."""
 
     name: ClassVar[str]  # the engine in messages ("DDP")
+    step_refusal: ClassVar[str | None] = None  # why ``sp.plan_step``'s steps cannot run on it, in words (None: can)
 
     def __init__(self, root: Any, world_size: int = 1, tensor: int = 1, data_size: int = 1):
         self.root, self.world_size, self.tensor, self.data_size = root, world_size, tensor, data_size
@@ -181,11 +182,6 @@ class Engine(abc.ABC):
     def sequence_size(self) -> int:
         return dist.get_world_size(self.sequence) if self.sequence is not None else 1
 
-    def step_refusal(self) -> str | None:
-        """Why ``sp.plan_step``'s steps (one prompt cache across several calls) cannot run on this engine, in words;
-        None where they can (one process, DDP)."""
-        return None
-
     def layout(self) -> str:
         """The engine's kind and sizes, for a plan's fingerprint (``schedule.call_plan.Fingerprint``)."""
         return f"{type(self).__name__}(world={self.world_size}, tensor={self.tensor}, data={self.data_size})"
@@ -241,8 +237,7 @@ class Engine(abc.ABC):
         return False
 
     def check_rounds(self) -> None:
-        """After the call's rounds, inside its gradient transaction: refuse what the rounds revealed (a raise here
-        rolls ``.grad`` back and, where the engine reduces at the end, is agreed on over the ranks); nothing here."""
+        """After the rounds, inside the gradient transaction: refuse what they revealed (``.grad`` rolled back)."""
         return None
 
     def sum_sequence_shares(self, model: torch.nn.Module) -> None:

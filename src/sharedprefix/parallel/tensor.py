@@ -174,3 +174,13 @@ def refuse_with_sequence_group(tp: int) -> None:
         "been verified exact on. Use one of the two: tensor parallelism within a node, or sequence_group= on a model "
         "that is not tensor-parallel (with FSDP2 or DDP over the ranks)."
     )
+
+
+def step_refusal(engine) -> str | None:
+    """Why ``sp.plan_step``'s steps cannot run under ``engine``'s tensor parallelism, or None: its gradient all-reduce
+    is a post-accumulate-grad hook, which a step would run once per microbatch on another gradient."""
+    return (
+        f"tensor parallelism (tp_size={engine.tensor}), whose gradient all-reduce is a hook"
+        if engine.tensor > 1
+        else None
+    )

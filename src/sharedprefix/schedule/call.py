@@ -28,7 +28,7 @@ from sharedprefix.schedule.call_plan import PLAN_FIELDS, CallPlan, RowCache, fin
 from sharedprefix.schedule.options import CallOptions, Default, passed
 from sharedprefix.schedule.path import Path, choose_backward_path, choose_logprobs_path
 from sharedprefix.schedule.planner import plan_checked
-from sharedprefix.schedule.step import check_other_step
+from sharedprefix.schedule.step_rules import check_other_step
 
 
 def prepare(

@@ -10,6 +10,7 @@ Notation: L = row length, M = computed tokens of a pass, n = rows a pass reports
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -33,7 +34,7 @@ from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.call_plan import RowCache
 from sharedprefix.schedule.compiled import removed
 from sharedprefix.schedule.options import CallOptions
-from sharedprefix.schedule.planner import Pass, Plan
+from sharedprefix.schedule.planner import Pass, Plan, Segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,7 @@ class PassRunner:
         self.router_logits: list | None = [] if setup.record else None  # per pass: (logits, multiplicities, spans)
         self.last: tuple | None = None  # (state, result) of the latest pass whose forward ran (``finish_failed_round``)
 
-    def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: int | tuple[int, ...] | None = None):
+    def run_pass(self, step: Pass, tree: SegmentTree | None = None, surrogate: Segments | None = None):
         """Forward of one row (inside the root module's call under FSDP2).
 
         Returns (state, result, layout): result is ((n, W) log-probs, (n, W) entropies or None) of the
@@ -119,13 +120,10 @@ class PassRunner:
 
     def _cached_rows(self, layout: RowLayout):
         """The reported rows of a pass with no token, read from the cached values: ((n, W), (n, W) or None)."""
-        self.aux_term = None
-        anchor = self.cache.h(next(iter(self.cache.segments())))
+        self.aux_term, anchor = None, self.cache.h(next(iter(self.cache.segments())))
         dtype = torch.float64 if anchor.dtype == torch.float64 else torch.float32
-        return (
-            self._gather(layout, None, 0, dtype, anchor),
-            self._gather(layout, None, 1, dtype, anchor) if self.entropy else None,
-        )
+        ent = self._gather(layout, None, 1, dtype, anchor) if self.entropy else None
+        return self._gather(layout, None, 0, dtype, anchor), ent
 
     def _decode(self, state: PassState, layout: RowLayout, own: bool):
         """The decoder over the packed row under the pass's attention state: its output (``last_hidden_state``)."""
@@ -150,9 +148,7 @@ class PassRunner:
             ):
                 return dec(input_ids=shard(layout.input_ids).to(self.device), use_cache=False, **kw)
 
-    def _hidden(
-        self, out, state: PassState, layout: RowLayout, own: bool, surrogate: int | tuple[int, ...] | None
-    ) -> torch.Tensor:
+    def _hidden(self, out, state: PassState, layout: RowLayout, own: bool, surrogate: Segments | None) -> torch.Tensor:
         """(L, d) hidden states of the whole row; the router's records and the recorded segments' last states kept."""
         hidden = out.last_hidden_state[0]  # (L, d), or (Ls, d) of this rank's tokens
         if state.sequence is not None:
@@ -192,11 +188,11 @@ class PassRunner:
                 self.cache.write_values(s, lp[a:b], ent[a:b] if ent is not None else None)
         return lp, ent, hidden
 
-    def _result(self, hidden, layout: RowLayout, lp, ent, surrogate: int | tuple[int, ...] | None):
+    def _result(self, hidden, layout: RowLayout, lp, ent, surrogate: Segments | None):
         """What the pass returns: a segment's surrogate loss, or the reported rows' (n, W) values, or None."""
         if surrogate is not None:
             through = self.par.backward_through_outputs or self.layers is not None
-            sur = self._surrogate(surrogate, through)
+            sur = self.cache.surrogates(surrogate, through)
             if self.aux_term is not None:
                 sur, self.aux_term = ((self.aux_term if sur is None else sur + self.aux_term), None)
             if self.par.backward_through_outputs and not layout.targets.numel() and torch.is_grad_enabled():
@@ -209,16 +205,6 @@ class PassRunner:
             self._gather(layout, lp, 0, dtype, hidden),
             self._gather(layout, ent, 1, dtype, hidden) if self.entropy else None,
         )
-
-    def _surrogate(self, segs, through: bool):
-        """The sum of ``segs``' surrogate losses (``PrefixCache.surrogate``; ``segs``: one segment or a tuple of those
-        one pass recorded), or None where none has any."""
-        total = None
-        for s in segs if isinstance(segs, tuple) else (segs,):
-            sur = self.cache.surrogate(s, through_outputs=through)
-            if sur is not None:
-                total = sur if total is None else total + sur
-        return total
 
     def _gather(self, layout: RowLayout, values, which: int, dtype, anchor) -> torch.Tensor:
         """(M,) values of this pass and the cached values of earlier ones -> (n, W) rows, zero where not reported."""
@@ -262,7 +248,7 @@ class PassRunner:
         for s in segments:
             self.cache.release(s)
 
-    def prefix_backward(self, seg: int | tuple[int, ...], recompute: bool, hooks) -> None:
+    def prefix_backward(self, seg: Segments, recompute: bool, hooks) -> None:
         """A cached segment's deferred backward: its forward again with grad (``recompute``), or its kept graph
         (its offloaded activations brought back first by ``hooks``), given the gradients its readers accumulated.
         ``seg`` a tuple: segments one pass recorded together, one backward for all (``PrefixBackward.together``)."""
@@ -271,7 +257,7 @@ class PassRunner:
             state, sur, _ = self.run_pass(Pass(segs, record=segs), surrogate=segs)
         else:
             state = self.cache.states[segs[0]]
-            sur = self._surrogate(segs, through=self.layers is not None)  # compiled: dK, dV at the layers
+            sur = self.cache.surrogates(segs, through=self.layers is not None)  # compiled: dK, dV at the layers
             if hooks is not None:  # start bringing the offloaded activations back before the backward needs them
                 hooks.prefetch()
         if sur is not None:
@@ -280,10 +266,7 @@ class PassRunner:
 
     def backward(self, state: PassState, loss: torch.Tensor) -> None:
         """The backward of ``loss`` inside pass ``state``'s attention context (None: a pass that ran no token)."""
-        if state is None:
-            self.par.backward(loss)
-            return
-        with pass_state(state):
+        with pass_state(state) if state is not None else contextlib.nullcontext():
             self.par.backward(loss)
 
     def take_aux_term(self):

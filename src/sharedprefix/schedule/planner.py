@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sharedprefix.layout import frames
 from sharedprefix.layout.groups import Group, validate_groups
@@ -33,6 +34,9 @@ class Pass:
     segments: tuple[int, ...]
     record: tuple[int, ...] = ()
     rows: tuple[int, ...] = ()
+
+
+Segments = int | tuple[int, ...]  # a cached segment, or the segments one pass recorded together (``PrefixBackward``)
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class Plan:
     tree: SegmentTree
     steps: list
     max_tokens: int | None
-    view: RowView | None = None
+    view: Any = None  # a step's ``step_plan.RowView``
 
     @property
     def splits(self) -> bool:
@@ -170,128 +174,13 @@ def plan_checked(source, max_tokens: int | None = None) -> Plan:
 
 
 def plan_tree(tree: SegmentTree, max_tokens: int | None) -> Plan:
-    """The passes of a call over every row of ``tree``: a step of one microbatch (``plan_step``), whose units are the
-    tree's roots."""
+    """The passes of a call over every row of ``tree``: a step of one microbatch (``step_plan.plan_step``), whose units
+    are the tree's roots."""
     roots = [seg.id for seg in tree.segments if seg.parent is None]
-    return Plan(tree, _plan_units(tree, roots, _ends(tree, range(tree.num_rows)), max_tokens), max_tokens)
+    return Plan(tree, plan_units(tree, roots, ends_of(tree, range(tree.num_rows)), max_tokens), max_tokens)
 
 
-@dataclass(frozen=True)
-class RowView:
-    """The rows one microbatch of a step reports, out of its step's tree: ``rows[i]`` is the tree row of the
-    microbatch's row i; ``width``: its longest row in columns (its results are (n, width))."""
-
-    rows: tuple[int, ...]
-    width: int
-
-    @property
-    def local(self) -> dict[int, int]:
-        return {r: i for i, r in enumerate(self.rows)}
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """The passes of one optimizer step of K microbatches over one segment tree (the seed's schedule across the
-    trainer's own microbatches, ``schedule.step``).
-
-    ``shared``: the segments the rows of two or more microbatches pass through, in preorder (ancestors first): each
-    is computed once for the step, by ``record`` (a pass per segment that caches it), read by every microbatch's
-    passes, and backpropagated once by ``backward`` after the step's last microbatch. ``microbatches[k]``: the steps
-    of microbatch k alone (what only its rows pass through, planned under the budget as a call's passes are, a part
-    larger than the budget expanded inside the microbatch); ``views[k]``: its rows. A call of one microbatch is the
-    special case with nothing shared: ``plan_tree``."""
-
-    tree: SegmentTree
-    shared: tuple[int, ...]
-    microbatches: tuple[tuple, ...]
-    views: tuple[RowView, ...]
-    max_tokens: int | None
-
-    @property
-    def shared_tokens(self) -> int:
-        """Tokens of the shared segments: what the step's cache holds between its calls."""
-        return sum(self.tree.segments[s].length for s in self.shared)
-
-    @property
-    def record(self) -> list[Pass]:
-        """The shared segments' recording passes: level by level (a segment after its parent), the segments of one
-        level packed first-fit under the budget, so that K shared prompts take one pass, not K."""
-        depth: dict[int, int] = {}
-        for s in self.shared:  # preorder: a parent before its children
-            p = self.tree.segments[s].parent
-            depth[s] = 0 if p is None else depth[p] + 1
-        out: list[Pass] = []
-        for d in sorted(set(depth.values())):
-            bins: list[list[int]] = []
-            used: list[int] = []
-            for s in (s for s in self.shared if depth[s] == d):
-                n = self.tree.segments[s].length
-                cap = self.max_tokens
-                b = next((i for i, u in enumerate(used) if cap is None or u + n <= cap), None)
-                if b is None:
-                    bins.append([])
-                    used.append(0)
-                    b = len(bins) - 1
-                bins[b].append(s)
-                used[b] += n
-            out += [Pass(tuple(b), record=tuple(b)) for b in bins]
-        return out
-
-    @property
-    def backward(self) -> list:
-        """The shared segments' backward: one per recording pass, the last recorded first."""
-        return [PrefixBackward(p.record, together=True) for p in reversed(self.record)]
-
-    def describe(self) -> str:
-        """The step's plan, microbatch by microbatch (each as ``Plan.describe`` prints a call)."""
-        segs = self.tree.segments
-        shared = sum(segs[s].length for s in self.shared)
-        lines = [f"step: {len(self.views)} microbatches, {len(self.shared)} shared segment(s) of {shared} tokens"]
-        for k, steps in enumerate(self.microbatches):
-            lines.append(f"microbatch {k}: {len(self.views[k].rows)} row(s)")
-            lines += ["  " + ln for ln in Plan(self.tree, list(steps), self.max_tokens).describe().splitlines()[1:-1]]
-        return "\n".join(lines)
-
-
-def plan_step(tree: SegmentTree, members: Sequence[Sequence[int]], max_tokens: int | None) -> StepPlan:
-    """Plan a step whose microbatch k reports the rows ``members[k]`` of ``tree`` (each row in exactly one)."""
-    owner: dict[int, int] = {}
-    for k, rows in enumerate(members):
-        for r in rows:
-            owner[r] = k
-    users: list[set[int]] = [set() for _ in tree.segments]
-    for r, k in owner.items():
-        for s in tree.path(tree.rows[r].end):
-            users[s].add(k)
-    shared = tuple(s for s in range(len(tree.segments)) if len(users[s]) > 1)
-    inshared = set(shared)
-    per_mb = []
-    for k, rows in enumerate(members):
-        mine = set(rows)
-        units = [
-            s.id
-            for s in tree.segments
-            if s.id not in inshared and users[s.id] == {k} and (s.parent is None or s.parent in inshared)
-        ]
-        steps = _plan_units(tree, units, _ends(tree, [r for r in rows if tree.rows[r].end not in inshared]), max_tokens)
-        cached_rows = tuple(r for r in rows if tree.rows[r].end in inshared)
-        if cached_rows:  # rows that end in a shared segment: their values are cached; reported by a pass of theirs
-            last = max((i for i, st in enumerate(steps) if isinstance(st, Pass) and not st.record), default=None)
-            if last is None:
-                steps.append(Pass((), rows=cached_rows))  # values only: no token to compute
-            else:
-                st = steps[last]
-                steps[last] = Pass(st.segments, st.record, st.rows + cached_rows)
-        assert {r for st in steps if isinstance(st, Pass) for r in st.rows} == mine
-        per_mb.append(tuple(steps))
-    views = tuple(
-        RowView(tuple(rows), max(tree.segments[tree.rows[r].end].end - tree.rows[r].col0 for r in rows))
-        for rows in members
-    )
-    return StepPlan(tree, shared, tuple(per_mb), views, max_tokens)
-
-
-def _ends(tree: SegmentTree, rows) -> dict[int, list[int]]:
+def ends_of(tree: SegmentTree, rows) -> dict[int, list[int]]:
     """Segment -> the ``rows`` that end at it."""
     ends: dict[int, list[int]] = {}
     for i in rows:
@@ -299,7 +188,7 @@ def _ends(tree: SegmentTree, rows) -> dict[int, list[int]]:
     return ends
 
 
-def _plan_units(tree: SegmentTree, roots: list[int], ends: dict, max_tokens: int | None) -> list:
+def plan_units(tree: SegmentTree, roots: list[int], ends: dict, max_tokens: int | None) -> list:
     """Steps computing the subtrees of ``roots`` (their ancestors cached) and reporting the rows ``ends`` names."""
     nseg = len(tree.segments)
     count = [1] * nseg  # segments in each subtree (a contiguous id range: preorder)

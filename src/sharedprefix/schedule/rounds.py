@@ -18,13 +18,14 @@ import torch
 from sharedprefix.attention.switch import activated
 from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap
-from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.compiled import whole_compiled
 from sharedprefix.schedule.grads import synced
+from sharedprefix.schedule.offload import OffloadHooks
 from sharedprefix.schedule.options import CallOptions
-from sharedprefix.schedule.planner import Dummy, Plan, PrefixBackward, RowView
+from sharedprefix.schedule.planner import Dummy, Plan, PrefixBackward
 from sharedprefix.schedule.results import BackwardResult, Batch, LogProbs
 from sharedprefix.schedule.setup import start
+from sharedprefix.schedule.step_plan import RowView
 
 
 class Round(enum.Enum):

@@ -11,9 +11,8 @@ their backward once, inside its own call (its engine's gradient synchronisation 
 includes it). A budget-split ``sp.backward`` is the same schedule with one microbatch, whose passes the planner
 chooses: ``planner.plan_tree``.
 
-What a step holds between its calls: the shared segments' cache (their K/V; under ``prefix_activations="keep"``
-their activations too, "offload" moves those to host memory, "recompute" keeps none and runs their forward again
-at the end) and, for the microbatches that ran, the gradients accumulated on those leaves.
+What a step holds between its calls: the shared segments' cache (their K/V; their activations under "keep", on the
+host under "offload", none under "recompute") and the gradients its microbatches accumulated on those leaves.
 
 The rules (each refused with its reason, never silent):
 
@@ -30,6 +29,9 @@ The rules (each refused with its reason, never silent):
   skipped one) is named by the model's next step, and by its next call once the parameters changed;
   ``Step.finish`` delivers the share of the microbatches that ran and ``Step.release`` drops it.
 
+Modules: ``step`` (the step), ``step_rules`` (its rules), ``step_graph`` (log-probs that keep their graph),
+``step_make`` (planning, ``SplitStep``), ``step_plan`` (its passes), ``step_calls`` (the public calls).
+
 Notation: K = microbatches of the step, n_k = rows of microbatch k, W_k = its longest row in columns.
 """
 
@@ -38,21 +40,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Sequence
 
 import torch
 
-from sharedprefix.layout.groups import Group, validate_groups
-from sharedprefix.layout.rows import Tree
-from sharedprefix.model import mixers, router
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.parallel.detect import detect
-from sharedprefix.schedule.cache import OffloadHooks, PrefixCache
+from sharedprefix.schedule import rounds
+from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.call_plan import CallPlan
-from sharedprefix.schedule.planner import Plan, StepPlan, plan_step
-
-# the model's step under way (its first call ran, its last not yet): one per model
-_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from sharedprefix.schedule.offload import OffloadHooks
+from sharedprefix.schedule.planner import Plan
+from sharedprefix.schedule.step_plan import StepPlan
+from sharedprefix.schedule.step_rules import OPEN, check_versions, refuse_hooks, versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +123,7 @@ class Step:
         self.state = "planned"  # -> "open" (first call) -> "finished" | "failed" | "released"
         self.versions: tuple = ()
         self._held: list | None = None  # the shared leaves' gradients held aside by the running backward call
-        self._merged = False
+        self._merged = False  # (``merge_held``)
 
     def microbatch(self, k: int) -> Microbatch:
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self.views):
@@ -153,27 +152,21 @@ class Step:
     def describe(self) -> str:
         return self.splan.describe()
 
-    # -- the calls ------------------------------------------------------------------------------------------------
-
     def begin(self, model: torch.nn.Module, k: int, backward: bool) -> CallPlan:
         """The ``CallPlan`` of microbatch ``k``'s call on ``model`` now (``backward``: its gradient is accumulated:
         ``sp.backward``, a deferred call's backward; else a deferred call's forward), after the step's checks."""
         inner = unwrap(model)
         self._check_call(inner, k, backward)
         if self.state == "planned":
-            _refuse_hooks(inner)
-            other = _OPEN.get(inner)
+            refuse_hooks(inner)
+            other = OPEN.get(inner)
             if other is not None and other is not self:
                 other.refuse_unfinished("a new step's first call")
-            _OPEN[inner] = self
+            OPEN[inner] = self
             self.state = "open"
-            self.versions = _versions(inner)
-        steps: list = []
-        records: frozenset = frozenset()
-        if not self.recorded:
-            steps += self.splan.record
-            records = frozenset(self.splan.record)
-        steps += list(self.splan.microbatches[k])
+            self.versions = versions(inner)
+        records: frozenset = frozenset() if self.recorded else frozenset(self.splan.record)
+        steps: list = ([] if self.recorded else list(self.splan.record)) + list(self.splan.microbatches[k])
         if backward and self.done | {k} == set(range(len(self.views))):
             steps += self.splan.backward
         plan = Plan(self.splan.tree, steps, self.splan.max_tokens, self.views[k])
@@ -194,7 +187,7 @@ class Step:
             if self._held is not None:
                 self.cache.restore_grads(self._held)
             self._held, self._merged = None, False
-            self._fail(model)
+            self.fail(model)
             raise
         if sc.records:
             self.recorded = True
@@ -204,7 +197,7 @@ class Step:
         self.forwarded.discard(sc.k)
         self.done.add(sc.k)
         if len(self.done) == len(self.views):
-            self._close("finished")
+            self.close("finished")
         return out
 
     def merge_held(self) -> None:
@@ -214,75 +207,6 @@ class Step:
             self.cache.merge_grads(self._held)
             self._merged = True
 
-    # -- grad-enabled log-probs that keep their graph (defer=False) -----------------------------------------------
-
-    def keeps_graph(self, k: int) -> bool:
-        """Whether microbatch ``k``'s grad-enabled log-probs can keep their graph (``check_graph_path``)."""
-        return not any(getattr(st, "record", ()) for st in self.splan.microbatches[k])
-
-    def check_graph_path(self, k: int) -> None:
-        """``sp.logprobs(model, step.microbatch(k), defer=False)`` keeps the graph of microbatch k's own passes, read
-        from the step's cache: refused where k expands a part larger than the budget inside itself (its cached
-        segments would be leaves no backward of the caller reaches)."""
-        if not self.keeps_graph(k):
-            raise ValueError(
-                f"defer=False on microbatch {k + self.offset} of a step whose own rows are larger than "
-                f"max_tokens={self.splan.max_tokens}: their prompt would be cached inside the call, where only a "
-                "deferred backward reaches it. Leave defer out (the microbatch defers), or raise max_tokens."
-            )
-
-    def graph_outputs(self, model, k: int, out):
-        """``out`` (microbatch k's grad-enabled log-probs, their graph reading the step's cache) as outputs whose
-        backward, once the caller's backward has ended, marks k done, and at the step's last microbatch runs the
-        shared segments' backward (``_after_backward``)."""
-        view, tree = self.views[k], self.splan.tree
-        read = {s for r in view.rows for s in tree.path(tree.rows[r].end)} & set(self.splan.shared)
-        leaves = self.cache.grad_marks(read)
-        tensors = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
-        wrapped = _AfterBackward.apply(_Tail(self, model, k, leaves), *tensors)
-        if not isinstance(wrapped, tuple):
-            wrapped = (wrapped,)
-        ent = wrapped[1] if out.entropy is not None else None
-        return dataclasses.replace(out, logprobs=wrapped[0], entropy=ent)
-
-    def _after_backward(self, model, k: int, marks: list) -> None:
-        """At the end of the caller's backward through microbatch k's outputs: k is done; a backward that did not
-        reach the shared leaves it read (``torch.autograd.grad``, which accumulates into no leaf) is refused, since
-        their gradient would be dropped; at the step's last microbatch, the shared segments' backward."""
-        if k in self.done or self.state != "open":
-            raise RuntimeError(
-                f"microbatch {k + self.offset}'s log-probs were backpropagated again (or after their step ended): each "
-                "microbatch's gradient joins its step once. Compute them again in a new step to train on them again."
-            )
-        if marks and not self.cache.grads_moved(marks):
-            self._close("failed")
-            raise RuntimeError(
-                f"the backward through microbatch {k + self.offset}'s log-probs (sp.logprobs with defer=False) did not "
-                "reach the step's cached prompts, whose gradient would then be dropped: torch.autograd.grad "
-                "accumulates into no leaf. Use loss.backward(), or leave defer out (deferred log-probs return the "
-                "parameters' gradient to autograd.grad too). The step is closed."
-            )
-        self.forwarded.discard(k)
-        self.done.add(k)
-        if len(self.done) < len(self.views):
-            return
-        try:
-            if self.splan.shared:
-                from sharedprefix.schedule import rounds
-
-                plan = Plan(self.splan.tree, list(self.splan.backward), self.splan.max_tokens, self.views[k])
-                cp = dataclasses.replace(self.cp, plan=plan, step=StepCall(self, k, frozenset()))
-                opts = self.cp.options.replace(prefix_activations=self.mode, entropy=False)
-                with torch.enable_grad():
-                    rounds.backward(model, cp, opts, _no_rows)
-        except BaseException:
-            self.done.discard(k)
-            self._fail(model)
-            raise
-        self._close("finished")
-
-    # -- ending a step early ----------------------------------------------------------------------------------
-
     def finish(self, model: torch.nn.Module) -> None:
         """End the step now: the shared prompts' gradient of the microbatches that ran is delivered into ``.grad``
         (their forward run again with grad), so that ``.grad`` is the plain accumulation of those microbatches; the
@@ -290,13 +214,13 @@ class Step:
         if self.state in ("finished", "failed", "released"):
             return
         self._deliver_partial(model)
-        self._close("finished")
+        self.close("finished")
 
     def release(self) -> None:
         """End the step now and drop its cache: the shared prompts' gradient of the microbatches that ran is *not*
         delivered (``.grad`` then holds only their own segments' share)."""
         if self.state not in ("finished", "failed"):
-            self._close("released")
+            self.close("released")
 
     def refuse_unfinished(self, where: str) -> None:
         """Raise: this step was left with microbatches that never ran."""
@@ -307,8 +231,6 @@ class Step:
             "microbatch of a step (sp.backward(model, step.microbatch(k), ...) for each k), or end it explicitly: "
             "step.finish(model) delivers the share of the microbatches that ran, step.release() drops it."
         )
-
-    # -- internals ---------------------------------------------------------------------------------------------
 
     def _check_call(self, inner, k: int, backward: bool) -> None:
         g = k + self.offset  # its index in the user's list
@@ -324,7 +246,7 @@ class Step:
                 f"microbatch {g} run after its step {self.state}: a step's shared prompts are backpropagated once, at "
                 "its last microbatch (or at a failure), and then released. Plan the next step with sp.plan_step."
             )
-        other = _OPEN.get(inner)
+        other = OPEN.get(inner)
         if other is not None and other is not self:
             raise RuntimeError(
                 f"microbatch {g} belongs to a step other than the one under way on this model (its microbatches "
@@ -338,14 +260,14 @@ class Step:
                 "again."
             )
         if self.state == "open":
-            _check_versions(inner, self.versions, k + self.offset)
+            check_versions(inner, self.versions, k + self.offset)
 
-    def _fail(self, model) -> None:
+    def fail(self, model) -> None:
         """After a call of the step raised: deliver the completed microbatches' shared share, release, close."""
         try:
             self._deliver_partial(model)
         finally:
-            self._close("failed")
+            self.close("failed")
 
     def _deliver_partial(self, model) -> None:
         """The shared segments' backward with the gradients the completed microbatches accumulated, their forward
@@ -355,294 +277,22 @@ class Step:
         lockstep = detect(model, unwrap(model)).lockstep
         if not self.done or not (lockstep or (self.recorded and self.splan.shared)):
             return
-        from sharedprefix.schedule import rounds  # (rounds imports this module's types only)
-
         steps = list(self.splan.backward) if self.recorded else []
         plan = Plan(self.splan.tree, steps, self.splan.max_tokens, self.views[0])
         cp = dataclasses.replace(self.cp, plan=plan, step=StepCall(self, -1, frozenset()))
         opts = self.cp.options.replace(prefix_activations="recompute", sync=False, entropy=False)
         with torch.enable_grad():
-            rounds.backward(model, cp, opts, _no_rows)
+            rounds.backward(model, cp, opts, no_rows)
 
-    def _close(self, state: str) -> None:
+    def close(self, state: str) -> None:
+        """Release the cache; the step is ``state`` and no longer the model's step under way."""
         for s in list(self.cache.segments()):
             self.cache.release(s)
         self.state = state
         inner = self.inner()
-        if inner is not None and _OPEN.get(inner) is self:
-            del _OPEN[inner]
+        if inner is not None and OPEN.get(inner) is self:
+            del OPEN[inner]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tail:
-    """What ``_AfterBackward`` calls back: ``step._after_backward(model, k, marks)``."""
-
-    step: Step
-    model: torch.nn.Module
-    k: int
-    marks: list
-
-
-class _AfterBackward(torch.autograd.Function):
-    """The identity on a microbatch's outputs; its backward queues ``_Tail`` to run when the caller's backward ends
-    (after autograd accumulated every gradient, the shared leaves' included), once per backward."""
-
-    @staticmethod
-    def forward(ctx, tail, *tensors):
-        ctx.tail = tail
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors) if len(tensors) > 1 else tensors[0].view_as(tensors[0])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        t = ctx.tail
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: t.step._after_backward(t.model, t.k, t.marks))
-        return (None, *grads)
-
-
-def _no_rows(batch):
+def no_rows(batch):
     raise RuntimeError("a step's prefix backward reports no rows; this is a bug.")
-
-
-def _versions(inner) -> tuple:
-    return tuple((p, p._version) for p in inner.parameters() if p.requires_grad)
-
-
-def _check_versions(inner, versions: tuple, k: int) -> None:
-    for p, v in versions:
-        if p._version != v:
-            name = next((n for n, q in inner.named_parameters() if q is p), "?")
-            raise RuntimeError(
-                f"microbatch {k} of a step runs after the parameters changed in place since the step's first call "
-                f"({name!r}: version {v} then, {p._version} now), e.g. an optimizer step before the step's last "
-                "microbatch. The step's cached prompts were computed at the old parameters, so its gradient would "
-                "be another model's. Run every microbatch of a step before optimizer.step(), or plan the step over "
-                "the microbatches of one optimizer step only."
-            )
-
-
-def _refuse_hooks(inner) -> None:
-    """Parameter hooks that would see other values than in a plain accumulation (module docstring): refused."""
-    for name, p in inner.named_parameters():
-        kinds = []
-        if getattr(p, "_backward_hooks", None):
-            kinds.append("tensor hooks (register_hook)")
-        if getattr(p, "_post_accumulate_grad_hooks", None):
-            kinds.append("post-accumulate-grad hooks")
-        if kinds:
-            raise ValueError(
-                f"parameter {name!r} has {' and '.join(kinds)}. A plain gradient accumulation runs them once per "
-                "microbatch on that microbatch's gradient, but a step of sp.plan_step delivers the shared prompts' "
-                "gradient at its last microbatch, so they would see other values. Remove them for the step "
-                "(handle.remove()), or run each microbatch as its own call (sp.backward(model, rows, ...))."
-            )
-
-
-def check_other_step(model) -> None:
-    """Before a call that is not a step's: refuse it where the model's step under way can no longer finish (the
-    parameters changed since it began: an optimizer step ran without its missing microbatches)."""
-    inner = unwrap(model)
-    step = _OPEN.get(inner)
-    if step is None:
-        return
-    if any(p._version != v for p, v in step.versions):
-        step.refuse_unfinished("this call (after the parameters changed)")
-
-
-# -- planning ---------------------------------------------------------------------------------------------------
-
-
-def combine(microbatches) -> tuple[list[Group] | Tree, list[list[int]]]:
-    """All rows of the step as one source (groups with the same prompt and prompt inputs merged into one group; a
-    ``Tree`` of every row) and, per microbatch, its rows' indices in that source's output rows, in its own order."""
-    if isinstance(microbatches, (Tree, Group)) or not isinstance(microbatches, Sequence) or not microbatches:
-        raise TypeError(
-            f"microbatches is a {type(microbatches).__name__}; expected a non-empty list with one entry per microbatch "
-            "of the step, each a list of sp.Group or an sp.Tree."
-        )
-    trees = [isinstance(m, Tree) for m in microbatches]
-    if any(trees) and not all(trees):
-        raise TypeError(
-            f"microbatches mixes sp.Tree ({trees.count(True)}) and lists of groups ({trees.count(False)}); expected "
-            "one kind for the whole step (Tree.from_rows turns groups' rows into a tree)."
-        )
-    if all(trees):
-        rows: list[torch.Tensor] = []
-        trained: list[torch.Tensor] = []
-        members: list[list[int]] = []
-        for m in microbatches:
-            members.append(list(range(len(rows), len(rows) + len(m.rows))))
-            rows += [r.clone() for r in m.rows]
-            trained += [t.clone() for t in m.trained]
-        return Tree(tuple(rows), tuple(trained)), members
-    merged: dict[tuple, int] = {}
-    prompts: list[Group] = []
-    comps: list[list[torch.Tensor]] = []
-    where: list[list[tuple[int, int]]] = []
-    for m in microbatches:
-        groups = validate_groups(m)
-        mine = []
-        for g in groups:
-            key = _group_key(g)
-            if key not in merged:
-                merged[key] = len(prompts)
-                prompts.append(g)
-                comps.append([])
-            gi = merged[key]
-            for c in g.completions:
-                mine.append((gi, len(comps[gi])))
-                comps[gi].append(c.clone())
-        where.append(mine)
-    groups = [Group(g.prompt.clone(), cs, prompt_inputs=_copied(g.prompt_inputs)) for g, cs in zip(prompts, comps)]
-    offset = [0]
-    for cs in comps:
-        offset.append(offset[-1] + len(cs))
-    return groups, [[offset[gi] + j for gi, j in mine] for mine in where]
-
-
-def _group_key(g: Group) -> tuple:
-    def digest(t):
-        t = t.detach().cpu().contiguous()
-        return (
-            str(t.dtype),
-            tuple(t.shape),
-            t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes(),
-        )
-
-    inputs = tuple(
-        sorted((k, digest(v) if isinstance(v, torch.Tensor) else repr(v)) for k, v in (g.prompt_inputs or {}).items())
-    )
-    return digest(g.prompt), inputs
-
-
-def _copied(inputs):
-    if not inputs:
-        return inputs
-    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-
-
-def refuse_engine(model) -> None:
-    """What a step cannot run on: refused when it is planned."""
-    inner = unwrap(model)
-    engine = detect(model, inner)
-    why = engine.step_refusal()
-    if why is None and engine.tensor > 1:
-        why = f"tensor parallelism (tp_size={engine.tensor}), whose gradient all-reduce is a post-accumulate hook"
-    if why is None and mixers.on_cache_path(inner):
-        why = f"{type(inner).__name__}, a hybrid model on the cache path (it runs group by group, with no prefix cache)"
-    if why is None and router.enabled(inner):
-        why = "an MoE load-balancing loss (output_router_logits=True), which is each microbatch's own"
-    if why is not None:
-        raise ValueError(
-            f"sp.plan_step is not available with {why}: a step runs each shared prompt once across several calls, "
-            "which sharedprefix has verified on one process, under DDP and under FSDP2. Run each microbatch as its own "
-            "call (sp.backward(model, rows, ...)): exact, each prompt once per microbatch."
-        )
-
-
-def make_step(model, microbatches: Sequence, cp_of, options: dict, max_cached_tokens: int | None = None):
-    """``sp.plan_step``: the step of ``microbatches`` on ``model``; ``cp_of(source)``: the ``CallPlan`` of all its rows
-    (``sp.plan_call``'s). ``max_cached_tokens``: the most tokens of shared segments one step may cache; a step that
-    would cache more runs as consecutive parts (``SplitStep``), each within it."""
-    refuse_engine(model)
-    if options.get("sequence_group") is not None:
-        raise ValueError(
-            "sp.plan_step got a sequence_group: a step is not available with Ulysses sequence parallelism. Run each "
-            "microbatch as its own call with sequence_group."
-        )
-    if max_cached_tokens is not None and (
-        isinstance(max_cached_tokens, bool) or not isinstance(max_cached_tokens, int) or max_cached_tokens < 0
-    ):
-        raise ValueError(
-            f"max_cached_tokens={max_cached_tokens!r}; expected None (no bound) or a number of tokens >= 0: the most "
-            "tokens of shared prompts one step holds between its calls."
-        )
-    inner = unwrap(model)
-    other = _OPEN.get(inner)
-    if other is not None:
-        other.refuse_unfinished("sp.plan_step")
-    source, members = combine(microbatches)
-    cp = cp_of(source)
-    mode, device = cp.options.prefix_activations, cp.options.offload_device
-    parts = _parts(cp.plan.tree, members, cp.options.max_tokens, max_cached_tokens)
-    steps = []
-    for first, splan in parts:
-        step = Step(model, cp, splan, mode, device, offset=first)
-        step.sources = list(microbatches[first : first + len(splan.views)])
-        steps.append(step)
-    return steps[0] if len(steps) == 1 or max_cached_tokens is None else SplitStep(steps, max_cached_tokens)
-
-
-def _parts(tree, members, max_tokens, cap) -> list[tuple[int, StepPlan]]:
-    """(first microbatch, plan) of each part: all microbatches in one plan, or, where its shared segments would hold
-    more than ``cap`` tokens, consecutive runs of microbatches each as long as its shared tokens stay within ``cap``
-    (one microbatch shares nothing)."""
-    whole = plan_step(tree, members, max_tokens)
-    if cap is None or whole.shared_tokens <= cap:
-        return [(0, whole)]
-    parts, first = [], 0
-    while first < len(members):
-        last = first + 1
-        best = plan_step(tree, members[first:last], max_tokens)
-        while last < len(members):
-            more = plan_step(tree, members[first : last + 1], max_tokens)
-            if more.shared_tokens > cap:
-                break
-            best, last = more, last + 1
-        parts.append((first, best))
-        first = last
-    return parts
-
-
-class SplitStep:
-    """A step whose shared segments would cache more than ``max_cached_tokens``, run as consecutive parts, each a
-    ``Step`` of its own (its shared prompts computed once for the part): the same interface as a ``Step``.
-    ``parts``: the ``Step`` of each part, in order."""
-
-    def __init__(self, parts: list[Step], max_cached_tokens: int):
-        self.parts, self.max_cached_tokens = parts, max_cached_tokens
-        self._at = [(p.offset, p) for p in parts]
-
-    def __len__(self) -> int:
-        return sum(len(p) for p in self.parts)
-
-    def microbatch(self, k: int) -> Microbatch:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self):
-            raise ValueError(f"microbatch {k!r} of a step of {len(self)}; expected an int in [0, {len(self)}).")
-        part, local = self.part_of(k)
-        return part.microbatch(local)
-
-    def part_of(self, k: int) -> tuple[Step, int]:
-        first, part = next((f, p) for f, p in reversed(self._at) if f <= k)
-        return part, k - first
-
-    @property
-    def inner(self):
-        return self.parts[0].inner
-
-    @property
-    def missing(self) -> list[int]:
-        return [k for p in self.parts for k in p.missing]
-
-    @property
-    def state(self) -> str:
-        states = {p.state for p in self.parts}
-        return states.pop() if len(states) == 1 else "open"
-
-    @property
-    def tokens_cached(self) -> int:
-        return max(p.splan.shared_tokens for p in self.parts)
-
-    def describe(self) -> str:
-        head = (
-            f"step of {len(self)} microbatches in {len(self.parts)} parts (max_cached_tokens={self.max_cached_tokens})"
-        )
-        return "\n".join([head] + [f"part from microbatch {p.offset}: " + p.describe() for p in self.parts])
-
-    def finish(self, model) -> None:
-        for p in self.parts:
-            p.finish(model) if p.state == "open" else p.release()
-
-    def release(self) -> None:
-        for p in self.parts:
-            p.release()

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from sharedprefix.layout.once import built_once
-
 _COMPILED: dict = {}  # "flex" -> the compiled flex_attention; softcap value -> its score_mod
 
 
@@ -98,7 +96,11 @@ def block_mask(layout, window: int | None, chunk: int | None, device):
         mask_mod, n_keys = visibility(layout, layout.cached_reads, window, chunk, device)
         return create_block_mask(mask_mod, None, None, layout.length, n_keys, device=device, _compile=True)
 
-    return built_once(layout._cascades, ("flex", window, chunk, str(device)), build)
+    key = ("flex", window, chunk, str(device))
+    if key not in layout._cascades:  # kept with the plan's packed row: built outside inference mode (``layout.once``)
+        with torch.inference_mode(False), torch.no_grad():
+            layout._cascades[key] = build()
+    return layout._cascades[key]
 
 
 def flex_row_attention(layout, query, key, value, read_kv, scale: float, softcap: float, window, chunk) -> torch.Tensor:

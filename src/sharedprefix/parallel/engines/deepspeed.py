@@ -60,6 +60,7 @@ class DeepSpeed(Single):
     ran), with DeepSpeed's delivery of the call's gradient."""
 
     name = "DeepSpeed ZeRO"
+    step_refusal = "a DeepSpeed engine (its own accumulation boundary and gradient partitions are not verified with it)"
     replays_tensor_hooks = False  # autograd runs them in the delivering backward
 
     def __init__(self, root, world_size: int, engine, tensor: int = 1):
@@ -69,9 +70,6 @@ class DeepSpeed(Single):
         if self.leaf_hooks:  # a grad-enabled ``sp.logprobs`` defers: its passes run without the leaves' hooks
             # (``call``), which only a backward of sharedprefix's own then runs, once
             self.must_defer = f"a DeepSpeed ZeRO-3 engine with leaf modules ({_names(self.leaf_hooks)})"
-
-    def step_refusal(self) -> str | None:
-        return "a DeepSpeed engine (its own accumulation boundary and gradient partitions are not verified with it)"
 
     def call(self, fn, guard: bool = True):
         """A pass with ZeRO-3's leaf-module hooks set aside (module full backward hooks are taken when the module's

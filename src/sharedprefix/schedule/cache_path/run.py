@@ -44,7 +44,6 @@ from sharedprefix.model.head import token_logprobs
 from sharedprefix.model.streams import embedding_size, head_vocab
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.grad_hooks import DeferredGradHooks
-from sharedprefix.schedule.cache import OffloadHooks
 from sharedprefix.schedule.cache_path.state import (
     cache_arg_name,
     check_filled,
@@ -54,6 +53,7 @@ from sharedprefix.schedule.cache_path.state import (
     repeated_states,
     state_slots,
 )
+from sharedprefix.schedule.offload import OffloadHooks
 from sharedprefix.schedule.options import CallOptions
 from sharedprefix.schedule.results import Batch
 

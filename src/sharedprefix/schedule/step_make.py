@@ -1,0 +1,213 @@
+"""``sp.plan_step``'s planning (``schedule.step``): the microbatches' rows as one source (``combine``: groups with the
+same prompt and prompt inputs merged, a tree of every row), the engines a step cannot run on (``refuse_engine``), the
+step's plan (``make_step``), and a step bounded by ``max_cached_tokens`` run in parts (``SplitStep``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sharedprefix.layout.groups import Group, validate_groups
+from sharedprefix.layout.rows import Tree
+from sharedprefix.model import mixers, router
+from sharedprefix.model.adapter import unwrap
+from sharedprefix.parallel.detect import detect
+from sharedprefix.parallel.tensor import step_refusal as tensor_step_refusal
+from sharedprefix.schedule.step import Microbatch, Step
+from sharedprefix.schedule.step_plan import StepPlan, plan_step
+from sharedprefix.schedule.step_rules import OPEN
+
+
+def combine(microbatches) -> tuple[list[Group] | Tree, list[list[int]]]:
+    """All rows of the step as one source (groups with the same prompt and prompt inputs merged into one group; a
+    ``Tree`` of every row) and, per microbatch, its rows' indices in that source's output rows, in its own order."""
+    if isinstance(microbatches, (Tree, Group)) or not isinstance(microbatches, Sequence) or not microbatches:
+        raise TypeError(
+            f"microbatches is a {type(microbatches).__name__}; expected a non-empty list with one entry per microbatch "
+            "of the step, each a list of sp.Group or an sp.Tree."
+        )
+    trees = [isinstance(m, Tree) for m in microbatches]
+    if any(trees) and not all(trees):
+        raise TypeError(
+            f"microbatches mixes sp.Tree ({trees.count(True)}) and lists of groups ({trees.count(False)}); expected "
+            "one kind for the whole step (Tree.from_rows turns groups' rows into a tree)."
+        )
+    if all(trees):
+        rows: list[torch.Tensor] = []
+        trained: list[torch.Tensor] = []
+        members: list[list[int]] = []
+        for m in microbatches:
+            members.append(list(range(len(rows), len(rows) + len(m.rows))))
+            rows += [r.clone() for r in m.rows]
+            trained += [t.clone() for t in m.trained]
+        return Tree(tuple(rows), tuple(trained)), members
+    merged: dict[tuple, int] = {}
+    prompts: list[Group] = []
+    comps: list[list[torch.Tensor]] = []
+    where: list[list[tuple[int, int]]] = []
+    for m in microbatches:
+        groups = validate_groups(m)
+        mine = []
+        for g in groups:
+            key = _group_key(g)
+            if key not in merged:
+                merged[key] = len(prompts)
+                prompts.append(g)
+                comps.append([])
+            gi = merged[key]
+            for c in g.completions:
+                mine.append((gi, len(comps[gi])))
+                comps[gi].append(c.clone())
+        where.append(mine)
+    groups = [Group(g.prompt.clone(), cs, prompt_inputs=_copied(g.prompt_inputs)) for g, cs in zip(prompts, comps)]
+    offset = [0]
+    for cs in comps:
+        offset.append(offset[-1] + len(cs))
+    return groups, [[offset[gi] + j for gi, j in mine] for mine in where]
+
+
+def _group_key(g: Group) -> tuple:
+    def digest(t):
+        t = t.detach().cpu().contiguous()
+        return (
+            str(t.dtype),
+            tuple(t.shape),
+            t.numpy().tobytes() if t.dtype != torch.bfloat16 else t.float().numpy().tobytes(),
+        )
+
+    inputs = tuple(
+        sorted((k, digest(v) if isinstance(v, torch.Tensor) else repr(v)) for k, v in (g.prompt_inputs or {}).items())
+    )
+    return digest(g.prompt), inputs
+
+
+def _copied(inputs):
+    if not inputs:
+        return inputs
+    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
+def refuse_engine(model) -> None:
+    """What a step cannot run on: refused when it is planned."""
+    inner = unwrap(model)
+    engine = detect(model, inner)
+    why = engine.step_refusal or tensor_step_refusal(engine)
+    if why is None and mixers.on_cache_path(inner):
+        why = f"{type(inner).__name__}, a hybrid model on the cache path (it runs group by group, with no prefix cache)"
+    if why is None and router.enabled(inner):
+        why = "an MoE load-balancing loss (output_router_logits=True), which is each microbatch's own"
+    if why is not None:
+        raise ValueError(
+            f"sp.plan_step is not available with {why}: a step runs each shared prompt once across several calls, "
+            "which sharedprefix has verified on one process, under DDP and under FSDP2. Run each microbatch as its own "
+            "call (sp.backward(model, rows, ...)): exact, each prompt once per microbatch."
+        )
+
+
+def make_step(model, microbatches: Sequence, cp_of, options: dict, max_cached_tokens: int | None = None):
+    """``sp.plan_step``: the step of ``microbatches`` on ``model``; ``cp_of(source)``: the ``CallPlan`` of all its rows
+    (``sp.plan_call``'s). ``max_cached_tokens``: the most tokens of shared segments one step may cache; a step that
+    would cache more runs as consecutive parts (``SplitStep``), each within it."""
+    refuse_engine(model)
+    if options.get("sequence_group") is not None:
+        raise ValueError(
+            "sp.plan_step got a sequence_group: a step is not available with Ulysses sequence parallelism. Run each "
+            "microbatch as its own call with sequence_group."
+        )
+    if max_cached_tokens is not None and (
+        isinstance(max_cached_tokens, bool) or not isinstance(max_cached_tokens, int) or max_cached_tokens < 0
+    ):
+        raise ValueError(
+            f"max_cached_tokens={max_cached_tokens!r}; expected None (no bound) or a number of tokens >= 0: the most "
+            "tokens of shared prompts one step holds between its calls."
+        )
+    inner = unwrap(model)
+    other = OPEN.get(inner)
+    if other is not None:
+        other.refuse_unfinished("sp.plan_step")
+    source, members = combine(microbatches)
+    cp = cp_of(source)
+    mode, device = cp.options.prefix_activations, cp.options.offload_device
+    parts = _parts(cp.plan.tree, members, cp.options.max_tokens, max_cached_tokens)
+    steps = []
+    for first, splan in parts:
+        step = Step(model, cp, splan, mode, device, offset=first)
+        step.sources = list(microbatches[first : first + len(splan.views)])
+        steps.append(step)
+    return steps[0] if len(steps) == 1 or max_cached_tokens is None else SplitStep(steps, max_cached_tokens)
+
+
+def _parts(tree, members, max_tokens, cap) -> list[tuple[int, StepPlan]]:
+    """(first microbatch, plan) of each part: all microbatches in one plan, or, where its shared segments would hold
+    more than ``cap`` tokens, consecutive runs of microbatches each as long as its shared tokens stay within ``cap``
+    (one microbatch shares nothing)."""
+    whole = plan_step(tree, members, max_tokens)
+    if cap is None or whole.shared_tokens <= cap:
+        return [(0, whole)]
+    parts, first = [], 0
+    while first < len(members):
+        last = first + 1
+        best = plan_step(tree, members[first:last], max_tokens)
+        while last < len(members):
+            more = plan_step(tree, members[first : last + 1], max_tokens)
+            if more.shared_tokens > cap:
+                break
+            best, last = more, last + 1
+        parts.append((first, best))
+        first = last
+    return parts
+
+
+class SplitStep:
+    """A step whose shared segments would cache more than ``max_cached_tokens``, run as consecutive parts, each a
+    ``Step`` of its own (its shared prompts computed once for the part): the same interface as a ``Step``.
+    ``parts``: the ``Step`` of each part, in order."""
+
+    def __init__(self, parts: list[Step], max_cached_tokens: int):
+        self.parts, self.max_cached_tokens = parts, max_cached_tokens
+        self._at = [(p.offset, p) for p in parts]
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def microbatch(self, k: int) -> Microbatch:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self):
+            raise ValueError(f"microbatch {k!r} of a step of {len(self)}; expected an int in [0, {len(self)}).")
+        part, local = self.part_of(k)
+        return part.microbatch(local)
+
+    def part_of(self, k: int) -> tuple[Step, int]:
+        first, part = next((f, p) for f, p in reversed(self._at) if f <= k)
+        return part, k - first
+
+    @property
+    def inner(self):
+        return self.parts[0].inner
+
+    @property
+    def missing(self) -> list[int]:
+        return [k for p in self.parts for k in p.missing]
+
+    @property
+    def state(self) -> str:
+        states = {p.state for p in self.parts}
+        return states.pop() if len(states) == 1 else "open"
+
+    @property
+    def tokens_cached(self) -> int:
+        return max(p.splan.shared_tokens for p in self.parts)
+
+    def describe(self) -> str:
+        head = (
+            f"step of {len(self)} microbatches in {len(self.parts)} parts (max_cached_tokens={self.max_cached_tokens})"
+        )
+        return "\n".join([head] + [f"part from microbatch {p.offset}: " + p.describe() for p in self.parts])
+
+    def finish(self, model) -> None:
+        for p in self.parts:
+            p.finish(model) if p.state == "open" else p.release()
+
+    def release(self) -> None:
+        for p in self.parts:
+            p.release()
