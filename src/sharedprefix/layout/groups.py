@@ -162,7 +162,7 @@ class Group:
         """This group sharing no tensor with it: its token ids and ``prompt_inputs`` copied (detached, on their own
         devices), as ``sp.plan_call`` keeps it, so that an in-place edit of this group reaches no plan."""
         out = object.__new__(Group)
-        inputs = None if self.prompt_inputs is None else {k: v.detach().clone() for k, v in self.prompt_inputs.items()}
+        inputs = None if self.prompt_inputs is None else {k: _copied(v) for k, v in self.prompt_inputs.items()}
         object.__setattr__(out, "prompt", self.prompt.clone())
         object.__setattr__(out, "completions", tuple(c.clone() for c in self.completions))
         object.__setattr__(out, "prompt_inputs", inputs)
@@ -205,6 +205,18 @@ def check_all_in_vocab(seqs: Sequence[tuple[str, torch.Tensor]], vocab_size: int
     if lo < 0 or hi >= vocab_size:
         for what, ids in seqs:
             check_in_vocab(ids, vocab_size, what)
+
+
+def _copied(value):
+    """``value`` sharing no tensor with it: tensors detached and cloned, dicts, lists and tuples copied through,
+    anything else (a processor's scalar) as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, Mapping):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
 
 
 def validate_groups(groups, vocab_size: int | None = None, streams: bool = False) -> list[Group]:
