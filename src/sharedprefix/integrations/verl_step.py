@@ -23,14 +23,14 @@ per-micro-batch metric (``actor/ppo_kl``, ``actor/pg_clipfrac``, ...) is verl's.
   ``SHAREDPREFIX_MAX_TOKENS``), so that no pass holds more tokens than a micro-batch of verl's; its values are cut
   back into verl's micro-batches (and ``loss_function``, if any, evaluated on each).
 
-What a step holds between its micro-batches: the K/V (per layer) and last hidden state of the shared prompts as
-leaves, and the gradients the finished micro-batches accumulated on them: about ``2 * layers * shared tokens *
-kv_heads * head_dim`` values, twice that with their gradients; no activations (they are recomputed at the end, one
-shared segment at a time). Failure: an error in a micro-batch (in sharedprefix's call or in verl's loss) ends the step
-before it propagates, as ``schedule.step`` ends a step whose call fails: the shared prompts' share of the micro-batches
-that finished is delivered (``Step.finish``) and the step's cache released, so that the gradients left behind are the
-ones verl's engine leaves after the same error (the finished micro-batches', accumulated) and the model's next
-mini-batch plans a step of its own.
+What a step holds between its micro-batches: the K/V (per layer) and last hidden state of the shared prompts as leaves,
+and the gradients the finished micro-batches accumulated on them: about ``2 * layers * shared tokens * kv_heads *
+head_dim`` values, twice that with their gradients; no activations (they are recomputed at the end, one pass per level
+of shared segments). Failure: an error in a micro-batch (in sharedprefix's call or in verl's loss) ends the step before
+it propagates, as ``schedule.step`` ends a step whose call fails: the shared prompts' share of the micro-batches that
+finished is delivered (``Step.finish``) and the step's cache released, so that the gradients left behind are the ones
+verl's engine leaves after the same error (the finished micro-batches', accumulated) and the model's next mini-batch
+plans a step of its own.
 
 Metrics per micro-batch: ``sharedprefix/tokens_computed`` (tokens computed with grad by the micro-batch's call: its
 own segments, and in the last micro-batch the shared prompts' recomputation; forward only: the whole call's tokens, in
