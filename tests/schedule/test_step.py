@@ -8,6 +8,7 @@ import torch
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
 from support.schedule import MODES
+from support.trees import plain_rows
 
 
 def _sub(g, idx):
@@ -54,14 +55,7 @@ def _plain_rows(model, mb):
 
 def plain_tree_logprobs(model, tree):
     """(N, L) log p(row[t] | row[:t]) where trained, by the model's own forward of each row."""
-    L = max(len(r) for r in tree.rows)
-    out = torch.zeros(len(tree.rows), L, dtype=torch.float64)
-    for i, (r, m) in enumerate(zip(tree.rows, tree.trained)):
-        logits = model(input_ids=r[None], use_cache=False).logits[0].double()
-        lp = torch.log_softmax(logits[:-1], -1).gather(1, r[1:, None])[:, 0]
-        row = torch.cat([torch.zeros(1, dtype=torch.float64), lp]) * m
-        out = out.index_put((torch.tensor([i]), torch.arange(len(r))), row)
-    return out
+    return plain_rows(model, [r.tolist() for r in tree.rows], [t.tolist() for t in tree.trained])
 
 
 def _loss(W):

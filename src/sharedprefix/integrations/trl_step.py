@@ -139,18 +139,11 @@ def plan_window(trainer, model, micro_steps: range) -> Window | None:
     shared, own, plain = [], [], []
     for k in range(len(micro_steps)):
         part, kk = step.part_of(k)  # a step bounded by sharedprefix_step_cached_tokens may run in parts
-        splan, tree = part.splan, part.splan.tree
-        shared.append(splan.shared_tokens)
-        own.append(sum(sum(tree.segments[s].length for s in p.segments) for p in _passes(splan.microbatches[kk])))
-        view = splan.views[kk]
-        plain.append(sum(tree.segments[tree.rows[r].end].end for r in view.rows))
+        mine = part.splan.microbatch_plan(kk)
+        shared.append(part.splan.shared_tokens)
+        own.append(mine.tokens_computed)
+        plain.append(mine.plain_tokens)
     return Window(micro_steps, step, inputs, rows, shared, own, plain)
-
-
-def _passes(steps) -> list:
-    from sharedprefix.schedule.planner import Pass
-
-    return [s for s in steps if isinstance(s, Pass)]
 
 
 def check_rows(window: Window, k: int, input_ids, attention_mask, logits_to_keep) -> None:
@@ -180,9 +173,8 @@ def log_call(trainer, window: Window, k: int, first: bool) -> None:
     metrics["sharedprefix/tokens_computed"].append(float(computed))
     metrics["sharedprefix/tokens_plain"].append(float(window.plain[k]))
     part, kk = window.step.part_of(k)
-    metrics["sharedprefix/passes"].append(
-        float(len(_passes(part.splan.microbatches[kk])) + first * bool(part.splan.shared))
-    )
+    passes = len(part.splan.microbatch_plan(kk).passes) + first * len(part.splan.record)
+    metrics["sharedprefix/passes"].append(float(passes))
     metrics["sharedprefix/prefix_mode"].append(float(PREFIX_MODES.index(trainer._sp_mode)))
     add_tokens(trainer, computed, window.plain[k])
 

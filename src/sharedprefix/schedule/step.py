@@ -51,7 +51,7 @@ from sharedprefix.schedule.call_plan import CallPlan
 from sharedprefix.schedule.offload import OffloadHooks
 from sharedprefix.schedule.planner import Plan
 from sharedprefix.schedule.step_plan import StepPlan
-from sharedprefix.schedule.step_rules import OPEN, check_versions, refuse_hooks, versions
+from sharedprefix.schedule.step_rules import OPEN, check_index, check_versions, refuse_hooks, versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +126,7 @@ class Step:
         self._merged = False  # (``merge_held``)
 
     def microbatch(self, k: int) -> Microbatch:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self.views):
-            raise ValueError(
-                f"microbatch {k!r} of a step of {len(self.views)}; expected an int in [0, {len(self.views)})."
-            )
-        return Microbatch(self, k)
+        return Microbatch(self, check_index(k, len(self.views)))
 
     def __len__(self) -> int:
         return len(self.views)
@@ -203,7 +199,7 @@ class Step:
     def merge_held(self) -> None:
         """The gradients the earlier microbatches accumulated on the shared leaves, added to this call's (out of
         place: the held tensors stay as they were, for a failure's restore); once per call."""
-        if self._held is not None and not getattr(self, "_merged", False):
+        if self._held is not None and not self._merged:
             self.cache.merge_grads(self._held)
             self._merged = True
 
@@ -277,10 +273,16 @@ class Step:
         lockstep = detect(model, unwrap(model)).lockstep
         if not self.done or not (lockstep or (self.recorded and self.splan.shared)):
             return
+        self.shared_backward(model, 0, "recompute", sync=False)
+
+    def shared_backward(self, model, k: int, mode: str, sync: bool) -> None:
+        """The shared segments' backward (one round per recording pass, ``StepPlan.backward``) with the gradients on
+        their leaves, delivered into ``.grad`` as a call of microbatch ``k`` under prefix ``mode`` (nothing to compute
+        before they were recorded: a lockstep engine's rank then only takes part in the collectives)."""
         steps = list(self.splan.backward) if self.recorded else []
-        plan = Plan(self.splan.tree, steps, self.splan.max_tokens, self.views[0])
-        cp = dataclasses.replace(self.cp, plan=plan, step=StepCall(self, -1, frozenset()))
-        opts = self.cp.options.replace(prefix_activations="recompute", sync=False, entropy=False)
+        plan = Plan(self.splan.tree, steps, self.splan.max_tokens, self.views[k])
+        cp = dataclasses.replace(self.cp, plan=plan, step=StepCall(self, k, frozenset()))
+        opts = self.cp.options.replace(prefix_activations=mode, sync=sync, entropy=False)
         with torch.enable_grad():
             rounds.backward(model, cp, opts, no_rows)
 

@@ -10,9 +10,7 @@ import dataclasses
 
 import torch
 
-from sharedprefix.schedule import rounds
-from sharedprefix.schedule.planner import Plan
-from sharedprefix.schedule.step import Step, StepCall, no_rows
+from sharedprefix.schedule.step import Step
 
 
 def keeps_graph(step: Step, k: int) -> bool:
@@ -70,11 +68,7 @@ def after_backward(step: Step, model, k: int, marks: list) -> None:
         return
     try:
         if step.splan.shared:
-            plan = Plan(step.splan.tree, list(step.splan.backward), step.splan.max_tokens, step.views[k])
-            cp = dataclasses.replace(step.cp, plan=plan, step=StepCall(step, k, frozenset()))
-            opts = step.cp.options.replace(prefix_activations=step.mode, entropy=False)
-            with torch.enable_grad():
-                rounds.backward(model, cp, opts, no_rows)
+            step.shared_backward(model, k, step.mode, sync=step.cp.options.sync)
     except BaseException:
         step.done.discard(k)
         step.fail(model)

@@ -16,12 +16,13 @@ from sharedprefix.parallel.detect import detect
 from sharedprefix.parallel.tensor import step_refusal as tensor_step_refusal
 from sharedprefix.schedule.step import Microbatch, Step
 from sharedprefix.schedule.step_plan import StepPlan, plan_step
-from sharedprefix.schedule.step_rules import OPEN
+from sharedprefix.schedule.step_rules import OPEN, check_index
 
 
 def combine(microbatches) -> tuple[list[Group] | Tree, list[list[int]]]:
     """All rows of the step as one source (groups with the same prompt and prompt inputs merged into one group; a
-    ``Tree`` of every row) and, per microbatch, its rows' indices in that source's output rows, in its own order."""
+    ``Tree`` of every row) and, per microbatch, its rows' indices in that source's output rows, in its own order. The
+    source shares the caller's tensors: ``sp.plan_call`` plans a copy of it (``call.make_plan``)."""
     if isinstance(microbatches, (Tree, Group)) or not isinstance(microbatches, Sequence) or not microbatches:
         raise TypeError(
             f"microbatches is a {type(microbatches).__name__}; expected a non-empty list with one entry per microbatch "
@@ -39,8 +40,8 @@ def combine(microbatches) -> tuple[list[Group] | Tree, list[list[int]]]:
         members: list[list[int]] = []
         for m in microbatches:
             members.append(list(range(len(rows), len(rows) + len(m.rows))))
-            rows += [r.clone() for r in m.rows]
-            trained += [t.clone() for t in m.trained]
+            rows += m.rows
+            trained += m.trained
         return Tree(tuple(rows), tuple(trained)), members
     merged: dict[tuple, int] = {}
     prompts: list[Group] = []
@@ -58,9 +59,9 @@ def combine(microbatches) -> tuple[list[Group] | Tree, list[list[int]]]:
             gi = merged[key]
             for c in g.completions:
                 mine.append((gi, len(comps[gi])))
-                comps[gi].append(c.clone())
+                comps[gi].append(c)
         where.append(mine)
-    groups = [Group(g.prompt.clone(), cs, prompt_inputs=_copied(g.prompt_inputs)) for g, cs in zip(prompts, comps)]
+    groups = [Group(g.prompt, cs, prompt_inputs=g.prompt_inputs) for g, cs in zip(prompts, comps)]
     offset = [0]
     for cs in comps:
         offset.append(offset[-1] + len(cs))
@@ -80,12 +81,6 @@ def _group_key(g: Group) -> tuple:
         sorted((k, digest(v) if isinstance(v, torch.Tensor) else repr(v)) for k, v in (g.prompt_inputs or {}).items())
     )
     return digest(g.prompt), inputs
-
-
-def _copied(inputs):
-    if not inputs:
-        return inputs
-    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
 def refuse_engine(model) -> None:
@@ -172,9 +167,7 @@ class SplitStep:
         return sum(len(p) for p in self.parts)
 
     def microbatch(self, k: int) -> Microbatch:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(self):
-            raise ValueError(f"microbatch {k!r} of a step of {len(self)}; expected an int in [0, {len(self)}).")
-        part, local = self.part_of(k)
+        part, local = self.part_of(check_index(k, len(self)))
         return part.microbatch(local)
 
     def part_of(self, k: int) -> tuple[Step, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from sharedprefix.layout.tree import SegmentTree
 from sharedprefix.schedule.planner import Pass, Plan, PrefixBackward, ends_of, plan_units
@@ -20,7 +21,7 @@ class RowView:
     rows: tuple[int, ...]
     width: int
 
-    @property
+    @cached_property
     def local(self) -> dict[int, int]:
         return {r: i for i, r in enumerate(self.rows)}
 
@@ -42,6 +43,10 @@ class StepPlan:
     microbatches: tuple[tuple, ...]
     views: tuple[RowView, ...]
     max_tokens: int | None
+
+    def microbatch_plan(self, k: int) -> Plan:
+        """Microbatch ``k``'s own passes as a call's ``Plan`` over its rows (their tokens, plain tokens, passes)."""
+        return Plan(self.tree, list(self.microbatches[k]), self.max_tokens, self.views[k])
 
     @property
     def shared_tokens(self) -> int:

@@ -56,3 +56,10 @@ def check_other_step(model) -> None:
         return
     if any(p._version != v for p, v in step.versions):
         step.refuse_unfinished("this call (after the parameters changed)")
+
+
+def check_index(k, n: int) -> int:
+    """``k``, a microbatch's index in a step of ``n``; else a ``ValueError`` naming it."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
+        raise ValueError(f"microbatch {k!r} of a step of {n}; expected an int in [0, {n}).")
+    return k
