@@ -326,3 +326,22 @@ def test_zoo_hybrids_match_the_plain_forward_and_carry_every_state(entry):
                     assert float((sp.logprobs(model, gs).logprobs - ref).abs().max()) > 1e-6, slot
             finally:
                 cache_run.read_states = read
+
+
+def test_deferred_logprobs_backward_reads_the_groups_of_the_call():
+    """The cache path's deferred backward recomputes the forward from the groups: it reads its own copy of them, made
+    at the call, so that an in-place edit of the caller's token ids between the call and the backward (a reused
+    buffer) changes nothing, as in a plain run, whose graph holds what its forward read (the backward followed the
+    edit: a gradient 1.6 away, relative, silently)."""
+    model, gs = model_of("zaya"), groups_of()
+    w = _weights(reference("zaya+float64", model, gs, Float64Inside)[0].shape)
+    want = _grads(model, lambda: (sp.logprobs(model, gs, max_tokens=6, defer=True).logprobs * w).sum())
+
+    def edited_after_the_call():
+        loss = (sp.logprobs(model, gs, max_tokens=6, defer=True).logprobs * w).sum()
+        gs[0].prompt[1] = (gs[0].prompt[1] + 1) % model.config.vocab_size
+        gs[0].completions[0][0] = (gs[0].completions[0][0] + 1) % model.config.vocab_size
+        return loss
+
+    got = _grads(model, edited_after_the_call)
+    assert _grad_error(got, want) <= 1e-12

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sharedprefix.layout.groups import as_ids, check_all_in_vocab
+from sharedprefix.layout.groups import Group, as_ids, check_all_in_vocab
 
 
 def _as_mask(value, n: int, what: str) -> torch.Tensor:
@@ -94,3 +94,14 @@ class Tree:
         if not self.rows:
             raise ValueError("the tree has no rows (a shard with nothing on this rank?); expected at least one row.")
         check_all_in_vocab([(f"rows[{i}]", r) for i, r in enumerate(self.rows)], vocab_size)
+
+
+def copied(source):
+    """``source`` sharing no tensor with the caller's: a ``Tree``'s or each ``Group``'s copy (token ids and
+    ``prompt_inputs``); anything else as it is, for validation to refuse. What a call keeps to read later (a plan, a
+    deferred backward) is this copy, so that no in-place edit of the caller's tensors after the call reaches it."""
+    if isinstance(source, Tree):
+        return source.copy()
+    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
+        return [g.copy() if isinstance(g, Group) else g for g in source]
+    return source

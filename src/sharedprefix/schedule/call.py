@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sharedprefix.attention.kernels import select
-from sharedprefix.layout.groups import Group, validate_groups
+from sharedprefix.layout.groups import validate_groups
 from sharedprefix.layout.once import outside_inference_mode
-from sharedprefix.layout.rows import Tree
+from sharedprefix.layout.rows import Tree, copied
 from sharedprefix.model import mixers, router, streams
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.hooks import check_module_hooks
@@ -153,22 +153,12 @@ def make_plan(model, source, options: CallOptions, given: dict | None = None) ->
     checked by the public call; ``given``: the keywords ``sp.plan_call`` got); raises ``ValueError`` / ``TypeError``
     for what no call could run.
 
-    The plan is frozen when made: it plans a copy of ``source`` (``_copied``), so that no later in-place edit of the
-    caller's tensors reaches its calls (nor the backward of a deferred call), and it is built outside inference mode
-    (as are the rows packed from it at first use, ``RowCache``), so that calls with and without grad may use it
-    whatever mode it was made or first run in."""
+    The plan is frozen when made: it plans a copy of ``source`` (``layout.rows.copied``), so that no later in-place
+    edit of the caller's tensors reaches its calls (nor the backward of a deferred call); it is built outside
+    inference mode (as are the rows packed from it at first use, ``RowCache``), so that calls with and without grad
+    may use it whatever mode it was made or first run in."""
     with outside_inference_mode():
-        return _make_plan(model, _copied(source), options, given)
-
-
-def _copied(source):
-    """``source`` sharing no tensor with the caller's: a ``Tree``'s or each ``Group``'s copy (token ids and
-    ``prompt_inputs``); anything else as it is, for validation to refuse."""
-    if isinstance(source, Tree):
-        return source.copy()
-    if isinstance(source, Sequence) and not isinstance(source, (str, bytes)):
-        return [g.copy() if isinstance(g, Group) else g for g in source]
-    return source
+        return _make_plan(model, copied(source), options, given)
 
 
 def _make_plan(model, source, options: CallOptions, given: dict | None) -> CallPlan:

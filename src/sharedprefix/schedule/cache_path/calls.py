@@ -11,6 +11,7 @@ import contextlib
 import torch
 
 from sharedprefix.attention.kernels import select
+from sharedprefix.layout.rows import copied
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.support import inline_mixer_reason
 from sharedprefix.parallel.detect import detect
@@ -44,7 +45,8 @@ def hybrid_logprobs(model, groups, options: CallOptions) -> LogProbs:
     engine.agree_on_error(error)  # one process: the error is raised here as it is
     assert out is not None  # an error was raised above, on every rank
     if deferred:
-        return defer_logprobs(hybrid_backward, model, groups, out, options, engine=engine)
+        # the backward runs the forward again: from a copy of the groups, which no later edit of the caller's reaches
+        return defer_logprobs(hybrid_backward, model, copied(groups), out, options, engine=engine)
     return out
 
 
