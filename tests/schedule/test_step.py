@@ -174,6 +174,27 @@ def test_microbatch_run_twice_refused(model):
     model.zero_grad(set_to_none=True)
 
 
+def test_call_settings_of_a_microbatch(model):
+    """A microbatch's call may set what each call sets (temperature, entropies: the shared prompts' cache is the
+    same), exact against the plain rows at that temperature; a setting of the step's plan (the budget, the backend)
+    with another value is refused naming the step and sp.plan_step, and the refused call does not count as run."""
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+
+    def plain():
+        return sum((plain_logprobs(model, mb, temperature=0.7)[0] * W).sum() for mb, W in zip(mbs, Ws))
+
+    want = grads_of(model, plain)
+    model.zero_grad(set_to_none=True)
+    step = sp.plan_step(model, mbs)
+    with pytest.raises(ValueError, match=r"max_tokens=8 disagrees with the step's max_tokens=None.*sp.plan_step"):
+        sp.backward(model, step.microbatch(0), _loss(Ws[0]), max_tokens=8, temperature=0.7)
+    for k, W in enumerate(Ws):
+        sp.backward(model, step.microbatch(k), _loss(W), temperature=0.7, entropy=k == 1)
+    assert_grads_close(_grads(model), want, 1e-9)
+    model.zero_grad(set_to_none=True)
+
+
 def test_unfinished_step_named_by_the_next_step_and_call(model):
     mbs = _split_groups()
     Ws = _weights(mbs)

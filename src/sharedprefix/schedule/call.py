@@ -123,10 +123,15 @@ def _resolve(source, given: dict[str, Any], seq) -> tuple[dict[str, Any], frozen
             out[name] = mine
             taken.add(name)
         elif name in PLAN_FIELDS and not _same(out[name], mine):
+            what, remake = (
+                ("step", "sp.plan_step(model, microbatches")
+                if source.step
+                else ("CallPlan", "sp.plan_call(model, groups")
+            )
             raise ValueError(
-                f"{name}={value!r} disagrees with the CallPlan's {name}={mine!r}: a plan runs under the settings "
+                f"{name}={value!r} disagrees with the {what}'s {name}={mine!r}: a plan runs under the settings "
                 f"it was made with. Leave {name} out of this call (or pass {mine!r}), or make another plan with "
-                f"sp.plan_call(model, groups, {name}={value!r})."
+                f"{remake}, {name}={value!r})."
             )
     return out, frozenset(taken)
 
