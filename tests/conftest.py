@@ -4,7 +4,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# two threads in one process; under pytest-xdist (scripts/dev test runs the suite on as many workers as cores) the
+# cores are shared among the workers, so that they do not oversubscribe the machine
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 from transformers.utils import logging  # noqa: E402
 
