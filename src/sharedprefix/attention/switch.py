@@ -32,7 +32,7 @@ def _encoder_configs(model: torch.nn.Module) -> set[int]:
 def model_configs(model: torch.nn.Module) -> list[PreTrainedConfig]:
     seen, out = _encoder_configs(model), []
     for m in model.modules():
-        cfg = getattr(m, "config", None)
+        cfg = vars(m).get("config")  # an instance attribute (a getattr that misses raises in nn.Module.__getattr__)
         if isinstance(cfg, PreTrainedConfig) and id(cfg) not in seen:
             seen.add(id(cfg))
             out.append(cfg)

@@ -86,7 +86,10 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
         if mixers.on_packed_path(model):
             mixers.check_reachable(model)
     decoder(model)  # a decoder without position_ids is renumbered or refused in verify_head (positions.verify)
+    drops = [getattr(cfg, k, None) for k in ("layerdrop", "decoder_layerdrop")]  # and the modules' own copies
     for mod_name, mod in model.named_modules():
+        drops.append(vars(mod).get("layerdrop"))  # an instance attribute where a layer keeps one (a getattr that
+        # misses raises inside nn.Module.__getattr__: the slow part of this walk)
         if model.training and isinstance(mod, torch.nn.Dropout) and mod.p > 0:
             raise ValueError(
                 f"{name} is in training mode with dropout p={mod.p} at {mod_name}; a prompt shared by G completions "
@@ -99,8 +102,6 @@ def check_supported(model: PreTrainedModel, hybrid: bool = False) -> None:
             "attention dropout because the shared prompt would share one dropout draw. Set "
             "config.attention_dropout=0.0."
         )
-    drops = [getattr(cfg, k, None) for k in ("layerdrop", "decoder_layerdrop")]  # and the modules' own copies
-    drops += [getattr(m, "layerdrop", None) for m in model.modules()]
     drop = max((float(d) for d in drops if isinstance(d, (int, float)) and not isinstance(d, bool)), default=0.0)
     if model.training and drop > 0:
         raise ValueError(

@@ -72,8 +72,8 @@ def tensor_parallel_size(root: torch.nn.Module, model: torch.nn.Module | None = 
     tp = getattr(root, "_tp_size", None) or 1
     fsdp: set[int] | None = None  # the FSDP2 parameters, gathered at the first DTensor (none on the common path)
     for mname, module in root.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            if is_dtensor(p):
+        for pname, p in module._parameters.items():  # this module's own (named_parameters' per-module walk: slow)
+            if p is not None and is_dtensor(p):
                 fsdp = _fsdp_managed(model if model is not None else root) if fsdp is None else fsdp
                 _check_param(f"{mname}.{pname}" if mname else pname, p, module, id(p) in fsdp, tp)
     if tp > 1:
