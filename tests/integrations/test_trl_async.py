@@ -5,7 +5,9 @@ loss term ``compute_loss`` takes, the log-probs, entropies and parameter gradien
 (float64, 1e-9), also under a budget that splits a group. Slow: ``train()`` of ours against TRL's own trainer on CPU
 (stub rollout worker and weight sync, a reference kernel in place of FA3, a float64 head in place of TRL's float32
 one), with tree packing off and on, and under TRL's token-budget planner: the same parameters after two steps;
-in float32 within twice TRL's own error.
+in float32 within twice TRL's own error. Optimizer steps (``sharedprefix_step``): with groups split over micro-steps,
+the micro-steps of an optimizer step run as one step (each split prompt once), with the parameters of steps off and of
+TRL's trainer; the step's checks raise rather than train on another gradient; the fallbacks.
 """
 
 import contextlib
