@@ -87,8 +87,8 @@ class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
                 "sharedprefix_group_microbatches=True is a setting of SharedPrefixGRPOTrainer and "
                 "SharedPrefixRLOOTrainer: SharedPrefixAsyncGRPOTrainer forms no microbatches (TRL's token_budget "
                 "planner does, and this trainer computes the packed row it is given, its rows in TRL's order), so the "
-                "setting would be ignored. Leave it False; to compute a group's prompt once, give token_budget room "
-                "for a group's unique tokens and bound memory with sharedprefix_max_tokens (docs/trl.md)."
+                "setting would be ignored. Leave it False: with sharedprefix_step=True (the default) a group's prompt "
+                "is computed once per optimizer step whichever of its micro-steps its samples fall in (docs/trl.md)."
             )
         inner = unwrap(self.model)
         if getattr(self, "is_fsdp_enabled", False):
