@@ -5,7 +5,9 @@ loss term ``compute_loss`` takes, the log-probs, entropies and parameter gradien
 (float64, 1e-9), also under a budget that splits a group. Slow: ``train()`` of ours against TRL's own trainer on CPU
 (stub rollout worker and weight sync, a reference kernel in place of FA3, a float64 head in place of TRL's float32
 one), with tree packing off and on, and under TRL's token-budget planner: the same parameters after two steps;
-in float32 within twice TRL's own error.
+in float32 within twice TRL's own error. Optimizer steps (``sharedprefix_step``): with groups split over micro-steps,
+the micro-steps of an optimizer step run as one step (each split prompt once), with the parameters of steps off and of
+TRL's trainer; the step's checks raise rather than train on another gradient; the fallbacks.
 """
 
 import contextlib
@@ -258,3 +260,149 @@ def test_dropout_and_reentrant_budget_refused_when_built(setup, tmp_path):
     ):
         build(sharedprefix_max_tokens=10, gradient_checkpointing_kwargs={"use_reentrant": True})
     assert build(sharedprefix_max_tokens=10).model.config.attention_dropout == 0.0
+
+
+# -- optimizer steps: an optimizer step's micro-steps as one sp.plan_step step -------------------------------------
+
+STEP_CASES = {
+    "ga2": dict(gradient_accumulation_steps=2),
+    "ga4-budget10-recompute": dict(
+        gradient_accumulation_steps=4, sharedprefix_max_tokens=10, sharedprefix_prefix_activations="recompute"
+    ),
+    "ga4-graph": dict(gradient_accumulation_steps=4, gradient_checkpointing=False),
+}
+SPLIT = dict(per_device_train_batch_size=3)  # groups of 4 over microbatches of 3: every group split across two
+
+
+@pytest.fixture(scope="module")
+def trl_split_runs(setup):
+    """TRL's own float64 updates with groups split across micro-steps, per gradient_accumulation_steps, tree packing
+    off and on."""
+    return {
+        (ga, share): _run(
+            setup, AsyncGRPOTrainer, AsyncGRPOConfig, share=share, gradient_accumulation_steps=ga, **SPLIT
+        )
+        for ga in (2, 4)
+        for share in (False, True)
+    }
+
+
+def _spied_run(setup, monkeypatch, **settings):
+    """Our update, the kinds of source of the grad-enabled sp.logprobs calls, and the logged per-optimizer-step
+    tokens [(computed, plain)]."""
+    import sharedprefix as sp
+
+    calls, logprobs = [], sp.logprobs
+
+    def spy(model, source, **kw):
+        if torch.is_grad_enabled():
+            calls.append(type(source).__name__)
+        return logprobs(model, source, **kw)
+
+    monkeypatch.setattr(sp, "logprobs", spy)
+    trainer = stub.train(
+        stub.build(
+            SharedPrefixAsyncGRPOTrainer, SharedPrefixAsyncGRPOConfig, setup.path, setup.tok, setup.out.mktemp("run"),
+            setup.samples, **settings,
+        )
+    )  # fmt: skip
+    monkeypatch.setattr(sp, "logprobs", logprobs)
+    logged = [
+        (h["sharedprefix/step_tokens_computed"], h["sharedprefix/step_tokens_plain"])
+        for h in trainer.state.log_history
+        if "loss" in h
+    ]
+    return _deltas(trainer, setup.init), calls, logged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_optimizer_step_runs_as_one_step(setup, trl_split_runs, monkeypatch, case):
+    """float64, 2 optimizer steps of 2 or 4 micro-steps, groups of 4 over microbatches of 3 (each group's prompt in two
+    micro-steps): with steps on (the default) every policy call is a step's microbatch, each prompt is computed once
+    per optimizer step (fewer tokens than with steps off, the same plain tokens), and the parameters equal ours with
+    steps off and TRL's trainer's, packing off and on, to 1e-9 of the update."""
+    settings = {**SPLIT, **STEP_CASES[case]}
+    ga = settings["gradient_accumulation_steps"]
+    on, calls_on, tokens_on = _spied_run(setup, monkeypatch, **settings)
+    off, calls_off, tokens_off = _spied_run(setup, monkeypatch, sharedprefix_step=False, **settings)
+    assert calls_on and set(calls_on) == {"Microbatch"}, calls_on
+    assert calls_off and "Microbatch" not in calls_off, calls_off
+    assert len(tokens_on) == len(tokens_off) == 2  # one entry per optimizer step
+    for (computed, plain), (computed_off, plain_off) in zip(tokens_on, tokens_off):
+        assert plain == plain_off
+        assert computed <= computed_off - 12 * (ga - 1)  # a 12-token prompt once, not in each of ga micro-steps
+    plain_trl, tree_trl = trl_split_runs[(ga, False)], trl_split_runs[(ga, True)]
+    assert float(plain_trl.abs().max()) > 1e-2
+    assert _err(tree_trl, plain_trl) <= 1e-9
+    for want in (off, plain_trl, tree_trl):
+        assert _err(on, want) <= 1e-9
+
+
+class _Misfed(SharedPrefixAsyncGRPOTrainer):
+    """Runs micro-step 0 on micro-step 1's batch: other rows than its step planned for it."""
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        return super().training_step(model, self._sp_batches[1] if self._sp_t == 0 else inputs, num_items_in_batch)
+
+
+class _EarlySync(SharedPrefixAsyncGRPOTrainer):
+    """Synchronises gradients at micro-step 0, inside its optimizer step."""
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        if self._sp_t == 0:
+            self.accelerator.gradient_state._set_sync_gradients(True)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class _DetachedLoss(SharedPrefixAsyncGRPOTrainer):
+    """A loss that does not backpropagate through the log-probs (their microbatches' backward never runs)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        return loss.detach() + 0.0 * next(model.parameters()).sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "cls, match",
+    [
+        (_Misfed, r"the policy log-prob hook got rows \(.*\) other than those of micro-step 0's microbatch"),
+        (_EarlySync, r"micro-step 0 runs with accelerator.sync_gradients=True, but the optimizer step it belongs to "
+         r"ends at micro-step 1"),
+        (_DetachedLoss, r"the step over micro-steps \[0, 1\] did not finish at its last micro-step"),
+    ],
+)  # fmt: skip
+def test_step_checks_raise_rather_than_train_on_another_gradient(setup, tmp_path, cls, match):
+    """The checks around a step's micro-steps (shared with the synchronous trainers, ``trl_step``): the hook's rows
+    are the planned microbatch's, the accumulation boundary is where the step was planned, the step finished."""
+    trainer = stub.build(
+        cls, SharedPrefixAsyncGRPOConfig, setup.path, setup.tok, tmp_path, setup.samples, max_steps=1, **SPLIT
+    )
+    with pytest.raises(RuntimeError, match=match):
+        stub.train(trainer)
+
+
+@pytest.mark.slow
+def test_steps_fall_back_with_their_reason(setup, tmp_path, monkeypatch, caplog):
+    """Reentrant gradient checkpointing (a step's cached prompts would get no gradient) runs each micro-step on its
+    own, saying why once; a single micro-step per optimizer step plans no step; TRL's own AsyncGRPOConfig plans
+    steps (the default)."""
+    import logging
+
+    import sharedprefix as sp
+
+    planned, plan_step = [], sp.plan_step
+    monkeypatch.setattr(sp, "plan_step", lambda *a, **kw: planned.append(1) or plan_step(*a, **kw))
+    build = lambda cfg_cls, **kw: stub.build(  # noqa: E731
+        SharedPrefixAsyncGRPOTrainer, cfg_cls, setup.path, setup.tok, tmp_path / str(len(planned)), setup.samples,
+        max_steps=1, **SPLIT, **kw,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="sharedprefix.integrations.trl_step"):
+        stub.train(build(SharedPrefixAsyncGRPOConfig, gradient_checkpointing_kwargs={"use_reentrant": True}))
+    assert planned == []
+    assert [r for r in caplog.records if "use_reentrant=True" in r.getMessage()], caplog.records
+    stub.train(build(SharedPrefixAsyncGRPOConfig, gradient_accumulation_steps=1))
+    assert planned == []
+    stub.train(build(AsyncGRPOConfig))
+    assert planned == [1]

@@ -68,7 +68,18 @@ MIRRORED = {
     async_grpo_trainer.AsyncGRPOTrainer.compute_loss: (
         "5c0c485d130acb07",
         "SharedPrefixAsyncGRPOTrainer's PackedForward: the keyword arguments compute_loss calls its model with and the "
-        "output fields it reads (log_probs, entropy, aux_loss)",
+        "output fields it reads (log_probs, entropy, aux_loss); trl_async_layout.packed_inputs builds them from a "
+        "batch as it does (the step of an optimizer step is planned from them)",
+    ),
+    async_grpo_trainer.AsyncGRPOTrainer.training_step: (
+        "6232f9f9ba0198bf",
+        "SharedPrefixAsyncGRPOTrainer.training_step wraps it (one micro-step of an optimizer step's window, "
+        "integrations.trl_step): it must run one compute_loss and one backward per call",
+    ),
+    async_grpo_trainer.AsyncGRPOTrainer.get_train_dataloader: (
+        "2950938428f1c183",
+        "one micro-batch per dataloader item, fresh samples each (no generation batch reused over micro-steps): "
+        "why an async optimizer step's micro-steps are one window (integrations.trl_async)",
     ),
     packing.TreeRow.pack: (
         "c33de3e4ab8253f0",
@@ -119,3 +130,18 @@ def test_async_trainer_attributes_we_read_exist():
             f"AsyncGRPOTrainer.__init__ no longer sets {name}; SharedPrefixAsyncGRPOTrainer reads it."
         )
     assert "get_peak_flops_per_device(self.accelerator" in src
+
+
+def test_transformers_fetches_an_optimizer_steps_batches_before_its_micro_steps():
+    """SharedPrefixAsyncGRPOTrainer plans an optimizer step's micro-steps from the batches transformers'
+    ``get_batch_samples`` fetched for it, which must come before the step's first ``training_step``."""
+    import transformers
+
+    src = inspect.getsource(transformers.Trainer._run_epoch)
+    fetch, step = src.find("self.get_batch_samples(epoch_iterator, num_batches"), src.find("self.training_step(")
+    assert 0 <= fetch < step, (
+        f"transformers {transformers.__version__}'s Trainer._run_epoch no longer fetches an optimizer step's batches "
+        "with get_batch_samples before its training_step calls; re-check "
+        "SharedPrefixAsyncGRPOTrainer.get_batch_samples "
+        "and re-run tests/integrations/test_trl_async.py."
+    )

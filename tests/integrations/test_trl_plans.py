@@ -95,17 +95,25 @@ def test_grpo_plans_once_per_batch_over_several_microbatches(tmp_path, monkeypat
 
 def test_async_trainer_plans_each_packed_row_once(tmp_path, monkeypatch):
     """AsyncGRPOTrainer has no old-policy or reference pass (the rollout worker's log-probs are the old ones): each
-    micro-step computes one packed row of 8 samples (2 groups of 4), planned once. 2 optimizer steps of 2 micro-steps:
-    4 calls, 4 plans; and each step's log says what sharedprefix computed."""
+    micro-step computes one packed row of 8 samples (2 groups of 4). 2 optimizer steps of 2 micro-steps: with steps
+    off, 4 calls, 4 plans; with steps (the default), one plan per optimizer step of its 2 packed rows, its micro-steps
+    called on the step's microbatches; each step's log says what sharedprefix computed."""
     plannings, calls = _count(monkeypatch)
     tok = build_tokenizer()
     path = stub.save_tiny_qwen3(tmp_path / "init", len(tok))
     samples = stub.rollouts(len(tok), 12, 4, 12, (2, 6))  # prompts of 12 tokens, completions of 2 to 6
     cls = (SharedPrefixAsyncGRPOTrainer, SharedPrefixAsyncGRPOConfig)
     settings = dict(sharedprefix_max_tokens=10, sharedprefix_prefix_activations="recompute")
-    trainer = stub.train(stub.build(*cls, path, tok, tmp_path / "out", samples, torch.float32, **settings))
+    off = dict(settings, sharedprefix_step=False)
+    trainer = stub.train(stub.build(*cls, path, tok, tmp_path / "off", samples, torch.float32, **off))
     assert [c.planned for c in calls] == [True] * 4
     assert plannings == [8] * 4
+    _assert_logged(trainer, passes_above=1)
+    del calls[:], plannings[:]
+    steps, plan_step = [], sp.plan_step
+    monkeypatch.setattr(sp, "plan_step", lambda m, mbs, **kw: steps.append(len(mbs)) or plan_step(m, mbs, **kw))
+    trainer = stub.train(stub.build(*cls, path, tok, tmp_path / "on", samples, torch.float32, **settings))
+    assert [c.planned for c in calls] == [False] * 4 and plannings == [] and steps == [2, 2]
     _assert_logged(trainer, passes_above=1)
 
 

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -65,21 +66,16 @@ from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked
 from sharedprefix.integrations.trl_step import (
     StepState,
     add_tokens,
-    check_rows,
-    flush_tokens,
-    log_call,
-    log_off_once,
-    off_reason,
+    enter_micro_step,
     plan_window,
+    run_micro_step,
+    step_logprobs,
     window_of,
 )
 from sharedprefix.model import router
 from sharedprefix.model.adapter import mark_float32_head, unwrap
-from sharedprefix.model.forward_mode import uses_checkpointing
 from sharedprefix.model.mixers import on_cache_path
 from sharedprefix.model.support import inline_mixer_reason
-from sharedprefix.parallel.detect import detect
-from sharedprefix.schedule.step_graph import keeps_graph
 
 __all__ = [
     "SharedPrefixGRPOConfig",
@@ -301,35 +297,11 @@ class SharedPrefixHooks:
 
     def _step_logprobs(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
         """The policy log-probs of the micro-step running now, microbatch k of its window's step
-        (``integrations.trl_step``): deferred, the shared prompts read from the step's cache."""
-        state = self._sp_step
-        w, k = state.window, state.current
-        if unwrap(model) is not w.step.inner():  # (a SplitStep's parts share one model)
-            raise RuntimeError(
-                f"the log-prob hook ran with grad enabled on {type(unwrap(model)).__name__}, not the policy model the "
-                "micro-step's step was planned on; TRL computes only the policy's log-probs with grad. Set "
-                "sharedprefix_step=False to run each microbatch on its own."
-            )
-        check_rows(w, k, input_ids, attention_mask, logits_to_keep)
-        part, kk = w.step.part_of(k)
-        first = not part.recorded  # this call records the step's (or its part's) shared segments
-        # one process without checkpointing: the graph kept (TRL backpropagates with loss.backward()), no second
-        # forward; else deferred (DDP synchronises, checkpointing recomputes inside sharedprefix's backward)
-        inner = unwrap(model)
-        graph = keeps_graph(part, kk) and not detect(model, inner).must_defer and not uses_checkpointing(inner)
-        with self.accelerator.autocast():  # as TRL's own forward
-            out = sp.logprobs(
-                model,
-                w.step.microbatch(k),
-                temperature=self.temperature,
-                entropy=compute_entropy,
-                grad_reduction="mean",
-                **({"defer": False} if graph else {}),
-            )  # TRL's losses are per-rank means, averaged as DDP does
-        log_call(self, w, k, first)
+        (``integrations.trl_step``): the shared prompts read from the step's cache."""
+        out, tr = step_logprobs(self, model, (input_ids, attention_mask, logits_to_keep), compute_entropy)
         B, C = input_ids.shape[0], logits_to_keep
-        lp = to_rows(out.logprobs, w.rows[k], B, C)
-        ent = to_rows(out.entropy, w.rows[k], B, C) if compute_entropy else None
+        lp = to_rows(out.logprobs, tr, B, C)
+        ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
         return lp, _entropy_graph(self, ent), None
 
     # -- microbatches: TRL's, or whole groups under sharedprefix_group_microbatches --------------------------------
@@ -355,61 +327,20 @@ class SharedPrefixHooks:
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
 
     def _begin_micro_step(self):
-        """Micro-step ``self._step``: plan its window's step at the window's first micro-step, check the accumulation
-        boundary, and point the hook at its microbatch (``state.current``); outside a window of two or more
-        micro-steps, or where steps are off, the hook runs per microbatch."""
+        """Micro-step ``self._step``: its window (the micro-steps of its optimizer step from its generation batch,
+        ``window_of``) planned at the window's first micro-step, the accumulation boundary checked, the hook pointed
+        at its microbatch (``trl_step.enter_micro_step``)."""
         state, t = self._sp_step, self._step
-        state.current = None
         if state.update_start is None or state.update_start > t:
             state.update_start = t
         size = getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps
         micro = window_of(t, state.update_start, size, self.args.steps_per_generation, self.num_iterations)
-        if len(micro) < 2:
-            return
         model = self.model_wrapped if self.model_wrapped is not None else self.model
-        if t == micro.start:
-            state.window = None
-            if state.off is None:
-                state.off = off_reason(self, model)
-                log_off_once(self, state.off)
-            if state.off:
-                return
-            state.window = plan_window(self, model, micro)
-        w = state.window
-        if w is None or w.micro_steps != micro:
-            return
-        last = state.update_start + size - 1
-        if bool(self.accelerator.sync_gradients) != (t == last):
-            raise RuntimeError(
-                f"micro-step {t} runs with accelerator.sync_gradients={self.accelerator.sync_gradients}, but the "
-                f"optimizer step it belongs to ends at micro-step {last} (started at {state.update_start}, "
-                f"{size} micro-steps): the accumulation boundary is not where sharedprefix planned its step over "
-                f"micro-steps {list(micro)}, so the step's shared prompts could miss the optimizer step. Set "
-                "sharedprefix_step=False (each microbatch on its own) and report this setting."
-            )
-        state.current = w.k(t)
+        enter_micro_step(self, model, t, micro, state.update_start + size - 1, lambda: plan_window(self, model, micro))
 
     def training_step(self, model, inputs, num_items_in_batch):
-        """TRL's micro-step; after it, a window's step must have finished at the window's last micro-step, and at an
-        optimizer step's last micro-step its policy tokens are logged (``trl_step.flush_tokens``)."""
-        state, t = self._sp_step, self._step
-        try:
-            out = super().training_step(model, inputs, num_items_in_batch)
-        finally:
-            state.current = None
-        w = state.window
-        if w is not None and t == w.micro_steps[-1]:
-            state.window = None
-            if w.step.state != "finished":
-                raise RuntimeError(
-                    f"the step over micro-steps {list(w.micro_steps)} did not finish at its last micro-step (state "
-                    f"{w.step.state!r}, microbatches {w.step.missing} never ran their backward): TRL's loss did not "
-                    "backpropagate through their log-probs. Set sharedprefix_step=False."
-                )
-        if self.accelerator.sync_gradients:
-            state.update_start = t + 1
-            flush_tokens(self)
-        return out
+        """TRL's micro-step, checked and logged by ``trl_step.run_micro_step``."""
+        return run_micro_step(self, self._step, partial(super().training_step, model, inputs, num_items_in_batch))
 
 
 class SharedPrefixGRPOTrainer(SharedPrefixHooks, GRPOTrainer):

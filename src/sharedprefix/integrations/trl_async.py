@@ -11,6 +11,17 @@ checkpointing on, TRL's default) the values are deferred (``sp.logprobs(defer=Tr
 runs ``sp.backward`` under the budget with the per-token gradients, so a group larger than the budget computes its
 prompt once and its completions in several passes, exactly.
 
+Optimizer steps (``sharedprefix_step``, the default; ``integrations.trl_step``): TRL 1.16's async trainer has no
+generation batch and no ``num_iterations``; its planner (``TokenBudgetBatcher`` or ``FixedCountBatcher``) yields one
+micro-batch of fresh samples at a time (a group split over two when it does not fit), transformers'
+``_inner_training_loop`` fetches an optimizer step's ``gradient_accumulation_steps`` of them with
+``get_batch_samples`` before the first runs, and the parameters change only at ``optimizer.step()`` after the last
+(the weight sync to vLLM copies them out). So an optimizer step's micro-steps are one window: ``get_batch_samples`` is
+overridden to keep the fetched batches, and ``training_step`` plans them as one ``sp.plan_step`` step at the first
+micro-step, each batch's packed row read as ``compute_loss`` reads it (``trl_async_layout.packed_inputs``); each
+micro-step's stand-in call is ``sp.logprobs(model, step.microbatch(k))``, so a prompt whose samples fall in two
+micro-steps of one optimizer step is computed once. The checks and the fallback are the synchronous trainers'.
+
 The model's own attention is switched from TRL's ``tree_fa3`` to ``sdpa`` (``eager`` where the model has no sdpa):
 nothing calls the model's forward with tree tensors any more, and sharedprefix's once-per-model head check runs the
 model's own forward on a plain row. Refused when built, each with the setting that removes it: an MoE
@@ -18,8 +29,8 @@ load-balancing loss (TRL's is taken over the packed row's unique tokens, which n
 FSDP (grad-enabled ``sp.logprobs`` is refused under FSDP2), fp16 loss scaling, ``neftune_noise_alpha``, what
 ``check_supported`` refuses in eval or in training mode (dropout: TRL trains in training mode), reentrant gradient
 checkpointing with a ``sharedprefix_max_tokens`` budget (``trl_checks``), and ``sharedprefix_group_microbatches=True``
-(nothing here forms or reorders microbatches: TRL's ``token_budget`` planner does, and the packed row is computed as
-given). TRL's own ``AsyncGRPOConfig`` is accepted (``trl_settings.setting``).
+(nothing here forms or reorders microbatches: TRL's ``token_budget`` planner does, and each packed row is computed
+as given). TRL's own ``AsyncGRPOConfig`` is accepted (``trl_settings.setting``).
 
 Notation: N = packed tokens of a rank's row, R = its leaf rows (samples up to identical ones), L = longest row.
 """
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -35,9 +47,18 @@ from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer, async
 
 import sharedprefix as sp
 from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
-from sharedprefix.integrations.trl_async_layout import packed_tree, to_packed
+from sharedprefix.integrations.trl_async_layout import packed_inputs, packed_tree, to_packed
 from sharedprefix.integrations.trl_checks import check_neftune, check_reentrant_budget, check_training_noise
 from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked_settings, setting
+from sharedprefix.integrations.trl_step import (
+    StepState,
+    Window,
+    add_tokens,
+    enter_micro_step,
+    make_window,
+    run_micro_step,
+    step_logprobs,
+)
 from sharedprefix.model.adapter import unwrap
 
 __all__ = ["PackedForward", "SharedPrefixAsyncGRPOConfig", "SharedPrefixAsyncGRPOTrainer"]
@@ -58,13 +79,16 @@ class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
             super().__init__(*args, **kwargs)
         self._sp_budget, self._sp_mode = checked_settings(self)
         self._sp_plans = PlanCache(capacity=plan_capacity(self))
+        self._sp_step = StepState()
+        self._sp_t = 0  # micro-steps trained so far (TRL's async trainer counts none)
+        self._sp_batches: list[dict] = []  # the batches of the optimizer step under way, as transformers fetched them
         if setting(self.args, "sharedprefix_group_microbatches"):
             raise ValueError(
                 "sharedprefix_group_microbatches=True is a setting of SharedPrefixGRPOTrainer and "
                 "SharedPrefixRLOOTrainer: SharedPrefixAsyncGRPOTrainer forms no microbatches (TRL's token_budget "
                 "planner does, and this trainer computes the packed row it is given, its rows in TRL's order), so the "
-                "setting would be ignored. Leave it False; to compute a group's prompt once, give token_budget room "
-                "for a group's unique tokens and bound memory with sharedprefix_max_tokens (docs/trl.md)."
+                "setting would be ignored. Leave it False: with sharedprefix_step=True (the default) a group's prompt "
+                "is computed once per optimizer step whichever of its micro-steps its samples fall in (docs/trl.md)."
             )
         inner = unwrap(self.model)
         if getattr(self, "is_fsdp_enabled", False):
@@ -89,6 +113,34 @@ class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         return super().compute_loss(PackedForward(self, model), inputs, return_outputs, num_items_in_batch)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """transformers' fetch of one optimizer step's batches (one per micro-step), before the first of them runs:
+        kept, so that the step's micro-steps can be planned as one ``sp.plan_step`` step; the next micro-step starts
+        the optimizer step."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._sp_batches = list(batches)
+        self._sp_step.update_start = self._sp_t
+        return batches, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        """TRL's micro-step; its optimizer step's micro-steps are one window (``trl_step.enter_micro_step``, planned
+        at the first from the fetched batches), checked and logged by ``trl_step.run_micro_step``."""
+        t, start = self._sp_t, self._sp_step.update_start
+        micro = range(start, start + len(self._sp_batches)) if start is not None else range(t, t + 1)
+        if t not in micro:  # a micro-step transformers did not fetch with an optimizer step: on its own
+            micro = range(t, t + 1)
+        model.train()  # as transformers' training_step does first: the step is planned, and checked, as trained
+        enter_micro_step(self, model, t, micro, micro[-1], lambda: self._plan_window(model, micro))
+        self._sp_t += 1
+        return run_micro_step(self, t, partial(super().training_step, model, inputs, num_items_in_batch))
+
+    def _plan_window(self, model, micro: range) -> Window:
+        """The step of the optimizer step's micro-steps ``micro`` on ``model``: each fetched batch's packed row, as
+        ``compute_loss`` will pass it, as a tree (``trl_async_layout``)."""
+        inputs = [packed_inputs(b) for b in self._sp_batches]
+        rows = [packed_tree(*x) for x in inputs]
+        return make_window(self, model, micro, inputs, rows, [r.tree for r in rows])
 
 
 @contextmanager
@@ -136,6 +188,19 @@ class PackedForward:
             )
         t = self.trainer
         tensors = (input_ids, position_ids, shift_labels, tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k)
+        state = getattr(t, "_sp_step", None)  # None on a stand-in that has only what the hook reads
+        if torch.is_grad_enabled() and state is not None and state.current is not None:
+            out, pt = step_logprobs(t, self.model, tensors, entropy=True)  # its microbatch of the optimizer step
+        else:
+            out, pt = self._call(tensors, policy=torch.is_grad_enabled() and state is not None)
+        # TRL reads the entropies for its metrics only
+        entropy = None if out.entropy is None else to_packed(out.entropy.detach(), pt)
+        return SimpleNamespace(log_probs=to_packed(out.logprobs, pt), entropy=entropy, aux_loss=None)
+
+    def _call(self, tensors, policy: bool):
+        """The packed row as a call of its own (each prompt once in it); ``policy``: a training micro-step's pass,
+        whose tokens count in its optimizer step's (``trl_step.add_tokens``)."""
+        t = self.trainer
         source, pt = t._sp_plans.lookup(  # planned once per packed row, whatever the calls on it
             self.model, tensors, (), lambda: ((p := packed_tree(*tensors)).tree, p), max_tokens=t._sp_budget
         )
@@ -153,6 +218,6 @@ class PackedForward:
                 aux_loss=False,  # refused at construction
             )
         log_plan(t, source, "train" if self.model.training else "eval")  # into TRL's own metrics
-        # TRL reads the entropies for its metrics only
-        entropy = None if out.entropy is None else to_packed(out.entropy.detach(), pt)
-        return SimpleNamespace(log_probs=to_packed(out.logprobs, pt), entropy=entropy, aux_loss=None)
+        if policy and isinstance(source, sp.CallPlan):
+            add_tokens(t, source.plan.tokens_computed, source.plan.plain_tokens)
+        return out, pt

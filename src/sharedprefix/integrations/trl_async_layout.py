@@ -104,6 +104,19 @@ def packed_tree(
     return PackedTree(sp.Tree.from_rows(rows, trained), positions, owner[positions], index[positions] + 1, n)
 
 
+TREE_KEYS = ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
+
+
+def packed_inputs(batch: dict) -> tuple[torch.Tensor, ...]:
+    """One micro-step's batch (this rank's row of TRL's collated micro-batch, padded to the longest rank's) -> the
+    (input_ids, position_ids, shift_labels, tree_kv_index, tree_cu_seqlens_q, tree_cu_seqlens_k) that
+    ``AsyncGRPOTrainer.compute_loss`` passes its model, built as it builds them: the padding stripped by
+    ``attention_mask``, the tree tensors' -1 padding dropped."""
+    mask = batch["attention_mask"].bool()
+    row = tuple(batch[key][mask].unsqueeze(0) for key in ("input_ids", "position_ids", "shift_labels"))
+    return row + tuple(batch[key][batch[key] >= 0] for key in TREE_KEYS)
+
+
 def to_packed(values: torch.Tensor, pt: PackedTree) -> torch.Tensor:
     """(R, L) values aligned with the tree's rows -> (1, N) on the packed positions, zero where nothing is labelled
     (as TRL's fused head gives them); differentiable."""

@@ -36,9 +36,10 @@ class SharedPrefixSettings:
             batch, and either an optimizer step inside a generation batch or a loss normalised per microbatch);
             the trainer warns when built with it on in that case.
         sharedprefix_step: True (default): the micro-steps of one optimizer step that come from one generation batch
-            run their policy passes as one ``sp.plan_step`` step (``integrations.trl_step``): each prompt computed
-            once per optimizer step, TRL's microbatches kept, the same parameters. False: each microbatch's policy
-            pass on its own (each prompt once per microbatch it has rows in).
+            (the asynchronous trainer: all of them) run their policy passes as one ``sp.plan_step`` step
+            (``integrations.trl_step``): each prompt computed once per optimizer step, TRL's microbatches kept, the
+            same parameters. False: each microbatch's policy pass on its own (each prompt once per microbatch it has
+            rows in).
         sharedprefix_step_cached_tokens: the most tokens of shared prompts one step holds between its micro-steps
             (``sp.plan_step``'s ``max_cached_tokens``). None (default): no bound. A step that would hold more runs as
             consecutive parts within the bound (each part computes its shared prompts once), which the logged

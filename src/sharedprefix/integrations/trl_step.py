@@ -1,5 +1,8 @@
-"""The policy passes of one optimizer step as one ``sp.plan_step`` step, for the synchronous TRL trainers
-(``integrations.trl``): each prompt computed once per optimizer step, TRL's own microbatches kept.
+"""The policy passes of one optimizer step as one ``sp.plan_step`` step, for the TRL trainers (the synchronous ones,
+``integrations.trl``, and the asynchronous one, ``integrations.trl_async``): each prompt computed once per optimizer
+step, TRL's own microbatches kept. The window, its plan (``make_window``), the hooks' step call (``step_logprobs``)
+and the checks around a micro-step (``enter_micro_step``, ``run_micro_step``) are shared; each trainer says which
+micro-steps form a window and how its microbatches' rows are read.
 
 TRL 1.16 (``GRPOTrainer``, ``RLOOTrainer``): ``training_step`` runs ``_prepare_inputs`` and the loss, then increments
 ``_step`` (micro-steps, counted from 0 over the whole run); ``_prepare_inputs`` regenerates every ``steps_per_generation
@@ -11,15 +14,19 @@ A *window* is the micro-steps of one optimizer step that come from one generatio
 generation start), min(update end, generation end))``; the update's start is where the last synchronised micro-step
 left off (``StepState.update_start``). A window of two or more micro-steps is planned as one step at its first
 micro-step, from the buffered microbatches' rows as TRL's ``_compute_loss`` builds them (``tree_rows``); each of its
-micro-steps' policy pass is ``sp.logprobs(model, step.microbatch(k))`` (deferred; the shared prompts' backward runs
-inside the window's last micro-step's backward). With ``num_iterations`` > 1 and ``gradient_accumulation_steps`` >
-``steps_per_generation`` one buffered microbatch appears twice in a window: two microbatches of the step with the same
-rows, as in TRL's two micro-steps.
+micro-steps' policy pass is ``sp.logprobs(model, step.microbatch(k))`` (``step_logprobs``; the shared prompts'
+backward runs inside the window's last micro-step's backward). With ``num_iterations`` > 1 and
+``gradient_accumulation_steps`` > ``steps_per_generation`` one buffered microbatch appears twice in a window: two
+microbatches of the step with the same rows, as in TRL's two micro-steps.
 
 Checked, each a ``RuntimeError`` rather than a wrong gradient: the hook's rows equal the planned microbatch's
 (``check_rows``), ``accelerator.sync_gradients`` is True at the update's last micro-step and nowhere else inside a
 window, and the step finished at the window's last micro-step. Where a step cannot run (``off_reason``) the trainer
 calls the hook per microbatch, as with ``sharedprefix_step=False``, and logs why once.
+
+The asynchronous trainer (TRL 1.16's ``AsyncGRPOTrainer``) has no generation batches: every micro-step trains samples
+of its own, fetched with the rest of its optimizer step by transformers' ``get_batch_samples`` before the first runs,
+so its window is the whole optimizer step (``trl_async``).
 
 Notation: K = micro-steps of a window, B = rows of a microbatch, C = completion columns.
 """
@@ -27,20 +34,36 @@ Notation: K = micro-steps of a window, B = rows of a microbatch, C = completion 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 import sharedprefix as sp
-from sharedprefix.integrations.trl_batch import MULTIMODAL, TreeRows, tree_rows
+from sharedprefix.integrations.trl_batch import MULTIMODAL, tree_rows
 from sharedprefix.model.adapter import unwrap
-from sharedprefix.model.forward_mode import uses_reentrant_checkpointing
+from sharedprefix.model.forward_mode import uses_checkpointing, uses_reentrant_checkpointing
+from sharedprefix.parallel.detect import detect
 from sharedprefix.schedule.results import PREFIX_MODES
+from sharedprefix.schedule.step_graph import keeps_graph
 from sharedprefix.schedule.step_make import refuse_engine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepState", "Window", "check_rows", "off_reason", "window_of"]
+__all__ = [
+    "StepState",
+    "Window",
+    "add_tokens",
+    "check_rows",
+    "enter_micro_step",
+    "make_window",
+    "off_reason",
+    "plan_window",
+    "run_micro_step",
+    "step_logprobs",
+    "window_of",
+]
 
 
 def window_of(t: int, update_start: int, update_size: int, steps_per_generation: int, num_iterations: int) -> range:
@@ -54,16 +77,19 @@ def window_of(t: int, update_start: int, update_size: int, steps_per_generation:
 
 @dataclass
 class Window:
-    """One window's step: ``micro_steps`` (TRL's ``_step`` values), ``step`` (``sp.Step``, or an ``sp.SplitStep``
-    under ``sharedprefix_step_cached_tokens``; one microbatch per micro-step), per microbatch its hook ``inputs``
-    (input_ids (B, L), attention_mask (B, L), logits_to_keep) and its ``rows`` (``TreeRows``, for ``to_rows``); token
-    counts from the plan: ``shared[k]`` (the shared segments of microbatch k's step or part, computed once by its first
-    call), ``own[k]`` (microbatch k's own passes), ``plain[k]`` (a plain per-row forward of its rows)."""
+    """One window's step: ``micro_steps`` (the trainer's micro-step numbers), ``step`` (``sp.Step``, or an
+    ``sp.SplitStep`` under ``sharedprefix_step_cached_tokens``; one microbatch per micro-step), per microbatch its
+    hook's ``inputs`` (what the policy pass is called with, tensors and ints: input_ids (B, L), attention_mask (B, L),
+    logits_to_keep for the synchronous trainers; the packed row and its tree tensors for the asynchronous one; for
+    ``check_rows``) and its ``rows`` (how its tree's rows map back onto the hook's layout: ``TreeRows`` for
+    ``to_rows``, ``PackedTree`` for ``to_packed``); token counts from the plan: ``shared[k]`` (the shared segments of
+    microbatch k's step or part, computed once by its first call), ``own[k]`` (microbatch k's own passes),
+    ``plain[k]`` (a plain per-row forward of its rows)."""
 
     micro_steps: range
     step: sp.Step
-    inputs: list[tuple[torch.Tensor, torch.Tensor, int]]
-    rows: list[TreeRows]
+    inputs: list[tuple]
+    rows: list[Any]
     shared: list[int]
     own: list[int]
     plain: list[int]
@@ -115,8 +141,8 @@ def off_reason(trainer, model) -> str:
 
 
 def plan_window(trainer, model, micro_steps: range) -> Window | None:
-    """The step of ``micro_steps`` on ``model``, planned from ``trainer._buffered_inputs``; None where a microbatch
-    holds images (planned per microbatch)."""
+    """The step of ``micro_steps`` on ``model``, planned from ``trainer._buffered_inputs`` (the synchronous trainers);
+    None where a microbatch holds images (planned per microbatch)."""
     spg = trainer.args.steps_per_generation
     inputs, rows = [], []
     for u in micro_steps:
@@ -129,9 +155,15 @@ def plan_window(trainer, model, micro_steps: range) -> Window | None:
         logits_to_keep = completion_ids.size(1)
         inputs.append((input_ids, attention_mask, logits_to_keep))
         rows.append(tree_rows(input_ids, attention_mask, logits_to_keep))
+    return make_window(trainer, model, micro_steps, inputs, rows, [r.tree for r in rows])
+
+
+def make_window(trainer, model, micro_steps: range, inputs: list[tuple], rows: list, trees: list[sp.Tree]) -> Window:
+    """The ``Window`` of ``micro_steps`` on ``model``: ``trees`` (one per micro-step) planned as one ``sp.plan_step``
+    step under the trainer's settings; ``inputs`` and ``rows`` as ``Window`` keeps them."""
     step = sp.plan_step(
         model,
-        [r.tree for r in rows],
+        trees,
         max_tokens=trainer._sp_budget,
         prefix_activations=trainer._sp_mode,
         max_cached_tokens=getattr(trainer.args, "sharedprefix_step_cached_tokens", None),
@@ -146,23 +178,115 @@ def plan_window(trainer, model, micro_steps: range) -> Window | None:
     return Window(micro_steps, step, inputs, rows, shared, own, plain)
 
 
-def check_rows(window: Window, k: int, input_ids, attention_mask, logits_to_keep) -> None:
-    """Raise unless the hook's rows are microbatch ``k``'s of ``window`` (what its step planned)."""
-    ids, mask, keep = window.inputs[k]
-    same = (
-        keep == logits_to_keep
-        and ids.shape == input_ids.shape
-        and torch.equal(ids, input_ids.to(ids.device))
-        and torch.equal(mask, attention_mask.to(mask.device))
-    )
-    if not same:
+def check_rows(window: Window, k: int, got: tuple) -> None:
+    """Raise unless the hook's inputs ``got`` are microbatch ``k``'s of ``window`` (what its step planned)."""
+    want = window.inputs[k]
+    if len(got) != len(want) or not all(_same(a, b) for a, b in zip(want, got)):
         raise RuntimeError(
-            f"the policy log-prob hook got rows (input_ids {tuple(input_ids.shape)}, logits_to_keep={logits_to_keep}) "
-            f"other than those of micro-step {window.micro_steps.start + k}'s microbatch, which its optimizer step "
-            f"planned from TRL's buffered inputs (input_ids {tuple(ids.shape)}, logits_to_keep={keep}). This is a bug "
-            "of sharedprefix's TRL trainer (or a subclass that changes TRL's inputs in _compute_loss); set "
+            f"the policy log-prob hook got rows ({_shapes(got)}) other than those of micro-step "
+            f"{window.micro_steps.start + k}'s microbatch, which its optimizer step planned from TRL's inputs "
+            f"({_shapes(want)}). This is a bug of sharedprefix's TRL trainer (or a subclass that changes TRL's "
+            "inputs before its loss); set sharedprefix_step=False to run each microbatch on its own."
+        )
+
+
+def _same(want, got) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and want.shape == got.shape and torch.equal(want, got.to(want.device))
+    return want == got
+
+
+def _shapes(values: tuple) -> str:
+    return ", ".join(str(tuple(v.shape)) if isinstance(v, torch.Tensor) else repr(v) for v in values)
+
+
+def enter_micro_step(trainer, model, t: int, micro: range, last: int, plan: Callable[[], Window | None]) -> None:
+    """Micro-step ``t`` of window ``micro`` (micro-step numbers) on ``model`` (the trainer's wrapped model), in the
+    optimizer step from ``state.update_start`` to ``last``: at the window's first micro-step its step is planned
+    (``plan()``; not where steps are off, ``off_reason``, logged once), then the accumulation boundary is checked and
+    the hook pointed at its microbatch (``state.current``). A window of one micro-step runs per microbatch."""
+    state: StepState = trainer._sp_step
+    state.current = None
+    if len(micro) < 2:
+        return
+    if t == micro.start:
+        state.window = None
+        if state.off is None:
+            state.off = off_reason(trainer, model)
+            log_off_once(trainer, state.off)
+        if state.off:
+            return
+        state.window = plan()
+    w = state.window
+    if w is None or w.micro_steps != micro:
+        return
+    if bool(trainer.accelerator.sync_gradients) != (t == last):
+        raise RuntimeError(
+            f"micro-step {t} runs with accelerator.sync_gradients={trainer.accelerator.sync_gradients}, but the "
+            f"optimizer step it belongs to ends at micro-step {last} (started at {state.update_start}): the "
+            f"accumulation boundary is not where sharedprefix planned its step over micro-steps {list(micro)}, so the "
+            "step's shared prompts could miss the optimizer step. Set sharedprefix_step=False (each microbatch on its "
+            "own) and report this setting."
+        )
+    state.current = w.k(t)
+
+
+def run_micro_step(trainer, t: int, run: Callable[[], Any]) -> Any:
+    """``run()`` (TRL's micro-step ``t``); after it, a window's step must have finished at the window's last
+    micro-step, and at an optimizer step's last micro-step its policy tokens are logged (``flush_tokens``) and the
+    next optimizer step starts at ``t + 1``."""
+    state: StepState = trainer._sp_step
+    try:
+        out = run()
+    finally:
+        state.current = None
+    w = state.window
+    if w is not None and t == w.micro_steps[-1]:
+        state.window = None
+        if w.step.state != "finished":
+            raise RuntimeError(
+                f"the step over micro-steps {list(w.micro_steps)} did not finish at its last micro-step (state "
+                f"{w.step.state!r}, microbatches {w.step.missing} never ran their backward): TRL's loss did not "
+                "backpropagate through their log-probs. Set sharedprefix_step=False."
+            )
+    if trainer.accelerator.sync_gradients:
+        state.update_start = t + 1
+        flush_tokens(trainer)
+    return out
+
+
+def step_logprobs(trainer, model, got: tuple, entropy: bool):
+    """The policy pass of the micro-step running now, microbatch ``state.current`` of its window's step, whose hook
+    was called with ``got`` (checked against the plan): ``sp.logprobs`` on the step's microbatch (the graph kept where
+    TRL's backward can run it: one process without checkpointing; else deferred), logged (``log_call``). Returns its
+    result, (n_k, W_k) aligned with the microbatch's tree rows, and the microbatch's ``rows`` mapping."""
+    state: StepState = trainer._sp_step
+    w, k = state.window, state.current
+    assert w is not None and k is not None  # the caller checked state.current
+    inner = unwrap(model)
+    if inner is not w.step.inner():  # (a SplitStep's parts share one model)
+        raise RuntimeError(
+            f"the log-prob hook ran with grad enabled on {type(inner).__name__}, not the policy model the "
+            "micro-step's step was planned on; TRL computes only the policy's log-probs with grad. Set "
             "sharedprefix_step=False to run each microbatch on its own."
         )
+    check_rows(w, k, got)
+    part, kk = w.step.part_of(k)
+    first = not part.recorded  # this call records the step's (or its part's) shared segments
+    # one process without checkpointing: the graph kept (TRL backpropagates with loss.backward()), no second
+    # forward; else deferred (DDP synchronises, checkpointing recomputes inside sharedprefix's backward)
+    graph = keeps_graph(part, kk) and not detect(model, inner).must_defer and not uses_checkpointing(inner)
+    with trainer.accelerator.autocast():  # as TRL's own forward
+        out = sp.logprobs(
+            model,
+            w.step.microbatch(k),
+            temperature=trainer.temperature,
+            entropy=entropy,
+            grad_reduction="mean",
+            **({"defer": False} if graph else {}),
+        )  # TRL's losses are per-rank means, averaged as DDP does
+    log_call(trainer, w, k, first)
+    return out, w.rows[k]
 
 
 def log_call(trainer, window: Window, k: int, first: bool) -> None:
