@@ -16,7 +16,9 @@ when it falls back); otherwise:
   deferred (``sp.logprobs(defer=True)``): the forward runs without a graph, and when TRL
   backpropagates its loss, the incoming per-token gradients dL/dlogp (and dL/dentropy) drive
   ``sp.backward`` under the budget with the linear loss ``sum(dL/dlogp * logp)``, whose
-  parameter gradient is exactly dL/dtheta (chain rule).
+  parameter gradient is exactly dL/dtheta (chain rule). Under FSDP2, which refuses a grad-enabled ``sp.logprobs``,
+  the policy pass computes its values without grad and hands TRL leaves; its backward runs after TRL's, as
+  ``sp.backward`` driven by the leaves' gradients (``integrations.trl_after``).
 - ``_prepare_inputs`` is TRL's own by default: each microbatch holds the rows TRL's shuffle gives it (rows of one
   prompt may fall in different microbatches; those in the same one still share their prompt through the tree), so
   training follows ``GRPOTrainer``'s and ``RLOOTrainer``'s to rounding for every setting. The old-policy and
@@ -54,8 +56,10 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 import sharedprefix as sp
 from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
+from sharedprefix.integrations.trl_after import backward_pending, hold, refusal_of
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
 from sharedprefix.integrations.trl_checks import (
+    check_fsdp,
     check_neftune,
     check_reentrant_budget,
     check_training_noise,
@@ -173,6 +177,7 @@ class SharedPrefixHooks:
         self._sp_budget, self._sp_mode = checked_settings(self)
         self._sp_plans = PlanCache(capacity=plan_capacity(self))
         self._sp_step = StepState()
+        self._sp_pending: list = []  # policy calls whose backward runs after TRL's (``trl_after``: FSDP2)
         self._refuse_at_construction()
         warn_if_padding_moves_logits(self, unwrap(self.model))
         reasons = membership_matters(self) if setting(a, "sharedprefix_group_microbatches") else []
@@ -207,6 +212,7 @@ class SharedPrefixHooks:
         check_neftune(self)
         check_training_noise(self, inner, hybrid)  # check_supported in eval and in training mode
         check_reentrant_budget(self, self._sp_budget)
+        self._sp_mode = check_fsdp(self, inner, hybrid, self._sp_mode)  # FSDP2: the policy backward after TRL's
         name = type(inner).__name__
         if hybrid and self.args.gradient_checkpointing:
             raise ValueError(
@@ -272,19 +278,22 @@ class SharedPrefixHooks:
             return zeros, (zeros.detach().clone() if compute_entropy else None), None
         # With a budget, the policy pass is deferred: values without a graph now, sp.backward under the
         # budget when TRL backpropagates its loss (exact by the chain rule). Gradient checkpointing defers too.
-        defer = True if (torch.is_grad_enabled() and self._sp_budget is not None) else None
-        with self.accelerator.autocast():  # as TRL's own forward
+        # Where the engine refuses grad-enabled log-probs (FSDP2), sp.backward runs after TRL's backward (trl_after).
+        after = policy and refusal_of(model) is not None
+        defer = True if (torch.is_grad_enabled() and self._sp_budget is not None and not after) else None
+        options = dict(max_tokens=self._sp_budget, prefix_activations=self._sp_mode, grad_reduction="mean")
+        with self.accelerator.autocast(), torch.set_grad_enabled(torch.is_grad_enabled() and not after):
             out = sp.logprobs(
                 model,
                 source,
                 temperature=self.temperature,
                 entropy=compute_entropy,
-                max_tokens=self._sp_budget,
                 defer=defer,
-                prefix_activations=self._sp_mode,
-                grad_reduction="mean",
                 aux_loss=bool(compute_aux_loss) and not grouped,  # refused at construction where grouped
+                **options,
             )  # TRL's losses are per-rank means, averaged as DDP does
+        if after:
+            out = hold(self, model, source, out, _entropy_in_loss(self), dict(options, temperature=self.temperature))
         log_plan(self, source)  # into TRL's own metrics: tokens computed against plain, passes, the mode, memory
         if policy and isinstance(source, sp.CallPlan):
             add_tokens(self, source.plan.tokens_computed, source.plan.plain_tokens)
@@ -315,17 +324,23 @@ class SharedPrefixHooks:
         first = not part.recorded  # this call records the step's (or its part's) shared segments
         # one process without checkpointing: the graph kept (TRL backpropagates with loss.backward()), no second
         # forward; else deferred (DDP synchronises, checkpointing recomputes inside sharedprefix's backward)
+        # where the engine refuses grad-enabled log-probs (FSDP2): the values without grad (on the microbatch's own
+        # rows), and sp.backward on the step's microbatch after TRL's backward (``trl_after``)
         inner = unwrap(model)
+        after = refusal_of(model) is not None
         graph = keeps_graph(part, kk) and not detect(model, inner).must_defer and not uses_checkpointing(inner)
-        with self.accelerator.autocast():  # as TRL's own forward
+        with self.accelerator.autocast(), torch.set_grad_enabled(not after):
             out = sp.logprobs(
                 model,
                 w.step.microbatch(k),
                 temperature=self.temperature,
                 entropy=compute_entropy,
                 grad_reduction="mean",
-                **({"defer": False} if graph else {}),
+                **({"defer": False} if graph and not after else {}),
             )  # TRL's losses are per-rank means, averaged as DDP does
+        if after:
+            opts = dict(temperature=self.temperature, grad_reduction="mean")
+            out = hold(self, model, w.step.microbatch(k), out, _entropy_in_loss(self), opts)
         log_call(self, w, k, first)
         B, C = input_ids.shape[0], logits_to_keep
         lp = to_rows(out.logprobs, w.rows[k], B, C)
@@ -393,10 +408,13 @@ class SharedPrefixHooks:
         """TRL's micro-step; after it, a window's step must have finished at the window's last micro-step, and at an
         optimizer step's last micro-step its policy tokens are logged (``trl_step.flush_tokens``)."""
         state, t = self._sp_step, self._step
+        self._sp_pending = []
         try:
             out = super().training_step(model, inputs, num_items_in_batch)
+            backward_pending(self)  # the policy passes whose backward runs after TRL's (``trl_after``: FSDP2)
         finally:
             state.current = None
+            self._sp_pending = []
         w = state.window
         if w is not None and t == w.micro_steps[-1]:
             state.window = None
@@ -431,12 +449,15 @@ def _trl_name(trainer) -> str:
     return next(c.__name__ for c in type(trainer).__mro__ if c.__module__.startswith("trl."))
 
 
+def _entropy_in_loss(trainer) -> bool:
+    """Whether TRL's loss backpropagates through the entropies (GRPOTrainer's entropy bonus, static or adaptive)."""
+    return getattr(trainer, "_sp_entropy_in_loss", True) and getattr(trainer, "_entropy_bonus_enabled", True)
+
+
 def _entropy_graph(trainer, ent):
-    """Entropies keep their graph only when a loss uses them (GRPOTrainer's entropy bonus, static or adaptive); else
-    they are detached, so the entropy branch of the graph is freed at once and its backward never runs."""
-    if ent is None or (
-        getattr(trainer, "_sp_entropy_in_loss", True) and getattr(trainer, "_entropy_bonus_enabled", True)
-    ):
+    """Entropies keep their graph only when a loss uses them (``_entropy_in_loss``); else they are detached, so the
+    entropy branch of the graph is freed at once and its backward never runs."""
+    if ent is None or _entropy_in_loss(trainer):
         return ent
     return ent.detach()
 
