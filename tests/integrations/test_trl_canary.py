@@ -38,7 +38,8 @@ MIRRORED = {
     GRPOTrainer.training_step: (
         "9e18632f7dd8e8d8",
         "integrations.trl_step: _prepare_inputs runs inside it before self._step += 1, so the window of micro-step "
-        "self._step is planned there; SharedPrefixHooks.training_step wraps it",
+        "self._step is planned there; SharedPrefixHooks.training_step wraps it, and integrations.trl_after runs the "
+        "policy backward after it returns (it has run the loss's backward, transformers' Trainer.training_step)",
     ),
     RLOOTrainer.training_step: ("9e18632f7dd8e8d8", "the same as GRPOTrainer.training_step (integrations.trl_step)"),
     RLOOTrainer._prepare_inputs: (

@@ -133,3 +133,39 @@ def test_reentrant_checkpointing_with_a_budget_is_refused_when_built(tmp_path, t
     assert build_trainer(qwen3_model(tok), tok, tmp_path, **reentrant, **cls)  # no budget: one pass, as TRL
     non_reentrant = dict(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert build_trainer(qwen3_model(tok), tok, tmp_path, sharedprefix_max_tokens=16, **non_reentrant, **cls)
+
+
+def test_fsdp_settings_it_cannot_run_are_refused_with_the_reason(tmp_path, monkeypatch):
+    """accelerate's FSDP plugin as the trainer's constructor reads it (``trl_checks.check_fsdp``; accelerate takes the
+    plugin only with a distributed accelerator backend, so it is set here on a built trainer): FSDP1 refused; under
+    FSDP2 the policy passes run in "recompute", and vision-language and cache-path hybrid models are refused. The
+    refusals reached through the constructor (MoE load-balancing loss, "offload") and the FSDP2 runs themselves are
+    in tests/parallel/test_trl_fsdp.py."""
+    from types import SimpleNamespace
+
+    from sharedprefix.integrations.trl_checks import check_fsdp
+
+    tok = build_tokenizer()
+    trainer = build_trainer(qwen3_model(tok), tok, tmp_path)
+    inner = trainer.model
+    assert check_fsdp(trainer, inner, False, "keep") == "keep"  # no FSDP: the setting as it is
+
+    def fsdp(version):
+        state = SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=version))
+        monkeypatch.setattr(trainer, "accelerator", SimpleNamespace(state=state))
+        monkeypatch.setattr(trainer, "is_fsdp_enabled", True)
+
+    fsdp(1)
+    with pytest.raises(ValueError, match=r"fsdp_version=1: sharedprefix runs under FSDP2 .*'fsdp_version': 2"):
+        check_fsdp(trainer, inner, False, "keep")
+    fsdp(2)
+    assert check_fsdp(trainer, inner, False, "keep") == "recompute"
+    assert check_fsdp(trainer, inner, False, "recompute") == "recompute"
+    with pytest.raises(ValueError, match=r"FSDP2 .*hybrid model on sharedprefix's cache path.*refused when built"):
+        check_fsdp(trainer, inner, True, "keep")
+
+    class VisionLanguage:
+        config = SimpleNamespace(get_text_config=lambda: SimpleNamespace())
+
+    with pytest.raises(ValueError, match=r"FSDP2 .*VisionLanguage is a vision-language model.*text path only"):
+        check_fsdp(trainer, VisionLanguage(), False, "keep")

@@ -95,6 +95,10 @@ def run_step(kind, model, mine, gidx):
             if kind.endswith("_deferred"):
                 out = sp.logprobs(model, step.microbatch(k))
                 (out.logprobs * W[idx[k], : out.logprobs.shape[1]]).sum().backward()
+            elif kind.endswith("_sync_false"):  # as the TRL trainers under FSDP2: values without grad, then
+                with torch.no_grad():  # sp.backward, reducing at the last micro-step only (FSDP2 keeps the first's)
+                    sp.logprobs(model, step.microbatch(k))
+                res = sp.backward(model, step.microbatch(k), loss_fn_for(mbs[k], idx[k]), sync=k == 1)
             else:
                 res = sp.backward(model, step.microbatch(k), loss_fn_for(mbs[k], idx[k]))
     assert step.state == "finished", step.state
@@ -205,7 +209,10 @@ def main(kind, out):
             fully_shard(model.lm_head, reshard_after_forward=reshard)
         for layer in model.model.layers:
             fully_shard(layer, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+        if kind.endswith("_sync_false"):  # the root as FSDP2 and accelerate leave it: not resharded after forward
+            fully_shard(model)
+        else:
+            fully_shard(model, reshard_after_forward=reshard)
     loss_fn = loss_fn_for(mine, gidx)
     if kind.endswith("_refuse") or kind == "ddp_midfail":  # rank 1 fails: every rank must stop, none hang
         failing = nan_on_second_pass(loss_fn, rank)

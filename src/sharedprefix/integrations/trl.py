@@ -16,7 +16,9 @@ when it falls back); otherwise:
   deferred (``sp.logprobs(defer=True)``): the forward runs without a graph, and when TRL
   backpropagates its loss, the incoming per-token gradients dL/dlogp (and dL/dentropy) drive
   ``sp.backward`` under the budget with the linear loss ``sum(dL/dlogp * logp)``, whose
-  parameter gradient is exactly dL/dtheta (chain rule).
+  parameter gradient is exactly dL/dtheta (chain rule). Under FSDP2, which refuses a grad-enabled ``sp.logprobs``,
+  the policy pass computes its values without grad and hands TRL leaves; its backward runs after TRL's, as
+  ``sp.backward`` driven by the leaves' gradients (``integrations.trl_after``).
 - ``_prepare_inputs`` is TRL's own by default: each microbatch holds the rows TRL's shuffle gives it (rows of one
   prompt may fall in different microbatches; those in the same one still share their prompt through the tree), so
   training follows ``GRPOTrainer``'s and ``RLOOTrainer``'s to rounding for every setting. The old-policy and
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
@@ -55,8 +56,10 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 import sharedprefix as sp
 from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
+from sharedprefix.integrations.trl_after import backward_pending, hold, refusal_of
 from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
 from sharedprefix.integrations.trl_checks import (
+    check_fsdp,
     check_neftune,
     check_reentrant_budget,
     check_training_noise,
@@ -169,6 +172,7 @@ class SharedPrefixHooks:
         self._sp_budget, self._sp_mode = checked_settings(self)
         self._sp_plans = PlanCache(capacity=plan_capacity(self))
         self._sp_step = StepState()
+        self._sp_pending: list = []  # policy calls whose backward runs after TRL's (``trl_after``: FSDP2)
         self._refuse_at_construction()
         warn_if_padding_moves_logits(self, unwrap(self.model))
         reasons = membership_matters(self) if setting(a, "sharedprefix_group_microbatches") else []
@@ -203,6 +207,7 @@ class SharedPrefixHooks:
         check_neftune(self)
         check_training_noise(self, inner, hybrid)  # check_supported in eval and in training mode
         check_reentrant_budget(self, self._sp_budget)
+        self._sp_mode = check_fsdp(self, inner, hybrid, self._sp_mode)  # FSDP2: the policy backward after TRL's
         name = type(inner).__name__
         if hybrid and self.args.gradient_checkpointing:
             raise ValueError(
@@ -268,19 +273,22 @@ class SharedPrefixHooks:
             return zeros, (zeros.detach().clone() if compute_entropy else None), None
         # With a budget, the policy pass is deferred: values without a graph now, sp.backward under the
         # budget when TRL backpropagates its loss (exact by the chain rule). Gradient checkpointing defers too.
-        defer = True if (torch.is_grad_enabled() and self._sp_budget is not None) else None
-        with self.accelerator.autocast():  # as TRL's own forward
+        # Where the engine refuses grad-enabled log-probs (FSDP2), sp.backward runs after TRL's backward (trl_after).
+        after = policy and refusal_of(model) is not None
+        defer = True if (torch.is_grad_enabled() and self._sp_budget is not None and not after) else None
+        options = dict(max_tokens=self._sp_budget, prefix_activations=self._sp_mode, grad_reduction="mean")
+        with self.accelerator.autocast(), torch.set_grad_enabled(torch.is_grad_enabled() and not after):
             out = sp.logprobs(
                 model,
                 source,
                 temperature=self.temperature,
                 entropy=compute_entropy,
-                max_tokens=self._sp_budget,
                 defer=defer,
-                prefix_activations=self._sp_mode,
-                grad_reduction="mean",
                 aux_loss=bool(compute_aux_loss) and not grouped,  # refused at construction where grouped
+                **options,
             )  # TRL's losses are per-rank means, averaged as DDP does
+        if after:
+            out = hold(self, model, source, out, _entropy_in_loss(self), dict(options, temperature=self.temperature))
         log_plan(self, source)  # into TRL's own metrics: tokens computed against plain, passes, the mode, memory
         if policy and isinstance(source, sp.CallPlan):
             add_tokens(self, source.plan.tokens_computed, source.plan.plain_tokens)
@@ -297,8 +305,14 @@ class SharedPrefixHooks:
 
     def _step_logprobs(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
         """The policy log-probs of the micro-step running now, microbatch k of its window's step
-        (``integrations.trl_step``): the shared prompts read from the step's cache."""
-        out, tr = step_logprobs(self, model, (input_ids, attention_mask, logits_to_keep), compute_entropy)
+        (``integrations.trl_step``): the shared prompts read from the step's cache; where the engine refuses
+        grad-enabled log-probs (FSDP2) the values without grad, and ``sp.backward`` on the step's microbatch after
+        TRL's backward (``trl_after``)."""
+        held = None
+        if refusal_of(model) is not None:
+            opts = dict(temperature=self.temperature, grad_reduction="mean")
+            held = lambda source, out: hold(self, model, source, out, _entropy_in_loss(self), opts)  # noqa: E731
+        out, tr = step_logprobs(self, model, (input_ids, attention_mask, logits_to_keep), compute_entropy, held)
         B, C = input_ids.shape[0], logits_to_keep
         lp = to_rows(out.logprobs, tr, B, C)
         ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
@@ -339,8 +353,20 @@ class SharedPrefixHooks:
         enter_micro_step(self, model, t, micro, state.update_start + size - 1, lambda: plan_window(self, model, micro))
 
     def training_step(self, model, inputs, num_items_in_batch):
-        """TRL's micro-step, checked and logged by ``trl_step.run_micro_step``."""
-        return run_micro_step(self, self._step, partial(super().training_step, model, inputs, num_items_in_batch))
+        """TRL's micro-step, checked and logged by ``trl_step.run_micro_step``; the policy passes whose backward runs
+        after TRL's (``trl_after``: FSDP2) run it at its end."""
+        trl_step = super().training_step
+
+        def run():
+            self._sp_pending = []
+            try:
+                out = trl_step(model, inputs, num_items_in_batch)
+                backward_pending(self)
+                return out
+            finally:
+                self._sp_pending = []
+
+        return run_micro_step(self, self._step, run)
 
 
 class SharedPrefixGRPOTrainer(SharedPrefixHooks, GRPOTrainer):
@@ -362,12 +388,15 @@ def _trl_name(trainer) -> str:
     return next(c.__name__ for c in type(trainer).__mro__ if c.__module__.startswith("trl."))
 
 
+def _entropy_in_loss(trainer) -> bool:
+    """Whether TRL's loss backpropagates through the entropies (GRPOTrainer's entropy bonus, static or adaptive)."""
+    return getattr(trainer, "_sp_entropy_in_loss", True) and getattr(trainer, "_entropy_bonus_enabled", True)
+
+
 def _entropy_graph(trainer, ent):
-    """Entropies keep their graph only when a loss uses them (GRPOTrainer's entropy bonus, static or adaptive); else
-    they are detached, so the entropy branch of the graph is freed at once and its backward never runs."""
-    if ent is None or (
-        getattr(trainer, "_sp_entropy_in_loss", True) and getattr(trainer, "_entropy_bonus_enabled", True)
-    ):
+    """Entropies keep their graph only when a loss uses them (``_entropy_in_loss``); else they are detached, so the
+    entropy branch of the graph is freed at once and its backward never runs."""
+    if ent is None or _entropy_in_loss(trainer):
         return ent
     return ent.detach()
 

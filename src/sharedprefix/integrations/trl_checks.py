@@ -19,6 +19,12 @@ cannot, or should not, reproduce (``integrations.trl`` calls them from ``SharedP
   ``sharedprefix_max_tokens`` budget. A pass that splits a group is refused under reentrant checkpointing, and
   whether a step splits one depends on the lengths of its prompts and completions, unknown when the trainer is built;
   refused then, rather than at the first step that brings a group over the budget.
+- ``check_fsdp``: accelerate's FSDP plugin (``is_fsdp_enabled``; the model is sharded only when ``train()`` starts).
+  FSDP1 is refused (sharedprefix runs FSDP2 only); under FSDP2 the policy pass runs its backward after TRL's
+  (``integrations.trl_after``), on the text path, with the prompts recomputed (FSDP2's prefix mode). What that path has
+  not been run against TRL's trainer with, or cannot compute, is refused: vision-language models, hybrid models
+  (their cache path is refused under FSDP2), the MoE load-balancing loss (its per-pass term is refused under FSDP2),
+  and ``sharedprefix_prefix_activations="offload"``.
 - ``warn_if_padding_moves_logits``: TRL's hook runs its (B, L) rows ``[left-padded prompt | completion]`` through
   the model with an attention mask and no ``position_ids``, so a model that numbers positions ``0..L-1`` over the
   padded row and embeds them absolutely (GPT-2's ``wpe``) scores a padded prompt at other positions than generation
@@ -40,6 +46,7 @@ import torch
 from sharedprefix.model.support import check_supported
 
 __all__ = [
+    "check_fsdp",
     "check_neftune",
     "check_reentrant_budget",
     "check_training_noise",
@@ -97,6 +104,50 @@ def check_neftune(trainer) -> None:
         "training step anyway. Expected neftune_noise_alpha=None. Set neftune_noise_alpha=None (the default) in the "
         "config; NEFTune is a supervised fine-tuning technique and TRL's RL trainers do not need it."
     )
+
+
+def check_fsdp(trainer, inner, hybrid: bool, mode: str) -> str:
+    """Refuse accelerate's FSDP settings the trainer cannot run exactly (see the module docstring); returns the prefix
+    mode its policy passes run in (``mode``, the trainer's setting; "recompute" under FSDP2)."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if not getattr(trainer, "is_fsdp_enabled", False) or plugin is None:
+        return mode
+    name, trl_name = type(trainer).__name__, _trl_name(trainer)
+    version = getattr(plugin, "fsdp_version", 1)
+    if version != 2:
+        raise ValueError(
+            f"accelerate's FSDP plugin with fsdp_version={version}: sharedprefix runs under FSDP2 (fully_shard) only; "
+            f"FSDP1 (FullyShardedDataParallel) flattens the parameters, which its calls cannot run. Set "
+            "fsdp_config={'fsdp_version': 2} (accelerate: fsdp_version: 2)."
+        )
+    why = None
+    if inner.config.get_text_config() is not inner.config:
+        why = (
+            f"{type(inner).__name__} is a vision-language model; under FSDP2 {name} runs the text path only (image "
+            "rows have not been run against TRL's trainer under FSDP2)"
+        )
+    elif hybrid:
+        why = (
+            f"{type(inner).__name__} is a hybrid model on sharedprefix's cache path, which does not run inside "
+            "FSDP2's unshard and reshard hooks"
+        )
+    elif getattr(trainer, "aux_loss_enabled", False):
+        why = (
+            f"the MoE load-balancing loss (router_aux_loss_coef={trainer.router_aux_loss_coef}) adds a per-pass term "
+            "to a tensor FSDP2 registers no hooks on"
+        )
+    elif mode == "offload":
+        why = (
+            "sharedprefix_prefix_activations='offload': under FSDP2 a prompt's backward runs inside the root "
+            "module's call, where only 'recompute' runs it (set 'recompute', or leave the default, which runs as "
+            "'recompute' under FSDP2)"
+        )
+    if why is not None:
+        raise ValueError(
+            f"FSDP2 (accelerate's fsdp_plugin) with {why}, so {name} would not train as TRL's {trl_name} does; it is "
+            "refused when built. Train it with DDP or in one process, or drop the setting named."
+        )
+    return "recompute"
 
 
 def check_reentrant_budget(trainer, budget: int | None) -> None:

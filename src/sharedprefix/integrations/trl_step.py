@@ -255,11 +255,13 @@ def run_micro_step(trainer, t: int, run: Callable[[], Any]) -> Any:
     return out
 
 
-def step_logprobs(trainer, model, got: tuple, entropy: bool):
+def step_logprobs(trainer, model, got: tuple, entropy: bool, held: Callable | None = None):
     """The policy pass of the micro-step running now, microbatch ``state.current`` of its window's step, whose hook
     was called with ``got`` (checked against the plan): ``sp.logprobs`` on the step's microbatch (the graph kept where
     TRL's backward can run it: one process without checkpointing; else deferred), logged (``log_call``). Returns its
-    result, (n_k, W_k) aligned with the microbatch's tree rows, and the microbatch's ``rows`` mapping."""
+    result, (n_k, W_k) aligned with the microbatch's tree rows, and the microbatch's ``rows`` mapping. ``held``: where
+    the engine refuses grad-enabled log-probs, ``held(microbatch, values)`` of the values computed without grad
+    (``trl_after.hold``: their backward runs after TRL's)."""
     state: StepState = trainer._sp_step
     w, k = state.window, state.current
     assert w is not None and k is not None  # the caller checked state.current
@@ -276,7 +278,8 @@ def step_logprobs(trainer, model, got: tuple, entropy: bool):
     # one process without checkpointing: the graph kept (TRL backpropagates with loss.backward()), no second
     # forward; else deferred (DDP synchronises, checkpointing recomputes inside sharedprefix's backward)
     graph = keeps_graph(part, kk) and not detect(model, inner).must_defer and not uses_checkpointing(inner)
-    with trainer.accelerator.autocast():  # as TRL's own forward
+    graph = graph and held is None
+    with trainer.accelerator.autocast(), torch.set_grad_enabled(held is None):  # as TRL's own forward
         out = sp.logprobs(
             model,
             w.step.microbatch(k),
@@ -285,6 +288,8 @@ def step_logprobs(trainer, model, got: tuple, entropy: bool):
             grad_reduction="mean",
             **({"defer": False} if graph else {}),
         )  # TRL's losses are per-rank means, averaged as DDP does
+    if held is not None:
+        out = held(w.step.microbatch(k), out)
     log_call(trainer, w, k, first)
     return out, w.rows[k]
 

@@ -1,19 +1,15 @@
 """How one call runs over the ranks: the ``Engine`` the schedule asks instead of branching on a kind of parallelism.
 
 One engine per call, made by ``parallel.detect.detect`` from the model as the user passed it and dropped with the
-call (nothing is set on the model). The engines are registered in ``parallel.engines``: one process
-(``engines.single``), DDP (``engines.ddp``), FSDP2 (``engines.fsdp2``). Two kinds of parallelism compose with any of
-them as attributes: transformers' tensor parallelism as the degree ``tensor`` (``parallel.tensor``: alone, or FSDP2
-over a second mesh dimension) and Ulysses sequence parallelism as the group ``sequence`` (``use_sequence``,
-``parallel.sequence``).
+call (nothing is set on the model); the engines are registered in ``parallel.engines``: one process, DDP, FSDP2.
+Two kinds of parallelism compose with any of them as attributes: transformers' tensor parallelism as the degree
+``tensor`` (``parallel.tensor``) and Ulysses sequence parallelism as the group ``sequence`` (``parallel.sequence``).
 
 Gradient semantics: the loss of the whole global batch is the sum of every rank's ``loss_fn`` values (with
 normalisers computed for the global batch), so the gradients of the ranks are *summed*, once per call (``sync=True``)
 or not at all (``sync=False``, for accumulation; the last call of the optimizer step syncs what was accumulated).
-How an engine sums them is its module's docstring.
-
-Failures before any collective of a call (bad input, a refusal on one rank) are agreed on in one all-reduce of an
-error flag (``agree_on_error``); what an engine does about an error among its own collectives is its ``collectives``.
+How an engine sums them is its module's docstring. Failures before any collective of a call are agreed on in one
+all-reduce of an error flag (``agree_on_error``); an engine's errors among its own collectives: its ``collectives``.
 
 Adding an engine: one module under ``parallel/engines/`` with a subclass of ``Engine``, and one entry in
 ``parallel.engines.ENGINES``. Its abstract members are the decisions every engine states; the other members default
@@ -230,6 +226,10 @@ class Engine(abc.ABC):
         raise RuntimeError(f"a rank flagged an error {where} this sharedprefix call but none reported it; a bug.")
 
     # -- the call's gradient ----------------------------------------------------------------------------------------
+
+    def before_grads(self) -> None:
+        """Before the call's gradient transaction reads ``.grad`` (``schedule.grads``): here nothing."""
+        return None
 
     def reduces_at_end(self, sync: bool) -> bool:
         """The call's gradient is reduced over the ranks after its rounds (which run no collective), so an error

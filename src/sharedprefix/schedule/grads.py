@@ -18,7 +18,9 @@ prompt's deferred backward, the MoE aux term), so here:
 
 Sequence parallelism: ``c`` is this rank's share, summed over the group before delivery. FSDP2: ``c`` reaches the
 sharded parameters through FSDP2's reduce-scatter, whose plain run fires no tensor hook on them; the unsharded
-parameters' post-accumulate hooks run in the call's last backward (``parallel.grad_hooks``).
+parameters' post-accumulate hooks run in the call's last backward (``parallel.grad_hooks``). The transaction reads
+the sharded parameters only (``Engine.before_grads``): the ``.grad`` of an unsharded one is FSDP2's own
+accumulation of backwards that did not reduce (``sync=False``, ``set_requires_gradient_sync(False)``).
 
 DDP: the engine finishes the transaction (``parallel.engines.ddp``: the contribution added as DDP's own backward
 would add it, every ``.grad`` averaged over the ranks by one all-reduce at the syncing call); the other engines
@@ -92,6 +94,7 @@ def synced(par: Engine, model, sync: bool, grad_reduction: str, fn, collect: boo
     deferred call's backward: returns ``(fn(), contribution)`` with ``.grad`` untouched and no hook run (under DDP,
     which synchronises inside the call, ``.grad`` is written and the contribution is empty)."""
     at_end = par.reduces_at_end(sync)
+    par.before_grads()  # FSDP2: its sharded parameters registered, their own gradient accumulation left alone
     tx = GradTransaction(model, replay_hooks=par.replays_tensor_hooks)
     try:
         error, out = None, None

@@ -41,7 +41,7 @@ def choose_logprobs_path(model, options: CallOptions, planned: frozenset[str] = 
     defer, seq = options.defer, options.sequence_group
     inner = unwrap(model)
     engine = detect(model, inner)
-    engine.check_grad_logprobs()  # FSDP2: its backward would run outside FSDP2's hooks
+    engine.check_grad_logprobs()  # FSDP2: neither a kept graph nor a deferred backward runs FSDP2 as plain does
     if defer is False:
         engine.check_undeferred()  # DeepSpeed ZeRO-3's leaf modules: their reduction, in words of their own
     needs = engine.must_defer or ("gradient checkpointing" if uses_checkpointing(inner) else None)
