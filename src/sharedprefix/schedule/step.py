@@ -45,13 +45,13 @@ import torch
 
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.parallel.detect import detect
-from sharedprefix.schedule import rounds
+from sharedprefix.schedule import rounds, step_rules
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.call_plan import CallPlan
 from sharedprefix.schedule.offload import OffloadHooks
 from sharedprefix.schedule.planner import Plan
 from sharedprefix.schedule.step_plan import StepPlan
-from sharedprefix.schedule.step_rules import OPEN, check_index, check_versions, refuse_hooks, versions
+from sharedprefix.schedule.step_rules import OPEN, check_index, check_versions, refuse_hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +98,9 @@ class StepCall:
 
 
 class Step:
-    """One optimizer step's microbatches, planned together (``sp.plan_step``); see the module docstring.
-
-    Attributes:
-        cp: the ``CallPlan`` of all the step's rows (validation, probe, fingerprint, packed rows), whose passes the
-            step replaces by ``splan``'s.
-        splan: the step's passes (``planner.StepPlan``).
-        mode: the shared segments' ``prefix_activations``.
-    """
+    """One optimizer step's microbatches, planned together (``sp.plan_step``; the module docstring). ``cp``: the
+    ``CallPlan`` of all its rows (validation, probe, fingerprint, packed rows), whose passes the step replaces by
+    ``splan``'s (``planner.StepPlan``); ``mode``: the shared segments' ``prefix_activations``."""
 
     def __init__(
         self, model: torch.nn.Module, cp: CallPlan, splan: StepPlan, mode: str, offload_device, offset: int = 0
@@ -121,7 +116,8 @@ class Step:
         self.forwarded: set[int] = set()  # deferred log-probs computed, backward not yet run
         self.done: set[int] = set()
         self.state = "planned"  # -> "open" (first call) -> "finished" | "failed" | "released"
-        self.versions: tuple = ()
+        self.versions = step_rules.Stamp(())  # the parameters at the first call (``step_rules.stamp``)
+        self.deferred: bool | None = None  # its microbatches' backward: deferred log-probs' (or sp.backward's)
         self._held: list | None = None  # the shared leaves' gradients held aside by the running backward call
         self._merged = False  # (``merge_held``)
 
@@ -136,31 +132,32 @@ class Step:
         return self, k
 
     @property
-    def missing(self) -> list[int]:
-        """The microbatches whose backward has not run."""
+    def missing(self) -> list[int]:  # the microbatches whose backward has not run
         return [self.offset + k for k in range(len(self.views)) if k not in self.done]
 
     @property
-    def ran(self) -> list[int]:
-        """The microbatches whose backward ran."""
+    def ran(self) -> list[int]:  # the microbatches whose backward ran
         return sorted(self.offset + k for k in self.done)
 
     def describe(self) -> str:
         return self.splan.describe()
 
-    def begin(self, model: torch.nn.Module, k: int, backward: bool) -> CallPlan:
+    def begin(self, model: torch.nn.Module, k: int, backward: bool, deferred: bool = False) -> CallPlan:
         """The ``CallPlan`` of microbatch ``k``'s call on ``model`` now (``backward``: its gradient is accumulated:
-        ``sp.backward``, a deferred call's backward; else a deferred call's forward), after the step's checks."""
+        ``sp.backward``, a ``deferred`` call's backward; else a deferred call's forward), after the step's checks."""
         inner = unwrap(model)
-        self._check_call(inner, k, backward)
+        self._check_call(model, inner, k, backward)
         if self.state == "planned":
             refuse_hooks(inner)
             other = OPEN.get(inner)
             if other is not None and other is not self:
                 other.refuse_unfinished("a new step's first call")
+            detect(model, inner).check_step(len(self.views))  # (DeepSpeed: within its accumulation window)
             OPEN[inner] = self
             self.state = "open"
-            self.versions = versions(inner)
+            self.versions = step_rules.stamp(model)
+        if backward:
+            step_rules.check_delivery(self, model, deferred, k + self.offset)
         records: frozenset = frozenset() if self.recorded else frozenset(self.splan.record)
         steps: list = ([] if self.recorded else list(self.splan.record)) + list(self.splan.microbatches[k])
         if backward and self.done | {k} == set(range(len(self.views))):
@@ -228,7 +225,7 @@ class Step:
             "step.finish(model) delivers the share of the microbatches that ran, step.release() drops it."
         )
 
-    def _check_call(self, inner, k: int, backward: bool) -> None:
+    def _check_call(self, model, inner, k: int, backward: bool) -> None:
         g = k + self.offset  # its index in the user's list
         own = self.inner()
         if own is not inner:
@@ -256,7 +253,7 @@ class Step:
                 "again."
             )
         if self.state == "open":
-            check_versions(inner, self.versions, k + self.offset)
+            check_versions(model, self.versions, k + self.offset)
 
     def fail(self, model) -> None:
         """After a call of the step raised: deliver the completed microbatches' shared share, release, close."""
@@ -270,9 +267,11 @@ class Step:
         run again with grad (whatever the mode: a failed call may have consumed a kept graph). A lockstep engine's
         ranks (FSDP2: an error in a call is raised on every rank) all run it, with nothing to compute where a rank
         has nothing to deliver, so that their collectives match."""
-        lockstep = detect(model, unwrap(model)).lockstep
-        if not self.done or not (lockstep or (self.recorded and self.splan.shared)):
+        engine = detect(model, unwrap(model))
+        if not self.done or not (engine.lockstep or (self.recorded and self.splan.shared)):
             return
+        if self.deferred and engine.delivery_scale() != 1.0:  # the leaves hold the caller's scaled gradient already
+            self.cache.scale_grads(1.0 / engine.delivery_scale())
         self.shared_backward(model, 0, "recompute", sync=False)
 
     def shared_backward(self, model, k: int, mode: str, sync: bool) -> None:
