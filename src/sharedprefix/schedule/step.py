@@ -148,7 +148,7 @@ class Step:
         inner = unwrap(model)
         self._check_call(model, inner, k, backward)
         if self.state == "planned":
-            refuse_hooks(inner)
+            refuse_hooks(model, inner)
             other = OPEN.get(inner)
             if other is not None and other is not self:
                 other.refuse_unfinished("a new step's first call")
@@ -156,8 +156,7 @@ class Step:
             OPEN[inner] = self
             self.state = "open"
             self.versions = step_rules.stamp(model)
-        if backward:
-            step_rules.check_delivery(self, model, deferred, k + self.offset)
+        step_rules.check_delivery(self, model, deferred or not backward, k + self.offset)  # (a forward: deferred)
         records: frozenset = frozenset() if self.recorded else frozenset(self.splan.record)
         steps: list = ([] if self.recorded else list(self.splan.record)) + list(self.splan.microbatches[k])
         if backward and self.done | {k} == set(range(len(self.views))):
@@ -272,7 +271,7 @@ class Step:
             return
         if self.deferred and engine.delivery_scale() != 1.0:  # the leaves hold the caller's scaled gradient already
             self.cache.scale_grads(1.0 / engine.delivery_scale())
-        self.shared_backward(model, 0, "recompute", sync=False)
+        self.shared_backward(model, 0, "recompute", sync=engine.accumulates_itself)
 
     def shared_backward(self, model, k: int, mode: str, sync: bool) -> None:
         """The shared segments' backward (one round per recording pass, ``StepPlan.backward``) with the gradients on

@@ -77,13 +77,15 @@ def check_delivery(step, model, deferred: bool, k: int) -> None:
         )
 
 
-def refuse_hooks(inner) -> None:
-    """Parameter hooks that would see other values than in a plain accumulation (module docstring): refused."""
+def refuse_hooks(model, inner) -> None:
+    """Parameter hooks that would see other values than in a plain accumulation (module docstring): refused, except
+    the engine's own (``Engine.own_grad_hooks``)."""
+    own = detect(model, inner).own_grad_hooks()
     for name, p in inner.named_parameters():
         kinds = []
         if getattr(p, "_backward_hooks", None):
             kinds.append("tensor hooks (register_hook)")
-        if getattr(p, "_post_accumulate_grad_hooks", None):
+        if set(getattr(p, "_post_accumulate_grad_hooks", None) or ()) - own:
             kinds.append("post-accumulate-grad hooks")
         if kinds:
             raise ValueError(

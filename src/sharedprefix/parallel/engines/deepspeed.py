@@ -66,6 +66,7 @@ class DeepSpeed(Single):
         "engine.backward ended, outside its micro-step"
     )
     replays_tensor_hooks = False  # autograd runs them in the delivering backward
+    accumulates_itself = True  # over its gradient_accumulation_steps (``check_sync``)
 
     def __init__(self, root, world_size: int, engine, tensor: int = 1):
         super().__init__(root, world_size, tensor=tensor, data_size=world_size)
@@ -203,6 +204,11 @@ class DeepSpeed(Single):
                 "with DeepSpeed's accumulation: gradient_accumulation_steps a multiple of the step's microbatches), "
                 "or run these microbatches as calls of their own."
             )
+
+    def own_grad_hooks(self) -> frozenset[int]:
+        """ZeRO's reduction hooks (``optimizer._grad_acc_hooks``: a handle of each parameter's
+        post-accumulate-grad hook, at every stage)."""
+        return frozenset(h.id for h in getattr(self.ds.optimizer, "_grad_acc_hooks", None) or [] if hasattr(h, "id"))
 
     def delivery_scale(self) -> float:
         """``engine.backward`` divides the call's gradient by ``gradient_accumulation_steps`` (``finish_grads``)."""
