@@ -40,7 +40,12 @@ RUNS = {
     # one sp.plan_step step (each prompt once per optimizer step), its shared prompts' backward inside the second
     "grpo_plain_ga2": (GRPOTrainer, GRPOConfig, GA2),
     "grpo_ours_ga2": (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, GA2),
-    "grpo_ours_ga2_budget": (SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, {**GA2, "sharedprefix_max_tokens": 24}),
+    # without gradient checkpointing: deferred all the same (DeepSpeed delivers through its engine.backward)
+    "grpo_ours_ga2_budget": (
+        SharedPrefixGRPOTrainer,
+        SharedPrefixGRPOConfig,
+        {**GA2, "sharedprefix_max_tokens": 24, "gradient_checkpointing": False},
+    ),
 }
 
 
@@ -71,7 +76,10 @@ def main(stage, out):
         return step
 
     sp.plan_step = spy
+    only = os.environ.get("SP_TRL_RUNS")  # a comma-separated subset, when debugging one run
     for name, (cls, cfg, extra) in RUNS.items():
+        if only and name not in only.split(","):
+            continue
         planned.clear()
         t = train_two_steps(
             cls, cfg, str(tmp / "init"), tok, tmp / name, deepspeed=ds, max_grad_norm=0.0, beta=0.1, **extra

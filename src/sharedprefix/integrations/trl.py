@@ -314,9 +314,12 @@ class SharedPrefixHooks:
         part, kk = w.step.part_of(k)
         first = not part.recorded  # this call records the step's (or its part's) shared segments
         # one process without checkpointing: the graph kept (TRL backpropagates with loss.backward()), no second
-        # forward; else deferred (DDP synchronises, checkpointing recomputes inside sharedprefix's backward)
+        # forward; else deferred (DDP synchronises, checkpointing recomputes inside sharedprefix's backward, DeepSpeed
+        # delivers through its engine.backward)
         inner = unwrap(model)
-        graph = keeps_graph(part, kk) and not detect(model, inner).must_defer and not uses_checkpointing(inner)
+        engine = detect(model, inner)
+        graph = keeps_graph(part, kk) and not engine.must_defer and engine.step_graph_refusal is None
+        graph = graph and not uses_checkpointing(inner)
         with self.accelerator.autocast():  # as TRL's own forward
             out = sp.logprobs(
                 model,
