@@ -36,6 +36,14 @@ loss scaling, ZeRO++ (quantised weights or gradients, hierarchical partitioning:
 with ZeRO-3 leaf modules, a tensor-parallel model. DeepSpeed's tuned ``zero_optimization`` settings (``overlap_comm``,
 ``contiguous_gradients``, ``reduce_scatter``, ``round_robin_gradients``, bucket and prefetch sizes, persistence,
 ``zero.Init``) need nothing more: they change how DeepSpeed moves the gradient it is given, not which.
+
+Steps of ``sp.plan_step`` (``parallel.engine_step``): each microbatch's call is one DeepSpeed micro-step, and the step's
+shared prompts' gradient is delivered in its last microbatch's ``engine.backward``, scaled by 1 / GA as every
+micro-step's is; ZeRO's reductions are linear in what they are given (``own_grad_hooks``: a step leaves them to it).
+A step lies within one accumulation window (``check_step``); DeepSpeed's update leaves the parameters' version counters
+as they were, so its ``global_steps`` tells a step that they changed (``step_clock``); deferred log-probs carry the
+caller's 1 / GA already (``delivery_scale``), so a step's microbatches are delivered one way, and a step's graph-kept
+log-probs are refused (``step_graph_refusal``).
 """
 
 from __future__ import annotations
