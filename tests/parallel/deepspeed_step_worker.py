@@ -184,6 +184,11 @@ def run(stage, case, rank):
             sp.backward(engine, step.microbatch(1), loss_of(Ws[1]))
         except RuntimeError as e:
             out["refusal"] = str(e)
+        try:  # a call outside the step: the step can no longer finish, named
+            with torch.no_grad():
+                sp.logprobs(engine, mbs[0])
+        except RuntimeError as e:
+            out["outside"] = str(e)
         step.release()
         return out
     elif case == "mixed_refused":  # sp.backward then deferred log-probs in one step: two units of the shared share

@@ -94,5 +94,6 @@ def test_steps_under_deepspeed_equal_its_plain_micro_steps(stage, tmp_path, refe
     clock = got["clock_refused"]
     assert clock["versions_moved"] == 0  # DeepSpeed's update leaves the version counters: only its step count tells
     assert "DeepSpeed ZeRO's optimizer steps: 0 then, 1 now" in clock["refusal"], clock["refusal"]
+    assert "this call (after the parameters changed) found an earlier sp.plan_step step" in clock["outside"]
     mixed = got["mixed_refused"]["refusal"]
     assert "runs as deferred sp.logprobs, its earlier microbatches as sp.backward" in mixed, mixed
