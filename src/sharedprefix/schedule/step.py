@@ -25,8 +25,8 @@ The rules (each refused with its reason, never silent):
   through it); then the cache is released and the step closed.
 - **Bookkeeping.** A microbatch run twice, run after its step finished or failed, or run while another step of the
   model is under way is refused; so is a call after the parameters changed inside a step (an optimizer step before
-  the last microbatch: ``step_rules.changed``). A step whose microbatches did not all run (training stopped mid-step, a loop that
-  skipped one) is named by the model's next step, and by its next call once the parameters changed;
+  the last microbatch: ``step_rules.changed``). A step whose microbatches did not all run (training stopped mid-step,
+  a loop that skipped one) is named by the model's next step, and by its next call once the parameters changed;
   ``Step.finish`` delivers the share of the microbatches that ran and ``Step.release`` drops it.
 
 Modules: ``step`` (the step), ``step_rules`` (its rules), ``step_graph`` (log-probs that keep their graph),
