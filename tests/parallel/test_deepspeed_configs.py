@@ -20,7 +20,7 @@ pytest.importorskip("deepspeed")
 from parallel.deepspeed_configs_worker import CALLS, CONFIGS, cells  # noqa: E402
 from parallel.deepspeed_worker import LR, err, reference  # noqa: E402
 
-from sharedprefix.parallel.engines.deepspeed import _Release  # noqa: E402
+from sharedprefix.parallel.engines.deepspeed_nodes import Release  # noqa: E402
 from support.torchrun import torchrun  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "deepspeed_configs_worker.py")
@@ -92,7 +92,7 @@ def test_tuned_zero_settings_by_the_2x_rule_against_the_plain_run_under_the_same
 
 
 class _Queue(torch.autograd.Function):
-    """Its backward queues ``_Release(block, leftovers)`` on the running backward, as a deferred node's does."""
+    """Its backward queues ``Release(block, leftovers)`` on the running backward, as a deferred node's does."""
 
     @staticmethod
     def forward(ctx, x, block, leftovers):
@@ -101,7 +101,7 @@ class _Queue(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        torch.autograd.Variable._execution_engine.queue_callback(_Release(ctx.block, ctx.leftovers))
+        torch.autograd.Variable._execution_engine.queue_callback(Release(ctx.block, ctx.leftovers))
         return g, None, None
 
 

@@ -56,3 +56,30 @@ def test_grpo_steps_under_ddp_equal_the_exact_run(tmp_path):
     assert scale > 1e-3
     assert float((got["ours"] - got["exact"]).abs().max()) <= 1e-9 * scale
     assert got["calls"] and set(got["calls"]) == {("Microbatch", None)}, got["calls"]
+
+
+def test_grpo_steps_under_deepspeed_equal_trls(tmp_path):
+    """SharedPrefixGRPOTrainer's default steps under accelerate's DeepSpeed plugin (2 gloo processes, ZeRO-1, 2 and 3,
+    DeepSpeed's gradient_accumulation_steps=2, groups split across the micro-steps): the parameters after two
+    optimizer steps equal GRPOTrainer's under the same config, by float32 rounding (DeepSpeed's buffers are float32);
+    every optimizer step ran as one sp.plan_step step over its two micro-steps, each policy call a step's
+    microbatch, deferred, and the trainer logged fewer tokens than a plain run's."""
+    import torch
+
+    from support.torchrun import torchrun
+
+    out = tmp_path / "trl_deepspeed_step.pt"
+    torchrun(os.path.join(os.path.dirname(__file__), "trl_deepspeed_step_worker.py"), [str(out)], timeout=500)
+    got = torch.load(out, weights_only=False)
+    init = got["init"]
+    for stage in (1, 2, 3):
+        run = got[stage]
+        moved = max(float((run["plain"][n] - init[n]).abs().max()) for n in init)
+        assert moved > 1e-3, (stage, moved)  # the parameters moved: the comparison is not vacuous
+        err = max(float((run["ours"][n] - run["plain"][n]).abs().max()) for n in init)
+        # float32: the same sums in another order; a 5% temperature error moves the updates by 4e-4 of their size
+        assert err <= 1e-4 * moved, (stage, err, moved)
+        assert run["ours/steps"] == [(2, "finished")] * 2, run["ours/steps"]
+        assert run["ours/calls"] and set(run["ours/calls"]) == {("Microbatch", None)}, run["ours/calls"]
+        tokens = run["ours/step_tokens"]
+        assert len(tokens) == 2 and all(0 < computed < plain for computed, plain in tokens), (stage, tokens)

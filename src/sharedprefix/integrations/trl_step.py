@@ -276,9 +276,11 @@ def step_logprobs(trainer, model, got: tuple, entropy: bool, held: Callable | No
     part, kk = w.step.part_of(k)
     first = not part.recorded  # this call records the step's (or its part's) shared segments
     # one process without checkpointing: the graph kept (TRL backpropagates with loss.backward()), no second
-    # forward; else deferred (DDP synchronises, checkpointing recomputes inside sharedprefix's backward)
-    graph = keeps_graph(part, kk) and not detect(model, inner).must_defer and not uses_checkpointing(inner)
-    graph = graph and held is None
+    # forward; else deferred (DDP synchronises, checkpointing recomputes inside sharedprefix's backward, DeepSpeed
+    # delivers through its engine.backward)
+    engine = detect(model, inner)
+    graph = keeps_graph(part, kk) and not engine.must_defer and engine.step_graph_refusal is None
+    graph = graph and not uses_checkpointing(inner) and held is None
     with trainer.accelerator.autocast(), torch.set_grad_enabled(held is None):  # as TRL's own forward
         out = sp.logprobs(
             model,

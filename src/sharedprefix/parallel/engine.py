@@ -13,7 +13,7 @@ all-reduce of an error flag (``agree_on_error``); an engine's errors among its o
 
 Adding an engine: one module under ``parallel/engines/`` with a subclass of ``Engine``, and one entry in
 ``parallel.engines.ENGINES``. Its abstract members are the decisions every engine states; the other members default
-to a single process's behaviour (no collectives, nothing refused), which the engine overrides where it differs.
+to one process's (no collectives, nothing refused; a step's terms: ``parallel.engine_step``), overridden as needed.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
+from sharedprefix.parallel.engine_step import StepTerms
 from sharedprefix.parallel.grad_hooks import DeferredGradHooks
 from sharedprefix.parallel.sequence import comm_device, reduce_grads
 from sharedprefix.parallel.tensor import refuse_with_sequence_group
@@ -45,14 +46,13 @@ class Transaction(Protocol):
     def collect(self) -> dict[torch.Tensor, torch.Tensor]: ...
 
 
-class Engine(abc.ABC):
+class Engine(StepTerms, abc.ABC):
     """How one call runs over the ranks. ``root``: the module the engine runs (the FSDP2 root, which may be a wrapper
     of the causal LM; else the causal LM); ``world_size``: every rank; ``tensor``: the tensor-parallel degree;
     ``data_size``: the ranks gradients are summed over (FSDP2's mesh, DDP's process group: not every rank where
     tensor parallelism splits the world)."""
 
     name: ClassVar[str]  # the engine in messages ("DDP")
-    step_refusal: ClassVar[str | None] = None  # why ``sp.plan_step``'s steps cannot run on it, in words (None: can)
 
     def __init__(self, root: Any, world_size: int = 1, tensor: int = 1, data_size: int = 1):
         self.root, self.world_size, self.tensor, self.data_size = root, world_size, tensor, data_size

@@ -179,6 +179,12 @@ class PrefixCache:
             if g is not None:
                 t.grad = g if t.grad is None else t.grad + g
 
+    def scale_grads(self, factor: float) -> None:
+        """Every leaf's accumulated gradient times ``factor`` (out of place)."""
+        for t in self._leaves():
+            if t.grad is not None:
+                t.grad = t.grad * factor
+
     @staticmethod
     def restore_grads(held: list) -> None:
         """Every leaf's ``.grad`` as ``hold_grads`` found it."""

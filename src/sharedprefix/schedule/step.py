@@ -24,9 +24,9 @@ The rules (each refused with its reason, never silent):
   microbatches that completed is delivered (their forward run again with grad, their accumulated gradient pushed
   through it); then the cache is released and the step closed.
 - **Bookkeeping.** A microbatch run twice, run after its step finished or failed, or run while another step of the
-  model is under way is refused; so is a call after the parameters changed in place inside a step (an optimizer
-  step before the last microbatch). A step whose microbatches did not all run (training stopped mid-step, a loop that
-  skipped one) is named by the model's next step, and by its next call once the parameters changed;
+  model is under way is refused; so is a call after the parameters changed inside a step (an optimizer step before
+  the last microbatch: ``step_rules.changed``). A step whose microbatches did not all run (training stopped mid-step,
+  a loop that skipped one) is named by the model's next step, and by its next call once the parameters changed;
   ``Step.finish`` delivers the share of the microbatches that ran and ``Step.release`` drops it.
 
 Modules: ``step`` (the step), ``step_rules`` (its rules), ``step_graph`` (log-probs that keep their graph),
@@ -45,13 +45,13 @@ import torch
 
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.parallel.detect import detect
-from sharedprefix.schedule import rounds
+from sharedprefix.schedule import rounds, step_rules
 from sharedprefix.schedule.cache import PrefixCache
 from sharedprefix.schedule.call_plan import CallPlan
 from sharedprefix.schedule.offload import OffloadHooks
 from sharedprefix.schedule.planner import Plan
 from sharedprefix.schedule.step_plan import StepPlan
-from sharedprefix.schedule.step_rules import OPEN, check_index, check_versions, refuse_hooks, versions
+from sharedprefix.schedule.step_rules import OPEN, check_index, check_versions, refuse_hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +98,9 @@ class StepCall:
 
 
 class Step:
-    """One optimizer step's microbatches, planned together (``sp.plan_step``); see the module docstring.
-
-    Attributes:
-        cp: the ``CallPlan`` of all the step's rows (validation, probe, fingerprint, packed rows), whose passes the
-            step replaces by ``splan``'s.
-        splan: the step's passes (``planner.StepPlan``).
-        mode: the shared segments' ``prefix_activations``.
-    """
+    """One optimizer step's microbatches, planned together (``sp.plan_step``; the module docstring). ``cp``: the
+    ``CallPlan`` of all its rows (validation, probe, fingerprint, packed rows), whose passes the step replaces by
+    ``splan``'s (``planner.StepPlan``); ``mode``: the shared segments' ``prefix_activations``."""
 
     def __init__(
         self, model: torch.nn.Module, cp: CallPlan, splan: StepPlan, mode: str, offload_device, offset: int = 0
@@ -121,7 +116,8 @@ class Step:
         self.forwarded: set[int] = set()  # deferred log-probs computed, backward not yet run
         self.done: set[int] = set()
         self.state = "planned"  # -> "open" (first call) -> "finished" | "failed" | "released"
-        self.versions: tuple = ()
+        self.versions = step_rules.Stamp(())  # the parameters at the first call (``step_rules.stamp``)
+        self.deferred: bool | None = None  # its microbatches' backward: deferred log-probs' (or sp.backward's)
         self._held: list | None = None  # the shared leaves' gradients held aside by the running backward call
         self._merged = False  # (``merge_held``)
 
@@ -136,31 +132,31 @@ class Step:
         return self, k
 
     @property
-    def missing(self) -> list[int]:
-        """The microbatches whose backward has not run."""
+    def missing(self) -> list[int]:  # the microbatches whose backward has not run
         return [self.offset + k for k in range(len(self.views)) if k not in self.done]
 
     @property
-    def ran(self) -> list[int]:
-        """The microbatches whose backward ran."""
+    def ran(self) -> list[int]:  # the microbatches whose backward ran
         return sorted(self.offset + k for k in self.done)
 
     def describe(self) -> str:
         return self.splan.describe()
 
-    def begin(self, model: torch.nn.Module, k: int, backward: bool) -> CallPlan:
+    def begin(self, model: torch.nn.Module, k: int, backward: bool, deferred: bool = False) -> CallPlan:
         """The ``CallPlan`` of microbatch ``k``'s call on ``model`` now (``backward``: its gradient is accumulated:
-        ``sp.backward``, a deferred call's backward; else a deferred call's forward), after the step's checks."""
+        ``sp.backward``, a ``deferred`` call's backward; else a deferred call's forward), after the step's checks."""
         inner = unwrap(model)
-        self._check_call(inner, k, backward)
+        self._check_call(model, inner, k, backward)
         if self.state == "planned":
-            refuse_hooks(inner)
+            refuse_hooks(model, inner)
             other = OPEN.get(inner)
             if other is not None and other is not self:
                 other.refuse_unfinished("a new step's first call")
+            detect(model, inner).check_step(len(self.views))  # (DeepSpeed: within its accumulation window)
             OPEN[inner] = self
             self.state = "open"
-            self.versions = versions(inner)
+            self.versions = step_rules.stamp(model)
+        step_rules.check_delivery(self, model, deferred or not backward, k + self.offset)  # (a forward: deferred)
         records: frozenset = frozenset() if self.recorded else frozenset(self.splan.record)
         steps: list = ([] if self.recorded else list(self.splan.record)) + list(self.splan.microbatches[k])
         if backward and self.done | {k} == set(range(len(self.views))):
@@ -228,7 +224,7 @@ class Step:
             "step.finish(model) delivers the share of the microbatches that ran, step.release() drops it."
         )
 
-    def _check_call(self, inner, k: int, backward: bool) -> None:
+    def _check_call(self, model, inner, k: int, backward: bool) -> None:
         g = k + self.offset  # its index in the user's list
         own = self.inner()
         if own is not inner:
@@ -256,7 +252,7 @@ class Step:
                 "again."
             )
         if self.state == "open":
-            check_versions(inner, self.versions, k + self.offset)
+            check_versions(model, self.versions, k + self.offset)
 
     def fail(self, model) -> None:
         """After a call of the step raised: deliver the completed microbatches' shared share, release, close."""
@@ -270,10 +266,12 @@ class Step:
         run again with grad (whatever the mode: a failed call may have consumed a kept graph). A lockstep engine's
         ranks (FSDP2: an error in a call is raised on every rank) all run it, with nothing to compute where a rank
         has nothing to deliver, so that their collectives match."""
-        lockstep = detect(model, unwrap(model)).lockstep
-        if not self.done or not (lockstep or (self.recorded and self.splan.shared)):
+        engine = detect(model, unwrap(model))
+        if not self.done or not (engine.lockstep or (self.recorded and self.splan.shared)):
             return
-        self.shared_backward(model, 0, "recompute", sync=False)
+        if self.deferred and engine.delivery_scale() != 1.0:  # the leaves hold the caller's scaled gradient already
+            self.cache.scale_grads(1.0 / engine.delivery_scale())
+        self.shared_backward(model, 0, "recompute", sync=engine.accumulates_itself)
 
     def shared_backward(self, model, k: int, mode: str, sync: bool) -> None:
         """The shared segments' backward (one round per recording pass, ``StepPlan.backward``) with the gradients on

@@ -52,7 +52,7 @@ def logprobs(model, mb: Microbatch, given: dict, checks: Sequence[Callable], pla
         raise ValueError(f"aux_loss=True with a step's microbatch; {_AUX}")
     graph = own.get("defer") is False
     if graph:  # before the step begins: a refusal leaves it as it was
-        step_graph.check_graph_path(mb.step, mb.k)
+        step_graph.check_graph_path(model, mb.step, mb.k)
     with in_forward_autocast(model):
         planned = mb.step.begin(model, mb.k, backward=False)
         opts, _, cp, error = call.prepare(model, planned, False, given, checks)
@@ -72,7 +72,7 @@ def logprobs(model, mb: Microbatch, given: dict, checks: Sequence[Callable], pla
 def _deferred_backward(model, mb: Microbatch, loss_fn, options: CallOptions, aux_grads=None, collect=False):
     """The backward of a step's deferred log-probs: the microbatch's ``backward`` (``schedule.deferred``'s
     contract), synchronising only outside DDP's ``no_sync()``, as DDP's own backward would."""
-    cp = mb.step.begin(model, mb.k, backward=True)
+    cp = mb.step.begin(model, mb.k, backward=True, deferred=True)
     opts = options.replace(sync=options.sync and sync_enabled(model))
     return mb.step.run(model, cp.step, True, lambda: rounds.backward(model, cp, opts, loss_fn, collect=collect))
 

@@ -10,6 +10,8 @@ import dataclasses
 
 import torch
 
+from sharedprefix.model.adapter import unwrap
+from sharedprefix.parallel.detect import detect
 from sharedprefix.schedule.step import Step
 
 
@@ -18,10 +20,17 @@ def keeps_graph(step: Step, k: int) -> bool:
     return not any(getattr(st, "record", ()) for st in step.splan.microbatches[k])
 
 
-def check_graph_path(step: Step, k: int) -> None:
+def check_graph_path(model, step: Step, k: int) -> None:
     """``sp.logprobs(model, step.microbatch(k), defer=False)`` keeps the graph of microbatch k's own passes, read
     from the step's cache: refused where k expands a part larger than the budget inside itself (its cached
-    segments would be leaves no backward of the caller reaches)."""
+    segments would be leaves no backward of the caller reaches), and under an engine that says why not
+    (``Engine.step_graph_refusal``)."""
+    why = detect(model, unwrap(model)).step_graph_refusal
+    if why is not None:
+        raise ValueError(
+            f"defer=False on microbatch {k + step.offset} of a step under {why}. Leave defer out (the microbatch's "
+            "log-probs defer, and their backward runs inside your backward: exact)."
+        )
     if not keeps_graph(step, k):
         raise ValueError(
             f"defer=False on microbatch {k + step.offset} of a step whose own rows are larger than "

@@ -95,8 +95,8 @@ def refuse_engine(model) -> None:
     if why is not None:
         raise ValueError(
             f"sp.plan_step is not available with {why}: a step runs each shared prompt once across several calls, "
-            "which sharedprefix has verified on one process, under DDP and under FSDP2. Run each microbatch as its own "
-            "call (sp.backward(model, rows, ...)): exact, each prompt once per microbatch."
+            "which sharedprefix has verified on one process, under DDP, FSDP2 and DeepSpeed ZeRO-1/2/3. Run each "
+            "microbatch as its own call (sp.backward(model, rows, ...)): exact, each prompt once per microbatch."
         )
 
 
@@ -125,6 +125,7 @@ def make_step(model, microbatches: Sequence, cp_of, options: dict, max_cached_to
     cp = cp_of(source)
     mode, device = cp.options.prefix_activations, cp.options.offload_device
     parts = _parts(cp.plan.tree, members, cp.options.max_tokens, max_cached_tokens)
+    detect(model, inner).check_step(len(parts[0][1].views))  # (DeepSpeed: within its accumulation window)
     steps = []
     for first, splan in parts:
         step = Step(model, cp, splan, mode, device, offset=first)

@@ -16,14 +16,14 @@ accumulates, and runs DeepSpeed's hooks once, on the total, as in the one ``engi
 ZeRO-3 that backward runs with the parameters gathered (``gathered``): autograd checks a gradient against the shape
 it recorded for the parameter and accumulates into whole ``.grad`` tensors, which ZeRO-3's hooks then reduce-scatter
 into its partitions. A deferred call's node takes the parameters the same way, and keeps them gathered until the
-caller's backward ends (``gather_until_backward_ends``), or fails (``_Release``). A failed call reaches none of the
+caller's backward ends (``gather_until_backward_ends``), or fails (``Release``). A failed call reaches none of the
 hooks, so DeepSpeed's partitioned buffers stay as they were.
 
 ZeRO-3's leaf modules (``deepspeed.utils.set_z3_leaf_modules``; DeepSpeed's default for the MoE blocks of Mixtral and
 Qwen-MoE) reduce their parameters' gradients in a module full backward hook, not in the parameters' hooks: it would run
 in each backward of a call on that pass's share (DeepSpeed then finds a parameter twice in its reduce bucket). So each
 pass runs with those hooks set aside (``call``: autograd takes a module's full backward hooks when its forward runs),
-and the backward that delivers the call's gradient (``_Deliver``; a deferred call's: the caller's) queues them, once,
+and the backward that delivers the call's gradient (``Deliver``; a deferred call's: the caller's) queues them, once,
 to run when it ends, after autograd accumulated into ``.grad``. A grad-enabled ``sp.logprobs`` then defers
 (``must_defer``; ``defer=False`` is refused, ``check_undeferred``), so that its backward is one of sharedprefix's; the
 cache path, whose passes run outside ``call``, is refused with leaf modules.
@@ -36,6 +36,14 @@ loss scaling, ZeRO++ (quantised weights or gradients, hierarchical partitioning:
 with ZeRO-3 leaf modules, a tensor-parallel model. DeepSpeed's tuned ``zero_optimization`` settings (``overlap_comm``,
 ``contiguous_gradients``, ``reduce_scatter``, ``round_robin_gradients``, bucket and prefetch sizes, persistence,
 ``zero.Init``) need nothing more: they change how DeepSpeed moves the gradient it is given, not which.
+
+Steps of ``sp.plan_step`` (``parallel.engine_step``): each microbatch's call is one DeepSpeed micro-step, and the step's
+shared prompts' gradient is delivered in its last microbatch's ``engine.backward``, scaled by 1 / GA as every
+micro-step's is; ZeRO's reductions are linear in what they are given (``own_grad_hooks``: a step leaves them to it).
+A step lies within one accumulation window (``check_step``); DeepSpeed's update leaves the parameters' version counters
+as they were, so its ``global_steps`` tells a step that they changed (``step_clock``); deferred log-probs carry the
+caller's 1 / GA already (``delivery_scale``), so a step's microbatches are delivered one way, and a step's graph-kept
+log-probs are refused (``step_graph_refusal``).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ import sys
 import torch
 
 from sharedprefix.parallel.engine import Engine, Transaction
+from sharedprefix.parallel.engines.deepspeed_nodes import Deliver, Release
 from sharedprefix.parallel.engines.single import Single
 
 
@@ -60,8 +69,12 @@ class DeepSpeed(Single):
     ran), with DeepSpeed's delivery of the call's gradient."""
 
     name = "DeepSpeed ZeRO"
-    step_refusal = "a DeepSpeed engine (its own accumulation boundary and gradient partitions are not verified with it)"
+    step_graph_refusal = (
+        "a DeepSpeed engine: log-probs that keep their graph would run the step's shared prompts' backward after your "
+        "engine.backward ended, outside its micro-step"
+    )
     replays_tensor_hooks = False  # autograd runs them in the delivering backward
+    accumulates_itself = True  # over its gradient_accumulation_steps (``check_sync``)
 
     def __init__(self, root, world_size: int, engine, tensor: int = 1):
         super().__init__(root, world_size, tensor=tensor, data_size=world_size)
@@ -126,7 +139,7 @@ class DeepSpeed(Single):
             then = self._fire_leaf_hooks if self.leaf_hooks else None
             with self.gathered(params):  # ZeRO-3: whole while autograd records and accumulates them
                 with torch.enable_grad():
-                    out = _Deliver.apply([grads[p] for p in params], then, *params)
+                    out = Deliver.apply([grads[p] for p in params], then, *params)
                 self.ds.backward(out)
         return None
 
@@ -140,13 +153,13 @@ class DeepSpeed(Single):
     def gather_until_backward_ends(self, params):
         """Gathered now, partitioned again by a callback the running backward runs when it ends (after autograd
         accumulated into them and DeepSpeed's hooks reduced it), or, where that backward fails (a later node of the
-        caller's loss raises), when autograd drops the callback unrun (``_Release``); a no-op for stages 1 and 2."""
+        caller's loss raises), when autograd drops the callback unrun (``Release``); a no-op for stages 1 and 2."""
         import deepspeed
 
         block = deepspeed.zero.GatheredParameters(_partitioned(params), modifier_rank=None)
         block.__enter__()
         leftovers = getattr(getattr(self.ds.optimizer, "parameter_offload", None), "release_backward_leftovers", None)
-        torch.autograd.Variable._execution_engine.queue_callback(_Release(block, leftovers))
+        torch.autograd.Variable._execution_engine.queue_callback(Release(block, leftovers))
 
     def fire_hooks(self) -> None:
         """Nothing: the delivering backward (``finish_grads``) ran every hook once, inside a backward."""
@@ -172,6 +185,42 @@ class DeepSpeed(Single):
                 "defer=None (the call then defers by itself: its backward runs inside your engine.backward, exact), "
                 "or use sp.backward."
             )
+
+    def step_clock(self) -> object:
+        """DeepSpeed's optimizer steps (``global_steps``): its update writes the flat buffers or partitions behind the
+        parameters, at every stage, and leaves their version counters as they were."""
+        return int(self.ds.global_steps)
+
+    def check_step(self, count: int) -> None:
+        """A step's microbatches are consecutive micro-steps of one accumulation window: the step's last at or before
+        DeepSpeed's boundary (``micro_steps`` counts the ``engine.step()`` calls). Where the caller sets the boundary
+        itself (accelerate's ``set_gradient_accumulation_boundary``, or ``managed_gradient_accumulation`` off) it
+        cannot be read ahead, and ``step_clock`` names a step whose parameters changed."""
+        ds = self.ds
+        managed = getattr(ds, "managed_gradient_accumulation", lambda: True)()
+        if getattr(ds, "_is_gradient_accumulation_boundary", None) is not None or not managed:
+            return
+        ga, done = int(ds.gradient_accumulation_steps()), int(ds.micro_steps)
+        at = done % ga
+        if at + count > ga:
+            raise ValueError(
+                f"a step of {count} microbatches beginning at DeepSpeed micro-step {done}, micro-step {at} of its "
+                f"gradient_accumulation_steps={ga}: its microbatches straddle the accumulation boundary after "
+                f"micro-step {done + ga - at - 1}, where engine.step() updates the parameters, so its later "
+                "microbatches would read prompts cached at the old parameters and the earlier ones' share of them "
+                f"would miss that update. Plan a step over at most {ga - at} microbatch(es) from here (steps aligned "
+                "with DeepSpeed's accumulation: gradient_accumulation_steps a multiple of the step's microbatches), "
+                "or run these microbatches as calls of their own."
+            )
+
+    def own_grad_hooks(self) -> frozenset[int]:
+        """ZeRO's reduction hooks (``optimizer._grad_acc_hooks``: a handle of each parameter's
+        post-accumulate-grad hook, at every stage)."""
+        return frozenset(h.id for h in getattr(self.ds.optimizer, "_grad_acc_hooks", None) or [] if hasattr(h, "id"))
+
+    def delivery_scale(self) -> float:
+        """``engine.backward`` divides the call's gradient by ``gradient_accumulation_steps`` (``finish_grads``)."""
+        return 1.0 / int(self.ds.gradient_accumulation_steps())
 
     def check_sync(self, sync: bool) -> None:
         if not sync:
@@ -232,48 +281,3 @@ def _refuse(engine, tensor: int) -> None:
             f"the DeepSpeed engine's model is tensor-parallel (tp_size={tensor}), which sharedprefix has not been "
             "verified with under DeepSpeed. Use tensor parallelism alone or under FSDP2."
         )
-
-
-class _Release:
-    """Leaves a ``GatheredParameters`` block (partitions its parameters again) once: when the backward it was queued
-    on ends, or when that backward fails. Autograd runs a queued callback only at the end of a backward that
-    succeeded; after a failure it drops it unrun with the failed graph task, as the error leaves
-    ``torch.autograd.backward``, and this object is freed then (nothing else refers to it). Without ``__del__`` the
-    parameters stayed gathered, and the next deferred call raised DeepSpeed's "Nested GatheredParameters contexts
-    cannot overlap parameters". On that failure it also releases what ZeRO-3's backward epilogue, which never ran,
-    would have (``leftovers``: ``release_backward_leftovers``, the modules whose post-backward hook never fires, such
-    as the embedding, fed token ids that need no gradient, in sharedprefix's passes)."""
-
-    def __init__(self, block, leftovers=None):
-        self.block, self.leftovers = block, leftovers
-
-    def __call__(self) -> None:
-        block, self.block = self.block, None
-        if block is not None:
-            block.__exit__(None, None, None)
-
-    def __del__(self) -> None:
-        if self.block is not None:  # dropped unrun: the backward failed
-            self()
-            if self.leftovers is not None:
-                self.leftovers()
-
-
-class _Deliver(torch.autograd.Function):
-    """A scalar of the parameters whose backward returns the gradients it was given (``ctx.grads``), times the
-    gradient that reaches it (1, or what ``engine.backward`` scales the loss by: ``1 / gradient_accumulation_steps``).
-    Autograd then runs each parameter's tensor hooks on it, accumulates it into ``.grad`` and runs its
-    post-accumulate-grad hooks, inside the running backward."""
-
-    @staticmethod
-    def forward(ctx, grads, then, *params):
-        ctx.grads, ctx.then = grads, then
-        return torch.zeros((), dtype=params[0].dtype, device=params[0].device)
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.then is not None:  # inside this backward, before any parameter's hook
-            ctx.then()
-        if bool(g == 1):
-            return (None, None, *ctx.grads)
-        return (None, None, *(x * g.to(x.dtype) for x in ctx.grads))
