@@ -275,7 +275,13 @@ class SharedPrefixFSDPEngine(FSDPEngineWithLMHead):
         temperature = _temperature(data)
         entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
         mbs = verl_step.micro_batches_of(micro_batches, get_device_id(), self.module if self.sp_vl else None)
-        defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True)
+        # verl defers FSDP2's reduction to the last micro-batch; the core's sync=False calls (before f8d2502, "FSDP2:
+        # sync=False calls keep the unsharded parameters' gradient") leave a wrong gradient on the parameters of FSDP2
+        # modules not resharded after forward (reshard_after_forward=False), so there every micro-batch reduces its
+        # own (the same sum)
+        defer_sync = getattr(self.engine_config, "use_no_sync_for_gradient_accumulation", True) and getattr(
+            self.engine_config, "reshard_after_forward", True
+        )
         syncs = [k == len(mbs) - 1 or not defer_sync for k in range(len(mbs))]
         kw = dict(temperature=temperature, sequence_group=self._sequence_group())
         with self._sp_context():
