@@ -119,8 +119,9 @@ def plan_step(
     prompts once, so the bound trades memory for recomputation, and never fails.
 
     Available on one process, under DDP and under FSDP2 (``sp.backward``, prefix_activations "recompute": FSDP2's
-    mode); refused with the reason elsewhere (DeepSpeed, tensor and sequence parallelism, cache-path hybrids, the
-    MoE load-balancing loss).
+    mode), with or without a ``sequence_group`` (Ulysses: every rank of the group plans the same microbatches and
+    caches the shared prompts' K/V of its heads); refused with the reason elsewhere (DeepSpeed, tensor parallelism,
+    cache-path hybrids, the MoE load-balancing loss).
     """
 
     def cp_of(source):

@@ -413,7 +413,10 @@ def test_ulysses_sequence_parallel_matches_verl(tmp_path, procs, sp_size):
     """``ulysses_sequence_parallel_size`` 2 and 4 (and 2 data-parallel groups of 2): our engine, on the core's
     ``sequence_group`` (verl's own Ulysses group), against verl's engine with Ulysses on (verl's all-to-all
     attention wrapper, on a CPU varlen kernel: ``verl_cpu.allow_ulysses``); static and dynamic micro-batches and a
-    budget that splits groups. Qwen3 here has 4 query and 2 key/value heads: with 4 ranks, Hkv < S."""
+    budget that splits groups. Qwen3 here has 4 query and 2 key/value heads: with 4 ranks, Hkv < S. Each mini-batch
+    is one step over verl's own micro-batches (each prompt once): static ones below rollout.n (groups split) and
+    dynamic ones too, with the four policy losses that read each micro-batch's rows; log-probs, entropies, gradients,
+    losses and every per-micro-batch metric equal verl's."""
     result = tmp_path / "result.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     worker = os.path.join(HERE, "verl_ulysses_worker.py")
@@ -423,7 +426,16 @@ def test_ulysses_sequence_parallel_matches_verl(tmp_path, procs, sp_size):
     )
     assert out.returncode == 0, out.stderr[-5000:]
     res = json.loads(result.read_text())
-    assert set(res) == {"static", "dynamic", "budget"}
+    assert set(res) == {
+        "static",
+        "dynamic",
+        "budget",
+        "split",
+        "split_kl_cov",
+        "split_clip_cov",
+        "dynamic_geo_mean",
+        "dynamic_bypass",
+    }
     for case, errs in res.items():
         assert errs.pop("grad_scale") > 0.1, case  # the gradients compared are not zero
         for what, err in errs.items():

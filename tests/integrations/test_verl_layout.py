@@ -1,15 +1,12 @@
-"""The pure layout functions of the verl integration (no verl needed): verl's shifted jagged layout, grouping."""
+"""The pure layout functions of the verl integration (no verl needed): verl's shifted jagged layout, its rows."""
 
 import pytest
 import torch
 
 from sharedprefix.integrations.verl_layout import (
     check_positions,
-    group_keys,
-    grouping_order,
     response_lengths,
     rows_of,
-    split_groups,
     to_verl,
 )
 
@@ -37,15 +34,6 @@ def test_response_lengths_from_padded_or_nested():
     attn = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])  # P = 2 prompt columns, R = 3
     assert response_lengths(torch.zeros(2, 3), attn).tolist() == [2, 3]
     assert response_lengths(_nested([[1, 2], [3]]), None).tolist() == [2, 1]
-
-
-def test_groups_regrouped_and_splits_found():
-    ids = _nested([[1, 2, 9], [3, 4, 9], [1, 2, 8], [3, 4, 7]])
-    keys = group_keys(ids, torch.tensor([2, 2, 2, 2]))
-    assert keys[0] == keys[2] and keys[1] == keys[3] and keys[0] != keys[1]
-    assert grouping_order(keys) == [0, 2, 1, 3]
-    assert split_groups(keys, [[0, 2], [1, 3]]) == []
-    assert split_groups(keys, [[0, 1], [2, 3]]) == [keys[0], keys[1]]
 
 
 def test_positions_must_count_along_each_row():

@@ -17,12 +17,6 @@ class _Config:
     video_token_id = VIDEO
 
 
-def _nested(rows):
-    return torch.nested.nested_tensor_from_jagged(
-        torch.cat(rows), torch.tensor([0, *torch.tensor([len(r) for r in rows]).cumsum(0)])
-    )
-
-
 def _image(seed):
     g = torch.Generator().manual_seed(seed)
     return {"pixel_values": torch.randn(16, 24, generator=g), "image_grid_thw": torch.tensor([[1, 4, 4]])}
@@ -35,7 +29,7 @@ def test_groups_by_prompt_tokens_and_images():
     a, b = _image(0), _image(1)
     inputs = [dict(a, images_seqlens=torch.tensor([16])), dict(a), dict(b), dict(b)]
     inputs = [{k: v for k, v in x.items() if k not in verl_vl._NOT_INPUTS} for x in inputs]  # as row_inputs drops it
-    groups, members = verl_vl.vl_groups(_nested(rows), plen, inputs, _Config)
+    groups, members = verl_vl.vl_groups(rows, plen, inputs, _Config)
     assert members == [[0, 1], [2, 3]]  # the same tokens, other images: two groups
     assert [len(g.completions) for g in groups] == [2, 2]
     assert torch.equal(groups[0].prompt_inputs["pixel_values"], a["pixel_values"])
@@ -54,10 +48,38 @@ def test_groups_by_prompt_tokens_and_images():
     assert verl_vl.image_keys([bf16])[0] != verl_vl.image_keys([{"pixel_values": b["pixel_values"].bfloat16()}])[0]
 
 
+def test_scattered_rows_grouped_and_values_back_and_forth():
+    """verl's micro-batches hold rows in verl's order: a group's rows need not be adjacent. Its groups are in the
+    order of their first rows, its members in row order; ``from_rows`` inverts ``to_rows`` on the response tokens."""
+    prompt = torch.tensor([5, IMAGE, IMAGE, 6])
+    text = torch.tensor([7, 8])
+    rows = [
+        torch.cat([prompt, torch.tensor([1, 2])]),
+        torch.cat([text, torch.tensor([3])]),
+        torch.cat([prompt, torch.tensor([4])]),
+        torch.cat([prompt, torch.tensor([5, 6, 7])]),
+        torch.cat([text, torch.tensor([8, 9])]),
+    ]
+    plen = torch.tensor([4, 2, 4, 4, 2])
+    a, b = _image(0), _image(1)
+    groups, members = verl_vl.vl_groups(rows, plen, [a, None, a, b, None], _Config)
+    assert members == [[0, 2], [1, 4], [3]]  # the same tokens, another image: row 3 is a group of its own
+    assert groups[1].prompt_inputs is None and torch.equal(groups[1].prompt, text)
+    assert [[c.tolist() for c in g.completions] for g in groups] == [[[1, 2], [4]], [[3], [8, 9]], [[5, 6, 7]]]
+    lengths = torch.tensor([len(r) for r in rows])
+    native = torch.arange(1.0, 1.0 + 5 * 3).reshape(5, 3) * torch.tensor(
+        [[1, 1, 0], [1, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    )  # zero past each completion (lengths 2, 1, 1, 2, 3 in group order)
+    on_rows = verl_vl.to_rows(native, groups, members, lengths, plen)
+    assert on_rows[3].tolist() == [0, 0, 0, 0, 13, 14, 15]
+    assert on_rows[4].tolist() == [0, 0, 10, 11, 0, 0, 0]
+    assert torch.equal(verl_vl.from_rows(on_rows, groups, members, plen), native)
+
+
 def test_image_token_in_a_response_refused():
     rows = [torch.tensor([5, IMAGE, 6, 7, IMAGE])]
     with pytest.raises(ValueError, match=r"row 0's response holds image/video token ids \[100\]"):
-        verl_vl.vl_groups(_nested(rows), torch.tensor([3]), [_image(0)], _Config)
+        verl_vl.vl_groups(rows, torch.tensor([3]), [_image(0)], _Config)
 
 
 def test_own_forward_undoes_a_patch_and_puts_it_back_also_on_error():

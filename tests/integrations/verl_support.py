@@ -311,11 +311,31 @@ def case_errors(ev, engine, make, lf, wrap_ours=None, grad_scale=False) -> dict:
     (o_v, g_v), (o_s, g_s) = train(ev, make(), lf), train(engine, make(), lf)
     errs["grads"] = rel(g_s, g_v)
     errs["loss"] = abs(sum(o_s["loss"]) - sum(o_v["loss"])) / abs(sum(o_v["loss"]))
+    errs["metrics"] = metrics_error(o_s["metrics"], o_v["metrics"])
     if grad_scale:
         errs["grad_scale"] = max(float(g.abs().max()) for g in g_v.values())
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, errs)
     return {k: max(e[k] for e in gathered) for k in errs}
+
+
+def metrics_error(ours: dict, theirs: dict) -> float:
+    """The largest relative difference of verl's metrics (each a value, a list of per-micro-batch values or a verl
+    ``Metric``) between two outputs; a difference within 1e-6 counts as none (as ``pytest.approx(abs=1e-6)``)."""
+
+    def values(m):
+        m = m.aggregate() if hasattr(m, "aggregate") else m
+        return torch.tensor([float(x) for x in (m if isinstance(m, (list, tuple)) else [m])], dtype=torch.float64)
+
+    worst = 0.0
+    for key, value in theirs.items():
+        a, b = values(ours[key]), values(value)
+        if a.shape != b.shape:
+            return float("inf")
+        d = (a - b).abs()
+        d = torch.where(d <= 1e-6, torch.zeros_like(d), d / b.abs().clamp(min=1e-30))
+        worst = max(worst, float(d.max()) if d.numel() else 0.0)
+    return worst
 
 
 def finish_worker(result: str, out: dict) -> None:
@@ -338,6 +358,7 @@ __all__ = [
     "infer",
     "loss_fn",
     "masked_rel",
+    "metrics_error",
     "reference",
     "rel",
     "responses_of",

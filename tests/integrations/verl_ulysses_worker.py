@@ -8,6 +8,7 @@ verl dispatches them. Rank 0 writes {case: {what: relative error}} (ours vs verl
 
 import sys
 
+import torch
 import verl_cpu  # (before verl's engine modules)
 from verl_support import FSDPEngineWithLMHead, Spec, build, case_errors, finish_worker, loss_fn, rl_batch, start_worker
 
@@ -51,11 +52,60 @@ def main(workdir: str, result: str, sp_size: str) -> None:
     spec = SPECS[rank // sp_size]
     rows = 8 * (size // sp_size)  # the global mini-batch
     out = {}
-    for case, engine, dynamic in (("static", es, False), ("dynamic", es, True), ("budget", budget, False)):
-        make = lambda dynamic=dynamic: rl_batch(spec, temperature=0.7, dynamic=dynamic, micro=4, max_tokens=128)  # noqa: E731
-        lf = loss_fn("clip_kl_entropy", rows)
-        out[case] = case_errors(ev, engine, make, lf, wrap_ours=_exchanged, grad_scale=True)
+    for case, (name, dynamic, micro, max_tokens, loss) in CASES.items():
+        make = lambda d=dynamic, m=micro, t=max_tokens: rl_batch(  # noqa: E731
+            spec, temperature=0.7, dynamic=d, micro=m, max_tokens=t
+        )
+        engine = budget if name == "budget" else es
+        out[case] = case_errors(ev, engine, make, LOSSES[loss](rows), wrap_ours=_exchanged, grad_scale=True)
     finish_worker(result, out)
+
+
+def _policy(rows, **policy):
+    return loss_fn("clip_kl_entropy", rows, policy_loss=policy)
+
+
+def _clip_cov(rows):
+    """clip_cov draws its clipped tokens at random (torch's generator): the same seed before each call, the same
+    draw in both engines."""
+    lf = _policy(rows, loss_mode="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-5.0)
+
+    def fn(**kw):
+        torch.manual_seed(0)
+        return lf(**kw)
+
+    return fn
+
+
+def _bypass(rows):
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+    corr = RolloutCorrectionConfig(loss_type="reinforce", rollout_is="token", rollout_is_batch_normalize=True)
+    return _policy(rows, loss_mode="bypass_mode", rollout_correction=corr)
+
+
+# verl's ppo_loss (clipping, k3 KL, entropy bonus) with an additive policy loss and the four that read the rows of
+# each micro-batch
+LOSSES = {
+    "vanilla": lambda rows: loss_fn("clip_kl_entropy", rows),
+    "kl_cov": lambda rows: _policy(rows, loss_mode="kl_cov", kl_cov_ratio=0.1),
+    "clip_cov": _clip_cov,
+    "geo_mean": lambda rows: _policy(rows, loss_mode="geo_mean"),
+    "bypass_reinforce_normalised": _bypass,
+}
+# case -> (engine: "es" or "budget", dynamic, micro_batch_size_per_gpu, max_token_len_per_gpu, loss): groups of 4
+# rows; static micro-batches of 4 and of 2 (below rollout.n: each group split), dynamic ones of 128 and of 32 tokens
+# per rank (verl's budget is per sequence group: x SP)
+CASES = {
+    "static": ("es", False, 4, 128, "vanilla"),
+    "dynamic": ("es", True, 4, 128, "vanilla"),
+    "budget": ("budget", False, 4, 128, "vanilla"),
+    "split": ("es", False, 2, 128, "vanilla"),
+    "split_kl_cov": ("es", False, 2, 128, "kl_cov"),
+    "split_clip_cov": ("es", False, 2, 128, "clip_cov"),
+    "dynamic_geo_mean": ("es", True, 4, 32, "geo_mean"),
+    "dynamic_bypass": ("es", True, 4, 32, "bypass_reinforce_normalised"),
+}
 
 
 if __name__ == "__main__":

@@ -79,6 +79,55 @@ def run_case(name, group):
     )
 
 
+# a step over two microbatches (sp.plan_step with the sequence group): (prefix_activations, budget)
+STEP_MODES = {"keep": ("keep", None), "recompute_budget": ("recompute", BUDGET)}
+
+
+def step_microbatches(groups):
+    """The groups' completions over two microbatches (each group's first half, then the rest: every prompt of two or
+    more completions shared by both), and each microbatch's completions' indices in ``groups``' order."""
+    mbs, idx, start = [[], []], [[], []], 0
+    for g in groups:
+        half = (g.group_size + 1) // 2
+        for k, part in enumerate((range(half), range(half, g.group_size))):
+            if len(part):
+                mbs[k].append(sp.Group(g.prompt, [g.completions[i] for i in part]))
+                idx[k] += [start + i for i in part]
+        start += g.group_size
+    return mbs, [torch.tensor(i) for i in idx]
+
+
+def step_weights(n):
+    return torch.randn(n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+
+
+def run_step(model, groups, mode, budget, group, sync_last=False):
+    """``groups`` as a step of two microbatches (``step_microbatches``) under ``group``; the loss of each microbatch
+    the sum of its log-probs weighted by ``step_weights`` at their indices in ``groups``. Returns (tokens computed,
+    the step's state); the gradient is left in ``.grad``. ``sync_last``: reduce only in the last call (FSDP2)."""
+    mbs, idx = step_microbatches(groups)
+    W = step_weights(sum(g.group_size for g in groups))
+    step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=mode, sequence_group=group)
+    tokens = 0
+    for k in range(len(mbs)):
+        loss = lambda b, k=k: (b.logprobs * W[idx[k][b.index], : b.logprobs.shape[1]]).sum()  # noqa: E731
+        sync = k == len(mbs) - 1 or not sync_last
+        tokens += sp.backward(model, step.microbatch(k), loss, sync=sync).tokens_computed
+    return tokens, step.state
+
+
+def run_steps(group):
+    """{mode: {grads, tokens, state}} of ``run_step`` on one float64 Qwen3 for each of ``STEP_MODES``."""
+    model = build_model("qwen3", {})
+    out = {}
+    for name, (mode, budget) in STEP_MODES.items():
+        model.zero_grad(set_to_none=True)
+        tokens, state = run_step(model, source("groups"), mode, budget, group)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        out[name] = dict(grads=grads, tokens=tokens, state=state)
+    return out
+
+
 def fsdp_weights(n):
     return torch.randn(n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
 
@@ -87,7 +136,7 @@ def run_fsdp():
     """FSDP2 over every rank x sequence groups of 2 (data-parallel group d: ranks 2d, 2d + 1), whole groups per
     data-parallel group, a budget that splits one: {full gradients, log-probs of this rank's groups, their global
     completion indices}."""
-    from parallel.worker import shard_of
+    from parallel.worker import full_grads, shard_of
     from torch.distributed.fsdp import fully_shard
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -104,11 +153,21 @@ def run_fsdp():
         lp = sp.logprobs(model, mine, max_tokens=BUDGET, sequence_group=groups_sp[d]).logprobs
     loss = lambda b: (b.logprobs * W[gidx[b.index], : b.logprobs.shape[1]]).sum()  # noqa: E731
     sp.backward(model, mine, loss, max_tokens=BUDGET, sequence_group=groups_sp[d])
-    grads = {}
-    for n, p in model.named_parameters():
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        grads[n] = g.detach().clone()
-    return dict(grads=grads, logprobs=lp, gidx=gidx, data_group=d)
+    grads = full_grads(model)
+    # the same rows as a step of two microbatches (each prompt once for both), reduced by FSDP2 at the last one (the
+    # first with sync=False), as verl accumulates its micro-batches; its root resharded after forward, as verl's is
+    # (with fully_shard's default for a root, sp.backward with sync=False left a wrong gradient on the root's
+    # parameters until the core's fix "FSDP2: sync=False calls keep the unsharded parameters' gradient")
+    model = tiny_model("qwen3")
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model, reshard_after_forward=True)
+    mbs, idx = step_microbatches(mine)
+    step = sp.plan_step(model, mbs, max_tokens=BUDGET, prefix_activations="recompute", sequence_group=groups_sp[d])
+    for k in range(2):
+        loss = lambda b, k=k: (b.logprobs * W[gidx[idx[k][b.index]], : b.logprobs.shape[1]]).sum()  # noqa: E731
+        sp.backward(model, step.microbatch(k), loss, sync=k == 1)
+    return dict(grads=grads, step_grads=full_grads(model), logprobs=lp, gidx=gidx, data_group=d)
 
 
 def refusals(group):
@@ -166,6 +225,7 @@ def main(out):
     group = dist.new_group(list(range(dist.get_world_size())))
     results = {name: run_case(name, group) for name in CASES}
     results["refusals"] = refusals(group)
+    results["steps"] = run_steps(group)
     results["fsdp"] = run_fsdp()
     torch.save(results, f"{out}.{dist.get_rank()}")
     dist.destroy_process_group()

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from parallel.sequence_worker import BUDGET, CASES, build_model, source, weights
+from parallel.sequence_worker import BUDGET, CASES, STEP_MODES, build_model, run_step, source, step_weights, weights
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, tiny_model
@@ -113,9 +113,31 @@ def test_fsdp2_data_parallel_times_sequence_parallel(ranks):
     for res in results:
         got = res["fsdp"]
         assert_grads_close(got["grads"], want, 1e-9)
+        assert_grads_close(got["step_grads"], want, 1e-9)  # the same rows as a step of two microbatches
         mine = [groups[i] for i in sorted({_group_of(groups, int(c)) for c in got["gidx"]})]
         ref = plain_logprobs(model, mine)[0].detach()
         assert (got["logprobs"] - ref).abs().max() <= 1e-9
+
+
+@pytest.mark.slow
+def test_step_over_microbatches_with_a_sequence_group(ranks):
+    """sp.plan_step with a sequence_group (every rank the same two microbatches, each prompt shared by both): each
+    rank's gradient is the plain gradient of the microbatches' losses summed, and the step computes the tokens the
+    same step computes on one process (each prompt once for the step), in "keep" and in "recompute" under a budget
+    that splits the 30-token prompt."""
+    n, results = ranks
+    groups = source("groups")
+    model = build_model("qwen3", {})
+    W = step_weights(sum(g.group_size for g in groups))
+    want = grads_of(model, lambda: (lambda lp: (lp * W[:, : lp.shape[1]]).sum())(plain_logprobs(model, groups)[0]))
+    for name, (mode, budget) in STEP_MODES.items():
+        model.zero_grad(set_to_none=True)
+        tokens, _ = run_step(model, groups, mode, budget, None)
+        for res in results:
+            got = res["steps"][name]
+            assert got["state"] == "finished" and got["tokens"] == tokens, name
+            assert_grads_close(got["grads"], want, 1e-9)
+    assert tokens < sp.plan(groups).plain_tokens
 
 
 def _group_of(groups, completion):

@@ -9,6 +9,7 @@ import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
 from support.schedule import MODES
 from support.trees import plain_rows
+from support.vl import MROPE_GROUPS, mrope_model, plain_mrope
 
 
 def _sub(g, idx):
@@ -397,3 +398,39 @@ def test_graph_kept_logprobs_refuse_autograd_grad_and_a_second_backward(model):
         sp.logprobs(model, big.microbatch(0), defer=False)
     assert big.state == "planned"  # refused before the step began
     model.zero_grad(set_to_none=True)
+
+
+def _vl_microbatches():
+    """Qwen2-VL groups with images (``support.vl``) spread over three microbatches: two image prompts shared by two
+    microbatches each, a text prompt, an image prompt in one microbatch, and a group with group 0's prompt tokens but
+    another image (a prompt of its own: the step merges groups by prompt tokens and inputs)."""
+    g = MROPE_GROUPS()
+    other = torch.randn(g[0].prompt_inputs["pixel_values"].shape, dtype=torch.float64, generator=torch.Generator())
+    twin = sp.Group(g[0].prompt, [torch.tensor([4, 7])], prompt_inputs=dict(g[0].prompt_inputs, pixel_values=other))
+
+    def sub(x, idx):
+        return sp.Group(x.prompt, [x.completions[i] for i in idx], prompt_inputs=x.prompt_inputs)
+
+    return [[sub(g[0], [0]), sub(g[1], [0]), twin], [sub(g[0], [1, 2]), g[2]], [sub(g[1], [1]), g[3]]]
+
+
+@pytest.mark.parametrize("mode, budget", [("keep", None), ("recompute", None), ("recompute", 16), ("offload", 16)])
+def test_vision_language_groups_split_over_microbatches_exact(mode, budget):
+    """Groups with prompt_inputs (images, M-RoPE positions) in a step: each image prompt and its vision tower once
+    for the step, the gradients (vision tower included) those of the plain rows of each microbatch, summed."""
+    model = mrope_model("qwen2_vl")
+    mbs = _vl_microbatches()
+    Ws = _weights(mbs)
+    want = grads_of(model, lambda: sum((plain_mrope(model, mb) * W).sum() for mb, W in zip(mbs, Ws)))
+    patches: list[int] = []
+    model.model.visual.register_forward_hook(sp.allow_hook(lambda m, i, o: patches.append(i[0].shape[0])))
+    step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=mode)
+    assert len(step.splan.shared) == 2  # group 0's and group 1's prompts (11 and 5 tokens); not the twin's
+    tokens = sum(sp.backward(model, step.microbatch(k), _loss(W)).tokens_computed for k, W in enumerate(Ws))
+    got = _grads(model)
+    assert_grads_close(got, want, 1e-9)
+    assert any("visual" in n for n in got)
+    prompts, completions = 11 + 5 + 11 + 3 + 6, 8 + 7 + 2 + 2 + 1
+    assert tokens == prompts + completions + (11 + 5 if mode == "recompute" else 0)
+    # each image through the tower once (the shared ones again with grad under recompute): 16, 8, 16, 8 patches
+    assert sum(patches) == 16 + 8 + 16 + 8 + (16 + 8 if mode == "recompute" else 0)

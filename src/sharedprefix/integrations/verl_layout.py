@@ -101,30 +101,3 @@ def to_verl(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     shifted = torch.cat([values[:, 1:], values.new_zeros(B, 1)], dim=1)  # (B, L): column t holds token t + 1
     keep = torch.arange(L, device=values.device)[None] < lengths.to(values.device)[:, None]
     return shifted[keep]  # row-major: row 0's len_0 entries, then row 1's, ...
-
-
-def group_keys(input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> list[bytes]:
-    """One hashable key per row: its prompt tokens (rows with the same key share their prompt)."""
-    offsets = input_ids.offsets().cpu()
-    values = input_ids.values().cpu()
-    return [values[int(offsets[i]) : int(offsets[i]) + int(p)].numpy().tobytes() for i, p in enumerate(prompt_lengths)]
-
-
-def grouping_order(keys: list) -> list[int]:
-    """A stable order of the rows in which rows with the same key are contiguous (groups by first appearance)."""
-    members: dict = {}
-    for i, k in enumerate(keys):
-        members.setdefault(k, []).append(i)
-    return [i for rows in members.values() for i in rows]
-
-
-def split_groups(keys: list, micro_batches: list[list[int]]) -> list:
-    """Keys whose rows lie in more than one micro-batch (``micro_batches``: row indices of each)."""
-    where: dict = {}
-    split = []
-    for m, rows in enumerate(micro_batches):
-        for i in rows:
-            first = where.setdefault(keys[i], m)
-            if first != m and keys[i] not in split:
-                split.append(keys[i])
-    return split

@@ -1,4 +1,5 @@
-"""One mini-batch of a rank as one ``sp.plan_step`` step over verl's own micro-batches (text models, no Ulysses).
+"""One mini-batch of a rank as one ``sp.plan_step`` step over verl's own micro-batches (text and vision-language
+models, with or without Ulysses).
 
 ``SharedPrefixFSDPEngine.forward_backward_batch`` hands this module the micro-batches verl's ``prepare_micro_batches``
 formed (static ``micro_batch_size_per_gpu`` of any size, rollout.n or not; dynamic token-budget micro-batches, with
@@ -7,7 +8,9 @@ verl's ``force_group_size`` left alone), so that every loss of verl's, however i
 per-micro-batch metric (``actor/ppo_kl``, ``actor/pg_clipfrac``, ...) is verl's.
 
 - **Training**: the micro-batches' rows are planned as one step (``sp.plan_step``, one ``sp.Tree`` per micro-batch,
-  ``prefix_activations="recompute"``, FSDP2's mode): each prompt that rows of two or more micro-batches share is
+  or for a vision-language model its ``sp.Group``s with ``prompt_inputs``, which the step merges by prompt tokens
+  and inputs across micro-batches; ``prefix_activations="recompute"``, FSDP2's mode; with Ulysses, verl's sequence
+  group, every rank of it planning the same step): each prompt that rows of two or more micro-batches share is
   computed once for the mini-batch (recorded without a graph by the first micro-batch's call, read by every
   micro-batch's passes, run again with grad and backpropagated once inside the last micro-batch's call, before
   FSDP2's gradient reduction at the accumulation boundary); a prompt whose rows all lie in one micro-batch is computed
@@ -51,6 +54,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine.utils import detach_tree
 
 import sharedprefix as sp
+from sharedprefix.integrations import verl_vl
 from sharedprefix.integrations.verl_layout import Rows, check_positions, response_lengths, rows_of, to_verl
 from sharedprefix.schedule.planner import Pass, PrefixBackward
 
@@ -60,11 +64,17 @@ __all__ = ["MicroBatch", "forward_only", "micro_batches_of", "train"]
 @dataclass
 class MicroBatch:
     """One of verl's micro-batches: ``data`` (its TensorDict, on the compute device), its ``rows`` (a tree whose
-    trained tokens are the response tokens) and ``offsets`` (its jagged layout, for the outputs)."""
+    trained tokens are the response tokens) and ``offsets`` (its jagged layout, for the outputs). A vision-language
+    model's micro-batch is also ``groups`` (``sp.Group``s with ``prompt_inputs``, which a tree does not carry: rows
+    with the same prompt tokens and inputs, wherever verl put them), ``members`` (each group's rows) and ``inputs``
+    (each row's ``multi_modal_inputs``); a text model's has None there."""
 
     data: object
     rows: Rows
     offsets: torch.Tensor
+    groups: list[sp.Group] | None = None
+    members: list[list[int]] | None = None
+    inputs: list | None = None
 
     @property
     def n(self) -> int:
@@ -73,6 +83,24 @@ class MicroBatch:
     @property
     def width(self) -> int:
         return int(self.rows.lengths.max())
+
+    @property
+    def source(self):
+        """What sharedprefix computes: the tree of the rows, or the VL groups. Their results ("native" values) are
+        (n_k, W_k) aligned with the rows for the tree, (n_k, longest completion) in group order for the groups."""
+        return self.rows.tree if self.groups is None else self.groups
+
+    def to_rows(self, values: torch.Tensor | None) -> torch.Tensor | None:
+        """Native values -> (n_k, >= W_k) aligned with the rows (differentiable)."""
+        if values is None or self.groups is None:
+            return values
+        return verl_vl.to_rows(values, self.groups, self.members, self.rows.lengths, self.rows.prompt_lengths)
+
+    def from_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """(n_k, >= W_k) values aligned with the rows -> native values (``to_rows``' inverse on the response tokens)."""
+        if self.groups is None:
+            return values
+        return verl_vl.from_rows(values, self.groups, self.members, self.rows.prompt_lengths)
 
     def model_output(self, lp: torch.Tensor, ent: torch.Tensor | None) -> dict:
         """(n_k, >= W_k) values aligned with the rows -> verl's jagged, shifted ``log_probs`` / ``entropy``."""
@@ -85,21 +113,35 @@ class MicroBatch:
         return out
 
 
-def micro_batches_of(micro_batches, device) -> list[MicroBatch]:
-    """verl's micro-batches, on ``device``, with their rows (verl's position ids checked against the rows')."""
+def micro_batches_of(micro_batches, device, vl_module=None) -> list[MicroBatch]:
+    """verl's micro-batches, on ``device``, with their rows (verl's position ids checked against the rows'). With
+    ``vl_module`` (a vision-language model) each micro-batch's rows also become groups with ``prompt_inputs``
+    (``verl_vl.vl_groups``), and verl's M-RoPE position ids are checked against the model's own."""
     out = []
     for mb in micro_batches:
         mb = mb.to(device)
         rows = rows_of(mb["input_ids"], response_lengths(mb["responses"], mb.get("attention_mask", None)))
-        check_positions(mb["position_ids"], rows.lengths)
-        out.append(MicroBatch(mb, rows, mb["input_ids"].offsets()))
+        if vl_module is None:
+            check_positions(mb["position_ids"], rows.lengths)
+            out.append(MicroBatch(mb, rows, mb["input_ids"].offsets()))
+            continue
+        inputs = verl_vl.row_inputs(mb, len(rows.lengths))
+        groups, members = verl_vl.vl_groups(list(rows.tree.rows), rows.prompt_lengths, inputs, vl_module.config)
+        verl_vl.check_mrope_positions(vl_module, mb["position_ids"], groups, members, rows.lengths)
+        out.append(MicroBatch(mb, rows, mb["input_ids"].offsets(), groups, members, inputs))
     return out
 
 
-def _whole(mbs: list[MicroBatch]) -> sp.Tree:
-    """Every row of the mini-batch, micro-batch after micro-batch, as one tree."""
+def _whole(mbs: list[MicroBatch], config) -> tuple:
+    """Every row of the mini-batch, micro-batch after micro-batch, as one source (a tree; VL: the groups of every
+    row, each prompt with its images once), and a function from its results to (N, L) values aligned with the rows."""
     rows = [r for mb in mbs for r in mb.rows.tree.rows]
-    return sp.Tree.from_rows(rows, [t for mb in mbs for t in mb.rows.tree.trained])
+    if mbs[0].groups is None:
+        return sp.Tree.from_rows(rows, [t for mb in mbs for t in mb.rows.tree.trained]), lambda values: values
+    plen = torch.cat([mb.rows.prompt_lengths for mb in mbs])
+    lengths = torch.cat([mb.rows.lengths for mb in mbs])
+    groups, members = verl_vl.vl_groups(rows, plen, [x for mb in mbs for x in mb.inputs], config)
+    return groups, lambda values: verl_vl.to_rows(values, groups, members, lengths, plen)
 
 
 def _cut(values: torch.Tensor | None, mbs: list[MicroBatch]) -> list:
@@ -112,12 +154,14 @@ def _cut(values: torch.Tensor | None, mbs: list[MicroBatch]) -> list:
 
 
 def whole_values(engine, mbs: list[MicroBatch], max_tokens: int | None, entropy: bool, kw: dict):
-    """No-grad log-probs (and entropies) of every row of the mini-batch in one call (each prompt once), cut back into
-    the micro-batches; and the tokens it computed."""
-    tree = _whole(mbs)
+    """No-grad log-probs (and entropies) of every row of the mini-batch in one call (each prompt once), aligned with
+    the rows and cut back into the micro-batches; and the tokens it computed."""
+    source, align = _whole(mbs, engine.module.config)
     with torch.no_grad():
-        res = sp.logprobs(engine.module, tree, entropy=entropy, max_tokens=max_tokens, **kw)
-    return _cut(res.logprobs, mbs), _cut(res.entropy, mbs), sp.plan(tree, max_tokens).tokens_computed
+        res = sp.logprobs(engine.module, source, entropy=entropy, max_tokens=max_tokens, **kw)
+        lp = align(res.logprobs)
+        ent = align(res.entropy) if res.entropy is not None else None
+    return _cut(lp, mbs), _cut(ent, mbs), sp.plan(source, max_tokens).tokens_computed
 
 
 def forward_only(engine, mbs: list[MicroBatch], loss_function, entropy: bool, kw: dict) -> list[dict]:
@@ -144,7 +188,11 @@ def train(engine, mbs: list[MicroBatch], loss_function, entropy: bool, syncs: li
     """verl's training micro-batch outputs: the micro-batches as one step (module docstring); ``syncs[k]``: reduce
     the gradients at the end of micro-batch k's call."""
     step = sp.plan_step(
-        engine.module, [mb.rows.tree for mb in mbs], max_tokens=engine.sp_max_tokens, prefix_activations="recompute"
+        engine.module,
+        [mb.source for mb in mbs],
+        max_tokens=engine.sp_max_tokens,
+        prefix_activations="recompute",
+        sequence_group=kw["sequence_group"],
     )
     try:
         return _run(engine, step, mbs, loss_function, entropy, syncs, kw)
@@ -219,7 +267,7 @@ def _one_pass(engine, step, k, mb: MicroBatch, loss_function, entropy, sync, kw)
             if entropy
             else None
         )
-        outs = mb.model_output(lp, ent)
+        outs = mb.model_output(mb.to_rows(lp), mb.to_rows(ent))  # VL: from group order onto the rows
         loss, metrics = loss_function(model_output=outs, data=mb.data, dp_group=engine.get_data_parallel_group())
         seen.update(loss=loss.detach(), metrics=metrics, outs=detach_tree(outs))
         return loss
@@ -237,8 +285,8 @@ def _linear(engine, step, k, mb: MicroBatch, lp, ent, loss_function, sync, kw):
     loss, metrics = loss_function(model_output=outs, data=mb.data, dp_group=engine.get_data_parallel_group())
     leaves = [lp] + ([ent] if ent is not None else [])
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-    g_lp = grads[0] if grads[0] is not None else torch.zeros_like(lp)
-    g_ent = grads[1] if ent is not None and grads[1] is not None else None
+    g_lp = mb.from_rows(grads[0] if grads[0] is not None else torch.zeros_like(lp))  # VL: in group order
+    g_ent = mb.from_rows(grads[1]) if ent is not None and grads[1] is not None else None
 
     def linear(batch):
         w = batch.logprobs.shape[1]

@@ -21,8 +21,9 @@ the text models' forwards. sharedprefix computes with the model's own modules, s
 
 Rows: verl's ``multi_modal_inputs`` hold one dict per row (``pixel_values`` (patches, dim), ``image_grid_thw``
 (images, 3), ``images_seqlens`` (verl's own bookkeeping, not a model input), videos likewise); images belong to the
-prompt, so rows are grouped by prompt tokens AND identical inputs, and each group's ``prompt_inputs`` are its row's
-inputs plus ``mm_token_type_ids`` of the prompt (1 on image tokens, 2 on video tokens, as verl computes them for
+prompt, so a micro-batch's rows are grouped by prompt tokens AND identical inputs (``vl_groups``: wherever they lie
+in verl's order; the step merges a prompt's groups across micro-batches), and each group's ``prompt_inputs`` are its
+rows' inputs plus ``mm_token_type_ids`` of the prompt (1 on image tokens, 2 on video tokens, as verl computes them for
 the positions). verl's 3-D position ids (text row, then the model's M-RoPE rows) must be the model's own:
 ``check_mrope_positions`` compares them with the model's ``get_rope_index`` on each row (the core computes the
 same positions itself, from the prompt alone).
@@ -187,15 +188,17 @@ def image_keys(inputs: list[dict | None]) -> list[bytes]:
     return keys
 
 
-def vl_groups(input_ids, plen, inputs, config) -> tuple[list[sp.Group], list[list[int]]]:
-    """(B, j) jagged rows, (B,) prompt lengths and per-row inputs -> (groups, members): rows with the same prompt
-    tokens and inputs (contiguous here, the engine regrouped them) form one group; ``members[g]`` its rows."""
-    offsets, values = input_ids.offsets().cpu(), input_ids.values().cpu()
+def vl_groups(rows: list[torch.Tensor], plen, inputs, config) -> tuple[list[sp.Group], list[list[int]]]:
+    """B rows ``[prompt | response]`` (1-D token tensors, CPU), (B,) prompt lengths and per-row inputs -> (groups,
+    members): rows with the same prompt tokens and inputs form one group, wherever they lie among the rows (verl's
+    micro-batches hold them in verl's order: a group's rows need not be adjacent), the groups in the order of their
+    first rows; ``members[g]``: group g's rows, in order (its completions' order)."""
     media = {getattr(config, "image_token_id", None): 1, getattr(config, "video_token_id", None): 2}
     media.pop(None, None)
-    groups, members, last = [], [], None
-    for i, x in enumerate(inputs):
-        row = values[int(offsets[i]) : int(offsets[i + 1])]
+    groups: list[tuple] = []
+    members: list[list[int]] = []
+    index: dict[tuple, int] = {}
+    for i, (row, x) in enumerate(zip(rows, inputs)):
         p = int(plen[i])
         prompt, response = row[:p], row[p:]
         hits = [t for t in media if bool((response == t).any())]
@@ -205,9 +208,9 @@ def vl_groups(input_ids, plen, inputs, config) -> tuple[list[sp.Group], list[lis
                 "prompt (computed once per group), so multi-turn rows with images after the prompt are not supported."
             )
         key = (prompt.numpy().tobytes(), image_keys([x])[0])
-        if key == last:
-            groups[-1][1].append(response)
-            members[-1].append(i)
+        if key in index:
+            groups[index[key]][1].append(response)
+            members[index[key]].append(i)
             continue
         pi = None
         if x:
@@ -216,9 +219,9 @@ def vl_groups(input_ids, plen, inputs, config) -> tuple[list[sp.Group], list[lis
             for t, v in media.items():
                 types[prompt == t] = v
             pi["mm_token_type_ids"] = types
+        index[key] = len(groups)
         groups.append((prompt, [response], pi))
         members.append([i])
-        last = key
     return [sp.Group(p, cs, prompt_inputs=pi) for p, cs, pi in groups], members
 
 
@@ -233,6 +236,19 @@ def to_rows(values: torch.Tensor, groups, members, lengths, plen) -> torch.Tenso
     keep = (cols >= 0) & (torch.arange(L, device=dev)[None] < lengths.to(dev)[:, None])
     by_row = values.new_zeros(B, T).index_copy(0, torch.tensor(order, device=dev), values)
     picked = by_row.gather(1, cols.clamp(0, T - 1))
+    return torch.where(keep, picked, torch.zeros((), dtype=values.dtype, device=dev))
+
+
+def from_rows(values: torch.Tensor, groups, members, plen) -> torch.Tensor:
+    """``to_rows``' inverse on the response tokens: (B, >= L) values aligned with the rows -> (N, T) completion values
+    in group order (T = longest completion), zero past each completion. Differentiable."""
+    dev = values.device
+    order = torch.tensor([i for m in members for i in m], device=dev)
+    clen = torch.tensor([c.numel() for g in groups for c in g.completions], device=dev)
+    T = int(clen.max())
+    cols = plen.to(dev)[order][:, None] + torch.arange(T, device=dev)[None]  # (N, T): row column of each token
+    keep = torch.arange(T, device=dev)[None] < clen[:, None]
+    picked = values[order].gather(1, cols.clamp(max=values.shape[1] - 1))
     return torch.where(keep, picked, torch.zeros((), dtype=values.dtype, device=dev))
 
 

@@ -105,11 +105,6 @@ def make_step(model, microbatches: Sequence, cp_of, options: dict, max_cached_to
     (``sp.plan_call``'s). ``max_cached_tokens``: the most tokens of shared segments one step may cache; a step that
     would cache more runs as consecutive parts (``SplitStep``), each within it."""
     refuse_engine(model)
-    if options.get("sequence_group") is not None:
-        raise ValueError(
-            "sp.plan_step got a sequence_group: a step is not available with Ulysses sequence parallelism. Run each "
-            "microbatch as its own call with sequence_group."
-        )
     if max_cached_tokens is not None and (
         isinstance(max_cached_tokens, bool) or not isinstance(max_cached_tokens, int) or max_cached_tokens < 0
     ):
