@@ -131,7 +131,7 @@ def run(stage, case, rank):
     mbs, Ws = microbatches(rank), weights(rank)
     moe = case.startswith("moe")
     model = model_of(moe)
-    gas = 2 if case in ("straddle_refused", "clock_refused") else K
+    gas = 2 if case in ("straddle_refused", "clock_refused") else 1 if case == "update_then_deferred_backward" else K
     engine = engine_of(stage, gas, model=model)
     if moe and stage == 3:  # DeepSpeed made the MoE blocks ZeRO-3 leaf modules, as by default
         from deepspeed.utils import get_z3_leaf_modules
@@ -190,6 +190,15 @@ def run(stage, case, rank):
         except RuntimeError as e:
             out["outside"] = str(e)
         step.release()
+        return out
+    elif case == "update_then_deferred_backward":  # deferred log-probs (no step) backpropagated after an engine.step()
+        lp = sp.logprobs(engine, mbs[0], defer=True)
+        engine.backward(plain_loss(engine, mbs[1], Ws[1]))
+        engine.step()  # gradient_accumulation_steps=1: an update, which leaves the version counters as they were
+        try:
+            engine.backward((lp.logprobs * Ws[0]).sum())
+        except RuntimeError as e:
+            out["refusal"] = str(e)
         return out
     elif case == "mixed_refused":  # sp.backward then deferred log-probs in one step: two units of the shared share
         step = sp.plan_step(engine, mbs)
@@ -250,6 +259,7 @@ CASES = [
     "straddle_refused",
     "clock_refused",
     "mixed_refused",
+    "update_then_deferred_backward",
     "failed",
     "failed_last",
     "failed_deferred",

@@ -95,5 +95,9 @@ def test_steps_under_deepspeed_equal_its_plain_micro_steps(stage, tmp_path, refe
     assert clock["versions_moved"] == 0  # DeepSpeed's update leaves the version counters: only its step count tells
     assert "DeepSpeed ZeRO's optimizer steps: 0 then, 1 now" in clock["refusal"], clock["refusal"]
     assert "this call (after the parameters changed) found an earlier sp.plan_step step" in clock["outside"]
+    # deferred log-probs outside a step, backpropagated after an update: refused as a changed parameter is (their
+    # backward recomputes the forward at the new parameters; before, nothing saw DeepSpeed's update)
+    after = got["update_then_deferred_backward"].get("refusal", "")
+    assert "after DeepSpeed ZeRO's optimizer steps changed the parameters since the call (0 then, 1 now)" in after, got
     mixed = got["mixed_refused"]["refusal"]
     assert "runs as deferred sp.logprobs, its earlier microbatches as sp.backward" in mixed, mixed

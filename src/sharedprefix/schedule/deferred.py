@@ -33,7 +33,8 @@ class DeferredSpec:
     entropies; ``aux_grads``: see ``defer_logprobs``; ``engine``: the call's ``Engine`` (None: one process, parameters
     always whole); ``autocast``: the autocast state of the call, restored for its backward; ``adapters``: which PEFT
     adapters took part in the call (``adapter_state``), which its backward must find again; ``versions``: each
-    parameter's version counter after the call, which its backward must find unchanged."""
+    parameter's version counter after the call, which its backward must find unchanged; ``clock``: the engine's step
+    clock then (``Engine.step_clock``: DeepSpeed's optimizer steps, which leave the version counters unchanged)."""
 
     backward: Callable
     model: torch.nn.Module
@@ -46,6 +47,7 @@ class DeferredSpec:
     autocast: dict
     adapters: tuple = ()
     versions: tuple = ()
+    clock: object = None
 
 
 class _Deferred(torch.autograd.Function):
@@ -111,6 +113,14 @@ def _check_versions(spec: DeferredSpec) -> None:
     recomputed forward would differ from the values', and plain autograd raises there too (a saved tensor's version
     changed)."""
     moved = [i for i, (p, v) in enumerate(zip(spec.params, spec.versions)) if p._version != v]
+    clock = spec.engine.step_clock() if spec.engine is not None else None
+    if not moved and clock != spec.clock:  # an optimizer step that writes around the parameters (DeepSpeed)
+        raise RuntimeError(
+            f"deferred log-probs are backpropagated after {spec.engine.name}'s optimizer steps changed the parameters "
+            f"since the call ({spec.clock} then, {clock} now). Their backward recomputes the forward, so it would "
+            "give the gradient at other parameters than the values'. Run the backward before engine.step() updates "
+            "the parameters, or compute the log-probs again."
+        )
     if not moved:
         return
     names = {id(p): n for n, p in unwrap(spec.model).named_parameters()}
@@ -155,6 +165,7 @@ def defer_logprobs(
         autocast=dict(device_type=dev, enabled=torch.is_autocast_enabled(dev), dtype=torch.get_autocast_dtype(dev)),
         adapters=adapter_state(model),
         versions=tuple(p._version for p in params),
+        clock=engine.step_clock() if engine is not None else None,
     )
     ent = out.entropy if out.entropy is not None else torch.zeros_like(out.logprobs)
     aux = out.aux_loss if out.aux_loss is not None else torch.zeros((), device=out.logprobs.device)
