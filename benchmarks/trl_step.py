@@ -13,6 +13,7 @@ rows are padded, and its padding counts. ``policy s/step``: ``training_step`` ti
 interleaved (A B C D A B C D ...), one thread. Run:
 
   PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trl_step.py > benchmarks/trl_step_cpu.txt
+  PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trl_step.py --large > benchmarks/trl_step_large_cpu.txt
 """
 
 import contextlib
@@ -36,6 +37,11 @@ from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer
 T, STEPS, ROUNDS = 8, 2, 2  # completion tokens at most, optimizer steps a run, rounds
 ROWS = [(8, 8, 2), (8, 8, 4), (16, 4, 4), (16, 8, 8)]  # G / rows a microbatch / GA (= steps_per_generation)
 TASK = KeyValueTask(records=24)
+# --large: a model and prompts where the policy passes' arithmetic outweighs the host work (hidden 512, 4 layers,
+# prompts of ~200 tokens), at 8 / 8 / 4, to compare time with the FLOP ratio against TRL's trainer
+LARGE = "--large" in sys.argv
+if LARGE:
+    ROWS, TASK = [(8, 8, 4)], KeyValueTask(records=64)
 SETTINGS = {
     "steps (default)": dict(),
     "per microbatch": dict(sharedprefix_step=False),
@@ -57,15 +63,14 @@ def reward(completions, answer, **kw):
 
 
 def model(tok):
+    size = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, head_dim=64)
+    if not LARGE:
+        size = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, head_dim=32)
     cfg = tf.Qwen3Config(
         vocab_size=len(tok),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **size,
         num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
@@ -164,8 +169,9 @@ def main():
     torch.set_num_threads(1)
     tok = build_tokenizer()
     plen = statistics.mean(len(tok(TASK.sample(random.Random(i)).prompt).input_ids) for i in range(8))
+    shape = "hidden 512, 4 layers" if LARGE else "hidden 128, 2 layers"
     print(
-        f"small Qwen3 (hidden 128, 2 layers), float32, CPU, 1 thread; kv task prompts of ~{plen:.0f} tokens, "
+        f"small Qwen3 ({shape}), float32, CPU, 1 thread; kv task prompts of ~{plen:.0f} tokens, "
         f"completions <= {T} tokens, {STEPS} optimizer steps a run, {ROUNDS} rounds; torch {torch.__version__}"
     )
     print("| G / rows / GA | setting | grad tokens / ideal | no-grad tokens / ideal | policy s/step | train() s/step |")
@@ -182,6 +188,15 @@ def main():
                 policy = statistics.median(x[2] for x in runs)
                 total = statistics.median(x[3] for x in runs)
                 print(f"| {g} / {rows} / {ga} | {name} | {ratio:.2f} | {nograd:.2f} | {policy:.3f} | {total:.3f} |")
+            # the policy passes' FLOP ratio against TRL's trainer (a token's forward 1, its backward 2, attention's
+            # quadratic part left out) and their time ratio
+            flops = {n: 3 * r[-1][0] + r[-1][1] for n, r in res.items()}
+            times = {n: statistics.median(x[2] for x in r) for n, r in res.items()}
+            trl, ours = "TRL GRPOTrainer", "steps (default)"
+            print(
+                f"{g} / {rows} / {ga}: policy FLOP ratio TRL / steps {flops[trl] / flops[ours]:.2f}, time ratio "
+                f"{times[trl] / times[ours]:.2f} ({times[trl] / times[ours] / (flops[trl] / flops[ours]):.2f} of it)"
+            )
             sys.stdout.flush()
 
 
