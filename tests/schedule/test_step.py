@@ -279,6 +279,30 @@ def test_failure_in_the_last_microbatch_keeps_the_earlier_share(model):
     model.zero_grad(set_to_none=True)
 
 
+def test_a_failed_delivery_after_a_failure_keeps_the_callers_error(model, monkeypatch):
+    """Where delivering the completed microbatches' shared share after a failed call raises too, the call's own error
+    is raised (the user's, naming their problem), with a note that .grad lacks that share; the step is closed. (Before:
+    the delivery's error replaced the user's.)"""
+    mbs = _split_groups()
+    Ws = _weights(mbs)
+    step = sp.plan_step(model, mbs)
+    sp.backward(model, step.microbatch(0), _loss(Ws[0]))
+
+    def broken(self, model):
+        raise RuntimeError("delivery broke")
+
+    def failing(b):
+        raise ValueError("the user's loss refused")
+
+    monkeypatch.setattr(sp.Step, "_deliver_partial", broken)
+    with pytest.raises(ValueError, match="the user's loss refused") as info:
+        sp.backward(model, step.microbatch(1), failing)
+    notes = getattr(info.value, "__notes__", [])
+    assert any(".grad lacks the completed microbatches' shared share" in n and "delivery broke" in n for n in notes)
+    assert step.state == "failed" and not step.cache.segments()
+    model.zero_grad(set_to_none=True)
+
+
 def test_parameter_hooks_refused_at_the_first_call(model):
     p = next(model.parameters())
     handle = p.register_hook(lambda g: g)

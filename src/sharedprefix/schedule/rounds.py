@@ -90,7 +90,7 @@ def forward(model, cp, options: CallOptions, aux=None, error=None) -> tuple[LogP
             if sc is not None and step in sc.records:
                 with sc.recording():
                     run.run_pass(step)
-                run.seal(step.record, keep_graph=sc.keep_graph)
+                run.seal(step.record, keep_graph=sc.step.mode != "recompute")
                 continue
             try:
                 _, res, layout = run.run_pass(step)

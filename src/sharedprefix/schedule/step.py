@@ -19,10 +19,9 @@ The rules (each refused with its reason, never silent):
 - **Hooks.** A plain accumulation runs each parameter's hooks once per microbatch on that microbatch's gradient; a
   step delivers the shared prompts' share at its last microbatch, so parameter tensor hooks and post-accumulate-grad
   hooks would see other values: refused at the step's first call, naming them.
-- **Failure.** A call that raises leaves ``.grad`` as the plain accumulation of the microbatches that ran before it
-  would have it: its own contribution is rolled back (as for any call), and the shared prompts' share of the
-  microbatches that completed is delivered (their forward run again with grad, their accumulated gradient pushed
-  through it); then the cache is released and the step closed.
+- **Failure.** A call that raises leaves ``.grad`` as the plain accumulation of the earlier microbatches: its own
+  contribution rolled back, the completed microbatches' shared share delivered (their forward run again with grad,
+  their gradient pushed through it; if that raises, the call's error gets a note); the cache released, the step closed.
 - **Bookkeeping.** A microbatch run twice, run after its step finished or failed, or run while another step of the
   model is under way is refused; so is a call after the parameters changed inside a step (an optimizer step before
   the last microbatch: ``step_rules.changed``). A step whose microbatches did not all run (training stopped mid-step,
@@ -31,7 +30,6 @@ The rules (each refused with its reason, never silent):
 
 Modules: ``step`` (the step), ``step_rules`` (its rules), ``step_graph`` (log-probs that keep their graph),
 ``step_make`` (planning, ``SplitStep``), ``step_plan`` (its passes), ``step_calls`` (the public calls).
-
 Notation: K = microbatches of the step, n_k = rows of microbatch k, W_k = its longest row in columns.
 """
 
@@ -84,16 +82,11 @@ class StepCall:
     def hooks(self) -> OffloadHooks | None:
         return self.step.hooks
 
-    @property
-    def keep_graph(self) -> bool:
-        return self.step.mode != "recompute"
-
     def recording(self) -> contextlib.AbstractContextManager:
         """Around a shared segment's recording pass: with grad unless recomputed, its activations offloaded."""
         stack = contextlib.ExitStack()
-        stack.enter_context(torch.set_grad_enabled(self.keep_graph))
-        if self.hooks is not None:
-            stack.enter_context(self.hooks())
+        stack.enter_context(torch.set_grad_enabled(self.step.mode != "recompute"))
+        stack.enter_context(self.hooks() if self.hooks is not None else contextlib.nullcontext())
         return stack
 
 
@@ -175,11 +168,11 @@ class Step:
         try:
             out = fn()
             self.merge_held()
-        except BaseException:
+        except BaseException as error:
             if self._held is not None:
                 self.cache.restore_grads(self._held)
             self._held, self._merged = None, False
-            self.fail(model)
+            self.fail(model, error)
             raise
         if sc.records:
             self.recorded = True
@@ -254,10 +247,17 @@ class Step:
         if self.state == "open":
             check_versions(model, self.versions, k + self.offset)
 
-    def fail(self, model) -> None:
-        """After a call of the step raised: deliver the completed microbatches' shared share, release, close."""
+    def fail(self, model, error: BaseException) -> None:
+        """After a call raised ``error``: the completed microbatches' shared share delivered (else noted on it; Python
+        3.10 has no notes: the delivery's error raised, ``error`` its context); the caller raises ``error``."""
         try:
             self._deliver_partial(model)
+        except Exception as e:
+            if not hasattr(error, "add_note"):
+                raise
+            error.add_note(
+                f"sharedprefix: .grad lacks the completed microbatches' shared share ({e!r}); skip this step"
+            )
         finally:
             self.close("failed")
 

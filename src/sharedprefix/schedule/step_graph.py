@@ -78,9 +78,9 @@ def after_backward(step: Step, model, k: int, marks: list) -> None:
     try:
         if step.splan.shared:
             step.shared_backward(model, k, step.mode, sync=step.cp.options.sync)
-    except BaseException:
+    except BaseException as error:
         step.done.discard(k)
-        step.fail(model)
+        step.fail(model, error)
         raise
     step.close("finished")
 
