@@ -343,3 +343,74 @@ def test_groups_split_across_microbatches_train_as_grpo_trainer(tmp_path, monkey
     assert scale > 1e-3
     err = float((ours - plain).abs().max())
     assert err <= 1e-4 * scale, (err, scale)
+
+
+def _vision_tower(model):
+    inner = model.model
+    return inner.visual if hasattr(inner, "visual") else inner.vision_tower
+
+
+@pytest.mark.parametrize(
+    "kind, trl, ours",
+    [
+        ("qwen2_vl", {}, dict(sharedprefix_max_tokens=24, sharedprefix_prefix_activations="recompute")),
+        ("llava", dict(gradient_checkpointing=False), {}),
+    ],
+)
+def test_an_optimizer_steps_microbatches_run_each_image_prompt_once(tmp_path, monkeypatch, kind, trl, ours):
+    """TRL's default with accumulation: steps_per_generation = gradient_accumulation_steps = 3, microbatches of 3 rows
+    drawn by TRL's shuffle from a generation batch of 3 groups of 3, so groups are split across micro-steps. The
+    three micro-steps' policy passes run as one ``sp.plan_step`` step of image groups: each image prompt's vision
+    tower runs with grad once per optimizer step (a call per microbatch: once per microbatch holding rows of it), and
+    the parameters equal GRPOTrainer's (float32, 1e-4 of the update as above; misrouted images are caught). Qwen2-VL
+    with a splitting budget and TRL's gradient checkpointing (deferred backward, recompute), Llava with the graph
+    kept. Images swapped between rows before the hook are refused: the step computes the rows it planned from
+    TRL's inputs, and the hook's must equal them."""
+    steps, plan_step = [], sp.plan_step
+    monkeypatch.setattr(sp, "plan_step", lambda model, mbs, **kw: steps.append(mbs) or plan_step(model, mbs, **kw))
+    _model(kind).save_pretrained(tmp_path / "init")
+    init = str(tmp_path / "init")
+    init_state = type(_model(kind)).from_pretrained(init).state_dict()
+
+    def run(cls, cfg_cls, out, **kw):
+        seen = []  # pixel rows through the vision tower with grad, per optimizer step
+
+        class Counted(cls):
+            def create_optimizer(self):
+                hook = lambda m, args, kwargs: (  # noqa: E731  (it only counts: declared)
+                    seen.append((self.state.global_step, (args[0] if args else kwargs["pixel_values"]).shape[0]))
+                    if torch.is_grad_enabled()
+                    else None
+                )
+                _vision_tower(self.model).register_forward_pre_hook(sp.allow_hook(hook), with_kwargs=True)
+                return super().create_optimizer()
+
+        split = dict(per_device_train_batch_size=3, steps_per_generation=3, gradient_accumulation_steps=3)
+        trainer = _train(Counted, cfg_cls, init, kind, tmp_path / out, **split, **kw)
+        delta = torch.cat([(p.detach() - init_state[n]).flatten() for n, p in trainer.model.named_parameters()])
+        return delta, [sum(n for s, n in seen if s == step) for step in range(2)]
+
+    plain, _ = run(GRPOTrainer, GRPOConfig, "plain", **trl)
+    mine, rows = run(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "sp", **trl, **ours)
+    off = dict(sharedprefix_step=False)
+    _, per_microbatch = run(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, "mb", **off, **trl, **ours)
+    # the steps: 3 microbatches of image groups each, every optimizer step; some group split across them
+    assert len(steps) == 2 and all(len(mbs) == 3 for mbs in steps)
+    assert all(g.prompt_inputs is not None for mbs in steps for groups in mbs for g in groups)
+    assert all(any(len(g.completions) < 3 for groups in mbs for g in groups) for mbs in steps)
+
+    def key(g):
+        return tuple(g.prompt.tolist()), g.prompt_inputs["pixel_values"].numpy().tobytes()
+
+    def pixel_rows(groups):
+        return sum(g.prompt_inputs["pixel_values"].shape[0] for g in {key(g): g for g in groups}.values())
+
+    once = [pixel_rows([g for groups in mbs for g in groups]) for mbs in steps]
+    assert rows == once, (rows, once)
+    assert all(m > o for m, o in zip(per_microbatch, once)), (per_microbatch, once)
+    scale = float(plain.abs().max())
+    assert scale > 1e-3
+    err = float((mine - plain).abs().max())
+    assert err <= 1e-4 * scale, (err, scale)
+    with pytest.raises(RuntimeError, match="other than those of micro-step"):
+        run(_swap_images(SharedPrefixGRPOTrainer), SharedPrefixGRPOConfig, "swap", **trl, **ours)

@@ -57,7 +57,15 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 import sharedprefix as sp
 from sharedprefix.integrations.plan_cache import PlanCache, log_plan, plan_capacity
 from sharedprefix.integrations.trl_after import backward_pending, hold, refusal_of
-from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, to_rows, tree_rows
+from sharedprefix.integrations.trl_batch import (
+    MULTIMODAL,
+    TreeRows,
+    check_image_inputs,
+    from_groups,
+    image_groups,
+    to_rows,
+    tree_rows,
+)
 from sharedprefix.integrations.trl_checks import (
     check_fsdp,
     check_neftune,
@@ -246,8 +254,9 @@ class SharedPrefixHooks:
         B, C = input_ids.shape[0], logits_to_keep
         state = getattr(self, "_sp_step", None)  # None on a stand-in that has only what the hook reads
         policy = torch.is_grad_enabled() and state is not None  # the policy's pass: TRL's only one with grad
-        if policy and state.current is not None and not images:  # a micro-step of a window: its step's microbatch
-            return self._step_logprobs(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+        if policy and state.current is not None:  # a micro-step of a window: its step's microbatch
+            got = (input_ids, attention_mask, logits_to_keep, *(extra.get(k) for k in MULTIMODAL))
+            return self._step_logprobs(model, got, compute_entropy)
         grouped = images or on_cache_path(unwrap(model))  # the hybrid path takes groups of one prompt, not trees
         if grouped:
             used = {k: extra[k] for k in MULTIMODAL if extra.get(k) is not None}
@@ -294,28 +303,32 @@ class SharedPrefixHooks:
             add_tokens(self, source.plan.tokens_computed, source.plan.plain_tokens)
         aux = out.aux_loss if compute_aux_loss else None  # TRL's: the loss of this microbatch's rows
         if grouped:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
-            order = torch.tensor([b for m in members for b in m], device=input_ids.device)
-            pad = lambda x: torch.nn.functional.pad(x, (0, C - x.shape[1]))  # noqa: E731
-            lp = zeros.index_copy(0, order, pad(out.logprobs).to(dtype))
-            ent = zeros.clone().index_copy(0, order, pad(out.entropy).to(dtype)) if compute_entropy else None
+            lp = from_groups(out.logprobs, members, B, C, dtype)
+            ent = from_groups(out.entropy, members, B, C, dtype) if compute_entropy else None
             return lp, _entropy_graph(self, ent), aux
         lp = to_rows(out.logprobs, tr, B, C)
         ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
         return lp, _entropy_graph(self, ent), aux
 
-    def _step_logprobs(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
+    def _step_logprobs(self, model, got: tuple, compute_entropy):
         """The policy log-probs of the micro-step running now, microbatch k of its window's step
-        (``integrations.trl_step``): the shared prompts read from the step's cache; where the engine refuses
-        grad-enabled log-probs (FSDP2) the values without grad, and ``sp.backward`` on the step's microbatch after
-        TRL's backward (``trl_after``)."""
+        (``integrations.trl_step``), whose hook got ``got`` (input_ids, attention_mask, logits_to_keep, then the
+        ``MULTIMODAL`` inputs): the shared prompts read from the step's cache; where the engine refuses grad-enabled
+        log-probs (FSDP2) the values without grad, and ``sp.backward`` on the step's microbatch after TRL's backward
+        (``trl_after``)."""
         held = None
         if refusal_of(model) is not None:
             opts = dict(temperature=self.temperature, grad_reduction="mean")
             held = lambda source, out: hold(self, model, source, out, _entropy_in_loss(self), opts)  # noqa: E731
-        out, tr = step_logprobs(self, model, (input_ids, attention_mask, logits_to_keep), compute_entropy, held)
-        B, C = input_ids.shape[0], logits_to_keep
-        lp = to_rows(out.logprobs, tr, B, C)
-        ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
+        out, rows = step_logprobs(self, model, got, compute_entropy, held)
+        B, C = got[0].shape[0], got[2]
+        if isinstance(rows, TreeRows):
+            lp = to_rows(out.logprobs, rows, B, C)
+            ent = to_rows(out.entropy, rows, B, C) if compute_entropy else None
+        else:  # image groups: each group's rows (``image_groups``' members)
+            dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+            lp = from_groups(out.logprobs, rows, B, C, dtype)
+            ent = from_groups(out.entropy, rows, B, C, dtype) if compute_entropy else None
         return lp, _entropy_graph(self, ent), None
 
     # -- microbatches: TRL's, or whole groups under sharedprefix_group_microbatches --------------------------------

@@ -222,6 +222,14 @@ def image_groups(
     return groups, members
 
 
+def from_groups(values: torch.Tensor, members: list[list[int]], B: int, C: int, dtype: torch.dtype) -> torch.Tensor:
+    """(N, T) aligned with ``image_groups``' groups (their completions in order, T <= C columns from the first
+    completion token) -> (B, C) in microbatch order (``members``: each group's rows), zero elsewhere."""
+    order = torch.tensor([b for m in members for b in m], device=values.device)
+    out = torch.zeros(B, C, dtype=dtype, device=values.device)
+    return out.index_copy(0, order, torch.nn.functional.pad(values, (0, C - values.shape[1])).to(dtype))
+
+
 def to_rows(values: torch.Tensor, tr: TreeRows, B: int, C: int) -> torch.Tensor:
     """(N, L) aligned with the tree's rows -> (B, C) completion columns in microbatch order, zero elsewhere."""
     dev = values.device

@@ -13,11 +13,11 @@ than ``gradient_accumulation_steps`` at an epoch's end) and ``accelerator.sync_g
 A *window* is the micro-steps of one optimizer step that come from one generation batch: ``[max(update start,
 generation start), min(update end, generation end))``; the update's start is where the last synchronised micro-step
 left off (``StepState.update_start``). A window of two or more micro-steps is planned as one step at its first
-micro-step, from the buffered microbatches' rows as TRL's ``_compute_loss`` builds them (``tree_rows``); each of its
-micro-steps' policy pass is ``sp.logprobs(model, step.microbatch(k))`` (``step_logprobs``; the shared prompts'
-backward runs inside the window's last micro-step's backward). With ``num_iterations`` > 1 and
-``gradient_accumulation_steps`` > ``steps_per_generation`` one buffered microbatch appears twice in a window: two
-microbatches of the step with the same rows, as in TRL's two micro-steps.
+micro-step, from the buffered microbatches' rows as TRL's ``_compute_loss`` builds them (``tree_rows``; with images,
+``image_groups``); each of its micro-steps' policy pass is ``sp.logprobs(model, step.microbatch(k))``
+(``step_logprobs``; the shared prompts' backward runs inside the window's last micro-step's backward). With
+``num_iterations`` > 1 and ``gradient_accumulation_steps`` > ``steps_per_generation`` one buffered microbatch appears
+twice in a window: two microbatches of the step with the same rows, as in TRL's two micro-steps.
 
 Checked, each a ``RuntimeError`` rather than a wrong gradient: the hook's rows equal the planned microbatch's
 (``check_rows``), ``accelerator.sync_gradients`` is True at the update's last micro-step and nowhere else inside a
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 import sharedprefix as sp
-from sharedprefix.integrations.trl_batch import MULTIMODAL, tree_rows
+from sharedprefix.integrations.trl_batch import MULTIMODAL, check_image_inputs, image_groups, tree_rows
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.forward_mode import uses_checkpointing, uses_reentrant_checkpointing
 from sharedprefix.parallel.detect import detect
@@ -79,12 +79,13 @@ def window_of(t: int, update_start: int, update_size: int, steps_per_generation:
 class Window:
     """One window's step: ``micro_steps`` (the trainer's micro-step numbers), ``step`` (``sp.Step``, or an
     ``sp.SplitStep`` under ``sharedprefix_step_cached_tokens``; one microbatch per micro-step), per microbatch its
-    hook's ``inputs`` (what the policy pass is called with, tensors and ints: input_ids (B, L), attention_mask (B, L),
-    logits_to_keep for the synchronous trainers; the packed row and its tree tensors for the asynchronous one; for
-    ``check_rows``) and its ``rows`` (how its tree's rows map back onto the hook's layout: ``TreeRows`` for
-    ``to_rows``, ``PackedTree`` for ``to_packed``); token counts from the plan: ``shared[k]`` (the shared segments of
-    microbatch k's step or part, computed once by its first call), ``own[k]`` (microbatch k's own passes),
-    ``plain[k]`` (a plain per-row forward of its rows)."""
+    hook's ``inputs`` (what the policy pass is called with, tensors, ints or None: input_ids (B, L), attention_mask
+    (B, L), logits_to_keep and the ``MULTIMODAL`` inputs for the synchronous trainers; the packed row and its tree
+    tensors for the asynchronous one; for ``check_rows``) and its ``rows`` (how its rows map back onto the hook's
+    layout: ``TreeRows`` for ``to_rows``, image groups' members for ``from_groups``, ``PackedTree`` for
+    ``to_packed``); token counts from the plan: ``shared[k]`` (the shared segments of microbatch k's step or part,
+    computed once by its first call), ``own[k]`` (microbatch k's own passes), ``plain[k]`` (a plain per-row forward
+    of its rows)."""
 
     micro_steps: range
     step: sp.Step
@@ -121,11 +122,6 @@ def off_reason(trainer, model) -> str:
     if getattr(a, "sharedprefix_group_microbatches", False):
         return "sharedprefix_group_microbatches=True (whole groups per microbatch, planned per microbatch)"
     inner = unwrap(model)
-    if inner.config.get_text_config() is not inner.config:
-        return (
-            f"{type(inner).__name__} is a vision-language model: image rows are regrouped by prompt and image into "
-            "groups per microbatch"
-        )
     if getattr(trainer, "aux_loss_enabled", False):
         return "the MoE load-balancing loss (router_aux_loss_coef) is each microbatch's own"
     if uses_reentrant_checkpointing(inner):
@@ -141,29 +137,42 @@ def off_reason(trainer, model) -> str:
 
 
 def plan_window(trainer, model, micro_steps: range) -> Window | None:
-    """The step of ``micro_steps`` on ``model``, planned from ``trainer._buffered_inputs`` (the synchronous trainers);
-    None where a microbatch holds images (planned per microbatch)."""
+    """The step of ``micro_steps`` on ``model``, planned from ``trainer._buffered_inputs`` (the synchronous trainers)
+    as TRL's ``_compute_loss`` calls the hook on them: text rows as trees; where a microbatch holds images, every
+    microbatch's rows as ``image_groups`` (rows with the same prompt and images one group, so each image prompt and
+    its vision tower run once for the step). None where a microbatch has no completion token at all (planned per
+    microbatch: a step's microbatch needs rows)."""
     spg = trainer.args.steps_per_generation
-    inputs, rows = [], []
-    for u in micro_steps:
-        mb = trainer._buffered_inputs[u % spg]
-        if any(mb.get(name) is not None for name in MULTIMODAL):
-            return None
+    batches = [trainer._buffered_inputs[u % spg] for u in micro_steps]
+    images = any(check_image_inputs({k: mb.get(k) for k in MULTIMODAL}) for mb in batches)
+    inputs, rows, sources = [], [], []
+    for mb in batches:
         prompt_ids, completion_ids = mb["prompt_ids"], mb["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # as TRL's _compute_loss builds them
         attention_mask = torch.cat([mb["prompt_mask"], mb["completion_mask"]], dim=1)
         logits_to_keep = completion_ids.size(1)
-        inputs.append((input_ids, attention_mask, logits_to_keep))
-        rows.append(tree_rows(input_ids, attention_mask, logits_to_keep))
-    return make_window(trainer, model, micro_steps, inputs, rows, [r.tree for r in rows])
+        extra = [mb.get(k) for k in MULTIMODAL]
+        inputs.append((input_ids, attention_mask, logits_to_keep, *extra))
+        if images:
+            used = {k: v for k, v in zip(MULTIMODAL, extra) if v is not None}
+            groups, members = image_groups(input_ids, attention_mask, logits_to_keep, **used)
+            if not groups:
+                return None
+            rows.append(members)
+            sources.append(groups)
+        else:
+            rows.append(tree_rows(input_ids, attention_mask, logits_to_keep))
+            sources.append(rows[-1].tree)
+    return make_window(trainer, model, micro_steps, inputs, rows, sources)
 
 
-def make_window(trainer, model, micro_steps: range, inputs: list[tuple], rows: list, trees: list[sp.Tree]) -> Window:
-    """The ``Window`` of ``micro_steps`` on ``model``: ``trees`` (one per micro-step) planned as one ``sp.plan_step``
-    step under the trainer's settings; ``inputs`` and ``rows`` as ``Window`` keeps them."""
+def make_window(trainer, model, micro_steps: range, inputs: list[tuple], rows: list, sources: list) -> Window:
+    """The ``Window`` of ``micro_steps`` on ``model``: ``sources`` (one per micro-step: a tree, or a list of groups)
+    planned as one ``sp.plan_step`` step under the trainer's settings; ``inputs`` and ``rows`` as ``Window`` keeps
+    them."""
     step = sp.plan_step(
         model,
-        trees,
+        sources,
         max_tokens=trainer._sp_budget,
         prefix_activations=trainer._sp_mode,
         max_cached_tokens=getattr(trainer.args, "sharedprefix_step_cached_tokens", None),
