@@ -9,7 +9,7 @@ import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
 from support.schedule import MODES
 from support.trees import plain_rows
-from support.vl import MROPE_GROUPS, mrope_model, plain_mrope
+from support.vl import mrope_model, plain_mrope, vl_microbatches
 
 
 def _sub(g, idx):
@@ -424,26 +424,12 @@ def test_graph_kept_logprobs_refuse_autograd_grad_and_a_second_backward(model):
     model.zero_grad(set_to_none=True)
 
 
-def _vl_microbatches():
-    """Qwen2-VL groups with images (``support.vl``) spread over three microbatches: two image prompts shared by two
-    microbatches each, a text prompt, an image prompt in one microbatch, and a group with group 0's prompt tokens but
-    another image (a prompt of its own: the step merges groups by prompt tokens and inputs)."""
-    g = MROPE_GROUPS()
-    other = torch.randn(g[0].prompt_inputs["pixel_values"].shape, dtype=torch.float64, generator=torch.Generator())
-    twin = sp.Group(g[0].prompt, [torch.tensor([4, 7])], prompt_inputs=dict(g[0].prompt_inputs, pixel_values=other))
-
-    def sub(x, idx):
-        return sp.Group(x.prompt, [x.completions[i] for i in idx], prompt_inputs=x.prompt_inputs)
-
-    return [[sub(g[0], [0]), sub(g[1], [0]), twin], [sub(g[0], [1, 2]), g[2]], [sub(g[1], [1]), g[3]]]
-
-
 @pytest.mark.parametrize("mode, budget", [("keep", None), ("recompute", None), ("recompute", 16), ("offload", 16)])
 def test_vision_language_groups_split_over_microbatches_exact(mode, budget):
     """Groups with prompt_inputs (images, M-RoPE positions) in a step: each image prompt and its vision tower once
     for the step, the gradients (vision tower included) those of the plain rows of each microbatch, summed."""
     model = mrope_model("qwen2_vl")
-    mbs = _vl_microbatches()
+    mbs = vl_microbatches()
     Ws = _weights(mbs)
     want = grads_of(model, lambda: sum((plain_mrope(model, mb) * W).sum() for mb, W in zip(mbs, Ws)))
     patches: list[int] = []

@@ -129,6 +129,20 @@ MROPE_GROUPS = lambda: [  # noqa: E731
 ]
 
 
+def vl_microbatches():
+    """Qwen2-VL groups with images (``support.vl``) spread over three microbatches: two image prompts shared by two
+    microbatches each, a text prompt, an image prompt in one microbatch, and a group with group 0's prompt tokens but
+    another image (a prompt of its own: the step merges groups by prompt tokens and inputs)."""
+    g = MROPE_GROUPS()
+    other = torch.randn(g[0].prompt_inputs["pixel_values"].shape, dtype=torch.float64, generator=torch.Generator())
+    twin = sp.Group(g[0].prompt, [torch.tensor([4, 7])], prompt_inputs=dict(g[0].prompt_inputs, pixel_values=other))
+
+    def sub(x, idx):
+        return sp.Group(x.prompt, [x.completions[i] for i in idx], prompt_inputs=x.prompt_inputs)
+
+    return [[sub(g[0], [0]), sub(g[1], [0]), twin], [sub(g[0], [1, 2]), g[2]], [sub(g[1], [1]), g[3]]]
+
+
 def llava_config(**text):
     """A tiny Llava: CLIP tower on 8x8 images in 4x4 patches (4 image tokens, CLS dropped), Llama text model."""
     cfg = tf.LlavaConfig(
