@@ -31,3 +31,13 @@ def kernel_path(request, monkeypatch):
 # way to mark it: `@pytest.mark.slow` on the test, `pytestmark = pytest.mark.slow` on a whole file, or
 # `pytest.param(..., marks=pytest.mark.slow)` on one parameter set. Each slow case has a lighter sibling left in the
 # inner loop.
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the modules of ``tests/parallel`` (each test a torchrun launch of several processes, the
+    longest tests of the suite) go first: xdist hands tests out in collection order, and long tests collected last
+    left one worker running them alone at the end. Modules stay whole (their fixtures are built once)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    parallel = os.path.join(os.path.dirname(__file__), "parallel") + os.sep
+    items.sort(key=lambda item: not str(item.path).startswith(parallel))  # stable: the order within each part kept
