@@ -106,7 +106,7 @@ def plan_step(
     for all), in the order they are reported. Groups with the same prompt (and ``prompt_inputs``) in several
     microbatches share it; a tree's rows share every common prefix across microbatches. ``options``: as
     ``sp.plan_call``'s (``max_tokens`` bounds every pass; ``prefix_activations``: what the step holds between its
-    calls, "keep", "offload" or "recompute").
+    calls, "keep", "offload" or "recompute"; None or left out: the engine's, "recompute" under FSDP2, else "keep").
 
     Then, for each k, ``sp.backward(model, step.microbatch(k), loss_fn)``, or ``sp.logprobs(model,
     step.microbatch(k))`` with grad enabled (deferred: its backward runs when the caller's loss backpropagates):
@@ -123,6 +123,9 @@ def plan_step(
     caches the shared prompts' K/V of its heads); refused with the reason elsewhere (DeepSpeed, tensor parallelism,
     cache-path hybrids, the MoE load-balancing loss).
     """
+
+    if options.get("prefix_activations") is None:  # the engine's mode (FSDP2: "recompute"), as sp.backward's None
+        options["prefix_activations"] = detect(model, unwrap(model)).default_prefix_mode
 
     def cp_of(source):
         return plan_call(model, source, **options)

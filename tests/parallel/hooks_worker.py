@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel.worker import BUDGET, groups_and_weights, loss_fn_for, my_share, whole_grads  # noqa: E402
+from parallel.worker import BUDGET, groups_and_weights, loss_fn_for, my_share, run_step, whole_grads  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402
@@ -135,7 +135,7 @@ def main(kind, out):
         result["grads"] = whole_grads(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET))
         result["control"] = whole_grads(model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET, sync=False))
     if kind == "fsdp_mixed":  # bf16 parameters, float32 reduction: ours and the plain run under the same policy
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from helpers import plain_logprobs
 
@@ -148,6 +148,16 @@ def main(kind, out):
         result["control"] = whole_grads(
             model, lambda: sp.backward(model, mine, loss_fn, max_tokens=BUDGET, grad_reduction="mean")
         )
+        # a step, the root (embedding, norm, head) sharded at FSDP2's default (as accelerate leaves it): unsharded
+        # after a forward, its registered parameters in bf16
+        model = tiny_model("qwen3", dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        try:
+            result["step"] = whole_grads(model, lambda: run_step("fsdp_step", model, mine, gidx))
+        except ValueError as e:
+            result["step"] = f"ValueError: {e}"
     if rank == 0:
         torch.save(result, out)
     dist.barrier()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from parallel.worker import BUDGET, groups_and_weights, loss_fn_for, my_share, whole_grads  # noqa: E402
+from parallel.worker import BUDGET, groups_and_weights, loss_fn_for, my_share, run_step, whole_grads  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402
@@ -66,12 +66,19 @@ def cell(result, name, model, fn):
     """result[name] = the whole gradients after ``fn()`` from zero (names without the checkpoint wrappers' part), or
     the error it raised (as a string)."""
     try:
-        grads = whole_grads(model, fn)
+        grads = whole_grads(model, lambda: (fn(), resharded(model)))  # the optimizer's (sharded) parameters' .grad
         result[name] = {k.replace("._checkpoint_wrapped_", "."): v for k, v in grads.items()}  # without "module."
     except (ValueError, RuntimeError, TypeError, AssertionError) as e:
         model.zero_grad(set_to_none=True)
         result[name] = f"{type(e).__name__}: {e}"
         print(f"rank {dist.get_rank()}: {name}: {result[name][:300]}", file=sys.stderr)
+
+
+def resharded(model):
+    """Every FSDP2 module of ``model`` resharded: its sharded parameters registered (nothing under DDP)."""
+    for m in model.modules():
+        if hasattr(m, "reshard") and hasattr(m, "set_reshard_after_backward"):
+            m.reshard()
 
 
 def logprobs_then_backward(model, mine, gidx):
@@ -223,12 +230,12 @@ def fsdp_cells(rank, world, result, mesh=None):
     model = sharded()
     first, rest = mine[:1], mine[1:]
     n1 = first[0].group_size
+    w = loss_fn_for(rest, gidx[n1:]) if rest else (lambda b: (b.logprobs * 0.0).sum())
 
     def two_calls():
         model.set_requires_gradient_sync(False)
         sp.backward(model, first, loss_fn_for(first, gidx[:n1]), max_tokens=BUDGET)
         model.set_requires_gradient_sync(True)
-        w = loss_fn_for(rest, gidx[n1:]) if rest else (lambda b: (b.logprobs * 0.0).sum())
         sp.backward(model, rest or first, w, max_tokens=BUDGET)
 
     def two_plain():
@@ -240,8 +247,30 @@ def fsdp_cells(rank, world, result, mesh=None):
         else:
             (plain_rows(model, first, gidx[:n1], world) * 0.0).backward()
 
+    def run_first(m):
+        sp.backward(m, first, loss_fn_for(first, gidx[:n1]), max_tokens=BUDGET)
+
+    def run_rest(m):
+        sp.backward(m, rest or first, w, max_tokens=BUDGET)
+
+    def plain_first(m):
+        plain_rows(m, first, gidx[:n1], world).backward()
+
+    def plain_rest(m):
+        (plain_rows(m, rest, gidx[n1:], world) if rest else plain_rows(m, first, gidx[:n1], world) * 0.0).backward()
+
     cell(result, "no_sync/two_calls", model, two_calls)
     cell(result, "no_sync/plain", model, two_plain)
+
+    # units that stay unsharded after backward: two reducing calls, a reducing plain backward then a call, a step
+    model = sharded()
+    for m in model.modules():
+        if hasattr(m, "set_reshard_after_backward"):
+            m.set_reshard_after_backward(False)
+    cell(result, "no_reshard_after_backward/two_calls", model, lambda: (run_first(model), run_rest(model)))
+    cell(result, "no_reshard_after_backward/plain_then_call", model, lambda: (plain_first(model), run_rest(model)))
+    cell(result, "no_reshard_after_backward/step", model, lambda: run_step("fsdp_step", model, mine, gidx))
+    cell(result, "no_reshard_after_backward/plain", model, lambda: (plain_first(model), plain_rest(model)))
 
 
 def main(kind, out):

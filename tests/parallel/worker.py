@@ -78,12 +78,9 @@ def run_step(kind, model, mine, gidx):
     (``sp.backward``, or with ``_deferred``: grad-enabled log-probs and the caller's backward)."""
     mbs, idx = step_microbatches(mine, gidx)
     _, W = groups_and_weights()
-    step = sp.plan_step(
-        model,
-        mbs,
-        max_tokens=BUDGET,
-        prefix_activations="recompute" if "recompute" in kind or "fsdp" in kind else "keep",
-    )
+    # FSDP2: "recompute" passed (_sync_false) or left to the engine (fsdp_step; it was "keep", every call refused)
+    mode = "recompute" if "recompute" in kind or kind.endswith("_sync_false") else "keep"
+    step = sp.plan_step(model, mbs, max_tokens=BUDGET, **({} if kind == "fsdp_step" else {"prefix_activations": mode}))
     res = None
     for k in range(2):
         if kind.startswith("fsdp"):  # FSDP2's accumulation: no reduce-scatter before the last micro-step

@@ -110,8 +110,7 @@ class Engine(StepTerms, abc.ABC):
     # -- how passes run -----------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Number this call (every rank makes the same calls in the same order, so the numbers agree) and set up its
-        gradient hooks."""
+        """Number this call (the same number on every rank: same calls, same order) and set up its gradient hooks."""
         self.call_id = next(_CALLS)
         self.hooks = self.grad_hooks()
 
@@ -161,8 +160,7 @@ class Engine(StepTerms, abc.ABC):
         yield
 
     def begin_backward_round(self, sync: bool, last: bool) -> None:
-        """Before a round with a backward: the engine reduces gradients in it (``sync``); it is the call's ``last``
-        backward (``backward``)."""
+        """Before a round with a backward: it reduces gradients (``sync``); it is the call's ``last`` (``backward``)."""
         self.set_sync(sync)
         self._last = last
 
@@ -186,6 +184,10 @@ class Engine(StepTerms, abc.ABC):
         """The device the passes run on: ``fallback`` (the head's device) unless the engine moves parameters."""
         return fallback
 
+    def param_dtype(self, fallback: torch.dtype) -> torch.dtype:
+        """The dtype the parameters are kept in (a plan's fingerprint): ``fallback``, the first registered one's."""
+        return fallback
+
     def prefix_mode(self, requested: str) -> str:
         """The prefix mode a ``sp.backward`` runs in, given the ``requested`` one (validated)."""
         return requested
@@ -193,8 +195,7 @@ class Engine(StepTerms, abc.ABC):
     # -- errors ---------------------------------------------------------------------------------------------------
 
     def recoverable(self) -> bool:
-        """Whether an error outside the collectives lets this rank finish the call as dummy rounds (then agree at the
-        end) instead of raising at once."""
+        """Whether an error outside the collectives lets this rank finish the call as dummy rounds, then agree."""
         return False
 
     def agree_on_error(
@@ -262,8 +263,7 @@ class Engine(StepTerms, abc.ABC):
         return None
 
     def check_sync(self, sync: bool) -> None:
-        """Refuse an ``sp.backward`` setting ``sync`` (False: accumulate without synchronising) the engine cannot
-        honour."""
+        """Refuse ``sp.backward``'s ``sync`` (False: accumulate without synchronising) where not honoured: none here."""
         return None
 
     def check_grad_logprobs(self) -> None:

@@ -81,7 +81,7 @@ class Fingerprint:
         cfg = inner.config
         text = json.dumps(_computation(cfg.to_dict()), sort_keys=True, default=str)
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        dtype = next((p.dtype for p in inner.parameters()), torch.float32)
+        dtype = engine.param_dtype(next((p.dtype for p in inner.parameters()), torch.float32))
         return cls(type(cfg).__name__, digest, str(dtype), str(device), engine.layout(), text)
 
     def difference(self, other: Fingerprint) -> str | None:

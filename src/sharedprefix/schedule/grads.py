@@ -19,8 +19,11 @@ prompt's deferred backward, the MoE aux term), so here:
 Sequence parallelism: ``c`` is this rank's share, summed over the group before delivery. FSDP2: ``c`` reaches the
 sharded parameters through FSDP2's reduce-scatter, whose plain run fires no tensor hook on them; the unsharded
 parameters' post-accumulate hooks run in the call's last backward (``parallel.grad_hooks``). The transaction reads
-the sharded parameters only (``Engine.before_grads``): the ``.grad`` of an unsharded one is FSDP2's own
-accumulation of backwards that did not reduce (``sync=False``, ``set_requires_gradient_sync(False)``).
+the sharded parameters only (``Engine.before_grads``, at its start and again after the rounds): the ``.grad`` of an
+unsharded one is FSDP2's own accumulation of backwards that did not reduce (``sync=False``,
+``set_requires_gradient_sync(False)``), and a unit that does not reshard after backward
+(``set_reshard_after_backward(False)``) leaves its unsharded parameters registered after the call's last backward,
+the sharded ones (holding the call's reduced gradient) out of ``model.parameters()``.
 
 DDP: the engine finishes the transaction (``parallel.engines.ddp``: the contribution added as DDP's own backward
 would add it, every ``.grad`` averaged over the ranks by one all-reduce at the syncing call); the other engines
@@ -105,6 +108,8 @@ def synced(par: Engine, model, sync: bool, grad_reduction: str, fn, collect: boo
             if not at_end:
                 raise
             error = e
+        finally:  # FSDP2: units that do not reshard after backward resharded again, so that the contribution (or
+            par.before_grads()  # the rollback) reads the sharded parameters, where the held gradients are
         par.sum_sequence_shares(model)  # this call's share of each rank, summed over the sequence group
         if at_end:
             par.agree_on_error(error, where="during")

@@ -36,75 +36,20 @@ import torch
 import torch.distributed as dist
 
 from sharedprefix.parallel.engine import Engine
+from sharedprefix.parallel.engines.fsdp2_state import (
+    fsdp_data_size,
+    fsdp_module_cls,
+    fsdp_modules,
+    gradient_divide_factor,
+    outer_fsdp,
+    sharded_dtype,
+)
 from sharedprefix.parallel.grad_hooks import DeferredGradHooks
 from sharedprefix.parallel.sequence import fsdp_mesh_refusal
 
 _ERROR_KEY = "sharedprefix/error/{call}/{rank}"
 _STORES: list = []  # stores an error was published in, kept alive for the other ranks to read it
 R = TypeVar("R")
-
-
-def _fsdp_module_cls():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without FSDP2
-        return None
-    return FSDPModule
-
-
-def _outer_fsdp(model: torch.nn.Module, root: torch.nn.Module, fsdp_cls) -> torch.nn.Module | None:
-    """The outermost FSDP2 module among the wrappers between ``model`` and the causal LM ``root`` (PEFT's
-    ``PeftModel`` and its ``LoraModel``), or None (none, or ``root`` itself is the first FSDP2 module)."""
-    if fsdp_cls is None:
-        return None
-    m = model
-    for _ in range(8):
-        if m is root or m is None:
-            return None
-        if isinstance(m, fsdp_cls):
-            return m
-        m = (
-            m.get_base_model()
-            if hasattr(m, "get_base_model")
-            else getattr(m, "base_model", None) or getattr(m, "module", None)
-        )
-    return None
-
-
-def _fsdp_data_size(root: torch.nn.Module, world: int) -> int:
-    """The number of ranks FSDP2 averages gradients over: the size of the mesh of an FSDP2 parameter group (its
-    private ``mesh_info``, docs/internals.md); every rank when no group is found (FSDP2 on a 1-D mesh of the world)."""
-    fsdp_cls = _fsdp_module_cls()
-    for m in root.modules():
-        if fsdp_cls is not None and isinstance(m, fsdp_cls):
-            info = getattr(getattr(m._get_fsdp_state(), "_fsdp_param_group", None), "mesh_info", None)
-            mesh = getattr(info, "mesh", None)
-            if mesh is not None:
-                return int(mesh.size())
-    return world
-
-
-def _divide_factor(root: torch.nn.Module, data_size: int) -> float:
-    """What FSDP2 divides the summed gradient by: ``data_size``, or the factor set with FSDP2's
-    ``set_gradient_divide_factor`` / ``set_reduce_scatter_divide_factor`` (private ``gradient_divide_factor`` of each
-    parameter group, docs/internals.md). Refused when the model's parameter groups disagree: no one scale of the loss
-    gives every group the call's gradient."""
-    fsdp_cls = _fsdp_module_cls()
-    factors: dict[float, str] = {}
-    for name, m in root.named_modules():
-        if fsdp_cls is not None and isinstance(m, fsdp_cls):
-            for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", None) or []:
-                f = getattr(group, "gradient_divide_factor", None)
-                factors.setdefault(float(data_size) if f is None else float(f), name or "the root")
-    if len(factors) > 1:
-        listed = ", ".join(f"{f:g} ({n})" for f, n in factors.items())
-        raise ValueError(
-            f"the FSDP2 modules divide their gradients by different factors ({listed}; set_gradient_divide_factor "
-            "or set_reduce_scatter_divide_factor on some modules only); sharedprefix scales a call's loss by one "
-            "factor so that the reduced gradient is the sum over ranks (or the mean with grad_reduction='mean'), "
-            "which no one factor does here. Set the same divide factor on every FSDP2 module, or none."
-        )
-    return next(iter(factors), float(data_size))
 
 
 class FSDP2(Engine):
@@ -114,12 +59,12 @@ class FSDP2(Engine):
     default_prefix_mode = "recompute"
     replays_tensor_hooks = False
     must_defer = None
-    divide_factor: float | None = None  # what FSDP2 divides the summed gradient by (``_divide_factor``)
+    divide_factor: float | None = None  # what FSDP2 divides the summed gradient by (``gradient_divide_factor``)
 
     @classmethod
     def match(cls, model: torch.nn.Module, root: torch.nn.Module, world: int, tensor: int) -> Engine | None:
-        fsdp_cls = _fsdp_module_cls()
-        outer = _outer_fsdp(model, root, fsdp_cls)
+        fsdp_cls = fsdp_module_cls()
+        outer = outer_fsdp(model, root, fsdp_cls)
         if outer is not None:  # FSDP2 applied to a wrapper of the causal LM as a whole (a PEFT model): the root
             root = outer
         if fsdp_cls is not None and isinstance(root, fsdp_cls):
@@ -130,10 +75,10 @@ class FSDP2(Engine):
                     "sharedprefix runs around each pass (the FSDP2 root's own hooks); use a torch version that has "
                     "them (torch 2.13, which this was tested with, does)."
                 )
-            engine = cls(root, world, tensor=tensor, data_size=_fsdp_data_size(root, world))
-            engine.divide_factor = _divide_factor(root, engine.data_size)
+            engine = cls(root, world, tensor=tensor, data_size=fsdp_data_size(root, world))
+            engine.divide_factor = gradient_divide_factor(root, engine.data_size)
             return engine
-        if fsdp_cls is not None and any(isinstance(m, fsdp_cls) for m in root.modules()):
+        if fsdp_modules(root):
             raise ValueError(
                 "the model has fully_shard (FSDP2) submodules but its root is not sharded; apply fully_shard to the "
                 "causal LM itself too (after its layers), so that its embedding and LM head are managed by FSDP2."
@@ -180,20 +125,26 @@ class FSDP2(Engine):
         device = getattr(self.root._get_fsdp_state(), "_device", None)
         return device if isinstance(device, torch.device) else fallback
 
+    def param_dtype(self, fallback: torch.dtype) -> torch.dtype:
+        """FSDP2's sharded parameters' (``fsdp2_state.sharded_dtype``), not the ``MixedPrecisionPolicy``'s of the
+        unsharded ones a unit registers until it reshards: a plan made before a unit stayed unsharded was refused."""
+        return sharded_dtype(self.root, fallback)
+
     def prefix_mode(self, requested: str) -> str:
         """Always "recompute": a prompt's deferred backward must run inside the root module's call."""
         return "recompute"
 
     def before_grads(self) -> None:
-        """Every FSDP2 module resharded (``FSDPModule.reshard``), so that the call's gradient transaction reads the
-        sharded parameters: a module that does not reshard after forward (the root by default; accelerate's norm and
-        head) keeps its unsharded ones registered, whose ``.grad`` is FSDP2's own accumulation of backwards that did
-        not reduce (``sync=False``, ``set_requires_gradient_sync(False)``); held aside, it missed the next reduction
-        (measured: relative error 1.0 on the embedding). Costs those modules' next forward one all-gather."""
-        fsdp_cls = _fsdp_module_cls()
-        for m in self.root.modules():
-            if fsdp_cls is not None and isinstance(m, fsdp_cls):
-                m.reshard()
+        """Every FSDP2 module resharded (``FSDPModule.reshard``), at the start of the call's gradient transaction and
+        after its rounds, so that it reads the sharded parameters. A module that does not reshard after forward (the
+        root by default; accelerate's norm and head) keeps its unsharded ones registered, whose ``.grad`` is FSDP2's
+        own accumulation of backwards that did not reduce (``sync=False``, ``set_requires_gradient_sync(False)``):
+        held aside, it missed the next reduction (relative error 1.0 on the embedding). One that does not reshard
+        after backward (``set_reshard_after_backward(False)``) keeps them registered after the rounds, the reduced
+        ``.grad`` on the sharded ones out of sight: the gradient held before the call was dropped (1.08 after two
+        reducing calls, 1.21 after a step). Costs those modules' next forward one all-gather."""
+        for _, m in fsdp_modules(self.root):
+            m.reshard()
 
     def sum_sequence_shares(self, model: torch.nn.Module) -> None:
         """Nothing: FSDP2's reduce-scatter sums the sequence group's shares (``loss_scale``)."""
