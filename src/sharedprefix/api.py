@@ -6,14 +6,8 @@ its backward inside sharedprefix to a deferred backward (``schedule.deferred``),
 ``schedule.rounds``, which runs the plan's passes through a ``PassRunner`` (``schedule.setup``). Notation: N = output
 rows (completions in group order, or a tree's rows), W = columns, n = rows in one pass.
 
-Hybrid models whose token mixers outside attention sharedprefix reaches (``model.mixers``: the gated delta-nets of
-Qwen3-Next, Qwen3.5 and OLMo-hybrid, LFM2's short convolutions, the Mamba2 families' scans) take the packed path
-like any other model, each segment's scan starting from its parent's state. The other hybrids
-(``model.mixers.FAMILIES`` on the cache path: MiniMax, Zaya) take ``schedule.cache_path`` through
-``cache_path.calls``: each prompt once through the model's own cache-aware forward, each completion batch from
-a copy of the prompt's cache. There ``max_tokens`` bounds every forward (prompt chunks, right-padded completion
-batches); a completion longer than it is refused, and so are ``sp.Tree``, ``prompt_inputs``, FSDP2 and gradient
-checkpointing.
+Hybrid models whose mixers sharedprefix reaches (``model.mixers``) take the packed path; the others (MiniMax, Zaya)
+``schedule.cache_path``. Each entry point walks the model's modules once per call (``parallel.walks``).
 
 ``backward`` contract: ``loss_fn`` is called once per pass that reports rows, with a ``Batch`` of those rows (each
 whole), and must be *additive over rows*: the loss of a set of rows is the sum of the losses of its parts. Every
@@ -38,6 +32,7 @@ from sharedprefix.model import router
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.model.forward_mode import in_forward_autocast
 from sharedprefix.parallel.detect import detect, sync_enabled
+from sharedprefix.parallel.walks import once_per_call
 from sharedprefix.schedule import call, rounds, step_calls
 from sharedprefix.schedule.cache_path import calls as cache_path
 from sharedprefix.schedule.call_plan import CallPlan
@@ -77,6 +72,7 @@ def register_call_check(fn: Callable) -> None:
         _CALL_CHECKS.append(fn)
 
 
+@once_per_call
 def plan_call(model: torch.nn.Module, groups: Sequence[Group] | Tree, **options) -> CallPlan:
     """Plan once, run many: the host-side work of a call on ``model`` (validation, the probe's findings, the passes
     and their packed rows, the attention primitive, the refusals these decide), frozen into a ``CallPlan`` that
@@ -94,6 +90,7 @@ def plan_call(model: torch.nn.Module, groups: Sequence[Group] | Tree, **options)
         return call.plan_agreed(model, groups, options)
 
 
+@once_per_call
 def plan_step(
     model: torch.nn.Module,
     microbatches: Sequence[Sequence[Group] | Tree],
@@ -133,6 +130,7 @@ def plan_step(
     return make_step(model, microbatches, cp_of, options, max_cached_tokens)
 
 
+@once_per_call
 def logprobs(
     model: torch.nn.Module,
     groups: Sequence[Group] | Tree | CallPlan | Microbatch,
@@ -199,6 +197,7 @@ def logprobs(
         return rounds.forward(model, cp, opts, aux=opts.aux_loss, error=error)[0]
 
 
+@once_per_call
 def backward(
     model: torch.nn.Module,
     groups: Sequence[Group] | Tree | CallPlan | Microbatch,
@@ -278,6 +277,7 @@ def backward(
         return rounds.backward(model, cp, opts, loss_fn, aux=aux, aux_coef=coef, error=error)
 
 
+@once_per_call
 def _deferred_backward(model, cp: CallPlan, loss_fn, options: CallOptions, aux_grads=None, collect=False):
     """The backward of deferred log-probs on the packed path (``schedule.deferred``) under the deferred call's
     ``options``: ``sp.backward``'s path, with the aux loss's per-token gradients (already scaled by the gradient that

@@ -11,6 +11,7 @@ from sharedprefix.model.adapter import peel_compiled
 from sharedprefix.parallel.engine import Engine
 from sharedprefix.parallel.engines import ENGINES
 from sharedprefix.parallel.tensor import tensor_parallel_size
+from sharedprefix.parallel.walks import memo
 
 
 def sync_enabled(model: torch.nn.Module) -> bool:
@@ -22,7 +23,7 @@ def detect(model: torch.nn.Module, root: torch.nn.Module) -> Engine:
     """The engine of ``model`` (as the user passed it) and its transformers ``root``; a layout sharedprefix is not
     verified exact on raises ``ValueError`` (``parallel.tensor``, each engine's ``match``)."""
     model = peel_compiled(model)  # torch.compile around the model (accelerate's torch_compile): what is inside
-    tp = tensor_parallel_size(root, model)
+    tp = memo(("tensor", id(root), id(model)), lambda: tensor_parallel_size(root, model))  # once per call
 
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from sharedprefix.parallel.walks import memo
+
 
 def fsdp_module_cls():
     """torch's ``FSDPModule`` (None: a torch without FSDP2)."""
@@ -35,9 +37,11 @@ def outer_fsdp(model: torch.nn.Module, root: torch.nn.Module, fsdp_cls) -> torch
 
 
 def fsdp_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every FSDP2 module in ``root``, itself included."""
+    """(name, module) of every FSDP2 module in ``root``, itself included (walked once per call, ``walks``)."""
     cls = fsdp_module_cls()
-    return [(n, m) for n, m in root.named_modules() if cls is not None and isinstance(m, cls)]
+    if cls is None:
+        return []
+    return memo(("fsdp", id(root)), lambda: [(n, m) for n, m in root.named_modules() if isinstance(m, cls)])
 
 
 def fsdp_data_size(root: torch.nn.Module, world: int) -> int:
