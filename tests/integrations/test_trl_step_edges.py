@@ -225,6 +225,40 @@ def test_resuming_inside_a_generation_batch_equals_the_exact_run(setup, monkeypa
     assert planned == [2] * 6
 
 
+class _StopInside(TrainerCallback):
+    """Stops training after the first micro-step, inside its optimizer step (once)."""
+
+    def __init__(self):
+        self.stopped = False
+
+    def on_substep_end(self, args, state, control, **kw):
+        if not self.stopped:
+            self.stopped = control.should_training_stop = True
+
+
+def test_training_again_after_a_stop_inside_an_optimizer_step(setup, monkeypatch):
+    """``train()`` stopped by a callback after micro-step 0 of an optimizer step (``steps_per_generation=4``,
+    ``gradient_accumulation_steps=2``), then ``train()`` again on the same trainer: transformers zeroes the stopped
+    step's gradients and starts an optimizer step at TRL's next micro-step (1), so the step of micro-steps [0, 2) is
+    released and [1, 3) planned; the parameters equal the exact run's (measured 1e-15). Before, the second ``train()``
+    raised at its first micro-step (the optimizer step was inferred from the last synchronised micro-step, 0 here:
+    ``accelerator.sync_gradients=False`` at micro-step 1 against a planned end there)."""
+    float64_qwen3_norms(monkeypatch)
+    settings = _settings(setup, steps_per_generation=4, gradient_accumulation_steps=2)
+    deltas = {}
+    for name, (cls, cfg_cls) in (("exact", EXACT), ("ours", OURS)):
+        planned = _planning(monkeypatch)
+        args = two_step_args(cfg_cls, setup.out.mktemp("again"), **settings)
+        kw = dict(model=setup.paths[False], reward_funcs=reward, train_dataset=dataset(), processing_class=setup.tok)
+        trainer = train(cls, args, callbacks=[_StopInside()], **kw)
+        assert (trainer.state.global_step, trainer._step) == (0, 1)
+        trainer.train()
+        assert (trainer.state.global_step, trainer._step) == (2, 5)
+        deltas[name] = _delta(trainer, setup.inits[False])
+    _assert_equal(deltas["ours"], deltas["exact"])
+    assert planned == [2, 2]  # [0, 2) (stopped, released), then [1, 3); [3, 4) and [4, 5) per microbatch
+
+
 def _lora(**extra):
     peft = pytest.importorskip("peft")
     lora = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
