@@ -83,3 +83,32 @@ def test_grpo_steps_under_deepspeed_equal_trls(tmp_path):
         assert run["ours/calls"] and set(run["ours/calls"]) == {("Microbatch", None)}, run["ours/calls"]
         tokens = run["ours/step_tokens"]
         assert len(tokens) == 2 and all(0 < computed < plain for computed, plain in tokens), (stage, tokens)
+
+
+def test_async_steps_under_ddp_equal_trls(tmp_path):
+    """SharedPrefixAsyncGRPOTrainer under DDP (2 gloo processes, ``gradient_accumulation_steps=2``, TRL's
+    FixedCountBatcher splitting groups across micro-steps and ranks), float64, with steps on (the default) and off:
+    the parameters after two optimizer steps equal TRL's AsyncGRPOTrainer's (its CPU stand-ins, float64 head) to 1e-9
+    of the update (measured: 3.1e-15 both); with steps on every policy call was a step's microbatch and each optimizer
+    step computed fewer tokens than with steps off (the same plain tokens) on a rank that has a group in both
+    micro-steps (TRL's planner puts the split group on rank 1 here), and never more."""
+    import torch
+
+    from support.torchrun import torchrun
+
+    out = tmp_path / "trl_async_step.pt"
+    torchrun(os.path.join(os.path.dirname(__file__), "trl_async_step_worker.py"), [str(out)], timeout=400)
+    got = torch.load(out, weights_only=False)
+    scale = float(got["trl"].abs().max())
+    assert scale > 1e-2  # the parameters moved
+    for ours in ("on", "off"):
+        assert float((got[ours] - got["trl"]).abs().max()) <= 1e-9 * scale, ours
+    assert got["calls"]["on"] and set(got["calls"]["on"]) == {"Microbatch"}, got["calls"]
+    assert got["calls"]["off"] and "Microbatch" not in got["calls"]["off"], got["calls"]
+    fewer = 0
+    for on, off in zip(got["tokens"]["on"], got["tokens"]["off"]):  # per rank
+        assert len(on) == len(off) == 2, got["tokens"]
+        for (computed, plain), (computed_off, plain_off) in zip(on, off):
+            assert plain == plain_off and computed <= computed_off, got["tokens"]
+            fewer += computed < computed_off
+    assert fewer, got["tokens"]  # some optimizer step computed a prompt once for two micro-steps

@@ -123,8 +123,9 @@ def train_two_steps(cls, cfg_cls, model, tok, tmp_path, peft_config=None, data=N
     return train(cls, args, model=model, reward_funcs=reward, train_dataset=data, processing_class=tok, **peft)
 
 
-def qwen3_model(tok):
-    """A tiny Qwen3 (2 layers, hidden size 32, sdpa) with ``tok``'s vocabulary and special tokens (seed 0)."""
+def qwen3_model(tok, **overrides):
+    """A tiny Qwen3 (2 layers, hidden size 32, sdpa) with ``tok``'s vocabulary and special tokens (seed 0);
+    ``overrides`` set on its config."""
     model = tiny_model(
         "qwen3",
         dtype=torch.float32,
@@ -135,6 +136,7 @@ def qwen3_model(tok):
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
+        **overrides,
     )
     return model.train()  # as built: TRL's trainer sets the mode
 

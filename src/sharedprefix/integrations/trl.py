@@ -77,6 +77,7 @@ from sharedprefix.integrations.trl_settings import SharedPrefixSettings, checked
 from sharedprefix.integrations.trl_step import (
     StepState,
     add_tokens,
+    begin_update,
     enter_micro_step,
     plan_window,
     run_micro_step,
@@ -352,6 +353,15 @@ class SharedPrefixHooks:
             batches = split_tensor_dict(batch, self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(b) for b in batches]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """transformers' fetch of one optimizer step's batches, before the first of its micro-steps: the next
+        micro-step (TRL's ``_step``) starts the optimizer step (``trl_step.begin_update``). Read here, not inferred
+        from the last synchronised micro-step, so that a second ``train()`` after one stopped inside an optimizer
+        step starts its first optimizer step where transformers does."""
+        out = super().get_batch_samples(epoch_iterator, num_batches, device)
+        begin_update(self, self._step)
+        return out
 
     def _begin_micro_step(self):
         """Micro-step ``self._step``: its window (the micro-steps of its optimizer step from its generation batch,

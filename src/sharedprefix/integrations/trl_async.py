@@ -54,6 +54,7 @@ from sharedprefix.integrations.trl_step import (
     StepState,
     Window,
     add_tokens,
+    begin_update,
     enter_micro_step,
     make_window,
     run_micro_step,
@@ -120,7 +121,7 @@ class SharedPrefixAsyncGRPOTrainer(AsyncGRPOTrainer):
         the optimizer step."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._sp_batches = list(batches)
-        self._sp_step.update_start = self._sp_t
+        begin_update(self, self._sp_t)
         return batches, num_items
 
     def training_step(self, model, inputs, num_items_in_batch):

@@ -43,6 +43,7 @@ import warnings
 
 import torch
 
+from sharedprefix.model.streams import embedding_size
 from sharedprefix.model.support import check_supported
 
 __all__ = [
@@ -215,7 +216,7 @@ def _plain_tokens(inner, n: int) -> list[int]:
         for key, value in cfg.to_dict().items():
             if key.endswith(("token_id", "token_index", "token_ids")):
                 special.update(value if isinstance(value, list) else [value])
-    vocab = inner.get_input_embeddings().num_embeddings
+    vocab = embedding_size(inner)  # (read through PEFT's wrappers: trainable_token_indices' has no num_embeddings)
     return [t for t in range(vocab // 2, vocab) if t not in special][:n]
 
 

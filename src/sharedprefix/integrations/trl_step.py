@@ -11,13 +11,14 @@ fetches an optimizer step's micro-steps together and sets ``current_gradient_acc
 than ``gradient_accumulation_steps`` at an epoch's end) and ``accelerator.sync_gradients`` True at its last.
 
 A *window* is the micro-steps of one optimizer step that come from one generation batch: ``[max(update start,
-generation start), min(update end, generation end))``; the update's start is where the last synchronised micro-step
-left off (``StepState.update_start``). A window of two or more micro-steps is planned as one step at its first
-micro-step, from the buffered microbatches' rows as TRL's ``_compute_loss`` builds them (``tree_rows``; with images,
-``image_groups``); each of its micro-steps' policy pass is ``sp.logprobs(model, step.microbatch(k))``
-(``step_logprobs``; the shared prompts' backward runs inside the window's last micro-step's backward). With
-``num_iterations`` > 1 and ``gradient_accumulation_steps`` > ``steps_per_generation`` one buffered microbatch appears
-twice in a window: two microbatches of the step with the same rows, as in TRL's two micro-steps.
+generation start), min(update end, generation end))``; the update's start is the micro-step after transformers
+fetched the optimizer step's batches (``begin_update``, from ``get_batch_samples``; ``StepState.update_start``). A
+window of two or more micro-steps is planned as one step at its first micro-step, from the buffered microbatches'
+rows as TRL's ``_compute_loss`` builds them (``tree_rows``; with images, ``image_groups``); each of its micro-steps'
+policy pass is ``sp.logprobs(model, step.microbatch(k))`` (``step_logprobs``; the shared prompts' backward runs inside
+the window's last micro-step's backward). With ``num_iterations`` > 1 and ``gradient_accumulation_steps`` >
+``steps_per_generation`` one buffered microbatch appears twice in a window: two microbatches of the step with the same
+rows, as in TRL's two micro-steps.
 
 Checked, each a ``RuntimeError`` rather than a wrong gradient: the hook's rows equal the planned microbatch's
 (``check_rows``), ``accelerator.sync_gradients`` is True at the update's last micro-step and nowhere else inside a
@@ -55,6 +56,7 @@ __all__ = [
     "StepState",
     "Window",
     "add_tokens",
+    "begin_update",
     "check_rows",
     "enter_micro_step",
     "make_window",
@@ -207,6 +209,21 @@ def _same(want, got) -> bool:
 
 def _shapes(values: tuple) -> str:
     return ", ".join(str(tuple(v.shape)) if isinstance(v, torch.Tensor) else repr(v) for v in values)
+
+
+def begin_update(trainer, t: int) -> None:
+    """transformers fetched an optimizer step's batches (``get_batch_samples``, before the first of its micro-steps):
+    micro-step ``t`` starts it. A window still open here was left by an optimizer step that never reached its last
+    micro-step (training stopped inside it, or a micro-step raised), whose gradients the next ``train()`` zeroes
+    (``model.zero_grad()``) as it does TRL's: its step is released, its prompts' share dropped, and its tokens not
+    logged, so that the model's next step is not refused as following an unfinished one."""
+    state: StepState = trainer._sp_step
+    if state.window is not None:
+        state.window.step.release()
+        state.window = None
+    state.current = None
+    state.tokens = [0.0, 0.0]
+    state.update_start = t
 
 
 def enter_micro_step(trainer, model, t: int, micro: range, last: int, plan: Callable[[], Window | None]) -> None:
