@@ -7,7 +7,8 @@ transformers computes the loss in float32 in any model (and a float64 Mixtral ro
 transformers run of each microbatch the gradient is held to a relative 1e-5, as ``tests/model/test_router_aux.py``
 holds one call's; the step itself is held to float64's 1e-9 against ``sp.backward`` of each microbatch's rows as its
 own call (the exact mechanism of one call) with the model computing in float64 outside the loss function
-(``Float64Inside``), where its plain run without the loss agrees to 1e-15."""
+(``Float64Inside``), where its plain run without the loss agrees to 1e-15; log-probs' backward runs outside that
+mode (``_check``)."""
 
 import pytest
 import torch
@@ -112,8 +113,11 @@ def _rel(a, b):
 
 
 def _check(model, mbs, Ws, got, defer=None):
+    """Against each microbatch as its own call of the same kind: 1e-9 for sp.backward; 1e-6 for log-probs, whose
+    backward (deferred, or the step's tail) autograd runs outside ``_Float64OutsideTheLoss``, so that the model routes
+    in float32 there (measured: 1e-7 between one call's deferred log-probs and its sp.backward)."""
     assert any("gate" in n for n in got)  # the routers are trained through the loss
-    assert_grads_close(got, _calls(model, mbs, Ws, defer), 1e-9)
+    assert_grads_close(got, _calls(model, mbs, Ws, defer), 1e-9 if defer is None else 1e-6)
     assert_grads_close(got, _plain(model, mbs, Ws), 1e-5)
 
 
@@ -163,7 +167,11 @@ def test_aux_loss_alone_finishes_a_step_with_the_graph_kept(model):
         (COEF * sp.logprobs(model, step.microbatch(k), defer=False).aux_loss).backward()
     assert step.state == "finished"
     got = _grads(model)
-    assert_grads_close(got, _calls(model, mbs, Ws, defer=False), 1e-9)
+    want = _calls(model, mbs, Ws, defer=False)
+    for n in set(got) ^ set(want):  # (parameters one side's passes reach with a zero gradient)
+        assert not (got[n] if n in got else want[n]).any()
+    both = set(got) & set(want)
+    assert_grads_close({n: got[n] for n in both}, {n: want[n] for n in both}, 1e-6)
 
 
 def _step_error(model, mbs, Ws):

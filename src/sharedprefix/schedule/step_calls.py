@@ -63,11 +63,12 @@ def logprobs(model, mb: Microbatch, given: dict, checks: Sequence[Callable], pla
     if graph:  # before the step begins: a refusal leaves it as it was
         step_graph.check_graph_path(model, mb.step, mb.k)
     inner, step, k = unwrap(model), mb.step, mb.k
+    setting = passed(given).get("aux_loss", dict(step.cp.given).get("aux_loss"))  # (else the step's)
+    on = setting or (setting is None and router.enabled(inner))
+    aux = step_aux.wanted(model, step, k, bool(on), f"aux_loss={setting!r}")  # (before the step begins)
     with in_forward_autocast(model):
         planned = step.begin(model, k, backward=False)
         opts, _, cp, error = call.prepare(model, planned, False, given, checks)
-        on = opts.aux_loss or (opts.aux_loss is None and router.enabled(inner))
-        aux = step_aux.wanted(model, step, k, bool(on), f"aux_loss={opts.aux_loss!r}")
         opts = _options(mb, opts.replace(aux_loss=aux), given)
 
         def run():
