@@ -125,7 +125,7 @@ def off_reason(trainer, model) -> str:
         return "sharedprefix_group_microbatches=True (whole groups per microbatch, planned per microbatch)"
     inner = unwrap(model)
     if getattr(trainer, "aux_loss_enabled", False):
-        return "the MoE load-balancing loss (router_aux_loss_coef) is each microbatch's own"
+        return "the MoE load-balancing loss (router_aux_loss_coef): the trainers' steps do not carry it yet"
     if uses_reentrant_checkpointing(inner):
         return (
             "gradient checkpointing with use_reentrant=True: a step's microbatches read their prompts' cached K/V, "

@@ -12,6 +12,8 @@ class StepTerms:
     step_refusal: ClassVar[str | None] = None  # why ``sp.plan_step``'s steps cannot run on it, in words (None: can)
     # why a step's microbatch cannot keep its log-probs' graph (``sp.logprobs(..., defer=False)``), in words
     step_graph_refusal: ClassVar[str | None] = None
+    # why a step cannot carry the MoE load-balancing loss (``schedule.step_aux``), in words (None: it can)
+    step_aux_refusal: ClassVar[str | None] = None
     # the engine accumulates over micro-steps of its own and reduces as it pleases (DeepSpeed): a failed step's
     # partial share is delivered as a call of its own (sync=True), not added unsynchronised
     accumulates_itself: ClassVar[bool] = False

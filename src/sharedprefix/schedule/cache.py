@@ -5,7 +5,8 @@ module produced (post-rotary, before GQA expansion: (1, Hkv, len, D)), the segme
 final hidden state (d,), the log-probs (and entropies) of its computed tokens (k,), which
 the output rows through it read in later passes, and, for each token mixer outside attention
 (``model.mixers``), its state at the segment's end (a convolution's last inputs (1, C, K), a recurrent
-state (H, Dk, Dv)). ``seal`` then turns them into what later passes read:
+state (H, Dk, Dv)), and, for a step's shared segments under the MoE load-balancing loss (``routed``), its tokens'
+router logits (one (len, E) per MoE layer: ``schedule.step_aux``). ``seal`` then turns them into what later passes read:
 
 - ``leaves=True`` (``sp.backward``): detached leaf tensors that require grad, so the
   later passes accumulate dK, dV, dh, the mixer states' and the values' gradients into ``.grad``; ``backward(seg)``
@@ -35,6 +36,9 @@ class PrefixCache:
         # the indexer runs without autograd (in the plain run too), so they need no gradient and no sealing
         self.index_keys: dict[int, dict] = {}
         self.terms: dict[int, torch.Tensor] = {}  # seg -> a scalar of its recorded graph its backward adds (MoE aux)
+        self.routed: frozenset[int] = frozenset()  # the segments whose router logits are cached (a step's shared)
+        self.graph_router: dict[int, tuple] = {}  # seg -> per MoE layer its tokens' (len, E) router logits
+        self.read_router: dict[int, tuple] = {}
 
     def __contains__(self, seg: int) -> bool:
         return seg in self.read_kv_
@@ -72,6 +76,15 @@ class PrefixCache:
     def write_h(self, seg: int, h: torch.Tensor) -> None:
         self.graph_h[seg] = h
 
+    def write_router(self, router_logits, spans) -> None:
+        """The router logits (one (L, E) per MoE layer, of a packed row) of the ``spans`` (segment, start, end) of
+        segments it records."""
+        for seg, a, b in spans:
+            self.graph_router[seg] = tuple(z[a:b] for z in router_logits)
+
+    def router(self, seg: int) -> tuple:
+        return self.read_router[seg]
+
     def add_term(self, seg: int, term: torch.Tensor) -> None:
         """A scalar of ``seg``'s recorded graph that its deferred backward adds to the surrogate."""
         self.terms[seg] = term if seg not in self.terms else self.terms[seg] + term
@@ -104,6 +117,8 @@ class PrefixCache:
             self.read_kv_[seg] = self.graph_kv.pop(seg, {})
             self.read_mix[seg] = self.graph_mix.pop(seg, {})
             self.read_h[seg] = self.graph_h.pop(seg)
+            if seg in self.graph_router:
+                self.read_router[seg] = self.graph_router.pop(seg)
             if seg in self.graph_vals:
                 self.read_vals[seg] = self.graph_vals.pop(seg)
             return
@@ -111,6 +126,8 @@ class PrefixCache:
         self.read_kv_[seg] = {m: (leaf(k), leaf(v)) for m, (k, v) in self.graph_kv.get(seg, {}).items()}
         self.read_mix[seg] = {m: leaf(t) for m, t in self.graph_mix.get(seg, {}).items()}
         self.read_h[seg] = leaf(self.graph_h[seg])
+        if seg in self.graph_router:
+            self.read_router[seg] = tuple(leaf(z) for z in self.graph_router[seg])
         if seg in self.graph_vals:
             self.read_vals[seg] = tuple(leaf(t) for t in self.graph_vals[seg])
         if not keep_graph:
@@ -118,6 +135,7 @@ class PrefixCache:
             self.graph_kv.pop(seg, None)
             self.graph_mix.pop(seg, None)
             self.graph_vals.pop(seg, None)
+            self.graph_router.pop(seg, None)
 
     def surrogate(self, seg: int, through_outputs: bool = False) -> torch.Tensor | None:
         """``sum(dK * K) + sum(dV * V) + sum(dh * h) + sum(dvalues * values) + sum(dstate * state)`` over ``seg``'s
@@ -139,6 +157,7 @@ class PrefixCache:
         pairs.append((h, lh))
         if seg in self.graph_vals:
             pairs += [(t, leaf) for t, leaf in zip(self.graph_vals[seg], self.read_vals[seg]) if t is not None]
+        pairs += list(zip(self.graph_router.get(seg, ()), self.read_router.get(seg, ())))
         for t, leaf in pairs:
             if leaf.grad is not None and t.requires_grad:
                 term = (t * leaf.grad).sum()
@@ -154,6 +173,7 @@ class PrefixCache:
         out += [t for s, t in self.read_h.items() if keep(s)]
         out += [t for s, vals in self.read_vals.items() if keep(s) for t in vals if t is not None]
         out += [t for s, mix in self.read_mix.items() if keep(s) for t in mix.values()]
+        out += [t for s, zs in self.read_router.items() if keep(s) for t in zs]
         return [t for t in out if t is not None and t.requires_grad]
 
     def hold_grads(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -212,6 +232,8 @@ class PrefixCache:
             self.terms,
             self.graph_mix,
             self.read_mix,
+            self.graph_router,
+            self.read_router,
         ):
             d.pop(seg, None)
 

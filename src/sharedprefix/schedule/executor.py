@@ -141,6 +141,7 @@ class PassRunner:
             dec = decoder(self.model)
             positions = shard(decoder_position_ids(self.model, layout)).to(self.device)
             routed = self.router_logits is not None or self.aux_grads is not None
+            routed = routed or bool(self.cache.routed.intersection(layout.segments))  # a step's shared segments
             with (
                 renumbered(self.model, dec, positions) as kw,
                 streams.framed(self.model, dec, self.frames),
@@ -154,6 +155,9 @@ class PassRunner:
         if state.sequence is not None:
             hidden = state.sequence.gather(hidden)
         self.aux_term = None
+        if own and (shared := self.cache.routed.intersection(layout.segments)):  # a step's, each microbatch's term
+            self.cache.write_router(out.router_logits, [sp for sp in router.spans(layout) if sp[0] in shared])
+            own = False  # (``schedule.step_aux``)
         if self.router_logits is not None and own:
             self.router_logits.append((out.router_logits, router.multiplicity(layout), router.spans(layout)))
         if self.aux_grads is not None and own and torch.is_grad_enabled():
@@ -237,8 +241,6 @@ class PassRunner:
     def mask(self, layout: RowLayout) -> torch.Tensor:
         return layout.out_mask.to(self.device)
 
-    # -- what the rounds ask of the call (``schedule.rounds``) --------------------------------------------------------
-
     def seal(self, segments, keep_graph: bool) -> None:
         """The recorded ``segments``' cache entries complete (``keep_graph``: their forward's graph is kept)."""
         for s in segments:
@@ -269,13 +271,11 @@ class PassRunner:
         with pass_state(state) if state is not None else contextlib.nullcontext():
             self.par.backward(loss)
 
-    def take_aux_term(self):
-        """The MoE aux loss's linear term of the latest pass (or None), handed over once."""
+    def take_aux_term(self):  # the MoE aux loss's linear term of the latest pass (or None), handed over once
         term, self.aux_term = self.aux_term, None
         return term
 
-    def router_records(self) -> list | None:
-        """Per pass: (router logits, multiplicities, spans), when the call records them; else None."""
+    def router_records(self) -> list | None:  # per pass: (router logits, multiplicities, spans), or None
         return self.router_logits
 
     def tokens_computed(self) -> int:

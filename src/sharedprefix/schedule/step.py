@@ -93,17 +93,17 @@ class StepCall:
 class Step:
     """One optimizer step's microbatches, planned together (``sp.plan_step``; the module docstring). ``cp``: the
     ``CallPlan`` of all its rows (validation, probe, fingerprint, packed rows), whose passes the step replaces by
-    ``splan``'s (``planner.StepPlan``); ``mode``: the shared segments' ``prefix_activations``."""
+    ``splan``'s (``planner.StepPlan``); ``mode``: the shared segments' ``prefix_activations``; ``aux``: their router
+    logits are cached, for the MoE load-balancing loss of its microbatches."""
 
-    def __init__(
-        self, model: torch.nn.Module, cp: CallPlan, splan: StepPlan, mode: str, offload_device, offset: int = 0
-    ):
+    def __init__(self, model, cp: CallPlan, splan: StepPlan, mode: str, offload_device, offset=0, aux=False):
         self.inner = weakref.ref(unwrap(model))
         self.offset = offset  # its first microbatch's index in a ``SplitStep`` (0 otherwise), for messages
         self.cp, self.splan, self.mode = cp, splan, mode
         self.views = splan.views
         self.sources: list = []  # each microbatch's rows as given (a no-grad call of one runs on them)
         self.cache = PrefixCache(leaves=True)
+        self.aux, self.cache.routed = aux, frozenset(splan.shared if aux else ())  # (MoE aux loss: ``step_aux``)
         self.hooks = OffloadHooks(unwrap(model), offload_device) if mode == "offload" and splan.shared else None
         self.recorded = False
         self.forwarded: set[int] = set()  # deferred log-probs computed, backward not yet run

@@ -46,12 +46,14 @@ def graph_outputs(step: Step, model, k: int, out):
     view, tree = step.views[k], step.splan.tree
     read = {s for r in view.rows for s in tree.path(tree.rows[r].end)} & set(step.splan.shared)
     leaves = step.cache.grad_marks(read)
-    tensors = [out.logprobs] + ([out.entropy] if out.entropy is not None else [])
-    wrapped = _AfterBackward.apply(_Tail(step, model, k, leaves), *tensors)
+    extra = [t for t in (out.entropy, out.aux_loss) if t is not None]  # (the MoE aux loss: ``step_aux``)
+    wrapped = _AfterBackward.apply(_Tail(step, model, k, leaves), out.logprobs, *extra)
     if not isinstance(wrapped, tuple):
         wrapped = (wrapped,)
-    ent = wrapped[1] if out.entropy is not None else None
-    return dataclasses.replace(out, logprobs=wrapped[0], entropy=ent)
+    rest = iter(wrapped[1:])
+    ent = next(rest) if out.entropy is not None else None
+    aux = next(rest) if out.aux_loss is not None else None
+    return dataclasses.replace(out, logprobs=wrapped[0], entropy=ent, aux_loss=aux)
 
 
 def after_backward(step: Step, model, k: int, marks: list) -> None:

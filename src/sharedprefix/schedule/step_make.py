@@ -90,8 +90,6 @@ def refuse_engine(model) -> None:
     why = engine.step_refusal or tensor_step_refusal(engine)
     if why is None and mixers.on_cache_path(inner):
         why = f"{type(inner).__name__}, a hybrid model on the cache path (it runs group by group, with no prefix cache)"
-    if why is None and router.enabled(inner):
-        why = "an MoE load-balancing loss (output_router_logits=True), which is each microbatch's own"
     if why is not None:
         raise ValueError(
             f"sp.plan_step is not available with {why}: a step runs each shared prompt once across several calls, "
@@ -121,12 +119,35 @@ def make_step(model, microbatches: Sequence, cp_of, options: dict, max_cached_to
     mode, device = cp.options.prefix_activations, cp.options.offload_device
     parts = _parts(cp.plan.tree, members, cp.options.max_tokens, max_cached_tokens)
     detect(model, inner).check_step(len(parts[0][1].views))  # (DeepSpeed: within its accumulation window)
+    aux = _aux(model, cp)
     steps = []
     for first, splan in parts:
-        step = Step(model, cp, splan, mode, device, offset=first)
+        step = Step(model, cp, splan, mode, device, offset=first, aux=aux)
         step.sources = list(microbatches[first : first + len(splan.views)])
         steps.append(step)
     return steps[0] if len(steps) == 1 or max_cached_tokens is None else SplitStep(steps, max_cached_tokens)
+
+
+def _aux(model, cp) -> bool:
+    """Whether the step's calls may take the MoE load-balancing loss (``aux_loss=True``, or left out with
+    ``output_router_logits=True``): its shared segments' router logits are then cached (``schedule.step_aux``);
+    refused where a step cannot carry it."""
+    inner, opts = unwrap(model), cp.options
+    if not (opts.aux_loss is True or (opts.aux_loss is None and router.enabled(inner))):
+        return False
+    engine = detect(model, inner)
+    engine.check_aux_term(type(inner).__name__)  # (FSDP2 refuses the loss's per-pass term)
+    why = engine.step_aux_refusal or ("a sequence_group" if opts.sequence_group is not None else None)
+    if why is not None:
+        raise ValueError(
+            f"sp.plan_step with an MoE load-balancing loss (aux_loss={opts.aux_loss!r}, output_router_logits="
+            f"{router.enabled(inner)}) under {why}: a step carries that loss on one process only. Plan the step "
+            "with aux_loss=False (config.output_router_logits=False) to leave the loss out, or run each microbatch "
+            "as its own call (sp.backward(model, rows, ..., aux_loss_coef=...)): exact, each prompt once per "
+            "microbatch."
+        )
+    router.check_available(inner)
+    return True
 
 
 def _parts(tree, members, max_tokens, cap) -> list[tuple[int, StepPlan]]:

@@ -69,6 +69,7 @@ class DeepSpeed(Single):
     ran), with DeepSpeed's delivery of the call's gradient."""
 
     name = "DeepSpeed ZeRO"
+    step_aux_refusal = "DeepSpeed (a step's MoE load-balancing loss has not been run under its engine)"
     step_graph_refusal = (
         "a DeepSpeed engine: log-probs that keep their graph would run the step's shared prompts' backward after your "
         "engine.backward ended, outside its micro-step"
