@@ -260,6 +260,54 @@ def reference(path: str, td, loss=None, temperature=1.0):
         return responses_of(out["log_probs"], td), responses_of(out["entropy"], td), grads
 
 
+def micro_batch_rows(td) -> list[list[int]]:
+    """verl's own micro-batches of ``td`` (row indices), as its engine forms them (``prepare_micro_batches``)."""
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    mbs, indices = prepare_micro_batches(data=td, dp_group=None, same_micro_num_in_dp=True)
+    if indices is not None:
+        return [list(i) for i in indices]
+    sizes = [len(mb) for mb in mbs]
+    return [list(range(sum(sizes[:k]), sum(sizes[: k + 1]))) for k in range(len(sizes))]
+
+
+def float64_step(path: str, td, loss, parts, temperature=1.0, weights=torch.float32):
+    """Float64 yardstick of a training mini-batch: a plain forward of each row (norms in float64) from the saved
+    weights rounded to ``weights`` (the master weights an engine holds: verl's ``model_dtype``), verl's ``loss``
+    evaluated on verl's micro-batches ``parts`` (row lists) as its engine evaluates it and summed.
+
+    Returns ((B, R) log-probs, (B, R) entropies, {name: grad}, [loss of each part], [metrics of each part])."""
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(weights).double())
+    dtype_faithful_norms(model)
+    lps, ents = [], []
+    for row in td["input_ids"].unbind():
+        logp = torch.log_softmax(model(input_ids=row[None]).logits[0] / temperature, -1)  # (len, V)
+        lps.append(logp.gather(1, torch.roll(row, -1)[:, None])[:, 0])
+        ents.append(-(logp.exp() * logp).sum(-1))
+    tu.assign_non_tensor(td, batch_num_tokens=int(td["loss_mask"].sum()), dp_size=1)
+    total, losses, metrics = 0.0, [], []
+    for part in parts:
+        offsets = torch.tensor([0] + [len(lps[i]) for i in part]).cumsum(0)
+        out = {
+            key: torch.nested.nested_tensor_from_jagged(torch.cat([values[i] for i in part]), offsets)
+            for key, values in (("log_probs", lps), ("entropy", ents))
+        }
+        value, m = loss(model_output=out, data=tu.index_select_tensor_dict(td, part), dp_group=None)
+        total = total + value
+        losses.append(float(value.detach()))
+        metrics.append(m)
+    names = [n for n, _ in model.named_parameters()]
+    grads = dict(zip(names, torch.autograd.grad(total, list(model.parameters()))))
+    offsets = td["input_ids"].offsets()
+    with torch.no_grad():
+        lp = responses_of(torch.nested.nested_tensor_from_jagged(torch.cat(lps), offsets), td)
+        ent = responses_of(torch.nested.nested_tensor_from_jagged(torch.cat(ents), offsets), td)
+    return lp, ent, grads, losses, metrics
+
+
 def rel(a: dict, b: dict) -> float:
     """Largest per-parameter max |a - b| / max |b| over the parameters."""
     return max(
@@ -355,10 +403,12 @@ __all__ = [
     "case_errors",
     "configs",
     "finish_worker",
+    "float64_step",
     "infer",
     "loss_fn",
     "masked_rel",
     "metrics_error",
+    "micro_batch_rows",
     "reference",
     "rel",
     "responses_of",
