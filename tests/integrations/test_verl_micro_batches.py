@@ -28,8 +28,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import verl_cpu  # noqa: E402,F401  (verl's CPU platform, before verl's engine modules load)
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl_support import FSDPEngineWithLMHead, Spec, build, loss_fn, rel, rl_batch, save_model, train  # noqa: E402
+from verl_support import (  # noqa: E402
+    FSDPEngineWithLMHead,
+    Spec,
+    build,
+    float64_step,
+    loss_fn,
+    micro_batch_rows,
+    rel,
+    rl_batch,
+    save_model,
+    train,
+)
 
 import sharedprefix as sp  # noqa: E402
 from sharedprefix.integrations.verl import ENV_MAX_TOKENS, SharedPrefixFSDPEngine  # noqa: E402
@@ -94,17 +104,6 @@ def _make(setting):
     return lambda: rl_batch(spec, temperature=TEMPERATURE, dynamic=dynamic, micro=micro, max_tokens=128)
 
 
-def _natural(td):
-    """verl's own micro-batches of ``td`` (row indices), as its engine forms them."""
-    from verl.workers.engine.utils import prepare_micro_batches
-
-    mbs, indices = prepare_micro_batches(data=td, dp_group=None, same_micro_num_in_dp=True)
-    if indices is not None:
-        return [list(i) for i in indices]
-    sizes = [len(mb) for mb in mbs]
-    return [list(range(sum(sizes[:k]), sum(sizes[: k + 1]))) for k in range(len(sizes))]
-
-
 def _value(m):
     return m.aggregate() if hasattr(m, "aggregate") else m
 
@@ -134,7 +133,7 @@ def test_gradients_and_metrics_match_verl(engines, loss, setting):
     ev, es = engines
     make, lf = _make(setting), POLICY_LOSSES[loss]()
     td = make()
-    parts = _natural(td)
+    parts = micro_batch_rows(td)
     group = [(SCATTERED[i] if SETTINGS[setting][0] is NATURAL else i) // 4 for i in range(ROWS)]
     where: dict = {}
     for m, mb in enumerate(parts):
@@ -177,7 +176,7 @@ def test_budget_that_splits_micro_batches(process_group, path, monkeypatch, loss
     for key, value in out_v["metrics"].items():
         assert _value(out_s["metrics"][key]) == pytest.approx(_value(value), rel=AGREE, abs=1e-6), key
     td = make()
-    once, _, _ = _tokens(td, _natural(td))
+    once, _, _ = _tokens(td, micro_batch_rows(td))
     assert sum(out_s["metrics"]["sharedprefix/tokens_computed"]) == once  # with grad: every token once
     assert sum(out_s["metrics"]["sharedprefix/tokens_no_grad"]) >= once  # the values first, the recordings
 
@@ -238,28 +237,7 @@ def test_failed_micro_batch_ends_the_step_as_verl(process_group, path, monkeypat
 def _float64_grads(path, td, loss, parts):
     """verl's loss of a float64 plain forward of each row, summed over the micro-batches ``parts`` (row lists), as
     verl's engine evaluates it micro-batch by micro-batch: the gradient, by parameter."""
-    import transformers as tf
-
-    from sharedprefix.tools.reference import dtype_faithful_norms
-
-    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
-    dtype_faithful_norms(model)
-    lps, ents = [], []
-    for row in td["input_ids"].unbind():
-        logp = torch.log_softmax(model(input_ids=row[None]).logits[0] / TEMPERATURE, -1)  # (len, V)
-        lps.append(logp.gather(1, torch.roll(row, -1)[:, None])[:, 0])
-        ents.append(-(logp.exp() * logp).sum(-1))
-    tu.assign_non_tensor(td, batch_num_tokens=int(td["loss_mask"].sum()), dp_size=1)
-    total = 0.0
-    for part in parts:
-        offsets = torch.tensor([0] + [len(lps[i]) for i in part]).cumsum(0)
-        out = {
-            key: torch.nested.nested_tensor_from_jagged(torch.cat([values[i] for i in part]), offsets)
-            for key, values in (("log_probs", lps), ("entropy", ents))
-        }
-        total = total + loss(model_output=out, data=tu.index_select_tensor_dict(td, part), dp_group=None)[0]
-    names = [n for n, _ in model.named_parameters()]
-    return dict(zip(names, torch.autograd.grad(total, list(model.parameters()))))
+    return float64_step(path, td, loss, parts, TEMPERATURE)[2]
 
 
 @pytest.mark.parametrize("loss", AGG_MODES + ["geo_mean", "kl_cov"])
@@ -272,8 +250,8 @@ def test_verl_loss_over_micro_batches_float64(process_group, path, loss):
     group = [SCATTERED[i] // 4 for i in range(ROWS)]
     make = lambda dynamic: rl_batch(NATURAL, temperature=TEMPERATURE, dynamic=dynamic, micro=4, max_tokens=128)  # noqa: E731
     parts = {
-        "static": _natural(make(False)),
-        "dynamic": _natural(make(True)),
+        "static": micro_batch_rows(make(False)),
+        "dynamic": micro_batch_rows(make(True)),
         "groups": [[i for i in range(ROWS) if group[i] == g] for g in range(3)],
         "one": [list(range(ROWS))],
     }

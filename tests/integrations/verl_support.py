@@ -260,6 +260,86 @@ def reference(path: str, td, loss=None, temperature=1.0):
         return responses_of(out["log_probs"], td), responses_of(out["entropy"], td), grads
 
 
+def micro_batch_rows(td, dp_group=None) -> list[list[int]]:
+    """verl's own micro-batches of ``td`` (row indices), as its engine forms them (``prepare_micro_batches``; with
+    ``dp_group``, the same number on every rank of it)."""
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    mbs, indices = prepare_micro_batches(data=td, dp_group=dp_group, same_micro_num_in_dp=True)
+    if indices is not None:
+        return [list(i) for i in indices]
+    sizes = [len(mb) for mb in mbs]
+    return [list(range(sum(sizes[:k]), sum(sizes[: k + 1]))) for k in range(len(sizes))]
+
+
+def float64_step(path: str, td, loss, parts, temperature=1.0, weights=torch.float32, batch_num_tokens=None, dp_size=1):
+    """Float64 yardstick of a training mini-batch: a plain forward of each row (norms in float64) from the saved
+    weights rounded to ``weights`` (the master weights an engine holds: verl's ``model_dtype``), verl's ``loss``
+    evaluated on verl's micro-batches ``parts`` (row lists) as its engine evaluates it and summed. Under ``dp_size``
+    ranks, ``batch_num_tokens`` is the global mini-batch's (the gradient returned is this rank's share, to be
+    averaged over the ranks as FSDP2 does).
+
+    Returns ((B, R) log-probs, (B, R) entropies, {name: grad}, [loss of each part], [metrics of each part])."""
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(weights).double())
+    dtype_faithful_norms(model)
+    lps, ents = [], []
+    for row in td["input_ids"].unbind():
+        logp = torch.log_softmax(model(input_ids=row[None]).logits[0] / temperature, -1)  # (len, V)
+        lps.append(logp.gather(1, torch.roll(row, -1)[:, None])[:, 0])
+        ents.append(-(logp.exp() * logp).sum(-1))
+    tokens = int(td["loss_mask"].sum()) if batch_num_tokens is None else batch_num_tokens
+    tu.assign_non_tensor(td, batch_num_tokens=tokens, dp_size=dp_size)
+    total, losses, metrics = 0.0, [], []
+    for part in parts:
+        offsets = torch.tensor([0] + [len(lps[i]) for i in part]).cumsum(0)
+        out = {
+            key: torch.nested.nested_tensor_from_jagged(torch.cat([values[i] for i in part]), offsets)
+            for key, values in (("log_probs", lps), ("entropy", ents))
+        }
+        value, m = loss(model_output=out, data=tu.index_select_tensor_dict(td, part), dp_group=None)
+        total = total + value
+        losses.append(float(value.detach()))
+        metrics.append(m)
+    names = [n for n, _ in model.named_parameters()]
+    grads = dict(zip(names, torch.autograd.grad(total, list(model.parameters()))))
+    offsets = td["input_ids"].offsets()
+    with torch.no_grad():
+        lp = responses_of(torch.nested.nested_tensor_from_jagged(torch.cat(lps), offsets), td)
+        ent = responses_of(torch.nested.nested_tensor_from_jagged(torch.cat(ents), offsets), td)
+    return lp, ent, grads, losses, metrics
+
+
+def reported_scalars(out) -> dict[str, torch.Tensor]:
+    """The loss and every metric of verl's loss an engine reported, per micro-batch (float64)."""
+    values = {"loss": torch.tensor(out["loss"], dtype=torch.float64)}
+    for key, m in out["metrics"].items():
+        if not key.startswith("sharedprefix/"):
+            values[key] = torch.tensor(getattr(m, "values", m), dtype=torch.float64)
+    return values
+
+
+def float64_scalars(losses: list, metrics: list) -> dict[str, torch.Tensor]:
+    """``float64_step``'s losses and metrics of each micro-batch, as ``reported_scalars`` lays them out."""
+    values = {"loss": torch.tensor(losses, dtype=torch.float64)}
+    for key in metrics[0]:
+        values[key] = torch.tensor([float(getattr(m[key], "values", [m[key]])[0]) for m in metrics])
+    return values
+
+
+def scalars_error(got: dict, want: dict) -> float:
+    """The largest error over the loss and the metrics of every micro-batch, each relative to its largest value."""
+    worst = 0.0
+    for key, ref in want.items():
+        if got[key].shape != ref.shape:
+            return float("inf")
+        scale = ref.abs().max()
+        worst = max(worst, float((got[key] - ref).abs().max() / scale) if scale > 0 else float(got[key].abs().max()))
+    return worst
+
+
 def rel(a: dict, b: dict) -> float:
     """Largest per-parameter max |a - b| / max |b| over the parameters."""
     return max(
@@ -355,15 +435,20 @@ __all__ = [
     "case_errors",
     "configs",
     "finish_worker",
+    "float64_scalars",
+    "float64_step",
     "infer",
     "loss_fn",
     "masked_rel",
     "metrics_error",
+    "micro_batch_rows",
     "reference",
+    "reported_scalars",
     "rel",
     "responses_of",
     "rl_batch",
     "save_model",
+    "scalars_error",
     "save_vl_model",
     "verl_attention_unpatched",
     "vl_batch",
