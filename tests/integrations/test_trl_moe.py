@@ -69,3 +69,34 @@ def test_moe_aux_loss_trains_as_grpo_trainer_with_and_without_a_budget(tmp_path,
     # TRL logs the aux loss of each microbatch: ours reports the same values
     logged = lambda t: [h["aux_loss"] for h in t.state.log_history if "aux_loss" in h]  # noqa: E731
     assert logged(plain) and logged(ours) == pytest.approx(logged(plain), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", sorted(MOE_MODELS))
+def test_moe_aux_loss_with_optimizer_steps_trains_as_grpo_trainer(tmp_path, kind, monkeypatch):
+    """TRL's default with accumulation (steps_per_generation = gradient_accumulation_steps = 2, microbatches of 4
+    rows drawn by TRL's shuffle from 2 groups of 4): the two micro-steps' policy passes run as one ``sp.plan_step``
+    step carrying each microbatch's own load-balancing loss (the step caches its prompts' router logits), each prompt
+    once per optimizer step; the parameters and every logged aux loss equal GRPOTrainer's (float32, 1e-5 as above),
+    and fewer policy tokens than a call per microbatch."""
+    tok = build_tokenizer()
+    init, state = moe_model(tmp_path, tok, kind)
+    split = dict(beta=0.1, per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2)
+    plain = train_two_steps(GRPOTrainer, GRPOConfig, init, tok, tmp_path / "plain", **split)
+    steps, plan_step = [], sp.plan_step
+    monkeypatch.setattr(sp, "plan_step", lambda model, mbs, **kw: steps.append(kw) or plan_step(model, mbs, **kw))
+    ours = train_two_steps(SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "sp", **split)
+    monkeypatch.undo()
+    off = train_two_steps(
+        SharedPrefixGRPOTrainer, SharedPrefixGRPOConfig, init, tok, tmp_path / "off", sharedprefix_step=False, **split
+    )
+    assert len(steps) == 2 and all(kw["aux_loss"] for kw in steps)  # a step per optimizer step, with the loss
+    dp = _delta(plain, state)
+    scale = float(dp.abs().max())
+    assert scale > 1e-3
+    err = float((_delta(ours, state) - dp).abs().max())
+    assert err <= 1e-5 * scale, (err, scale)
+    logged = lambda t, key: [h[key] for h in t.state.log_history if key in h]  # noqa: E731
+    assert logged(plain, "aux_loss") and logged(ours, "aux_loss") == pytest.approx(logged(plain, "aux_loss"), rel=1e-5)
+    tokens = lambda t: sum(logged(t, "sharedprefix/step_tokens_computed"))  # noqa: E731
+    assert 0 < tokens(ours) < tokens(off), (tokens(ours), tokens(off))

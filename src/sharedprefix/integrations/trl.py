@@ -257,7 +257,7 @@ class SharedPrefixHooks:
         policy = torch.is_grad_enabled() and state is not None  # the policy's pass: TRL's only one with grad
         if policy and state.current is not None:  # a micro-step of a window: its step's microbatch
             got = (input_ids, attention_mask, logits_to_keep, *(extra.get(k) for k in MULTIMODAL))
-            return self._step_logprobs(model, got, compute_entropy)
+            return self._step_logprobs(model, got, compute_entropy, bool(compute_aux_loss))
         grouped = images or on_cache_path(unwrap(model))  # the hybrid path takes groups of one prompt, not trees
         if grouped:
             used = {k: extra[k] for k in MULTIMODAL if extra.get(k) is not None}
@@ -311,7 +311,7 @@ class SharedPrefixHooks:
         ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
         return lp, _entropy_graph(self, ent), aux
 
-    def _step_logprobs(self, model, got: tuple, compute_entropy):
+    def _step_logprobs(self, model, got: tuple, compute_entropy, compute_aux_loss=False):
         """The policy log-probs of the micro-step running now, microbatch k of its window's step
         (``integrations.trl_step``), whose hook got ``got`` (input_ids, attention_mask, logits_to_keep, then the
         ``MULTIMODAL`` inputs): the shared prompts read from the step's cache; where the engine refuses grad-enabled
@@ -321,7 +321,7 @@ class SharedPrefixHooks:
         if refusal_of(model) is not None:
             opts = dict(temperature=self.temperature, grad_reduction="mean")
             held = lambda source, out: hold(self, model, source, out, _entropy_in_loss(self), opts)  # noqa: E731
-        out, rows = step_logprobs(self, model, got, compute_entropy, held)
+        out, rows = step_logprobs(self, model, got, compute_entropy, held, aux=compute_aux_loss)
         B, C = got[0].shape[0], got[2]
         if isinstance(rows, TreeRows):
             lp = to_rows(out.logprobs, rows, B, C)
@@ -330,7 +330,7 @@ class SharedPrefixHooks:
             dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
             lp = from_groups(out.logprobs, rows, B, C, dtype)
             ent = from_groups(out.entropy, rows, B, C, dtype) if compute_entropy else None
-        return lp, _entropy_graph(self, ent), None
+        return lp, _entropy_graph(self, ent), out.aux_loss if compute_aux_loss else None
 
     # -- microbatches: TRL's, or whole groups under sharedprefix_group_microbatches --------------------------------
 

@@ -124,15 +124,15 @@ def off_reason(trainer, model) -> str:
     if getattr(a, "sharedprefix_group_microbatches", False):
         return "sharedprefix_group_microbatches=True (whole groups per microbatch, planned per microbatch)"
     inner = unwrap(model)
-    if getattr(trainer, "aux_loss_enabled", False):
-        return "the MoE load-balancing loss (router_aux_loss_coef): the trainers' steps do not carry it yet"
+    if getattr(trainer, "aux_loss_enabled", False) and (why := detect(model, inner).step_aux_refusal):
+        return f"the MoE load-balancing loss (router_aux_loss_coef) under {why}"
     if uses_reentrant_checkpointing(inner):
         return (
             "gradient checkpointing with use_reentrant=True: a step's microbatches read their prompts' cached K/V, "
             "which reentrant checkpointing gives no gradient"
         )
     try:
-        refuse_engine(model)  # FSDP2, DeepSpeed, tensor parallelism, cache-path hybrids, the MoE aux loss
+        refuse_engine(model)  # FSDP2 and DeepSpeed where they cannot, tensor parallelism, cache-path hybrids
     except ValueError as e:
         return str(e)
     return ""
@@ -178,6 +178,7 @@ def make_window(trainer, model, micro_steps: range, inputs: list[tuple], rows: l
         max_tokens=trainer._sp_budget,
         prefix_activations=trainer._sp_mode,
         max_cached_tokens=getattr(trainer.args, "sharedprefix_step_cached_tokens", None),
+        aux_loss=bool(getattr(trainer, "aux_loss_enabled", False)),  # the step caches its prompts' router logits
     )
     shared, own, plain = [], [], []
     for k in range(len(micro_steps)):
@@ -281,13 +282,14 @@ def run_micro_step(trainer, t: int, run: Callable[[], Any]) -> Any:
     return out
 
 
-def step_logprobs(trainer, model, got: tuple, entropy: bool, held: Callable | None = None):
+def step_logprobs(trainer, model, got: tuple, entropy: bool, held: Callable | None = None, aux: bool = False):
     """The policy pass of the micro-step running now, microbatch ``state.current`` of its window's step, whose hook
     was called with ``got`` (checked against the plan): ``sp.logprobs`` on the step's microbatch (the graph kept where
     TRL's backward can run it: one process without checkpointing; else deferred), logged (``log_call``). Returns its
     result, (n_k, W_k) aligned with the microbatch's tree rows, and the microbatch's ``rows`` mapping. ``held``: where
     the engine refuses grad-enabled log-probs, ``held(microbatch, values)`` of the values computed without grad
-    (``trl_after.hold``: their backward runs after TRL's)."""
+    (``trl_after.hold``: their backward runs after TRL's). ``aux``: the result carries the microbatch's MoE
+    load-balancing loss (TRL's ``compute_aux_loss``; the step was planned with it, ``make_window``)."""
     state: StepState = trainer._sp_step
     w, k = state.window, state.current
     assert w is not None and k is not None  # the caller checked state.current
@@ -314,6 +316,7 @@ def step_logprobs(trainer, model, got: tuple, entropy: bool, held: Callable | No
             temperature=trainer.temperature,
             entropy=entropy,
             grad_reduction="mean",
+            aux_loss=aux,
             **({"defer": False} if graph else {}),
         )  # TRL's losses are per-rank means, averaged as DDP does
     if held is not None:
