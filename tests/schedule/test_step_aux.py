@@ -12,70 +12,21 @@ mode (``_check``)."""
 
 import pytest
 import torch
-import transformers.models.mixtral.modeling_mixtral as modeling_mixtral
 
 import sharedprefix as sp
-from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups
+from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.schedule import step_aux
-from sharedprefix.tools.reference import Float64Inside
 from sharedprefix.tools.zoo.checks import plain_aux_loss
 from sharedprefix.tools.zoo.configs import build
+from support.moe_step import COEF, loss, microbatches, mixtral_float64_outside_the_loss, weights
 from support.schedule import MODES
-
-COEF = 3.0
-
-
-class _Float64OutsideTheLoss(Float64Inside):
-    """``Float64Inside`` except inside the model's load-balancing loss function, which stays transformers' own."""
-
-    paused = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if _Float64OutsideTheLoss.paused:
-            return func(*args, **(kwargs or {}))
-        return super().__torch_function__(func, types, args, kwargs)
 
 
 @pytest.fixture(scope="module")
 def model():
     """A float64 Mixtral with output_router_logits=True computing in float64 outside its loss function."""
-    own = modeling_mixtral.load_balancing_loss_func
-
-    def loss(*args, **kw):
-        _Float64OutsideTheLoss.paused = True
-        try:
-            return own(*args, **kw)
-        finally:
-            _Float64OutsideTheLoss.paused = False
-
-    with pytest.MonkeyPatch.context() as mp, _Float64OutsideTheLoss():
-        mp.setattr(modeling_mixtral, "load_balancing_loss_func", loss)
-        m, _ = build("mixtral+router_aux_loss")
-        assert m.config.output_router_logits and next(m.parameters()).dtype == torch.float64
+    with mixtral_float64_outside_the_loss() as m:
         yield m
-
-
-def _sub(g, idx):
-    return sp.Group(g.prompt, [g.completions[i] for i in idx])
-
-
-def _microbatches():
-    """Group 0's six rows over all three microbatches; microbatches 0 and 2 hold rows of both prompts."""
-    g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]], vocab=97)
-    return [[_sub(g[0], [0, 1]), _sub(g[1], [0])], [_sub(g[0], [2, 3])], [_sub(g[1], [1, 2]), _sub(g[0], [4, 5])]]
-
-
-def _weights(mbs, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for mb in mbs:
-        n, w = sum(len(x.completions) for x in mb), max(len(c) for x in mb for c in x.completions)
-        out.append(torch.randn(n, w, dtype=torch.float64, generator=gen))
-    return out
-
-
-def _loss(W):
-    return lambda b: (b.logprobs * W[b.index]).sum()
 
 
 def _plain(model, mbs, Ws):
@@ -94,7 +45,7 @@ def _calls(model, mbs, Ws, defer=None):
     model.zero_grad(set_to_none=True)
     for mb, W in zip(mbs, Ws):
         if defer is None:
-            sp.backward(model, mb, _loss(W), aux_loss_coef=COEF)
+            sp.backward(model, mb, loss(W), aux_loss_coef=COEF)
         else:
             out = sp.logprobs(model, mb, defer=defer)
             ((out.logprobs * W).sum() + COEF * out.aux_loss).backward()
@@ -121,16 +72,17 @@ def _check(model, mbs, Ws, got, defer=None):
     assert_grads_close(got, _plain(model, mbs, Ws), 1e-5)
 
 
+@pytest.mark.slow  # Float64OutsideTheLoss: a torch function mode; the lighter siblings are the tests below
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget", [None, 12, 6])
 def test_backward_of_a_step_carries_each_microbatchs_aux_loss(model, mode, budget):
-    mbs = _microbatches()
-    Ws = _weights(mbs)
+    mbs = microbatches()
+    Ws = weights(mbs)
     step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=mode)
     assert step.splan.shared_tokens == 20 + 9  # both prompts are shared (each has rows in two or more microbatches)
     tokens = 0
     for k, W in enumerate(Ws):
-        res = sp.backward(model, step.microbatch(k), _loss(W), aux_loss_coef=COEF)
+        res = sp.backward(model, step.microbatch(k), loss(W), aux_loss_coef=COEF)
         assert _rel(res.aux_loss, plain_aux_loss(model, mbs[k])) <= 1e-6  # transformers' loss: float32 inside
         tokens += res.tokens_computed
     assert step.state == "finished" and len(step.cache.segments()) == 0
@@ -140,13 +92,14 @@ def test_backward_of_a_step_carries_each_microbatchs_aux_loss(model, mode, budge
     assert tokens == prompts + completions + (prompts if mode == "recompute" else 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("defer", [True, False])
 def test_logprobs_of_a_step_return_each_microbatchs_aux_loss(model, mode, defer):
     """TRL's way: grad-enabled log-probs per microbatch with .aux_loss in the caller's loss (deferred, or the graph
     kept), the prompts' backward at the last microbatch."""
-    mbs = _microbatches()
-    Ws = _weights(mbs, seed=2)
+    mbs = microbatches()
+    Ws = weights(mbs, seed=2)
     budget = 12 if defer else None  # (a graph kept needs each microbatch's own rows within the budget)
     step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=mode)
     for k, W in enumerate(Ws):
@@ -160,8 +113,8 @@ def test_logprobs_of_a_step_return_each_microbatchs_aux_loss(model, mode, defer)
 
 def test_aux_loss_alone_finishes_a_step_with_the_graph_kept(model):
     """A loss of .aux_loss alone backpropagates through the step's microbatch (its outputs carry the step's tail)."""
-    mbs = _microbatches()
-    Ws = [torch.zeros_like(W) for W in _weights(mbs)]
+    mbs = microbatches()
+    Ws = [torch.zeros_like(W) for W in weights(mbs)]
     step = sp.plan_step(model, mbs)
     for k in range(len(mbs)):
         (COEF * sp.logprobs(model, step.microbatch(k), defer=False).aux_loss).backward()
@@ -177,7 +130,7 @@ def test_aux_loss_alone_finishes_a_step_with_the_graph_kept(model):
 def _step_error(model, mbs, Ws):
     step = sp.plan_step(model, mbs, max_tokens=12)
     for k, W in enumerate(Ws):
-        sp.backward(model, step.microbatch(k), _loss(W), aux_loss_coef=COEF)
+        sp.backward(model, step.microbatch(k), loss(W), aux_loss_coef=COEF)
     got, want = _grads(model), _plain(model, mbs, Ws)
     floor = 1e-6 * max(float(w.abs().max()) for w in want.values())
     return max(float((got[n] - want[n]).abs().max() / want[n].abs().max().clamp_min(floor)) for n in want)
@@ -195,21 +148,21 @@ def test_shared_tokens_are_weighted_by_the_microbatchs_own_rows(model, monkeypat
         ]
 
     monkeypatch.setattr(step_aux, "records", whole_step)
-    mbs = _microbatches()
-    assert _step_error(model, mbs, _weights(mbs)) > 1e-3
+    mbs = microbatches()
+    assert _step_error(model, mbs, weights(mbs)) > 1e-3
 
 
 def test_shared_aux_gradient_reaches_the_prompts(model, monkeypatch):
     """The checks above can fail: the shared prompts' share of the aux gradient never delivered."""
     monkeypatch.setattr(step_aux, "add_shared", lambda step, grads: None)
-    mbs = _microbatches()
-    assert _step_error(model, mbs, _weights(mbs)) > 1e-3
+    mbs = microbatches()
+    assert _step_error(model, mbs, weights(mbs)) > 1e-3
 
 
 def test_a_step_planned_without_the_loss_refuses_it():
     m, _ = build("mixtral")
     assert not m.config.output_router_logits
-    mbs = _microbatches()
+    mbs = microbatches()
     step = sp.plan_step(m, mbs)  # the config leaves the loss off: no router logits cached
     with pytest.raises(ValueError, match=r"aux_loss=True on microbatch 0 of a step planned without.*aux_loss=True"):
         sp.logprobs(m, step.microbatch(0), aux_loss=True)

@@ -33,7 +33,6 @@ from sharedprefix.parallel.sequence import reduce_grads
 
 class DDP(Engine):
     name = "DDP"
-    step_aux_refusal = "DDP (a step's MoE load-balancing loss has not been run over several ranks)"
     lockstep = False
     backward_through_outputs = False
     default_prefix_mode = "keep"
