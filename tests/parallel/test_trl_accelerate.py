@@ -58,6 +58,25 @@ def test_grpo_steps_under_ddp_equal_the_exact_run(tmp_path):
     assert got["calls"] and set(got["calls"]) == {("Microbatch", None)}, got["calls"]
 
 
+def test_grpo_steps_with_the_moe_loss_under_ddp_equal_trls(tmp_path):
+    """As above with a Qwen3-MoE and ``router_aux_loss_coef`` 0.5 (float32; TRL's aux loss is transformers' float32
+    one): the steps carry each microbatch's load-balancing loss under DDP, every policy call a step's microbatch, and
+    the parameters equal TRL's GRPOTrainer under DDP to 1e-5 of the update (float32 rounding, as
+    ``tests/integrations/test_trl_moe.py`` holds one process)."""
+    import torch
+
+    from support.torchrun import torchrun
+
+    out = tmp_path / "trl_step_moe.pt"
+    torchrun(os.path.join(os.path.dirname(__file__), "trl_step_worker.py"), [str(out), "moe"], timeout=400)
+    got = torch.load(out, weights_only=False)
+    scale = float(got["exact"].abs().max())
+    assert scale > 1e-3
+    assert float((got["ours"] - got["exact"]).abs().max()) <= 1e-5 * scale
+    assert got["calls"] and set(got["calls"]) == {("Microbatch", None)}, got["calls"]
+    assert got["aux"] and all(a > 0 for a in got["aux"])
+
+
 def test_grpo_steps_under_deepspeed_equal_trls(tmp_path):
     """SharedPrefixGRPOTrainer's default steps under accelerate's DeepSpeed plugin (2 gloo processes, ZeRO-1, 2 and 3,
     DeepSpeed's gradient_accumulation_steps=2, groups split across the micro-steps): the parameters after two
