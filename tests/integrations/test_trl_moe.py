@@ -100,3 +100,29 @@ def test_moe_aux_loss_with_optimizer_steps_trains_as_grpo_trainer(tmp_path, kind
     assert logged(plain, "aux_loss") and logged(ours, "aux_loss") == pytest.approx(logged(plain, "aux_loss"), rel=1e-5)
     tokens = lambda t: sum(logged(t, "sharedprefix/step_tokens_computed"))  # noqa: E731
     assert 0 < tokens(ours) < tokens(off), (tokens(ours), tokens(off))
+
+
+@pytest.mark.slow
+def test_rloo_moe_aux_loss_with_optimizer_steps_trains_as_rloo_trainer(tmp_path, monkeypatch):
+    """The same for ``SharedPrefixRLOOTrainer`` (Qwen3-MoE): its steps carry the load-balancing loss, and the
+    parameters equal RLOOTrainer's (float32, 1e-5 of the update), which the loss moves by far more than that."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    from sharedprefix.integrations.trl import SharedPrefixRLOOConfig, SharedPrefixRLOOTrainer
+
+    tok = build_tokenizer()
+    init, state = moe_model(tmp_path, tok, "qwen3_moe")
+    split = dict(beta=0.1, per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2)
+    plain = train_two_steps(RLOOTrainer, RLOOConfig, init, tok, tmp_path / "plain", **split)
+    assert plain.aux_loss_enabled
+    steps, plan_step = [], sp.plan_step
+    monkeypatch.setattr(sp, "plan_step", lambda model, mbs, **kw: steps.append(kw) or plan_step(model, mbs, **kw))
+    ours = train_two_steps(SharedPrefixRLOOTrainer, SharedPrefixRLOOConfig, init, tok, tmp_path / "sp", **split)
+    monkeypatch.undo()
+    no_aux = train_two_steps(RLOOTrainer, RLOOConfig, init, tok, tmp_path / "no", router_aux_loss_coef=0.0, **split)
+    assert len(steps) == 2 and all(kw["aux_loss"] for kw in steps)
+    dp = _delta(plain, state)
+    scale = float(dp.abs().max())
+    assert float((_delta(no_aux, state) - dp).abs().max()) > 1e-3 * scale  # the aux loss changes the update
+    err = float((_delta(ours, state) - dp).abs().max())
+    assert err <= 1e-5 * scale, (err, scale)
