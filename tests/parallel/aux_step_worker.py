@@ -19,7 +19,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sharedprefix as sp  # noqa: E402
-from support.moe_step import COEF, loss, microbatches, mixtral_float64_outside_the_loss, weights  # noqa: E402
+from support.moe_step import COEF, loss, microbatches, mixtral_float64_outside_the_loss  # noqa: E402
+from support.schedule import microbatch_weights  # noqa: E402
 
 
 def run(model, sources, Ws, deferred):
@@ -40,7 +41,7 @@ def main(out):
     rank = dist.get_rank()
     torch.set_num_threads(1)
     mbs = microbatches() if rank == 0 else microbatches()[::-1]
-    Ws = weights(microbatches(), seed=1)
+    Ws = microbatch_weights(microbatches(), seed=1)
     Ws = Ws if rank == 0 else Ws[::-1]
     got = {}
     with mixtral_float64_outside_the_loss() as m:

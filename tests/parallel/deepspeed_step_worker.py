@@ -20,6 +20,7 @@ from parallel.deepspeed_worker import engine_of  # noqa: E402
 import sharedprefix as sp  # noqa: E402
 from helpers import random_groups, refused_on_second_call, tiny_model  # noqa: E402
 from sharedprefix.schedule.step import Step  # noqa: E402
+from support.schedule import microbatch_weights  # noqa: E402
 
 K = 3  # microbatches of the step = DeepSpeed's gradient_accumulation_steps
 BUDGET = 8  # splits the 20-token prompt into a chain, and the microbatches into passes
@@ -35,12 +36,7 @@ def microbatches(rank):
 
 def weights(rank):
     """(n_k, T_k) float64 weights of each microbatch's completion tokens."""
-    gen = torch.Generator().manual_seed(7 + rank)
-    out = []
-    for mb in microbatches(rank):
-        n, t = sum(len(x.completions) for x in mb), max(len(c) for x in mb for c in x.completions)
-        out.append(torch.randn(n, t, dtype=torch.float64, generator=gen))
-    return out
+    return microbatch_weights(microbatches(rank), seed=7 + rank)
 
 
 def loss_of(W):

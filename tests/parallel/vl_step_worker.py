@@ -18,6 +18,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sharedprefix as sp  # noqa: E402
+from support.schedule import microbatch_weights  # noqa: E402
 from support.vl import mrope_model, vl_microbatches  # noqa: E402
 
 WORLD = 2
@@ -33,12 +34,7 @@ def rank_microbatches(rank):
 
 def weights(rank):
     """Per microbatch, (completions, longest completion) weights of this rank."""
-    gen = torch.Generator().manual_seed(10 + rank)
-    out = []
-    for mb in rank_microbatches(rank):
-        n, w = sum(len(g.completions) for g in mb), max(len(c) for g in mb for c in g.completions)
-        out.append(torch.randn(n, w, dtype=torch.float64, generator=gen))
-    return out
+    return microbatch_weights(rank_microbatches(rank), seed=10 + rank)
 
 
 def run(model, mbs, Ws, case):

@@ -7,7 +7,7 @@ import torch
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
-from support.schedule import MODES
+from support.schedule import MODES, microbatch_weights
 from support.trees import plain_rows
 from support.vl import mrope_model, plain_mrope, vl_microbatches
 
@@ -20,19 +20,6 @@ def _split_groups():
     """Two groups whose completions are spread over three microbatches (as TRL's shuffle spreads them)."""
     g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]])
     return [[_sub(g[0], [0, 1]), _sub(g[1], [0])], [_sub(g[0], [2, 3])], [_sub(g[1], [1, 2]), _sub(g[0], [4, 5])]]
-
-
-def _weights(mbs, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for mb in mbs:
-        if isinstance(mb, sp.Tree):
-            n, w = len(mb.rows), max(len(r) for r in mb.rows)
-        else:
-            n = sum(len(x.completions) for x in mb)
-            w = max(len(c) for x in mb for c in x.completions)
-        out.append(torch.randn(n, w, dtype=torch.float64, generator=gen))
-    return out
 
 
 def _plain(model, mbs, Ws):
@@ -76,7 +63,7 @@ def model():
 @pytest.mark.parametrize("budget", [None, 12, 6])
 def test_groups_split_over_microbatches_exact(model, mode, budget):
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     want = _plain(model, mbs, Ws)
     model.zero_grad(set_to_none=True)
     step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=mode)
@@ -98,7 +85,7 @@ def test_groups_split_over_microbatches_exact(model, mode, budget):
 def test_deferred_logprobs_of_a_step_exact(model, mode):
     """TRL's way: grad-enabled log-probs per microbatch, the caller's backward, the prompts' backward at the last."""
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     want = _plain(model, mbs, Ws)
     model.zero_grad(set_to_none=True)
     step = sp.plan_step(model, mbs, max_tokens=12, prefix_activations=mode)
@@ -137,7 +124,7 @@ def _trees():
 @pytest.mark.parametrize("budget", [None, 9])
 def test_trees_with_repeated_and_prefix_rows_exact(model, mode, budget):
     mbs = _trees()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     want = _plain(model, mbs, Ws)
     model.zero_grad(set_to_none=True)
     step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=mode)
@@ -163,7 +150,7 @@ def test_one_microbatch_is_a_budget_split_call(model):
 
 def test_microbatch_run_twice_refused(model):
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     step = sp.plan_step(model, mbs)
     sp.backward(model, step.microbatch(0), _loss(Ws[0]))
     with pytest.raises(RuntimeError, match="microbatch 0 of this step already ran"):
@@ -180,7 +167,7 @@ def test_call_settings_of_a_microbatch(model):
     same), exact against the plain rows at that temperature; a setting of the step's plan (the budget, the backend)
     with another value is refused naming the step and sp.plan_step, and the refused call does not count as run."""
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
 
     def plain():
         return sum((plain_logprobs(model, mb, temperature=0.7)[0] * W).sum() for mb, W in zip(mbs, Ws))
@@ -198,7 +185,7 @@ def test_call_settings_of_a_microbatch(model):
 
 def test_unfinished_step_named_by_the_next_step_and_call(model):
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     step = sp.plan_step(model, mbs)
     sp.backward(model, step.microbatch(0), _loss(Ws[0]))
     with pytest.raises(RuntimeError, match=r"microbatch\(es\) \[1, 2\] of 3 never ran"):
@@ -220,7 +207,7 @@ def test_unfinished_step_named_by_the_next_step_and_call(model):
 
 def test_finish_delivers_the_share_of_the_microbatches_that_ran(model):
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     want = _plain(model, mbs[:2], Ws[:2])
     model.zero_grad(set_to_none=True)
     step = sp.plan_step(model, mbs)
@@ -239,7 +226,7 @@ def test_failure_leaves_the_plain_accumulation_of_what_ran(model, mode):
     """A microbatch whose loss raises: .grad is the plain accumulation of the microbatches before it, the cache is
     released, and the step is closed."""
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     want = _plain(model, mbs[:1], Ws[:1])
     model.zero_grad(set_to_none=True)
     step = sp.plan_step(model, mbs, max_tokens=6, prefix_activations=mode)
@@ -263,7 +250,7 @@ def test_failure_leaves_the_plain_accumulation_of_what_ran(model, mode):
 
 def test_failure_in_the_last_microbatch_keeps_the_earlier_share(model):
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     want = _plain(model, mbs[:2], Ws[:2])
     model.zero_grad(set_to_none=True)
     step = sp.plan_step(model, mbs, max_tokens=6)
@@ -284,7 +271,7 @@ def test_a_failed_delivery_after_a_failure_keeps_the_callers_error(model, monkey
     is raised (the user's, naming their problem), with a note that .grad lacks that share; the step is closed. (Before:
     the delivery's error replaced the user's.)"""
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     step = sp.plan_step(model, mbs)
     sp.backward(model, step.microbatch(0), _loss(Ws[0]))
 
@@ -309,7 +296,7 @@ def test_parameter_hooks_refused_at_the_first_call(model):
     try:
         step = sp.plan_step(model, _split_groups())
         with pytest.raises(ValueError, match="tensor hooks .* once per microbatch"):
-            sp.backward(model, step.microbatch(0), _loss(_weights(_split_groups())[0]))
+            sp.backward(model, step.microbatch(0), _loss(microbatch_weights(_split_groups())[0]))
         assert step.state == "planned"
     finally:
         handle.remove()
@@ -318,7 +305,7 @@ def test_parameter_hooks_refused_at_the_first_call(model):
 
 def test_microbatch_of_another_model_or_step_refused(model):
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     other = tiny_model("qwen3", seed=1)
     step = sp.plan_step(model, mbs)
     with pytest.raises(ValueError, match="planned for another model"):
@@ -346,7 +333,7 @@ def test_float32_step_within_twice_plain_error():
     m32 = tiny_model("qwen3", dtype=torch.float32)
     m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     exact = _plain(m64, mbs, Ws)
     plain32 = grads_of(m32, lambda: sum((plain_logprobs(m32, mb)[0] * W.float()).sum() for mb, W in zip(mbs, Ws)))
     step = sp.plan_step(m32, mbs, max_tokens=12, prefix_activations="offload")
@@ -362,7 +349,7 @@ def test_float32_step_within_twice_plain_error():
 def test_max_cached_tokens_splits_the_step_into_parts(model):
     """A bound on what the step caches: parts of consecutive microbatches, each within it, still exact."""
     mbs = _split_groups()  # shared: group 0's prompt (20 tokens) and group 1's (9)
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     want = _plain(model, mbs, Ws)
     assert sp.plan_step(model, mbs, max_cached_tokens=29).splan.shared_tokens == 29  # within: one step
     model.zero_grad(set_to_none=True)
@@ -383,7 +370,7 @@ def test_graph_kept_logprobs_of_a_step_exact(model, mode):
     """defer=False (one process): each microbatch's graph kept, the shared prompts' backward at the end of the
     caller's backward through the last microbatch; no second forward of the completions."""
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     want = _plain(model, mbs, Ws)
     model.zero_grad(set_to_none=True)
     step = sp.plan_step(model, mbs, max_tokens=12, prefix_activations=mode)
@@ -399,7 +386,7 @@ def test_graph_kept_logprobs_of_a_step_exact(model, mode):
 
 def test_graph_kept_logprobs_refuse_autograd_grad_and_a_second_backward(model):
     mbs = _split_groups()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     step = sp.plan_step(model, mbs)
     out = sp.logprobs(model, step.microbatch(0), defer=False)
     loss = (out.logprobs * Ws[0]).sum()
@@ -430,7 +417,7 @@ def test_vision_language_groups_split_over_microbatches_exact(mode, budget):
     for the step, the gradients (vision tower included) those of the plain rows of each microbatch, summed."""
     model = mrope_model("qwen2_vl")
     mbs = vl_microbatches()
-    Ws = _weights(mbs)
+    Ws = microbatch_weights(mbs)
     want = grads_of(model, lambda: sum((plain_mrope(model, mb) * W).sum() for mb, W in zip(mbs, Ws)))
     patches: list[int] = []
     model.model.visual.register_forward_hook(sp.allow_hook(lambda m, i, o: patches.append(i[0].shape[0])))

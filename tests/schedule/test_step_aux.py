@@ -18,8 +18,8 @@ from helpers import assert_grads_close, grads_of, plain_logprobs
 from sharedprefix.schedule import step_aux
 from sharedprefix.tools.zoo.checks import plain_aux_loss
 from sharedprefix.tools.zoo.configs import build
-from support.moe_step import COEF, loss, microbatches, mixtral_float64_outside_the_loss, weights
-from support.schedule import MODES
+from support.moe_step import COEF, loss, microbatches, mixtral_float64_outside_the_loss
+from support.schedule import MODES, microbatch_weights
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def _check(model, mbs, Ws, got, defer=None):
 @pytest.mark.parametrize("budget", [None, 12, 6])
 def test_backward_of_a_step_carries_each_microbatchs_aux_loss(model, mode, budget):
     mbs = microbatches()
-    Ws = weights(mbs)
+    Ws = microbatch_weights(mbs)
     step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=mode)
     assert step.splan.shared_tokens == 20 + 9  # both prompts are shared (each has rows in two or more microbatches)
     tokens = 0
@@ -99,7 +99,7 @@ def test_logprobs_of_a_step_return_each_microbatchs_aux_loss(model, mode, defer)
     """TRL's way: grad-enabled log-probs per microbatch with .aux_loss in the caller's loss (deferred, or the graph
     kept), the prompts' backward at the last microbatch."""
     mbs = microbatches()
-    Ws = weights(mbs, seed=2)
+    Ws = microbatch_weights(mbs, seed=2)
     budget = 12 if defer else None  # (a graph kept needs each microbatch's own rows within the budget)
     step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=mode)
     for k, W in enumerate(Ws):
@@ -114,7 +114,7 @@ def test_logprobs_of_a_step_return_each_microbatchs_aux_loss(model, mode, defer)
 def test_aux_loss_alone_finishes_a_step_with_the_graph_kept(model):
     """A loss of .aux_loss alone backpropagates through the step's microbatch (its outputs carry the step's tail)."""
     mbs = microbatches()
-    Ws = [torch.zeros_like(W) for W in weights(mbs)]
+    Ws = [torch.zeros_like(W) for W in microbatch_weights(mbs)]
     step = sp.plan_step(model, mbs)
     for k in range(len(mbs)):
         (COEF * sp.logprobs(model, step.microbatch(k), defer=False).aux_loss).backward()
@@ -149,14 +149,14 @@ def test_shared_tokens_are_weighted_by_the_microbatchs_own_rows(model, monkeypat
 
     monkeypatch.setattr(step_aux, "records", whole_step)
     mbs = microbatches()
-    assert _step_error(model, mbs, weights(mbs)) > 1e-3
+    assert _step_error(model, mbs, microbatch_weights(mbs)) > 1e-3
 
 
 def test_shared_aux_gradient_reaches_the_prompts(model, monkeypatch):
     """The checks above can fail: the shared prompts' share of the aux gradient never delivered."""
     monkeypatch.setattr(step_aux, "add_shared", lambda step, grads: None)
     mbs = microbatches()
-    assert _step_error(model, mbs, weights(mbs)) > 1e-3
+    assert _step_error(model, mbs, microbatch_weights(mbs)) > 1e-3
 
 
 def test_a_step_planned_without_the_loss_refuses_it():

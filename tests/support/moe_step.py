@@ -1,6 +1,6 @@
 """A step's microbatches with the MoE load-balancing loss (``tests/schedule/test_step_aux.py``,
 ``tests/parallel/aux_step_worker.py``): a float64 Mixtral computing in float64 outside transformers' loss function
-(which computes in float32 in any model), the microbatches, their weights and loss."""
+(which computes in float32 in any model), the microbatches and their loss (weights: ``support.schedule``)."""
 
 import contextlib
 
@@ -57,15 +57,6 @@ def microbatches():
     """Group 0's six rows over all three microbatches; microbatches 0 and 2 hold rows of both prompts."""
     g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]], vocab=97)
     return [[_sub(g[0], [0, 1]), _sub(g[1], [0])], [_sub(g[0], [2, 3])], [_sub(g[1], [1, 2]), _sub(g[0], [4, 5])]]
-
-
-def weights(mbs, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for mb in mbs:
-        n, w = sum(len(x.completions) for x in mb), max(len(c) for x in mb for c in x.completions)
-        out.append(torch.randn(n, w, dtype=torch.float64, generator=gen))
-    return out
 
 
 def loss(W):

@@ -13,6 +13,20 @@ SPEC = ([12, 3, 28], [[3, 4, 1, 5], [2], [6, 6, 2, 1, 7]])
 BUDGETS = [None, 80, 20, 7]
 
 
+def microbatch_weights(mbs, seed=1):
+    """Per microbatch (a list of groups, or a tree), (rows, longest row or completion) float64 random weights, drawn in
+    order from one generator seeded with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for mb in mbs:
+        if isinstance(mb, sp.Tree):
+            n, w = len(mb.rows), max(len(r) for r in mb.rows)
+        else:
+            n, w = sum(len(x.completions) for x in mb), max(len(c) for x in mb for c in x.completions)
+        out.append(torch.randn(n, w, dtype=torch.float64, generator=gen))
+    return out
+
+
 def weighted_loss(W):
     """sum(W * log-probs) over a batch's rows: W (N, T) float, one weight per completion token."""
     return lambda b: (b.logprobs * W.to(b.logprobs.dtype)[b.index] * b.mask).sum()
