@@ -59,18 +59,14 @@ from verl_support import (  # noqa: E402
     FSDPEngineWithLMHead,
     Spec,
     build,
+    float64_errors,
     float64_scalars,
     float64_step,
-    infer,
     loss_fn,
-    masked_rel,
     micro_batch_rows,
     rel,
-    reported_scalars,
-    responses_of,
     rl_batch,
     save_model,
-    scalars_error,
     train,
 )
 
@@ -128,26 +124,17 @@ def test_verls_default_mixed_precision_by_the_2x_rule(process_group, path, monke
     parts = micro_batch_rows(make())
     lp64, ent64, g64, losses64, metrics64 = float64_step(path, make(), lf, parts, TEMPERATURE, master)
 
-    td = make()
-    resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
-    theirs, ours = infer(ev, make()), infer(es, make())
-    for key, ref in (("log_probs", lp64), ("entropy", ent64)):
-        err_v = masked_rel(responses_of(theirs["model_output"][key], td), ref, resp)
-        err_s = masked_rel(responses_of(ours["model_output"][key], td), ref, resp)
-        assert 1e-4 < err_v < 0.1, (key, err_v)  # bf16 rounding (float32 parameters: about 1e-6 here)
-        assert err_s <= 2 * err_v, (key, err_s, err_v)
-
-    (out_v, g_v), (out_s, g_s) = train(ev, make(), lf), train(es, make(), lf)
-    err_v, err_s = rel(g_v, g64), rel(g_s, g64)
-    assert 1e-3 < err_v < 0.5, err_v
-    assert err_s <= 2 * err_v, (err_s, err_v)
-    want = float64_scalars(losses64, metrics64)
-    sc_v, sc_s = scalars_error(reported_scalars(out_v), want), scalars_error(reported_scalars(out_s), want)
-    assert 1e-4 < sc_v < 0.1, sc_v
-    assert sc_s <= 2 * sc_v, (sc_s, sc_v)
+    reference = (lp64, ent64, g64, float64_scalars(losses64, metrics64))
+    theirs, ours = float64_errors(ev, make, lf, reference), float64_errors(es, make, lf, reference)
+    for key in ("log_probs", "entropy"):
+        assert 1e-4 < theirs[key] < 0.1, (key, theirs[key])  # bf16 rounding (float32 parameters: about 1e-6 here)
+    assert 1e-3 < theirs["grads"] < 0.5, theirs["grads"]
+    assert 1e-4 < theirs["scalars"] < 0.1, theirs["scalars"]
+    for what, err in ours.items():
+        assert err <= 2 * theirs[what], (what, err, theirs[what])
     # control: the same step with its first micro-batch's loss lost fails the rule
     g_lost = train(es, make(), _dropping_first(lf))[1]
-    assert rel(g_lost, g64) > 2 * err_v, (rel(g_lost, g64), err_v)
+    assert rel(g_lost, g64) > 2 * theirs["grads"], (rel(g_lost, g64), theirs["grads"])
 
 
 def test_two_processes_torchrun(tmp_path):

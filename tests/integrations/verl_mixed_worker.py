@@ -17,38 +17,18 @@ from verl_support import (
     Spec,
     build,
     finish_worker,
+    float64_errors,
     float64_scalars,
     float64_step,
-    infer,
     loss_fn,
-    masked_rel,
     micro_batch_rows,
-    rel,
-    reported_scalars,
-    responses_of,
     rl_batch,
-    scalars_error,
     start_worker,
-    train,
 )
 
 from sharedprefix.integrations.verl import SharedPrefixFSDPEngine
 
 TEMPERATURE = 0.7
-
-
-def _errors(engine, make, lf, reference) -> dict:
-    lp64, ent64, g64, want = reference
-    td = make()
-    resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
-    out = infer(engine, make())["model_output"]
-    trained, grads = train(engine, make(), lf)
-    return {
-        "log_probs": masked_rel(responses_of(out["log_probs"], td), lp64, resp),
-        "entropy": masked_rel(responses_of(out["entropy"], td), ent64, resp),
-        "grads": rel(grads, g64),
-        "scalars": scalars_error(reported_scalars(trained), want),
-    }
 
 
 def main(workdir: str, result: str) -> None:
@@ -89,7 +69,7 @@ def main(workdir: str, result: str) -> None:
             dist.all_reduce(g)
             g /= size
         reference = (lp64, ent64, g64, float64_scalars(losses, metrics))
-        errs = {"verl": _errors(ev, make, lf, reference), "ours": _errors(engine, make, lf, reference)}
+        errs = {"verl": float64_errors(ev, make, lf, reference), "ours": float64_errors(engine, make, lf, reference)}
         gathered = [None] * size
         dist.all_gather_object(gathered, errs)
         out[case] = {e: {k: max(r[e][k] for r in gathered) for k in errs[e]} for e in errs}

@@ -352,6 +352,23 @@ def masked_rel(a, b, mask) -> float:
     return float(d.max() / b.double().abs()[mask].max())
 
 
+def float64_errors(engine, make, loss, reference) -> dict[str, float]:
+    """``engine``'s errors against a float64 run of the same update (``reference``: its log-probs, entropies,
+    gradients and ``float64_scalars``) on the batch ``make()`` builds: "log_probs" and "entropy" (over the response
+    tokens), "grads", "scalars" (the loss and every metric, ``scalars_error``)."""
+    lp64, ent64, g64, want = reference
+    td = make()
+    resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
+    out = infer(engine, make())["model_output"]
+    trained, grads = train(engine, make(), loss)
+    return {
+        "log_probs": masked_rel(responses_of(out["log_probs"], td), lp64, resp),
+        "entropy": masked_rel(responses_of(out["entropy"], td), ent64, resp),
+        "grads": rel(grads, g64),
+        "scalars": scalars_error(reported_scalars(trained), want),
+    }
+
+
 def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
