@@ -271,7 +271,7 @@ class SharedPrefixHooks:
                 lambda: ((t := tree_rows(input_ids, attention_mask, logits_to_keep)).tree, t),
                 max_tokens=self._sp_budget,
             )
-        dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+        dtype = _values_dtype(model)
         zeros = torch.zeros(B, C, dtype=dtype, device=input_ids.device)
         if not source:  # image or hybrid rows, every completion masked: a zero connected to the graph, as in TRL
             anchor = (
@@ -303,12 +303,7 @@ class SharedPrefixHooks:
         if policy and isinstance(source, sp.CallPlan):
             add_tokens(self, source.plan.tokens_computed, source.plan.plain_tokens)
         aux = out.aux_loss if compute_aux_loss else None  # TRL's: the loss of this microbatch's rows
-        if grouped:  # (N, T) in group order, T <= C: completion columns start at 0 in TRL's layout too
-            lp = from_groups(out.logprobs, members, B, C, dtype)
-            ent = from_groups(out.entropy, members, B, C, dtype) if compute_entropy else None
-            return lp, _entropy_graph(self, ent), aux
-        lp = to_rows(out.logprobs, tr, B, C)
-        ent = to_rows(out.entropy, tr, B, C) if compute_entropy else None
+        lp, ent = _hook_layout(out, members if grouped else tr, B, C, compute_entropy, dtype)
         return lp, _entropy_graph(self, ent), aux
 
     def _step_logprobs(self, model, got: tuple, compute_entropy, compute_aux_loss=False):
@@ -322,14 +317,7 @@ class SharedPrefixHooks:
             opts = dict(temperature=self.temperature, grad_reduction="mean")
             held = lambda source, out: hold(self, model, source, out, _entropy_in_loss(self), opts)  # noqa: E731
         out, rows = step_logprobs(self, model, got, compute_entropy, held, aux=compute_aux_loss)
-        B, C = got[0].shape[0], got[2]
-        if isinstance(rows, TreeRows):
-            lp = to_rows(out.logprobs, rows, B, C)
-            ent = to_rows(out.entropy, rows, B, C) if compute_entropy else None
-        else:  # image groups: each group's rows (``image_groups``' members)
-            dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
-            lp = from_groups(out.logprobs, rows, B, C, dtype)
-            ent = from_groups(out.entropy, rows, B, C, dtype) if compute_entropy else None
+        lp, ent = _hook_layout(out, rows, got[0].shape[0], got[2], compute_entropy, _values_dtype(model))
         return lp, _entropy_graph(self, ent), out.aux_loss if compute_aux_loss else None
 
     # -- microbatches: TRL's, or whole groups under sharedprefix_group_microbatches --------------------------------
@@ -414,6 +402,21 @@ def _trl_name(trainer) -> str:
 def _entropy_in_loss(trainer) -> bool:
     """Whether TRL's loss backpropagates through the entropies (GRPOTrainer's entropy bonus, static or adaptive)."""
     return getattr(trainer, "_sp_entropy_in_loss", True) and getattr(trainer, "_entropy_bonus_enabled", True)
+
+
+def _values_dtype(model) -> torch.dtype:
+    """The dtype of the hook's log-probs: float64 for a float64 model, else float32 (as sharedprefix returns them)."""
+    return torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+
+
+def _hook_layout(out, rows, B: int, C: int, entropy: bool, dtype: torch.dtype):
+    """``out``'s log-probs and entropies (None without ``entropy``) in TRL's (B, C) completion columns: from a tree's
+    rows (``TreeRows``: ``to_rows``) or from image groups (their members: ``from_groups``; (N, T) in group order,
+    T <= C, completion columns from 0 in TRL's layout too)."""
+    if isinstance(rows, TreeRows):
+        return to_rows(out.logprobs, rows, B, C), (to_rows(out.entropy, rows, B, C) if entropy else None)
+    lp = from_groups(out.logprobs, rows, B, C, dtype)
+    return lp, (from_groups(out.entropy, rows, B, C, dtype) if entropy else None)
 
 
 def _entropy_graph(trainer, ent):
