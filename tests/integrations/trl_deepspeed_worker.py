@@ -28,6 +28,7 @@ from sharedprefix.integrations.trl import (  # noqa: E402
 )
 from sharedprefix.recipes.grpo.tasks import build_tokenizer  # noqa: E402
 from support.grpo import qwen3_model, train_two_steps  # noqa: E402
+from support.torchrun import settle_gc  # noqa: E402
 
 GA2 = {"gradient_accumulation_steps": 2, "steps_per_generation": 2, "per_device_train_batch_size": 4}
 RUNS = {
@@ -81,6 +82,7 @@ def main(stage, out):
         if only and name not in only.split(","):
             continue
         planned.clear()
+        settle_gc()  # (accelerate and DeepSpeed collect the garbage at each trainer's set-up)
         t = train_two_steps(
             cls, cfg, str(tmp / "init"), tok, tmp / name, deepspeed=ds, max_grad_norm=0.0, beta=0.1, **extra
         )

@@ -22,6 +22,7 @@ from parallel.deepspeed_worker import BUDGET, LR, finish, moe_model, plain_loss,
 
 import sharedprefix as sp  # noqa: E402
 from helpers import tiny_model  # noqa: E402
+from support.torchrun import settle_gc  # noqa: E402
 
 SMALL = 1000  # elements: buckets and prefetch budgets that split the tiny model (its largest parameter: 3104)
 # name -> zero_optimization settings beside the stage; ZeRO-3's partition every parameter unless they say otherwise
@@ -279,6 +280,7 @@ def main(stage, out):
     result = {}
     only = os.environ.get("SP_DS_PATHS")  # a comma-separated subset of cells, when debugging one
     for cell in only.split(",") if only else cells(stage):
+        settle_gc()
         try:
             start = time.perf_counter()
             result[cell] = run(int(stage), cell, rank)

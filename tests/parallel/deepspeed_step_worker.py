@@ -21,6 +21,7 @@ import sharedprefix as sp  # noqa: E402
 from helpers import random_groups, refused_on_second_call, tiny_model  # noqa: E402
 from sharedprefix.schedule.step import Step  # noqa: E402
 from support.schedule import microbatch_weights  # noqa: E402
+from support.torchrun import settle_gc  # noqa: E402
 
 K = 3  # microbatches of the step = DeepSpeed's gradient_accumulation_steps
 BUDGET = 8  # splits the 20-token prompt into a chain, and the microbatches into passes
@@ -272,6 +273,7 @@ def main(stage, out):
     result = {}
     only = os.environ.get("SP_DS_CASES")  # a comma-separated subset, when debugging one case
     for case in only.split(",") if only else CASES:
+        settle_gc()
         try:
             result[case] = run(int(stage), case, rank)
         except Exception as e:  # reported, so that the test names the case

@@ -15,6 +15,7 @@ from deepspeed.utils import safe_get_full_grad  # noqa: E402
 
 import sharedprefix as sp  # noqa: E402
 from helpers import random_groups, refused_on_second_call, tiny_model  # noqa: E402
+from support.torchrun import settle_gc  # noqa: E402
 
 BUDGET = 8  # splits the first group: a chain of cached prompt segments, then one completion per pass
 
@@ -389,6 +390,7 @@ def main(stage, out):
     result = {}
     only = os.environ.get("SP_DS_PATHS")  # a comma-separated subset, when debugging one path
     for path in only.split(",") if only else paths_of(stage):
+        settle_gc()
         try:
             result[path] = run(int(stage), path, rank)
         except Exception as e:  # reported, so that the test names the path
