@@ -41,10 +41,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def stamp(model) -> Stamp:
     inner = unwrap(model)
     engine = detect(model, inner)
-    own = engine.accumulates_itself  # (DeepSpeed: ZeRO-3 swaps p.data; its step clock tells)
-    versions = tuple(
-        (p, p._version, None if own else _local(p).data_ptr()) for p in inner.parameters() if p.requires_grad
-    )
+    at = engine.data_in_place  # (else the engine moves the data itself: FSDP2, DeepSpeed ZeRO-3)
+    versions = tuple((p, p._version, p.data_ptr() if at else None) for p in inner.parameters() if p.requires_grad)
     return Stamp(versions, engine.step_clock(), _autocast(inner))
 
 
@@ -64,7 +62,7 @@ def changed(model, then: Stamp) -> str | None:
     for p, v, address in then.versions:
         if p._version != v:
             return f"{_name(inner, p)!r}: version {v} then, {p._version} now"
-        if address is not None and _local(p).data_ptr() != address:
+        if address is not None and p.data_ptr() != address:
             return f"{_name(inner, p)!r}: its data replaced (p.data = ..., or the module moved by .to())"
     engine = detect(model, inner)
     clock = engine.step_clock()
