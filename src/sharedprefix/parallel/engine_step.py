@@ -17,6 +17,10 @@ class StepTerms:
     # the engine accumulates over micro-steps of its own and reduces as it pleases (DeepSpeed): a failed step's
     # partial share is delivered as a call of its own (sync=True), not added unsynchronised
     accumulates_itself: ClassVar[bool] = False
+    # the parameters' data stay where they are between a step's calls, so that a step can tell ``p.data = ...`` (which
+    # leaves the version counter) by its address; not where the engine moves them itself (FSDP2's reshard and unshard,
+    # DeepSpeed ZeRO-3's partitions)
+    data_in_place: ClassVar[bool] = True
 
     def step_clock(self) -> object:
         """A value that changes where the engine updates the parameters without their version counters changing

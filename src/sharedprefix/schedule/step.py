@@ -18,15 +18,16 @@ The rules (each refused with its reason, never silent):
 
 - **Hooks.** A plain accumulation runs each parameter's hooks once per microbatch on that microbatch's gradient; a
   step delivers the shared prompts' share at its last microbatch, so parameter tensor hooks and post-accumulate-grad
-  hooks would see other values: refused at the step's first call, naming them.
+  hooks would see other values: refused at each of the step's calls (its first, and one registered since), named.
 - **Failure.** A call that raises leaves ``.grad`` as the plain accumulation of the earlier microbatches: its own
   contribution rolled back, the completed microbatches' shared share delivered (their forward run again with grad,
   their gradient pushed through it; if that raises, the call's error gets a note); the cache released, the step closed.
 - **Bookkeeping.** A microbatch run twice, run after its step finished or failed, or run while another step of the
   model is under way is refused; so is a call after the parameters changed inside a step (an optimizer step before
-  the last microbatch: ``step_rules.changed``). A step whose microbatches did not all run (training stopped mid-step,
-  a loop that skipped one) is named by the model's next step, and by its next call once the parameters changed;
-  ``Step.finish`` delivers the share of the microbatches that ran and ``Step.release`` drops it.
+  the last microbatch: ``step_rules.changed``), their ``requires_grad`` or the autocast changed, or ``.grad`` was
+  cleared. A step whose microbatches did not all run (training stopped mid-step, a loop that skipped one) is named by
+  the model's next step, and by its next call once the parameters changed; ``Step.finish`` delivers the share of the
+  microbatches that ran and ``Step.release`` drops it.
 
 Modules: ``step`` (the step), ``step_rules`` (its rules), ``step_graph`` (log-probs that keep their graph),
 ``step_make`` (planning, ``SplitStep``), ``step_plan`` (its passes), ``step_calls`` (the public calls).
@@ -49,7 +50,7 @@ from sharedprefix.schedule.call_plan import CallPlan
 from sharedprefix.schedule.offload import OffloadHooks
 from sharedprefix.schedule.planner import Plan
 from sharedprefix.schedule.step_plan import StepPlan
-from sharedprefix.schedule.step_rules import OPEN, check_index, check_versions, refuse_hooks
+from sharedprefix.schedule.step_rules import OPEN, check_index, check_open, refuse_hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,9 +140,9 @@ class Step:
         """The ``CallPlan`` of microbatch ``k``'s call on ``model`` now (``backward``: its gradient is accumulated:
         ``sp.backward``, a ``deferred`` call's backward; else a deferred call's forward), after the step's checks."""
         inner = unwrap(model)
-        self._check_call(model, inner, k, backward)
+        self._check_call(model, inner, k, backward, forward=not (backward and deferred))
+        refuse_hooks(model, inner)  # (at every call: a hook registered after the first sees other values too)
         if self.state == "planned":
-            refuse_hooks(model, inner)
             other = OPEN.get(inner)
             if other is not None and other is not self:
                 other.refuse_unfinished("a new step's first call")
@@ -181,6 +182,7 @@ class Step:
             return out
         self.forwarded.discard(sc.k)
         self.done.add(sc.k)
+        step_rules.mark_grads_after(self, model)
         if len(self.done) == len(self.views):
             self.close("finished")
         return out
@@ -217,7 +219,7 @@ class Step:
             "step.finish(model) delivers the share of the microbatches that ran, step.release() drops it."
         )
 
-    def _check_call(self, model, inner, k: int, backward: bool) -> None:
+    def _check_call(self, model, inner, k: int, backward: bool, forward: bool) -> None:
         g = k + self.offset  # its index in the user's list
         own = self.inner()
         if own is not inner:
@@ -245,7 +247,7 @@ class Step:
                 "again."
             )
         if self.state == "open":
-            check_versions(model, self.versions, k + self.offset)
+            check_open(self, model, g, forward)
 
     def fail(self, model, error: BaseException) -> None:
         """After a call raised ``error``: the completed microbatches' shared share delivered (else noted on it; Python

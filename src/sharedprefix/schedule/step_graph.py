@@ -12,6 +12,7 @@ import torch
 
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.parallel.detect import detect
+from sharedprefix.schedule import step_rules
 from sharedprefix.schedule.step import Step
 
 
@@ -75,6 +76,7 @@ def after_backward(step: Step, model, k: int, marks: list) -> None:
         )
     step.forwarded.discard(k)
     step.done.add(k)
+    step_rules.mark_grads_after(step, model)
     if len(step.done) < len(step.views):
         return
     try:

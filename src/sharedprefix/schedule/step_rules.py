@@ -1,14 +1,18 @@
 """The rules a step of ``sp.plan_step`` keeps across its calls (``schedule.step``): one step under way per model
-(``OPEN``), the parameters unchanged inside a step (``stamp`` / ``check_versions``: their version counters, and the
-engine's step clock where its optimizer leaves them unchanged, DeepSpeed's), no parameter hooks (a plain accumulation
-would run them per microbatch on other values), a step's microbatches delivered one way where the engine scales a
-call's delivery (``check_delivery``), and a step left unfinished named by the model's next call once its parameters
-changed (``check_other_step``)."""
+(``OPEN``), the parameters unchanged inside a step (``stamp`` / ``check_open``: their version counters and storage,
+and the engine's step clock where its optimizer leaves them unchanged, DeepSpeed's), the same trainable parameters
+and autocast at every call, ``.grad`` not cleared between calls (``mark_grads``), no parameter hooks at any call (a
+plain accumulation would run them per microbatch on other values), a step's microbatches delivered one way where the
+engine scales a call's delivery (``check_delivery``), and a step left unfinished named by the model's next call once
+its parameters changed (``check_other_step``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
+
+import torch
 
 from sharedprefix.model.adapter import unwrap
 from sharedprefix.parallel.detect import detect
@@ -19,26 +23,47 @@ OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclass(frozen=True)
 class Stamp:
-    """The parameters at a step's first call: (parameter, version counter) of each trainable one, and the engine's
-    step clock (``Engine.step_clock``; None where the version counters tell)."""
+    """The model at a step's first call: (parameter, version counter, storage address or None) of each trainable one,
+    the engine's step clock (``Engine.step_clock``; None where the version counters tell), the autocast state
+    (device type, enabled, dtype) its forwards run under, and ``grads``: each trainable parameter's ``.grad`` after the
+    step's latest backward call, as ``mark_grads`` records it."""
 
     versions: tuple
     clock: object = None
+    autocast: tuple = ()
+    grads: tuple = ()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard (FSDP2), else the tensor itself
 
 
 def stamp(model) -> Stamp:
     inner = unwrap(model)
-    versions = tuple((p, p._version) for p in inner.parameters() if p.requires_grad)
-    return Stamp(versions, detect(model, inner).step_clock())
+    engine = detect(model, inner)
+    at = engine.data_in_place  # (else the engine moves the data itself: FSDP2, DeepSpeed ZeRO-3)
+    versions = tuple((p, p._version, p.data_ptr() if at else None) for p in inner.parameters() if p.requires_grad)
+    return Stamp(versions, engine.step_clock(), _autocast(inner))
+
+
+def _autocast(inner) -> tuple:
+    dev = next(inner.parameters()).device.type
+    on = torch.is_autocast_enabled(dev)
+    return dev, on, torch.get_autocast_dtype(dev) if on else None
+
+
+def _name(inner, p) -> str:
+    return next((n for n, q in inner.named_parameters() if q is p), "?")
 
 
 def changed(model, then: Stamp) -> str | None:
     """What changed the parameters since ``then``, in words; None where nothing did."""
     inner = unwrap(model)
-    for p, v in then.versions:
+    for p, v, address in then.versions:
         if p._version != v:
-            name = next((n for n, q in inner.named_parameters() if q is p), "?")
-            return f"{name!r}: version {v} then, {p._version} now"
+            return f"{_name(inner, p)!r}: version {v} then, {p._version} now"
+        if address is not None and p.data_ptr() != address:
+            return f"{_name(inner, p)!r}: its data replaced (p.data = ..., or the module moved by .to())"
     engine = detect(model, inner)
     clock = engine.step_clock()
     if clock != then.clock:
@@ -46,7 +71,10 @@ def changed(model, then: Stamp) -> str | None:
     return None
 
 
-def check_versions(model, then: Stamp, k: int) -> None:
+def check_open(step, model, k: int, forward: bool) -> None:
+    """Before a later call (microbatch ``k``) of a step under way: the parameters, the trainable ones, ``.grad`` and,
+    where the call runs a forward (``forward``), the autocast as at the step's first call; else a refusal."""
+    then, inner = step.versions, unwrap(model)
     if (what := changed(model, then)) is not None:
         raise RuntimeError(
             f"microbatch {k} of a step runs after the parameters changed in place (or in the engine's own buffers) "
@@ -55,6 +83,79 @@ def check_versions(model, then: Stamp, k: int) -> None:
             "Run every microbatch of a step before "
             "optimizer.step() (under DeepSpeed: before the accumulation boundary's engine.step()), or plan the step "
             "over the microbatches of one optimizer step only."
+        )
+    before = {id(p) for p, _, _ in then.versions}
+    now = {id(p): n for n, p in inner.named_parameters() if p.requires_grad}
+    if moved := [n for i, n in now.items() if i not in before] or [
+        _name(inner, p) for p, _, _ in then.versions if id(p) not in now
+    ]:
+        raise RuntimeError(
+            f"microbatch {k} of a step runs with other trainable parameters than its first call (requires_grad "
+            f"changed on {moved[:3]}{' ...' if len(moved) > 3 else ''}): the step delivers its shared prompts' "
+            "gradient of every microbatch at its last one, to the parameters trainable then, where a plain "
+            "accumulation gives each microbatch's share to the parameters trainable at its own call. Freeze or "
+            "unfreeze parameters between steps (before the step's first call), not inside one."
+        )
+    if forward and (now_ac := _autocast(inner)) != then.autocast:
+        said = lambda a: f"autocast({a[0]!r}, dtype={a[2]})" if a[1] else "no autocast"  # noqa: E731
+        raise RuntimeError(
+            f"microbatch {k} of a step runs under {said(now_ac)} where the step's first call ran under "
+            f"{said(then.autocast)}: the step computes its shared prompts once, at its first call, and every "
+            "microbatch reads them, so all of a step's calls must run under one autocast. Put the same "
+            "torch.autocast around every microbatch's call of the step (or around none)."
+        )
+    _check_grads(inner, then.grads, k)
+
+
+def mark_grads(model) -> tuple:
+    """Each trainable parameter's ``.grad`` now: (parameter, the gradient's id and version counter, or None); none
+    where the engine accumulates over micro-steps of its own and clears ``.grad`` itself (DeepSpeed)."""
+    inner = unwrap(model)
+    if detect(model, inner).accumulates_itself:
+        return ()
+    out = []
+    for p in inner.parameters():
+        g = p.grad if p.requires_grad else None
+        out.append((p, None if g is None else (id(g), _local(g)._version)))
+    return tuple(out)
+
+
+def mark_grads_after(step, model) -> None:
+    """``mark_grads`` into ``step``'s stamp once the running backward call's gradient is in ``.grad``: now, or where
+    the call runs inside autograd's backward (deferred log-probs, whose gradient autograd accumulates after the call
+    returns; graph-kept ones), when that backward ends."""
+
+    def mark() -> None:
+        step.versions = dataclasses.replace(step.versions, grads=mark_grads(model))
+
+    if torch._C._current_graph_task_id() == -1:
+        mark()
+    else:
+        torch.autograd.Variable._execution_engine.queue_callback(mark)
+
+
+def _check_grads(inner, marks: tuple, k: int) -> None:
+    """Refuse a call after ``.grad`` was cleared since the step's latest backward call (``marks``): set to None
+    (``zero_grad()``'s default, or by hand), or zeroed in place (``zero_grad(set_to_none=False)``: every gradient
+    written since is all zero; a backward that accumulates into them leaves some nonzero)."""
+    gone, touched = None, []
+    for p, mark in marks:
+        if mark is None:
+            continue
+        g = p.grad
+        if g is None:
+            gone = gone or _name(inner, p)
+        elif (id(g), _local(g)._version) != mark:
+            touched.append(_local(g))
+    zeroed = bool(touched) and not any(bool(g.any()) for g in touched)  # (stops at the first nonzero one)
+    if gone is not None or zeroed:
+        what = f"the .grad of {gone!r} is None now" if gone is not None else "every .grad written since is all zero"
+        raise RuntimeError(
+            f"microbatch {k} of a step runs after .grad was cleared since its previous microbatch ({what}: "
+            "model.zero_grad() / optimizer.zero_grad(), or p.grad = None). A step holds its shared prompts' "
+            "gradient of the earlier microbatches and delivers it at its last, so it would survive the clearing "
+            "where a plain accumulation loses it. Clear .grad before a step's first call or after its last, not "
+            "between its microbatches."
         )
 
 

@@ -76,6 +76,7 @@ class DeepSpeed(Single):
     )
     replays_tensor_hooks = False  # autograd runs them in the delivering backward
     accumulates_itself = True  # over its gradient_accumulation_steps (``check_sync``)
+    data_in_place = False  # (ZeRO-3 swaps p.data for its partitions)
 
     def __init__(self, root, world_size: int, engine, tensor: int = 1):
         super().__init__(root, world_size, tensor=tensor, data_size=world_size)

@@ -59,6 +59,7 @@ class FSDP2(Engine):
     default_prefix_mode = "recompute"
     replays_tensor_hooks = False
     must_defer = None
+    data_in_place = False  # (reshard / unshard re-point and free the parameters' data)
     divide_factor: float | None = None  # what FSDP2 divides the summed gradient by (``gradient_divide_factor``)
 
     @classmethod
