@@ -32,6 +32,7 @@ class Stamp:
     clock: object = None
     autocast: tuple = ()
     grads: tuple = ()
+    trainable: frozenset = frozenset()  # the trainable parameters' names (FSDP2 swaps the registered objects)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,8 @@ def stamp(model) -> Stamp:
     engine = detect(model, inner)
     at = engine.data_in_place  # (else the engine moves the data itself: FSDP2, DeepSpeed ZeRO-3)
     versions = tuple((p, p._version, p.data_ptr() if at else None) for p in inner.parameters() if p.requires_grad)
-    return Stamp(versions, engine.step_clock(), _autocast(inner))
+    names = frozenset(n for n, p in inner.named_parameters() if p.requires_grad)
+    return Stamp(versions, engine.step_clock(), _autocast(inner), trainable=names)
 
 
 def _autocast(inner) -> tuple:
@@ -84,11 +86,8 @@ def check_open(step, model, k: int, forward: bool) -> None:
             "optimizer.step() (under DeepSpeed: before the accumulation boundary's engine.step()), or plan the step "
             "over the microbatches of one optimizer step only."
         )
-    before = {id(p) for p, _, _ in then.versions}
-    now = {id(p): n for n, p in inner.named_parameters() if p.requires_grad}
-    if moved := [n for i, n in now.items() if i not in before] or [
-        _name(inner, p) for p, _, _ in then.versions if id(p) not in now
-    ]:
+    now = frozenset(n for n, p in inner.named_parameters() if p.requires_grad)
+    if moved := sorted(now ^ then.trainable):
         raise RuntimeError(
             f"microbatch {k} of a step runs with other trainable parameters than its first call (requires_grad "
             f"changed on {moved[:3]}{' ...' if len(moved) > 3 else ''}): the step delivers its shared prompts' "
