@@ -112,7 +112,7 @@ class Result:
     seconds: float = 0.0
 
 
-class _LowPrecisionOps(torch.utils._python_dispatch.TorchDispatchMode):
+class LowPrecisionOps(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the ops of a float64 model that produce float32 (or lower) tensors, outside its rotary embeddings
     (whose float32 cos/sin are the same per position in both runs and so cancel in the comparison)."""
 
@@ -148,7 +148,7 @@ def _grads(model, fn) -> dict[str, torch.Tensor]:
     return out
 
 
-def _grad_error(got: dict, want: dict) -> float:
+def grad_error(got: dict, want: dict) -> float:
     """Max over tensors of |got - want| / max|want|; a tensor whose exact gradient is zero is held to 1e-6
     of the model's largest gradient instead of its own rounding noise."""
     if set(got) != set(want):
@@ -167,7 +167,7 @@ def _grad_error_at_scale(got: dict, want: dict) -> float:
     return max(float((got[n] - want[n]).abs().max()) for n in want) / scale
 
 
-def _category(msg: str) -> str:
+def refusal_category(msg: str) -> str:
     return next((label for label, pat in REFUSALS if re.search(pat, msg, re.S)), "")
 
 
@@ -189,7 +189,7 @@ def _plain(model, gs):
     """(N, T) plain log-probs and the ops the model ran in float32 (None, error when the forward fails)."""
     from sharedprefix.tools.reference import plain_logprobs
 
-    low = _LowPrecisionOps(model)
+    low = LowPrecisionOps(model)
     try:
         with torch.no_grad(), low:
             return plain_logprobs(model, gs)[0], low.ops, None
@@ -213,7 +213,7 @@ def _check_model(model, grads: bool, res: Result) -> None:
     except ValueError as e:
         touched = [n for n, p in model.named_parameters() if p.grad is not None]
         res.detail = str(e)
-        res.category = _category(res.detail)
+        res.category = refusal_category(res.detail)
         if plain_error is not None and not res.category:  # the model's own error, as in its plain forward
             res.status = "not buildable"
             res.detail = f"plain forward fails: {type(plain_error).__name__}: {first_line(plain_error)}"
@@ -286,7 +286,7 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
             return
     except ValueError as e:  # exact in one pass, refused when split: fine if the refusal says why
         res.split_refusal = str(e)
-        if not _category(str(e)):
+        if not refusal_category(str(e)):
             res.detail = f"refusal under max_tokens={BUDGET} in no category of zoo.REFUSALS: {e}"
             return
     else:
@@ -308,7 +308,7 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
 
         want = _grads(model, plain_loss)
         got = _grads(model, ours)
-        res.grad_err = _grad_error(got, want)
+        res.grad_err = grad_error(got, want)
         if not res.grad_err <= gtol and low_ops:
             # the plain run is itself only float32-accurate here: hold sharedprefix to twice its error against the
             # same model computing those ops in float64 (the flash-attention rule), errors at the model's gradient scale
@@ -318,7 +318,7 @@ def _compare(model, gs, ref, out, low_ops, grads, res):
                 truth = _grads(model, lambda: (plain_logprobs(model, gs)[0] * w).sum())
             plain_err, ours_err = _grad_error_at_scale(want, truth), _grad_error_at_scale(got, truth)
             if ours_err <= 2 * plain_err:
-                res.grad_err = _grad_error(got, truth)
+                res.grad_err = grad_error(got, truth)
                 res.float32_rule = (
                     f"gradients {ours_err:.2g} from float64 at the largest gradient's scale, the plain run's "
                     f"{plain_err:.2g}"

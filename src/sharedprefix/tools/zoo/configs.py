@@ -311,7 +311,7 @@ def build(entry: str, seed: int = 0):
     cls = getattr(transformers, entries()[entry])
     want = getattr(cls, "config_class", None)
     if want is not None and not isinstance(cfg, want):
-        cfg = next((c for c in _all_configs(cfg) if isinstance(c, want)), cfg)
+        cfg = next((c for c in all_configs(cfg) if isinstance(c, want)), cfg)
     impl = "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
     try:
         torch.manual_seed(seed)
@@ -344,34 +344,43 @@ def float64_norms(model) -> list:
     return done
 
 
-def groups(model, seed: int = 0):
-    """The zoo's groups: token ids that are not special tokens of the model's config (frames for a model with
-    several token streams per position)."""
-    import sharedprefix as sp
+def token_ids(model, seed: int = 0):
+    """``ids(n)``: n random token ids that are not special tokens of the model's config, from a generator seeded
+    with ``seed``; (K, n) codes for a model with K token streams per position."""
     from sharedprefix.model import streams
 
     special = set()
-    for cfg in _all_configs(model.config):
+    for cfg in all_configs(model.config):
         for k, v in vars(cfg).items():
             if k.endswith(("token_id", "token_index", "token_ids")):
                 special.update(x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, int))
     allowed = torch.tensor([t for t in range(VOCAB) if t not in special and t > 2])
     g = torch.Generator().manual_seed(seed)
     k = streams.num_streams(model)
+    shape = (lambda n: (k, n)) if k > 1 else (lambda n: (n,))
+    return lambda n: allowed[torch.randint(0, len(allowed), shape(n), generator=g)]
+
+
+def groups(model, seed: int = 0):
+    """The zoo's groups: token ids that are not special tokens of the model's config (frames for a model with
+    several token streams per position)."""
+    import sharedprefix as sp
+    from sharedprefix.model import streams
+
+    ids = token_ids(model, seed)
+    k = streams.num_streams(model)
     if k > 1:  # frames (MusicGen's codebooks): a BOS frame first, and the delay pattern's pads closing a completion
-        return _frame_groups(model, k, allowed, g)
-    ids = lambda n: allowed[torch.randint(0, len(allowed), (n,), generator=g)]  # noqa: E731
+        return _frame_groups(model, k, ids)
     return [sp.Group(ids(p), [ids(t) for t in ts]) for p, ts in LAYOUT]
 
 
-def _frame_groups(model, k: int, allowed, g):
+def _frame_groups(model, k: int, codes):
     """The zoo's groups for a model with ``k`` token streams: (k, length) frames in the ``LAYOUT`` shapes; each
     prompt opens with a frame of the BOS code, and the first completion ends as MusicGen's delay pattern does
     (stream i padded over its last i frames), so the pads' exclusion is exercised too."""
     import sharedprefix as sp
 
     cfg = model.config.get_text_config()
-    codes = lambda n: allowed[torch.randint(0, len(allowed), (k, n), generator=g)]  # noqa: E731
     out = []
     for gi, (p, ts) in enumerate(LAYOUT):
         prompt = codes(p)
@@ -384,7 +393,7 @@ def _frame_groups(model, k: int, allowed, g):
     return out
 
 
-def _all_configs(cfg) -> list:
+def all_configs(cfg) -> list:
     out, stack = [], [cfg]
     while stack:
         c = stack.pop()
