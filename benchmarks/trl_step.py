@@ -14,6 +14,8 @@ interleaved (A B C D A B C D ...), one thread. Run:
 
   PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trl_step.py > benchmarks/trl_step_cpu.txt
   PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trl_step.py --large > benchmarks/trl_step_large_cpu.txt
+  PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trl_step.py --large --completion-tokens 64 \
+    > benchmarks/trl_step_large_t64_cpu.txt
 """
 
 import contextlib
@@ -35,6 +37,10 @@ from sharedprefix.model.hooks import allow_hook
 from sharedprefix.recipes.grpo.tasks import KeyValueTask, build_tokenizer
 
 T, STEPS, ROUNDS = 8, 2, 2  # completion tokens at most, optimizer steps a run, rounds
+# --completion-tokens N: completions of at most N tokens (the default 8 is the step's worst case: its microbatch
+# passes are small, where a pass's fixed costs weigh most; RL completions are usually far longer)
+if "--completion-tokens" in sys.argv:
+    T = int(sys.argv[sys.argv.index("--completion-tokens") + 1])
 ROWS = [(8, 8, 2), (8, 8, 4), (16, 4, 4), (16, 8, 8)]  # G / rows a microbatch / GA (= steps_per_generation)
 TASK = KeyValueTask(records=24)
 # --large: a model and prompts where the policy passes' arithmetic outweighs the host work (hidden 512, 4 layers,
