@@ -15,7 +15,7 @@ interleaved (A B C D A B C D ...), one thread. Run:
   PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trl_step.py > benchmarks/trl_step_cpu.txt
   PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trl_step.py --large > benchmarks/trl_step_large_cpu.txt
   PYTHONPATH=src OMP_NUM_THREADS=1 python benchmarks/trl_step.py --large --completion-tokens 64 \
-    > benchmarks/trl_step_large_t64_cpu.txt
+    > benchmarks/trl_step_large_t64_cpu.txt  # and 128: trl_step_large_t128_cpu.txt
 """
 
 import contextlib
