@@ -92,9 +92,10 @@ def refuse_engine(model) -> None:
         why = f"{type(inner).__name__}, a hybrid model on the cache path (it runs group by group, with no prefix cache)"
     if why is not None:
         raise ValueError(
-            f"sp.plan_step is not available with {why}: a step runs each shared prompt once across several calls, "
-            "which sharedprefix has verified on one process, under DDP, FSDP2 and DeepSpeed ZeRO-1/2/3. Run each "
-            "microbatch as its own call (sp.backward(model, rows, ...)): exact, each prompt once per microbatch."
+            f"sp.plan_step is not available with {why}: a step holds each shared prompt's cache across several "
+            "calls, which sharedprefix runs on one process, under DDP, FSDP2 and DeepSpeed ZeRO-1/2/3, for models "
+            "whose calls keep a prefix cache. Run each microbatch as its own call (sp.backward(model, rows, ...)): "
+            "exact, each prompt once per microbatch."
         )
 
 
