@@ -110,7 +110,7 @@ def zoo_model(entry, **config):
     cfg = zoo.tiny_config(entry)
     for k, v in config.items():
         setattr(cfg, k, v)
-    for c in zoo.configs._all_configs(cfg):
+    for c in zoo.configs.all_configs(cfg):
         c.initializer_range = 0.2
     torch.manual_seed(0)
     cls = getattr(transformers, zoo.entries()[entry])
