@@ -43,9 +43,9 @@ def stamp(model) -> Stamp:
     inner = unwrap(model)
     engine = detect(model, inner)
     at = engine.data_in_place  # (else the engine moves the data itself: FSDP2, DeepSpeed ZeRO-3)
-    versions = tuple((p, p._version, p.data_ptr() if at else None) for p in inner.parameters() if p.requires_grad)
-    names = frozenset(n for n, p in inner.named_parameters() if p.requires_grad)
-    return Stamp(versions, engine.step_clock(), _autocast(inner), trainable=names)
+    trainable = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
+    versions = tuple((p, p._version, p.data_ptr() if at else None) for _, p in trainable)
+    return Stamp(versions, engine.step_clock(), _autocast(inner), trainable=frozenset(n for n, _ in trainable))
 
 
 def _autocast(inner) -> tuple:
@@ -112,11 +112,8 @@ def mark_grads(model) -> tuple:
     inner = unwrap(model)
     if detect(model, inner).accumulates_itself:
         return ()
-    out = []
-    for p in inner.parameters():
-        g = p.grad if p.requires_grad else None
-        out.append((p, None if g is None else (id(g), _local(g)._version)))
-    return tuple(out)
+    grads = ((p, p.grad) for p in inner.parameters() if p.requires_grad)
+    return tuple((p, None if g is None else (id(g), _local(g)._version)) for p, g in grads)
 
 
 def mark_grads_after(step, model) -> None:

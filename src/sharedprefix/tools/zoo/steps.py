@@ -333,14 +333,11 @@ def _run_step(
             for c, W in zip(cols, Ws)
         ]
     model.zero_grad(set_to_none=True)
-    opts = dict(max_tokens=budget, prefix_activations=prefix_mode)
-    if coef is not None:
-        opts["aux_loss_coef"] = coef
     step = None
     out = []
     k = 0
     try:
-        step = sp.plan_step(model, mbs, **{o: v for o, v in opts.items() if o != "aux_loss_coef"})
+        step = sp.plan_step(model, mbs, max_tokens=budget, prefix_activations=prefix_mode)
         if plan_only:
             step.release()
             return []
@@ -426,10 +423,13 @@ def classes() -> tuple[str, ...]:
     """Every class ``representative`` picks an entry for."""
     from sharedprefix.model.mixers.families import FAMILIES
 
-    kinds = sorted(
-        {"+".join(k for f in (fam.mixers or {}).values() for k in f) or fam.path for fam in FAMILIES.values()}
-    )
+    kinds = sorted({_hybrid_kind(fam) for fam in FAMILIES.values()})
     return FEATURES + CONFIG_CLASSES + tuple(f"hybrid: {k}" for k in kinds)
+
+
+def _hybrid_kind(fam) -> str:
+    """A hybrid family's class name: its token mixers' kinds joined ("conv+delta"), else its path ("cache")."""
+    return "+".join(k for f in (fam.mixers or {}).values() for k in f) or fam.path
 
 
 def zoo_table(page: str) -> tuple[list[str], list[str], dict[str, list[str]]]:
@@ -461,7 +461,7 @@ def _has_class(entry: str, cls: str) -> bool:
         return "position_ids" not in inspect.signature(model_class.forward).parameters
     if cls.startswith("hybrid: "):
         fam = FAMILIES.get(entry.split("+")[0])
-        return fam is not None and cls == "hybrid: " + ("+".join(k for f in fam.mixers.values() for k in f) or fam.path)
+        return fam is not None and cls == "hybrid: " + _hybrid_kind(fam)
     tied = any(getattr(c, "tie_word_embeddings", False) for c in all_configs(tiny_config(entry)))
     return tied == (cls == "tied embeddings")
 
