@@ -5,15 +5,18 @@ pytest): the `gpu` tests (the varlen flash primitive and the cascade in bf16, sp
 2x rule), the GPU benchmark (`sharedprefix bench --device cuda`, with its dense-dispatch ablation), the long-prompt
 table (`bench --device cuda --long --no-capacity`), the capacity line (`--long --capacity-only`), the hybrid tree
 benchmark at Qwen3.5's own layer dimensions (`bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16`), with
-eager against compiled decoder layers (`bench --device cuda --compile`) run right after the tests; each under its own
-timeout (710 s together: on a machine whose commands are limited to 600 s, run `--only tests compile bench` and
-`--only long capacity hybrid` as two commands), so that a hang still leaves a report. Writes
+eager against compiled decoder layers (`bench --device cuda --compile`) run right after the tests, and one optimizer
+step over a trainer's microbatches (`benchmarks/step_speed.py --device cuda`: ``sp.plan_step`` against the plain
+rows, a call per microbatch and a call per whole group); each under its own timeout (860 s together: on a machine
+whose commands are limited to 600 s, run `--only tests compile bench step` and `--only long capacity hybrid` as two
+commands), so that a hang still leaves a report. Writes
 benchmarks/gpu_<device>.txt, whose last line is machine-readable (``summary_line``):
 
     gpu-summary gpu_tests=pass|fail|not_run flop_eff_8192_512_16=F flop_eff_min=F long_vs_inpass_min=F
                 long_peak_vs_plain_max=F capacity_vs_plain=F offload_vs_recompute_max=F
                 hybrid_tree_vs_tokens=F hybrid_tree_vs_flops=F hybrid_tree_flops_vs_tokens=F
                 compile_eager_x=F compile_compiled_x=F compile_vs_eager=F compile_timed_recompiles=F
+                step_vs_whole_max=F step_flop_frac_min=F
 
 flop_eff: the speed-up over the plain rows divided by the FLOP ratio (at P=8192, T=512, G=16; the smallest over the
 table); long_vs_inpass_min: in-pass sharing's time over ours (keep), the smallest over the long shapes;
@@ -23,8 +26,11 @@ hybrid_tree_vs_flops: the hybrid packed tree's speed-up over plain rows divided 
 the (estimated) FLOP ratio; hybrid_tree_flops_vs_tokens: that FLOP ratio over the token ratio; compile_eager_x,
 compile_compiled_x: our speed-up over the plain rows with eager and with compiled decoder layers (layer.compile());
 compile_vs_eager: the compiled speed-up over the eager one (the target: at least 1); compile_timed_recompiles: the
-graphs compiled plus the graph breaks seen during the compile step's timed runs (the target: 0). "nan" where a step
-did not report the figure (it failed, timed out or ran out of memory).
+graphs compiled plus the graph breaks seen during the compile step's timed runs (the target: 0); step_vs_whole_max:
+a step's time over whole groups' (each prompt once in both), the largest over the step table's shapes (issue 45's
+target: at most 1.05); step_flop_frac_min: the step's speed-up over the plain rows divided by the FLOP ratio, the
+smallest (its target: at least 0.9). "nan" where a step did not report the figure (it failed, timed out or ran out
+of memory).
 """
 
 from __future__ import annotations
@@ -67,8 +73,9 @@ def _run(cmd, env, timeout, keep=None, log=None):
 
 
 # seconds per step, from the first H200 run of every step (2026-12-04: tests 85, compile 66, bench 87; long and capacity
-# ran out of 60 and 40); 710 s in all, more than one device command's 600 s: run it as two commands (--only)
-TIMEOUTS = {"tests": 120, "compile": 120, "bench": 110, "long": 170, "capacity": 100, "hybrid": 90}
+# ran out of 60 and 40; step has never run on a GPU: 150 is a guess); 860 s in all, more than one device command's
+# 600 s: run it as two commands (--only)
+TIMEOUTS = {"tests": 120, "compile": 120, "bench": 110, "long": 170, "capacity": 100, "hybrid": 90, "step": 150}
 _NUM = r"(nan|inf|[0-9.]+)"
 
 
@@ -105,6 +112,16 @@ def parse_capacity(lines) -> dict:
     return {}
 
 
+def parse_step(lines) -> dict:
+    """{shape: {setting: (seconds, speed-up over plain / FLOP ratio)}} from ``benchmarks/step_speed.py``'s table."""
+    row = re.compile(rf"^\| ([^|]+?) \| ([a-z ]+) \| {_NUM} \| {_NUM} \| {_NUM} \| {_NUM} \|")
+    out: dict = {}
+    for line in lines:
+        if m := row.match(line):
+            out.setdefault(m.group(1), {})[m.group(2)] = (float(m.group(3)), float(m.group(6)))
+    return out
+
+
 def _ratio(a: float, b: float) -> float:
     if math.isnan(a) or math.isnan(b):
         return float("nan")
@@ -117,7 +134,7 @@ def _pick(values, how) -> float:
 
 
 def summary_line(
-    tests_ok: bool | None, bench_lines, long_lines, capacity_lines, hybrid_lines=(), compile_lines=()
+    tests_ok: bool | None, bench_lines, long_lines, capacity_lines, hybrid_lines=(), compile_lines=(), step_lines=()
 ) -> str:
     """The machine-readable last line of benchmarks/gpu_<device>.txt (the module docstring defines each figure)."""
     eff = parse_flop_eff(bench_lines)
@@ -125,6 +142,7 @@ def summary_line(
     comp = compile_figures(compile_lines)
     long = parse_long(long_lines)
     cap = parse_capacity(capacity_lines)
+    step = parse_step(step_lines)
     nan = float("nan")
     get = lambda r, k, i: r.get(k, (nan, nan))[i]  # noqa: E731
     figures = {
@@ -141,6 +159,8 @@ def summary_line(
         **{f"hybrid_tree_{k}": hyb.get(k, nan) for k in ("vs_tokens", "vs_flops", "flops_vs_tokens")},
         **{f"compile_{k}": comp.get(k, nan) for k in ("eager_x", "compiled_x", "vs_eager")},
         "compile_timed_recompiles": comp.get("timed_graphs", nan) + comp.get("timed_breaks", nan),
+        "step_vs_whole_max": _pick([_ratio(get(r, "step", 0), get(r, "whole groups", 0)) for r in step.values()], max),
+        "step_flop_frac_min": _pick([get(r, "step", 1) for r in step.values()], min),
     }
     tests = "not_run" if tests_ok is None else "pass" if tests_ok else "fail"
     return "gpu-summary gpu_tests=" + tests + "".join(f" {k}={v:.3f}" for k, v in figures.items())
@@ -215,6 +235,11 @@ def main() -> int:
             "sharedprefix bench --device cuda --hybrid --tree --dims qwen3.5 --layers 16",
             [*bench, "--hybrid", "--tree", "--dims", "qwen3.5", "--layers", "16", "--repeats", "1"],
         ),
+        (
+            "step",
+            "benchmarks/step_speed.py --device cuda",
+            [sys.executable, "benchmarks/step_speed.py", "--device", "cuda", "--repeats", "2"],
+        ),
     ]
     rcs = [rc_tests]
     for key, title, cmd in steps:
@@ -235,6 +260,7 @@ def main() -> int:
             outs["capacity"],
             outs["hybrid"],
             outs["compile"],
+            outs["step"],
         ),
     ]
     print(lines[-1], flush=True)

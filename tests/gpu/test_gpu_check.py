@@ -77,22 +77,40 @@ compiling: plain 1.20x faster, ours 1.09x faster
 timed rounds: graphs compiled 0, graph breaks 1 | warm-up: graphs compiled 2, graph breaks 0
 """.splitlines()  # made-up figures in the format of tools.bench_compile.run
 
+STEP = """\
+sp.plan_step against the plain per-row run of the same microbatches; bench model (Qwen3, hidden 512, 4 layers, vocab \
+32000), bfloat16, NVIDIA H200; torch 2.11.0+cu130; best of 2, interleaved
+| groups x P / T / G / rows (microbatches) | setting | s/step | tokens / ideal | plain / it | of FLOP ratio | peak MiB |
+|---|---|---|---|---|---|---|
+| 8 x 1024 / 16 / 8 / 8 (8) | plain | 1.000 | 7.27 | 1.00 | 0.14 | 900 |
+| 8 x 1024 / 16 / 8 / 8 (8) | per microbatch | 0.500 | 5.00 | 2.00 | 0.28 | 300 |
+| 8 x 1024 / 16 / 8 / 8 (8) | step | 0.200 | 1.00 | 5.00 | 0.70 | 400 |
+| 8 x 1024 / 16 / 8 / 8 (8) | whole groups | 0.160 | 1.00 | 6.25 | 0.87 | 200 |
+8 x 1024 / 16 / 8 / 8: FLOP ratio plain / step 7.14; step / whole groups 1.25x
+| 4 x 8192 / 512 / 16 / 4 (16) | plain | 10.000 | 10.1 | 1.00 | 0.10 | 9000 |
+| 4 x 8192 / 512 / 16 / 4 (16) | per microbatch | 4.000 | 4.00 | 2.50 | 0.25 | 3000 |
+| 4 x 8192 / 512 / 16 / 4 (16) | step | 1.100 | 1.00 | 9.09 | 0.91 | 4000 |
+| 4 x 8192 / 512 / 16 / 4 (16) | whole groups | 1.000 | 1.00 | 10.00 | 1.00 | 2000 |
+4 x 8192 / 512 / 16 / 4: FLOP ratio plain / step 10.00; step / whole groups 1.10x
+""".splitlines()  # made-up figures in the format of benchmarks/step_speed.py
+
 CAPACITY = ["capacity (longest prompt that trains; G=16, T=1024, 8 layers, doubling from 16384 up to 131072): "
             "plain 65536 | in_pass 32768 | ours 131072 (the search's limit)"]  # fmt: skip
 
 
 def test_summary_line_from_recorded_output():
-    line = _gpu_check().summary_line(True, BENCH, LONG, CAPACITY, HYBRID, COMPILE)
+    line = _gpu_check().summary_line(True, BENCH, LONG, CAPACITY, HYBRID, COMPILE, STEP)
     assert line == (
         "gpu-summary gpu_tests=pass flop_eff_8192_512_16=0.733 flop_eff_min=0.719 long_vs_inpass_min=1.800 "
         "long_peak_vs_plain_max=0.400 capacity_vs_plain=2.000 offload_vs_recompute_max=1.200 "
         "hybrid_tree_vs_tokens=0.750 hybrid_tree_vs_flops=0.940 hybrid_tree_flops_vs_tokens=0.797 "
-        "compile_eager_x=2.500 compile_compiled_x=2.270 compile_vs_eager=0.909 compile_timed_recompiles=1.000"
+        "compile_eager_x=2.500 compile_compiled_x=2.270 compile_vs_eager=0.909 compile_timed_recompiles=1.000 "
+        "step_vs_whole_max=1.250 step_flop_frac_min=0.700"
     )
 
 
 def test_summary_line_says_nan_for_what_a_failed_step_did_not_report():
-    line = _gpu_check().summary_line(False, BENCH[:3], LONG[:5], [], HYBRID[:2], COMPILE[:6])
+    line = _gpu_check().summary_line(False, BENCH[:3], LONG[:5], [], HYBRID[:2], COMPILE[:6], STEP[:6])
     figures = dict(kv.split("=") for kv in line.split()[1:])
     assert figures["gpu_tests"] == "fail" and figures["flop_eff_min"] == "0.719"
     assert figures["hybrid_tree_vs_tokens"] == "0.750" and figures["hybrid_tree_flops_vs_tokens"] == "nan"
@@ -101,6 +119,45 @@ def test_summary_line_says_nan_for_what_a_failed_step_did_not_report():
     assert figures["long_vs_inpass_min"] == "2.500"  # the one shape with both runs
     assert figures["long_peak_vs_plain_max"] == figures["offload_vs_recompute_max"] == "nan"  # recompute never ran
     assert figures["compile_eager_x"] == figures["compile_timed_recompiles"] == "nan"  # the step stopped in its table
+    assert figures["step_vs_whole_max"] == "nan" and figures["step_flop_frac_min"] == "0.700"  # whole groups never ran
+
+
+def _step_speed():
+    spec = importlib.util.spec_from_file_location("step_speed", ROOT / "benchmarks" / "step_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_step_benchmark_runs_on_cpu_and_gpu_check_reads_it(capsys):
+    """``benchmarks/step_speed.py`` on a tiny model and shape: every setting reported in the format gpu-check parses,
+    the step computing each prompt once (tokens / ideal 1.00), the calls per microbatch more."""
+    _step_speed().main(["--tiny", "--shapes", "2,12,3,4,2", "--repeats", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    table = _gpu_check().parse_step(lines)
+    assert list(table) == ["2 x 12 / 3 / 4 / 2 (4)"]
+    assert list(table["2 x 12 / 3 / 4 / 2 (4)"]) == ["plain", "per microbatch", "step", "whole groups"]
+    assert all(s > 0 and frac > 0 for s, frac in table["2 x 12 / 3 / 4 / 2 (4)"].values())
+    ideal = {line.split(" | ")[1]: float(line.split(" | ")[3]) for line in lines if line.startswith("| 2 x 12")}
+    assert ideal["step"] == ideal["whole groups"] == 1.0 and ideal["per microbatch"] > 1.0
+
+
+def test_step_benchmark_settings_agree_on_the_gradient():
+    """Every setting of the step table computes the same step (float64, a tiny model, groups split over four
+    microbatches): the three of sharedprefix to a relative 1e-9 of each other, the plain rows to 1e-6 (their loss
+    takes log_softmax of float32 logits, ``tools.bench``)."""
+    mod = _step_speed()
+    model = mod.bench_model(dtype=torch.float64, **mod.TINY)
+    float64_faithful(model)
+    groups = mod.make_groups(2, 12, 3, 4, vocab=model.config.vocab_size)
+    grads = {}
+    for name, fn in mod.runs(model, groups, mod.microbatches(groups, 2)).items():
+        model.zero_grad(set_to_none=True)
+        fn()
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    for name, g in grads.items():
+        err = ((g - grads["step"]).abs().max() / grads["step"].abs().max()).item()
+        assert err <= (1e-6 if name == "plain" else 1e-9), (name, err)
 
 
 def test_longest_doubles_until_it_does_not_fit():
@@ -169,5 +226,7 @@ def test_summary_figures_are_named_as_the_issue_specifies(figure):
         "compile_compiled_x",
         "compile_vs_eager",
         "compile_timed_recompiles",
+        "step_vs_whole_max",
+        "step_flop_frac_min",
     ]
     assert figure in keys
