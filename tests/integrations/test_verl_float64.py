@@ -97,14 +97,34 @@ def _value(m):
 
 
 def _metrics_error(ours: dict, theirs: dict) -> float:
-    """Largest relative difference of verl's metrics (relative to max(|verl's|, 1e-12)); every key of verl's."""
+    """Largest relative difference of verl's metrics (relative to max(|verl's|, 1e-12)), in float64, on every key of
+    verl's and every micro-batch's value (a ``Metric``'s values, not only their aggregate)."""
     worst = 0.0
     for key, value in theirs.items():
-        a, b = _value(ours[key]), _value(value)
-        a, b = (torch.tensor([float(x) for x in (v if isinstance(v, (list, tuple)) else [v])]) for v in (a, b))
+        assert getattr(ours[key], "aggregation", None) == getattr(value, "aggregation", None), key
+        a, b = (getattr(m, "values", m) for m in (ours[key], value))
+        a, b = (
+            torch.tensor([float(x) for x in (v if isinstance(v, (list, tuple)) else [v])], dtype=torch.float64)
+            for v in (a, b)
+        )
         assert a.shape == b.shape, key
         worst = max(worst, float(((a - b).abs() / b.abs().clamp(min=1e-12)).max()))
     return worst
+
+
+def test_metrics_error_sees_float64_and_each_micro_batch():
+    """The metrics comparison itself (no engine): a relative difference of 1e-12, below float32's resolution, and two
+    micro-batches' values swapped (the same mean) both count (before: compared as float32 aggregates, neither did)."""
+    from verl.utils.metric import Metric
+
+    def metric(*values):
+        m = Metric("mean")
+        m.extend(list(values))
+        return {"actor/ppo_kl": m}
+
+    assert _metrics_error(metric(1.0 + 1e-12, 2.0), metric(1.0, 2.0)) > 1e-13
+    assert _metrics_error(metric(2.0, 1.0), metric(1.0, 2.0)) > 0.1
+    assert _metrics_error(metric(1.0, 2.0), metric(1.0, 2.0)) == 0.0
 
 
 def _zero_masks(rows):
