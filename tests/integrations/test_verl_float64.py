@@ -3,11 +3,11 @@
 Both engines are built with float64 parameters (verl knows no "fp64": its ``PrecisionType.to_dtype`` is taught it for
 this module) and Qwen3's RMSNorm computing in its input dtype (transformers' casts to float32 even in a float64 model,
 which would leave float32 rounding, differently grouped in the two engines, around 1e-7). What is left is float64
-rounding: the comparisons below measured at most 7e-15 on gradients and metrics, and 4e-12 on the parameters after
-six and eight AdamW steps (whose updates divide by the gradients' running norms). The float32 tests (1e-5) cannot
-see an error of 1e-8; these can. One such is verl's own: it divides the logits by the temperature as a float32 tensor
-(``transformer_impl.py:1176``), so at 0.7 (0.69999999 in float32) its float64 log-probs are 1.5e-8 from ours; the
-temperature here, 0.75, is exact in float32.
+rounding: the comparisons below measured at most 7e-15 on gradients, 2e-14 on the metrics (each micro-batch's value,
+in float64), and 4e-12 on the parameters after six and eight AdamW steps (whose updates divide by the gradients'
+running norms). The float32 tests (1e-5) cannot see an error of 1e-8; these can. One such is verl's own: it divides
+the logits by the temperature as a float32 tensor (``transformer_impl.py:1176``), so at 0.7 (0.69999999 in float32)
+its float64 log-probs are 1.5e-8 from ours; the temperature here, 0.75, is exact in float32.
 
 Covered here, each against verl on the same batch (gradients, the summed loss, every metric verl reports, and for
 the last test the parameters after verl's optimizer steps): every ``loss_agg_mode`` on static micro-batches below
