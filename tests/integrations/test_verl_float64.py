@@ -3,11 +3,11 @@
 Both engines are built with float64 parameters (verl knows no "fp64": its ``PrecisionType.to_dtype`` is taught it for
 this module) and Qwen3's RMSNorm computing in its input dtype (transformers' casts to float32 even in a float64 model,
 which would leave float32 rounding, differently grouped in the two engines, around 1e-7). What is left is float64
-rounding: the comparisons below measured at most 7e-15 on gradients and metrics, and 4e-12 on the parameters after
-six and eight AdamW steps (whose updates divide by the gradients' running norms). The float32 tests (1e-5) cannot
-see an error of 1e-8; these can. One such is verl's own: it divides the logits by the temperature as a float32 tensor
-(``transformer_impl.py:1176``), so at 0.7 (0.69999999 in float32) its float64 log-probs are 1.5e-8 from ours; the
-temperature here, 0.75, is exact in float32.
+rounding: the comparisons below measured at most 7e-15 on gradients, 2e-14 on the metrics (each micro-batch's value,
+in float64), and 4e-12 on the parameters after six and eight AdamW steps (whose updates divide by the gradients'
+running norms). The float32 tests (1e-5) cannot see an error of 1e-8; these can. One such is verl's own: it divides
+the logits by the temperature as a float32 tensor (``transformer_impl.py:1176``), so at 0.7 (0.69999999 in float32)
+its float64 log-probs are 1.5e-8 from ours; the temperature here, 0.75, is exact in float32.
 
 Covered here, each against verl on the same batch (gradients, the summed loss, every metric verl reports, and for
 the last test the parameters after verl's optimizer steps): every ``loss_agg_mode`` on static micro-batches below
@@ -97,14 +97,34 @@ def _value(m):
 
 
 def _metrics_error(ours: dict, theirs: dict) -> float:
-    """Largest relative difference of verl's metrics (relative to max(|verl's|, 1e-12)); every key of verl's."""
+    """Largest relative difference of verl's metrics (relative to max(|verl's|, 1e-12)), in float64, on every key of
+    verl's and every micro-batch's value (a ``Metric``'s values, not only their aggregate)."""
     worst = 0.0
     for key, value in theirs.items():
-        a, b = _value(ours[key]), _value(value)
-        a, b = (torch.tensor([float(x) for x in (v if isinstance(v, (list, tuple)) else [v])]) for v in (a, b))
+        assert getattr(ours[key], "aggregation", None) == getattr(value, "aggregation", None), key
+        a, b = (getattr(m, "values", m) for m in (ours[key], value))
+        a, b = (
+            torch.tensor([float(x) for x in (v if isinstance(v, (list, tuple)) else [v])], dtype=torch.float64)
+            for v in (a, b)
+        )
         assert a.shape == b.shape, key
         worst = max(worst, float(((a - b).abs() / b.abs().clamp(min=1e-12)).max()))
     return worst
+
+
+def test_metrics_error_sees_float64_and_each_micro_batch():
+    """The metrics comparison itself (no engine): a relative difference of 1e-12, below float32's resolution, and two
+    micro-batches' values swapped (the same mean) both count (before: compared as float32 aggregates, neither did)."""
+    from verl.utils.metric import Metric
+
+    def metric(*values):
+        m = Metric("mean")
+        m.extend(list(values))
+        return {"actor/ppo_kl": m}
+
+    assert _metrics_error(metric(1.0 + 1e-12, 2.0), metric(1.0, 2.0)) > 1e-13
+    assert _metrics_error(metric(2.0, 1.0), metric(1.0, 2.0)) > 0.1
+    assert _metrics_error(metric(1.0, 2.0), metric(1.0, 2.0)) == 0.0
 
 
 def _zero_masks(rows):

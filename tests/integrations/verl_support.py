@@ -325,7 +325,9 @@ def float64_scalars(losses: list, metrics: list) -> dict[str, torch.Tensor]:
     """``float64_step``'s losses and metrics of each micro-batch, as ``reported_scalars`` lays them out."""
     values = {"loss": torch.tensor(losses, dtype=torch.float64)}
     for key in metrics[0]:
-        values[key] = torch.tensor([float(getattr(m[key], "values", [m[key]])[0]) for m in metrics])
+        values[key] = torch.tensor(
+            [float(getattr(m[key], "values", [m[key]])[0]) for m in metrics], dtype=torch.float64
+        )
     return values
 
 
