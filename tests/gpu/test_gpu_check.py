@@ -16,11 +16,16 @@ from sharedprefix.tools import bench_long
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+def _script(path: str):
+    """The module of the script at ``path`` (from the repository's root), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, ROOT / path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _gpu_check():
+    return _script("scripts/gpu_check.py")
 
 
 BENCH = """\
@@ -123,10 +128,7 @@ def test_summary_line_says_nan_for_what_a_failed_step_did_not_report():
 
 
 def _step_speed():
-    spec = importlib.util.spec_from_file_location("step_speed", ROOT / "benchmarks" / "step_speed.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _script("benchmarks/step_speed.py")
 
 
 def test_step_benchmark_runs_on_cpu_and_gpu_check_reads_it(capsys):
