@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -196,6 +197,50 @@ def test_matches_verl_float64(engines, case):
     assert _metrics_error(out_s["metrics"], out_v["metrics"]) <= EXACT
     if case == "dual-clip":
         assert _value(out_v["metrics"]["actor/pg_clipfrac_lower"]) > 0  # the dual clip bites
+
+
+def test_returned_outputs_are_verls_at_the_responses_and_say_so_of_the_prompts(engines):
+    """``return_model_output=True`` (verl's Tinker worker hands the training call's per-token outputs to its client):
+    the log-probs and entropies at the response positions are verl's (float64, 1e-9); at the prompt positions ours
+    hold 0 where verl's hold the prompt tokens' values, and the call warns so, once (a client reading prompt positions
+    would otherwise get zeros silently). Without the setting the outputs are dropped, as verl drops them, and nothing
+    warns."""
+    from sharedprefix.integrations.verl_step import PROMPT_POSITIONS
+
+    ev, es = engines
+
+    def make(keep: bool):
+        td = _rows_batch(_multi_turn_rows(), 2)
+        if keep:
+            tu.assign_non_tensor(td, return_model_output=True)
+        return td
+
+    lf = loss_fn("clip_kl_entropy", len(make(False)))
+    out_v, _ = train(ev, make(True), lf)
+    with pytest.warns(UserWarning, match="holds? 0 at the prompt positions") as caught:
+        out_s, _ = train(es, make(True), lf)
+    assert [str(w.message) for w in caught if "prompt positions" in str(w.message)] == [PROMPT_POSITIONS]
+    td = make(True)
+    resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
+    for key in ("log_probs", "entropy"):
+        ours, theirs = out_s["model_output"][key], out_v["model_output"][key]
+        assert torch.equal(ours.offsets(), theirs.offsets())  # verl's layout, every position of every row
+        assert vs.masked_rel(vs.responses_of(ours, td), vs.responses_of(theirs, td), resp) <= EXACT
+        prompt = torch.ones_like(ours.values(), dtype=torch.bool)
+        prompt[torch.cat([torch.arange(a, b) for a, b in _response_spans(ours, td)])] = False
+        assert ours.values()[prompt].abs().max() == 0 and theirs.values()[prompt].abs().max() > 0.1
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        out, _ = train(es, make(False), lf)
+    assert not out["model_output"] and not [w for w in quiet if "prompt positions" in str(w.message)]
+
+
+def _response_spans(nested, td):
+    """(start, end) of each row's response values in ``nested.values()``: verl's rows are prompt then response, and
+    position t holds the log-prob of token t + 1 (the last prompt position the first response token's)."""
+    lengths = td["attention_mask"][:, -td["responses"].shape[1] :].sum(-1).tolist()
+    ends = nested.offsets()[1:].tolist()
+    return [(e - n - 1, e - 1) for e, n in zip(ends, lengths)]
 
 
 def _update(engine, td, lf, mini: int, epochs: int):

@@ -47,6 +47,7 @@ mini-batch.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -203,6 +204,14 @@ def train(engine, mbs: list[MicroBatch], loss_function, entropy: bool, syncs: li
         step.release()  # never left open for the model's next step
 
 
+PROMPT_POSITIONS = (
+    "return_model_output=True (verl's Tinker worker returns the training call's per-token outputs to its client): "
+    "SharedPrefixFSDPEngine computes log-probs and entropies at the response positions only, and its outputs hold 0 at "
+    "the prompt positions, where verl's own engine holds the prompt tokens' values. Read only the response positions "
+    "(verl's trainer does), or use verl's FSDPEngineWithLMHead where a client reads the prompts' log-probs."
+)
+
+
 def _run(engine, step, mbs, loss_function, entropy, syncs, kw) -> list[dict]:
     grad_tokens, no_grad_tokens, passes = _tokens(step)
     chain = engine._agree_max(max(passes)) > 1  # every rank takes the same path (its collectives differ)
@@ -211,6 +220,8 @@ def _run(engine, step, mbs, loss_function, entropy, syncs, kw) -> list[dict]:
         lps, ents, computed = whole_values(engine, mbs, engine.sp_max_tokens, entropy, kw)
         no_grad_tokens[0] += computed
     return_output = tu.get_non_tensor_data(data=mbs[0].data, key="return_model_output", default=False)
+    if return_output:
+        warnings.warn(PROMPT_POSITIONS, stacklevel=2)
     outputs = []
     for k, mb in enumerate(mbs):
         with torch.profiler.record_function(f"micro_batch{k}"):
