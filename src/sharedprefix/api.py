@@ -115,12 +115,10 @@ def plan_step(
     within the bound (a ``SplitStep``: the same interface, ``.parts`` its steps); each part computes its shared
     prompts once, so the bound trades memory for recomputation, and never fails.
 
-    Available on one process, under DDP, under FSDP2 (``sp.backward``, prefix_activations "recompute": FSDP2's
-    mode) and under DeepSpeed ZeRO-1/2/3 (each microbatch's call one DeepSpeed micro-step, within its
-    ``gradient_accumulation_steps``), with or without a ``sequence_group`` (Ulysses: every rank of the group plans
-    the same microbatches and caches the shared prompts' K/V of its heads); the MoE load-balancing loss on one process
-    and under DDP (``schedule.step_aux``). Refused with the reason elsewhere (tensor parallelism, cache-path hybrids
-    such as MiniMax, the load-balancing loss under FSDP2, DeepSpeed or a ``sequence_group``).
+    Available on one process, under DDP, FSDP2 (prefix_activations "recompute") and DeepSpeed ZeRO-1/2/3 (a call
+    per DeepSpeed micro-step), with or without a ``sequence_group`` (Ulysses: each rank caches its heads' K/V); the
+    MoE load-balancing loss on one process and under DDP (``schedule.step_aux``). Refused with the reason elsewhere
+    (tensor parallelism, cache-path hybrids such as MiniMax, that loss under FSDP2, DeepSpeed or Ulysses).
     """
 
     if options.get("prefix_activations") is None:  # the engine's mode (FSDP2: "recompute"), as sp.backward's None
