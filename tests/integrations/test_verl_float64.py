@@ -16,11 +16,13 @@ abs, k2, k3, k3+; dual clip (``clip_ratio_c``) biting; a negative entropy bonus;
 (micro-batches of one or two rows of different groups); groups of unequal sizes interleaved in the batch; rows whose
 response mask is all zero (a whole micro-batch of them); responses of one token; duplicate rows; multi-turn rows (a
 row's prompt holds another row's response); ``use_no_sync_for_gradient_accumulation=False``; several mini-batches,
-two and three epochs, shuffled, as verl's ``train_mini_batch`` runs them.
+two and three epochs, shuffled, as verl's ``train_mini_batch`` runs them; verl's LoRA (the adapters' gradients,
+log-probs with the adapters on and off).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -41,7 +43,7 @@ import verl_support as vs  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl_support import FSDPEngineWithLMHead, Spec, build, loss_fn, rel, rl_batch, save_model, train  # noqa: E402
 
-from sharedprefix.integrations.verl import SharedPrefixFSDPEngine  # noqa: E402
+from sharedprefix.integrations.verl import ENV_MAX_TOKENS, SharedPrefixFSDPEngine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 EXACT = 1e-9
@@ -286,3 +288,92 @@ def test_ppo_epochs_shuffled_mini_batches_float64(float64, path, dynamic, micro,
     step_v = {n: p_v[n] - start[n] for n in start}
     assert min(float(s.abs().max()) for s in step_v.values()) > 1e-4  # every parameter moved
     assert rel({n: p_s[n] - start[n] for n in start}, step_v) <= EXACT
+
+
+def _lora_engine(cls, path, monkeypatch, budget=None):
+    """An engine of ``cls`` with verl's LoRA (``lora_rank=4``, ``target_modules="all-linear"``: verl's worker wraps
+    the model in peft's adapters, only they train); ``budget``: ``SHAREDPREFIX_MAX_TOKENS`` while it is built."""
+    from verl.workers.config import HFModelConfig
+
+    _, eng, optim, ckpt = vs.configs(path, **F64)
+    model = HFModelConfig(
+        path=path,
+        load_tokenizer=False,
+        override_config={"attn_implementation": "sdpa"},
+        use_remove_padding=True,
+        enable_gradient_checkpointing=True,
+        lora_rank=4,
+        lora_alpha=8,
+        target_modules="all-linear",
+    )
+    if budget is not None:
+        monkeypatch.setenv(ENV_MAX_TOKENS, str(budget))
+    engine = cls(model_config=model, engine_config=eng, optimizer_config=optim, checkpoint_config=ckpt)
+    engine.initialize()
+    monkeypatch.delenv(ENV_MAX_TOKENS, raising=False)
+    return engine
+
+
+def _set_full(p, value):
+    """Copy the full tensor ``value`` into the (FSDP2-sharded) parameter ``p``."""
+    from torch.distributed.tensor import distribute_tensor
+
+    p.copy_(distribute_tensor(value, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else value)
+
+
+def _train_adapters(engine, td, lf):
+    """``train`` for an engine whose base weights are frozen: the gradients of the parameters that have one."""
+    with engine.train_mode(zero_grad_on_exit=False):
+        engine.optimizer_zero_grad()
+        out = engine.forward_backward_batch(td, lf, forward_only=False)
+        grads = {n: vs._full(p.grad) for n, p in engine.module.named_parameters() if p.grad is not None}
+        engine.optimizer_zero_grad()
+    return out, grads
+
+
+def test_lora_matches_verl_float64(float64, path, monkeypatch):
+    """verl's LoRA (``lora_rank``, all-linear adapters), the same adapter weights in every engine (``lora_B`` nonzero,
+    so that the adapters change the log-probs): a training call on verl's micro-batches of 2 rows (multi-turn rows,
+    their shared prefixes split across them), one pass and under ``SHAREDPREFIX_MAX_TOKENS=8`` (several passes per
+    micro-batch): only the adapters get gradients, as in verl, and theirs are verl's (float64, 1e-9; measured 1.2e-14);
+    a forward-only call's log-probs at the responses, and with the adapters disabled (verl's reference log-probs under
+    LoRA, ``no_lora_adapter``), are verl's (measured 8e-16 and 3e-16)."""
+    ev = _lora_engine(FSDPEngineWithLMHead, path, monkeypatch)
+    ours = [_lora_engine(SharedPrefixFSDPEngine, path, monkeypatch, budget) for budget in (None, 8)]
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in ev.module.named_parameters():
+            if "lora_B" in n:  # peft starts it at zero
+                full = vs._full(p)
+                _set_full(p, 0.3 * torch.randn(full.shape, generator=g, dtype=full.dtype))
+        theirs = dict(ev.module.named_parameters())
+        for es in ours:  # lora_A is drawn from the global generator when an engine is built: verl's in every engine
+            for n, p in es.module.named_parameters():
+                p.copy_(theirs[n])
+    adapters = {n for n, p in ev.module.named_parameters() if "lora_" in n}
+    assert len(adapters) == 2 * 7 * 2  # A and B of 7 linear layers in each of 2 decoder layers (lm_head: none)
+
+    make = lambda: _rows_batch(_multi_turn_rows(), 2)  # noqa: E731
+    td = make()
+    resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
+    lf = loss_fn("clip_kl_entropy", len(td))
+    out_v, g_v = _train_adapters(ev, make(), lf)
+    assert set(g_v) == adapters and max(float(g.abs().max()) for g in g_v.values()) > 1e-2
+
+    def log_probs(engine, base: bool):
+        with engine.eval_mode(), engine.disable_adapter() if base else contextlib.nullcontext():
+            return vs.responses_of(engine.infer_batch(make())["model_output"]["log_probs"], td)
+
+    lp_v, base_v = log_probs(ev, False), log_probs(ev, True)
+    assert vs.masked_rel(base_v, lp_v, resp) > 1e-2  # the adapters matter
+    no_grad = []
+    for es in ours:
+        out_s, g_s = _train_adapters(es, make(), lf)
+        assert len(out_s["loss"]) == len(out_v["loss"]) == 3
+        no_grad.append(sum(out_s["metrics"]["sharedprefix/tokens_no_grad"]))
+        assert set(g_s) == adapters
+        assert rel(g_s, g_v) <= EXACT
+        assert _metrics_error(out_s["metrics"], out_v["metrics"]) <= EXACT
+        assert vs.masked_rel(log_probs(es, False), lp_v, resp) <= EXACT
+        assert vs.masked_rel(log_probs(es, True), base_v, resp) <= EXACT
+    assert no_grad[1] > no_grad[0]  # under the budget, the values computed first (without a graph)
