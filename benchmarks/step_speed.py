@@ -27,6 +27,7 @@ import torch
 
 import sharedprefix as sp
 from sharedprefix.tools.bench import bench_loss, bench_model, flops, make_groups, plain_rows_step
+from sharedprefix.tools.bench_long import TINY_MODEL  # --tiny: the format on any machine in seconds
 from sharedprefix.tools.timing import best_interleaved, cpu_clock, sync_device
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -37,15 +38,6 @@ from step_memory import microbatches  # noqa: E402
 CPU_SHAPES = [(4, 192, 8, 8, 8), (4, 192, 64, 8, 8), (4, 192, 256, 8, 8), (2, 1024, 64, 16, 4)]
 CUDA_SHAPES = [(8, 1024, 16, 8, 8), (8, 1024, 256, 8, 8), (8, 4096, 256, 16, 8), (4, 8192, 512, 16, 4)]
 SETTINGS = ["plain", "per microbatch", "step", "whole groups"]
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=512,
-)  # --tiny: the format on any machine in seconds (tests/gpu/test_gpu_check.py)
 
 
 def runs(model, groups, mbs) -> dict:
@@ -99,14 +91,14 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--shapes", default=None, help="groups,P,T,G,rows;... (default: the device's table)")
-    ap.add_argument("--tiny", action="store_true", help="a tiny model (2 layers, hidden 64): checks the format only")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (2 layers, hidden 32): checks the format only")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if not cuda:
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if cuda else torch.float32
-    model = bench_model(dtype=dtype, **(TINY if args.tiny else dict(vocab_size=32000))).to(device).train()
+    model = bench_model(dtype=dtype, **(TINY_MODEL if args.tiny else dict(vocab_size=32000))).to(device).train()
     shapes = CUDA_SHAPES if cuda else CPU_SHAPES
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]

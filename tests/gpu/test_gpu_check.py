@@ -149,7 +149,7 @@ def test_step_benchmark_settings_agree_on_the_gradient():
     microbatches): the three of sharedprefix to a relative 1e-9 of each other, the plain rows to 1e-6 (their loss
     takes log_softmax of float32 logits, ``tools.bench``)."""
     mod = _step_speed()
-    model = mod.bench_model(dtype=torch.float64, **mod.TINY)
+    model = mod.bench_model(dtype=torch.float64, **mod.TINY_MODEL)
     float64_faithful(model)
     groups = mod.make_groups(2, 12, 3, 4, vocab=model.config.vocab_size)
     grads = {}
