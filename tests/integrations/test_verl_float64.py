@@ -321,16 +321,6 @@ def _set_full(p, value):
     p.copy_(distribute_tensor(value, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else value)
 
 
-def _train_adapters(engine, td, lf):
-    """``train`` for an engine whose base weights are frozen: the gradients of the parameters that have one."""
-    with engine.train_mode(zero_grad_on_exit=False):
-        engine.optimizer_zero_grad()
-        out = engine.forward_backward_batch(td, lf, forward_only=False)
-        grads = {n: vs._full(p.grad) for n, p in engine.module.named_parameters() if p.grad is not None}
-        engine.optimizer_zero_grad()
-    return out, grads
-
-
 def test_lora_matches_verl_float64(float64, path, monkeypatch):
     """verl's LoRA (``lora_rank``, all-linear adapters), the same adapter weights in every engine (``lora_B`` nonzero,
     so that the adapters change the log-probs): a training call on verl's micro-batches of 2 rows (multi-turn rows,
@@ -357,7 +347,7 @@ def test_lora_matches_verl_float64(float64, path, monkeypatch):
     td = make()
     resp = td["attention_mask"][:, -td["responses"].shape[1] :].bool()
     lf = loss_fn("clip_kl_entropy", len(td))
-    out_v, g_v = _train_adapters(ev, make(), lf)
+    out_v, g_v = train(ev, make(), lf, frozen_ok=True)
     assert set(g_v) == adapters and max(float(g.abs().max()) for g in g_v.values()) > 1e-2
 
     def log_probs(engine, base: bool):
@@ -368,7 +358,7 @@ def test_lora_matches_verl_float64(float64, path, monkeypatch):
     assert vs.masked_rel(base_v, lp_v, resp) > 1e-2  # the adapters matter
     no_grad = []
     for es in ours:
-        out_s, g_s = _train_adapters(es, make(), lf)
+        out_s, g_s = train(es, make(), lf, frozen_ok=True)
         assert len(out_s["loss"]) == len(out_v["loss"]) == 3
         no_grad.append(sum(out_s["metrics"]["sharedprefix/tokens_no_grad"]))
         assert set(g_s) == adapters

@@ -208,13 +208,15 @@ def infer(engine, td):
     return out
 
 
-def train(engine, td, loss):
+def train(engine, td, loss, frozen_ok: bool = False):
     """forward_backward_batch as BaseEngine.train_batch runs it (without the optimizer step); returns (output,
-    grads)."""
+    grads). ``frozen_ok``: parameters without a gradient (LoRA's frozen base weights) are left out of grads; else
+    every parameter must have one."""
     with engine.train_mode(zero_grad_on_exit=False):
         engine.optimizer_zero_grad()
         out = engine.forward_backward_batch(td, loss, forward_only=False)
-        grads = {n: _full(p.grad) for n, p in engine.module.named_parameters()}
+        params = engine.module.named_parameters()
+        grads = {n: _full(p.grad) for n, p in params if not (frozen_ok and p.grad is None)}
         engine.optimizer_zero_grad()
     return out, grads
 
