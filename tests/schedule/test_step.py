@@ -101,6 +101,29 @@ def test_deferred_logprobs_of_a_step_exact(model, mode):
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("mode", ["keep", "recompute"])
+def test_deferred_logprobs_of_a_step_backward_with_inputs_exact(model, mode):
+    """``loss.backward(inputs=...)`` on a step's deferred log-probs: the named parameters get the plain
+    accumulation's gradient (the shared prompts' share included), every other one none, as in the plain run."""
+    mbs = _split_groups()
+    Ws = microbatch_weights(mbs)
+    chosen = [p for n, p in model.named_parameters() if "layers.1." in n or "embed" in n]
+    model.zero_grad(set_to_none=True)
+    for mb, W in zip(mbs, Ws):
+        (_plain_rows(model, mb) * W).sum().backward(inputs=chosen)
+    want = _grads(model)
+    assert len(want) == len(chosen)
+    model.zero_grad(set_to_none=True)
+    step = sp.plan_step(model, mbs, prefix_activations=mode)
+    for k, W in enumerate(Ws):
+        (sp.logprobs(model, step.microbatch(k)).logprobs * W).sum().backward(inputs=chosen)
+    assert step.state == "finished"
+    got = _grads(model)
+    assert got.keys() == want.keys()
+    assert_grads_close(got, want, 1e-9)
+    model.zero_grad(set_to_none=True)
+
+
 def _trees():
     """Rows with a shared system prefix and shared turns across microbatches, a row repeated in two microbatches
     (its every segment shared: reported from cached values only) and a row that is a prefix of another's."""
@@ -394,6 +417,13 @@ def test_graph_kept_logprobs_refuse_autograd_grad_and_a_second_backward(model):
     with pytest.raises(RuntimeError, match="did not reach the step's cached prompts"):
         torch.autograd.grad(loss, params, retain_graph=True)
     assert step.state == "failed"
+    # backward(inputs=...) names the leaves it accumulates into: the cached prompts are not among them
+    step = sp.plan_step(model, mbs)
+    out = sp.logprobs(model, step.microbatch(0), defer=False)
+    with pytest.raises(RuntimeError, match=r"loss.backward\(inputs=...\)"):
+        (out.logprobs * Ws[0]).sum().backward(inputs=params[:3])
+    assert step.state == "failed"
+    model.zero_grad(set_to_none=True)
     step = sp.plan_step(model, mbs)
     out = sp.logprobs(model, step.microbatch(0), defer=False)
     loss = (out.logprobs * Ws[0]).sum()

@@ -59,8 +59,9 @@ def graph_outputs(step: Step, model, k: int, out):
 
 def after_backward(step: Step, model, k: int, marks: list) -> None:
     """At the end of the caller's backward through microbatch k's outputs: k is done; a backward that did not
-    reach the shared leaves it read (``torch.autograd.grad``, which accumulates into no leaf) is refused, since
-    their gradient would be dropped; at the step's last microbatch, the shared segments' backward."""
+    reach the shared leaves it read (``torch.autograd.grad``, or ``backward(inputs=...)``, which accumulate into no
+    other leaf) is refused, since their gradient would be dropped; at the step's last microbatch, the shared
+    segments' backward."""
     if k in step.done or step.state != "open":
         raise RuntimeError(
             f"microbatch {k + step.offset}'s log-probs were backpropagated again (or after their step ended): each "
@@ -70,9 +71,10 @@ def after_backward(step: Step, model, k: int, marks: list) -> None:
         step.close("failed")
         raise RuntimeError(
             f"the backward through microbatch {k + step.offset}'s log-probs (sp.logprobs with defer=False) did not "
-            "reach the step's cached prompts, whose gradient would then be dropped: torch.autograd.grad "
-            "accumulates into no leaf. Use loss.backward(), or leave defer out (deferred log-probs return the "
-            "parameters' gradient to autograd.grad too). The step is closed."
+            "reach the step's cached prompts, whose gradient would then be dropped: torch.autograd.grad, or "
+            "loss.backward(inputs=...), accumulates into no leaf outside the ones named. Use loss.backward() without "
+            "inputs, or leave defer out (deferred log-probs give autograd.grad and inputs= the parameters' "
+            "gradient too). The step is closed."
         )
     step.forwarded.discard(k)
     step.done.add(k)
