@@ -349,6 +349,10 @@ def test_bad_microbatches_refused(model):
         sp.plan_step(model, [g, sp.Tree.from_rows([[1, 2, 3]])])
     with pytest.raises(TypeError, match="expected a non-empty list"):
         sp.plan_step(model, g[0])
+    with pytest.raises(ValueError, match="microbatch 1 of the step: groups is empty"):  # which one, named
+        sp.plan_step(model, [g, [], g])
+    with pytest.raises(TypeError, match="microbatch 2 of the step: groups is a single Group"):
+        sp.plan_step(model, [g, g, g[0]])
 
 
 def test_float32_step_within_twice_plain_error():

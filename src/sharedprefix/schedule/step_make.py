@@ -47,8 +47,11 @@ def combine(microbatches) -> tuple[list[Group] | Tree, list[list[int]]]:
     prompts: list[Group] = []
     comps: list[list[torch.Tensor]] = []
     where: list[list[tuple[int, int]]] = []
-    for m in microbatches:
-        groups = validate_groups(m)
+    for k, m in enumerate(microbatches):
+        try:
+            groups = validate_groups(m)
+        except (TypeError, ValueError) as e:  # (its message names no microbatch)
+            raise type(e)(f"microbatch {k} of the step: {e}") from e
         mine = []
         for g in groups:
             key = _group_key(g)
