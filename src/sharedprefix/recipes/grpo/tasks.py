@@ -4,7 +4,7 @@
 the answer is that key's value. Values follow a fixed hidden table (the same key always has
 the same value, 8 values), so the policy can improve either by reading the document or by
 learning the table. Reward: 1.0 when the first answer token is the right value, plus 0.2
-when the answer then stops (EOS). The prompt is 4R + 2 tokens (``k v ;`` per record), shared
+when the answer then stops (EOS). The prompt is 3R + 2 tokens (``k v ;`` per record), shared
 by the G completions, which are 1 to 3 tokens.
 
 The tokenizer is built locally (no download): a word-level vocabulary of the task's tokens.
