@@ -204,6 +204,36 @@ def test_compiled_layers_that_cannot_run_compiled_warn_and_run_eager():
     assert (got.detach() - plain_logprobs(ref, groups)[0]).abs().max() <= 1e-9
 
 
+def test_a_steps_graph_kept_microbatches_run_compiled_exact():
+    """A step's shared prompts are cached as leaves, outside the completions' graph, so a graph-kept microbatch
+    (``sp.logprobs(defer=False)``, TRL's path in one process without checkpointing) that records them runs the
+    compiled layers too (it ran them eager, with the budget split's warning, before): no eager warning, the first
+    microbatch compiled, no graph break, gradients equal to the plain accumulation's."""
+    model, ref = _compiled_pair()
+    g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]])
+    sub = lambda gr, idx: sp.Group(gr.prompt, [gr.completions[i] for i in idx])  # noqa: E731
+    mbs = [[sub(g[0], [0, 1]), sub(g[1], [0])], [sub(g[0], [2, 3])], [sub(g[1], [1, 2]), sub(g[0], [4, 5])]]
+    gen = torch.Generator().manual_seed(1)
+    ws = [torch.randn(plain_logprobs(ref, mb)[0].shape, dtype=torch.float64, generator=gen) for mb in mbs]
+    want = grads_of(ref, lambda: sum((plain_logprobs(ref, mb)[0] * w).sum() for mb, w in zip(mbs, ws)))
+    first = []
+
+    def run():
+        step = sp.plan_step(model, mbs)
+        for k, w in enumerate(ws):
+            out = sp.logprobs(model, step.microbatch(k), defer=False)
+            first.append(_counts()[1])
+            (out.logprobs * w).sum().backward()
+        assert step.state == "finished"
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = grads_of(model, run)
+    assert not [w for w in caught if "run eager" in str(w.message)], [str(w.message) for w in caught]
+    assert first[0] >= 1 and _counts()[0] == 0, (first, _counts())
+    assert_grads_close(got, want, 1e-9)
+
+
 @pytest.mark.slow
 def test_compiled_layers_without_grad_run_compiled_silently():
     model, _ = _compiled_pair()

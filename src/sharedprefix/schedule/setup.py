@@ -63,7 +63,7 @@ def start(
         with torch.compiler.set_stance("force_eager"):
             engine.call(lambda: router.verify(inner, decoder(inner), cp.device), guard=False)
     eager_because = []
-    if not leaves and torch.is_grad_enabled() and any(p.record for p in cp.plan.passes):
+    if not leaves and cp.step is None and torch.is_grad_enabled() and any(p.record for p in cp.plan.passes):
         eager_because.append(
             "a grad-enabled sp.logprobs split under max_tokens keeps the prompt's K/V in one graph with the "
             "completions' (sp.backward, or defer=True, runs compiled)"
