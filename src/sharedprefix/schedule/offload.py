@@ -29,7 +29,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class OffloadHooks:
     """Saved-tensor hooks that move a pass's saved activations to ``device`` until backward.
 
-    Parameters (and tensors sharing their storage) are left in place. ``bytes_moved`` counts
+    Parameters (and tensors sharing their storage) are left in place; a moved tensor keeps its strides, so that the
+    backward runs the same kernels on the same layouts as with the activations kept. ``bytes_moved`` counts
     what was offloaded, so that tests can check the hooks really ran.
 
     On CUDA the copies run on a stream of their own, ordered by events: each device-to-host copy into pinned memory
@@ -66,11 +67,11 @@ class OffloadHooks:
             s = self._stream(t.device)
             s.wait_stream(torch.cuda.current_stream(t.device))  # the tensor is written before it is copied
             with torch.cuda.stream(s):
-                moved = torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=True)
+                moved = torch.empty_like(t, device=self.device, pin_memory=True)
                 moved.copy_(t, non_blocking=True)
             t.record_stream(s)  # its memory is not reused before the copy ends
         else:
-            moved = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            moved = torch.empty_like(t, device=self.device)
             moved.copy_(t)
         h = _Offloaded(t.device, moved, len(self.handles))
         i = h.stored
