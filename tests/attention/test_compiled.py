@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 
 import sharedprefix as sp
 from tests.helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
+from tests.support.schedule import microbatch_weights, split_groups
 
 # (groups, prompt lengths, completion lengths, max_tokens): group counts, lengths and budgets that split groups
 # change from step to step; no pass is one token long (a row of one token is dynamo's 0/1 specialisation)
@@ -210,11 +211,8 @@ def test_a_steps_graph_kept_microbatches_run_compiled_exact():
     compiled layers too (it ran them eager, with the budget split's warning, before): no eager warning, the first
     microbatch compiled, no graph break, gradients equal to the plain accumulation's."""
     model, ref = _compiled_pair()
-    g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]])
-    sub = lambda gr, idx: sp.Group(gr.prompt, [gr.completions[i] for i in idx])  # noqa: E731
-    mbs = [[sub(g[0], [0, 1]), sub(g[1], [0])], [sub(g[0], [2, 3])], [sub(g[1], [1, 2]), sub(g[0], [4, 5])]]
-    gen = torch.Generator().manual_seed(1)
-    ws = [torch.randn(plain_logprobs(ref, mb)[0].shape, dtype=torch.float64, generator=gen) for mb in mbs]
+    mbs = split_groups()
+    ws = microbatch_weights(mbs)
     want = grads_of(ref, lambda: sum((plain_logprobs(ref, mb)[0] * w).sum() for mb, w in zip(mbs, ws)))
     first = []
 

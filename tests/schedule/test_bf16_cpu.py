@@ -21,7 +21,7 @@ import torch
 import sharedprefix as sp
 from helpers import grads_of, plain_logprobs, random_groups, tiny_model
 from sharedprefix.tools.reference import Float64Inside
-from support.schedule import SPEC, microbatch_weights
+from support.schedule import SPEC, microbatch_weights, split_groups
 
 # name -> (model type, settings): windows (Mistral, Phi-3, Gemma 3), soft-capping (Gemma 2), QK-norms (OLMo 2),
 # latent attention (DeepSeek-V3), chunked attention (Llama 4), conv and gated delta-net hybrids (LFM2, Qwen3.5)
@@ -62,13 +62,6 @@ def _within_twice(ours, plain, what, floor=1e-6):
     assert ours <= 2 * plain + floor, f"{what}: our error {ours:.3g} > 2 x the plain run's {plain:.3g}"
 
 
-def _split_groups():
-    """Two groups spread over three microbatches (``tests/schedule/test_step.py``)."""
-    g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]])
-    sub = lambda x, idx: sp.Group(x.prompt, [x.completions[i] for i in idx])  # noqa: E731
-    return [[sub(g[0], [0, 1]), sub(g[1], [0])], [sub(g[0], [2, 3])], [sub(g[1], [1, 2]), sub(g[0], [4, 5])]]
-
-
 def _params(slow):
     """(name, precision) for every architecture and precision, the pairs ``slow(name, precision)`` marked slow."""
     return [pytest.param(n, p, marks=pytest.mark.slow) if slow(n, p) else (n, p) for n in ARCHS for p in PRECISIONS]
@@ -101,7 +94,7 @@ def test_step_deferred_logprobs_within_twice_plain_error(name, precision):
     """A step over three microbatches splitting two groups: grad-enabled log-probs per microbatch, the caller's
     backward, the shared prompts' backward recomputed at the last; gradients against the plain accumulation."""
     m64, low, ctx = _model_pair(name, precision)
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     with Float64Inside():
         exact = [plain_logprobs(m64, mb)[0].detach() for mb in mbs]

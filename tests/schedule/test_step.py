@@ -7,19 +7,9 @@ import torch
 
 import sharedprefix as sp
 from helpers import assert_grads_close, grads_of, plain_logprobs, random_groups, tiny_model
-from support.schedule import MODES, microbatch_weights
+from support.schedule import MODES, microbatch_weights, split_groups
 from support.trees import plain_rows
 from support.vl import mrope_model, plain_mrope, vl_microbatches
-
-
-def _sub(g, idx):
-    return sp.Group(g.prompt, [g.completions[i] for i in idx])
-
-
-def _split_groups():
-    """Two groups whose completions are spread over three microbatches (as TRL's shuffle spreads them)."""
-    g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]])
-    return [[_sub(g[0], [0, 1]), _sub(g[1], [0])], [_sub(g[0], [2, 3])], [_sub(g[1], [1, 2]), _sub(g[0], [4, 5])]]
 
 
 def _plain(model, mbs, Ws):
@@ -62,7 +52,7 @@ def model():
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("budget", [None, 12, 6])
 def test_groups_split_over_microbatches_exact(model, mode, budget):
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     want = _plain(model, mbs, Ws)
     model.zero_grad(set_to_none=True)
@@ -84,7 +74,7 @@ def test_groups_split_over_microbatches_exact(model, mode, budget):
 @pytest.mark.parametrize("mode", ["keep", "recompute"])
 def test_deferred_logprobs_of_a_step_exact(model, mode):
     """TRL's way: grad-enabled log-probs per microbatch, the caller's backward, the prompts' backward at the last."""
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     want = _plain(model, mbs, Ws)
     model.zero_grad(set_to_none=True)
@@ -105,7 +95,7 @@ def test_deferred_logprobs_of_a_step_exact(model, mode):
 def test_deferred_logprobs_of_a_step_backward_with_inputs_exact(model, mode):
     """``loss.backward(inputs=...)`` on a step's deferred log-probs: the named parameters get the plain
     accumulation's gradient (the shared prompts' share included), every other one none, as in the plain run."""
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     chosen = [p for n, p in model.named_parameters() if "layers.1." in n or "embed" in n]
     model.zero_grad(set_to_none=True)
@@ -172,7 +162,7 @@ def test_one_microbatch_is_a_budget_split_call(model):
 
 
 def test_microbatch_run_twice_refused(model):
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     step = sp.plan_step(model, mbs)
     sp.backward(model, step.microbatch(0), _loss(Ws[0]))
@@ -189,7 +179,7 @@ def test_call_settings_of_a_microbatch(model):
     """A microbatch's call may set what each call sets (temperature, entropies: the shared prompts' cache is the
     same), exact against the plain rows at that temperature; a setting of the step's plan (the budget, the backend)
     with another value is refused naming the step and sp.plan_step, and the refused call does not count as run."""
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
 
     def plain():
@@ -207,7 +197,7 @@ def test_call_settings_of_a_microbatch(model):
 
 
 def test_unfinished_step_named_by_the_next_step_and_call(model):
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     step = sp.plan_step(model, mbs)
     sp.backward(model, step.microbatch(0), _loss(Ws[0]))
@@ -229,7 +219,7 @@ def test_unfinished_step_named_by_the_next_step_and_call(model):
 
 
 def test_finish_delivers_the_share_of_the_microbatches_that_ran(model):
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     want = _plain(model, mbs[:2], Ws[:2])
     model.zero_grad(set_to_none=True)
@@ -248,7 +238,7 @@ def test_finish_delivers_the_share_of_the_microbatches_that_ran(model):
 def test_failure_leaves_the_plain_accumulation_of_what_ran(model, mode):
     """A microbatch whose loss raises: .grad is the plain accumulation of the microbatches before it, the cache is
     released, and the step is closed."""
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     want = _plain(model, mbs[:1], Ws[:1])
     model.zero_grad(set_to_none=True)
@@ -272,7 +262,7 @@ def test_failure_leaves_the_plain_accumulation_of_what_ran(model, mode):
 
 
 def test_failure_in_the_last_microbatch_keeps_the_earlier_share(model):
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     want = _plain(model, mbs[:2], Ws[:2])
     model.zero_grad(set_to_none=True)
@@ -293,7 +283,7 @@ def test_a_failed_delivery_after_a_failure_keeps_the_callers_error(model, monkey
     """Where delivering the completed microbatches' shared share after a failed call raises too, the call's own error
     is raised (the user's, naming their problem), with a note that .grad lacks that share; the step is closed. (Before:
     the delivery's error replaced the user's.)"""
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     step = sp.plan_step(model, mbs)
     sp.backward(model, step.microbatch(0), _loss(Ws[0]))
@@ -317,9 +307,9 @@ def test_parameter_hooks_refused_at_the_first_call(model):
     p = next(model.parameters())
     handle = p.register_hook(lambda g: g)
     try:
-        step = sp.plan_step(model, _split_groups())
+        step = sp.plan_step(model, split_groups())
         with pytest.raises(ValueError, match="tensor hooks .* once per microbatch"):
-            sp.backward(model, step.microbatch(0), _loss(microbatch_weights(_split_groups())[0]))
+            sp.backward(model, step.microbatch(0), _loss(microbatch_weights(split_groups())[0]))
         assert step.state == "planned"
     finally:
         handle.remove()
@@ -327,7 +317,7 @@ def test_parameter_hooks_refused_at_the_first_call(model):
 
 
 def test_microbatch_of_another_model_or_step_refused(model):
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     other = tiny_model("qwen3", seed=1)
     step = sp.plan_step(model, mbs)
@@ -359,7 +349,7 @@ def test_float32_step_within_twice_plain_error():
     m64 = tiny_model("qwen3", dtype=torch.float64)
     m32 = tiny_model("qwen3", dtype=torch.float32)
     m32.load_state_dict({k: v.float() for k, v in m64.state_dict().items()})
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     exact = _plain(m64, mbs, Ws)
     plain32 = grads_of(m32, lambda: sum((plain_logprobs(m32, mb)[0] * W.float()).sum() for mb, W in zip(mbs, Ws)))
@@ -375,7 +365,7 @@ def test_float32_step_within_twice_plain_error():
 
 def test_max_cached_tokens_splits_the_step_into_parts(model):
     """A bound on what the step caches: parts of consecutive microbatches, each within it, still exact."""
-    mbs = _split_groups()  # shared: group 0's prompt (20 tokens) and group 1's (9)
+    mbs = split_groups()  # shared: group 0's prompt (20 tokens) and group 1's (9)
     Ws = microbatch_weights(mbs)
     want = _plain(model, mbs, Ws)
     assert sp.plan_step(model, mbs, max_cached_tokens=29).splan.shared_tokens == 29  # within: one step
@@ -396,7 +386,7 @@ def test_max_cached_tokens_splits_the_step_into_parts(model):
 def test_graph_kept_logprobs_of_a_step_exact(model, mode):
     """defer=False (one process): each microbatch's graph kept, the shared prompts' backward at the end of the
     caller's backward through the last microbatch; no second forward of the completions."""
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     want = _plain(model, mbs, Ws)
     model.zero_grad(set_to_none=True)
@@ -412,7 +402,7 @@ def test_graph_kept_logprobs_of_a_step_exact(model, mode):
 
 
 def test_graph_kept_logprobs_refuse_autograd_grad_and_a_second_backward(model):
-    mbs = _split_groups()
+    mbs = split_groups()
     Ws = microbatch_weights(mbs)
     step = sp.plan_step(model, mbs)
     out = sp.logprobs(model, step.microbatch(0), defer=False)

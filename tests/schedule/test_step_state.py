@@ -11,17 +11,9 @@ import torch
 
 import sharedprefix as sp
 from helpers import assert_grads_close, plain_logprobs, random_groups, tiny_model
-from support.schedule import microbatch_weights
+from support.schedule import microbatch_weights, split_groups
 
-
-def _split_groups():
-    """Two groups whose completions are spread over three microbatches (as in test_step.py)."""
-    g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]])
-    sub = lambda x, idx: sp.Group(x.prompt, [x.completions[i] for i in idx])  # noqa: E731
-    return [[sub(g[0], [0, 1]), sub(g[1], [0])], [sub(g[0], [2, 3])], [sub(g[1], [1, 2]), sub(g[0], [4, 5])]]
-
-
-MBS = _split_groups()
+MBS = split_groups()
 WS = microbatch_weights(MBS)
 
 

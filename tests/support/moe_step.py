@@ -7,10 +7,9 @@ import contextlib
 import torch
 import transformers.models.mixtral.modeling_mixtral as modeling_mixtral
 
-import sharedprefix as sp
-from helpers import random_groups
 from sharedprefix.tools.reference import Float64Inside
 from sharedprefix.tools.zoo.configs import build
+from support.schedule import split_groups
 
 COEF = 3.0
 
@@ -49,14 +48,9 @@ def mixtral_float64_outside_the_loss():
         modeling_mixtral.load_balancing_loss_func = own
 
 
-def _sub(g, idx):
-    return sp.Group(g.prompt, [g.completions[i] for i in idx])
-
-
 def microbatches():
     """Group 0's six rows over all three microbatches; microbatches 0 and 2 hold rows of both prompts."""
-    g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]], vocab=97)
-    return [[_sub(g[0], [0, 1]), _sub(g[1], [0])], [_sub(g[0], [2, 3])], [_sub(g[1], [1, 2]), _sub(g[0], [4, 5])]]
+    return split_groups(vocab=97)
 
 
 def loss(W):

@@ -4,13 +4,25 @@ loss and its plain per-row reference (``tests/schedule/test_backward.py``, ``tes
 import torch
 
 import sharedprefix as sp
-from helpers import grads_of, plain_logprobs
+from helpers import grads_of, plain_logprobs, random_groups
 
 MODES = ("keep", "offload", "recompute")
 # group 0: prompt 12, group 1: tiny, group 2: prompt 28 (longest completion 7)
 SPEC = ([12, 3, 28], [[3, 4, 1, 5], [2], [6, 6, 2, 1, 7]])
 # budgets: everything in one pass, groups split, one completion per pass, prompt in 4 chunks (28 -> 4 x 7)
 BUDGETS = [None, 80, 20, 7]
+
+
+def split_groups(**kw):
+    """Two groups (prompts of 20 and 9 tokens) whose completions are spread over three microbatches, as TRL's shuffle
+    spreads them: group 0's six rows fall in all three, microbatches 0 and 2 hold rows of both prompts. ``kw``:
+    ``random_groups``'s (``vocab``)."""
+    g = random_groups(3, 2, [20, 9], [[3, 4, 1, 5, 2, 6], [2, 5, 3]], **kw)
+
+    def sub(x, idx):
+        return sp.Group(x.prompt, [x.completions[i] for i in idx])
+
+    return [[sub(g[0], [0, 1]), sub(g[1], [0])], [sub(g[0], [2, 3])], [sub(g[1], [1, 2]), sub(g[0], [4, 5])]]
 
 
 def microbatch_weights(mbs, seed=1):
