@@ -22,7 +22,7 @@ import time
 import torch
 
 import sharedprefix as sp
-from sharedprefix.tools.bench import bench_model, make_groups
+from sharedprefix.tools.bench import bench_loss, bench_model, make_groups
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from step_memory import microbatches  # noqa: E402
@@ -35,8 +35,7 @@ def main(rounds: int = 3) -> None:
     mbs = microbatches(groups, 8)
 
     def backward(source):
-        out = sp.logprobs(model, source, defer=False)
-        (-(out.logprobs * out.mask).sum()).backward()
+        bench_loss(sp.logprobs(model, source, defer=False)).backward()
 
     def step():
         s = sp.plan_step(model, mbs)

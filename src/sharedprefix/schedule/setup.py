@@ -62,8 +62,10 @@ def start(
     if record or aux_grads is not None:
         with torch.compiler.set_stance("force_eager"):
             engine.call(lambda: router.verify(inner, decoder(inner), cp.device), guard=False)
-    eager_because = []
-    if not leaves and cp.step is None and torch.is_grad_enabled() and any(p.record for p in cp.plan.passes):
+    cache = cp.step.cache if cp.step is not None else None  # a step's microbatch: the step's prefix cache (leaves)
+    eager_because = []  # the K/V a grad-enabled call records stay in its outputs' graph unless cached as leaves
+    in_graph = not (cache.leaves if cache is not None else leaves)
+    if in_graph and torch.is_grad_enabled() and any(p.record for p in cp.plan.passes):
         eager_because.append(
             "a grad-enabled sp.logprobs split under max_tokens keeps the prompt's K/V in one graph with the "
             "completions' (sp.backward, or defer=True, runs compiled)"
@@ -71,7 +73,6 @@ def start(
     layers, force_eager, whole = compiled_path(model, inner, engine, findings, cp.kernel, cp.frames, eager_because)
     setup = CallSetup(rounds, record, aux_grads, layers, force_eager, whole, images)
     source = cp.source if images is not None else None
-    cache = cp.step.cache if cp.step is not None else None  # a step's microbatch: the step's prefix cache
     run = PassRunner(inner, engine, cp.plan, cp.rows, setup, options, leaves, cp.frames, cp.device, source, cache)
     return run, engine
 
